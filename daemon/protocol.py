@@ -1,0 +1,79 @@
+"""The kvd wire protocol, v1: names and defaults shared by the daemon and kvchat.
+
+Import-light on purpose: kvchat imports this module and must never pull in
+mlx, the engine or the stores. Standard library only. docs/protocol.md is the
+reference for every type and field named here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+PROTOCOL_VERSION = 1
+PATH = "/v1"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+
+# Files in the data directory that a client reads to find the daemon.
+TOKEN_FILE = "token"
+DAEMON_FILE = "daemon.json"
+
+# Request types.
+SESSION_CREATE = "session.create"
+SESSION_LIST = "session.list"
+SESSION_GET = "session.get"
+CHAT_SEND = "chat.send"
+CHAT_CANCEL = "chat.cancel"
+PING = "ping"
+
+# Event types.
+HELLO = "hello"
+SESSION = "session"
+SESSIONS = "sessions"
+CHAT_START = "chat.start"
+CHAT_DELTA = "chat.delta"
+CHAT_DONE = "chat.done"
+OK = "ok"
+PONG = "pong"
+ERROR = "error"
+
+# Error codes (docs/protocol.md, "Errors").
+BAD_JSON = "bad_json"
+BAD_REQUEST = "bad_request"
+UNKNOWN_TYPE = "unknown_type"
+UNKNOWN_SESSION = "unknown_session"
+TOO_LARGE = "too_large"
+BUSY = "busy"
+INTERNAL = "internal"
+
+SESSION_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def default_data_dir() -> Path:
+    """`$KVD_DATA_DIR`, else `$XDG_DATA_HOME/kvd`, else `~/.local/share/kvd`."""
+    if env := os.environ.get("KVD_DATA_DIR"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or "~/.local/share"
+    return Path(base).expanduser() / "kvd"
+
+
+def default_url(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> str:
+    return f"ws://{host}:{port}{PATH}"
+
+
+def read_daemon_url(data_dir: Path) -> str | None:
+    """The URL a running daemon wrote to its data directory, if any."""
+    try:
+        info = json.loads((data_dir / DAEMON_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    url = info.get("url") if isinstance(info, dict) else None
+    return url if isinstance(url, str) else None
+
+
+def encode(message: dict[str, Any]) -> str:
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# System packages kvd uses on Linux: libgfortran5 (needed by the OpenBLAS that
+# kvd interposes for MLX's CPU backend) and tmux (the kvchat terminal test).
+# Installs only what is missing, and only where apt-get is the package manager.
+set -euo pipefail
+[ "$(uname -s)" = Linux ] || exit 0
+command -v apt-get >/dev/null 2>&1 || exit 0
+missing=()
+dpkg -s libgfortran5 >/dev/null 2>&1 || missing+=(libgfortran5)
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+[ ${#missing[@]} -eq 0 ] && exit 0
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "installing system packages: ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
