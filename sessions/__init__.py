@@ -1,0 +1,20 @@
+"""Sessions and their transcripts: the SQLite store that is kvd's source of truth.
+
+Knows nothing of MLX: the daemon feeds it text and token ids.
+"""
+
+from __future__ import annotations
+
+from .errors import UnknownMessage, UnknownSession
+from .ids import is_valid_session_id, new_session_id
+from .store import Message, Session, Store
+
+__all__ = [
+    "Message",
+    "Session",
+    "Store",
+    "UnknownMessage",
+    "UnknownSession",
+    "is_valid_session_id",
+    "new_session_id",
+]

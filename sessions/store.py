@@ -1,0 +1,331 @@
+"""The transcript store: sessions, their messages and fed token ids, in SQLite.
+
+The transcript is the source of truth for every conversation; KV caches are
+an optimization rebuilt from it. So every public write commits before it
+returns (a user message is durable before generation starts), and the
+database runs in WAL mode with ``synchronous=NORMAL``: a commit survives the
+daemon being killed, which is the failure that matters here; only an OS crash
+or power loss can lose the last few commits.
+
+The store is used from the daemon's asyncio thread only: no locking, and each
+call is a handful of indexed statements.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypedDict, cast
+
+from sqlite_utils import Database
+
+from .errors import UnknownMessage, UnknownSession
+from .ids import new_session_id
+from .migrations import migrate
+from .tokens import pack_tokens, unpack_tokens
+
+Role = Literal["user", "assistant"]
+Status = Literal["complete", "streaming", "cancelled", "error"]
+ROLES: tuple[str, ...] = ("user", "assistant")
+STATUSES: tuple[str, ...] = ("complete", "streaming", "cancelled", "error")
+
+DEFAULT_TITLE = "New chat"
+LAST_MESSAGE_CHARS = 200
+BUSY_TIMEOUT_MS = 5000
+
+
+class Session(TypedDict):
+    """The protocol's session object (docs/protocol.md)."""
+
+    id: str
+    title: str
+    system: str | None
+    created_at: float
+    updated_at: float
+    message_count: int
+    last_message: str | None
+    tokens: int
+
+
+class Message(TypedDict):
+    """The protocol's message object, plus how and when it ended."""
+
+    index: int
+    role: Role
+    content: str
+    status: Status
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    created_at: float
+    updated_at: float
+
+
+# One query for the whole listing: the counts come from correlated subqueries
+# on the (session_id, idx) primary key, not one query per session.
+_SESSION_SELECT = f"""
+SELECT s.id, s.title, s.system, s.created_at, s.updated_at,
+    (SELECT count(*) FROM messages m WHERE m.session_id = s.id),
+    (SELECT substr(m.content, 1, {LAST_MESSAGE_CHARS}) FROM messages m
+        WHERE m.session_id = s.id ORDER BY m.idx DESC LIMIT 1),
+    coalesce((SELECT length(t.tokens) / 4 FROM session_tokens t
+        WHERE t.session_id = s.id), 0)
+FROM sessions s
+"""
+_SESSION_KEYS = (
+    "id", "title", "system", "created_at", "updated_at",
+    "message_count", "last_message", "tokens",
+)  # fmt: skip
+_MESSAGE_KEYS = (
+    "index", "role", "content", "status", "finish_reason", "usage",
+    "created_at", "updated_at",
+)  # fmt: skip
+
+
+class Store:
+    """Sessions and transcripts in one SQLite file (or ``":memory:"``)."""
+
+    def __init__(
+        self, path: str | Path, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        """Open (creating if needed) and migrate the database at `path`.
+
+        `clock` supplies every timestamp; tests pass a counter so ordering by
+        `updated_at` never depends on the wall clock's resolution.
+        """
+        self._clock = clock
+        # No sqlite-utils plugins: the store's connection must not depend on
+        # what else happens to be installed.
+        self.db = Database(path, execute_plugins=False)
+        self.db.execute("PRAGMA foreign_keys = ON")  # needed for ON DELETE CASCADE
+        self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        if not self.db.memory:
+            self.db.enable_wal()
+        self.db.execute("PRAGMA synchronous = NORMAL")
+        migrate(self.db)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # Sessions
+
+    def create_session(
+        self, *, title: str | None = None, system: str | None = None
+    ) -> Session:
+        now = self._clock()
+        session_id = new_session_id()
+        title = DEFAULT_TITLE if title is None else title
+        self.db.execute(
+            "INSERT INTO sessions (id, title, system, created_at, updated_at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            [session_id, title, system, now, now],
+        )
+        return Session(
+            id=session_id, title=title, system=system, created_at=now,
+            updated_at=now, message_count=0, last_message=None, tokens=0,
+        )  # fmt: skip
+
+    def get_session(self, session_id: str) -> Session | None:
+        row = self.db.execute(
+            _SESSION_SELECT + "WHERE s.id = ?", [session_id]
+        ).fetchone()
+        return _session_dict(row) if row else None
+
+    def list_sessions(self, *, limit: int | None = None) -> list[Session]:
+        """Most recently updated first (ties: most recently created first)."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be >= 0, not {limit}")
+        rows = self.db.execute(
+            _SESSION_SELECT + "ORDER BY s.updated_at DESC, s.rowid DESC LIMIT ?",
+            [-1 if limit is None else limit],
+        )
+        return [_session_dict(row) for row in rows]
+
+    def rename_session(self, session_id: str, title: str) -> None:
+        """Renaming is not use: it leaves `updated_at`, so the list order stays."""
+        self._update_session(session_id, "title = ?", [title])
+
+    def set_system(self, session_id: str, system: str | None) -> None:
+        self._update_session(session_id, "system = ?", [system])
+
+    def touch(self, session_id: str) -> None:
+        """Mark the session used now: it moves to the top of `list_sessions`."""
+        self._update_session(session_id, "updated_at = ?", [self._clock()])
+
+    def delete_session(self, session_id: str) -> bool:
+        """Delete the session, its messages and tokens; False if it did not exist."""
+        cursor = self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
+        return cursor.rowcount > 0
+
+    # Messages
+
+    def messages(self, session_id: str) -> list[Message]:
+        rows = self.db.execute(
+            "SELECT idx, role, content, status, finish_reason, usage, created_at, "
+            "updated_at FROM messages WHERE session_id = ? ORDER BY idx",
+            [session_id],
+        ).fetchall()
+        if not rows:
+            self._require_session(session_id)
+        return [_message_dict(row) for row in rows]
+
+    def append_message(
+        self, session_id: str, role: str, content: str, *, status: str = "complete"
+    ) -> int:
+        """Append a message and touch the session; return its index (0, 1, ...)."""
+        _check_role(role)
+        _check_status(status)
+        now = self._clock()
+        with self.db.atomic():
+            self._update_session(session_id, "updated_at = ?", [now])
+            (index,) = self.db.execute(
+                "SELECT coalesce(max(idx) + 1, 0) FROM messages WHERE session_id = ?",
+                [session_id],
+            ).fetchone()
+            self.db.execute(
+                "INSERT INTO messages (session_id, idx, role, content, status, "
+                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [session_id, index, role, content, status, now, now],
+            )
+        return int(index)
+
+    def update_message(
+        self,
+        session_id: str,
+        index: int,
+        *,
+        content: str | None = None,
+        status: str | None = None,
+        finish_reason: str | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        """Change only the given fields (None means "leave as is").
+
+        Called for every streamed chunk, so it is one UPDATE and one commit;
+        it does not touch the session (append_message already did).
+        """
+        sets = ["updated_at = ?"]
+        params: list[Any] = [self._clock()]
+        if content is not None:
+            sets.append("content = ?")
+            params.append(content)
+        if status is not None:
+            _check_status(status)
+            sets.append("status = ?")
+            params.append(status)
+        if finish_reason is not None:
+            sets.append("finish_reason = ?")
+            params.append(finish_reason)
+        if usage is not None:
+            sets.append("usage = ?")
+            params.append(json.dumps(usage))
+        cursor = self.db.execute(
+            f"UPDATE messages SET {', '.join(sets)} WHERE session_id = ? AND idx = ?",
+            [*params, session_id, index],
+        )
+        if cursor.rowcount == 0:
+            self._require_session(session_id)
+            raise UnknownMessage(session_id, index)
+
+    def truncate_messages(self, session_id: str, from_index: int) -> int:
+        """Delete messages with index >= `from_index` (regenerate, edit); return how many.
+
+        The session's token ids are left alone: what was fed is still a valid
+        cache prefix, and the daemon decides how much of it to keep.
+        """
+        if from_index < 0:
+            raise ValueError(f"from_index must be >= 0, not {from_index}")
+        with self.db.atomic():
+            self._update_session(session_id, "updated_at = ?", [self._clock()])
+            cursor = self.db.execute(
+                "DELETE FROM messages WHERE session_id = ? AND idx >= ?",
+                [session_id, from_index],
+            )
+        return cursor.rowcount
+
+    def recover_interrupted(self) -> int:
+        """On start: answers left 'streaming' by a crash become 'error'/'interrupted'."""
+        cursor = self.db.execute(
+            "UPDATE messages SET status = 'error', finish_reason = 'interrupted', "
+            "updated_at = ? WHERE status = 'streaming'",
+            [self._clock()],
+        )
+        return cursor.rowcount
+
+    # Token ids
+
+    def tokens(self, session_id: str) -> list[int]:
+        """The exact token ids fed to the model for this session ([] if none yet)."""
+        return self.fed(session_id)[0]
+
+    def fed(self, session_id: str) -> tuple[list[int], int]:
+        """The session's fed token ids and how many leading messages they cover."""
+        row = self.db.execute(
+            "SELECT tokens, covers FROM session_tokens WHERE session_id = ?", [session_id]
+        ).fetchone()
+        if row is None:
+            self._require_session(session_id)
+            return [], 0
+        return unpack_tokens(row[0]), int(row[1])
+
+    def set_tokens(self, session_id: str, tokens: Sequence[int], *, covers: int = 0) -> None:
+        """Replace the session's token ids; each must satisfy 0 <= t < 2**32.
+
+        `covers` says how many leading messages of the transcript the ids
+        stand for, so a later turn knows whether it may append to them.
+        """
+        blob = pack_tokens(tokens)
+        if covers < 0:
+            raise ValueError("covers must be >= 0")
+        self._require_session(session_id)
+        self.db.execute(
+            "INSERT INTO session_tokens (session_id, tokens, covers, updated_at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
+            "tokens = excluded.tokens, covers = excluded.covers, "
+            "updated_at = excluded.updated_at",
+            [session_id, blob, covers, self._clock()],
+        )
+
+    # Internals
+
+    def _require_session(self, session_id: str) -> None:
+        row = self.db.execute(
+            "SELECT 1 FROM sessions WHERE id = ?", [session_id]
+        ).fetchone()
+        if row is None:
+            raise UnknownSession(session_id)
+
+    def _update_session(self, session_id: str, assignment: str, params: list[Any]) -> None:
+        cursor = self.db.execute(
+            f"UPDATE sessions SET {assignment} WHERE id = ?", [*params, session_id]
+        )
+        if cursor.rowcount == 0:
+            raise UnknownSession(session_id)
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be 'user' or 'assistant', not {role!r}")
+
+
+def _check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}; not {status!r}")
+
+
+def _session_dict(row: tuple[Any, ...]) -> Session:
+    return cast(Session, dict(zip(_SESSION_KEYS, row)))
+
+
+def _message_dict(row: tuple[Any, ...]) -> Message:
+    message = dict(zip(_MESSAGE_KEYS, row))
+    if message["usage"] is not None:
+        message["usage"] = json.loads(message["usage"])
+    return cast(Message, message)
