@@ -21,6 +21,7 @@ serve: sysdeps $(BIN)/kvd
 	$(BIN)/kvd serve $(ARGS)
 
 test: sysdeps $(BIN)/kvd
+	$(BIN)/mypy
 	$(BIN)/python -m pytest $(ARGS)
 
 typecheck: $(BIN)/kvd

@@ -1,0 +1,157 @@
+"""kvd's configuration: defaults stated once, a TOML file, then command-line flags.
+
+The defaults here are the ones config.toml at the repository root documents;
+tests/test_config.py keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(Exception):
+    """The configuration file or a flag is wrong; the message says which key and why."""
+
+
+@dataclass(frozen=True)
+class Config:
+    # Model
+    model: str = "builtin:tiny"
+    blas: str = "auto"
+    # Where kvd keeps its database, token, caches and built-in models
+    data_dir: Path = field(default_factory=default_data_dir)
+    # Server
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    allowed_origins: tuple[str, ...] = ()
+    # Generation defaults (a request may override them)
+    max_tokens: int = 512
+    temperature: float = 0.7
+    top_p: float = 1.0
+    prefill_step_size: int = 512
+    # Limits
+    max_message_bytes: int = 1 << 20
+    max_text_chars: int = 32_000
+    max_tokens_limit: int = 4096
+    send_timeout: float = 10.0
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "kvd.sqlite"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+
+# Where each key lives in config.toml: (table or None for top level, key).
+_LAYOUT: dict[str, tuple[str | None, str]] = {
+    "model": (None, "model"),
+    "blas": (None, "blas"),
+    "data_dir": (None, "data_dir"),
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "allowed_origins": ("server", "allowed_origins"),
+    "max_tokens": ("generation", "max_tokens"),
+    "temperature": ("generation", "temperature"),
+    "top_p": ("generation", "top_p"),
+    "prefill_step_size": ("generation", "prefill_step_size"),
+    "max_message_bytes": ("limits", "max_message_bytes"),
+    "max_text_chars": ("limits", "max_text_chars"),
+    "max_tokens_limit": ("limits", "max_tokens_limit"),
+    "send_timeout": ("limits", "send_timeout"),
+}
+
+
+def _flatten(doc: dict[str, Any], source: str) -> dict[str, Any]:
+    known = {where: name for name, where in _LAYOUT.items()}
+    tables = {t for t, _ in _LAYOUT.values() if t}
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in tables:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: [{key}] must be a table")
+            for sub, subvalue in value.items():
+                if (key, sub) not in known:
+                    raise ConfigError(f"{source}: unknown key {key}.{sub}")
+                flat[known[(key, sub)]] = subvalue
+        elif (None, key) in known:
+            flat[known[(None, key)]] = value
+        else:
+            raise ConfigError(f"{source}: unknown key {key}")
+    return flat
+
+
+def _check(name: str, value: Any) -> Any:
+    """Coerce and validate one value; raise ConfigError naming the key."""
+    table, key = _LAYOUT[name]
+    dotted = f"{table}.{key}" if table else key
+    default = getattr(Config(), name)
+    if name == "data_dir":
+        if not isinstance(value, (str, Path)) or not str(value):
+            raise ConfigError(f"{dotted} must be a path")
+        return Path(value).expanduser()
+    if name == "allowed_origins":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{dotted} must be a list of strings")
+        return tuple(value)
+    if name == "blas" and value not in ("auto", "off"):
+        raise ConfigError(f'{dotted} must be "auto" or "off"')
+    if isinstance(default, bool) or isinstance(default, str):
+        if not isinstance(value, type(default)):
+            raise ConfigError(f"{dotted} must be a {type(default).__name__}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{dotted} must be an integer")
+        if name == "port":
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"{dotted} must be 0-65535 (0 picks a free port)")
+        elif value <= 0:
+            raise ConfigError(f"{dotted} must be positive")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{dotted} must be a number")
+        value = float(value)
+        if name == "temperature" and not 0 <= value <= 2:
+            raise ConfigError(f"{dotted} must be between 0 and 2")
+        if name == "top_p" and not 0 < value <= 1:
+            raise ConfigError(f"{dotted} must be in (0, 1]")
+        if name == "send_timeout" and value <= 0:
+            raise ConfigError(f"{dotted} must be positive")
+        return value
+    raise AssertionError(name)  # pragma: no cover
+
+
+def load_config(path: Path | None = None, **overrides: Any) -> Config:
+    """Defaults, then the TOML file at `path` (if given), then non-None overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        values.update(_flatten(doc, str(path)))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(values) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+    config = Config(**{k: _check(k, v) for k, v in values.items()})
+    if config.max_tokens > config.max_tokens_limit:
+        raise ConfigError("generation.max_tokens must not exceed limits.max_tokens_limit")
+    return config

@@ -1,0 +1,301 @@
+"""The engine thread: the one thread that owns the model and every MLX array.
+
+Jobs come in through a queue; events go out through a callback the server
+supplies (it hops them onto the event loop with `call_soon_threadsafe`). The
+engine decodes with mlx-lm's BatchGenerator from the start: a session's cache
+goes in with `insert(..., caches=...)` and comes back out of the finished or
+removed sequence, so several sessions can share a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .config import Config
+
+log = logging.getLogger("kvd.engine")
+
+
+# --- jobs in ---------------------------------------------------------------
+
+
+@dataclass
+class GenerationJob:
+    session_id: str
+    messages: list[dict[str, str]]
+    system: str | None
+    fed_tokens: list[int]  # the exact ids the session fed so far (from the store)
+    fed_covers: int  # how many leading `messages` those ids stand for
+    max_tokens: int
+    temperature: float
+    top_p: float
+    emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Cancel:
+    session_id: str
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+# --- events out ------------------------------------------------------------
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    usage: dict[str, Any]
+    tokens: list[int] | None  # every id the session's cache now holds; None: unchanged
+
+
+@dataclass
+class Failed:
+    code: str
+    message: str
+
+
+EngineEvent = Union[Started, Delta, Done, Failed]
+
+
+class PromptTooLong(Exception):
+    pass
+
+
+@dataclass
+class _Active:
+    job: GenerationJob
+    uid: int
+    detokenizer: Any
+    prompt_len: int
+    cached_len: int
+    generated: int = 0
+    t_first: float | None = None
+    t_last: float | None = None
+
+
+class Engine:
+    """Owns the model; serves GenerationJobs through one BatchGenerator."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self.model_info: dict[str, Any] = {"model": config.model}
+        self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Stop] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
+        self._active: dict[str, _Active] = {}  # by session id
+        self._by_uid: dict[int, str] = {}
+        # Resident tier: the live caches of idle sessions, with the ids they hold.
+        self._resident: dict[str, tuple[list[Any], list[int]]] = {}
+
+    # --- called from other threads ---
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: GenerationJob) -> None:
+        self._inbox.put(job)
+
+    def cancel(self, session_id: str) -> None:
+        self._inbox.put(_Cancel(session_id))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel whatever runs (each job gets its Done) and end the thread."""
+        self._inbox.put(_Stop())
+        self._thread.join(timeout)
+
+    # --- the engine thread ---
+
+    def _load(self) -> None:
+        import mlx.core as mx
+        from mlx_lm.utils import load
+
+        from .builtin import ensure_builtin, is_builtin
+
+        name = self.config.model
+        path = str(ensure_builtin(name, self.config.models_dir)) if is_builtin(name) else name
+        t0 = time.perf_counter()
+        model, tokenizer = load(path)[:2]
+        if not mx.metal.is_available():
+            # On the CPU backend float32 matmuls are ~20x faster than bf16/fp16.
+            model.set_dtype(mx.float32)
+        self.model, self.tokenizer = model, tokenizer
+        args = getattr(model, "args", None)
+        self.max_context = int(getattr(args, "max_position_embeddings", 0) or 0) or None
+        self.model_info.update(
+            model_type=getattr(args, "model_type", None),
+            load_s=round(time.perf_counter() - t0, 3),
+        )
+        self._new_generator()
+
+    def _new_generator(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        self.generator = BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
+            prefill_step_size=self.config.prefill_step_size,
+        )
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # reported to every client; the daemon stays up
+            log.exception("loading model %s failed", self.config.model)
+            self.load_error = e
+        self.ready.set()
+        while True:
+            try:
+                cmd = self._inbox.get(block=not self._active)
+            except queue.Empty:
+                cmd = None
+            if isinstance(cmd, _Stop):
+                for sid in list(self._active):
+                    self._cancel(sid)
+                return
+            if isinstance(cmd, GenerationJob):
+                self._start(cmd)
+            elif isinstance(cmd, _Cancel):
+                self._cancel(cmd.session_id)
+            if self._active and self._inbox.empty():
+                self._step()
+
+    def _start(self, job: GenerationJob) -> None:
+        if self.load_error is not None:
+            job.emit(Failed("internal", f"the model failed to load: {self.load_error}"))
+            return
+        if job.session_id in self._active:
+            job.emit(Failed("busy", "this session is already generating"))
+            return
+        try:
+            self._insert(job)
+        except PromptTooLong as e:
+            job.emit(Failed("too_large", str(e)))
+        except Exception as e:
+            log.exception("starting generation for %s failed", job.session_id)
+            job.emit(Failed("internal", f"generation failed to start: {e}"))
+
+    def _insert(self, job: GenerationJob) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.sample_utils import make_sampler
+
+        from cachestore.prefix import rewind_for
+
+        from .prompt import prompt_tokens
+
+        tokens = prompt_tokens(self.tokenizer, job.messages, job.system, job.fed_tokens,
+                               fed_covers=job.fed_covers)
+        if self.max_context and len(tokens) + job.max_tokens > self.max_context:
+            raise PromptTooLong(
+                f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
+                f"exceeds the model's context of {self.max_context} tokens; start a new session"
+            )
+        cache, cached = None, 0
+        if (entry := self._resident.pop(job.session_id, None)) is not None:
+            cache, cached_tokens = entry
+            cached = rewind_for(cache, cached_tokens, tokens)
+        if cache is None or cached == 0:
+            cache = make_prompt_cache(self.model)
+        sampler = make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0)
+        (uid,) = self.generator.insert(
+            [tokens[cached:]],
+            max_tokens=[job.max_tokens],
+            caches=[cache],
+            all_tokens=[tokens[:cached]],
+            samplers=[sampler],
+        )
+        self._active[job.session_id] = _Active(
+            job=job, uid=uid, detokenizer=self.tokenizer.detokenizer,
+            prompt_len=len(tokens), cached_len=cached,
+        )
+        self._by_uid[uid] = job.session_id
+        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached))
+
+    def _step(self) -> None:
+        try:
+            _, responses = self.generator.next()
+        except Exception as e:
+            # The batch is in an unknown state: fail everyone in it, start afresh.
+            log.exception("generation step failed")
+            for sid, act in list(self._active.items()):
+                act.job.emit(Failed("internal", f"generation failed: {e}"))
+                self._forget(sid)
+            self._new_generator()
+            return
+        now = time.perf_counter()
+        for r in responses:
+            owner = self._by_uid.get(r.uid)
+            if owner is None:
+                continue
+            act = self._active[owner]
+            act.generated += 1
+            act.t_first = act.t_first or now
+            act.t_last = now
+            if r.finish_reason != "stop":  # a stop token is fed, never shown
+                act.detokenizer.add_token(r.token)
+                if text := act.detokenizer.last_segment:
+                    act.job.emit(Delta(text))
+            if r.finish_reason is not None:
+                self._finish(act, r.finish_reason, r.prompt_cache, list(r.all_tokens))
+
+    def _cancel(self, session_id: str) -> None:
+        act = self._active.get(session_id)
+        if act is None:
+            return
+        removed = self.generator.remove([act.uid], return_prompt_caches=True)
+        cache, tokens = removed.get(act.uid, (None, []))
+        self._finish(act, "cancelled", cache, list(tokens))
+
+    def _finish(self, act: _Active, reason: str, cache: list[Any] | None, tokens: list[int]) -> None:
+        act.detokenizer.finalize()
+        if text := act.detokenizer.last_segment:
+            act.job.emit(Delta(text))
+        sid = act.job.session_id
+        self._forget(sid)
+        if cache is not None and tokens:
+            self._resident[sid] = (cache, tokens)
+        act.job.emit(Done(reason, self._usage(act), tokens or None))
+
+    def _forget(self, session_id: str) -> None:
+        act = self._active.pop(session_id, None)
+        if act is not None:
+            self._by_uid.pop(act.uid, None)
+
+    @staticmethod
+    def _usage(act: _Active) -> dict[str, Any]:
+        ttft = (act.t_first - act.job.arrived) * 1000 if act.t_first else None
+        tps = None
+        if act.generated > 1 and act.t_first and act.t_last and act.t_last > act.t_first:
+            tps = (act.generated - 1) / (act.t_last - act.t_first)
+        return {
+            "prompt_tokens": act.prompt_len,
+            "cached_tokens": act.cached_len,
+            "completion_tokens": act.generated,
+            "ttft_ms": round(ttft, 1) if ttft is not None else None,
+            "decode_tps": round(tps, 1) if tps is not None else None,
+        }
+
+    def statistics(self) -> dict[str, Any]:
+        return {"active": len(self._active), "resident_sessions": len(self._resident)}

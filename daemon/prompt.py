@@ -1,0 +1,73 @@
+"""From a transcript to the token ids the model is fed.
+
+A session's history is kept as the exact token ids that were fed, generated
+tokens included, because re-templating and re-tokenizing a conversation can
+change earlier tokens (templates trim content, tokenizers merge differently
+across a boundary) and so throw away a cache that is still valid. A new turn
+therefore appends only the tokens of the text the chat template adds after
+that history: the end of the last assistant turn, the new messages and the
+generation prompt. Comparing decoded text instead would break on the first
+template that trims whitespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+_SENTINEL = "\x00kvd-sentinel\x00"
+
+
+def _conversation(messages: Sequence[dict[str, str]], system: str | None) -> list[dict[str, str]]:
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def render(tokenizer: Any, messages: Sequence[dict[str, str]], system: str | None,
+           *, generation_prompt: bool = True) -> str:
+    return tokenizer.apply_chat_template(_conversation(messages, system),
+                                         add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def _continuation(tokenizer: Any, history: Sequence[dict[str, str]], new: Sequence[dict[str, str]],
+                  system: str | None, last_fed: int, eos_ids: Collection[int]) -> str | None:
+    """The text to feed after tokens that end inside `history`'s last assistant turn.
+
+    None when the template is not append-only (it rewrites earlier turns), in
+    which case the caller retokenizes everything.
+    """
+    before = render(tokenizer, history, system, generation_prompt=False)
+    after = render(tokenizer, [*history, *new], system)
+    if not after.startswith(before):
+        return None
+    marked = render(tokenizer, [*history[:-1], {"role": "assistant", "content": _SENTINEL}],
+                    system, generation_prompt=False)
+    at = marked.rfind(_SENTINEL)
+    if at < 0:
+        return None
+    closing = marked[at + len(_SENTINEL):]
+    if last_fed in eos_ids:
+        # The model already fed its end-of-turn token; the template's text for it is not fed again.
+        eos_text = tokenizer.decode([last_fed], skip_special_tokens=False)
+        if eos_text and closing.startswith(eos_text):
+            closing = closing[len(eos_text):]
+    return closing + after[len(before):]
+
+
+def prompt_tokens(tokenizer: Any, messages: Sequence[dict[str, str]], system: str | None,
+                  fed: Sequence[int], *, fed_covers: int) -> list[int]:
+    """Token ids for the whole conversation `messages`, ready for generation.
+
+    `fed` are the ids the session fed so far; they cover `messages[:fed_covers]`,
+    whose last one must be the assistant answer they end with. When that
+    holds, `fed` is kept verbatim and only the continuation is tokenized.
+    Otherwise (first turn, a crash cut an answer short, an edit) the whole
+    conversation is tokenized afresh and the caller reuses whatever prefix of
+    its cache still matches.
+    """
+    if fed and 0 < fed_covers < len(messages) and messages[fed_covers - 1]["role"] == "assistant":
+        rest = _continuation(tokenizer, messages[:fed_covers], messages[fed_covers:], system,
+                             fed[-1], tokenizer.eos_token_ids)
+        if rest is not None:
+            return list(fed) + list(tokenizer.encode(rest, add_special_tokens=False))
+    return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False))

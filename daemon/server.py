@@ -1,0 +1,261 @@
+"""The websocket server: handshake checks, request dispatch, streaming answers.
+
+The asyncio side never calls MLX. A chat turn is committed to the store, handed
+to the engine thread as a GenerationJob, and its events come back through an
+unbounded per-generation stream (the engine must never block) to a pump task
+that commits the text as it streams and publishes it to the client.
+Generations belong to the daemon's task group, not to a connection: a client
+that goes away does not stop its answer from being generated and kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from sessions import Session, Store
+
+from . import __version__
+from . import protocol as p
+from .config import Config
+from .connection import Connection
+from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Started
+from .requests import (ChatCancel, ChatSend, Ping, RequestError, SessionCreate, SessionGet,
+                       SessionList, parse_request)
+
+log = logging.getLogger("kvd.server")
+
+COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
+
+
+@dataclass
+class Generation:
+    request_id: Any
+    session_id: str
+    message_index: int
+    subscribers: set[Connection] = field(default_factory=set)
+    text: str = ""
+    seq: int = 0
+
+    def publish(self, event: dict[str, Any]) -> None:
+        event = {"id": self.request_id, "session": self.session_id, **event}
+        for conn in list(self.subscribers):
+            conn.publish(event)
+
+
+class Daemon:
+    def __init__(self, config: Config, store: Store, engine: Engine, token: str):
+        self.config = config
+        self.store = store
+        self.engine = engine
+        self._token = token
+        self._generations: dict[str, Generation] = {}
+        self._connections: set[Connection] = set()
+        self._tg: TaskGroup | None = None
+        self._stopping = anyio.Event()
+        self.url: str | None = None
+
+    # --- lifecycle ---
+
+    async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until `shutdown()`; then finish every answer and return."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            server: Server
+            async with serve(
+                self._handle,
+                self.config.host,
+                self.config.port,
+                process_request=self._check_handshake,
+                max_size=self.config.max_message_bytes,
+                max_queue=16,
+                compression=None,
+                server_header=f"kvd/{__version__}",
+            ) as server:
+                port = next(iter(server.sockets)).getsockname()[1]
+                self.url = p.default_url(self.config.host, port)
+                task_status.started(self.url)
+                await self._stopping.wait()
+                log.info("shutting down: closing connections, finishing answers")
+                server.close(close_connections=True)
+                await anyio.to_thread.run_sync(self.engine.stop)
+                await server.wait_closed()
+            # Leaving the task group waits for every pump to commit its answer.
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+
+    # --- handshake ---
+
+    def _check_handshake(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path != p.PATH:
+            return connection.respond(HTTPStatus.NOT_FOUND, f"kvd speaks on {p.PATH}\n")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin not in self.config.allowed_origins:
+            log.warning("refused a handshake from origin %s", origin)
+            return connection.respond(HTTPStatus.FORBIDDEN, "browser origins are not allowed; see allowed_origins in config.toml\n")
+        auth = request.headers.get("Authorization", "")
+        expected = f"Bearer {self._token}"
+        if not hmac.compare_digest(auth.encode(), expected.encode()):
+            return connection.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong token; it is in the token file of kvd's data directory\n")
+        return None
+
+    # --- connections ---
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        conn = Connection(ws, send_timeout=self.config.send_timeout)
+        self._connections.add(conn)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(conn.writer)
+                conn.publish(self._hello())
+                try:
+                    async for raw in ws:
+                        self._dispatch(conn, raw)
+                except ConnectionClosed:
+                    pass
+                finally:
+                    conn.close()
+        finally:
+            self._connections.discard(conn)
+            for gen in self._generations.values():
+                gen.subscribers.discard(conn)
+
+    def _hello(self) -> dict[str, Any]:
+        ready = self.engine.ready.is_set() and self.engine.load_error is None
+        return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
+                "model": self.config.model, "ready": ready}
+
+    def _dispatch(self, conn: Connection, raw: str | bytes) -> None:
+        rid = None
+        try:
+            req = parse_request(raw, self.config)
+            rid = req.id
+            if isinstance(req, Ping):
+                conn.publish({"type": p.PONG, "id": rid})
+            elif isinstance(req, SessionCreate):
+                session = self.store.create_session(title=req.title, system=req.system)
+                conn.publish({"type": p.SESSION, "id": rid, "session": session})
+            elif isinstance(req, SessionList):
+                conn.publish({"type": p.SESSIONS, "id": rid, "sessions": self.store.list_sessions()})
+            elif isinstance(req, SessionGet):
+                session = self._session(req.session, rid)
+                conn.publish({"type": p.SESSION, "id": rid, "session": session,
+                              "messages": self.store.messages(req.session)})
+            elif isinstance(req, ChatSend):
+                self._chat_send(conn, req)
+            elif isinstance(req, ChatCancel):
+                self._session(req.session, rid)
+                self.engine.cancel(req.session)
+                conn.publish({"type": p.OK, "id": rid})
+        except RequestError as e:
+            if e.request_id is None:
+                e.request_id = rid
+            conn.publish(e.event())
+        except Exception:
+            log.exception("request failed: %.200r", raw)
+            conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
+
+    def _session(self, session_id: str, rid: Any) -> Session:
+        session = self.store.get_session(session_id)
+        if session is None:
+            raise RequestError(p.UNKNOWN_SESSION,
+                               f"no session {session_id!r}; list sessions with session.list", rid)
+        return session
+
+    # --- chat ---
+
+    def _chat_send(self, conn: Connection, req: ChatSend) -> None:
+        session = self._session(req.session, req.id)
+        if req.session in self._generations:
+            raise RequestError(p.BUSY, "this session is already generating; "
+                               "send chat.cancel or wait for chat.done", req.id)
+        assert self._tg is not None
+        # The user's message is committed before anything is generated.
+        self.store.append_message(req.session, "user", req.text)
+        index = self.store.append_message(req.session, "assistant", "", status="streaming")
+        earlier = [m for m in self.store.messages(req.session) if m["index"] < index and m["content"]]
+        history = [{"role": m["role"], "content": m["content"]} for m in earlier]
+        fed, covers = self.store.fed(req.session)
+        gen = Generation(req.id, req.session, index, {conn})
+        self._generations[req.session] = gen
+        send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
+        loop = asyncio.get_running_loop()
+
+        def emit(event: EngineEvent) -> None:  # engine thread
+            loop.call_soon_threadsafe(_deliver, event)
+
+        def _deliver(event: EngineEvent) -> None:  # event loop
+            try:
+                send.send_nowait(event)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+
+        self._tg.start_soon(self._pump, gen, receive)
+        gen.publish({"type": p.CHAT_START, "message_index": index})
+        self.engine.submit(GenerationJob(
+            session_id=req.session, messages=history, system=session["system"],
+            fed_tokens=fed, fed_covers=sum(1 for m in earlier if m["index"] < covers),
+            max_tokens=req.max_tokens,
+            temperature=req.temperature, top_p=req.top_p, emit=emit,
+        ))
+
+    async def _pump(self, gen: Generation, events: MemoryObjectReceiveStream[EngineEvent]) -> None:
+        """Commit and publish one answer's events until it is done."""
+        last_commit = time.monotonic()
+        try:
+            async with events:
+                async for ev in events:
+                    if isinstance(ev, Started):
+                        continue
+                    if isinstance(ev, Delta):
+                        gen.text += ev.text
+                        gen.publish({"type": p.CHAT_DELTA, "seq": gen.seq, "text": ev.text})
+                        gen.seq += 1
+                        if time.monotonic() - last_commit >= COMMIT_INTERVAL:
+                            self.store.update_message(gen.session_id, gen.message_index, content=gen.text)
+                            last_commit = time.monotonic()
+                    elif isinstance(ev, Done):
+                        status = "cancelled" if ev.finish_reason == "cancelled" else "complete"
+                        self.store.update_message(gen.session_id, gen.message_index, content=gen.text,
+                                                  status=status, finish_reason=ev.finish_reason,
+                                                  usage=ev.usage)
+                        if ev.tokens is not None:
+                            self.store.set_tokens(gen.session_id, ev.tokens,
+                                                  covers=gen.message_index + 1)
+                        gen.publish({"type": p.CHAT_DONE, "message_index": gen.message_index,
+                                     "finish_reason": ev.finish_reason, "usage": ev.usage})
+                        return
+                    elif isinstance(ev, Failed):
+                        if ev.code == p.TOO_LARGE and not gen.text:
+                            # Nothing was generated and the turn can never fit: take it back,
+                            # so the session stays usable (the client still has the text).
+                            self.store.truncate_messages(gen.session_id, gen.message_index - 1)
+                        else:
+                            self.store.update_message(gen.session_id, gen.message_index,
+                                                      content=gen.text, status="error",
+                                                      finish_reason="error")
+                        gen.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
+                        return
+        except Exception:
+            log.exception("answer for session %s failed", gen.session_id)
+            self.store.update_message(gen.session_id, gen.message_index, content=gen.text,
+                                      status="error", finish_reason="error")
+            gen.publish({"type": p.ERROR, "code": p.INTERNAL,
+                         "message": "kvd hit an internal error; it is logged"})
+        finally:
+            self._generations.pop(gen.session_id, None)

@@ -1,0 +1,115 @@
+"""Shared fixtures: a real kvd daemon in-process on port 0, a raw websocket client.
+
+OpenBLAS is interposed here, before anything imports mlx.core, exactly as
+`kvd serve` does, so the in-process tests run at the speed users see.
+"""
+
+from __future__ import annotations
+
+from daemon.blas import preload_blas
+
+preload_blas()
+
+import json  # noqa: E402
+from collections.abc import AsyncIterator  # noqa: E402
+from contextlib import asynccontextmanager  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import anyio  # noqa: E402
+import pytest  # noqa: E402
+from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
+
+from daemon.cli import ensure_token  # noqa: E402
+from daemon.config import Config, load_config  # noqa: E402
+from daemon.engine import Engine  # noqa: E402
+from daemon.server import Daemon  # noqa: E402
+from sessions import Store  # noqa: E402
+
+EVENT_TIMEOUT = 60.0  # generous bound on any single event; tests never sleep
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class RunningDaemon:
+    url: str
+    token: str
+    config: Config
+    store: Store
+    daemon: Daemon
+
+    def connect(self, **kwargs: Any) -> Any:
+        headers = kwargs.pop("additional_headers", {"Authorization": f"Bearer {self.token}"})
+        return connect(self.url, additional_headers=headers, **kwargs)
+
+
+@asynccontextmanager
+async def running_daemon(data_dir: Path, **overrides: Any) -> AsyncIterator[RunningDaemon]:
+    overrides.setdefault("port", 0)
+    config = load_config(None, data_dir=data_dir, **overrides)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    token = ensure_token(data_dir)
+    store = Store(config.db_path)
+    engine = Engine(config)
+    engine.start()
+    daemon = Daemon(config, store, engine, token)
+    try:
+        async with anyio.create_task_group() as tg:
+            url = await tg.start(daemon.run)
+            yield RunningDaemon(url, token, config, store, daemon)
+            daemon.shutdown()
+    finally:
+        store.close()
+
+
+class Client:
+    """A raw protocol client: frames in, frames out, nothing hidden."""
+
+    def __init__(self, ws: ClientConnection):
+        self.ws = ws
+        self._n = 0
+
+    async def recv(self) -> dict[str, Any]:
+        with anyio.fail_after(EVENT_TIMEOUT):
+            return json.loads(await self.ws.recv())
+
+    async def send(self, frame: dict[str, Any] | str | bytes) -> None:
+        await self.ws.send(frame if isinstance(frame, (str, bytes)) else json.dumps(frame))
+
+    async def request(self, type: str, **fields: Any) -> dict[str, Any]:
+        self._n += 1
+        rid = f"r{self._n}"
+        await self.send({"id": rid, "type": type, **fields})
+        reply = await self.recv()
+        assert reply["id"] == rid, reply
+        return reply
+
+    async def chat(self, session: str, text: str, **fields: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Send one chat turn; return its deltas and its closing event."""
+        self._n += 1
+        rid = f"r{self._n}"
+        await self.send({"id": rid, "type": "chat.send", "session": session, "text": text, **fields})
+        deltas: list[dict[str, Any]] = []
+        while True:
+            event = await self.recv()
+            assert event["id"] == rid, event
+            if event["type"] == "chat.delta":
+                deltas.append(event)
+            elif event["type"] in ("chat.done", "error"):
+                return deltas, event
+            else:
+                assert event["type"] == "chat.start", event
+
+
+@asynccontextmanager
+async def client(d: RunningDaemon) -> AsyncIterator[Client]:
+    async with d.connect() as ws:
+        c = Client(ws)
+        hello = await c.recv()
+        assert hello["type"] == "hello" and hello["protocol"] == 1
+        yield c
