@@ -1,0 +1,357 @@
+"""The real kvchat against a real `kvd serve`: in tmux, as a person uses it.
+
+A module-scoped daemon subprocess serves builtin:tiny on port 0. Each tmux
+test runs kvchat on its own tmux server and reads the screen with
+capture-pane, polling for a condition under a deadline (never sleeping for
+it). Without tmux these tests fail: `make test` installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tui.client import Client, ServerError
+from tui.discover import locate
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 60.0  # the daemon's first start writes builtin:tiny
+SCREEN_TIMEOUT = 30.0
+EXITED_TEXT = "[kvchat exited with status "
+EXITED = re.compile(re.escape(EXITED_TEXT) + r"(\d+)\]$")
+STATUS = re.compile(r"^\d+ tokens? · TTFT \d+ ms · [\d.]+ tok/s · \d+ cached")
+
+
+@dataclass
+class Kvd:
+    url: str
+    data_dir: Path
+    process: subprocess.Popen[str]
+    stderr: list[str] = field(default_factory=list)
+
+
+def _drain(stream: Iterable[str], lines: queue.Queue[str | None], keep: list[str]) -> None:
+    """Read the daemon's stderr to the end, so it never blocks on a full pipe."""
+    for line in stream:
+        keep.append(line)
+        lines.put(line)
+    lines.put(None)
+
+
+@pytest.fixture(scope="module")
+def kvd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kvd]:
+    data_dir = tmp_path_factory.mktemp("kvd")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir)],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    stderr: list[str] = []
+    reader = threading.Thread(target=_drain, args=(process.stderr, lines, stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        url = None
+        while url is None:
+            remaining = deadline - time.monotonic()
+            try:
+                line = lines.get(timeout=max(remaining, 0))
+            except queue.Empty:
+                pytest.fail(f"kvd serve did not say 'listening on' within {START_TIMEOUT:.0f} s:\n{''.join(stderr)}")
+            if line is None:
+                pytest.fail(f"kvd serve exited with {process.wait()} before listening:\n{''.join(stderr)}")
+            if "listening on" in line and (match := re.search(r"ws://\S+", line)):
+                url = match.group(0)
+        yield Kvd(url=url, data_dir=data_dir, process=process, stderr=stderr)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        reader.join(timeout=10)
+
+
+def kvchat_command() -> list[str]:
+    """The installed console script next to this interpreter, as a user runs it."""
+    script = Path(sys.executable).parent / "kvchat"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tui.cli"]
+
+
+# -- tmux ----------------------------------------------------------------------
+
+
+class Pane:
+    """kvchat in a detached tmux session on a private tmux server."""
+
+    def __init__(self, command: list[str], workdir: Path) -> None:
+        if shutil.which("tmux") is None:
+            pytest.fail("tmux is not installed; `make test` installs it (scripts/sysdeps.sh), or: apt-get install tmux")
+        self.socket = f"kvchat-test-{uuid.uuid4().hex[:12]}"
+        config = workdir / f"{self.socket}.conf"
+        config.write_text("set -g remain-on-exit on\nset -g history-limit 10000\n")
+        # The exit status comes from a wrapper shell, not from #{pane_dead_status}:
+        # tmux 3.3a sometimes leaves the exited pane process unreaped, status unknown.
+        # The wrapper ignores SIGINT so Ctrl-C reaches kvchat alone (kvchat
+        # installs its own handler, which replaces the inherited "ignore").
+        wrapper = f'trap "" INT; "$@"; echo "{EXITED_TEXT}$?]"'
+        self._tmux(
+            "-f", str(config), "new-session", "-d", "-x", "100", "-y", "30", "-s", "kvchat",
+            shlex.join(["sh", "-c", wrapper, "sh", *command]),
+        )
+
+    def _tmux(self, *args: str) -> str:
+        result = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10)
+        assert result.returncode == 0, f"tmux {' '.join(args)}: {result.stderr}"
+        return result.stdout
+
+    def screen(self) -> list[str]:
+        """Every line kvchat printed so far, scrollback included, right-trimmed."""
+        text = self._tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "kvchat")
+        lines = [line.rstrip() for line in text.splitlines()]
+        while lines and not lines[-1]:
+            lines.pop()
+        return lines
+
+    def type(self, text: str, *, enter: bool = True) -> None:
+        self._tmux("send-keys", "-t", "kvchat", "-l", text)
+        if enter:
+            self.keys("Enter")
+
+    def keys(self, *keys: str) -> None:
+        self._tmux("send-keys", "-t", "kvchat", *keys)
+
+    def wait_for(self, what: str, check: Callable[[list[str]], bool], timeout: float = SCREEN_TIMEOUT) -> list[str]:
+        """Poll the screen until ``check`` holds; fail with the screen if it never does."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.screen()
+            if check(lines):
+                return lines
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}; the screen:\n" + "\n".join(lines))
+            time.sleep(0.05)  # poll interval, not synchronisation: the deadline bounds the wait
+
+    def wait_for_prompt(self) -> list[str]:
+        return self.wait_for("the prompt", lambda lines: lines[-1:] == ["you>"])
+
+    def wait_for_exit(self) -> int:
+        """kvchat's exit status, as the wrapper shell printed it."""
+        lines = self.wait_for("kvchat to exit", lambda lines: any(EXITED.match(line) for line in lines))
+        return next(int(m.group(1)) for line in lines if (m := EXITED.match(line)))
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def open_pane(tmp_path: Path) -> Iterator[Callable[..., Pane]]:
+    panes: list[Pane] = []
+
+    def open_(*args: str) -> Pane:
+        pane = Pane([*kvchat_command(), *args], tmp_path)
+        panes.append(pane)
+        return pane
+
+    yield open_
+    for pane in panes:
+        pane.close()
+
+
+def answer_to(lines: list[str], question: str) -> tuple[str, str]:
+    """The answer printed after ``you> question`` and the status line under it."""
+    asked = max(i for i, line in enumerate(lines) if line == f"you> {question}")
+    assert lines[asked + 1].startswith("kvd> "), lines[asked:]
+    status = next(i for i in range(asked + 1, len(lines)) if "tok/s" in lines[i])
+    answer = "\n".join([lines[asked + 1][len("kvd> ") :], *lines[asked + 2 : status]])
+    return answer, lines[status]
+
+
+def answer_started(question: str) -> Callable[[list[str]], bool]:
+    def check(lines: list[str]) -> bool:
+        asked = [i for i, line in enumerate(lines) if line == f"you> {question}"]
+        return bool(asked) and any(re.match(r"kvd> \S", line) for line in lines[asked[-1] :])
+
+    return check
+
+
+def has_status_after(question: str) -> Callable[[list[str]], bool]:
+    def check(lines: list[str]) -> bool:
+        asked = [i for i, line in enumerate(lines) if line == f"you> {question}"]
+        return bool(asked) and any("tok/s" in line for line in lines[asked[-1] :])
+
+    return check
+
+
+# -- tmux tests ----------------------------------------------------------------
+
+
+@pytest.mark.tmux
+def test_chat_in_tmux(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
+    pane = open_pane("--data-dir", str(kvd.data_dir), "--title", "tmux chat")
+    lines = pane.wait_for_prompt()
+    assert lines[0] == "tmux chat"
+    assert re.match(r"session [0-9a-f]{16} · model builtin:tiny", lines[1]), lines
+
+    pane.type("Tell me about the sea")
+    lines = pane.wait_for("the status line", has_status_after("Tell me about the sea"))
+    answer, status = answer_to(lines, "Tell me about the sea")
+    assert re.search(r"\w", answer), lines
+    assert STATUS.match(status), status
+    pane.wait_for_prompt()
+
+    # Ctrl-C at the prompt drops the half-typed line; the next command runs alone.
+    pane.type("half typed", enter=False)
+    pane.keys("C-c")
+    pane.wait_for("the line cleared", lambda lines: lines[-2:] == ["you> half typed^C", "you>"])
+    pane.type("/nonsense")
+    pane.wait_for("a hint", lambda lines: any(line.startswith("unknown command /nonsense") for line in lines))
+    pane.type("/help")
+    pane.wait_for("the help", lambda lines: any(line.startswith("/quit, /exit") for line in lines))
+    pane.type("/quit")
+    assert pane.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_ctrl_c_cancels_the_answer_and_kvchat_goes_on(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
+    # Greedy "hello" on builtin:tiny runs to max_tokens: seconds of streaming to interrupt.
+    pane = open_pane("--data-dir", str(kvd.data_dir), "--temperature", "0", "--max-tokens", "4096")
+    pane.wait_for_prompt()
+    pane.type("hello")
+    pane.wait_for("the answer to start", answer_started("hello"))
+    pane.keys("C-c")
+    lines = pane.wait_for("the status line", has_status_after("hello"))
+    answer, status = answer_to(lines, "hello")
+    assert status.endswith("(cancelled)"), status
+    assert int(status.split()[0]) < 4096
+    assert "^C" not in answer  # Ctrl-C is not echoed into the answer
+
+    pane.wait_for_prompt()
+    pane.type("and again")  # the session was not left busy, and Ctrl-C works twice
+    pane.wait_for("the second answer", answer_started("and again"))
+    pane.keys("C-c")
+    lines = pane.wait_for("the second status line", has_status_after("and again"))
+    assert answer_to(lines, "and again")[1].endswith("(cancelled)")
+    pane.wait_for_prompt()
+    pane.keys("C-d")
+    assert pane.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_resume_shows_the_history(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
+    first = open_pane("--data-dir", str(kvd.data_dir), "--title", "resume me", "--max-tokens", "20")
+    first.wait_for_prompt()
+    first.type("remember this, \\", enter=True)
+    first.wait_for("the continuation prompt", lambda lines: lines[-1:] == ["...>"])
+    first.type("please")
+    first.wait_for("the status line", lambda lines: any("tok/s" in line for line in lines))
+    first.wait_for_prompt()
+    first.type("/exit")
+    assert first.wait_for_exit() == 0
+
+    again = open_pane("--data-dir", str(kvd.data_dir), "--last")
+    lines = again.wait_for_prompt()
+    assert lines[0] == "resume me"
+    assert "2 messages" in lines[1]
+    asked = lines.index("you> remember this,")
+    assert lines[asked + 1] == "please"
+    assert lines[asked + 2].startswith("kvd> ")
+    again.keys("C-d")
+    assert again.wait_for_exit() == 0
+
+
+# -- without tmux ------------------------------------------------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_no_daemon_says_how_to_start_it(tmp_path: Path) -> None:
+    url = f"ws://127.0.0.1:{closed_port()}/v1"
+    result = subprocess.run(
+        [*kvchat_command(), "--url", url, "--data-dir", str(tmp_path)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result
+    assert f"kvd is not running at {url}. Start it with: kvd serve" in result.stderr
+
+
+def test_no_daemon_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tui.cli import main
+
+    url = f"ws://127.0.0.1:{closed_port()}/v1"
+    assert main(["--url", url, "--data-dir", str(tmp_path)]) == 1
+    assert "kvd is not running at" in capsys.readouterr().err
+
+
+def test_wrong_or_missing_token_says_which_file(kvd: Kvd, tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-token\n")
+    result = subprocess.run(
+        [*kvchat_command(), "--url", kvd.url, "--token-file", str(wrong)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    assert f"the daemon refused the token in {wrong}" in result.stderr
+
+    result = subprocess.run(
+        [*kvchat_command(), "--url", kvd.url, "--data-dir", str(tmp_path / "empty")],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    assert f"no token at {tmp_path / 'empty' / 'token'}" in result.stderr
+    assert "kvd serve" in result.stderr
+
+
+def test_client_routes_events_by_request_id(kvd: Kvd) -> None:
+    """A cancel sent on the same connection mid-stream gets its own reply."""
+
+    async def scenario() -> None:
+        endpoint = locate(data_dir=kvd.data_dir)
+        assert endpoint.url == kvd.url  # found through daemon.json
+        async with await Client.connect(endpoint.url, endpoint.token) as client:
+            assert client.hello["model"] == "builtin:tiny"
+            session = (await client.request("session.create", title="client"))["session"]
+            events = []
+            async for event in client.stream(
+                "chat.send", session=session["id"], text="hello", max_tokens=4096, temperature=0
+            ):
+                events.append(event)
+                if event["type"] == "chat.delta" and event["seq"] == 0:
+                    assert (await client.request("chat.cancel", session=session["id"]))["type"] == "ok"
+            assert [e["type"] for e in events[:2]] == ["chat.start", "chat.delta"]
+            assert events[-1]["type"] == "chat.done" and events[-1]["finish_reason"] == "cancelled"
+            assert len({e["id"] for e in events}) == 1
+            with pytest.raises(ServerError) as info:
+                await client.request("session.get", session="0" * 16)
+            assert info.value.code == "unknown_session"
+            assert client.statistics().pending == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+

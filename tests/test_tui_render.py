@@ -1,0 +1,258 @@
+"""kvchat's rendering, on a capture console of fixed width; no daemon needed."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from tui import render
+from tui.lineinput import read_message
+
+USAGE = {"prompt_tokens": 40, "completion_tokens": 12, "cached_tokens": 28, "ttft_ms": 35.2, "decode_tps": 210.4}
+
+
+def capture_console() -> Console:
+    return Console(width=60, color_system=None, file=io.StringIO(), force_terminal=False)
+
+
+def output(console: Console) -> str:
+    file = console.file
+    assert isinstance(file, io.StringIO)
+    return file.getvalue()
+
+
+# -- status line ------------------------------------------------------------
+
+
+def test_status_line() -> None:
+    assert render.status_line(USAGE, "stop") == "12 tokens · TTFT 35 ms · 210.4 tok/s · 28 cached"
+
+
+@pytest.mark.parametrize("reason", ["cancelled", "length"])
+def test_status_line_says_why_the_answer_stopped(reason: str) -> None:
+    assert render.status_line(USAGE, reason) == f"12 tokens · TTFT 35 ms · 210.4 tok/s · 28 cached ({reason})"
+
+
+def test_status_line_one_token_and_missing_fields() -> None:
+    assert render.status_line({"completion_tokens": 1, "cached_tokens": 0}) == "1 token · 0 cached"
+    assert render.status_line({}, "cancelled") == "(cancelled)"
+
+
+def test_print_status_from_chat_done() -> None:
+    console = capture_console()
+    render.print_status(console, {"type": "chat.done", "finish_reason": "length", "usage": USAGE})
+    assert output(console) == "12 tokens · TTFT 35 ms · 210.4 tok/s · 28 cached (length)\n\n"
+
+
+# -- sanitizing -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "a\x1b[2Jb",  # clear screen
+        "a\x1b[31;1mb",  # colour
+        "a\x07b",  # bell
+        "a\rb",  # carriage return: overwrite the line
+        "a\x08b",  # backspace
+        "a\x1b]0;pwned\x07b",  # set the window title
+        "a\x1b]52;c;aGk=\x1b\\b",  # write the clipboard
+        "a\x1bcb",  # reset the terminal
+        "a\x9b2Jb",  # C1 CSI
+        "a\x00\x7fb",
+    ],
+)
+def test_sanitize_strips_what_drives_the_terminal(raw: str) -> None:
+    assert render.sanitize(raw) == "ab"
+
+
+def test_sanitize_keeps_newlines_tabs_and_text() -> None:
+    assert render.sanitize("one\n\ttwo — über 漢字 [bold]x[/bold]") == "one\n\ttwo — über 漢字 [bold]x[/bold]"
+
+
+def test_stream_sanitizer_joins_a_sequence_split_across_deltas() -> None:
+    stream = render.StreamSanitizer()
+    pieces = ["hello \x1b[", "2", "J world\x1b", "]0;title\x07", "!"]
+    assert "".join(stream.feed(p) for p in pieces) + stream.flush() == "hello  world!"
+
+
+def test_stream_sanitizer_flushes_an_unfinished_escape_as_text() -> None:
+    stream = render.StreamSanitizer()
+    assert stream.feed("a\x1b[3") == "a"
+    assert stream.flush() == "3"
+
+
+def test_answer_never_reaches_the_terminal_with_controls() -> None:
+    console = capture_console()
+    printer = render.MessagePrinter(console)
+    printer.start()
+    for piece in ["Hi\x1b[2J", "\x1b", "[H there\r\n", "\x07done"]:
+        printer.feed(piece)
+    printer.finish()
+    text = output(console)
+    assert text == "kvd> Hi there\ndone\n"
+
+
+def test_rich_markup_in_model_text_is_printed_literally() -> None:
+    console = capture_console()
+    render.print_message(console, "assistant", "[bold]x[/bold] and [red]y[/] :smile:")
+    assert output(console) == "kvd> [bold]x[/bold] and [red]y[/] :smile:\n"
+
+
+# -- streamed answers -------------------------------------------------------
+
+
+def test_streamed_answer_wraps_between_words_at_the_console_width() -> None:
+    console = capture_console()
+    printer = render.MessagePrinter(console)
+    printer.start()
+    words = [f" word{i:02d}" for i in range(20)]
+    for word in words:
+        printer.feed(word)
+    printer.finish()
+    lines = output(console).splitlines()
+    assert all(len(line) <= 60 for line in lines)
+    assert lines[0].startswith("kvd> word00 word01")
+    assert " ".join(" ".join(lines)[len("kvd> ") :].split()) == " ".join(w.strip() for w in words)
+    assert all(not line.endswith(" ") for line in lines)
+
+
+def test_streamed_answer_breaks_a_word_wider_than_the_screen() -> None:
+    console = capture_console()
+    printer = render.MessagePrinter(console)
+    printer.start()
+    printer.feed("x" * 130)
+    printer.finish()
+    assert output(console) == "kvd> " + "x" * 55 + "\n" + "x" * 60 + "\n" + "x" * 15 + "\n"
+
+
+def test_streamed_answer_drops_leading_and_trailing_blank_space_keeps_indent() -> None:
+    console = capture_console()
+    printer = render.MessagePrinter(console)
+    printer.start()
+    for piece in ["\n\n  ", "def f():", "\n    ", "return 1", "\n\n", "  "]:
+        printer.feed(piece)
+    printer.finish()
+    assert output(console) == "kvd> def f():\n    return 1\n"
+
+
+def test_an_answer_that_never_started_prints_nothing() -> None:
+    """A refused chat.send (busy, too_large) shows its error alone, no dangling label."""
+    console = capture_console()
+    printer = render.MessagePrinter(console)
+    printer.finish()
+    assert output(console) == ""
+    printer.feed("late")  # a delta before chat.start still gets its label
+    printer.finish()
+    assert output(console) == "kvd> late\n"
+
+
+# -- header, history, errors --------------------------------------------------
+
+
+SESSION = {
+    "id": "3f9a0c2b7d1e4a56",
+    "title": "Trip [b]planning[/b]",
+    "system": None,
+    "message_count": 3,
+    "tokens": 512,
+}
+HELLO = {"type": "hello", "protocol": 1, "server": "kvd 0.1.0", "model": "builtin:tiny", "ready": True}
+
+
+def test_header_names_the_session_and_model() -> None:
+    console = capture_console()
+    render.print_header(console, SESSION, HELLO)
+    lines = output(console).splitlines()
+    assert lines[0] == "Trip [b]planning[/b]"
+    assert lines[1] == "session 3f9a0c2b7d1e4a56 · model builtin:tiny · kvd 0.1.0"
+    assert "/help" in lines[2]
+
+
+def test_header_of_a_resumed_session_counts_its_messages() -> None:
+    console = capture_console()
+    render.print_header(console, {**SESSION, "system": "Be brief."}, {**HELLO, "ready": False}, resumed=True)
+    lines = output(console).splitlines()
+    assert lines[1] == "session 3f9a0c2b7d1e4a56 · model builtin:tiny (loading) · 3 messages · kvd 0.1.0"
+    assert lines[2] == "system: Be brief."
+
+
+def test_history() -> None:
+    console = capture_console()
+    messages = [
+        {"index": 0, "role": "user", "content": "Where to?", "status": "complete"},
+        {"index": 1, "role": "assistant", "content": "Lisbon\x1b[2J.", "status": "complete"},
+        {"index": 2, "role": "user", "content": "And then?", "status": "complete"},
+        {"index": 3, "role": "assistant", "content": "Por", "status": "cancelled"},
+    ]
+    render.print_history(console, messages)
+    assert output(console) == "you> Where to?\nkvd> Lisbon.\n\nyou> And then?\nkvd> Por\n(cancelled)\n\n"
+
+
+def test_error_is_one_line() -> None:
+    console = capture_console()
+    render.print_error(console, "kvd is not running at ws://127.0.0.1:8765/v1. Start it with: kvd serve")
+    assert output(console) == "error: kvd is not running at ws://127.0.0.1:8765/v1. Start it with: kvd serve\n"
+
+
+def test_error_from_the_wire_is_sanitized_and_literal() -> None:
+    console = capture_console()
+    render.print_error(console, "no session '[red]\x1b[2Jx'")
+    assert output(console) == "error: no session '[red]x'\n"
+
+
+def test_prompt_is_plain_without_colour_and_marked_for_readline_with_it() -> None:
+    assert render.prompt(capture_console(), render.YOU, render.YOU_STYLE) == "you> "
+    colour = Console(width=60, color_system="standard", file=io.StringIO(), force_terminal=True)
+    marked = render.prompt(colour, render.YOU, render.YOU_STYLE)
+    assert "you> " in marked and marked.count("\x01") == marked.count("\x02") > 0
+    assert "\x1b" not in marked.replace("\x01\x1b", "")
+
+
+# -- input --------------------------------------------------------------------
+
+
+def test_backslash_continues_the_message() -> None:
+    lines = iter(["first \\", "second\\", "third"])
+    prompts: list[str] = []
+
+    def read(prompt: str) -> str:
+        prompts.append(prompt)
+        return next(lines)
+
+    assert read_message("you> ", "...> ", read) == "first \nsecond\nthird"
+    assert prompts == ["you> ", "...> ", "...> "]
+
+
+def test_ctrl_d_on_a_continuation_line_ends_the_message() -> None:
+    lines = iter(["first \\"])
+
+    def read(prompt: str) -> str:
+        for line in lines:
+            return line
+        raise EOFError
+
+    assert read_message("you> ", "...> ", read) == "first "
+    with pytest.raises(EOFError):
+        read_message("you> ", "...> ", read)
+
+
+# -- import-light ---------------------------------------------------------------
+
+
+def test_kvchat_imports_no_mlx_numpy_or_stores() -> None:
+    """kvchat runs where mlx does not; only daemon.protocol may come along."""
+    check = (
+        "import tui.cli, sys; "
+        "assert not any(m.split('.')[0] in {'mlx','mlx_lm','numpy','sessions','cachestore'} for m in sys.modules), "
+        "sorted(m for m in sys.modules if m.split('.')[0] in {'mlx','mlx_lm','numpy','sessions','cachestore'}); "
+        "daemon = sorted(m for m in sys.modules if m == 'daemon' or m.startswith('daemon.')); "
+        "assert daemon == ['daemon', 'daemon.protocol'], daemon"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+

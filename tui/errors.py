@@ -1,0 +1,69 @@
+"""What can go wrong for kvchat, as exceptions whose text a person can act on.
+
+Every exception here is meant for the user: ``str(exc)`` says what happened
+and what to do, and kvchat prints it as one line. Anything else that escapes
+is a bug in kvchat and keeps its traceback.
+
+* :exc:`KvchatError`
+    * :exc:`NoDaemon`          nothing listens at the URL
+    * :exc:`Unreachable`       something is there, but it is not a usable kvd
+    * :exc:`TokenMissing`      no token file where kvchat looked
+    * :exc:`TokenRefused`      the daemon refused the token kvchat sent
+    * :exc:`ConnectionLost`    the daemon went away mid-session
+    * :exc:`ServerError`       kvd answered a request with an ``error`` event
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class KvchatError(Exception):
+    """An error the user should read; its text says what to do."""
+
+
+class NoDaemon(KvchatError):
+    def __init__(self, url: str) -> None:
+        super().__init__(f"kvd is not running at {url}. Start it with: kvd serve")
+        self.url = url
+
+
+class Unreachable(KvchatError):
+    def __init__(self, url: str, why: str) -> None:
+        super().__init__(f"could not talk to kvd at {url}: {why}")
+        self.url = url
+
+
+class TokenMissing(KvchatError):
+    def __init__(self, path: Path) -> None:
+        super().__init__(
+            f"no token at {path}; `kvd serve` creates it on first start "
+            "(or pass --token-file / --data-dir to point kvchat at it)"
+        )
+        self.path = path
+
+
+class TokenRefused(KvchatError):
+    def __init__(self, path: Path | None) -> None:
+        where = f"in {path}" if path is not None else "kvchat sent"
+        super().__init__(
+            f"the daemon refused the token {where}; it belongs to another kvd "
+            "(pass --data-dir or --token-file for the daemon you mean, or restart it)"
+        )
+        self.path = path
+
+
+class ConnectionLost(KvchatError):
+    def __init__(self, url: str, why: str = "") -> None:
+        detail = f" ({why})" if why else ""
+        super().__init__(f"lost the connection to kvd at {url}{detail}. If it stopped, start it with: kvd serve")
+        self.url = url
+
+
+class ServerError(KvchatError):
+    """An ``error`` event: the request failed, the connection is fine."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{message} ({code})")
+        self.code = code
+        self.message = message
