@@ -438,13 +438,13 @@ def _tokenizer_config(special_ids: dict[str, int]) -> dict[str, Any]:
 
 _PROJ_STD = 0.05
 _EMBED_STD = 0.05
-_HEAD_WORD_STD = 0.05
+_HEAD_WORD_STD = 0.2
 _HEAD_OTHER_SCALE = 0.05  # bytes, prefixes, bare words, specials
 _HEAD_EOS_SCALE = 1.9  # <|im_end|>: some answers end by themselves
 # A word's lm_head row minus its own embedding: the token (or context) that
 # dominates the residual stream scores itself low, so greedy decoding wanders
 # through many words instead of repeating one forever.
-_HEAD_ANTI_REPEAT = 1.0
+_HEAD_ANTI_REPEAT = 3.0
 
 
 def _weights(
