@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--data-dir", type=Path, help="where the database, token and caches live")
     s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    st = sub.add_parser("status", help="show a running daemon's cache tiers")
+    st.add_argument("--data-dir", type=Path, help="the daemon's data directory")
+    st.add_argument("--url", help="the daemon's URL (default: from the data directory)")
+    st.add_argument("--json", action="store_true", help="print the raw status as JSON")
     return parser
 
 
@@ -124,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvd: error: {e}", file=sys.stderr)
             return 2
         return serve(config)
+    if args.command == "status":
+        from .protocol import default_data_dir
+        from .statuscmd import main as status_main
+
+        return status_main(args.data_dir or default_data_dir(), args.url, args.json)
     return 2
 
 

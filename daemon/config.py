@@ -40,6 +40,13 @@ class Config:
     temperature: float = 0.7
     top_p: float = 1.0
     prefill_step_size: int = 512
+    # Cache tiers: byte budgets (hard limits) and idle times
+    resident_bytes: int = 4 << 30
+    warm_bytes: int = 2 << 30
+    disk_bytes: int = 20 << 30
+    resident_idle: float = 600.0
+    warm_idle: float = 3600.0
+    max_segments: int = 16
     # Limits
     max_message_bytes: int = 1 << 20
     max_text_chars: int = 32_000
@@ -54,6 +61,10 @@ class Config:
     def models_dir(self) -> Path:
         return self.data_dir / "models"
 
+    @property
+    def cache_dir(self) -> Path:
+        return self.data_dir / "cache"
+
 
 # Where each key lives in config.toml: (table or None for top level, key).
 _LAYOUT: dict[str, tuple[str | None, str]] = {
@@ -67,6 +78,12 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "temperature": ("generation", "temperature"),
     "top_p": ("generation", "top_p"),
     "prefill_step_size": ("generation", "prefill_step_size"),
+    "resident_bytes": ("cache", "resident_bytes"),
+    "warm_bytes": ("cache", "warm_bytes"),
+    "disk_bytes": ("cache", "disk_bytes"),
+    "resident_idle": ("cache", "resident_idle"),
+    "warm_idle": ("cache", "warm_idle"),
+    "max_segments": ("cache", "max_segments"),
     "max_message_bytes": ("limits", "max_message_bytes"),
     "max_text_chars": ("limits", "max_text_chars"),
     "max_tokens_limit": ("limits", "max_tokens_limit"),
@@ -118,6 +135,9 @@ def _check(name: str, value: Any) -> Any:
         if name == "port":
             if not 0 <= value <= 65535:
                 raise ConfigError(f"{dotted} must be 0-65535 (0 picks a free port)")
+        elif name.endswith("_bytes") and table == "cache":
+            if value < 0:
+                raise ConfigError(f"{dotted} must be >= 0 (0 turns the tier off)")
         elif value <= 0:
             raise ConfigError(f"{dotted} must be positive")
         return value
@@ -129,7 +149,7 @@ def _check(name: str, value: Any) -> Any:
             raise ConfigError(f"{dotted} must be between 0 and 2")
         if name == "top_p" and not 0 < value <= 1:
             raise ConfigError(f"{dotted} must be in (0, 1]")
-        if name == "send_timeout" and value <= 0:
+        if name in ("send_timeout", "resident_idle", "warm_idle") and value <= 0:
             raise ConfigError(f"{dotted} must be positive")
         return value
     raise AssertionError(name)  # pragma: no cover

@@ -15,9 +15,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from .config import Config
+
+if TYPE_CHECKING:
+    from cachestore.manager import SessionCaches
 
 log = logging.getLogger("kvd.engine")
 
@@ -47,6 +50,11 @@ class _Cancel:
 @dataclass
 class _Stop:
     pass
+
+
+@dataclass
+class _Status:
+    reply: Callable[[dict[str, Any]], None]  # called on the engine thread
 
 
 # --- events out ------------------------------------------------------------
@@ -79,6 +87,9 @@ class Failed:
 EngineEvent = Union[Started, Delta, Done, Failed]
 
 
+MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
+
+
 class PromptTooLong(Exception):
     pass
 
@@ -90,6 +101,9 @@ class _Active:
     detokenizer: Any
     prompt_len: int
     cached_len: int
+    restored_from: str
+    restore_ms: float
+    inserted: float
     generated: int = 0
     t_first: float | None = None
     t_last: float | None = None
@@ -103,12 +117,12 @@ class Engine:
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.model_info: dict[str, Any] = {"model": config.model}
-        self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Stop | _Status] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         self._active: dict[str, _Active] = {}  # by session id
         self._by_uid: dict[int, str] = {}
-        # Resident tier: the live caches of idle sessions, with the ids they hold.
-        self._resident: dict[str, tuple[list[Any], list[int]]] = {}
+        self.caches: SessionCaches | None = None  # every idle session's cache, by tier
+        self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
 
     # --- called from other threads ---
 
@@ -121,6 +135,10 @@ class Engine:
     def cancel(self, session_id: str) -> None:
         self._inbox.put(_Cancel(session_id))
 
+    def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
+        """Ask for fresh statistics: answered between steps, after any finished turn is kept."""
+        self._inbox.put(_Status(reply))
+
     def stop(self, timeout: float | None = None) -> None:
         """Cancel whatever runs (each job gets its Done) and end the thread."""
         self._inbox.put(_Stop())
@@ -130,6 +148,7 @@ class Engine:
 
     def _load(self) -> None:
         import mlx.core as mx
+        from mlx.utils import tree_flatten
         from mlx_lm.utils import load
 
         from .builtin import ensure_builtin, is_builtin
@@ -137,10 +156,27 @@ class Engine:
         name = self.config.model
         path = str(ensure_builtin(name, self.config.models_dir)) if is_builtin(name) else name
         t0 = time.perf_counter()
-        model, tokenizer = load(path)[:2]
+        model, tokenizer, model_config = load(path, return_config=True)  # type: ignore[misc]
         if not mx.metal.is_available():
             # On the CPU backend float32 matmuls are ~20x faster than bf16/fp16.
             model.set_dtype(mx.float32)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from cachestore.manager import Budgets, SessionCaches
+        from cachestore.segments import fingerprint
+
+        layout = [f"{type(c).__name__}:{getattr(c, 'max_size', '')}:{getattr(c, 'keep', '')}"
+                  for c in make_prompt_cache(model)]
+        params: Any = tree_flatten(model.parameters())
+        dtype = str(params[0][1].dtype)
+        c = self.config
+        self.caches = SessionCaches(
+            c.cache_dir,
+            fingerprint(model_id=name, config=model_config, dtype=dtype, kv_bits=None, layout=layout),
+            Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
+                    disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
+                    warm_idle=c.warm_idle, max_segments=c.max_segments),
+        )
         self.model, self.tokenizer = model, tokenizer
         args = getattr(model, "args", None)
         self.max_context = int(getattr(args, "max_position_embeddings", 0) or 0) or None
@@ -165,20 +201,33 @@ class Engine:
         except BaseException as e:  # reported to every client; the daemon stays up
             log.exception("loading model %s failed", self.config.model)
             self.load_error = e
+        self._publish_stats()
         self.ready.set()
         while True:
             try:
-                cmd = self._inbox.get(block=not self._active)
+                if self._active:
+                    cmd = self._inbox.get(block=False)
+                else:
+                    cmd = self._inbox.get(timeout=MAINTAIN_EVERY)
             except queue.Empty:
                 cmd = None
+                if not self._active and self.caches is not None:
+                    self.caches.maintain()
+                    self._publish_stats()
             if isinstance(cmd, _Stop):
                 for sid in list(self._active):
                     self._cancel(sid)
+                if self.caches is not None:
+                    self.caches.page_out_all()
+                    self.caches.close()
                 return
             if isinstance(cmd, GenerationJob):
                 self._start(cmd)
             elif isinstance(cmd, _Cancel):
                 self._cancel(cmd.session_id)
+            elif isinstance(cmd, _Status):
+                self._publish_stats()
+                cmd.reply(self.stats)
             if self._active and self._inbox.empty():
                 self._step()
 
@@ -201,8 +250,6 @@ class Engine:
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.sample_utils import make_sampler
 
-        from cachestore.prefix import rewind_for
-
         from .prompt import prompt_tokens
 
         tokens = prompt_tokens(self.tokenizer, job.messages, job.system, job.fed_tokens,
@@ -212,12 +259,11 @@ class Engine:
                 f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
                 f"exceeds the model's context of {self.max_context} tokens; start a new session"
             )
-        cache, cached = None, 0
-        if (entry := self._resident.pop(job.session_id, None)) is not None:
-            cache, cached_tokens = entry
-            cached = rewind_for(cache, cached_tokens, tokens)
+        assert self.caches is not None
+        out = self.caches.checkout(job.session_id, tokens)
+        cache, cached = out.cache, out.tokens
         if cache is None or cached == 0:
-            cache = make_prompt_cache(self.model)
+            cache, cached = make_prompt_cache(self.model), 0
         sampler = make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0)
         (uid,) = self.generator.insert(
             [tokens[cached:]],
@@ -228,7 +274,8 @@ class Engine:
         )
         self._active[job.session_id] = _Active(
             job=job, uid=uid, detokenizer=self.tokenizer.detokenizer,
-            prompt_len=len(tokens), cached_len=cached,
+            prompt_len=len(tokens), cached_len=cached, restored_from=out.source,
+            restore_ms=out.restore_ms, inserted=time.perf_counter(),
         )
         self._by_uid[uid] = job.session_id
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached))
@@ -274,9 +321,14 @@ class Engine:
             act.job.emit(Delta(text))
         sid = act.job.session_id
         self._forget(sid)
-        if cache is not None and tokens:
-            self._resident[sid] = (cache, tokens)
         act.job.emit(Done(reason, self._usage(act), tokens or None))
+        # Behind the turn: the client has its answer; now keep the cache and page out its new tokens.
+        if cache is not None and tokens and self.caches is not None:
+            try:
+                self.caches.checkin(sid, cache, tokens)
+            except Exception:
+                log.exception("keeping the cache of %s failed; it will prefill next time", sid)
+        self._publish_stats()
 
     def _forget(self, session_id: str) -> None:
         act = self._active.pop(session_id, None)
@@ -289,13 +341,20 @@ class Engine:
         tps = None
         if act.generated > 1 and act.t_first and act.t_last and act.t_last > act.t_first:
             tps = (act.generated - 1) / (act.t_last - act.t_first)
+        prefill_ms = (act.t_first - act.inserted) * 1000 if act.t_first else None
         return {
             "prompt_tokens": act.prompt_len,
             "cached_tokens": act.cached_len,
             "completion_tokens": act.generated,
             "ttft_ms": round(ttft, 1) if ttft is not None else None,
             "decode_tps": round(tps, 1) if tps is not None else None,
+            "restored_from": act.restored_from,
+            "restored_tokens": act.cached_len,
+            "restore_ms": round(act.restore_ms, 2),
+            "prefill_tokens": act.prompt_len - act.cached_len,
+            "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,
         }
 
-    def statistics(self) -> dict[str, Any]:
-        return {"active": len(self._active), "resident_sessions": len(self._resident)}
+    def _publish_stats(self) -> None:
+        caches = self.caches.statistics() if self.caches is not None else {}
+        self.stats = {"generating": len(self._active), "tiers": caches}

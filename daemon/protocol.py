@@ -29,6 +29,7 @@ SESSION_GET = "session.get"
 CHAT_SEND = "chat.send"
 CHAT_CANCEL = "chat.cancel"
 PING = "ping"
+STATUS = "status"
 
 # Event types.
 HELLO = "hello"

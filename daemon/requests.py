@@ -69,7 +69,12 @@ class Ping:
     id: RequestId
 
 
-Request = Union[SessionCreate, SessionList, SessionGet, ChatSend, ChatCancel, Ping]
+@dataclass(frozen=True)
+class Status:
+    id: RequestId
+
+
+Request = Union[SessionCreate, SessionList, SessionGet, ChatSend, ChatCancel, Ping, Status]
 
 MAX_TITLE_CHARS = 200
 
@@ -131,6 +136,8 @@ def parse_request(raw: str | bytes, config: Config) -> Request:
 
     if kind == p.PING:
         return Ping(rid)
+    if kind == p.STATUS:
+        return Status(rid)
     if kind == p.SESSION_LIST:
         return SessionList(rid)
     if kind == p.SESSION_CREATE:

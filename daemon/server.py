@@ -34,11 +34,12 @@ from .config import Config
 from .connection import Connection
 from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Started
 from .requests import (ChatCancel, ChatSend, Ping, RequestError, SessionCreate, SessionGet,
-                       SessionList, parse_request)
+                       SessionList, Status, parse_request)
 
 log = logging.getLogger("kvd.server")
 
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
+STATUS_TIMEOUT = 5.0  # a busy engine answers status between steps; past this, the last figures
 
 
 @dataclass
@@ -125,7 +126,7 @@ class Daemon:
                 conn.publish(self._hello())
                 try:
                     async for raw in ws:
-                        self._dispatch(conn, raw)
+                        await self._dispatch(conn, raw)
                 except ConnectionClosed:
                     pass
                 finally:
@@ -135,18 +136,43 @@ class Daemon:
             for gen in self._generations.values():
                 gen.subscribers.discard(conn)
 
+    async def status(self) -> dict[str, Any]:
+        """What `kvd status` shows: the model, the connections, every cache tier."""
+        stats = self.engine.stats
+        if self.engine.ready.is_set():
+            # Through the engine's queue, so a turn that just finished is counted.
+            loop = asyncio.get_running_loop()
+            fresh: asyncio.Future[dict[str, Any]] = loop.create_future()
+
+            def deliver(s: dict[str, Any]) -> None:  # engine thread
+                loop.call_soon_threadsafe(_settle, s)
+
+            def _settle(s: dict[str, Any]) -> None:
+                if not fresh.done():
+                    fresh.set_result(s)
+
+            self.engine.query_status(deliver)
+            with anyio.move_on_after(STATUS_TIMEOUT):
+                stats = await fresh
+        return {"server": f"kvd {__version__}", "model": self.config.model,
+                "ready": self.engine.ready.is_set() and self.engine.load_error is None,
+                "connections": len(self._connections), "generating": len(self._generations),
+                "tiers": stats.get("tiers", {})}
+
     def _hello(self) -> dict[str, Any]:
         ready = self.engine.ready.is_set() and self.engine.load_error is None
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
                 "model": self.config.model, "ready": ready}
 
-    def _dispatch(self, conn: Connection, raw: str | bytes) -> None:
+    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:
         rid = None
         try:
             req = parse_request(raw, self.config)
             rid = req.id
             if isinstance(req, Ping):
                 conn.publish({"type": p.PONG, "id": rid})
+            elif isinstance(req, Status):
+                conn.publish({"type": p.STATUS, "id": rid, **await self.status()})
             elif isinstance(req, SessionCreate):
                 session = self.store.create_session(title=req.title, system=req.system)
                 conn.publish({"type": p.SESSION, "id": rid, "session": session})
@@ -215,8 +241,12 @@ class Daemon:
         ))
 
     async def _pump(self, gen: Generation, events: MemoryObjectReceiveStream[EngineEvent]) -> None:
-        """Commit and publish one answer's events until it is done."""
-        last_commit = time.monotonic()
+        """Commit and publish one answer's events until it is done.
+
+        The first delta is committed at once, later ones at most every
+        COMMIT_INTERVAL: a crash loses at most that much of an answer.
+        """
+        last_commit = -math.inf
         try:
             async with events:
                 async for ev in events:

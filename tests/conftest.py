@@ -113,3 +113,27 @@ async def client(d: RunningDaemon) -> AsyncIterator[Client]:
         hello = await c.recv()
         assert hello["type"] == "hello" and hello["protocol"] == 1
         yield c
+
+
+def greedy_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """What a fresh full prefill of `prompt` continues with, outside kvd (call with no daemon running)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    model = load(str(model_dir))[0]
+    model.set_dtype(mx.float32)
+    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def fed_tokens(db_path: Path, session: str) -> list[int]:
+    import sqlite3
+
+    from sessions.tokens import unpack_tokens
+
+    db = sqlite3.connect(db_path)
+    try:
+        (blob,) = db.execute("SELECT tokens FROM session_tokens WHERE session_id = ?", [session]).fetchone()
+    finally:
+        db.close()
+    return unpack_tokens(blob)

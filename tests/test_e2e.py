@@ -8,25 +8,11 @@ from typing import Any
 
 import pytest
 
-from conftest import client, running_daemon
+from conftest import client, greedy_reference, running_daemon
 
 pytestmark = pytest.mark.anyio
 
 MODELS = ["builtin:tiny", "builtin:tiny-swa"]
-
-
-def greedy_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    """What a fresh full prefill of `prompt` continues with, outside kvd."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load
-
-    model, _ = load(str(model_dir))
-    model.set_dtype(mx.float32)
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
-        out.append(int(token))
-    return out
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -1,0 +1,284 @@
+"""Every session's cache across the tiers: resident, warm, disk.
+
+Runs on the engine thread only (it holds live MLX caches). The policy:
+
+- After a turn, the session's live cache is *resident*, and the tokens the
+  turn added are written *behind* it to disk as one new segment
+  `[a, b)`, so page-out cost grows with the new tokens, not the history.
+- Resident over budget or idle: the least recently used cache is demoted to
+  *warm*, a compact evaluated snapshot trimmed to its offset.
+- Warm over budget or idle: dropped; disk already holds it.
+- Disk over budget: the least recently used sessions' segments are deleted.
+- Resume (`checkout`) restores the longest prefix of the wanted token ids it
+  finds, resident first, then warm, then disk; the caller prefills the rest.
+
+A disk file that fails its checksum, fingerprint or invariants is dropped with
+everything after it; the session then prefills from its transcript: slower,
+never wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import CannotSplit, CorruptSegment
+from .index import SegmentIndex, SegmentRow
+from .prefix import common_prefix_len
+from .segments import read_segment, write_segment
+from .snapshot import Snapshot, merge, restore, rewind, snapshot, trimmable, truncate
+from .tiers import Tier
+
+log = logging.getLogger("kvd.cache")
+
+Cache = list[Any]
+
+
+@dataclass(frozen=True)
+class Budgets:
+    resident_bytes: int = 4 << 30
+    warm_bytes: int = 2 << 30
+    disk_bytes: int = 20 << 30
+    resident_idle: float = 600.0
+    warm_idle: float = 3600.0
+    max_segments: int = 16
+
+
+@dataclass
+class Checkout:
+    cache: Cache | None
+    tokens: int  # how many leading ids of the wanted tokens `cache` holds
+    source: str  # "resident" | "warm" | "disk" | "none"
+    restore_ms: float
+
+
+def cache_nbytes(cache: Cache) -> int:
+    return sum(int(c.nbytes) for c in cache)
+
+
+class SessionCaches:
+    def __init__(self, root: Path, fingerprint: str, budgets: Budgets,
+                 *, clock: Callable[[], float] = time.time):
+        self.fingerprint = fingerprint
+        self.budgets = budgets
+        self._clock = clock
+        self.index = SegmentIndex(root)
+        if removed := self.index.sweep():
+            log.info("removed %d cache file(s) left incomplete by a crash", removed)
+        self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes)
+        self.warm: Tier[tuple[Snapshot, list[int]]] = Tier("warm", budgets.warm_bytes)
+        self.disk_stats = {"hits": 0, "misses": 0, "page_ins": 0, "page_outs": 0,
+                           "bytes_written": 0, "bytes_read": 0, "dropped_corrupt": 0}
+        self._enforce_disk_budget(keep=None)
+
+    def close(self) -> None:
+        self.index.close()
+
+    # --- resume ---
+
+    def checkout(self, key: str, wanted: Sequence[int]) -> Checkout:
+        """Take the session's cache out of the tiers, holding the longest usable prefix.
+
+        At least one wanted token is always left to feed.
+        """
+        t0 = time.perf_counter()
+        limit = len(wanted) - 1
+        ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
+
+        if (res := self.resident.take(key)) is not None:
+            cache, toks = res
+            n = min(common_prefix_len(toks, wanted), limit)
+            if n > 0 and rewind(cache, len(toks) - n):
+                self.warm.discard(key)
+                return Checkout(cache, n, "resident", ms())
+            log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
+        if (w := self.warm.take(key)) is not None:
+            snap, toks = w
+            n = min(common_prefix_len(toks, wanted), limit)
+            if n > 0:
+                try:
+                    return Checkout(restore(truncate(snap, n)), n, "warm", ms())
+                except CannotSplit:
+                    log.debug("warm snapshot of %s cannot be cut at %d", key, n)
+        paged = self._page_in(key, wanted, limit)
+        if paged is not None:
+            return Checkout(restore(paged), paged.end, "disk", ms())
+        return Checkout(None, 0, "none", ms())
+
+    def _page_in(self, key: str, wanted: Sequence[int], limit: int) -> Snapshot | None:
+        """The longest prefix of `wanted` the disk chain holds, merged into one snapshot."""
+        chain = self._valid_chain(key)
+        pieces: list[Snapshot] = []
+        for row in chain:
+            if row.start != (pieces[-1].end if pieces else 0):
+                break
+            shared = common_prefix_len(row.tokens, wanted[row.start:row.end])
+            whole = shared == row.end - row.start and row.end <= limit
+            if not whole and shared == 0:
+                break
+            try:
+                piece = read_segment(row.path, checksum=row.checksum, fingerprint=self.fingerprint)
+            except CorruptSegment as e:
+                log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
+                self.disk_stats["dropped_corrupt"] += 1
+                self.index.drop_from(key, row.start)
+                break
+            self.disk_stats["bytes_read"] += row.nbytes
+            if whole:
+                pieces.append(piece)
+                continue
+            end = min(row.start + shared, limit)
+            if end > row.start and trimmable(piece):
+                try:
+                    pieces.append(truncate(piece, end))
+                except CannotSplit:
+                    pass
+            break
+        if not pieces:
+            self.disk_stats["misses"] += 1
+            return None
+        merged = pieces[0]
+        for piece in pieces[1:]:
+            merged = merge(merged, piece)
+        self.disk_stats["hits"] += 1
+        self.disk_stats["page_ins"] += 1
+        self.index.touch(key, self._clock())
+        return merged
+
+    def _valid_chain(self, key: str) -> list[SegmentRow]:
+        chain = self.index.chain(key)
+        for row in chain:
+            if row.fingerprint != self.fingerprint:
+                # Another model or layout wrote these: never loaded, never kept.
+                log.info("dropping cache of %s made by another model or layout", key)
+                self.index.drop_from(key, row.start)
+                return [r for r in chain if r.start < row.start]
+        return chain
+
+    # --- after a turn ---
+
+    def checkin(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
+        """Keep a session's live cache resident and write its new tokens behind it."""
+        tokens = list(tokens)
+        try:
+            self._write_behind(key, cache, tokens)
+        except OSError as e:
+            log.warning("could not write the cache of %s to disk: %s", key, e)
+        self.warm.discard(key)
+        now = self._clock()
+        for cold, (c, toks) in self.resident.put(key, (cache, tokens), cache_nbytes(cache), now):
+            self._demote(cold, c, toks, now)
+
+    def _demote(self, key: str, cache: Cache, tokens: list[int], now: float) -> None:
+        snap = snapshot(cache, 0)
+        for cold, _ in self.warm.put(key, (snap, tokens), snap.nbytes, now):
+            log.debug("warm snapshot of %s dropped; disk holds it", cold)
+
+    def _covered(self, key: str, tokens: Sequence[int]) -> tuple[list[SegmentRow], int]:
+        """The chain's leading segments that agree with `tokens`, and where they end."""
+        kept: list[SegmentRow] = []
+        pos = 0
+        for row in self._valid_chain(key):
+            if (row.start != pos or row.end > len(tokens)
+                    or tuple(tokens[row.start:row.end]) != row.tokens):
+                break
+            kept.append(row)
+            pos = row.end
+        return kept, pos
+
+    def _write_behind(self, key: str, cache: Cache, tokens: list[int]) -> None:
+        kept, pos = self._covered(key, tokens)
+        chain_len = len(self.index.chain(key))
+        if chain_len > len(kept):
+            self.index.drop_from(key, pos)  # a rewind (regenerate, edit) left these behind
+        now = self._clock()
+        if pos == len(tokens):
+            self.index.touch(key, now)
+            return
+        if len(kept) + 1 > self.budgets.max_segments:
+            pos = 0  # compaction: one segment for the whole history, from the live cache
+        snap = snapshot(cache, pos)
+        self._write(key, snap, tokens, now, replace=pos == 0 and bool(kept))
+        self._enforce_disk_budget(keep=key)
+
+    def _write(self, key: str, snap: Snapshot, tokens: Sequence[int], now: float, *, replace: bool) -> None:
+        path = self.index.path_for(key, snap.start, snap.end)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if replace:
+            self.index.drop_from(key, 0)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        seg = write_segment(path, snap, fingerprint=self.fingerprint)
+        _maybe_crash("after-write")
+        self.index.add(key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,
+                       self.fingerprint, tokens[snap.start:snap.end], now)
+        self.disk_stats["page_outs"] += 1
+        self.disk_stats["bytes_written"] += seg.nbytes
+
+    def _enforce_disk_budget(self, keep: str | None) -> None:
+        total = self.index.total_bytes()
+        if total <= self.budgets.disk_bytes:
+            return
+        for key, nbytes in self.index.keys_by_use():
+            if total <= self.budgets.disk_bytes:
+                break
+            if key == keep:
+                continue
+            total -= self.index.drop_from(key, 0)
+        if total > self.budgets.disk_bytes and keep is not None:
+            log.warning("the cache of %s alone exceeds the disk budget; not keeping it on disk", keep)
+            self.index.drop_from(keep, 0)
+
+    # --- housekeeping ---
+
+    def maintain(self) -> None:
+        """Idle demotions: resident -> warm after resident_idle, warm dropped after warm_idle."""
+        now = self._clock()
+        for key, (cache, toks) in self.resident.idle(now, self.budgets.resident_idle):
+            self._demote(key, cache, toks, now)
+        self.warm.idle(now, self.budgets.warm_idle)
+
+    def page_out_all(self) -> None:
+        """Make sure disk holds every session kept in memory (on shutdown)."""
+        for key in self.resident:
+            entry = self.resident.peek(key)
+            if entry is not None:
+                try:
+                    self._write_behind(key, entry[0], entry[1])
+                except OSError as e:
+                    log.warning("could not page out %s: %s", key, e)
+        for key in self.warm:
+            w = self.warm.peek(key)
+            if w is None:
+                continue
+            snap, toks = w
+            _, pos = self._covered(key, toks)
+            if pos < snap.end:
+                try:
+                    self._write(key, snap, toks, self._clock(), replace=True)
+                except OSError as e:
+                    log.warning("could not page out %s: %s", key, e)
+
+    def forget(self, key: str) -> None:
+        self.resident.discard(key)
+        self.warm.discard(key)
+        self.index.drop_from(key, 0)
+
+    def statistics(self) -> dict[str, Any]:
+        sessions, segments = self.index.count()
+        return {
+            "resident": self.resident.statistics(),
+            "warm": self.warm.statistics(),
+            "disk": {"sessions": sessions, "segments": segments, "bytes": self.index.total_bytes(),
+                     "budget": self.budgets.disk_bytes, **self.disk_stats},
+        }
+
+
+def _maybe_crash(point: str) -> None:
+    """Fault injection for the crash tests: die like kill -9 at a named point."""
+    if os.environ.get("KVD_TEST_CRASH_AT") == point:
+        os.kill(os.getpid(), 9)

@@ -1,0 +1,113 @@
+"""Byte-budgeted LRU tiers: the eviction policy, with no MLX in it.
+
+A tier holds values with a known size in bytes, least recently used first.
+Putting a value evicts from the cold end until the tier is within its budget
+again, and hands the evicted entries back so the caller can demote them to the
+next tier (resident -> warm -> disk). A budget is a hard limit: a value larger
+than the whole budget is refused (handed straight back) rather than kept.
+Tested with fakes that have only a size, like mlx-lm's own LRU cache tests.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+V = TypeVar("V")
+
+
+@dataclass
+class Entry(Generic[V]):
+    value: V
+    nbytes: int
+    last_used: float
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    page_ins: int = 0  # values promoted out of this tier
+    page_outs: int = 0  # values demoted out of this tier by budget or idleness
+
+
+class Tier(Generic[V]):
+    def __init__(self, name: str, budget: int):
+        if budget < 0:
+            raise ValueError("a budget is a number of bytes >= 0")
+        self.name = name
+        self.budget = budget
+        self.nbytes = 0
+        self.stats = TierStats()
+        self._entries: OrderedDict[str, Entry[V]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._entries))
+
+    def peek(self, key: str) -> V | None:
+        entry = self._entries.get(key)
+        return entry.value if entry is not None else None
+
+    def put(self, key: str, value: V, nbytes: int, now: float) -> list[tuple[str, V]]:
+        """Insert as most recently used; return what had to leave (possibly the value itself)."""
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        evicted: list[tuple[str, V]] = []
+        if key in self._entries:
+            old = self._entries.pop(key)
+            self.nbytes -= old.nbytes
+        if nbytes > self.budget:
+            self.stats.page_outs += 1
+            return [(key, value)]
+        self._entries[key] = Entry(value, nbytes, now)
+        self.nbytes += nbytes
+        while self.nbytes > self.budget:
+            cold, entry = self._entries.popitem(last=False)
+            self.nbytes -= entry.nbytes
+            self.stats.page_outs += 1
+            evicted.append((cold, entry.value))
+        return evicted
+
+    def take(self, key: str) -> V | None:
+        """Remove and return a value that is being promoted (counted as a hit)."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        self.nbytes -= entry.nbytes
+        self.stats.hits += 1
+        self.stats.page_ins += 1
+        return entry.value
+
+    def discard(self, key: str) -> V | None:
+        """Remove a value without counting it as a hit (forgotten, superseded)."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        self.nbytes -= entry.nbytes
+        return entry.value
+
+    def idle(self, now: float, idle_for: float) -> list[tuple[str, V]]:
+        """Remove and return entries not used for `idle_for` seconds."""
+        out: list[tuple[str, V]] = []
+        for key, entry in list(self._entries.items()):
+            if now - entry.last_used < idle_for:
+                break  # ordered by use: the rest are more recent
+            del self._entries[key]
+            self.nbytes -= entry.nbytes
+            self.stats.page_outs += 1
+            out.append((key, entry.value))
+        return out
+
+    def statistics(self) -> dict[str, Any]:
+        return {"sessions": len(self._entries), "bytes": self.nbytes, "budget": self.budget,
+                "hits": self.stats.hits, "misses": self.stats.misses,
+                "page_ins": self.stats.page_ins, "page_outs": self.stats.page_outs}

@@ -1,0 +1,79 @@
+"""`kvd status`: ask a running daemon how its cache tiers are doing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from websockets.exceptions import WebSocketException
+
+from . import protocol as p
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def fetch_status(url: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
+    from websockets.sync.client import connect
+
+    with connect(url, additional_headers={"Authorization": f"Bearer {token}"},
+                 open_timeout=timeout, max_size=None) as ws:
+        hello = json.loads(ws.recv(timeout=timeout))
+        if hello.get("type") != p.HELLO:
+            raise RuntimeError(f"unexpected greeting from {url}: {hello}")
+        ws.send(json.dumps({"id": "status", "type": p.STATUS}))
+        while True:
+            reply = json.loads(ws.recv(timeout=timeout))
+            if reply.get("id") == "status":
+                if reply.get("type") == p.ERROR:
+                    raise RuntimeError(f"kvd at {url} refused status: {reply.get('message')}")
+                return reply
+
+
+def render_status(status: dict[str, Any], console: Console) -> None:
+    console.print(f"{status['server']} · model {status['model']} · "
+                  f"{'ready' if status['ready'] else 'loading'} · "
+                  f"{status['connections']} connection(s) · {status['generating']} generating")
+    table = Table(show_edge=False)
+    for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    for name in ("resident", "warm", "disk"):
+        t = status.get("tiers", {}).get(name)
+        if t is None:
+            continue
+        table.add_row(name, str(t["sessions"]), _human(t["bytes"]), _human(t["budget"]),
+                      str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
+    console.print(table)
+
+
+def main(data_dir: Path, url: str | None, as_json: bool) -> int:
+    url = url or p.read_daemon_url(data_dir)
+    if url is None:
+        print(f"kvd status: no running daemon found in {data_dir} (start one with: kvd serve)",
+              file=sys.stderr)
+        return 1
+    try:
+        token = (data_dir / p.TOKEN_FILE).read_text().strip()
+        status = fetch_status(url, token)
+    except OSError as e:
+        print(f"kvd status: cannot reach kvd at {url}: {e} (start it with: kvd serve)", file=sys.stderr)
+        return 1
+    except (RuntimeError, WebSocketException) as e:
+        print(f"kvd status: {e}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(status, indent=2))
+    else:
+        console = Console()
+        render_status(status, Console(width=max(console.width, 100)))
+    return 0

@@ -1,0 +1,104 @@
+"""A real `kvd serve` process, for the restart and crash tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from websockets.sync.client import ClientConnection, connect
+
+START_TIMEOUT = 120.0
+EVENT_TIMEOUT = 60.0
+
+
+class DaemonProcess:
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None):
+        self.data_dir = data_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir), *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.log: list[str] = []
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def drain() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.log.append(line)
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=drain, daemon=True).start()
+        while True:
+            try:
+                line = lines.get(timeout=START_TIMEOUT)
+            except queue.Empty:
+                self.proc.kill()
+                raise AssertionError("kvd serve did not start:\n" + "".join(self.log)) from None
+            if line is None:
+                raise AssertionError(f"kvd serve exited with {self.proc.wait()}:\n" + "".join(self.log))
+            if m := re.search(r"listening on (ws://\S+)", line):
+                self.url = m.group(1)
+                break
+        self.token = (data_dir / "token").read_text().strip()
+
+    @contextmanager
+    def client(self) -> Iterator[SyncClient]:
+        with connect(self.url, additional_headers={"Authorization": f"Bearer {self.token}"},
+                     max_size=None) as ws:
+            c = SyncClient(ws)
+            assert c.recv()["type"] == "hello"
+            yield c
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+    def kill(self) -> int:
+        self.proc.kill()
+        return self.proc.wait(timeout=60)
+
+
+class SyncClient:
+    def __init__(self, ws: ClientConnection):
+        self.ws = ws
+        self.n = 0
+
+    def recv(self) -> dict[str, Any]:
+        return json.loads(self.ws.recv(timeout=EVENT_TIMEOUT))
+
+    def send(self, **frame: Any) -> str:
+        self.n += 1
+        frame.setdefault("id", f"r{self.n}")
+        self.ws.send(json.dumps(frame))
+        return str(frame["id"])
+
+    def request(self, type: str, **fields: Any) -> dict[str, Any]:
+        rid = self.send(type=type, **fields)
+        while True:
+            reply = self.recv()
+            if reply.get("id") == rid:
+                return reply
+
+    def chat(self, session: str, text: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        rid = self.send(type="chat.send", session=session, text=text, **fields)
+        out = ""
+        while True:
+            e = self.recv()
+            if e.get("id") != rid:
+                continue
+            if e["type"] == "chat.delta":
+                out += e["text"]
+            elif e["type"] in ("chat.done", "error"):
+                return out, e

@@ -1,0 +1,127 @@
+"""A real `kvd serve` process: stop and start, kill -9 mid-stream and mid page-out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from cachestore.index import SegmentIndex
+from daemonproc import DaemonProcess
+
+
+def test_stop_start_resume_restores_from_disk(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    with d.client() as c:
+        sid = c.request("session.create")["session"]["id"]
+        _, first = c.chat(sid, "Hello, this is a conversation to remember.", max_tokens=20, temperature=0)
+        _, second = c.chat(sid, "And a second turn.", max_tokens=20, temperature=0)
+    assert d.terminate() == 0
+    assert not (tmp_path / "daemon.json").exists()
+    assert "stopped" in "".join(d.log)
+
+    d = DaemonProcess(tmp_path)
+    try:
+        with d.client() as c:
+            got = c.request("session.get", session=sid)
+            assert [m["status"] for m in got["messages"]] == ["complete"] * 4
+            _, done = c.chat(sid, "After the restart?", max_tokens=10, temperature=0)
+    finally:
+        d.terminate()
+    u, before = done["usage"], second["usage"]
+    assert u["restored_from"] == "disk"
+    # Only the new message is prefilled: everything fed before the restart was restored.
+    assert u["restored_tokens"] == before["prompt_tokens"] + before["completion_tokens"]
+    assert u["prefill_tokens"] == u["prompt_tokens"] - u["restored_tokens"]
+
+
+def test_kill_9_mid_stream_keeps_transcript_and_resumes(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    with d.client() as c:
+        sid = c.request("session.create")["session"]["id"]
+        _, first = c.chat(sid, "A first turn that completes.", max_tokens=20, temperature=0)
+        c.send(type="chat.send", session=sid, text="Now a long answer, please.", max_tokens=4000,
+               temperature=0)
+        streamed = []
+        while len(streamed) < 20:
+            event = c.recv()
+            if event["type"] == "chat.delta":
+                streamed.append(event["text"])
+        d.kill()
+
+    d = DaemonProcess(tmp_path)
+    try:
+        with d.client() as c:
+            got = c.request("session.get", session=sid)
+            roles = [(m["role"], m["status"]) for m in got["messages"]]
+            assert roles == [("user", "complete"), ("assistant", "complete"),
+                             ("user", "complete"), ("assistant", "error")]
+            assert got["messages"][2]["content"] == "Now a long answer, please."
+            # The part that streamed was committed as it streamed (at least its first delta).
+            partial = got["messages"][3]["content"]
+            assert partial and "".join(streamed).startswith(partial)
+            _, done = c.chat(sid, "Still there?", max_tokens=8, temperature=0)
+    finally:
+        d.terminate()
+    assert done["type"] == "chat.done"
+    u = done["usage"]
+    # What reached disk (turn one) is restored; the cut-off turn and the new one are prefilled.
+    assert u["restored_from"] == "disk"
+    assert u["restored_tokens"] == first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+
+
+def test_kill_9_mid_page_out_never_references_a_partial_file(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path, env={"KVD_TEST_CRASH_AT": "after-write"})
+    with d.client() as c:
+        sid = c.request("session.create")["session"]["id"]
+        c.send(type="chat.send", session=sid, text="This turn dies while its cache is paged out.",
+               max_tokens=12, temperature=0)
+        try:
+            while c.recv()["type"] != "chat.done":
+                pass
+        except Exception:
+            pass  # the daemon may die before or after the answer reaches us
+    assert d.proc.wait(timeout=60) == -9
+    orphans = [p for p in (tmp_path / "cache" / "segments").rglob("*") if p.is_file()]
+    assert orphans  # the file was written but never indexed
+
+    d = DaemonProcess(tmp_path)
+    try:
+        with d.client() as c:
+            got = c.request("session.get", session=sid)
+            assert got["messages"][0]["content"].startswith("This turn dies")
+            _, done = c.chat(sid, "Again?", max_tokens=8, temperature=0)
+            status = c.request("status")  # answered after this turn's segment is written
+            files = {p for p in (tmp_path / "cache" / "segments").rglob("*") if p.is_file()}
+            index = SegmentIndex(tmp_path / "cache")
+            listed = {row.path for row in index.chain(sid)}
+            index.close()
+    finally:
+        d.terminate()
+    # The unindexed file was never loaded (nothing restored) and was swept away.
+    assert done["type"] == "chat.done" and done["usage"]["restored_from"] == "none"
+    assert status["tiers"]["disk"]["segments"] == 1
+    assert files == listed and len(files) == 1
+
+
+def test_kvd_status_command(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    try:
+        with d.client() as c:
+            sid = c.request("session.create")["session"]["id"]
+            c.chat(sid, "hi", max_tokens=4, temperature=0)
+        out = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--data-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        for word in ("resident", "warm", "disk", "budget", "page-outs"):
+            assert word in out.stdout
+        raw = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--json", "--data-dir",
+                              str(tmp_path)], capture_output=True, text=True, timeout=60)
+        tiers = json.loads(raw.stdout)["tiers"]
+        assert tiers["resident"]["sessions"] == 1 and tiers["disk"]["segments"] == 1
+    finally:
+        d.terminate()
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--data-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "kvd serve" in out.stderr

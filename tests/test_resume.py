@@ -1,0 +1,127 @@
+"""Resume from every tier is exact: the answer equals a fresh full prefill's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachestore.index import SegmentIndex
+from conftest import client, fed_tokens, greedy_reference, running_daemon
+
+pytestmark = pytest.mark.anyio
+
+MODELS = ["builtin:tiny", "builtin:tiny-swa"]
+# Budgets that force each path: 0 bytes resident demotes every cache to warm
+# at once; 0 bytes warm as well leaves only disk.
+TIERS: dict[str, dict[str, Any]] = {
+    "resident": {},
+    "warm": {"resident_bytes": 0},
+    "disk": {"resident_bytes": 0, "warm_bytes": 0},
+}
+# Long enough that tiny-swa's 64-token sliding window has wrapped.
+FIRST = "Tell me everything about caches. " * 3
+
+
+def check_exact(tmp_path: Path, model: str, session: str, done: dict[str, Any]) -> None:
+    u = done["usage"]
+    tokens = fed_tokens(tmp_path / "kvd.sqlite", session)
+    prompt = tokens[: u["prompt_tokens"]]
+    reference = greedy_reference(tmp_path / "models" / model.split(":", 1)[1], prompt,
+                                 u["completion_tokens"])
+    assert tokens[u["prompt_tokens"]:] == reference
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("model", MODELS)
+async def test_resume_from_each_tier_is_exact(tmp_path: Path, model: str, tier: str) -> None:
+    async with running_daemon(tmp_path, model=model, **TIERS[tier]) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            _, first = await c.chat(sid, FIRST, max_tokens=16, temperature=0)
+            assert first["usage"]["restored_from"] == "none"
+            _, done = await c.chat(sid, "And then?", max_tokens=16, temperature=0)
+            status = await c.request("status")
+    u, u1 = done["usage"], first["usage"]
+    assert u["restored_from"] == tier
+    assert u["restored_tokens"] == u["cached_tokens"] == u1["prompt_tokens"] + u1["completion_tokens"]
+    assert u["prefill_tokens"] == u["prompt_tokens"] - u["cached_tokens"]
+    assert u["restore_ms"] >= 0 and u["prefill_ms"] > 0
+    assert status["tiers"][tier]["hits"] >= 1
+    assert status["tiers"]["disk"]["segments"] == 2  # one per turn, written behind it
+    check_exact(tmp_path, model, sid, done)
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_partial_disk_plus_suffix_prefill_is_exact(tmp_path: Path, model: str) -> None:
+    """The disk holds turn one only (turn two's segment was lost): restore it, prefill the rest."""
+    async with running_daemon(tmp_path, model=model, **TIERS["disk"]) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            _, first = await c.chat(sid, FIRST, max_tokens=16, temperature=0)
+            _, second = await c.chat(sid, "And then?", max_tokens=16, temperature=0)
+            await c.request("status")  # answered once turn two's segment is written
+            turn_two = second["usage"]["cached_tokens"]
+            # As if a crash had come before turn two's segment was written:
+            index = SegmentIndex(tmp_path / "cache")
+            assert index.drop_from(sid, turn_two) > 0
+            index.close()
+            _, done = await c.chat(sid, "Go on.", max_tokens=16, temperature=0)
+    u = done["usage"]
+    assert u["restored_from"] == "disk"
+    assert u["restored_tokens"] == turn_two
+    assert u["prefill_tokens"] == u["prompt_tokens"] - turn_two
+    check_exact(tmp_path, model, sid, done)
+
+
+def corrupt(path: Path, how: str, other: Path | None) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "bit-flipped":
+        data[-100] ^= 0x01  # in the tensor data, past the header
+        path.write_bytes(data)
+    elif how == "swapped":
+        assert other is not None
+        path.write_bytes(other.read_bytes())
+
+
+@pytest.mark.parametrize("how", ["truncated", "bit-flipped", "swapped"])
+async def test_damaged_cache_file_is_dropped_and_session_rebuilt(tmp_path: Path, how: str) -> None:
+    async with running_daemon(tmp_path, **TIERS["disk"]) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            other = (await c.request("session.create"))["session"]["id"]
+            await c.chat(sid, FIRST, max_tokens=16, temperature=0)
+            await c.chat(other, "Something else entirely, at some length.", max_tokens=16, temperature=0)
+            await c.request("status")  # answered once both segments are written
+            files = sorted((tmp_path / "cache" / "segments" / sid).iterdir())
+            others = sorted((tmp_path / "cache" / "segments" / other).iterdir())
+            assert len(files) == 1 and len(others) == 1
+            corrupt(files[0], how, others[0])
+            _, done = await c.chat(sid, "And then?", max_tokens=16, temperature=0)
+            status = await c.request("status")
+    assert done["type"] == "chat.done"
+    assert done["usage"]["restored_from"] == "none"
+    assert status["tiers"]["disk"]["dropped_corrupt"] == 1
+    check_exact(tmp_path, "builtin:tiny", sid, done)
+
+
+async def test_budgets_hold_while_many_sessions_cycle(tmp_path: Path) -> None:
+    """The real model through small budgets: no tier ever holds more than its budget."""
+    budgets = {"resident_bytes": 600_000, "warm_bytes": 400_000, "disk_bytes": 1_500_000}
+    async with running_daemon(tmp_path, **budgets) as d:
+        async with client(d) as c:
+            sids = [(await c.request("session.create"))["session"]["id"] for _ in range(6)]
+            for round_ in range(3):
+                for sid in sids:
+                    _, done = await c.chat(sid, f"Round {round_}: tell me more.", max_tokens=12,
+                                           temperature=0)
+                    assert done["type"] == "chat.done"
+                    tiers = (await c.request("status"))["tiers"]
+                    for name in ("resident", "warm", "disk"):
+                        assert tiers[name]["bytes"] <= tiers[name]["budget"], (name, tiers[name])
+            assert tiers["resident"]["page_outs"] > 0 and tiers["warm"]["page_outs"] > 0
+            disk = sum(f.stat().st_size for f in (tmp_path / "cache" / "segments").rglob("*") if f.is_file())
+            assert disk <= budgets["disk_bytes"]
