@@ -18,10 +18,14 @@ a :class:`~cachestore.errors.CorruptSegment`, never a crash.
 Checksum: crc32. It guards against corruption (torn writes, bad disks, a
 file swapped under a name by a bug), not against an adversary who can write
 our data directory, so a cryptographic hash buys nothing. Measured on a warm
-100 MB segment (2-core AMD EPYC, zlib 1.2.13): zlib.crc32 3.1-4.2 GB/s,
-sha256 (SHA-NI) 1.8, sha1 1.9, blake2b 0.9, md5 0.8; ``Path.read_bytes``
-1.4-1.9 GB/s (its fresh 100 MB allocation page-faults), ``mx.load`` by path
-9 GB/s. ``sha256:<hex>`` checksums are accepted on read too.
+100 MB segment (2-core AMD EPYC, zlib 1.2.13; ranges over quiet and busy
+runs): zlib.crc32 2.5-4.2 GB/s, sha256 (SHA-NI) 1.7-1.8, sha1 1.9, blake2b
+0.7-0.9, md5 0.8; ``Path.read_bytes`` 1.2-1.9 GB/s (its fresh 100 MB buffer
+page-faults), ``mx.load`` by path 3-9 GB/s. Reading once into bytes and
+handing MLX a ``BytesIO`` (which it accepts) costs 0.6-0.9 GB/s overall;
+checksumming in 4 MB chunks and then letting MLX read the same descriptor
+again from the page cache gives :func:`read_segment` 1.5-2.4 GB/s, above
+plain ``read_bytes``. ``sha256:<hex>`` checksums are accepted on read too.
 """
 
 from __future__ import annotations
@@ -97,13 +101,22 @@ class SegmentFile:
     checksum: str  # "crc32:<8 hex>"
 
 
-def fingerprint(*, model_id: str, config: dict[str, Any], dtype: str, kv_bits: int | None, layout: list[str]) -> str:
+def fingerprint(
+    *, model_id: str, config: dict[str, Any], dtype: str, kv_bits: int | None, layout: list[str]
+) -> str:
     """A stable short hash of everything that makes a cache loadable by a model.
 
     Canonical JSON (sorted keys), so dict order and reloading the config do
     not change it; 64 bits, plenty to tell models apart (it is not a defence).
     """
-    payload = {"v": 1, "model_id": model_id, "config": config, "dtype": dtype, "kv_bits": kv_bits, "layout": list(layout)}
+    payload = {
+        "v": 1,
+        "model_id": model_id,
+        "config": config,
+        "dtype": dtype,
+        "kv_bits": kv_bits,
+        "layout": list(layout),
+    }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -274,7 +287,9 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
     path = Path(path)
     algo, _, want = checksum.partition(":")
     if algo != "crc32" and algo not in _HASHERS:
-        raise ChecksumMismatch(f"unknown checksum {checksum!r} (expected crc32:<hex> or sha256:<hex>)", path=path)
+        raise ChecksumMismatch(
+            f"unknown checksum {checksum!r} (expected crc32:<hex> or sha256:<hex>)", path=path
+        )
     try:
         f = open(path, "rb", buffering=0)
     except FileNotFoundError:
@@ -297,10 +312,13 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
             raise UnsupportedFormat("not a kvd segment: no fingerprint in its metadata", path=path)
         if meta[_FINGERPRINT] != fingerprint:
             raise FingerprintMismatch(
-                f"written for fingerprint {meta[_FINGERPRINT]}, this model's is {fingerprint}", path=path
+                f"written for fingerprint {meta[_FINGERPRINT]}, this model's is {fingerprint}",
+                path=path,
             )
         if meta.get(_FORMAT) != str(FORMAT_VERSION):
-            raise UnsupportedFormat(f"format version {meta.get(_FORMAT)!r}, this kvd reads {FORMAT_VERSION}", path=path)
+            raise UnsupportedFormat(
+                f"format version {meta.get(_FORMAT)!r}, this kvd reads {FORMAT_VERSION}", path=path
+            )
         start, end, layout = _parse_layout(meta, path)
         specs = _parse_specs(header, path)
         try:
@@ -309,7 +327,9 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
             raise InvariantViolation(str(e), path=path) from None
         unnamed = specs.keys() - set(names)
         if unnamed:
-            raise InvariantViolation(f"tensors the layout does not account for: {sorted(unnamed)[:5]}", path=path)
+            raise InvariantViolation(
+                f"tensors the layout does not account for: {sorted(unnamed)[:5]}", path=path
+            )
         tensors = _load(f, path, specs)
     return _build(start, end, layout, tensors)
 
@@ -421,7 +441,9 @@ class _Bad(Exception):
     """An invariant violation found while checking; becomes InvariantViolation."""
 
 
-def _check_layers(layout: tuple[_Node, ...], specs: dict[str, _Spec], start: int, end: int) -> Iterator[str]:
+def _check_layers(
+    layout: tuple[_Node, ...], specs: dict[str, _Spec], start: int, end: int
+) -> Iterator[str]:
     """Check every invariant a restored cache relies on; yield the tensor names used."""
     if not 0 <= start <= end:
         raise _Bad(f"token range [{start}, {end})")
@@ -463,11 +485,17 @@ def _check_node(node: _Node, name: str, specs: dict[str, _Spec], start: int, end
             raise _Bad(f"{where}: max_size {m['max_size']}, keep {m['keep']}")
         window = min(end, m["max_size"])
         if m["idx"] != window:
-            raise _Bad(f"{where}: ring index {m['idx']}, but {end} tokens in a window of {m['max_size']} fill {window}")
+            raise _Bad(
+                f"{where}: ring index {m['idx']}, but {end} tokens in a window of {m['max_size']} fill {window}"
+            )
         _check_kv(where, arrays, window, (_FLOAT, _FLOAT))
     else:  # arrays
         slots, present = m["slots"], m["present"]
-        if not 0 <= slots <= 64 or not 0 <= present < 1 << slots or node.arrays != bin(present).count("1"):
+        if (
+            not 0 <= slots <= 64
+            or not 0 <= present < 1 << slots
+            or node.arrays != bin(present).count("1")
+        ):
             raise _Bad(f"{where}: {node.arrays} arrays for slots {slots}, present {present:#x}")
         for shape, dtype in arrays:
             if not shape or shape[0] != 1 or dtype not in _FLOAT | _INT:
@@ -488,7 +516,9 @@ def _check_kv(where: str, arrays: list[_Spec], length: int, dtypes: tuple[frozen
         if len(shape) != 4 or shape[0] != 1:
             raise _Bad(f"{where}: shape {shape}, expected (1, heads, tokens, dim)")
         if shape[:3] != arrays[0][0][:3] or shape[2] != length:
-            raise _Bad(f"{where}: shapes {[s for s, _ in arrays]} disagree with each other or with {length} tokens")
+            raise _Bad(
+                f"{where}: shapes {[s for s, _ in arrays]} disagree with each other or with {length} tokens"
+            )
     float_dtypes = {d for _, d in arrays if d in _FLOAT}
     if len(float_dtypes) > 1:
         raise _Bad(f"{where}: mixed dtypes {sorted(float_dtypes)}")

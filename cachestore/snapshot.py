@@ -184,13 +184,17 @@ def _copy(x: mx.array) -> mx.array:
 
 def _one_sequence(x: mx.array, what: str) -> None:
     if x.shape[0] != 1:
-        raise SnapshotError(f"{what} holds a batch of {x.shape[0]} sequences; snapshot one session's cache")
+        raise SnapshotError(
+            f"{what} holds a batch of {x.shape[0]} sequences; snapshot one session's cache"
+        )
 
 
 def _snapshot_layer(c: Any, start: int, end: int) -> LayerSnapshot:
     kind = _kind(c)
     if kind == "kv":
-        return LayerSnapshot("kv", _kv_range(c, (c.keys,), (c.values,), start, end), {"start": start, "offset": end})
+        return LayerSnapshot(
+            "kv", _kv_range(c, (c.keys,), (c.values,), start, end), {"start": start, "offset": end}
+        )
     if kind == "quantized":
         keys = tuple(c.keys) if c.keys is not None else None
         values = tuple(c.values) if c.values is not None else None
@@ -207,7 +211,9 @@ def _snapshot_layer(c: Any, start: int, end: int) -> LayerSnapshot:
                 present |= 1 << i
                 arrays.append(_copy(a))
         # left_padding / lengths are batch bookkeeping that ArraysCache.extract drops too.
-        return LayerSnapshot("arrays", tuple(arrays), {"offset": end, "slots": len(c.cache), "present": present})
+        return LayerSnapshot(
+            "arrays", tuple(arrays), {"offset": end, "slots": len(c.cache), "present": present}
+        )
     children = tuple(_snapshot_layer(child, start, end) for child in c.caches)
     return LayerSnapshot("list", (), {"offset": end}, children)
 
@@ -240,7 +246,9 @@ def _snapshot_rotating(c: Any, end: int) -> LayerSnapshot:
         v = c._temporal_order(v)
         held = v.shape[2]
         if held < window:
-            raise SnapshotError(f"RotatingKVCache at offset {end} holds {held} of the {window} entries its next step needs")
+            raise SnapshotError(
+                f"RotatingKVCache at offset {end} holds {held} of the {window} entries its next step needs"
+            )
         if held > window:  # a long multi-token update leaves up to max_size - 1 + S
             sinks = min(c.keep, window)
             v = mx.concatenate([v[..., :sinks, :], v[..., held - (window - sinks) :, :]], axis=2)
@@ -259,7 +267,9 @@ def restore(snap: Snapshot) -> list[Any]:
     shared with the snapshot, copy-on-write, so restoring twice is fine.
     """
     if snap.start != 0:
-        raise SnapshotError(f"cannot restore tokens [{snap.start}, {snap.end}) alone: merge it onto its prefix first")
+        raise SnapshotError(
+            f"cannot restore tokens [{snap.start}, {snap.end}) alone: merge it onto its prefix first"
+        )
     return [_restore_layer(layer, snap.end) for layer in snap.layers]
 
 
@@ -318,7 +328,9 @@ def merge(a: Snapshot, b: Snapshot) -> Snapshot:
     (the later one is the only one valid at ``b.end``).
     """
     if a.end != b.start:
-        raise SnapshotError(f"cannot merge [{a.start}, {a.end}) with [{b.start}, {b.end}): not adjacent")
+        raise SnapshotError(
+            f"cannot merge [{a.start}, {a.end}) with [{b.start}, {b.end}): not adjacent"
+        )
     if len(a.layers) != len(b.layers):
         raise SnapshotError(f"cannot merge snapshots of {len(a.layers)} and {len(b.layers)} layers")
     layers = tuple(_merge_layer(x, y, a.start, b.end) for x, y in zip(a.layers, b.layers))
@@ -345,7 +357,9 @@ def _merge_layer(x: LayerSnapshot, y: LayerSnapshot, start: int, end: int) -> La
         return LayerSnapshot(x.kind, x.arrays or y.arrays, meta)
     for p, q in zip(x.arrays, y.arrays):
         if p.dtype != q.dtype or p.shape[:2] != q.shape[:2] or p.shape[3:] != q.shape[3:]:
-            raise SnapshotError(f"cannot merge {x.kind} arrays {p.shape} {p.dtype} and {q.shape} {q.dtype}")
+            raise SnapshotError(
+                f"cannot merge {x.kind} arrays {p.shape} {p.dtype} and {q.shape} {q.dtype}"
+            )
     arrays = tuple(mx.concatenate([p, q], axis=2) for p, q in zip(x.arrays, y.arrays))
     return LayerSnapshot(x.kind, arrays, meta)
 
@@ -366,7 +380,9 @@ def split(s: Snapshot, at: int) -> tuple[Snapshot, Snapshot]:
 def _cut(layer: LayerSnapshot, origin: int, lo: int, hi: int) -> LayerSnapshot:
     """The part ``[lo, hi)`` of a splittable layer whose arrays start at ``origin``."""
     if layer.kind == "list":
-        return LayerSnapshot("list", (), {"offset": hi}, tuple(_cut(c, origin, lo, hi) for c in layer.children))
+        return LayerSnapshot(
+            "list", (), {"offset": hi}, tuple(_cut(c, origin, lo, hi) for c in layer.children)
+        )
     meta = {**layer.meta, "start": lo, "offset": hi}
     if lo == hi or not layer.arrays:
         return LayerSnapshot(layer.kind, (), meta)

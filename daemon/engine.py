@@ -64,6 +64,7 @@ class _Status:
 class Started:
     prompt_tokens: int
     cached_tokens: int
+    retokenized: bool  # the fed ids were rebuilt from the transcript, not appended to
 
 
 @dataclass
@@ -252,8 +253,8 @@ class Engine:
 
         from .prompt import prompt_tokens
 
-        tokens = prompt_tokens(self.tokenizer, job.messages, job.system, job.fed_tokens,
-                               fed_covers=job.fed_covers)
+        tokens, appended = prompt_tokens(self.tokenizer, job.messages, job.system, job.fed_tokens,
+                                         fed_covers=job.fed_covers)
         if self.max_context and len(tokens) + job.max_tokens > self.max_context:
             raise PromptTooLong(
                 f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
@@ -278,7 +279,8 @@ class Engine:
             restore_ms=out.restore_ms, inserted=time.perf_counter(),
         )
         self._by_uid[uid] = job.session_id
-        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached))
+        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached,
+                         retokenized=bool(job.fed_tokens) and not appended))
 
     def _step(self) -> None:
         try:

@@ -55,7 +55,7 @@ def _continuation(tokenizer: Any, history: Sequence[dict[str, str]], new: Sequen
 
 
 def prompt_tokens(tokenizer: Any, messages: Sequence[dict[str, str]], system: str | None,
-                  fed: Sequence[int], *, fed_covers: int) -> list[int]:
+                  fed: Sequence[int], *, fed_covers: int) -> tuple[list[int], bool]:
     """Token ids for the whole conversation `messages`, ready for generation.
 
     `fed` are the ids the session fed so far; they cover `messages[:fed_covers]`,
@@ -63,11 +63,11 @@ def prompt_tokens(tokenizer: Any, messages: Sequence[dict[str, str]], system: st
     holds, `fed` is kept verbatim and only the continuation is tokenized.
     Otherwise (first turn, a crash cut an answer short, an edit) the whole
     conversation is tokenized afresh and the caller reuses whatever prefix of
-    its cache still matches.
+    its cache still matches. The flag says whether `fed` was kept.
     """
     if fed and 0 < fed_covers < len(messages) and messages[fed_covers - 1]["role"] == "assistant":
         rest = _continuation(tokenizer, messages[:fed_covers], messages[fed_covers:], system,
                              fed[-1], tokenizer.eos_token_ids)
         if rest is not None:
-            return list(fed) + list(tokenizer.encode(rest, add_special_tokens=False))
-    return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False))
+            return list(fed) + list(tokenizer.encode(rest, add_special_tokens=False)), True
+    return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False)), False

@@ -59,6 +59,26 @@ class ChatSend:
 
 
 @dataclass(frozen=True)
+class ChatRegenerate:
+    id: RequestId
+    session: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+
+
+@dataclass(frozen=True)
+class ChatEdit:
+    id: RequestId
+    session: str
+    message_index: int
+    text: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+
+
+@dataclass(frozen=True)
 class ChatCancel:
     id: RequestId
     session: str
@@ -74,7 +94,8 @@ class Status:
     id: RequestId
 
 
-Request = Union[SessionCreate, SessionList, SessionGet, ChatSend, ChatCancel, Ping, Status]
+Request = Union[SessionCreate, SessionList, SessionGet, ChatSend, ChatRegenerate, ChatEdit,
+                ChatCancel, Ping, Status]
 
 MAX_TITLE_CHARS = 200
 
@@ -119,6 +140,15 @@ def _number(msg: dict[str, Any], rid: RequestId, name: str, default: float,
     return value
 
 
+def _text(msg: dict[str, Any], rid: RequestId, config: Config) -> str:
+    text = _field(msg, rid, "text", str)
+    if not text.strip():
+        raise RequestError(p.BAD_REQUEST, "'text' is empty", rid)
+    if len(text) > config.max_text_chars:
+        raise RequestError(p.TOO_LARGE, f"'text' is longer than {config.max_text_chars} characters", rid)
+    return text
+
+
 def parse_request(raw: str | bytes, config: Config) -> Request:
     """Turn one frame into a typed request, or raise RequestError."""
     if isinstance(raw, bytes):
@@ -152,17 +182,20 @@ def parse_request(raw: str | bytes, config: Config) -> Request:
         return SessionGet(rid, _session(msg, rid))
     if kind == p.CHAT_CANCEL:
         return ChatCancel(rid, _session(msg, rid))
-    if kind == p.CHAT_SEND:
+    if kind in (p.CHAT_SEND, p.CHAT_REGENERATE, p.CHAT_EDIT):
         session = _session(msg, rid)
-        text = _field(msg, rid, "text", str)
-        if not text.strip():
-            raise RequestError(p.BAD_REQUEST, "'text' is empty", rid)
-        if len(text) > config.max_text_chars:
-            raise RequestError(p.TOO_LARGE, f"'text' is longer than {config.max_text_chars} characters", rid)
         max_tokens = _field(msg, rid, "max_tokens", int, required=False, default=config.max_tokens)
         if not 1 <= max_tokens <= config.max_tokens_limit:
             raise RequestError(p.BAD_REQUEST, f"'max_tokens' must be 1-{config.max_tokens_limit}", rid)
         temperature = _number(msg, rid, "temperature", config.temperature, 0.0, 2.0)
         top_p = _number(msg, rid, "top_p", config.top_p, 0.0, 1.0, low_open=True)
-        return ChatSend(rid, session, text, max_tokens, temperature, top_p)
+        if kind == p.CHAT_REGENERATE:
+            return ChatRegenerate(rid, session, max_tokens, temperature, top_p)
+        text = _text(msg, rid, config)
+        if kind == p.CHAT_SEND:
+            return ChatSend(rid, session, text, max_tokens, temperature, top_p)
+        index = _field(msg, rid, "message_index", int)
+        if index < 0:
+            raise RequestError(p.BAD_REQUEST, "'message_index' must be >= 0", rid)
+        return ChatEdit(rid, session, index, text, max_tokens, temperature, top_p)
     raise RequestError(p.UNKNOWN_TYPE, f"unknown request type {kind!r}; see docs/protocol.md", rid)

@@ -26,14 +26,14 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from sessions import Session, Store
+from sessions import Message, Session, Store
 
 from . import __version__
 from . import protocol as p
 from .config import Config
 from .connection import Connection
 from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Started
-from .requests import (ChatCancel, ChatSend, Ping, RequestError, SessionCreate, SessionGet,
+from .requests import (ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError, SessionCreate, SessionGet,
                        SessionList, Status, parse_request)
 
 log = logging.getLogger("kvd.server")
@@ -47,6 +47,7 @@ class Generation:
     request_id: Any
     session_id: str
     message_index: int
+    first_new: int  # the first message this turn added (taken back if it can never fit)
     subscribers: set[Connection] = field(default_factory=set)
     text: str = ""
     seq: int = 0
@@ -184,6 +185,10 @@ class Daemon:
                               "messages": self.store.messages(req.session)})
             elif isinstance(req, ChatSend):
                 self._chat_send(conn, req)
+            elif isinstance(req, ChatRegenerate):
+                self._chat_regenerate(conn, req)
+            elif isinstance(req, ChatEdit):
+                self._chat_edit(conn, req)
             elif isinstance(req, ChatCancel):
                 self._session(req.session, rid)
                 self.engine.cancel(req.session)
@@ -206,19 +211,64 @@ class Daemon:
     # --- chat ---
 
     def _chat_send(self, conn: Connection, req: ChatSend) -> None:
-        session = self._session(req.session, req.id)
-        if req.session in self._generations:
-            raise RequestError(p.BUSY, "this session is already generating; "
-                               "send chat.cancel or wait for chat.done", req.id)
-        assert self._tg is not None
+        self._check_idle(req.session, req.id)
         # The user's message is committed before anything is generated.
-        self.store.append_message(req.session, "user", req.text)
-        index = self.store.append_message(req.session, "assistant", "", status="streaming")
-        earlier = [m for m in self.store.messages(req.session) if m["index"] < index and m["content"]]
+        first_new = self.store.append_message(req.session, "user", req.text)
+        self._start_turn(conn, req.id, req.session, first_new, req.max_tokens, req.temperature, req.top_p)
+
+    def _chat_regenerate(self, conn: Connection, req: ChatRegenerate) -> None:
+        self._check_idle(req.session, req.id)
+        messages = self.store.messages(req.session)
+        if not messages or messages[-1]["role"] != "assistant":
+            raise RequestError(p.BAD_REQUEST, "the session's last message is not an answer; "
+                               "there is nothing to regenerate", req.id)
+        last = messages[-1]["index"]
+        self._rewind_to(req.session, messages, last)
+        self._start_turn(conn, req.id, req.session, last, req.max_tokens, req.temperature, req.top_p)
+
+    def _chat_edit(self, conn: Connection, req: ChatEdit) -> None:
+        self._check_idle(req.session, req.id)
+        messages = self.store.messages(req.session)
+        target = next((m for m in messages if m["index"] == req.message_index), None)
+        if target is None or target["role"] != "user":
+            raise RequestError(p.BAD_REQUEST, f"message {req.message_index} is not a user message "
+                               "of this session; session.get lists them", req.id)
+        self._rewind_to(req.session, messages, req.message_index)
+        first_new = self.store.append_message(req.session, "user", req.text)
+        self._start_turn(conn, req.id, req.session, first_new, req.max_tokens, req.temperature, req.top_p)
+
+    def _check_idle(self, session_id: str, rid: Any) -> None:
+        self._session(session_id, rid)
+        if session_id in self._generations:
+            raise RequestError(p.BUSY, "this session is already generating; "
+                               "send chat.cancel or wait for chat.done", rid)
+
+    def _rewind_to(self, session_id: str, messages: list[Message], index: int) -> None:
+        """Drop messages from `index` on, and the fed token ids with them.
+
+        The ids are cut at the end of the last earlier turn whose boundary is
+        known, so the next turn appends to exactly what was fed; the engine
+        then rewinds the session's cache to the longest prefix it still shares.
+        """
+        fed, _ = self.store.fed(session_id)
+        keep, covers = 0, 0
+        for m in messages:
+            if m["index"] < index and m["fed_end"] is not None and m["fed_end"] <= len(fed):
+                keep, covers = m["fed_end"], m["index"] + 1
+        self.store.truncate_messages(session_id, index)
+        self.store.set_tokens(session_id, fed[:keep], covers=covers)
+
+    def _start_turn(self, conn: Connection, rid: Any, session_id: str, first_new: int,
+                    max_tokens: int, temperature: float, top_p: float) -> None:
+        """Generate an answer to the transcript as it stands (its last message is the user's)."""
+        assert self._tg is not None
+        session = self._session(session_id, rid)
+        index = self.store.append_message(session_id, "assistant", "", status="streaming")
+        earlier = [m for m in self.store.messages(session_id) if m["index"] < index and m["content"]]
         history = [{"role": m["role"], "content": m["content"]} for m in earlier]
-        fed, covers = self.store.fed(req.session)
-        gen = Generation(req.id, req.session, index, {conn})
-        self._generations[req.session] = gen
+        fed, covers = self.store.fed(session_id)
+        gen = Generation(rid, session_id, index, first_new, {conn})
+        self._generations[session_id] = gen
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
         loop = asyncio.get_running_loop()
 
@@ -234,10 +284,9 @@ class Daemon:
         self._tg.start_soon(self._pump, gen, receive)
         gen.publish({"type": p.CHAT_START, "message_index": index})
         self.engine.submit(GenerationJob(
-            session_id=req.session, messages=history, system=session["system"],
+            session_id=session_id, messages=history, system=session["system"],
             fed_tokens=fed, fed_covers=sum(1 for m in earlier if m["index"] < covers),
-            max_tokens=req.max_tokens,
-            temperature=req.temperature, top_p=req.top_p, emit=emit,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, emit=emit,
         ))
 
     async def _pump(self, gen: Generation, events: MemoryObjectReceiveStream[EngineEvent]) -> None:
@@ -251,6 +300,8 @@ class Daemon:
             async with events:
                 async for ev in events:
                     if isinstance(ev, Started):
+                        if ev.retokenized:
+                            self.store.forget_fed_ends(gen.session_id, gen.message_index)
                         continue
                     if isinstance(ev, Delta):
                         gen.text += ev.text
@@ -263,7 +314,8 @@ class Daemon:
                         status = "cancelled" if ev.finish_reason == "cancelled" else "complete"
                         self.store.update_message(gen.session_id, gen.message_index, content=gen.text,
                                                   status=status, finish_reason=ev.finish_reason,
-                                                  usage=ev.usage)
+                                                  usage=ev.usage,
+                                                  fed_end=len(ev.tokens) if ev.tokens else None)
                         if ev.tokens is not None:
                             self.store.set_tokens(gen.session_id, ev.tokens,
                                                   covers=gen.message_index + 1)
@@ -274,7 +326,7 @@ class Daemon:
                         if ev.code == p.TOO_LARGE and not gen.text:
                             # Nothing was generated and the turn can never fit: take it back,
                             # so the session stays usable (the client still has the text).
-                            self.store.truncate_messages(gen.session_id, gen.message_index - 1)
+                            self.store.truncate_messages(gen.session_id, gen.first_new)
                         else:
                             self.store.update_message(gen.session_id, gen.message_index,
                                                       content=gen.text, status="error",

@@ -98,6 +98,8 @@ def m001_initial(db: Database) -> None:
                 CHECK (status IN ('complete', 'streaming', 'cancelled', 'error')),
             finish_reason TEXT,
             usage TEXT,
+            -- how many token ids the session had fed once this turn ended
+            fed_end INTEGER CHECK (fed_end >= 0),
             created_at REAL NOT NULL,
             updated_at REAL NOT NULL,
             PRIMARY KEY (session_id, idx)

@@ -58,6 +58,7 @@ class Message(TypedDict):
     status: Status
     finish_reason: str | None
     usage: dict[str, Any] | None
+    fed_end: int | None
     created_at: float
     updated_at: float
 
@@ -79,7 +80,7 @@ _SESSION_KEYS = (
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
-    "created_at", "updated_at",
+    "fed_end", "created_at", "updated_at",
 )  # fmt: skip
 
 
@@ -168,8 +169,8 @@ class Store:
 
     def messages(self, session_id: str) -> list[Message]:
         rows = self.db.execute(
-            "SELECT idx, role, content, status, finish_reason, usage, created_at, "
-            "updated_at FROM messages WHERE session_id = ? ORDER BY idx",
+            "SELECT idx, role, content, status, finish_reason, usage, fed_end, "
+            "created_at, updated_at FROM messages WHERE session_id = ? ORDER BY idx",
             [session_id],
         ).fetchall()
         if not rows:
@@ -205,6 +206,7 @@ class Store:
         status: str | None = None,
         finish_reason: str | None = None,
         usage: dict[str, Any] | None = None,
+        fed_end: int | None = None,
     ) -> None:
         """Change only the given fields (None means "leave as is").
 
@@ -226,6 +228,9 @@ class Store:
         if usage is not None:
             sets.append("usage = ?")
             params.append(json.dumps(usage))
+        if fed_end is not None:
+            sets.append("fed_end = ?")
+            params.append(fed_end)
         cursor = self.db.execute(
             f"UPDATE messages SET {', '.join(sets)} WHERE session_id = ? AND idx = ?",
             [*params, session_id, index],
@@ -233,6 +238,13 @@ class Store:
         if cursor.rowcount == 0:
             self._require_session(session_id)
             raise UnknownMessage(session_id, index)
+
+    def forget_fed_ends(self, session_id: str, before_index: int) -> None:
+        """The session's token ids were rebuilt: earlier turn boundaries no longer apply."""
+        self.db.execute(
+            "UPDATE messages SET fed_end = NULL WHERE session_id = ? AND idx < ?",
+            [session_id, before_index],
+        )
 
     def truncate_messages(self, session_id: str, from_index: int) -> int:
         """Delete messages with index >= `from_index` (regenerate, edit); return how many.

@@ -125,3 +125,67 @@ async def test_budgets_hold_while_many_sessions_cycle(tmp_path: Path) -> None:
             assert tiers["resident"]["page_outs"] > 0 and tiers["warm"]["page_outs"] > 0
             disk = sum(f.stat().st_size for f in (tmp_path / "cache" / "segments").rglob("*") if f.is_file())
             assert disk <= budgets["disk_bytes"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_regenerate_and_edit_rewind_the_cache_and_stay_exact(tmp_path: Path, model: str) -> None:
+    async with running_daemon(tmp_path, model=model) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            _, t1 = await c.chat(sid, FIRST, max_tokens=16, temperature=0)
+            _, t2 = await c.chat(sid, "And then?", max_tokens=16, temperature=0)
+            turn_one = t1["usage"]["prompt_tokens"] + t1["usage"]["completion_tokens"]
+
+            # Regenerate the last answer: its prompt is reused, not prefilled again.
+            await c.send({"id": "regen", "type": "chat.regenerate", "session": sid,
+                          "max_tokens": 16, "temperature": 0})
+            while (regen := await c.recv())["type"] not in ("chat.done", "error"):
+                pass
+            assert regen["type"] == "chat.done", regen
+            u = regen["usage"]
+            assert u["prompt_tokens"] == t2["usage"]["prompt_tokens"]
+            assert u["cached_tokens"] >= turn_one and u["prefill_tokens"] < u["prompt_tokens"] - turn_one + 1
+            if model == "builtin:tiny":  # plain KV: rewound to one token short of the prompt
+                assert u["cached_tokens"] == u["prompt_tokens"] - 1
+            msgs = (await c.request("session.get", session=sid))["messages"]
+            assert len(msgs) == 4 and msgs[3]["status"] == "complete"
+            check_exact(tmp_path, model, sid, regen)
+
+            # Edit the second user message: turn one stays cached.
+            await c.send({"id": "edit", "type": "chat.edit", "session": sid, "message_index": 2,
+                          "text": "Something else instead.", "max_tokens": 16, "temperature": 0})
+            while (edit := await c.recv())["type"] not in ("chat.done", "error"):
+                pass
+            assert edit["type"] == "chat.done", edit
+            # Turn one and the template text that opens the next user turn are still shared.
+            assert turn_one <= edit["usage"]["cached_tokens"] < t2["usage"]["prompt_tokens"]
+            msgs = (await c.request("session.get", session=sid))["messages"]
+            assert [m["content"] for m in msgs][2] == "Something else instead." and len(msgs) == 4
+
+            # Edit the first message: nothing before it to keep, still exact.
+            await c.send({"id": "edit0", "type": "chat.edit", "session": sid, "message_index": 0,
+                          "text": "Start over.", "max_tokens": 16, "temperature": 0})
+            while (edit0 := await c.recv())["type"] not in ("chat.done", "error"):
+                pass
+            assert edit0["type"] == "chat.done", edit0
+            assert len((await c.request("session.get", session=sid))["messages"]) == 2
+            # A normal turn after all that appends to the rewound history.
+            _, after = await c.chat(sid, "Fine.", max_tokens=8, temperature=0)
+            assert after["usage"]["cached_tokens"] == (edit0["usage"]["prompt_tokens"]
+                                                       + edit0["usage"]["completion_tokens"])
+    check_exact(tmp_path, model, sid, after)
+
+
+async def test_regenerate_and_edit_refuse_what_makes_no_sense(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            e = await c.request("chat.regenerate", session=sid)
+            assert e["type"] == "error" and e["code"] == "bad_request"
+            await c.chat(sid, "hi", max_tokens=3, temperature=0)
+            for index in (1, 7):  # an answer, and no message at all
+                e = await c.request("chat.edit", session=sid, message_index=index, text="x")
+                assert e["type"] == "error" and e["code"] == "bad_request"
+            e = await c.request("chat.edit", session=sid, message_index=-1, text="x")
+            assert e["code"] == "bad_request"
+            assert len((await c.request("session.get", session=sid))["messages"]) == 2

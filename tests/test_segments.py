@@ -37,8 +37,12 @@ from cachestore.segments import SegmentFile, fingerprint, read_segment, sweep_te
 from cachestore.snapshot import LayerSnapshot, Snapshot, layout, merge, restore, snapshot
 from daemon.builtin import ensure_builtin
 
-FP = fingerprint(model_id="builtin:tiny-swa", config={"a": 1}, dtype="float32", kv_bits=None, layout=["kv"])
-OTHER_FP = fingerprint(model_id="builtin:tiny", config={"a": 1}, dtype="float32", kv_bits=None, layout=["kv"])
+FP = fingerprint(
+    model_id="builtin:tiny-swa", config={"a": 1}, dtype="float32", kv_bits=None, layout=["kv"]
+)
+OTHER_FP = fingerprint(
+    model_id="builtin:tiny", config={"a": 1}, dtype="float32", kv_bits=None, layout=["kv"]
+)
 TOKENS = [(i * 37 + 11) % 1600 + 10 for i in range(150)]
 
 
@@ -80,7 +84,12 @@ def assert_same(a: Snapshot, b: Snapshot) -> None:
 
 
 def assert_same_layer(x: LayerSnapshot, y: LayerSnapshot) -> None:
-    assert (x.kind, x.meta, len(x.arrays), len(x.children)) == (y.kind, y.meta, len(y.arrays), len(y.children))
+    assert (x.kind, x.meta, len(x.arrays), len(x.children)) == (
+        y.kind,
+        y.meta,
+        len(y.arrays),
+        len(y.children),
+    )
     for p, q in zip(x.arrays, y.arrays):
         assert p.dtype == q.dtype and p.shape == q.shape
         assert mx.array_equal(p, q).item()
@@ -125,7 +134,12 @@ def test_round_trip_of_every_kind(tmp_path: Path) -> None:
     ring.update_and_fetch(*(mx.random.normal((1, 2, 11, 64), key=mx.random.key(3)),) * 2)
     state = ArraysCache(2)
     state[1] = mx.arange(6, dtype=mx.int32)[None]
-    cache = [kv(11, mx.bfloat16), kv(11).to_quantized(group_size=32, bits=4), ring, CacheList(kv(11), state)]
+    cache = [
+        kv(11, mx.bfloat16),
+        kv(11).to_quantized(group_size=32, bits=4),
+        ring,
+        CacheList(kv(11), state),
+    ]
     for start in (0, 4):
         snap = snapshot(cache, start)
         path = tmp_path / f"every-{start}"
@@ -142,7 +156,7 @@ def test_incremental_segments_restore_through_batch_generator(tmp_path: Path, sw
     second = write_segment(tmp_path / "b", snapshot(cache, 40), fingerprint=FP)
     snap = merge(*(read_segment(s.path, checksum=s.checksum, fingerprint=FP) for s in (first, second)))
 
-    def run(prompt: list[int], caches: list[Any] | None, fed: list[int] | None) -> list[int]:
+    def run(prompt: list[int], caches: list[Any] | None, fed: list[list[int]] | None) -> list[int]:
         gen = BatchGenerator(swa, max_tokens=12)
         try:
             gen.insert([prompt], caches=caches, all_tokens=fed)
@@ -174,7 +188,9 @@ def test_sha256_checksums_are_accepted(written: SegmentFile) -> None:
 
 
 def test_fingerprint_is_stable_and_sensitive() -> None:
-    base: dict[str, Any] = dict(model_id="m", config={"b": 1, "a": [1, 2]}, dtype="bfloat16", kv_bits=None, layout=["kv", "kv"])
+    base: dict[str, Any] = dict(
+        model_id="m", config={"b": 1, "a": [1, 2]}, dtype="bfloat16", kv_bits=None, layout=["kv", "kv"]
+    )
     fp = fingerprint(**base)
     assert fp == fingerprint(**{**base, "config": {"a": [1, 2], "b": 1}})  # key order does not matter
     assert len(fp) == 16 and int(fp, 16) >= 0
@@ -195,7 +211,9 @@ def test_layout_feeds_the_fingerprint(swa: Any) -> None:
 # -- atomicity ----------------------------------------------------------------
 
 
-def test_no_file_at_path_until_complete(tmp_path: Path, snap: Snapshot, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_file_at_path_until_complete(
+    tmp_path: Path, snap: Snapshot, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "seg"
     events: list[str] = []
     real_replace, real_fsync = os.replace, os.fsync
@@ -220,7 +238,9 @@ def test_no_file_at_path_until_complete(tmp_path: Path, snap: Snapshot, monkeypa
     read_segment(path, checksum=seg.checksum, fingerprint=FP)
 
 
-def test_failed_write_leaves_nothing(tmp_path: Path, snap: Snapshot, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_leaves_nothing(
+    tmp_path: Path, snap: Snapshot, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_save = mx.save_safetensors
 
     def half_then_fail(f: Any, arrays: dict[str, Any], metadata: dict[str, str]) -> None:
@@ -352,7 +372,15 @@ def test_garbage_with_matching_checksum(tmp_path: Path) -> None:
 # -- hand-crafted files: format and invariants --------------------------------
 
 
-def craft(path: Path, tensors: dict[str, mx.array], layout: Any, *, start: int = 0, end: int = 4, **meta: str) -> str:
+def craft(
+    path: Path,
+    tensors: dict[str, mx.array],
+    layout: Any,
+    *,
+    start: int = 0,
+    end: int = 4,
+    meta: dict[str, str] | None = None,
+) -> str:
     """Write a segment by hand (bypassing write_segment's well-formed output)."""
     metadata = {
         "kvd.format": "1",
@@ -360,7 +388,7 @@ def craft(path: Path, tensors: dict[str, mx.array], layout: Any, *, start: int =
         "kvd.start": str(start),
         "kvd.end": str(end),
         "kvd.layout": layout if isinstance(layout, str) else json.dumps(layout),
-        **meta,
+        **(meta or {}),
     }
     with open(path, "wb") as f:
         mx.save_safetensors(f, tensors, metadata)  # type: ignore[arg-type]
@@ -396,7 +424,9 @@ INVARIANT_CASES: dict[str, tuple[dict[str, mx.array], Any, dict[str, Any]]] = {
     "kv start != segment start": (KV4, [node("kv", 2, start=1, offset=4)], {}),
     "negative range": (KV4, [node("kv", 2, start=0, offset=4)], {"start": 6}),
     "keys/values disagree": (
-        {"L0.0": mx.zeros((1, 2, 4, 8)), "L0.1": mx.zeros((1, 3, 4, 8))}, [node("kv", 2, start=0, offset=4)], {}
+        {"L0.0": mx.zeros((1, 2, 4, 8)), "L0.1": mx.zeros((1, 3, 4, 8))},
+        [node("kv", 2, start=0, offset=4)],
+        {},
     ),
     "integer keys": (
         {"L0.0": mx.zeros((1, 2, 4, 8), mx.int32), "L0.1": mx.zeros((1, 2, 4, 8), mx.int32)},
@@ -404,22 +434,64 @@ INVARIANT_CASES: dict[str, tuple[dict[str, mx.array], Any, dict[str, Any]]] = {
         {},
     ),
     "batch of two": (
-        {"L0.0": mx.zeros((2, 2, 4, 8)), "L0.1": mx.zeros((2, 2, 4, 8))}, [node("kv", 2, start=0, offset=4)], {}
+        {"L0.0": mx.zeros((2, 2, 4, 8)), "L0.1": mx.zeros((2, 2, 4, 8))},
+        [node("kv", 2, start=0, offset=4)],
+        {},
     ),
-    "three-dim keys": ({"L0.0": mx.zeros((2, 4, 8)), "L0.1": mx.zeros((2, 4, 8))}, [node("kv", 2, start=0, offset=4)], {}),
+    "three-dim keys": (
+        {"L0.0": mx.zeros((2, 4, 8)), "L0.1": mx.zeros((2, 4, 8))},
+        [node("kv", 2, start=0, offset=4)],
+        {},
+    ),
     "missing tensor": ({"L0.0": mx.zeros((1, 2, 4, 8))}, [node("kv", 2, start=0, offset=4)], {}),
     "extra tensor": ({**KV4, "L9.0": mx.zeros((1,))}, [node("kv", 2, start=0, offset=4)], {}),
     "arrays for no tokens": (KV4, [node("kv", 2, start=0, offset=0)], {"end": 0}),
-    "ring index beyond the window": (_ring(8), [node("rotating", 2, offset=100, max_size=8, keep=0, idx=9)], {"end": 100}),
-    "ring shorter than the window": (_ring(6), [node("rotating", 2, offset=100, max_size=8, keep=0, idx=6)], {"end": 100}),
-    "ring longer than its tokens": (_ring(8), [node("rotating", 2, offset=5, max_size=8, keep=0, idx=8)], {"end": 5}),
-    "ring keep beyond max_size": (_ring(8), [node("rotating", 2, offset=100, max_size=8, keep=9, idx=8)], {"end": 100}),
-    "ring negative offset": (_ring(8), [node("rotating", 2, offset=-1, max_size=8, keep=0, idx=8)], {"end": -1}),
+    "ring index beyond the window": (
+        _ring(8),
+        [node("rotating", 2, offset=100, max_size=8, keep=0, idx=9)],
+        {"end": 100},
+    ),
+    "ring shorter than the window": (
+        _ring(6),
+        [node("rotating", 2, offset=100, max_size=8, keep=0, idx=6)],
+        {"end": 100},
+    ),
+    "ring longer than its tokens": (
+        _ring(8),
+        [node("rotating", 2, offset=5, max_size=8, keep=0, idx=8)],
+        {"end": 5},
+    ),
+    "ring keep beyond max_size": (
+        _ring(8),
+        [node("rotating", 2, offset=100, max_size=8, keep=9, idx=8)],
+        {"end": 100},
+    ),
+    "ring negative offset": (
+        _ring(8),
+        [node("rotating", 2, offset=-1, max_size=8, keep=0, idx=8)],
+        {"end": -1},
+    ),
     "quantized bits": (_quant(), [node("quantized", 6, start=0, offset=4, group_size=32, bits=7)], {}),
-    "quantized group size": (_quant(), [node("quantized", 6, start=0, offset=4, group_size=16, bits=4)], {}),
-    "quantized packing": (_quant(), [node("quantized", 6, start=0, offset=4, group_size=32, bits=8)], {}),
-    "arrays present mask": ({"L0.0": mx.zeros((1, 3))}, [node("arrays", 1, offset=4, slots=2, present=0b11)], {}),
-    "arrays mask beyond slots": ({"L0.0": mx.zeros((1, 3))}, [node("arrays", 1, offset=4, slots=1, present=0b10)], {}),
+    "quantized group size": (
+        _quant(),
+        [node("quantized", 6, start=0, offset=4, group_size=16, bits=4)],
+        {},
+    ),
+    "quantized packing": (
+        _quant(),
+        [node("quantized", 6, start=0, offset=4, group_size=32, bits=8)],
+        {},
+    ),
+    "arrays present mask": (
+        {"L0.0": mx.zeros((1, 3))},
+        [node("arrays", 1, offset=4, slots=2, present=0b11)],
+        {},
+    ),
+    "arrays mask beyond slots": (
+        {"L0.0": mx.zeros((1, 3))},
+        [node("arrays", 1, offset=4, slots=1, present=0b10)],
+        {},
+    ),
     "arrays batch": ({"L0.0": mx.zeros((2, 3))}, [node("arrays", 1, offset=4, slots=1, present=1)], {}),
     "empty cache list": ({}, [node("list", 0, offset=4)], {}),
 }
@@ -442,8 +514,14 @@ FORMAT_CASES: dict[str, tuple[Any, dict[str, str]]] = {
     "a class name": ([node("KVCache", 2, start=0, offset=4)], {}),
     "layout not json": ("[{", {}),
     "meta keys": ([node("kv", 2, offset=4)], {}),
-    "meta not int": ([{"kind": "kv", "meta": {"start": "0", "offset": 4}, "arrays": 2, "children": []}], {}),
-    "children under kv": ([{**node("kv", 2, start=0, offset=4), "children": [node("kv", 0, start=0, offset=4)]}], {}),
+    "meta not int": (
+        [{"kind": "kv", "meta": {"start": "0", "offset": 4}, "arrays": 2, "children": []}],
+        {},
+    ),
+    "children under kv": (
+        [{**node("kv", 2, start=0, offset=4), "children": [node("kv", 0, start=0, offset=4)]}],
+        {},
+    ),
     "start not a number": ([node("kv", 2, start=0, offset=4)], {"kvd.start": "zero"}),
 }
 
@@ -453,7 +531,7 @@ FORMAT_CASES: dict[str, tuple[Any, dict[str, str]]] = {
 def test_format_errors(tmp_path: Path, case: str) -> None:
     lay, meta = FORMAT_CASES[case]
     path = tmp_path / "bad"
-    checksum = craft(path, KV4, lay, **meta)
+    checksum = craft(path, KV4, lay, meta=meta)
     with pytest.raises(UnsupportedFormat) as e:
         read_segment(path, checksum=checksum, fingerprint=FP)
     assert e.value.reason == "format"
@@ -462,7 +540,7 @@ def test_format_errors(tmp_path: Path, case: str) -> None:
 @pytest.mark.usefixtures("no_mlx_load")
 def test_fingerprint_is_checked_before_the_version(tmp_path: Path) -> None:
     path = tmp_path / "bad"
-    checksum = craft(path, KV4, [node("kv", 2, start=0, offset=4)], **{"kvd.format": "9"})
+    checksum = craft(path, KV4, [node("kv", 2, start=0, offset=4)], meta={"kvd.format": "9"})
     with pytest.raises(FingerprintMismatch):
         read_segment(path, checksum=checksum, fingerprint=OTHER_FP)
     with pytest.raises(UnsupportedFormat, match="version"):

@@ -96,7 +96,7 @@ def greedy(model: Any, cache: list[Any], last: int, n: int = N) -> list[int]:
     out: list[int] = []
     y = mx.array([[last]])
     for _ in range(n):
-        t = int(mx.argmax(model(y, cache=cache)[0, -1]).item())
+        t = int(mx.argmax(model(y, cache=cache)[0, -1]))
         out.append(t)
         y = mx.array([[t]])
     return out
@@ -108,7 +108,12 @@ def fresh_greedy(model: Any, tokens: Sequence[int], n: int = N) -> list[int]:
 
 
 def batch_greedy(
-    model: Any, prompt: Sequence[int], *, cache: list[Any] | None = None, cached: Sequence[int] = (), n: int = N
+    model: Any,
+    prompt: Sequence[int],
+    *,
+    cache: list[Any] | None = None,
+    cached: Sequence[int] = (),
+    n: int = N,
 ) -> list[int]:
     """Greedy tokens from mlx-lm's BatchGenerator, the way the daemon runs it."""
     gen = BatchGenerator(model, max_tokens=n)
@@ -136,7 +141,12 @@ def assert_same(a: Snapshot, b: Snapshot) -> None:
 
 
 def assert_same_layer(x: LayerSnapshot, y: LayerSnapshot) -> None:
-    assert (x.kind, x.meta, len(x.arrays), len(x.children)) == (y.kind, y.meta, len(y.arrays), len(y.children))
+    assert (x.kind, x.meta, len(x.arrays), len(x.children)) == (
+        y.kind,
+        y.meta,
+        len(y.arrays),
+        len(y.children),
+    )
     for p, q in zip(x.arrays, y.arrays):
         assert p.dtype == q.dtype and p.shape == q.shape
         assert mx.array_equal(p, q).item()
@@ -177,7 +187,12 @@ def test_snapshot_holds_only_what_is_used(model: Any) -> None:
             # After a 100-token prefill the live buffer holds all 100 entries;
             # the next step only ever sees the last window.
             assert live.keys.shape[2] == 100
-            assert layer.kind == "rotating" and layer.meta == {"offset": 100, "max_size": WINDOW, "keep": 0, "idx": WINDOW}
+            assert layer.kind == "rotating" and layer.meta == {
+                "offset": 100,
+                "max_size": WINDOW,
+                "keep": 0,
+                "idx": WINDOW,
+            }
             assert [a.shape[2] for a in layer.arrays] == [WINDOW, WINDOW]
             assert mx.array_equal(layer.arrays[0], live.keys[..., -WINDOW:, :]).item()
         else:
@@ -287,7 +302,9 @@ def test_rotating_rewind_before_wrap_only(swa_model: Any) -> None:
 def test_rotating_ring_wrapped_by_decoding(swa_model: Any) -> None:
     """One-token steps leave the window as a ring whose oldest slot is `_idx`."""
     tokens = TOKENS[:150]
-    cache = decode_each(swa_model, prefill(swa_model, make_prompt_cache(swa_model), tokens[:20]), tokens[20:-1])
+    cache = decode_each(
+        swa_model, prefill(swa_model, make_prompt_cache(swa_model), tokens[:20]), tokens[20:-1]
+    )
     ring = cache[0]
     assert isinstance(ring, RotatingKVCache)
     assert ring.keys.shape[2] == WINDOW and 0 < ring._idx < WINDOW and ring.offset == 149
@@ -323,7 +340,9 @@ def test_rotating_with_sinks(kv_model: Any) -> None:
         snap = snapshot(cache)
         assert snap.layers[0].meta == {"offset": 149, "max_size": 48, "keep": 4, "idx": 48}
         assert mx.array_equal(snap.layers[0].arrays[0][..., :4, :], cache[0].keys[..., :4, :]).item()
-        assert greedy(kv_model, restore(snap), tokens[-1], 30) == greedy(kv_model, cache, tokens[-1], 30)
+        assert greedy(kv_model, restore(snap), tokens[-1], 30) == greedy(
+            kv_model, cache, tokens[-1], 30
+        )
 
 
 def test_rotating_cannot_split(swa_model: Any) -> None:
@@ -353,7 +372,10 @@ def test_quantized(kv_model: Any, bits: int) -> None:
     fresh = [c.to_quantized(group_size=32, bits=bits) for c in cache]
     snap = snapshot(fresh)
     assert snap.layers[0].kind == "quantized" and snap.layers[0].meta == {
-        "start": 0, "offset": 149, "group_size": 32, "bits": bits,
+        "start": 0,
+        "offset": 149,
+        "group_size": 32,
+        "bits": bits,
     }
     assert len(snap.layers[0].arrays) == 6 and snap.layers[0].arrays[0].dtype == mx.uint32
     assert greedy(kv_model, restore(snap), tokens[-1]) == greedy(kv_model, fresh, tokens[-1])
@@ -424,7 +446,9 @@ def test_caches_out_of_batch_generator(model: Any) -> None:
         snap = snapshot(cache)
         assert snap.end == len(fed)
         prompt = fed + MORE[:8]
-        assert batch_greedy(model, MORE[:8], cache=restore(snap), cached=fed) == batch_greedy(model, prompt)
+        assert batch_greedy(model, MORE[:8], cache=restore(snap), cached=fed) == batch_greedy(
+            model, prompt
+        )
 
 
 # -- errors, recurrent and nested caches (arrays only) ------------------------
@@ -473,7 +497,9 @@ def test_arrays_and_cache_list_round_trip() -> None:
     assert isinstance(restored[0], ArraysCache) and restored[0][1] is None
     assert isinstance(restored[1], CacheList) and isinstance(restored[1][0], KVCache)
     assert_same(snapshot(restored), snap)
-    for a, b in zip((cache[0][0], cache[0][2], cache[1][1][0]), (restored[0][0], restored[0][2], restored[1][1][0])):
+    for a, b in zip(
+        (cache[0][0], cache[0][2], cache[1][1][0]), (restored[0][0], restored[0][2], restored[1][1][0])
+    ):
         assert mx.array_equal(a, b).item()
     # Restored objects work as live caches and leave the snapshot alone, and
     # in-place writes to the live state do not reach it either.
@@ -505,7 +531,7 @@ def test_arrays_merge_keeps_the_later_state() -> None:
 
 
 def test_cache_list_of_kv_splits() -> None:
-    cache = [CacheList(_kv(12, 1), _kv(12, 2)), _kv(12, 3)]
+    cache: list[Any] = [CacheList(_kv(12, 1), _kv(12, 2)), _kv(12, 3)]
     snap = snapshot(cache)
     assert trimmable(snap) and trimmable(cache)
     a, b = split(snap, 5)
@@ -557,4 +583,7 @@ def test_empty_cache_round_trips(model: Any) -> None:
 
 def test_fixture_models_are_what_the_tests_assume(models: dict[str, Any]) -> None:
     assert layout(make_prompt_cache(models["builtin:tiny"])) == ["kv"] * 4
-    assert layout(make_prompt_cache(models["builtin:tiny-swa"])) == [f"rotating(max_size={WINDOW},keep=0)", "kv"] * 2
+    assert (
+        layout(make_prompt_cache(models["builtin:tiny-swa"]))
+        == [f"rotating(max_size={WINDOW},keep=0)", "kv"] * 2
+    )

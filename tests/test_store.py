@@ -188,7 +188,7 @@ def test_append_and_read_messages(store: Store) -> None:
         (1, "assistant", "", "streaming"),
     ]
     assert set(messages[0]) == {
-        "index", "role", "content", "status", "finish_reason", "usage",
+        "index", "role", "content", "status", "finish_reason", "usage", "fed_end",
         "created_at", "updated_at",
     }  # fmt: skip
     assert messages[0]["finish_reason"] is None and messages[0]["usage"] is None
@@ -438,3 +438,17 @@ def test_update_message_is_one_statement_and_one_commit(store: Store) -> None:
     finally:
         store.db.conn.set_trace_callback(None)
     assert [sql.split()[0] for sql in statements] == ["BEGIN", "UPDATE", "COMMIT"]
+
+
+def test_fed_end_marks_turn_boundaries_until_forgotten(tmp_path: Path) -> None:
+    store = Store(tmp_path / "kvd.sqlite")
+    sid = store.create_session()["id"]
+    for i in range(4):
+        store.append_message(sid, "user" if i % 2 == 0 else "assistant", f"m{i}")
+    store.update_message(sid, 1, fed_end=40)
+    store.update_message(sid, 3, fed_end=90)
+    assert [m["fed_end"] for m in store.messages(sid)] == [None, 40, None, 90]
+    store.forget_fed_ends(sid, before_index=3)
+    assert [m["fed_end"] for m in store.messages(sid)] == [None, None, None, 90]
+    store.set_tokens(sid, list(range(90)), covers=4)
+    assert store.fed(sid) == (list(range(90)), 4)
