@@ -486,7 +486,8 @@ def _check_node(node: _Node, name: str, specs: dict[str, _Spec], start: int, end
         window = min(end, m["max_size"])
         if m["idx"] != window:
             raise _Bad(
-                f"{where}: ring index {m['idx']}, but {end} tokens in a window of {m['max_size']} fill {window}"
+                f"{where}: ring index {m['idx']}, but {end} tokens"
+                f" in a window of {m['max_size']} fill {window}"
             )
         _check_kv(where, arrays, window, (_FLOAT, _FLOAT))
     else:  # arrays
@@ -510,14 +511,15 @@ def _check_kv(where: str, arrays: list[_Spec], length: int, dtypes: tuple[frozen
         return
     if len(arrays) != len(dtypes):
         raise _Bad(f"{where}: {len(arrays)} arrays, expected {len(dtypes)}")
-    for (shape, dtype), allowed in zip(arrays, dtypes):
+    for (shape, dtype), allowed in zip(arrays, dtypes, strict=True):
         if dtype not in allowed:
             raise _Bad(f"{where}: dtype {dtype}, expected one of {sorted(allowed)}")
         if len(shape) != 4 or shape[0] != 1:
             raise _Bad(f"{where}: shape {shape}, expected (1, heads, tokens, dim)")
         if shape[:3] != arrays[0][0][:3] or shape[2] != length:
             raise _Bad(
-                f"{where}: shapes {[s for s, _ in arrays]} disagree with each other or with {length} tokens"
+                f"{where}: shapes {[s for s, _ in arrays]} disagree"
+                f" with each other or with {length} tokens"
             )
     float_dtypes = {d for _, d in arrays if d in _FLOAT}
     if len(float_dtypes) > 1:

@@ -15,17 +15,18 @@ contract), built on what mlx-lm's caches share: ``offset``, ``state``,
 
 Rotating caches, the subtle one. A live ``RotatingKVCache`` holds its entries
 either in temporal order (after a multi-token update: up to
-``max_size - 1 + S`` entries, ``_idx == len``) or as a ring of ``max_size``
+``max_size - 1 + S`` entries, ``_idx == len``), or as a ring of ``max_size``
 entries whose oldest slot is ``_idx`` (after one-token updates wrapped), or
-a pre-allocated buffer longer than ``offset`` (before the first wrap). Before
-its next forward the cache itself cuts any of these down to the last
-``max_size - 1`` entries (plus the ``keep`` first ones), and mlx-lm's
-``BatchRotatingKVCache.merge`` (how ``BatchGenerator.insert(caches=...)``
-takes it) reads the last ``size() == min(offset, max_size)`` entries in
-temporal order. So a snapshot stores exactly ``min(offset, max_size)``
-entries in temporal order (the ``keep`` sinks first) and restore sets
-``_idx`` to that length: the form ``BatchRotatingKVCache.extract`` produces,
-valid for both the single-cache and the batched path.
+in a pre-allocated buffer longer than ``offset`` (before the first wrap).
+Before its next forward the cache itself cuts any of these down to the last
+``max_size - 1`` entries (plus the ``keep`` first ones), yet a snapshot must
+keep ``min(offset, max_size)`` of them, in temporal order (sinks first), with
+``_idx`` set to that length: a wrapped buffer shorter than ``max_size`` makes
+the next one-token update "grow" it by ``max_size - offset`` (negative: an
+MLX error), and ``BatchRotatingKVCache.merge`` (how
+``BatchGenerator.insert(caches=...)`` takes it) copies the last ``size() ==
+min(offset, max_size)`` entries. That is also the form
+``BatchRotatingKVCache.extract`` produces for a wrapped batch.
 
 Arrays in snapshots are evaluated and never the live cache's own
 ``mx.array`` objects: an MLX slice assignment (``keys[..., i, :] = x``, which
@@ -137,7 +138,7 @@ def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None)
     """
     end = _common_offset(cache, offset)
     if not 0 <= start <= end:
-        raise SnapshotError(f"start {start} is outside the cache's tokens [0, {end})")
+        raise SnapshotError(f"start {start} is outside [0, {end}], the tokens the cache holds")
     layers = tuple(_snapshot_layer(c, start, end) for c in cache)
     snap = Snapshot(start, end, layers)
     mx.eval(snap.arrays())
@@ -247,7 +248,8 @@ def _snapshot_rotating(c: Any, end: int) -> LayerSnapshot:
         held = v.shape[2]
         if held < window:
             raise SnapshotError(
-                f"RotatingKVCache at offset {end} holds {held} of the {window} entries its next step needs"
+                f"RotatingKVCache at offset {end} holds {held} of the {window} entries"
+                " its next step needs"
             )
         if held > window:  # a long multi-token update leaves up to max_size - 1 + S
             sinks = min(c.keep, window)
@@ -333,7 +335,7 @@ def merge(a: Snapshot, b: Snapshot) -> Snapshot:
         )
     if len(a.layers) != len(b.layers):
         raise SnapshotError(f"cannot merge snapshots of {len(a.layers)} and {len(b.layers)} layers")
-    layers = tuple(_merge_layer(x, y, a.start, b.end) for x, y in zip(a.layers, b.layers))
+    layers = tuple(_merge_layer(x, y, a.start, b.end) for x, y in zip(a.layers, b.layers, strict=True))
     snap = Snapshot(a.start, b.end, layers)
     mx.eval(snap.arrays())
     return snap
@@ -348,19 +350,25 @@ def _merge_layer(x: LayerSnapshot, y: LayerSnapshot, start: int, end: int) -> La
     if x.kind == "list":
         if len(x.children) != len(y.children):
             raise SnapshotError("cannot merge cache lists of different lengths")
-        children = tuple(_merge_layer(p, q, start, end) for p, q in zip(x.children, y.children))
+        children = tuple(
+            _merge_layer(p, q, start, end) for p, q in zip(x.children, y.children, strict=True)
+        )
         return LayerSnapshot("list", (), {"offset": end}, children)
     if x.kind not in _SPLITTABLE:
         return y
     meta = {**y.meta, "start": start, "offset": end}
     if not x.arrays or not y.arrays:
         return LayerSnapshot(x.kind, x.arrays or y.arrays, meta)
-    for p, q in zip(x.arrays, y.arrays):
+    if len(x.arrays) != len(y.arrays):
+        raise SnapshotError(
+            f"cannot merge {x.kind} layers of {len(x.arrays)} and {len(y.arrays)} arrays"
+        )
+    for p, q in zip(x.arrays, y.arrays, strict=True):
         if p.dtype != q.dtype or p.shape[:2] != q.shape[:2] or p.shape[3:] != q.shape[3:]:
             raise SnapshotError(
                 f"cannot merge {x.kind} arrays {p.shape} {p.dtype} and {q.shape} {q.dtype}"
             )
-    arrays = tuple(mx.concatenate([p, q], axis=2) for p, q in zip(x.arrays, y.arrays))
+    arrays = tuple(mx.concatenate([p, q], axis=2) for p, q in zip(x.arrays, y.arrays, strict=True))
     return LayerSnapshot(x.kind, arrays, meta)
 
 

@@ -234,14 +234,14 @@ def test_chat_in_tmux(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
 
 @pytest.mark.tmux
 def test_ctrl_c_cancels_the_answer_and_kvchat_goes_on(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
-    # Greedy "hello" on builtin:tiny runs to max_tokens: seconds of streaming to interrupt.
+    # Greedy "tell me a story" on builtin:tiny runs past 1500 tokens: seconds of streaming to interrupt.
     pane = open_pane("--data-dir", str(kvd.data_dir), "--temperature", "0", "--max-tokens", "4096")
     pane.wait_for_prompt()
-    pane.type("hello")
-    pane.wait_for("the answer to start", answer_started("hello"))
+    pane.type("tell me a story")
+    pane.wait_for("the answer to start", answer_started("tell me a story"))
     pane.keys("C-c")
-    lines = pane.wait_for("the status line", has_status_after("hello"))
-    answer, status = answer_to(lines, "hello")
+    lines = pane.wait_for("the status line", has_status_after("tell me a story"))
+    answer, status = answer_to(lines, "tell me a story")
     assert status.endswith("(cancelled)"), status
     assert int(status.split()[0]) < 4096
     assert "^C" not in answer  # Ctrl-C is not echoed into the answer

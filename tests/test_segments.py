@@ -79,7 +79,7 @@ def no_mlx_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def assert_same(a: Snapshot, b: Snapshot) -> None:
     assert (a.start, a.end, len(a.layers)) == (b.start, b.end, len(b.layers))
-    for x, y in zip(a.layers, b.layers):
+    for x, y in zip(a.layers, b.layers, strict=True):
         assert_same_layer(x, y)
 
 
@@ -90,10 +90,10 @@ def assert_same_layer(x: LayerSnapshot, y: LayerSnapshot) -> None:
         len(y.arrays),
         len(y.children),
     )
-    for p, q in zip(x.arrays, y.arrays):
+    for p, q in zip(x.arrays, y.arrays, strict=True):
         assert p.dtype == q.dtype and p.shape == q.shape
         assert mx.array_equal(p, q).item()
-    for p2, q2 in zip(x.children, y.children):
+    for p2, q2 in zip(x.children, y.children, strict=True):
         assert_same_layer(p2, q2)
 
 

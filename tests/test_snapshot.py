@@ -136,7 +136,7 @@ def batch_greedy(
 
 def assert_same(a: Snapshot, b: Snapshot) -> None:
     assert (a.start, a.end, len(a.layers)) == (b.start, b.end, len(b.layers))
-    for x, y in zip(a.layers, b.layers):
+    for x, y in zip(a.layers, b.layers, strict=True):
         assert_same_layer(x, y)
 
 
@@ -147,10 +147,10 @@ def assert_same_layer(x: LayerSnapshot, y: LayerSnapshot) -> None:
         len(y.arrays),
         len(y.children),
     )
-    for p, q in zip(x.arrays, y.arrays):
+    for p, q in zip(x.arrays, y.arrays, strict=True):
         assert p.dtype == q.dtype and p.shape == q.shape
         assert mx.array_equal(p, q).item()
-    for p2, q2 in zip(x.children, y.children):
+    for p2, q2 in zip(x.children, y.children, strict=True):
         assert_same_layer(p2, q2)
 
 
@@ -182,7 +182,7 @@ def test_restore_matches_fresh_prefill(model: Any, length: int) -> None:
 def test_snapshot_holds_only_what_is_used(model: Any) -> None:
     cache = prefill(model, make_prompt_cache(model), TOKENS[:100])
     snap = snapshot(cache, 30)
-    for live, layer in zip(cache, snap.layers):
+    for live, layer in zip(cache, snap.layers, strict=True):
         if isinstance(live, RotatingKVCache):
             # After a 100-token prefill the live buffer holds all 100 entries;
             # the next step only ever sees the last window.
@@ -498,7 +498,9 @@ def test_arrays_and_cache_list_round_trip() -> None:
     assert isinstance(restored[1], CacheList) and isinstance(restored[1][0], KVCache)
     assert_same(snapshot(restored), snap)
     for a, b in zip(
-        (cache[0][0], cache[0][2], cache[1][1][0]), (restored[0][0], restored[0][2], restored[1][1][0])
+        (cache[0][0], cache[0][2], cache[1][1][0]),
+        (restored[0][0], restored[0][2], restored[1][1][0]),
+        strict=True,
     ):
         assert mx.array_equal(a, b).item()
     # Restored objects work as live caches and leave the snapshot alone, and
