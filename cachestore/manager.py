@@ -41,12 +41,14 @@ Cache = list[Any]
 
 @dataclass(frozen=True)
 class Budgets:
-    resident_bytes: int = 4 << 30
-    warm_bytes: int = 2 << 30
-    disk_bytes: int = 20 << 30
-    resident_idle: float = 600.0
-    warm_idle: float = 3600.0
-    max_segments: int = 16
+    """Hard byte limits and idle times; the defaults live in the daemon's config."""
+
+    resident_bytes: int
+    warm_bytes: int
+    disk_bytes: int
+    resident_idle: float
+    warm_idle: float
+    max_segments: int
 
 
 @dataclass

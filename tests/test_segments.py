@@ -34,6 +34,7 @@ from cachestore.errors import (
     UnsupportedFormat,
 )
 from cachestore.segments import SegmentFile, fingerprint, read_segment, sweep_temp_files, write_segment
+from snapshots import assert_same, assert_same_layer  # noqa: F401
 from cachestore.snapshot import LayerSnapshot, Snapshot, layout, merge, restore, snapshot
 from daemon.builtin import ensure_builtin
 
@@ -75,26 +76,6 @@ def no_mlx_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     monkeypatch.setattr(segments.mx, "load", refuse)
     yield
-
-
-def assert_same(a: Snapshot, b: Snapshot) -> None:
-    assert (a.start, a.end, len(a.layers)) == (b.start, b.end, len(b.layers))
-    for x, y in zip(a.layers, b.layers, strict=True):
-        assert_same_layer(x, y)
-
-
-def assert_same_layer(x: LayerSnapshot, y: LayerSnapshot) -> None:
-    assert (x.kind, x.meta, len(x.arrays), len(x.children)) == (
-        y.kind,
-        y.meta,
-        len(y.arrays),
-        len(y.children),
-    )
-    for p, q in zip(x.arrays, y.arrays, strict=True):
-        assert p.dtype == q.dtype and p.shape == q.shape
-        assert mx.array_equal(p, q).item()
-    for p2, q2 in zip(x.children, y.children, strict=True):
-        assert_same_layer(p2, q2)
 
 
 def crc(path: Path) -> str:
