@@ -1,0 +1,106 @@
+"""SessionCaches policy on real (tiny) caches: idle demotion, compaction, fingerprints, disk budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from cachestore.manager import Budgets, SessionCaches
+from daemon.builtin import ensure_builtin
+
+A, B, C = "aaaa", "bbbb", "cccc"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    m = load(str(ensure_builtin("builtin:tiny", tmp_path_factory.mktemp("models"))))[0]
+    m.set_dtype(mx.float32)
+    return m
+
+
+def grow(model: Any, cache: list[Any] | None, tokens: list[int], more: list[int]) -> tuple[list[Any], list[int]]:
+    """Feed `more` tokens to the cache holding `tokens`."""
+    cache = cache if cache is not None else make_prompt_cache(model)
+    model(mx.array([more]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache, tokens + more
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budgets(**kw: Any) -> Budgets:
+    base: dict[str, Any] = dict(resident_bytes=1 << 30, warm_bytes=1 << 30, disk_bytes=1 << 30,
+                                resident_idle=60.0, warm_idle=600.0, max_segments=16)
+    return Budgets(**{**base, **kw})
+
+
+def test_idle_caches_move_down_and_disk_keeps_them(model: Any, tmp_path: Path) -> None:
+    clock = Clock()
+    caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
+    cache, toks = grow(model, None, [], list(range(10, 50)))
+    caches.checkin(A, cache, toks)
+    assert A in caches.resident
+    clock.now += 61
+    caches.maintain()
+    assert A not in caches.resident and A in caches.warm
+    clock.now += 601
+    caches.maintain()
+    assert A not in caches.warm
+    got = caches.checkout(A, toks + [7])
+    assert got.source == "disk" and got.tokens == len(toks)
+    caches.close()
+
+
+def test_many_turns_compact_into_one_segment(model: Any, tmp_path: Path) -> None:
+    caches = SessionCaches(tmp_path, "fp", budgets(max_segments=3), clock=Clock())
+    cache, toks = None, []
+    for turn in range(5):
+        cache, toks = grow(model, cache, toks, [100 + turn] * 7)
+        caches.checkin(A, cache, toks)
+        got = caches.checkout(A, toks + [1])
+        assert got.source == "resident"
+        cache = got.cache
+    chain = caches.index.chain(A)
+    # Segments 1-3 were written per turn, turn 4 compacted them into one, turn 5 appended.
+    assert [(r.start, r.end) for r in chain] == [(0, 28), (28, 35)]
+    caches.resident.discard(A)
+    got = caches.checkout(A, toks + [1])
+    assert got.source == "disk" and got.tokens == len(toks)
+    caches.close()
+
+
+def test_another_fingerprint_is_never_loaded(model: Any, tmp_path: Path) -> None:
+    first = SessionCaches(tmp_path, "model-one", budgets(), clock=Clock())
+    cache, toks = grow(model, None, [], list(range(10, 40)))
+    first.checkin(A, cache, toks)
+    first.close()
+    second = SessionCaches(tmp_path, "model-two", budgets(), clock=Clock())
+    got = second.checkout(A, toks + [1])
+    assert got.source == "none" and got.cache is None
+    assert second.index.chain(A) == []  # dropped, not kept around
+    assert not list((tmp_path / "segments").rglob("*.safetensors"))
+    second.close()
+
+
+def test_disk_budget_evicts_least_recently_used_sessions(model: Any, tmp_path: Path) -> None:
+    clock = Clock()
+    one_session = 30 * 2048 + 4096  # ~30 tokens of tiny KV plus the file header
+    caches = SessionCaches(tmp_path, "fp", budgets(disk_bytes=2 * one_session), clock=clock)
+    for key in (A, B, C):
+        clock.now += 1
+        cache, toks = grow(model, None, [], list(range(10, 40)))
+        caches.checkin(key, cache, toks)
+        assert caches.index.total_bytes() <= 2 * one_session
+    assert [k for k, _ in caches.index.keys_by_use()] == [B, C]
+    caches.close()
