@@ -146,7 +146,9 @@ def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None)
 
 
 def _kind(c: Any) -> str:
-    kind = _KIND_OF.get(type(c))
+    # The nearest known class in the MRO: a subclass that adds behaviour but no
+    # state (kvd's batchable quantized cache) snapshots as its base kind.
+    kind = next((_KIND_OF[k] for k in type(c).__mro__ if k in _KIND_OF), None)
     if kind is None:
         raise SnapshotError(f"cannot snapshot a {type(c).__name__}: not a supported cache kind")
     return kind

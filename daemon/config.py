@@ -47,6 +47,8 @@ class Config:
     resident_idle: float = 600.0
     warm_idle: float = 3600.0
     max_segments: int = 16
+    # Quantized KV caches: 0 off, or 4 / 8 bits
+    kv_bits: int = 0
     # Limits
     max_message_bytes: int = 1 << 20
     max_text_chars: int = 32_000
@@ -84,6 +86,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "resident_idle": ("cache", "resident_idle"),
     "warm_idle": ("cache", "warm_idle"),
     "max_segments": ("cache", "max_segments"),
+    "kv_bits": ("cache", "kv_bits"),
     "max_message_bytes": ("limits", "max_message_bytes"),
     "max_text_chars": ("limits", "max_text_chars"),
     "max_tokens_limit": ("limits", "max_tokens_limit"),
@@ -135,6 +138,9 @@ def _check(name: str, value: Any) -> Any:
         if name == "port":
             if not 0 <= value <= 65535:
                 raise ConfigError(f"{dotted} must be 0-65535 (0 picks a free port)")
+        elif name == "kv_bits":
+            if value not in (0, 4, 8):
+                raise ConfigError(f"{dotted} must be 0 (off), 4 or 8")
         elif name.endswith("_bytes") and table == "cache":
             if value < 0:
                 raise ConfigError(f"{dotted} must be >= 0 (0 turns the tier off)")

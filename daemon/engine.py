@@ -161,19 +161,20 @@ class Engine:
         if not mx.metal.is_available():
             # On the CPU backend float32 matmuls are ~20x faster than bf16/fp16.
             model.set_dtype(mx.float32)
-        from mlx_lm.models.cache import make_prompt_cache
-
         from cachestore.manager import Budgets, SessionCaches
+        from cachestore.quantized import make_cache
         from cachestore.segments import fingerprint
 
+        kv_bits = self.config.kv_bits or None
         layout = [f"{type(c).__name__}:{getattr(c, 'max_size', '')}:{getattr(c, 'keep', '')}"
-                  for c in make_prompt_cache(model)]
+                  + (f":{c.group_size}:{c.bits}" if hasattr(c, "bits") else "")
+                  for c in make_cache(model, kv_bits)]
         params: Any = tree_flatten(model.parameters())
         dtype = str(params[0][1].dtype)
         c = self.config
         self.caches = SessionCaches(
             c.cache_dir,
-            fingerprint(model_id=name, config=model_config, dtype=dtype, kv_bits=None, layout=layout),
+            fingerprint(model_id=name, config=model_config, dtype=dtype, kv_bits=kv_bits, layout=layout),
             Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                     warm_idle=c.warm_idle, max_segments=c.max_segments),
@@ -248,8 +249,9 @@ class Engine:
             job.emit(Failed("internal", f"generation failed to start: {e}"))
 
     def _insert(self, job: GenerationJob) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.sample_utils import make_sampler
+
+        from cachestore.quantized import as_batchable, make_cache
 
         from .prompt import prompt_tokens
 
@@ -264,7 +266,9 @@ class Engine:
         out = self.caches.checkout(job.session_id, tokens)
         cache, cached = out.cache, out.tokens
         if cache is None or cached == 0:
-            cache, cached = make_prompt_cache(self.model), 0
+            cache, cached = make_cache(self.model, self.config.kv_bits or None), 0
+        else:
+            cache = as_batchable(cache)  # restored quantized layers come back plain
         sampler = make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0)
         (uid,) = self.generator.insert(
             [tokens[cached:]],
