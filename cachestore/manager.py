@@ -210,10 +210,9 @@ class SessionCaches:
 
     def _write(self, key: str, snap: Snapshot, tokens: Sequence[int], now: float, *, replace: bool) -> None:
         path = self.index.path_for(key, snap.start, snap.end)
-        path.parent.mkdir(parents=True, exist_ok=True)
         if replace:
-            self.index.drop_from(key, 0)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self.index.drop_from(key, 0)  # may remove the (then empty) directory
+        path.parent.mkdir(parents=True, exist_ok=True)
         seg = write_segment(path, snap, fingerprint=self.fingerprint)
         _maybe_crash("after-write")
         self.index.add(key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,

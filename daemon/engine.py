@@ -117,7 +117,6 @@ class Engine:
         self.config = config
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self.model_info: dict[str, Any] = {"model": config.model}
         self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Stop | _Status] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         self._active: dict[str, _Active] = {}  # by session id
@@ -164,11 +163,10 @@ class Engine:
         from cachestore.manager import Budgets, SessionCaches
         from cachestore.quantized import make_cache
         from cachestore.segments import fingerprint
+        from cachestore.snapshot import layout as cache_layout
 
         kv_bits = self.config.kv_bits or None
-        layout = [f"{type(c).__name__}:{getattr(c, 'max_size', '')}:{getattr(c, 'keep', '')}"
-                  + (f":{c.group_size}:{c.bits}" if hasattr(c, "bits") else "")
-                  for c in make_cache(model, kv_bits)]
+        layout = cache_layout(make_cache(model, kv_bits))
         params: Any = tree_flatten(model.parameters())
         dtype = str(params[0][1].dtype)
         c = self.config
@@ -182,10 +180,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         args = getattr(model, "args", None)
         self.max_context = int(getattr(args, "max_position_embeddings", 0) or 0) or None
-        self.model_info.update(
-            model_type=getattr(args, "model_type", None),
-            load_s=round(time.perf_counter() - t0, 3),
-        )
+        log.info("loaded %s (%s) in %.1f s", name, getattr(args, "model_type", "?"),
+                 time.perf_counter() - t0)
         self._new_generator()
 
     def _new_generator(self) -> None:
