@@ -117,6 +117,10 @@ class SegmentIndex:
             "SELECT k.key, COALESCE(SUM(s.nbytes), 0) FROM keys k LEFT JOIN segments s ON s.key = k.key "
             "GROUP BY k.key ORDER BY k.last_used, k.key")]
 
+    def keys(self) -> set[str]:
+        """Every key with at least one segment."""
+        return {r[0] for r in self.db.execute("SELECT DISTINCT key FROM segments")}
+
     def total_bytes(self) -> int:
         return int(self.db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM segments").fetchone()[0])
 

@@ -269,6 +269,13 @@ class SessionCaches:
         self.warm.discard(key)
         self.index.drop_from(key, 0)
 
+    def locations(self) -> dict[str, str]:
+        """Where each session's cache lives now: its fastest tier."""
+        where = {key: "disk" for key in self.index.keys()}
+        where.update({key: "warm" for key in self.warm})
+        where.update({key: "resident" for key in self.resident})
+        return where
+
     def statistics(self) -> dict[str, Any]:
         sessions, segments = self.index.count()
         return {

@@ -48,6 +48,11 @@ class _Cancel:
 
 
 @dataclass
+class _Forget:
+    session_id: str
+
+
+@dataclass
 class _Stop:
     pass
 
@@ -117,7 +122,7 @@ class Engine:
         self.config = config
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Stop | _Status] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Forget | _Stop | _Status] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         self._active: dict[str, _Active] = {}  # by session id
         self._by_uid: dict[int, str] = {}
@@ -134,6 +139,10 @@ class Engine:
 
     def cancel(self, session_id: str) -> None:
         self._inbox.put(_Cancel(session_id))
+
+    def forget(self, session_id: str) -> None:
+        """Drop a deleted session's cache from every tier (it must not be generating)."""
+        self._inbox.put(_Forget(session_id))
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
         """Ask for fresh statistics: answered between steps, after any finished turn is kept."""
@@ -223,6 +232,10 @@ class Engine:
                 self._start(cmd)
             elif isinstance(cmd, _Cancel):
                 self._cancel(cmd.session_id)
+            elif isinstance(cmd, _Forget):
+                if self.caches is not None and cmd.session_id not in self._active:
+                    self.caches.forget(cmd.session_id)
+                    self._publish_stats()
             elif isinstance(cmd, _Status):
                 self._publish_stats()
                 cmd.reply(self.stats)
@@ -359,4 +372,5 @@ class Engine:
 
     def _publish_stats(self) -> None:
         caches = self.caches.statistics() if self.caches is not None else {}
-        self.stats = {"generating": len(self._active), "tiers": caches}
+        where = self.caches.locations() if self.caches is not None else {}
+        self.stats = {"generating": len(self._active), "tiers": caches, "locations": where}
