@@ -4,8 +4,9 @@ Run: .venv/bin/python bench/resume.py [--lengths 1024 4096] [--new 32]
 
 A Qwen2.5-0.5B-shaped model (24 layers, 14 heads, 2 KV heads, hidden 896,
 float32, random weights: speed does not depend on the values), served the way
-the daemon serves it: mlx-lm's BatchGenerator for prefill and decode, and
-kvd's own cachestore (SessionCaches) for the tiers and the disk format.
+the daemon serves it: kvd's own cachestore (SessionCaches) for the tiers and
+the disk format, and the engine's own prefill (daemon/prefill.py: chunks of
+512, the first token sampled from the last chunk's logits).
 
 For each conversation length it prints the time to first token of the next
 turn (history + a new message) after: a full re-prefill; a restore from each
@@ -31,12 +32,14 @@ from daemon.blas import preload_blas  # noqa: E402
 BLAS = preload_blas()
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import BatchGenerator  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from cachestore.manager import Budgets, SessionCaches  # noqa: E402
 from cachestore.segments import read_segment  # noqa: E402
 from cachestore.snapshot import restore  # noqa: E402
+from daemon.prefill import Prefill  # noqa: E402
+from daemon.prefill import first_token as decode_first  # noqa: E402
 
 QWEN25_05B = dict(
     model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
@@ -44,7 +47,12 @@ QWEN25_05B = dict(
     rope_theta=1e6, max_position_embeddings=32768, tie_word_embeddings=True,
 )
 KEY = "0123456789abcdef"
+PREFILL_STEP = 512  # config.toml's default prefill_step_size
 GIB = 1 << 30
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
 
 
 def make_budgets(resident: int = 64 * GIB, warm: int = 64 * GIB, disk: int = 64 * GIB) -> Budgets:
@@ -61,19 +69,16 @@ def build_model() -> Any:
 
 
 def first_token(model: Any, prompt: list[int], cache: list[Any] | None, cached: int) -> tuple[float, list[Any]]:
-    """Seconds from insert to the first generated token; and the cache afterwards."""
-    gen = BatchGenerator(model, max_tokens=1, prefill_step_size=512)
+    """Seconds from a restored cache to the first token, as the engine does it; and the cache
+    afterwards (it holds `prompt`: the first token is not fed yet)."""
+    if cache is None:
+        cache, cached = make_prompt_cache(model), 0
     t0 = time.perf_counter()
-    (uid,) = gen.insert([prompt[cached:]], caches=[cache] if cache is not None else None,
-                        all_tokens=[prompt[:cached]])
-    while True:
-        _, responses = gen.next()
-        if responses:
-            seconds = time.perf_counter() - t0
-            r = responses[0]
-            assert r.uid == uid and r.prompt_cache is not None
-            gen.close()
-            return seconds, r.prompt_cache
+    pre = Prefill(model, cache, prompt, cached, step=PREFILL_STEP)
+    while (logprobs := pre.advance()) is None:
+        pass
+    decode_first(logprobs, greedy)
+    return time.perf_counter() - t0, pre.cache
 
 
 def segment_files(root: Path) -> list[Path]:
@@ -97,9 +102,9 @@ def run(model: Any, n: int, new: int, kv_per_token: int) -> dict[str, Any]:
 
     full, cache = first_token(model, prompt, None, 0)
     out["full"] = full
-    # The cache now holds prompt + the first token; rewind it to the history alone.
+    # The cache now holds the prompt; rewind it to the history alone.
     from cachestore.snapshot import rewind
-    assert rewind(cache, len(prompt) + 1 - n)
+    assert rewind(cache, len(prompt) - n)
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVD_BENCH_DIR")) as tmp:
         root = Path(tmp)
@@ -117,7 +122,7 @@ def run(model: Any, n: int, new: int, kv_per_token: int) -> dict[str, Any]:
             t, after = first_token(model, prompt, got.cache, got.tokens)
             out[tier] = got.restore_ms / 1000 + t
             out[f"{tier}_restore"] = got.restore_ms / 1000
-            assert rewind(after, new + 1)
+            assert rewind(after, new)
             current = after  # back to the history alone, for the next tier
         caches.close()
 
@@ -147,9 +152,7 @@ def run(model: Any, n: int, new: int, kv_per_token: int) -> dict[str, Any]:
 
         # A turn of `new` tokens plus a 64-token answer writes only its own tokens.
         turn = prompt + [rng.randrange(1000, 150000) for _ in range(64)]
-        t, after = first_token(model, turn, live, n)
-        # `after` holds turn + 1 token; keep exactly `turn`.
-        assert rewind(after, 1)
+        t, after = first_token(model, turn, live, n)  # `after` holds exactly `turn`
         before = restarted.disk_stats["bytes_written"]
         restarted.checkin(KEY, after, turn)
         out["turn_written"] = restarted.disk_stats["bytes_written"] - before

@@ -1,10 +1,15 @@
 """The engine thread: the one thread that owns the model and every MLX array.
 
 Jobs come in through a queue; events go out through a callback the server
-supplies (it hops them onto the event loop with `call_soon_threadsafe`). The
-engine decodes with mlx-lm's BatchGenerator from the start: a session's cache
-goes in with `insert(..., caches=...)` and comes back out of the finished or
-removed sequence, so several sessions can share a batch.
+supplies (it hops them onto the event loop with `call_soon_threadsafe`).
+
+A turn has two phases. Prefill: the session's restored cache is fed the rest
+of its prompt a chunk per step (prefill.py), first come first served, and the
+last chunk's logits give the first token. Decode: the session joins mlx-lm's
+BatchGenerator with that token as its one-token prompt and its cache passed in
+with `insert(..., caches=...)`; the cache comes back out of the finished or
+removed sequence. Each engine step runs one decode step for every session in
+the batch, then one prefill chunk, so a long prefill never freezes the others.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from .config import Config
 
 if TYPE_CHECKING:
     from cachestore.manager import SessionCaches
+
+    from .prefill import Prefill
 
 log = logging.getLogger("kvd.engine")
 
@@ -103,13 +110,15 @@ class PromptTooLong(Exception):
 @dataclass
 class _Active:
     job: GenerationJob
-    uid: int
     detokenizer: Any
-    prompt_len: int
+    prompt: list[int]
     cached_len: int
     restored_from: str
     restore_ms: float
     inserted: float
+    sampler: Any
+    prefill: Prefill | None  # while the prompt is being fed; then the session decodes in the batch
+    uid: int | None = None  # its sequence in the BatchGenerator once decoding
     generated: int = 0
     t_first: float | None = None
     t_last: float | None = None
@@ -125,7 +134,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Forget | _Stop | _Status] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         self._active: dict[str, _Active] = {}  # by session id
-        self._by_uid: dict[int, str] = {}
+        self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
+        self._prefilling: list[str] = []  # sessions whose prompt is being fed, first come first
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
 
@@ -260,8 +270,9 @@ class Engine:
     def _insert(self, job: GenerationJob) -> None:
         from mlx_lm.sample_utils import make_sampler
 
-        from cachestore.quantized import as_batchable, make_cache
+        from cachestore.quantized import make_cache
 
+        from .prefill import Prefill
         from .prompt import prompt_tokens
 
         tokens, appended = prompt_tokens(self.tokenizer, job.messages, job.system, job.fed_tokens,
@@ -276,33 +287,69 @@ class Engine:
         cache, cached = out.cache, out.tokens
         if cache is None or cached == 0:
             cache, cached = make_cache(self.model, self.config.kv_bits or None), 0
-        else:
-            cache = as_batchable(cache)  # restored quantized layers come back plain
-        sampler = make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0)
-        (uid,) = self.generator.insert(
-            [tokens[cached:]],
-            max_tokens=[job.max_tokens],
-            caches=[cache],
-            all_tokens=[tokens[:cached]],
-            samplers=[sampler],
-        )
         self._active[job.session_id] = _Active(
-            job=job, uid=uid, detokenizer=self.tokenizer.detokenizer,
-            prompt_len=len(tokens), cached_len=cached, restored_from=out.source,
-            restore_ms=out.restore_ms, inserted=time.perf_counter(),
+            job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
+            restored_from=out.source, restore_ms=out.restore_ms, inserted=time.perf_counter(),
+            sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
+            prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size),
         )
-        self._by_uid[uid] = job.session_id
+        self._prefilling.append(job.session_id)
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached,
                          retokenized=bool(job.fed_tokens) and not appended))
 
     def _step(self) -> None:
+        """One decode step for every session in the batch, then one prefill chunk."""
+        if self._by_uid:
+            self._decode()
+        if self._prefilling:
+            self._prefill(self._prefilling[0])
+
+    def _prefill(self, session_id: str) -> None:
+        import mlx.core as mx
+
+        from .prefill import first_token
+
+        act = self._active[session_id]
+        assert act.prefill is not None
+        try:
+            with mx.stream(self.generator.stream):
+                logprobs = act.prefill.advance()
+                if logprobs is None:
+                    return
+                token = first_token(logprobs, act.sampler)
+        except Exception as e:
+            log.exception("prefill for %s failed", session_id)
+            act.job.emit(Failed("internal", f"generation failed: {e}"))
+            self._forget(session_id)
+            return
+        self._prefilling.remove(session_id)
+        prefill, act.prefill = act.prefill, None
+        self._took(act, token, time.perf_counter())
+        job = act.job
+        if token in self.tokenizer.eos_token_ids or job.max_tokens == 1:
+            # Done before decoding: the cache holds the prompt, the token was never fed.
+            reason = "stop" if token in self.tokenizer.eos_token_ids else "length"
+            self._finish(act, reason, prefill.cache, prefill.tokens)
+            return
+        from cachestore.quantized import as_batchable
+
+        # The first token is the sequence's one-token prompt: BatchGenerator feeds it and
+        # samples on; its max_tokens counts from the second token.
+        (uid,) = self.generator.insert(
+            [[token]], max_tokens=[job.max_tokens - 1], caches=[as_batchable(prefill.cache)],
+            all_tokens=[prefill.tokens], samplers=[act.sampler],
+        )
+        act.uid = uid
+        self._by_uid[uid] = session_id
+
+    def _decode(self) -> None:
         try:
             _, responses = self.generator.next()
         except Exception as e:
             # The batch is in an unknown state: fail everyone in it, start afresh.
             log.exception("generation step failed")
-            for sid, act in list(self._active.items()):
-                act.job.emit(Failed("internal", f"generation failed: {e}"))
+            for sid in list(self._by_uid.values()):
+                self._active[sid].job.emit(Failed("internal", f"generation failed: {e}"))
                 self._forget(sid)
             self._new_generator()
             return
@@ -312,31 +359,46 @@ class Engine:
             if owner is None:
                 continue
             act = self._active[owner]
-            act.generated += 1
-            act.t_first = act.t_first or now
-            act.t_last = now
-            if r.finish_reason != "stop":  # a stop token is fed, never shown
-                act.detokenizer.add_token(r.token)
-                if text := act.detokenizer.last_segment:
-                    act.job.emit(Delta(text))
+            self._took(act, r.token, now, shown=r.finish_reason != "stop")
             if r.finish_reason is not None:
                 self._finish(act, r.finish_reason, r.prompt_cache, list(r.all_tokens))
+
+    def _took(self, act: _Active, token: int, now: float, *, shown: bool = True) -> None:
+        act.generated += 1
+        act.t_first = act.t_first or now
+        act.t_last = now
+        if shown and token not in self.tokenizer.eos_token_ids:  # a stop token is never shown
+            act.detokenizer.add_token(token)
+            if text := act.detokenizer.last_segment:
+                act.job.emit(Delta(text))
 
     def _cancel(self, session_id: str) -> None:
         act = self._active.get(session_id)
         if act is None:
             return
+        if act.prefill is not None:
+            # Keep what was prefilled for next time; the fed ids stay as they were.
+            self._prefilling.remove(session_id)
+            pre = act.prefill
+            self._finish(act, "cancelled", pre.cache if pre.fed else None, pre.tokens[:pre.fed],
+                         changed=False)
+            return
         removed = self.generator.remove([act.uid], return_prompt_caches=True)
         cache, tokens = removed.get(act.uid, (None, []))
         self._finish(act, "cancelled", cache, list(tokens))
 
-    def _finish(self, act: _Active, reason: str, cache: list[Any] | None, tokens: list[int]) -> None:
+    def _finish(self, act: _Active, reason: str, cache: list[Any] | None, tokens: list[int],
+                *, changed: bool = True) -> None:
+        """Send the end of the answer, then keep the cache (which holds `tokens`).
+
+        `changed` is False when the session's fed ids stay as they were (nothing was generated).
+        """
         act.detokenizer.finalize()
         if text := act.detokenizer.last_segment:
             act.job.emit(Delta(text))
         sid = act.job.session_id
         self._forget(sid)
-        act.job.emit(Done(reason, self._usage(act), tokens or None))
+        act.job.emit(Done(reason, self._usage(act), tokens if tokens and changed else None))
         # Behind the turn: the client has its answer; now keep the cache and page out its new tokens.
         if cache is not None and tokens and self.caches is not None:
             try:
@@ -347,8 +409,10 @@ class Engine:
 
     def _forget(self, session_id: str) -> None:
         act = self._active.pop(session_id, None)
-        if act is not None:
+        if act is not None and act.uid is not None:
             self._by_uid.pop(act.uid, None)
+        if session_id in self._prefilling:
+            self._prefilling.remove(session_id)
 
     @staticmethod
     def _usage(act: _Active) -> dict[str, Any]:
@@ -358,7 +422,7 @@ class Engine:
             tps = (act.generated - 1) / (act.t_last - act.t_first)
         prefill_ms = (act.t_first - act.inserted) * 1000 if act.t_first else None
         return {
-            "prompt_tokens": act.prompt_len,
+            "prompt_tokens": len(act.prompt),
             "cached_tokens": act.cached_len,
             "completion_tokens": act.generated,
             "ttft_ms": round(ttft, 1) if ttft is not None else None,
@@ -366,7 +430,7 @@ class Engine:
             "restored_from": act.restored_from,
             "restored_tokens": act.cached_len,
             "restore_ms": round(act.restore_ms, 2),
-            "prefill_tokens": act.prompt_len - act.cached_len,
+            "prefill_tokens": len(act.prompt) - act.cached_len,
             "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,
         }
 
