@@ -1,0 +1,121 @@
+"""The engine's scheduling, step by step: prefill chunks, the first token, cancel, interleaving.
+
+These tests drive one Engine on the test thread (no engine thread is started),
+so every step is deterministic. The model is the real built-in one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import greedy_reference
+from daemon.config import load_config
+from daemon.engine import Delta, Done, Engine, EngineEvent, GenerationJob, Started
+
+LONG = "Tell me everything about caches and how they page out to disk. " * 6
+STEP = 16
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    e = Engine(load_config(None, data_dir=tmp_path, prefill_step_size=STEP))
+    e._load()
+    yield e
+    assert e.caches is not None
+    e.caches.close()
+
+
+def job(session: str, text: str, events: list[EngineEvent], **fields: Any) -> GenerationJob:
+    fields.setdefault("max_tokens", 32)
+    return GenerationJob(session_id=session, messages=[{"role": "user", "content": text}], system=None,
+                         fed_tokens=[], fed_covers=0, temperature=0.0, top_p=1.0,
+                         emit=events.append, **fields)
+
+
+def done(events: list[EngineEvent]) -> Done:
+    assert isinstance(events[-1], Done), events[-1]
+    return events[-1]
+
+
+def run_to_end(engine: Engine) -> None:
+    while engine._active:
+        engine._step()
+
+
+def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
+    events: list[EngineEvent] = []
+    engine._start(job("a" * 16, LONG, events))
+    started = events[0]
+    assert isinstance(started, Started) and started.prompt_tokens > 4 * STEP
+    steps = 0
+    while not any(isinstance(e, Delta) for e in events):
+        engine._step()
+        steps += 1
+    assert steps == -(-started.prompt_tokens // STEP)  # ceil: the last chunk yields the first token
+    run_to_end(engine)
+    assert done(events).usage["completion_tokens"] == 32
+
+
+def test_first_token_path_is_exact(engine: Engine, tmp_path: Path) -> None:
+    """The first token comes from the last chunk's logits; the whole answer equals mlx-lm's own."""
+    events: list[EngineEvent] = []
+    engine._start(job("b" * 16, LONG, events, max_tokens=24))
+    run_to_end(engine)
+    end = done(events)
+    assert end.tokens is not None
+    prompt_len = end.usage["prompt_tokens"]
+    answer = end.tokens[prompt_len:]
+    assert len(answer) == 24 or (answer and answer[-1] in engine.tokenizer.eos_token_ids)
+    assert answer == greedy_reference(tmp_path / "models" / "tiny", end.tokens[:prompt_len], len(answer))
+
+
+def test_one_token_answer_is_not_fed(engine: Engine) -> None:
+    events: list[EngineEvent] = []
+    engine._start(job("c" * 16, "Hello there.", events, max_tokens=1))
+    run_to_end(engine)
+    end = done(events)
+    assert end.finish_reason == "length" and end.usage["completion_tokens"] == 1
+    assert sum(isinstance(e, Delta) for e in events) == 1
+    # The cache holds the prompt alone: the one token was sampled but never fed.
+    assert end.tokens is not None and len(end.tokens) == end.usage["prompt_tokens"]
+
+
+def test_cancel_mid_prefill_keeps_what_was_fed(engine: Engine) -> None:
+    sid = "d" * 16
+    events: list[EngineEvent] = []
+    engine._start(job(sid, LONG, events))
+    for _ in range(3):
+        engine._step()
+    engine._cancel(sid)
+    end = done(events)
+    assert end.finish_reason == "cancelled" and end.usage["completion_tokens"] == 0
+    assert end.tokens is None  # nothing was generated: the session's fed ids stay as they were
+    assert not any(isinstance(e, Delta) for e in events)
+    # The three chunks fed are kept: a retry restores them and prefills only the rest.
+    retry: list[EngineEvent] = []
+    engine._start(job(sid, LONG, retry))
+    again = retry[0]
+    assert isinstance(again, Started) and again.cached_tokens == 3 * STEP
+
+
+def test_a_prefill_never_freezes_the_batch(engine: Engine) -> None:
+    """While B's long prompt is fed, A gets a token at every step."""
+    a_events: list[EngineEvent] = []
+    engine._start(job("e" * 16, "Hi.", a_events, max_tokens=200))
+    while engine._active["e" * 16].generated < 2:  # A is in the batch and decoding
+        engine._step()
+    b_events: list[EngineEvent] = []
+    engine._start(job("f" * 16, LONG, b_events))
+    steps = 0
+    while not any(isinstance(e, Delta) for e in b_events):
+        before = engine._active["e" * 16].generated
+        engine._step()
+        assert engine._active["e" * 16].generated == before + 1
+        steps += 1
+    assert steps > 4  # B's prompt took several chunks, each beside a decode step for A
+    engine._cancel("e" * 16)
+    engine._cancel("f" * 16)
