@@ -49,6 +49,7 @@ class Budgets:
     resident_idle: float
     warm_idle: float
     max_segments: int
+    resident_sessions: int | None = None  # at most this many live caches, whatever their size
 
 
 @dataclass
@@ -72,7 +73,8 @@ class SessionCaches:
         self.index = SegmentIndex(root)
         if removed := self.index.sweep():
             log.info("removed %d cache file(s) left incomplete by a crash", removed)
-        self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes)
+        self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes,
+                                                                  budgets.resident_sessions)
         self.warm: Tier[tuple[Snapshot, list[int]]] = Tier("warm", budgets.warm_bytes)
         self.disk_stats = {"hits": 0, "misses": 0, "page_ins": 0, "page_outs": 0,
                            "bytes_written": 0, "bytes_read": 0, "dropped_corrupt": 0}

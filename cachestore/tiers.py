@@ -34,11 +34,14 @@ class TierStats:
 
 
 class Tier(Generic[V]):
-    def __init__(self, name: str, budget: int):
+    def __init__(self, name: str, budget: int, max_entries: int | None = None):
         if budget < 0:
             raise ValueError("a budget is a number of bytes >= 0")
+        if max_entries is not None and max_entries < 0:
+            raise ValueError("max_entries must be >= 0")
         self.name = name
         self.budget = budget
+        self.max_entries = max_entries
         self.nbytes = 0
         self.stats = TierStats()
         self._entries: OrderedDict[str, Entry[V]] = OrderedDict()
@@ -64,12 +67,13 @@ class Tier(Generic[V]):
         if key in self._entries:
             old = self._entries.pop(key)
             self.nbytes -= old.nbytes
-        if nbytes > self.budget:
+        if nbytes > self.budget or self.max_entries == 0:
             self.stats.page_outs += 1
             return [(key, value)]
         self._entries[key] = Entry(value, nbytes, now)
         self.nbytes += nbytes
-        while self.nbytes > self.budget:
+        while self.nbytes > self.budget or (self.max_entries is not None
+                                            and len(self._entries) > self.max_entries):
             cold, entry = self._entries.popitem(last=False)
             self.nbytes -= entry.nbytes
             self.stats.page_outs += 1

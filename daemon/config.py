@@ -47,6 +47,7 @@ class Config:
     resident_idle: float = 600.0
     warm_idle: float = 3600.0
     max_segments: int = 16
+    max_resident_sessions: int = 32
     # Quantized KV caches: 0 off, or 4 / 8 bits
     kv_bits: int = 0
     # Limits
@@ -54,6 +55,8 @@ class Config:
     max_text_chars: int = 32_000
     max_tokens_limit: int = 4096
     send_timeout: float = 10.0
+    max_generations: int = 8
+    max_connections: int = 64
 
     @property
     def db_path(self) -> Path:
@@ -86,11 +89,14 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "resident_idle": ("cache", "resident_idle"),
     "warm_idle": ("cache", "warm_idle"),
     "max_segments": ("cache", "max_segments"),
+    "max_resident_sessions": ("cache", "max_resident_sessions"),
     "kv_bits": ("cache", "kv_bits"),
     "max_message_bytes": ("limits", "max_message_bytes"),
     "max_text_chars": ("limits", "max_text_chars"),
     "max_tokens_limit": ("limits", "max_tokens_limit"),
     "send_timeout": ("limits", "send_timeout"),
+    "max_generations": ("limits", "max_generations"),
+    "max_connections": ("limits", "max_connections"),
 }
 
 
@@ -141,7 +147,7 @@ def _check(name: str, value: Any) -> Any:
         elif name == "kv_bits":
             if value not in (0, 4, 8):
                 raise ConfigError(f"{dotted} must be 0 (off), 4 or 8")
-        elif name.endswith("_bytes") and table == "cache":
+        elif (name.endswith("_bytes") and table == "cache") or name == "max_resident_sessions":
             if value < 0:
                 raise ConfigError(f"{dotted} must be >= 0 (0 turns the tier off)")
         elif value <= 0:

@@ -80,6 +80,11 @@ class Started:
 
 
 @dataclass
+class Queued:
+    position: int  # 1: the next to start; sent again whenever it moves up
+
+
+@dataclass
 class Delta:
     text: str
 
@@ -97,7 +102,7 @@ class Failed:
     message: str
 
 
-EngineEvent = Union[Started, Delta, Done, Failed]
+EngineEvent = Union[Queued, Started, Delta, Done, Failed]
 
 
 MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
@@ -105,6 +110,12 @@ MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 
 class PromptTooLong(Exception):
     pass
+
+
+@dataclass
+class _Waiting:
+    job: GenerationJob
+    told: int  # the position the job was last told
 
 
 @dataclass
@@ -136,6 +147,7 @@ class Engine:
         self._active: dict[str, _Active] = {}  # by session id
         self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
         self._prefilling: list[str] = []  # sessions whose prompt is being fed, first come first
+        self._waiting: list[_Waiting] = []  # jobs past max_generations, in arrival order
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
 
@@ -194,7 +206,8 @@ class Engine:
             fingerprint(model_id=name, config=model_config, dtype=dtype, kv_bits=kv_bits, layout=layout),
             Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
-                    warm_idle=c.warm_idle, max_segments=c.max_segments),
+                    warm_idle=c.warm_idle, max_segments=c.max_segments,
+                    resident_sessions=c.max_resident_sessions),
         )
         self.model, self.tokenizer = model, tokenizer
         args = getattr(model, "args", None)
@@ -210,6 +223,7 @@ class Engine:
             self.model,
             stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
             prefill_step_size=self.config.prefill_step_size,
+            completion_batch_size=self.config.max_generations,
         )
 
     def _run(self) -> None:
@@ -232,7 +246,7 @@ class Engine:
                     self.caches.maintain()
                     self._publish_stats()
             if isinstance(cmd, _Stop):
-                for sid in list(self._active):
+                for sid in [w.job.session_id for w in self._waiting] + list(self._active):
                     self._cancel(sid)
                 if self.caches is not None:
                     self.caches.page_out_all()
@@ -249,6 +263,8 @@ class Engine:
             elif isinstance(cmd, _Status):
                 self._publish_stats()
                 cmd.reply(self.stats)
+            if self._waiting:
+                self._admit_waiting()
             if self._active and self._inbox.empty():
                 self._step()
 
@@ -256,9 +272,25 @@ class Engine:
         if self.load_error is not None:
             job.emit(Failed("internal", f"the model failed to load: {self.load_error}"))
             return
-        if job.session_id in self._active:
+        if job.session_id in self._active or any(w.job.session_id == job.session_id for w in self._waiting):
             job.emit(Failed("busy", "this session is already generating"))
             return
+        if len(self._active) >= self.config.max_generations:
+            self._waiting.append(_Waiting(job, told=len(self._waiting) + 1))
+            job.emit(Queued(len(self._waiting)))
+            return
+        self._admit(job)
+
+    def _admit_waiting(self) -> None:
+        """Start waiting jobs while there is room; tell the rest their new places."""
+        while self._waiting and len(self._active) < self.config.max_generations:
+            self._admit(self._waiting.pop(0).job)
+        for position, w in enumerate(self._waiting, start=1):
+            if w.told != position:
+                w.told = position
+                w.job.emit(Queued(position))
+
+    def _admit(self, job: GenerationJob) -> None:
         try:
             self._insert(job)
         except PromptTooLong as e:
@@ -373,6 +405,14 @@ class Engine:
                 act.job.emit(Delta(text))
 
     def _cancel(self, session_id: str) -> None:
+        waiting = next((w for w in self._waiting if w.job.session_id == session_id), None)
+        if waiting is not None:
+            self._waiting.remove(waiting)
+            job = waiting.job
+            job.emit(Done("cancelled", self._usage(_Active(
+                job=job, detokenizer=None, prompt=[], cached_len=0, restored_from="none",
+                restore_ms=0.0, inserted=job.arrived, sampler=None, prefill=None)), None))
+            return
         act = self._active.get(session_id)
         if act is None:
             return
@@ -437,4 +477,5 @@ class Engine:
     def _publish_stats(self) -> None:
         caches = self.caches.statistics() if self.caches is not None else {}
         where = self.caches.locations() if self.caches is not None else {}
-        self.stats = {"generating": len(self._active), "tiers": caches, "locations": where}
+        self.stats = {"generating": len(self._active), "waiting": len(self._waiting),
+                      "tiers": caches, "locations": where}

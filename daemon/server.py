@@ -32,7 +32,7 @@ from . import __version__
 from . import protocol as p
 from .config import Config
 from .connection import Connection
-from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Started
+from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Queued, Started
 from .requests import (ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError, SessionCreate, SessionGet,
                        SessionList, Status, parse_request)
 
@@ -51,6 +51,7 @@ class Generation:
     subscribers: set[Connection] = field(default_factory=set)
     text: str = ""
     seq: int = 0
+    finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
 
     def publish(self, event: dict[str, Any]) -> None:
         event = {"id": self.request_id, "session": self.session_id, **event}
@@ -114,6 +115,11 @@ class Daemon:
         expected = f"Bearer {self._token}"
         if not hmac.compare_digest(auth.encode(), expected.encode()):
             return connection.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong token; it is in the token file of kvd's data directory\n")
+        if len(self._connections) >= self.config.max_connections:
+            log.warning("refused a connection: %d open (limits.max_connections)", len(self._connections))
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE,
+                                      f"kvd has {len(self._connections)} connections open, its limit "
+                                      "(limits.max_connections in config.toml); close one and retry\n")
         return None
 
     # --- connections ---
@@ -157,7 +163,8 @@ class Daemon:
                 stats = await fresh
         return {"server": f"kvd {__version__}", "model": self.config.model,
                 "ready": self.engine.ready.is_set() and self.engine.load_error is None,
-                "connections": len(self._connections), "generating": len(self._generations),
+                "connections": len(self._connections), "generating": stats.get("generating", 0),
+                "waiting": stats.get("waiting", 0),
                 "tiers": stats.get("tiers", {})}
 
     def _hello(self) -> dict[str, Any]:
@@ -299,6 +306,9 @@ class Daemon:
         try:
             async with events:
                 async for ev in events:
+                    if isinstance(ev, Queued):
+                        gen.publish({"type": p.CHAT_QUEUED, "position": ev.position})
+                        continue
                     if isinstance(ev, Started):
                         if ev.retokenized:
                             self.store.forget_fed_ends(gen.session_id, gen.message_index)
@@ -341,3 +351,4 @@ class Daemon:
                          "message": "kvd hit an internal error; it is logged"})
         finally:
             self._generations.pop(gen.session_id, None)
+            gen.finished.set()

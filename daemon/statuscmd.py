@@ -43,7 +43,8 @@ def fetch_status(url: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
 def render_status(status: dict[str, Any], console: Console) -> None:
     console.print(f"{status['server']} · model {status['model']} · "
                   f"{'ready' if status['ready'] else 'loading'} · "
-                  f"{status['connections']} connection(s) · {status['generating']} generating")
+                  f"{status['connections']} connection(s) · {status['generating']} generating"
+                  f"{f' · {w} waiting' if (w := status.get('waiting')) else ''}")
     table = Table(show_edge=False)
     for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
         table.add_column(col, justify="left" if col == "tier" else "right")

@@ -10,7 +10,11 @@ from daemon.blas import preload_blas
 
 preload_blas()
 
+import asyncio  # noqa: E402
+import base64  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
 from collections.abc import AsyncIterator  # noqa: E402
 from contextlib import asynccontextmanager  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -137,3 +141,20 @@ def fed_tokens(db_path: Path, session: str) -> list[int]:
     finally:
         db.close()
     return unpack_tokens(blob)
+
+
+async def raw_client(url: str, token: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A websocket client on a socket with a tiny receive buffer that we control fully."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write((f"GET /v1 HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                  f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n").encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return reader, writer

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.frames import Frame, Opcode
 
-from conftest import Client, client, running_daemon
+from conftest import Client, client, raw_client, running_daemon
 
 pytestmark = pytest.mark.anyio
 
@@ -124,29 +121,12 @@ async def test_oversize_frame_closes_only_that_connection(tmp_path: Path) -> Non
             assert (await c2.request("ping"))["type"] == "pong"
 
 
-async def _raw_client(url: str, token: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A websocket client on a socket with a tiny receive buffer that we control fully."""
-    host, port = url.split("//")[1].split("/")[0].split(":")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-    reader, writer = await asyncio.open_connection(sock=sock)
-    key = base64.b64encode(os.urandom(16)).decode()
-    writer.write((f"GET /v1 HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-                  f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n").encode())
-    head = await reader.readuntil(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 101"), head
-    return reader, writer
-
-
 async def test_client_that_stops_reading_is_cut_off(tmp_path: Path) -> None:
     """A stalled reader is disconnected after send_timeout; others are unaffected."""
     async with running_daemon(tmp_path, send_timeout=0.2) as d:
         async with client(d) as good:
             sid = (await good.request("session.create", system="z" * 30000))["session"]["id"]
-            reader, writer = await _raw_client(d.url, d.token)
+            reader, writer = await raw_client(d.url, d.token)
             # Once hello arrives the daemon has registered this connection.
             assert b'"hello"' in await reader.read(4096)
             local = "%s:%s" % writer.get_extra_info("sockname")[:2]

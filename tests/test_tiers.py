@@ -25,6 +25,16 @@ def test_value_larger_than_budget_is_refused() -> None:
     assert len(t) == 0 and t.nbytes == 0
 
 
+def test_entry_limit_evicts_least_recently_used() -> None:
+    t: Tier[str] = Tier("resident", budget=1000, max_entries=2)
+    assert t.put("a", "A", 1, now=0) == [] and t.put("b", "B", 1, now=1) == []
+    assert t.put("c", "C", 1, now=2) == [("a", "A")]
+    assert t.put("c", "C2", 1, now=3) == []  # replacing a key does not count twice
+    assert list(t) == ["b", "c"]
+    none: Tier[str] = Tier("resident", budget=1000, max_entries=0)
+    assert none.put("a", "A", 1, now=0) == [("a", "A")] and len(none) == 0
+
+
 def test_replacing_a_key_counts_its_new_size_once() -> None:
     t: Tier[str] = Tier("warm", budget=100)
     t.put("a", "1", 60, now=0)
