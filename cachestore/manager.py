@@ -29,6 +29,7 @@ from typing import Any
 
 from .errors import CannotSplit, CorruptSegment
 from .index import SegmentIndex, SegmentRow
+from .packing import pack, unpack
 from .prefix import common_prefix_len
 from .segments import read_segment, write_segment
 from .snapshot import Snapshot, merge, restore, rewind, snapshot, trimmable, truncate
@@ -50,6 +51,7 @@ class Budgets:
     warm_idle: float
     max_segments: int
     resident_sessions: int | None = None  # at most this many live caches, whatever their size
+    warm_bits: int = 0  # 4 | 8: warm snapshots kept quantized (packing.py); 0: exact copies
 
 
 @dataclass
@@ -106,7 +108,7 @@ class SessionCaches:
             n = min(common_prefix_len(toks, wanted), limit)
             if n > 0:
                 try:
-                    return Checkout(restore(truncate(snap, n)), n, "warm", ms())
+                    return Checkout(restore(truncate(unpack(snap), n)), n, "warm", ms())
                 except CannotSplit:
                     log.debug("warm snapshot of %s cannot be cut at %d", key, n)
         paged = self._page_in(key, wanted, limit)
@@ -180,6 +182,8 @@ class SessionCaches:
 
     def _demote(self, key: str, cache: Cache, tokens: list[int], now: float) -> None:
         snap = snapshot(cache, 0)
+        if self.budgets.warm_bits:
+            snap = pack(snap, self.budgets.warm_bits)
         for cold, _ in self.warm.put(key, (snap, tokens), snap.nbytes, now):
             log.debug("warm snapshot of %s dropped; disk holds it", cold)
 
@@ -262,7 +266,8 @@ class SessionCaches:
             _, pos = self._covered(key, toks)
             if pos < snap.end:
                 try:
-                    self._write(key, snap, toks, self._clock(), replace=True)
+                    # A packed snapshot is saved at its rounded precision: the best there is.
+                    self._write(key, unpack(snap), toks, self._clock(), replace=True)
                 except OSError as e:
                     log.warning("could not page out %s: %s", key, e)
 

@@ -48,6 +48,7 @@ class Config:
     warm_idle: float = 3600.0
     max_segments: int = 16
     max_resident_sessions: int = 32
+    warm_bits: int = 0
     # Quantized KV caches: 0 off, or 4 / 8 bits
     kv_bits: int = 0
     # Limits
@@ -90,6 +91,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "warm_idle": ("cache", "warm_idle"),
     "max_segments": ("cache", "max_segments"),
     "max_resident_sessions": ("cache", "max_resident_sessions"),
+    "warm_bits": ("cache", "warm_bits"),
     "kv_bits": ("cache", "kv_bits"),
     "max_message_bytes": ("limits", "max_message_bytes"),
     "max_text_chars": ("limits", "max_text_chars"),
@@ -144,7 +146,7 @@ def _check(name: str, value: Any) -> Any:
         if name == "port":
             if not 0 <= value <= 65535:
                 raise ConfigError(f"{dotted} must be 0-65535 (0 picks a free port)")
-        elif name == "kv_bits":
+        elif name in ("kv_bits", "warm_bits"):
             if value not in (0, 4, 8):
                 raise ConfigError(f"{dotted} must be 0 (off), 4 or 8")
         elif (name.endswith("_bytes") and table == "cache") or name == "max_resident_sessions":

@@ -207,7 +207,7 @@ class Engine:
             Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
-                    resident_sessions=c.max_resident_sessions),
+                    resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits),
         )
         self.model, self.tokenizer = model, tokenizer
         args = getattr(model, "args", None)
