@@ -1,7 +1,7 @@
 """Concurrency benchmark: aggregate decode rate, inter-token latency, event-loop lag.
 
 Run: .venv/bin/python bench/concurrency.py [--sessions 1 2 4 8] [--tokens 48]
-                                           [--prefill 4096] [--steps 512 128]
+                                           [--prefill 4096] [--slices 0 0.5]
 
 The real daemon (server, engine thread, store) runs in this process on a
 Qwen2.5-0.5B-shaped float32 model with random weights, written once to
@@ -14,7 +14,8 @@ only picks tokens the tokenizer can print. Clients are real websocket clients.
    tokens each. Aggregate rate = deltas from all sessions while all N were
    decoding / that window; inter-token gaps per session (p50/p99).
 2. Prefill beside streams: 4 sessions stream while a fifth sends a
-   `--prefill`-token message, once per prefill step size. Meanwhile a probe in
+   `--prefill`-token message, once per prefill slice (0: whole 512-token
+   chunks, as if there were no slicing). Meanwhile a probe in
    the daemon's event loop measures its lag (a 10 ms sleep's overshoot), a
    client pings every 100 ms, and the streams' inter-token gaps are recorded.
 """
@@ -128,9 +129,9 @@ class LagProbe:
 
 
 @asynccontextmanager
-async def daemon(data_dir: Path, model: Path, step: int) -> AsyncIterator[tuple[str, str, LagProbe]]:
+async def daemon(data_dir: Path, model: Path, slice_s: float) -> AsyncIterator[tuple[str, str, LagProbe]]:
     config = load_config(None, data_dir=data_dir, model=str(model), port=0, temperature=0.0,
-                         prefill_step_size=step, max_text_chars=32000, max_tokens_limit=4096)
+                         prefill_slice=slice_s or 1e9, max_text_chars=32000, max_tokens_limit=4096)
     data_dir.mkdir(parents=True, exist_ok=True)
     token = ensure_token(data_dir)
     store = Store(config.db_path)
@@ -248,16 +249,16 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"# {BLAS.reason}", file=sys.stderr)
     print(f"# model {model}", file=sys.stderr)
     rows = []
-    async with daemon(root / "decode", model, args.steps[0]) as (url, token, _):
+    async with daemon(root / "decode", model, args.slices[-1]) as (url, token, _):
         for n in args.sessions:
             rows.append(await decode_rates(url, token, n, args.tokens))
             print(f"# decode n={n}: {rows[-1]}", file=sys.stderr)
     prefills = []
-    for step in args.steps:
-        async with daemon(root / f"prefill-{step}", model, step) as (url, token, probe):
+    for slice_s in args.slices:
+        async with daemon(root / f"prefill-{slice_s}", model, slice_s) as (url, token, probe):
             r = await prefill_beside_streams(url, token, probe, args.prefill)
-            prefills.append({"step": step, **r})
-            print(f"# prefill step={step}: {prefills[-1]}", file=sys.stderr)
+            prefills.append({"slice": slice_s, **r})
+            print(f"# prefill slice={slice_s}: {prefills[-1]}", file=sys.stderr)
 
     base = rows[0]["rate"]
     print(f"Decode, {args.tokens} tokens per session, greedy:")
@@ -270,11 +271,12 @@ async def main_async(args: argparse.Namespace) -> None:
     print()
     print(f"A {args.prefill}-token message prefilled beside 4 streaming sessions:")
     print()
-    print("| prefill step | prefill | event-loop lag p50 / p99 / max | ping RTT p99 "
+    print("| prefill_slice | prefill | event-loop lag p50 / p99 / max | ping RTT p99 "
           "| streams' inter-token p50 / p99 / max |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for r in prefills:
-        print(f"| {r['step']} | {r['prefill_tokens']} tok in {r['seconds']:.1f} s "
+        label = f"{r['slice']} s" if r["slice"] else "off (512-token chunks)"
+        print(f"| {label} | {r['prefill_tokens']} tok in {r['seconds']:.1f} s "
               f"| {r['lag_p50'] * 1000:.1f} / {r['lag_p99'] * 1000:.1f} / {r['lag_max'] * 1000:.1f} ms "
               f"| {r['ping_p99'] * 1000:.1f} ms "
               f"| {r['gap_p50']:.2f} / {r['gap_p99']:.2f} / {r['gap_max']:.2f} s |")
@@ -285,8 +287,8 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--tokens", type=int, default=48, help="tokens each session decodes")
     parser.add_argument("--prefill", type=int, default=4096, help="tokens in the long message")
-    parser.add_argument("--steps", type=int, nargs="+", default=[512, 128],
-                        help="prefill step sizes to compare")
+    parser.add_argument("--slices", type=float, nargs="+", default=[0.0, 0.5],
+                        help="prefill_slice values to compare (0: off)")
     args = parser.parse_args()
     anyio.run(main_async, args)
     return 0

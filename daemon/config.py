@@ -40,6 +40,7 @@ class Config:
     temperature: float = 0.7
     top_p: float = 1.0
     prefill_step_size: int = 512
+    prefill_slice: float = 0.5
     # Cache tiers: byte budgets (hard limits) and idle times
     resident_bytes: int = 4 << 30
     warm_bytes: int = 2 << 30
@@ -84,6 +85,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "temperature": ("generation", "temperature"),
     "top_p": ("generation", "top_p"),
     "prefill_step_size": ("generation", "prefill_step_size"),
+    "prefill_slice": ("generation", "prefill_slice"),
     "resident_bytes": ("cache", "resident_bytes"),
     "warm_bytes": ("cache", "warm_bytes"),
     "disk_bytes": ("cache", "disk_bytes"),
@@ -163,7 +165,7 @@ def _check(name: str, value: Any) -> Any:
             raise ConfigError(f"{dotted} must be between 0 and 2")
         if name == "top_p" and not 0 < value <= 1:
             raise ConfigError(f"{dotted} must be in (0, 1]")
-        if name in ("send_timeout", "resident_idle", "warm_idle") and value <= 0:
+        if name in ("send_timeout", "resident_idle", "warm_idle", "prefill_slice") and value <= 0:
             raise ConfigError(f"{dotted} must be positive")
         return value
     raise AssertionError(name)  # pragma: no cover

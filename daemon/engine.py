@@ -106,6 +106,7 @@ EngineEvent = Union[Queued, Started, Delta, Done, Failed]
 
 
 MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
+MIN_CHUNK = 8  # prompt tokens: smaller prefill chunks would mostly re-read the weights
 
 
 class PromptTooLong(Exception):
@@ -148,6 +149,7 @@ class Engine:
         self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
         self._prefilling: list[str] = []  # sessions whose prompt is being fed, first come first
         self._waiting: list[_Waiting] = []  # jobs past max_generations, in arrival order
+        self._prefill_tps: float | None = None  # the last prefill chunk's tokens per second
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
 
@@ -343,12 +345,15 @@ class Engine:
 
         act = self._active[session_id]
         assert act.prefill is not None
+        n, before = self._chunk_size(), act.prefill.fed
         try:
+            t0 = time.perf_counter()
             with mx.stream(self.generator.stream):
-                logprobs = act.prefill.advance()
-                if logprobs is None:
-                    return
-                token = first_token(logprobs, act.sampler)
+                logprobs = act.prefill.advance(n)
+                token = first_token(logprobs, act.sampler) if logprobs is not None else None
+            self._prefill_tps = (act.prefill.fed - before) / max(time.perf_counter() - t0, 1e-6)
+            if token is None:
+                return
         except Exception as e:
             log.exception("prefill for %s failed", session_id)
             act.job.emit(Failed("internal", f"generation failed: {e}"))
@@ -373,6 +378,20 @@ class Engine:
         )
         act.uid = uid
         self._by_uid[uid] = session_id
+
+    def _chunk_size(self) -> int:
+        """Prompt tokens to feed this step.
+
+        Alone, `prefill_step_size`. Beside sessions that are decoding, as many
+        as take about `prefill_slice` seconds at the last chunk's rate, so
+        their streams keep moving through a long prefill.
+        """
+        step = self.config.prefill_step_size
+        if not self._by_uid:
+            return step
+        if self._prefill_tps is None:
+            return min(step, MIN_CHUNK)
+        return max(min(step, MIN_CHUNK), min(step, int(self._prefill_tps * self.config.prefill_slice)))
 
     def _decode(self) -> None:
         try:

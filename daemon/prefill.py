@@ -42,9 +42,12 @@ class Prefill:
     def remaining(self) -> int:
         return len(self.tokens) - self.fed
 
-    def advance(self) -> mx.array | None:
-        """Feed the next chunk. After the last one: the next token's log-probabilities, shape (1, vocab)."""
-        chunk = self.tokens[self.fed:self.fed + self.step]
+    def advance(self, n: int | None = None) -> mx.array | None:
+        """Feed the next `n` (default `step`) tokens.
+
+        After the last ones: the next token's log-probabilities, shape (1, vocab).
+        """
+        chunk = self.tokens[self.fed:self.fed + (n or self.step)]
         logits = self.model(mx.array(chunk)[None], cache=self.cache)
         self.fed += len(chunk)
         if self.remaining:

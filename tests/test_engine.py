@@ -14,7 +14,7 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import load_config
-from daemon.engine import Delta, Done, Engine, EngineEvent, GenerationJob, Started
+from daemon.engine import MIN_CHUNK, Delta, Done, Engine, EngineEvent, GenerationJob, Started
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
 STEP = 16
@@ -119,3 +119,33 @@ def test_a_prefill_never_freezes_the_batch(engine: Engine) -> None:
     assert steps > 4  # B's prompt took several chunks, each beside a decode step for A
     engine._cancel("e" * 16)
     engine._cancel("f" * 16)
+
+
+def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -> None:
+    """Alone, a prompt goes in prefill_step_size chunks; beside a decoding session, in slices."""
+    e = Engine(load_config(None, data_dir=tmp_path, prefill_step_size=64, prefill_slice=1e-6))
+    e._load()
+    alone: list[EngineEvent] = []
+    e._start(job("1" * 16, LONG, alone))
+    pre = e._active["1" * 16].prefill
+    assert pre is not None
+    e._step()
+    assert pre.fed == 64  # nobody else is decoding: a whole step
+    run_to_end(e)
+    a_events: list[EngineEvent] = []
+    e._start(job("2" * 16, "Hi.", a_events, max_tokens=200))
+    while e._active["2" * 16].generated < 2:
+        e._step()
+    e._start(job("3" * 16, LONG, []))
+    pre = e._active["3" * 16].prefill
+    assert pre is not None
+    fed = [pre.fed]
+    for _ in range(3):
+        e._step()
+        fed.append(pre.fed)
+    # A microsecond slice rounds down to the smallest chunk worth a forward.
+    assert [b - a for a, b in zip(fed, fed[1:])] == [MIN_CHUNK] * 3
+    e._cancel("2" * 16)
+    e._cancel("3" * 16)
+    assert e.caches is not None
+    e.caches.close()
