@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -56,13 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(highlight=False)
-    errors = Console(stderr=True, highlight=False)
+    return run(args, Console(highlight=False), Console(stderr=True, highlight=False))
+
+
+def run(
+    args: argparse.Namespace,
+    console: Console,
+    errors: Console,
+    *,
+    read_line: Callable[[str], str] = input,
+    echo: bool | None = None,
+    signals: bool = True,
+) -> int:
+    """kvchat with these flags, on these consoles; tests pass their own input and no signal handling."""
     interrupts = Interrupts()
     data_dir = args.data_dir if args.data_dir is not None else protocol.default_data_dir()
     history = History(data_dir / HISTORY_FILE)
+    installed = interrupts.installed() if signals else contextlib.nullcontext()
     try:
-        with interrupts.installed(), _terminal_restored(), LoopThread() as net:
+        with installed, _terminal_restored(), LoopThread() as net:
             link = Link(url=args.url, data_dir=args.data_dir, token_file=args.token_file)
             try:
                 net.run(link.connect())
@@ -72,8 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 enable_line_editing()
                 history.load()
-                chat = Chat(console, net, link, interrupts,
-                            Input(console, echo=not sys.stdin.isatty(), history=history),
+                typed = Input(console, read_line=read_line, history=history,
+                              echo=not sys.stdin.isatty() if echo is None else echo)
+                chat = Chat(console, net, link, interrupts, typed,
                             ChatOptions(max_tokens=args.max_tokens, temperature=args.temperature))
                 try:
                     # A title or system prompt asks for a new session: no list to pick from.

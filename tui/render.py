@@ -44,7 +44,9 @@ def print_message(console: Console, role: str, content: str, status: str = "comp
         console.print(Labelled(lines or [[]], label, label.cell_len), soft_wrap=True)
     else:
         console.print(render_answer(sanitize(content), Text(KVD, style=KVD_STYLE)), soft_wrap=True)
-    if status != "complete":
+    if status == "streaming":
+        console.print(Text("(still being written: /attach follows it)", style=DIM), soft_wrap=True)
+    elif status != "complete":
         console.print(Text(f"({sanitize(status)})", style=DIM), soft_wrap=True)
 
 

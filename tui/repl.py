@@ -126,6 +126,10 @@ class Chat:
         if client.ready:
             return
         model = render.sanitize(str(client.hello.get("model", "the model")))
+        if not self.console.is_terminal:  # no spinner to draw: say it once
+            render.print_note(self.console, f"waiting for kvd to finish loading model {model}…")
+            self.net.run(client.wait_ready())
+            return
         with self.console.status(f"loading model {model}…") as status:
 
             def progress(loading: Mapping[str, Any]) -> None:  # network thread

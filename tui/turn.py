@@ -153,6 +153,8 @@ class Turn:
                 tasks.start_soon(self._cancel_when_asked)
                 try:
                     await self._follow(client)
+                except Exception as exc:  # caught here, not wrapped in the task group's ExceptionGroup
+                    self._events.put(exc)
                 finally:
                     tasks.cancel_scope.cancel()
         except Exception as exc:  # the main thread reports it (or raises it, if it is a bug)
