@@ -155,3 +155,21 @@ def test_code_is_highlighted_on_a_colour_terminal() -> None:
     printer.finish()
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert "\x1b[38;2;" in out  # the lexer's colours (monokai), not plain text
+
+
+def test_a_long_unfinished_code_block_is_previewed_by_its_end() -> None:
+    """Highlighting hundreds of lines ten times a second would starve the screen: the live tail shows the end."""
+    code = "```python\n" + "\n".join(f"x{i} = compute({i})" for i in range(400)) + "\n"
+    console = PermanentOnly()
+    printer = render.answer_printer(console)
+    printer.start()
+    printer.feed("Here it is:\n\n")
+    printer.feed(code)
+    assert printer._live is not None
+    live = ["".join(seg.text for seg in line).rstrip()
+            for line in console.render_lines(printer._live.renderable, pad=False)]
+    assert printer.previewing and len(live) <= 11
+    assert live[0].strip() == "…" and "x399 = compute(399)" in live[-2]  # then the code block's bottom padding
+    printer.feed("```\n\nDone.")
+    printer.finish()
+    assert console.kept.export_text() == whole("Here it is:\n\n" + code + "```\n\nDone.")

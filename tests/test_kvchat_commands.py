@@ -153,6 +153,7 @@ async def test_system_and_params(tmp_path: Path) -> None:
         sid = re.search(r"session ([0-9a-f]{16})", screen.text).group(1)  # type: ignore[union-attr]
         session = (await transcript(d, sid))["session"]
         assert session["system"] is None and session["params"] == {"temperature": 0.0}
+        assert session["title"] == "Hello there"  # a new chat is titled after its first message
 
 
 async def test_regen_and_edit(tmp_path: Path) -> None:

@@ -8,10 +8,16 @@ once, for good, and only the unfinished tail is live (cropped to the screen).
 
 The pieces add up to exactly what rendering the whole answer at once gives.
 Rich renders top-level blocks one after another, and the only state one passes
-to the next is whether a blank line goes before it, which depends on the
-elements just before (a rule: no; a list's last item: yes). So each block is
-rendered together with the block before it, and only the lines past that
-previous block's own rendering are printed.
+to the next is whether a blank line goes before it: none after a rule, one
+after anything else (a container's own items can decide it for themselves).
+So each block is rendered behind a one-line stand-in for the block before it
+("---" after a rule, a word otherwise), and the lines past the stand-in's are
+printed. The stand-in keeps that cheap however long the previous block was.
+
+The live tail is a preview: past a few thousand characters only its end is
+rendered (a code fence keeps its opening line, so it stays code), because
+rendering a long code block with highlighting takes long enough to starve
+the refresh. What is printed for good is always rendered in full.
 
 A block is finished when a later block has begun, or when it cannot grow: a
 heading, a rule, a closed code fence, or a paragraph, table or quote followed
@@ -50,7 +56,7 @@ _CANNOT_GROW = {"heading_open", "hr"}
 @dataclass(frozen=True)
 class Block:
     source: str  # the block's own lines
-    lead: str  # the lines before it since the previous block (blank, usually), each with its newline
+    kind: str  # its first markdown-it token's type: "paragraph_open", "fence", "hr", …
 
 
 def markdown(source: str) -> Markdown:
@@ -72,7 +78,7 @@ def split_finished(text: str) -> tuple[list[Block], str]:
         first, last = token.map
         if i + 1 == len(starts) and not _cannot_grow(token, lines):
             break
-        finished.append(Block("\n".join(lines[first:last]), "".join(line + "\n" for line in lines[cut:first])))
+        finished.append(Block("\n".join(lines[first:last]), token.type))
         cut = last
     if not finished:
         return [], text
@@ -91,9 +97,41 @@ def _cannot_grow(token: Token, lines: list[str]) -> bool:
     return False
 
 
-def joined(before: Block, after: str) -> str:
-    """`before`'s source followed by text that came after it, as in the answer."""
-    return before.source + "\n" + after
+PREVIEW_CHARS = 4000  # past this, the live tail renders only its end
+_OPENING_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def stand_in(kind: str | None) -> str:
+    """One line that leaves Rich in the state a block of this kind leaves it in ("" for none)."""
+    if kind is None:
+        return ""
+    return "---" if kind == "hr" else "x"
+
+
+def after(console: Console, kind: str | None, source: str, width: int) -> Lines:
+    """The lines `source` renders to when it follows a block of `kind` (None: it comes first)."""
+    context = stand_in(kind)
+    if not context:
+        return render_lines(console, source, width)
+    skip = len(render_lines(console, context, width))
+    return render_lines(console, context + "\n\n" + source, width)[skip:]
+
+
+def preview(source: str, room: int, width: int) -> str:
+    """The end of a long unfinished tail, enough to fill `room` lines (exact when short)."""
+    if len(source) <= PREVIEW_CHARS:
+        return source
+    lines = source.split("\n")
+    first = next((line for line in lines if line.strip()), "")
+    fence = _OPENING_FENCE.match(first)
+    kept = lines[-room:]
+    text = "\n".join(kept)
+    if len(text) > PREVIEW_CHARS:  # a long paragraph: its last words, from a word boundary
+        text = text[-PREVIEW_CHARS:]
+        text = text[text.find(" ") + 1 :] if " " in text else text
+    if fence and (len(kept) < len(lines) or len(text) < len("\n".join(kept))):
+        text = first + "\n" + text
+    return text
 
 
 class Labelled:
@@ -157,16 +195,18 @@ def _rstrip(line: list[Segment]) -> list[Segment]:
 
 
 class _Tail:
-    """The live part: the unfinished text, cropped to its last screenful."""
+    """The live part: a preview of the unfinished text, cropped to its last screenful."""
 
     def __init__(self, printer: AnswerPrinter) -> None:
         self.printer = printer
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        lines = self.printer.tail_lines()
         room = max(console.size.height - 2, 1)
+        lines = self.printer.tail_lines(room=room)
+        cropped = len(lines) > room or self.printer.previewing
         if len(lines) > room:
             lines = lines[-room:]
+        if cropped and lines:
             lines[0] = [Segment("…", console.get_style("dim"))]
         yield Labelled(lines, self.printer.label if self.printer.lines_printed == 0 else None,
                        self.printer.label.cell_len)
@@ -187,10 +227,10 @@ class AnswerPrinter:
         self.started = False
         self.text = ""  # everything received so far, sanitized
         self.lines_printed = 0
+        self.previewing = False  # the live tail shows only the end of a long unfinished block
         self._sanitizer = StreamSanitizer()
         self._pending = ""  # the text after the last printed block
-        self._last: Block | None = None  # the last printed block
-        self._last_lines = 0  # how many lines it renders to on its own
+        self._last: str | None = None  # the kind of the last printed block
         self._live: Live | None = None
 
     @property
@@ -219,7 +259,8 @@ class AnswerPrinter:
             return
         blocks, rest = split_finished(pending)
         for block in blocks:
-            self._print(self._new_lines(block.lead + block.source, block))
+            self._print(after(self.console, self._last, block.source, self.width))
+            self._last = block.kind
         self._pending = rest
 
     def note(self, message: str) -> None:
@@ -243,23 +284,16 @@ class AnswerPrinter:
         self._pending = ""
         self.started = False
 
-    def tail_lines(self) -> Lines:
-        """The lines the unfinished text adds after what was printed."""
+    def tail_lines(self, *, room: int | None = None) -> Lines:
+        """The lines the unfinished text adds after what was printed (a preview, given the room)."""
         pending = self._pending
-        if self._last is None:
-            return render_lines(self.console, pending, self.width)
-        if not pending.strip():
+        if room is not None:
+            shown = preview(pending, room, self.width)
+            self.previewing = shown is not pending
+            pending = shown
+        if self._last is not None and not pending.strip():
             return []
-        return render_lines(self.console, joined(self._last, pending), self.width)[self._last_lines:]
-
-    def _new_lines(self, text: str, block: Block) -> Lines:
-        if self._last is None:
-            lines = render_lines(self.console, text, self.width)
-        else:
-            lines = render_lines(self.console, joined(self._last, text), self.width)[self._last_lines:]
-        self._last = block
-        self._last_lines = len(render_lines(self.console, block.source, self.width))
-        return lines
+        return after(self.console, self._last, pending, self.width)
 
     def _print(self, lines: Lines) -> None:
         if not lines:

@@ -26,6 +26,9 @@ from .link import Link
 from .loop_thread import LoopThread
 from .turn import Turn
 
+DEFAULT_TITLE = "New chat"  # the daemon's, for a session created without one
+TITLE_CHARS = 50
+
 
 @dataclass(frozen=True)
 class ChatOptions:
@@ -83,7 +86,9 @@ class Chat:
                             return 0
                         continue
                     text = text.strip("\n")
-                    self.turn(protocol.CHAT_SEND, text=text[1:] if stripped.startswith("//") else text)
+                    text = text[1:] if stripped.startswith("//") else text
+                    self.name_after(text)
+                    self.turn(protocol.CHAT_SEND, text=text)
                 except KeyboardInterrupt:
                     # readline has dropped the line; say so and prompt afresh
                     self.console.print(Text("^C", style=render.DIM), soft_wrap=True)
@@ -213,6 +218,15 @@ class Chat:
         render.print_header(self.console, session, self.link.client.hello, resumed=resumed)
         render.print_history(self.console, messages)
 
+    def name_after(self, text: str) -> None:
+        """A new chat is titled after its first message, so the sessions list says what it was about."""
+        if self.last_index >= 0 or self.session.get("title") != DEFAULT_TITLE:
+            return
+        title = listing.one_line(text, TITLE_CHARS)
+        if title:
+            with contextlib.suppress(KvchatError):
+                self.session = self.request(protocol.SESSION_UPDATE, session=self.session_id, title=title)["session"]
+
     def forget_current(self) -> None:
         """The open session was deleted."""
         self._created.discard(self.session_id)
@@ -225,6 +239,6 @@ class Chat:
         self._created.discard(self.session_id)
         with contextlib.suppress(KvchatError):
             got = self.request(protocol.SESSION_GET, session=self.session_id)["session"]
-            if (got.get("message_count") == 0 and got.get("title") == "New chat" and not got.get("system")
+            if (got.get("message_count") == 0 and got.get("title") == DEFAULT_TITLE and not got.get("system")
                     and not got.get("params")):
                 self.request(protocol.SESSION_DELETE, session=self.session_id)
