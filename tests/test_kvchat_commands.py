@@ -310,3 +310,19 @@ async def test_nothing_typed_crashes_kvchat(tmp_path: Path) -> None:
     assert any("must be 1-200 characters" in line for line in lines)
     assert any(line.startswith("error: cannot write /nonexistent/dir/x.md") for line in lines)
     assert not any("kvchat hit a bug" in line for line in lines)
+
+
+async def test_reconnecting_gives_up_with_what_to_do(tmp_path: Path) -> None:
+    import socket
+
+    from tui.errors import GaveUp
+    from tui.link import Link
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"ws://127.0.0.1:{sock.getsockname()[1]}/v1"  # nothing listens once closed
+    link = Link(url=url, data_dir=tmp_path, reconnect_for=0.5)
+    with pytest.raises(GaveUp) as info:
+        await link.reconnect()
+    assert str(info.value).startswith(f"kvd at {url} did not come back within 0.5 s (kvd is not running at {url})")
+    assert "start it with `kvd serve`" in str(info.value)

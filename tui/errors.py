@@ -65,7 +65,7 @@ class GaveUp(ConnectionLost):
     def __init__(self, url: str, seconds: float, why: str) -> None:
         KvchatError.__init__(
             self,
-            f"kvd at {url} did not come back within {seconds:.0f} s ({why}); start it with `kvd serve`, "
+            f"kvd at {url} did not come back within {seconds:g} s ({why}); start it with `kvd serve`, "
             "then carry on: kvchat reconnects on your next message (/attach shows an answer it missed)",
         )
         self.url = url

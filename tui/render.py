@@ -101,13 +101,14 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
     return line
 
 
-def print_status(console: Console, done: Mapping[str, Any]) -> None:
-    """The dim line under an answer, from its ``chat.done`` event."""
+def print_status(console: Console, done: Mapping[str, Any], *, blank: bool = True) -> None:
+    """The dim line under an answer, from its ``chat.done`` event (then a blank line)."""
     usage = done.get("usage")
     reason = done.get("finish_reason")
     line = status_line(usage if isinstance(usage, Mapping) else {}, reason if isinstance(reason, str) else None)
     console.print(Text(line, style=DIM), soft_wrap=True)
-    console.print()
+    if blank:
+        console.print()
 
 
 def print_header(

@@ -124,10 +124,10 @@ class Turn:
         if failure is not None:
             raise _friendly(failure, self.kind)
         if done is not None:
-            render.print_status(self.console, done)
+            render.print_status(self.console, done, blank=False)
         for text in notes:
             render.print_note(self.console, text)
-        if notes and done is None:
+        if done is not None or notes:
             self.console.print()
         return done
 
