@@ -283,3 +283,21 @@ def test_kvchat_imports_no_mlx_numpy_or_stores() -> None:
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
+
+
+def test_a_queued_turn_says_how_many_are_ahead_and_unknown_events_are_ignored() -> None:
+    from tui.turn import show
+
+    console = capture_console()
+    printer = render.answer_printer(console)
+    events = [
+        {"type": "chat.queued", "id": "r1", "session": "s", "position": 2},
+        {"type": "chat.start", "id": "r1", "message_index": 1},
+        {"type": "chat.something_new", "id": "r1"},
+        {"type": "chat.delta", "id": "r1", "seq": 0, "text": "Hello."},
+    ]
+    assert all(show(printer, event) is None for event in events)
+    done = {"type": "chat.done", "id": "r1", "finish_reason": "stop", "usage": {}}
+    assert show(printer, done) is done
+    printer.finish()
+    assert output(console) == "waiting for the daemon: 2 ahead of you\nkvd> Hello.\n"

@@ -113,7 +113,7 @@ class Turn:
                     elif isinstance(item, Note):
                         notes.append(item.text)
                     else:
-                        done = self._show(printer, item) or done
+                        done = show(printer, item) or done
         except StopWaiting:
             future.cancel()
             printer.finish()
@@ -130,19 +130,6 @@ class Turn:
         if done is not None or notes:
             self.console.print()
         return done
-
-    def _show(self, printer: render.AnswerPrinter, event: dict[str, Any]) -> dict[str, Any] | None:
-        kind = event.get("type")
-        if kind == protocol.CHAT_START or (kind == protocol.CHAT_ATTACHED and event.get("generating")):
-            printer.start()  # not before: a refused request shows only its error
-        elif kind == protocol.CHAT_DELTA:
-            printer.feed(str(event.get("text", "")))
-        elif kind == protocol.CHAT_DONE:
-            return event
-        elif kind == protocol.CHAT_QUEUED:
-            position = event.get("position")
-            printer.note(f"waiting for the daemon: {position} ahead of you")
-        return None
 
     # -- the network thread --------------------------------------------------------
 
@@ -246,6 +233,21 @@ class Turn:
         if status == "error" or (status == "cancelled" and not cancelled_by_us):
             self._events.put(Note("kvd stopped while writing this answer (it was restarted?), so it is cut off; "
                                   "/regen writes it again"))
+
+
+def show(printer: render.AnswerPrinter, event: dict[str, Any]) -> dict[str, Any] | None:
+    """Print one event of the answer; return it if it is the chat.done. Unknown types are ignored."""
+    kind = event.get("type")
+    if kind == protocol.CHAT_START or (kind == protocol.CHAT_ATTACHED and event.get("generating")):
+        printer.start()  # not before: a refused request shows only its error
+    elif kind == protocol.CHAT_DELTA:
+        printer.feed(str(event.get("text", "")))
+    elif kind == protocol.CHAT_DONE:
+        return event
+    elif kind == protocol.CHAT_QUEUED:
+        position = event.get("position")
+        printer.note(f"waiting for the daemon: {position} ahead of you")
+    return None
 
 
 def _friendly(failure: Exception, kind: str) -> Exception:
