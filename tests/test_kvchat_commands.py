@@ -259,11 +259,15 @@ async def test_busy_session_then_attach(tmp_path: Path) -> None:
                 in_loop(hook)
                 return "/attach"
 
-            screen = await kvchat(d, "--session", sid, script=["hello", attach_then_stop_it, "/attach", "/quit"])
+            screen = await kvchat(d, "--session", sid, script=["hello", "/system Be brief.", attach_then_stop_it, "/attach",
+                                                               "/quit"])
         got = await transcript(d, sid)
     lines = screen.lines
     assert ("error: this session is answering in another window; /attach to watch that answer, "
             "or wait for it to finish") in lines
+    assert screen.after("you> /system Be brief.")[0] == (
+        "error: this session is answering right now (in another window?); /attach to watch it, Ctrl-C there "
+        "stops it; or wait for it to finish")
     shown, status = answer_lines(screen, "you> /attach")
     assert status.endswith("(cancelled)")
     assert shown == rendered(got["messages"][1]["content"])  # replayed from the start, then live

@@ -95,7 +95,11 @@ class Chat:
                 except EOFError:
                     self.console.print()
                     return 0
-                except KvchatError as exc:  # this request failed; the chat goes on
+                except ServerError as exc:  # this request failed; the chat goes on
+                    busy = ("this session is answering right now (in another window?); /attach to watch it, "
+                            "Ctrl-C there stops it; or wait for it to finish")
+                    render.print_error(self.console, busy if exc.code == protocol.BUSY else str(exc))
+                except KvchatError as exc:
                     render.print_error(self.console, str(exc))
                 except Exception as exc:  # a bug in kvchat: say so, and keep the chat
                     render.print_error(self.console, f"kvchat hit a bug ({type(exc).__name__}: {exc}); "
