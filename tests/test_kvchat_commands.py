@@ -330,3 +330,26 @@ async def test_reconnecting_gives_up_with_what_to_do(tmp_path: Path) -> None:
         await link.reconnect()
     assert str(info.value).startswith(f"kvd at {url} did not come back within 0.5 s (kvd is not running at {url})")
     assert "start it with `kvd serve`" in str(info.value)
+
+
+async def test_a_connection_lost_between_answers_is_made_again(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as c:
+            sid = await make_session(c, "Idle drop", temperature=0, max_tokens=5)
+        known = set(d.daemon._connections)
+
+        def drop_then(text: str) -> Any:
+            def step() -> str:
+                in_loop(lambda: newest_connection(d, known).abort())  # idle, between two answers
+                return text
+
+            return step
+
+        screen = await kvchat(d, "--session", sid, script=["first", drop_then("second"), "/sessions", "/quit"])
+    assert screen.code == 0
+    after = screen.after("you> second")
+    assert after[:2] == ["connection lost; reconnecting…", "reconnected"]
+    assert after[2].startswith("kvd> ")
+    _, status = answer_lines(screen, "you> second")
+    assert STATUS_LINE.match(status)
+    assert any(re.match(r"\s*1\* +Idle drop", line) for line in screen.lines)

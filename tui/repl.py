@@ -19,12 +19,13 @@ from rich.text import Text
 from daemon import protocol
 
 from . import commands, listing, render
+from .client import Client
 from .errors import KvchatError, ServerError
 from .interrupts import Interrupts
 from .lineinput import Input
 from .link import Link
 from .loop_thread import LoopThread
-from .turn import Turn
+from .turn import RECONNECTED, RECONNECTING, Turn
 
 DEFAULT_TITLE = "New chat"  # the daemon's, for a session created without one
 TITLE_CHARS = 50
@@ -126,7 +127,7 @@ class Chat:
         return self.net.run(self._request(type_, fields))
 
     async def _request(self, type_: str, fields: dict[str, Any]) -> dict[str, Any]:
-        client = await self.link.ensure(on_retry=lambda: render.print_note(self.console, "reconnecting to kvd…"))
+        client = await self._client()
         return await client.request(type_, **fields)
 
     def wait_ready(self) -> None:
@@ -148,8 +149,13 @@ class Chat:
 
             self.net.run(client.wait_ready(progress))
 
-    async def _client(self) -> Any:
-        return await self.link.ensure(on_retry=lambda: render.print_note(self.console, "reconnecting to kvd…"))
+    async def _client(self) -> Client:
+        """The connection, made again (and said so) if it dropped since the last request."""
+        lost = self.link.client.lost
+        client = await self.link.ensure(on_retry=lambda: render.print_note(self.console, RECONNECTING))
+        if lost:
+            render.print_note(self.console, RECONNECTED)
+        return client
 
     # -- sessions ------------------------------------------------------------------
 

@@ -35,6 +35,9 @@ from .link import Link
 from .loop_thread import LoopThread
 
 _END = object()  # the network side is done with this turn
+_MORE, _OVER, _RESEND = object(), object(), object()
+RECONNECTING = "connection lost; reconnecting…"
+RECONNECTED = "reconnected"  # after an event: go on, the answer is over, send again
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,9 @@ class Turn:
                     if isinstance(item, Exception):
                         failure = item
                     elif isinstance(item, Reconnecting):
-                        printer.note("connection lost; reconnecting…")
+                        printer.note(RECONNECTING)
                     elif isinstance(item, Reconnected):
-                        printer.note("reconnected")
+                        printer.note(RECONNECTED)
                     elif isinstance(item, Note):
                         notes.append(item.text)
                     else:
@@ -135,7 +138,10 @@ class Turn:
 
     async def _pump(self) -> None:
         try:
+            lost = self.link.client.lost
             client = await self.link.ensure(on_retry=lambda: self._events.put(Reconnecting()))
+            if lost:
+                self._events.put(Reconnected())
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._cancel_when_asked)
                 try:
@@ -162,13 +168,21 @@ class Turn:
             stream = client.attach(self.session, -1)
         else:
             stream = client.stream(self.kind, session=self.session, **self.fields)
+        resent = False
         while True:
             try:
                 async with contextlib.aclosing(stream):
                     async for event in stream:
-                        if not await self._take(client, event):
-                            return
-                return
+                        if (verdict := await self._take(client, event)) is _MORE:
+                            continue
+                        if verdict is _RESEND and not resent:
+                            break
+                        return
+                    else:
+                        return
+                # The message never reached kvd (the connection had dropped unseen): send it once more.
+                resent = True
+                stream = client.stream(self.kind, session=self.session, **self.fields)
             except ConnectionLost:
                 self._events.put(Reconnecting())
                 client = await self.link.reconnect()
@@ -177,8 +191,8 @@ class Turn:
                     await self._send_cancel(client)
                 stream = client.attach(self.session, self.followed.seq)
 
-    async def _take(self, client: Client, event: dict[str, Any]) -> bool:
-        """Track and pass on one event; False when the answer is over."""
+    async def _take(self, client: Client, event: dict[str, Any]) -> object:
+        """Track and pass on one event: _MORE to come, _OVER, or _RESEND the request."""
         f = self.followed
         kind = event.get("type")
         if kind == protocol.CHAT_START:
@@ -187,27 +201,25 @@ class Turn:
             seq = event.get("seq")
             if isinstance(seq, int):
                 if seq <= f.seq:
-                    return True  # seen already
+                    return _MORE  # seen already
                 f.seq = seq
             f.text += str(event.get("text", ""))
         elif kind == protocol.CHAT_ATTACHED:
             if not event.get("generating"):
-                await self._settle(client, event.get("message"))
-                return False
+                return await self._settle(client, event.get("message"))
             if f.request is not None and event.get("request") != f.request:
                 # The session is writing another answer (asked for elsewhere): ours is over.
-                await self._settle(client, None)
-                return False
+                return await self._settle(client, None)
             f.request, f.index = event.get("request"), event.get("message_index")
         self._events.put(event)
-        return True
+        return _OVER if kind == protocol.CHAT_DONE else _MORE
 
-    async def _settle(self, client: Client, message: Mapping[str, Any] | None) -> None:
+    async def _settle(self, client: Client, message: Mapping[str, Any] | None) -> object:
         """The answer ended while we were away: show its tail and status from the transcript."""
         f = self.followed
         if f.request is None and self.kind == protocol.CHAT_ATTACH:
             self._events.put(Note("nothing is being written in this session right now"))
-            return
+            return _OVER
         if f.index is not None and (message is None or message.get("index") != f.index):
             got = await client.request(protocol.SESSION_GET, session=self.session)
             message = next((m for m in got.get("messages") or [] if m.get("index") == f.index), None)
@@ -215,8 +227,11 @@ class Turn:
             newer = isinstance(message.get("index"), int) and int(message["index"]) > self.last_index
             message = message if newer and message.get("role") == "assistant" else None
         if message is None:
-            self._events.put(Note("kvd did not get the message before the connection dropped; send it again"))
-            return
+            if self.kind == protocol.CHAT_SEND:
+                return _RESEND  # a new answer would have a new index: none means kvd never got it
+            self._events.put(Note("the connection dropped before kvd confirmed this; if the answer above "
+                                  "is the old one, ask again"))
+            return _OVER
         content = str(message.get("content", ""))
         self._events.put({"type": protocol.CHAT_START, "message_index": message.get("index")})
         if content.startswith(f.text):
@@ -233,6 +248,7 @@ class Turn:
         if status == "error" or (status == "cancelled" and not cancelled_by_us):
             self._events.put(Note("kvd stopped while writing this answer (it was restarted?), so it is cut off; "
                                   "/regen writes it again"))
+        return _OVER
 
 
 def show(printer: render.AnswerPrinter, event: dict[str, Any]) -> dict[str, Any] | None:
