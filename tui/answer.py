@@ -43,11 +43,13 @@ from .sanitize import StreamSanitizer
 CODE_THEME = "monokai"
 MIN_WIDTH = 10
 REFRESH_PER_SECOND = 10
+PREVIEW_CHARS = 4000  # past this, the live tail renders only its end
 
 Lines = list[list[Segment]]
 
 # The parser rich.markdown.Markdown uses, so blocks split where Rich's would.
 _PARSER = MarkdownIt().enable("strikethrough").enable("table")
+_OPENING_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _CLOSING_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*$")
 _GROWS_UNTIL_BLANK = {"paragraph_open", "table_open", "blockquote_open"}
 _CANNOT_GROW = {"heading_open", "hr"}
@@ -97,10 +99,6 @@ def _cannot_grow(token: Token, lines: list[str]) -> bool:
     return False
 
 
-PREVIEW_CHARS = 4000  # past this, the live tail renders only its end
-_OPENING_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
-
-
 def stand_in(kind: str | None) -> str:
     """One line that leaves Rich in the state a block of this kind leaves it in ("" for none)."""
     if kind is None:
@@ -117,7 +115,7 @@ def after(console: Console, kind: str | None, source: str, width: int) -> Lines:
     return render_lines(console, context + "\n\n" + source, width)[skip:]
 
 
-def preview(source: str, room: int, width: int) -> str:
+def preview(source: str, room: int) -> str:
     """The end of a long unfinished tail, enough to fill `room` lines (exact when short)."""
     if len(source) <= PREVIEW_CHARS:
         return source
@@ -288,7 +286,7 @@ class AnswerPrinter:
         """The lines the unfinished text adds after what was printed (a preview, given the room)."""
         pending = self._pending
         if room is not None:
-            shown = preview(pending, room, self.width)
+            shown = preview(pending, room)
             self.previewing = shown is not pending
             pending = shown
         if self._last is not None and not pending.strip():
