@@ -22,7 +22,9 @@ the refresh. What is printed for good is always rendered in full.
 A block is finished when a later block has begun, or when it cannot grow: a
 heading, a rule, a closed code fence, or a paragraph, table or quote followed
 by a blank line. Lists and indented code wait for the next block (a blank line
-does not end them). Only complete lines are considered.
+does not end them). Only complete lines are considered. (One thing cannot
+stream: a link reference definition that comes after the link it defines; the
+link is printed before the definition arrives, as plain text.)
 """
 
 from __future__ import annotations
