@@ -26,10 +26,13 @@ DAEMON_FILE = "daemon.json"
 SESSION_CREATE = "session.create"
 SESSION_LIST = "session.list"
 SESSION_GET = "session.get"
+SESSION_UPDATE = "session.update"
+SESSION_DELETE = "session.delete"
 CHAT_SEND = "chat.send"
 CHAT_REGENERATE = "chat.regenerate"
 CHAT_EDIT = "chat.edit"
 CHAT_CANCEL = "chat.cancel"
+CHAT_ATTACH = "chat.attach"
 PING = "ping"
 STATUS = "status"
 
@@ -41,6 +44,9 @@ CHAT_START = "chat.start"
 CHAT_QUEUED = "chat.queued"
 CHAT_DELTA = "chat.delta"
 CHAT_DONE = "chat.done"
+CHAT_ATTACHED = "chat.attached"
+LOADING = "loading"  # pushed about once a second while the model loads
+READY = "ready"  # pushed once when the model has loaded
 OK = "ok"
 PONG = "pong"
 ERROR = "error"
@@ -55,6 +61,12 @@ BUSY = "busy"
 INTERNAL = "internal"
 
 SESSION_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+# Where a session's KV cache lives ("cache" in session objects, "restored_from").
+CACHE_TIERS = ("resident", "warm", "disk", "none")
+
+# Per-session generation defaults a session.update may set ("params").
+PARAMS = ("temperature", "top_p", "max_tokens")
 
 
 def default_data_dir() -> Path:

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Union
 
+from sessions import KEEP, Keep
+
 from . import protocol as p
 from .config import Config
 
@@ -49,22 +51,41 @@ class SessionGet:
 
 
 @dataclass(frozen=True)
+class SessionUpdate:
+    id: RequestId
+    session: str
+    title: str | Keep
+    system: str | None | Keep
+    params: dict[str, float | int | None] | Keep  # a change: None removes that key
+
+
+@dataclass(frozen=True)
+class SessionDelete:
+    id: RequestId
+    session: str
+
+
+# A chat request's max_tokens, temperature and top_p are None when it leaves
+# them out: the session's params, then the config, fill them in (sampling.py).
+
+
+@dataclass(frozen=True)
 class ChatSend:
     id: RequestId
     session: str
     text: str
-    max_tokens: int
-    temperature: float
-    top_p: float
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
 
 
 @dataclass(frozen=True)
 class ChatRegenerate:
     id: RequestId
     session: str
-    max_tokens: int
-    temperature: float
-    top_p: float
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
 
 
 @dataclass(frozen=True)
@@ -73,9 +94,16 @@ class ChatEdit:
     session: str
     message_index: int
     text: str
-    max_tokens: int
-    temperature: float
-    top_p: float
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+
+
+@dataclass(frozen=True)
+class ChatAttach:
+    id: RequestId
+    session: str
+    after_seq: int  # the last seq the client has seen; -1: none
 
 
 @dataclass(frozen=True)
@@ -94,8 +122,8 @@ class Status:
     id: RequestId
 
 
-Request = Union[SessionCreate, SessionList, SessionGet, ChatSend, ChatRegenerate, ChatEdit,
-                ChatCancel, Ping, Status]
+Request = Union[SessionCreate, SessionList, SessionGet, SessionUpdate, SessionDelete, ChatSend,
+                ChatRegenerate, ChatEdit, ChatCancel, ChatAttach, Ping, Status]
 
 MAX_TITLE_CHARS = 200
 
@@ -131,13 +159,68 @@ def _session(msg: dict[str, Any], rid: RequestId) -> str:
     return sid
 
 
-def _number(msg: dict[str, Any], rid: RequestId, name: str, default: float,
-            low: float, high: float, *, low_open: bool = False) -> float:
-    value = float(_field(msg, rid, name, (int, float), required=False, default=default))
+def _number(msg: dict[str, Any], rid: RequestId, name: str,
+            low: float, high: float, *, low_open: bool = False, label: str = "") -> float | None:
+    value = _field(msg, rid, name, (int, float), required=False)
+    if value is None:
+        return None
+    value = float(value)
     if math.isnan(value) or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise RequestError(p.BAD_REQUEST, f"{name!r} must be in {bracket}{low:g}, {high:g}]", rid)
+        raise RequestError(p.BAD_REQUEST, f"{label or repr(name)} must be in {bracket}{low:g}, {high:g}]", rid)
     return value
+
+
+def _max_tokens(msg: dict[str, Any], rid: RequestId, config: Config, *, label: str = "") -> int | None:
+    value = _field(msg, rid, "max_tokens", int, required=False)
+    if value is not None and not 1 <= value <= config.max_tokens_limit:
+        raise RequestError(p.BAD_REQUEST, f"{label or repr('max_tokens')} must be 1-{config.max_tokens_limit}", rid)
+    return value  # type: ignore[no-any-return]
+
+
+def _temperature(msg: dict[str, Any], rid: RequestId, *, label: str = "") -> float | None:
+    return _number(msg, rid, "temperature", 0.0, 2.0, label=label)
+
+
+def _top_p(msg: dict[str, Any], rid: RequestId, *, label: str = "") -> float | None:
+    return _number(msg, rid, "top_p", 0.0, 1.0, low_open=True, label=label)
+
+
+def _params(msg: dict[str, Any], rid: RequestId, config: Config) -> dict[str, float | int | None] | Keep:
+    """session.update's `params`: each key a value in the range chat.send allows, or null to clear."""
+    if msg.get("params") is None:
+        return KEEP
+    params = msg["params"]
+    if not isinstance(params, dict):
+        raise RequestError(p.BAD_REQUEST, "'params' must be an object, e.g. {\"temperature\": 0.2}", rid)
+    unknown = sorted(set(params) - set(p.PARAMS))
+    if unknown:
+        raise RequestError(p.BAD_REQUEST, f"unknown param {unknown[0]!r}; params may set "
+                           f"{', '.join(p.PARAMS)}", rid)
+    change: dict[str, float | int | None] = {}
+    for key in params:
+        label = f"'params.{key}'"
+        if key == "max_tokens":
+            change[key] = _max_tokens(params, rid, config, label=label)
+        elif key == "temperature":
+            change[key] = _temperature(params, rid, label=label)
+        else:
+            change[key] = _top_p(params, rid, label=label)
+    return change
+
+
+def _title(msg: dict[str, Any], rid: RequestId) -> str | None:
+    title = _field(msg, rid, "title", str, required=False)
+    if title is not None and not 1 <= len(title) <= MAX_TITLE_CHARS:
+        raise RequestError(p.BAD_REQUEST, f"'title' must be 1-{MAX_TITLE_CHARS} characters", rid)
+    return title  # type: ignore[no-any-return]
+
+
+def _system(msg: dict[str, Any], rid: RequestId, config: Config) -> str | None:
+    system = _field(msg, rid, "system", str, required=False)
+    if system is not None and len(system) > config.max_text_chars:
+        raise RequestError(p.TOO_LARGE, f"'system' is longer than {config.max_text_chars} characters", rid)
+    return system  # type: ignore[no-any-return]
 
 
 def _text(msg: dict[str, Any], rid: RequestId, config: Config) -> str:
@@ -171,24 +254,30 @@ def parse_request(raw: str | bytes, config: Config) -> Request:
     if kind == p.SESSION_LIST:
         return SessionList(rid)
     if kind == p.SESSION_CREATE:
-        title = _field(msg, rid, "title", str, required=False)
-        if title is not None and not 1 <= len(title) <= MAX_TITLE_CHARS:
-            raise RequestError(p.BAD_REQUEST, f"'title' must be 1-{MAX_TITLE_CHARS} characters", rid)
-        system = _field(msg, rid, "system", str, required=False)
-        if system is not None and len(system) > config.max_text_chars:
-            raise RequestError(p.TOO_LARGE, f"'system' is longer than {config.max_text_chars} characters", rid)
-        return SessionCreate(rid, title, system)
+        return SessionCreate(rid, _title(msg, rid), _system(msg, rid, config))
     if kind == p.SESSION_GET:
         return SessionGet(rid, _session(msg, rid))
+    if kind == p.SESSION_UPDATE:
+        session = _session(msg, rid)
+        title = _title(msg, rid)
+        system = _system(msg, rid, config) if "system" in msg else KEEP  # null clears it
+        return SessionUpdate(rid, session, KEEP if title is None else title, system,
+                             _params(msg, rid, config))
+    if kind == p.SESSION_DELETE:
+        return SessionDelete(rid, _session(msg, rid))
     if kind == p.CHAT_CANCEL:
         return ChatCancel(rid, _session(msg, rid))
+    if kind == p.CHAT_ATTACH:
+        session = _session(msg, rid)
+        after_seq = _field(msg, rid, "after_seq", int, required=False, default=-1)
+        if after_seq < -1:
+            raise RequestError(p.BAD_REQUEST, "'after_seq' must be >= -1 (-1: nothing seen yet)", rid)
+        return ChatAttach(rid, session, after_seq)
     if kind in (p.CHAT_SEND, p.CHAT_REGENERATE, p.CHAT_EDIT):
         session = _session(msg, rid)
-        max_tokens = _field(msg, rid, "max_tokens", int, required=False, default=config.max_tokens)
-        if not 1 <= max_tokens <= config.max_tokens_limit:
-            raise RequestError(p.BAD_REQUEST, f"'max_tokens' must be 1-{config.max_tokens_limit}", rid)
-        temperature = _number(msg, rid, "temperature", config.temperature, 0.0, 2.0)
-        top_p = _number(msg, rid, "top_p", config.top_p, 0.0, 1.0, low_open=True)
+        max_tokens = _max_tokens(msg, rid, config)
+        temperature = _temperature(msg, rid)
+        top_p = _top_p(msg, rid)
         if kind == p.CHAT_REGENERATE:
             return ChatRegenerate(rid, session, max_tokens, temperature, top_p)
         text = _text(msg, rid, config)

@@ -26,15 +26,17 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from sessions import Message, Session, Store
+from sessions import Keep, Message, Session, Store
 
 from . import __version__
 from . import protocol as p
 from .config import Config
 from .connection import Connection
 from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Queued, Started
-from .requests import (ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError, SessionCreate, SessionGet,
-                       SessionList, Status, parse_request)
+from .loading import LoadingWatch
+from .requests import (ChatAttach, ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError, SessionCreate,
+                       SessionDelete, SessionGet, SessionList, SessionUpdate, Status, parse_request)
+from .sampling import merge, resolve
 
 log = logging.getLogger("kvd.server")
 
@@ -51,12 +53,25 @@ class Generation:
     subscribers: set[Connection] = field(default_factory=set)
     text: str = ""
     seq: int = 0
+    deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
 
     def publish(self, event: dict[str, Any]) -> None:
         event = {"id": self.request_id, "session": self.session_id, **event}
         for conn in list(self.subscribers):
             conn.publish(event)
+
+    def attach(self, conn: Connection, after_seq: int) -> None:
+        """Re-send the deltas `conn` has not seen, as first published, then subscribe it.
+
+        One synchronous step on the event loop: no delta can be published
+        between the replay and the subscription, so there is no gap and no
+        duplicate.
+        """
+        for seq in range(after_seq + 1, len(self.deltas)):
+            conn.publish({"type": p.CHAT_DELTA, "id": self.request_id, "session": self.session_id,
+                          "seq": seq, "text": self.deltas[seq]})
+        self.subscribers.add(conn)
 
 
 class Daemon:
@@ -69,6 +84,7 @@ class Daemon:
         self._connections: set[Connection] = set()
         self._tg: TaskGroup | None = None
         self._stopping = anyio.Event()
+        self._loading = LoadingWatch(engine, config.model)
         self.url: str | None = None
 
     # --- lifecycle ---
@@ -77,6 +93,13 @@ class Daemon:
         """Serve until `shutdown()`; then finish every answer and return."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            loading = anyio.CancelScope()
+
+            async def watch_loading() -> None:
+                with loading:
+                    await self._loading.run(self._broadcast)
+
+            tg.start_soon(watch_loading)
             server: Server
             async with serve(
                 self._handle,
@@ -93,6 +116,7 @@ class Daemon:
                 task_status.started(self.url)
                 await self._stopping.wait()
                 log.info("shutting down: closing connections, finishing answers")
+                loading.cancel()
                 server.close(close_connections=True)
                 await anyio.to_thread.run_sync(self.engine.stop)
                 await server.wait_closed()
@@ -131,6 +155,8 @@ class Daemon:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(conn.writer)
                 conn.publish(self._hello())
+                if (failed := self._loading.failure_event()) is not None:
+                    conn.publish(failed)
                 try:
                     async for raw in ws:
                         await self._dispatch(conn, raw)
@@ -165,12 +191,15 @@ class Daemon:
                 "ready": self.engine.ready.is_set() and self.engine.load_error is None,
                 "connections": len(self._connections), "generating": stats.get("generating", 0),
                 "waiting": stats.get("waiting", 0),
-                "tiers": stats.get("tiers", {})}
+                "tiers": stats.get("tiers", {}), "locations": stats.get("locations", {})}
 
     def _hello(self) -> dict[str, Any]:
-        ready = self.engine.ready.is_set() and self.engine.load_error is None
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
-                "model": self.config.model, "ready": ready}
+                "model": self.config.model, **self._loading.hello_fields()}
+
+    def _broadcast(self, event: dict[str, Any]) -> None:
+        for conn in list(self._connections):
+            conn.publish(event)
 
     async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:
         rid = None
@@ -183,13 +212,20 @@ class Daemon:
                 conn.publish({"type": p.STATUS, "id": rid, **await self.status()})
             elif isinstance(req, SessionCreate):
                 session = self.store.create_session(title=req.title, system=req.system)
-                conn.publish({"type": p.SESSION, "id": rid, "session": session})
+                conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
             elif isinstance(req, SessionList):
-                conn.publish({"type": p.SESSIONS, "id": rid, "sessions": self.store.list_sessions()})
+                conn.publish({"type": p.SESSIONS, "id": rid,
+                              "sessions": [self._session_object(s) for s in self.store.list_sessions()]})
             elif isinstance(req, SessionGet):
                 session = self._session(req.session, rid)
-                conn.publish({"type": p.SESSION, "id": rid, "session": session,
+                conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session),
                               "messages": self.store.messages(req.session)})
+            elif isinstance(req, SessionUpdate):
+                self._session_update(conn, req)
+            elif isinstance(req, SessionDelete):
+                self._session_delete(conn, req)
+            elif isinstance(req, ChatAttach):
+                self._chat_attach(conn, req)
             elif isinstance(req, ChatSend):
                 self._chat_send(conn, req)
             elif isinstance(req, ChatRegenerate):
@@ -214,6 +250,38 @@ class Daemon:
             raise RequestError(p.UNKNOWN_SESSION,
                                f"no session {session_id!r}; list sessions with session.list", rid)
         return session
+
+    # --- sessions ---
+
+    def _session_object(self, session: Session) -> dict[str, Any]:
+        """The protocol's session object: the stored one plus where its cache lives now."""
+        if session["id"] in self._generations:
+            cache = "resident"  # in the engine's batch
+        else:
+            cache = self.engine.stats.get("locations", {}).get(session["id"], "none")
+        return {**session, "cache": cache}
+
+    def _session_update(self, conn: Connection, req: SessionUpdate) -> None:
+        session = self._session(req.session, req.id)
+        params = req.params if isinstance(req.params, Keep) else merge(session["params"], req.params)
+        new_system = not isinstance(req.system, Keep) and req.system != session["system"]
+        if new_system:
+            self._check_idle(req.session, req.id)  # the running turn would keep the old prompt's ids
+        self.store.update_session(req.session, title=req.title, system=req.system, params=params)
+        if new_system:
+            # The fed ids begin with the old system prompt, so the next turn must not append
+            # to them: it retokenizes, and the cache keeps what still matches (the template's head).
+            fed, _ = self.store.fed(req.session)
+            self.store.set_tokens(req.session, fed, covers=0)
+            self.store.forget_fed_ends(req.session, session["message_count"])
+        conn.publish({"type": p.SESSION, "id": req.id,
+                      "session": self._session_object(self._session(req.session, req.id))})
+
+    def _session_delete(self, conn: Connection, req: SessionDelete) -> None:
+        self._check_idle(req.session, req.id)
+        self.store.delete_session(req.session)
+        self.engine.forget(req.session)  # queued behind any turn that is still keeping its cache
+        conn.publish({"type": p.OK, "id": req.id})
 
     # --- chat ---
 
@@ -244,6 +312,18 @@ class Daemon:
         first_new = self.store.append_message(req.session, "user", req.text)
         self._start_turn(conn, req.id, req.session, first_new, req.max_tokens, req.temperature, req.top_p)
 
+    def _chat_attach(self, conn: Connection, req: ChatAttach) -> None:
+        self._session(req.session, req.id)
+        gen = self._generations.get(req.session)
+        if gen is None:
+            messages = self.store.messages(req.session)
+            conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session,
+                          "generating": False, "message": messages[-1] if messages else None})
+            return
+        conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session, "generating": True,
+                      "request": gen.request_id, "message_index": gen.message_index})
+        gen.attach(conn, req.after_seq)
+
     def _check_idle(self, session_id: str, rid: Any) -> None:
         self._session(session_id, rid)
         if session_id in self._generations:
@@ -266,10 +346,12 @@ class Daemon:
         self.store.set_tokens(session_id, fed[:keep], covers=covers)
 
     def _start_turn(self, conn: Connection, rid: Any, session_id: str, first_new: int,
-                    max_tokens: int, temperature: float, top_p: float) -> None:
+                    max_tokens: int | None, temperature: float | None, top_p: float | None) -> None:
         """Generate an answer to the transcript as it stands (its last message is the user's)."""
         assert self._tg is not None
         session = self._session(session_id, rid)
+        sampling = resolve(self.config, session["params"], max_tokens=max_tokens,
+                           temperature=temperature, top_p=top_p)
         index = self.store.append_message(session_id, "assistant", "", status="streaming")
         earlier = [m for m in self.store.messages(session_id) if m["index"] < index and m["content"]]
         history = [{"role": m["role"], "content": m["content"]} for m in earlier]
@@ -293,7 +375,7 @@ class Daemon:
         self.engine.submit(GenerationJob(
             session_id=session_id, messages=history, system=session["system"],
             fed_tokens=fed, fed_covers=sum(1 for m in earlier if m["index"] < covers),
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, emit=emit,
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, emit=emit,
         ))
 
     async def _pump(self, gen: Generation, events: MemoryObjectReceiveStream[EngineEvent]) -> None:
@@ -315,6 +397,7 @@ class Daemon:
                         continue
                     if isinstance(ev, Delta):
                         gen.text += ev.text
+                        gen.deltas.append(ev.text)
                         gen.publish({"type": p.CHAT_DELTA, "seq": gen.seq, "text": ev.text})
                         gen.seq += 1
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from .errors import UnknownMessage, UnknownSession
 from .ids import is_valid_session_id, new_session_id
-from .store import Message, Session, Store
+from .store import KEEP, Keep, Message, Session, Store
 
 __all__ = [
+    "KEEP",
+    "Keep",
     "Message",
     "Session",
     "Store",

@@ -122,3 +122,10 @@ def m001_initial(db: Database) -> None:
         )
         """
     )
+
+
+@migration
+def m002_session_params(db: Database) -> None:
+    # Per-session generation defaults (temperature, top_p, max_tokens) as a
+    # JSON object; NULL means none set, so the daemon's config applies.
+    db.execute("ALTER TABLE sessions ADD COLUMN params TEXT")

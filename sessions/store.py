@@ -13,9 +13,10 @@ call is a handful of indexed statements.
 
 from __future__ import annotations
 
+import enum
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypedDict, cast
 
@@ -36,8 +37,17 @@ LAST_MESSAGE_CHARS = 200
 BUSY_TIMEOUT_MS = 5000
 
 
+class Keep(enum.Enum):
+    """`update_session`'s default: leave this field as it is (None would clear it)."""
+
+    KEEP = enum.auto()
+
+
+KEEP = Keep.KEEP
+
+
 class Session(TypedDict):
-    """The protocol's session object (docs/protocol.md)."""
+    """The protocol's session object (docs/protocol.md), less `cache`: the daemon knows that."""
 
     id: str
     title: str
@@ -47,6 +57,7 @@ class Session(TypedDict):
     message_count: int
     last_message: str | None
     tokens: int
+    params: dict[str, Any]
 
 
 class Message(TypedDict):
@@ -71,12 +82,13 @@ SELECT s.id, s.title, s.system, s.created_at, s.updated_at,
     (SELECT substr(m.content, 1, {LAST_MESSAGE_CHARS}) FROM messages m
         WHERE m.session_id = s.id ORDER BY m.idx DESC LIMIT 1),
     coalesce((SELECT length(t.tokens) / 4 FROM session_tokens t
-        WHERE t.session_id = s.id), 0)
+        WHERE t.session_id = s.id), 0),
+    s.params
 FROM sessions s
 """
 _SESSION_KEYS = (
     "id", "title", "system", "created_at", "updated_at",
-    "message_count", "last_message", "tokens",
+    "message_count", "last_message", "tokens", "params",
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
@@ -131,6 +143,7 @@ class Store:
         return Session(
             id=session_id, title=title, system=system, created_at=now,
             updated_at=now, message_count=0, last_message=None, tokens=0,
+            params={},
         )  # fmt: skip
 
     def get_session(self, session_id: str) -> Session | None:
@@ -155,6 +168,35 @@ class Store:
 
     def set_system(self, session_id: str, system: str | None) -> None:
         self._update_session(session_id, "system = ?", [system])
+
+    def update_session(
+        self,
+        session_id: str,
+        *,
+        title: str | Keep = KEEP,
+        system: str | None | Keep = KEEP,
+        params: Mapping[str, Any] | Keep = KEEP,
+    ) -> None:
+        """Change the given fields in one statement; like renaming, this is not use.
+
+        `params` replaces the session's generation defaults as a whole (an
+        empty mapping clears them); merging a partial change is the caller's.
+        """
+        sets: list[str] = []
+        values: list[Any] = []
+        if not isinstance(title, Keep):
+            sets.append("title = ?")
+            values.append(title)
+        if not isinstance(system, Keep):
+            sets.append("system = ?")
+            values.append(system)
+        if not isinstance(params, Keep):
+            sets.append("params = ?")
+            values.append(json.dumps(dict(params)) if params else None)
+        if sets:
+            self._update_session(session_id, ", ".join(sets), values)
+        else:
+            self._require_session(session_id)
 
     def touch(self, session_id: str) -> None:
         """Mark the session used now: it moves to the top of `list_sessions`."""
@@ -333,7 +375,9 @@ def _check_status(status: str) -> None:
 
 
 def _session_dict(row: tuple[Any, ...]) -> Session:
-    return cast(Session, dict(zip(_SESSION_KEYS, row)))
+    session = dict(zip(_SESSION_KEYS, row))
+    session["params"] = json.loads(session["params"]) if session["params"] else {}
+    return cast(Session, session)
 
 
 def _message_dict(row: tuple[Any, ...]) -> Message:

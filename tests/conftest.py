@@ -53,14 +53,17 @@ class RunningDaemon:
 
 
 @asynccontextmanager
-async def running_daemon(data_dir: Path, **overrides: Any) -> AsyncIterator[RunningDaemon]:
+async def running_daemon(data_dir: Path, *, start_engine: bool = True, **overrides: Any) -> AsyncIterator[RunningDaemon]:
+    """A daemon serving on port 0. With start_engine=False it serves with the model not yet
+    loading, until the test calls `d.daemon.engine.start()` (which it must, before leaving)."""
     overrides.setdefault("port", 0)
     config = load_config(None, data_dir=data_dir, **overrides)
     data_dir.mkdir(parents=True, exist_ok=True)
     token = ensure_token(data_dir)
     store = Store(config.db_path)
     engine = Engine(config)
-    engine.start()
+    if start_engine:
+        engine.start()
     daemon = Daemon(config, store, engine, token)
     try:
         async with anyio.create_task_group() as tg:
@@ -116,7 +119,18 @@ async def client(d: RunningDaemon) -> AsyncIterator[Client]:
         c = Client(ws)
         hello = await c.recv()
         assert hello["type"] == "hello" and hello["protocol"] == 1
+        if not hello["ready"]:
+            await wait_ready(c)
         yield c
+
+
+async def wait_ready(c: Client) -> list[dict[str, Any]]:
+    """Read the `loading` events a daemon pushes while its model loads, up to `ready`; return them."""
+    seen = []
+    while (event := await c.recv())["type"] != "ready":
+        assert event["type"] == "loading", event
+        seen.append(event)
+    return seen
 
 
 def greedy_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:

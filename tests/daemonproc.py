@@ -58,7 +58,12 @@ class DaemonProcess:
         with connect(self.url, additional_headers={"Authorization": f"Bearer {self.token}"},
                      max_size=None) as ws:
             c = SyncClient(ws)
-            assert c.recv()["type"] == "hello"
+            hello = c.recv()
+            assert hello["type"] == "hello"
+            while not hello["ready"]:  # the model is loading: wait for it, so tests see only their replies
+                event = c.recv()
+                assert event["type"] in ("loading", "ready"), event
+                hello["ready"] = event["type"] == "ready"
             yield c
 
     def terminate(self) -> int:

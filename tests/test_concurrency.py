@@ -184,5 +184,11 @@ async def test_connections_past_the_limit_are_refused_with_503(tmp_path: Path) -
                     pass
             assert info.value.response.status_code == 503
             assert b"max_connections" in info.value.response.body
+            # kvchat says what is wrong and what to do.
+            from tui.client import Client as Kvchat
+            from tui.errors import Unreachable
+
+            with pytest.raises(Unreachable, match="max_connections"):
+                await Kvchat.connect(d.url, d.token)
         async with client(d) as c:  # a slot is free again
             assert (await c.request("ping"))["type"] == "pong"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from daemonproc import DaemonProcess
 from tui.client import Client, ServerError
 from tui.discover import locate
 
@@ -34,7 +35,7 @@ START_TIMEOUT = 60.0  # the daemon's first start writes builtin:tiny
 SCREEN_TIMEOUT = 30.0
 EXITED_TEXT = "[kvchat exited with status "
 EXITED = re.compile(re.escape(EXITED_TEXT) + r"(\d+)\]$")
-STATUS = re.compile(r"^\d+ tokens? · TTFT \d+ ms · [\d.]+ tok/s · \d+ cached")
+STATUS = re.compile(r"^\d+ tokens? · TTFT \d+ ms · [\d.]+ tok/s · cache: (resident|warm|disk|none)")
 
 
 @dataclass
@@ -178,11 +179,15 @@ def open_pane(tmp_path: Path) -> Iterator[Callable[..., Pane]]:
         pane.close()
 
 
+def is_status(line: str) -> bool:
+    return bool(re.match(r"^\d+ tokens?( · |$)", line))
+
+
 def answer_to(lines: list[str], question: str) -> tuple[str, str]:
     """The answer printed after ``you> question`` and the status line under it."""
     asked = max(i for i, line in enumerate(lines) if line == f"you> {question}")
     assert lines[asked + 1].startswith("kvd> "), lines[asked:]
-    status = next(i for i in range(asked + 1, len(lines)) if "tok/s" in lines[i])
+    status = next(i for i in range(asked + 1, len(lines)) if is_status(lines[i]))
     answer = "\n".join([lines[asked + 1][len("kvd> ") :], *lines[asked + 2 : status]])
     return answer, lines[status]
 
@@ -198,7 +203,7 @@ def answer_started(question: str) -> Callable[[list[str]], bool]:
 def has_status_after(question: str) -> Callable[[list[str]], bool]:
     def check(lines: list[str]) -> bool:
         asked = [i for i, line in enumerate(lines) if line == f"you> {question}"]
-        return bool(asked) and any("tok/s" in line for line in lines[asked[-1] :])
+        return bool(asked) and any(is_status(line) for line in lines[asked[-1] :])
 
     return check
 
@@ -235,7 +240,7 @@ def test_chat_in_tmux(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
 @pytest.mark.tmux
 def test_ctrl_c_cancels_the_answer_and_kvchat_goes_on(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
     # Greedy "tell me a story" on builtin:tiny runs past 1500 tokens: seconds of streaming to interrupt.
-    pane = open_pane("--data-dir", str(kvd.data_dir), "--temperature", "0", "--max-tokens", "4096")
+    pane = open_pane("--data-dir", str(kvd.data_dir), "--new", "--temperature", "0", "--max-tokens", "4096")
     pane.wait_for_prompt()
     pane.type("tell me a story")
     pane.wait_for("the answer to start", answer_started("tell me a story"))
@@ -264,7 +269,7 @@ def test_resume_shows_the_history(kvd: Kvd, open_pane: Callable[..., Pane]) -> N
     first.type("remember this, \\", enter=True)
     first.wait_for("the continuation prompt", lambda lines: lines[-1:] == ["...>"])
     first.type("please")
-    first.wait_for("the status line", lambda lines: any("tok/s" in line for line in lines))
+    first.wait_for("the status line", lambda lines: any(is_status(line) for line in lines))
     first.wait_for_prompt()
     first.type("/exit")
     assert first.wait_for_exit() == 0
@@ -274,10 +279,104 @@ def test_resume_shows_the_history(kvd: Kvd, open_pane: Callable[..., Pane]) -> N
     assert lines[0] == "resume me"
     assert "2 messages" in lines[1]
     asked = lines.index("you> remember this,")
-    assert lines[asked + 1] == "please"
+    assert lines[asked + 1] == "     please"
     assert lines[asked + 2].startswith("kvd> ")
     again.keys("C-d")
     assert again.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_a_day_with_kvchat_across_a_daemon_restart(tmp_path: Path, open_pane: Callable[..., Pane]) -> None:
+    """Start, ask, cancel with Ctrl-C, /regen, /export, quit; restart kvd; `kvchat --last`, ask again."""
+    data = tmp_path / "kvd"
+    daemon = DaemonProcess(data)
+    try:
+        pane = open_pane("--data-dir", str(data), "--new", "--title", "a day")
+        lines = pane.wait_for_prompt()
+        assert lines[0] == "a day" and re.match(r"session [0-9a-f]{16} · model builtin:tiny", lines[1])
+        sid = re.search(r"[0-9a-f]{16}", lines[1]).group(0)  # type: ignore[union-attr]
+
+        pane.type("Tell me about the sea")
+        lines = pane.wait_for("the first answer", has_status_after("Tell me about the sea"))
+        assert STATUS.match(answer_to(lines, "Tell me about the sea")[1])
+        pane.wait_for_prompt()
+
+        # Greedy with room for 4096 tokens, a story runs long enough to interrupt.
+        pane.type("/params temperature=0 max_tokens=4096")
+        pane.wait_for("the params", lambda lines: "session params: temperature=0.0 max_tokens=4096" in lines)
+        pane.type("tell me a story")
+        pane.wait_for("the story to start", answer_started("tell me a story"))
+        pane.keys("C-c")
+        lines = pane.wait_for("the cancelled story's status", has_status_after("tell me a story"))
+        status = answer_to(lines, "tell me a story")[1]
+        assert status.endswith("(cancelled)"), status
+        pane.wait_for_prompt()
+
+        pane.type("/params max_tokens=12")
+        pane.wait_for("the shorter limit", lambda lines: "session params: temperature=0.0 max_tokens=12" in lines)
+        pane.type("/regen")
+        lines = pane.wait_for("the new answer", has_status_after("/regen"))
+        after = lines[lines.index("(a new answer to your last message)") + 1 :]
+        assert after[0].startswith("kvd> ")
+        regen_status = next(line for line in after if is_status(line))
+        assert regen_status.startswith("12 tokens") and "cache: resident" in regen_status
+        pane.wait_for_prompt()
+
+        export = tmp_path / "a-day.md"
+        pane.type(f"/export {export}")
+        pane.wait_for("the export", lambda lines: f"exported 4 messages to {export}" in lines)
+        text = export.read_text()
+        assert text.startswith("# a day\n") and text.count("## You") == 2 and text.count("## kvd") == 2
+        assert "tell me a story" in text
+
+        pane.type("/quit")
+        assert pane.wait_for_exit() == 0
+        assert daemon.terminate() == 0
+        daemon = DaemonProcess(data)  # a new process, on a new port
+
+        again = open_pane("--data-dir", str(data), "--last")
+        lines = again.wait_for_prompt()
+        assert lines[0] == "a day" and sid in lines[1] and "4 messages" in lines[1]
+        assert "you> Tell me about the sea" in lines and "you> tell me a story" in lines
+        again.type("And after the restart?")
+        lines = again.wait_for("the answer after the restart", has_status_after("And after the restart?"))
+        status = answer_to(lines, "And after the restart?")[1]
+        assert re.search(r"cache: disk \d+ tok in [\d.]+ ms", status), status
+        again.keys("C-d")
+        assert again.wait_for_exit() == 0
+    finally:
+        daemon.terminate()
+
+
+@pytest.mark.tmux
+def test_daemon_restart_mid_answer_is_followed_and_told(tmp_path: Path, open_pane: Callable[..., Pane]) -> None:
+    """The connection drops mid-answer: kvchat reconnects to the new daemon and says the answer was cut off."""
+    data = tmp_path / "kvd"
+    daemon = DaemonProcess(data)
+    try:
+        pane = open_pane("--data-dir", str(data), "--new", "--temperature", "0", "--max-tokens", "4096")
+        pane.wait_for_prompt()
+        pane.type("tell me a story")
+        pane.wait_for("the story to start", answer_started("tell me a story"))
+        assert daemon.terminate() == 0  # SIGTERM: the answer is stopped and kept as far as it got
+        pane.wait_for("the reconnect note", lambda lines: "connection lost; reconnecting…" in lines)
+        daemon = DaemonProcess(data)
+        lines = pane.wait_for("the answer's end", has_status_after("tell me a story"))
+        # The notes are printed above the live answer, so above its unfinished paragraph here.
+        asked = lines.index("you> tell me a story")
+        assert lines[asked + 1 : asked + 3] == ["connection lost; reconnecting…", "reconnected"]
+        story, status = answer_to(lines[:asked + 1] + lines[asked + 3 :], "tell me a story")
+        assert status.endswith("(cancelled)")
+        assert any(line.startswith("kvd stopped while writing this answer") for line in lines)
+        pane.wait_for_prompt()
+        with daemon.client() as c:
+            sid = c.request("session.list")["sessions"][0]["id"]
+            kept = c.request("session.get", session=sid)["messages"][1]["content"]
+        assert " ".join(story.split()) == " ".join(kept.split())  # the whole kept answer, once
+        pane.keys("C-d")
+        assert pane.wait_for_exit() == 0
+    finally:
+        daemon.terminate()
 
 
 # -- without tmux ------------------------------------------------------------------
@@ -299,7 +398,7 @@ def test_no_daemon_says_how_to_start_it(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 1, result
-    assert f"kvd is not running at {url}. Start it with: kvd serve" in result.stderr
+    assert f"kvd is not running at {url}; start it with `kvd serve`" in result.stderr
 
 
 def test_no_daemon_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,6 +84,11 @@ BAD: list[tuple[Any, str]] = [
     ({"id": "a", "type": "chat.send", "session": "{sid}", "text": "hi", "temperature": -1}, "bad_request"),
     ({"id": "a", "type": "chat.send", "session": "{sid}", "text": "hi", "top_p": 0}, "bad_request"),
     ({"id": "a", "type": "chat.send", "session": "{sid}", "text": 12}, "bad_request"),
+    ({"id": "a", "type": "session.delete"}, "bad_request"),
+    ({"id": "a", "type": "session.delete", "session": "../../x"}, "bad_request"),
+    ({"id": "a", "type": "session.update", "session": "{sid}", "params": {"max_tokens": 10**9}}, "bad_request"),
+    ({"id": "a", "type": "chat.attach", "session": "{sid}", "after_seq": -5}, "bad_request"),
+    ({"id": "a", "type": "chat.attach", "session": "0123456789abcdef"}, "unknown_session"),
 ]
 
 

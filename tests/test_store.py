@@ -92,6 +92,7 @@ def test_create_and_get_session(store: Store) -> None:
         "message_count": 0,
         "last_message": None,
         "tokens": 0,
+        "params": {},
     }
     assert store.get_session(created["id"]) == created
 
@@ -114,6 +115,26 @@ def test_rename_and_set_system(store: Store) -> None:
     assert got["updated_at"] == s["updated_at"]
     store.set_system(s["id"], None)
     assert get(store, s["id"])["system"] is None
+
+
+def test_update_session_changes_only_given_fields(store: Store) -> None:
+    s = store.create_session(title="before", system="Be brief.")
+    store.update_session(s["id"], params={"temperature": 0.2, "max_tokens": 64})
+    got = get(store, s["id"])
+    assert (got["title"], got["system"]) == ("before", "Be brief.")
+    assert got["params"] == {"temperature": 0.2, "max_tokens": 64}
+    store.update_session(s["id"], title="after", system=None)
+    got = get(store, s["id"])
+    assert (got["title"], got["system"], got["params"]) == ("after", None, {"temperature": 0.2, "max_tokens": 64})
+    store.update_session(s["id"], params={})
+    assert get(store, s["id"])["params"] == {}
+    store.update_session(s["id"])  # nothing to change is not an error
+    # Changing settings is not use: the listing order does not change.
+    assert get(store, s["id"])["updated_at"] == s["updated_at"]
+    with pytest.raises(UnknownSession):
+        store.update_session(MISSING)
+    with pytest.raises(UnknownSession):
+        store.update_session(MISSING, title="x")
 
 
 def test_list_sessions_most_recently_updated_first(store: Store) -> None:
@@ -346,6 +367,7 @@ def test_non_integer_tokens_raise(store: Store) -> None:
         lambda s: s.set_tokens(MISSING, [1]),
         lambda s: s.rename_session(MISSING, "x"),
         lambda s: s.set_system(MISSING, "x"),
+        lambda s: s.update_session(MISSING, params={}),
         lambda s: s.touch(MISSING),
     ],
 )
@@ -370,6 +392,28 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
     names = [r[0] for r in raw_query(db_path, f"SELECT name FROM {MIGRATIONS_TABLE}")]
     assert sorted(names) == sorted(fn.__name__ for fn in MIGRATIONS)
     assert names[0] == "m001_initial"
+
+
+def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
+    """A kvd.sqlite written by the first release gains the params column, rows intact."""
+    from sqlite_utils import Database
+
+    from sessions.migrations import m001_initial, migrate
+
+    db = Database(db_path)
+    db.execute(f"CREATE TABLE {MIGRATIONS_TABLE} (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    m001_initial(db)
+    db.execute(f"INSERT INTO {MIGRATIONS_TABLE} VALUES ('m001_initial', 0)")
+    db.execute("INSERT INTO sessions (id, title, system, created_at, updated_at) "
+               "VALUES (?, 'old', NULL, 1, 1)", [MISSING])
+    db.conn.commit()
+    assert migrate(db) == ["m002_session_params"]
+    db.close()
+    with Store(db_path) as store:
+        old = get(store, MISSING)
+        assert (old["title"], old["params"]) == ("old", {})
+        store.update_session(MISSING, params={"top_p": 0.9})
+        assert get(store, MISSING)["params"] == {"top_p": 0.9}
 
 
 def test_file_database_pragmas(store: Store) -> None:

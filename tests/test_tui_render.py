@@ -12,7 +12,8 @@ from rich.console import Console
 from tui import render
 from tui.lineinput import read_message
 
-USAGE = {"prompt_tokens": 40, "completion_tokens": 12, "cached_tokens": 28, "ttft_ms": 35.2, "decode_tps": 210.4}
+USAGE = {"prompt_tokens": 40, "completion_tokens": 12, "cached_tokens": 28, "ttft_ms": 35.2, "decode_tps": 210.4,
+         "restored_from": "disk", "restored_tokens": 28, "restore_ms": 86.3, "prefill_tokens": 12, "prefill_ms": 20.5}
 
 
 def capture_console() -> Console:
@@ -29,23 +30,37 @@ def output(console: Console) -> str:
 
 
 def test_status_line() -> None:
-    assert render.status_line(USAGE, "stop") == "12 tokens · TTFT 35 ms · 210.4 tok/s · 28 cached"
+    assert render.status_line(USAGE, "stop") == "12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 86 ms"
 
 
 @pytest.mark.parametrize("reason", ["cancelled", "length"])
 def test_status_line_says_why_the_answer_stopped(reason: str) -> None:
-    assert render.status_line(USAGE, reason) == f"12 tokens · TTFT 35 ms · 210.4 tok/s · 28 cached ({reason})"
+    assert render.status_line(USAGE, reason) == (
+        f"12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 86 ms ({reason})")
+
+
+@pytest.mark.parametrize(
+    "cache, says",
+    [
+        ({"restored_from": "resident", "restored_tokens": 512, "restore_ms": 0.04}, "cache: resident 512 tok in 0.0 ms"),
+        ({"restored_from": "warm", "restored_tokens": 512, "restore_ms": 3.14}, "cache: warm 512 tok in 3.1 ms"),
+        ({"restored_from": "none", "restored_tokens": 0, "prefill_tokens": 40}, "cache: none, prefilled 40 tok"),
+        ({"cached_tokens": 28}, "28 cached"),  # a daemon from before cache tiers
+    ],
+)
+def test_status_line_says_where_the_cache_came_from(cache: dict[str, object], says: str) -> None:
+    assert render.status_line({"completion_tokens": 3, **cache}) == f"3 tokens · {says}"
 
 
 def test_status_line_one_token_and_missing_fields() -> None:
-    assert render.status_line({"completion_tokens": 1, "cached_tokens": 0}) == "1 token · 0 cached"
+    assert render.status_line({"completion_tokens": 1}) == "1 token"
     assert render.status_line({}, "cancelled") == "(cancelled)"
 
 
 def test_print_status_from_chat_done() -> None:
     console = capture_console()
     render.print_status(console, {"type": "chat.done", "finish_reason": "length", "usage": USAGE})
-    assert output(console) == "12 tokens · TTFT 35 ms · 210.4 tok/s · 28 cached (length)\n\n"
+    assert output(console) == "12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 86 ms (length)\n\n"
 
 
 # -- sanitizing -------------------------------------------------------------
@@ -88,13 +103,12 @@ def test_stream_sanitizer_flushes_an_unfinished_escape_as_text() -> None:
 
 def test_answer_never_reaches_the_terminal_with_controls() -> None:
     console = capture_console()
-    printer = render.MessagePrinter(console)
+    printer = render.answer_printer(console)
     printer.start()
     for piece in ["Hi\x1b[2J", "\x1b", "[H there\r\n", "\x07done"]:
         printer.feed(piece)
     printer.finish()
-    text = output(console)
-    assert text == "kvd> Hi there\ndone\n"
+    assert output(console) == "kvd> Hi there done\n"  # one Markdown paragraph
 
 
 def test_rich_markup_in_model_text_is_printed_literally() -> None:
@@ -103,12 +117,18 @@ def test_rich_markup_in_model_text_is_printed_literally() -> None:
     assert output(console) == "kvd> [bold]x[/bold] and [red]y[/] :smile:\n"
 
 
-# -- streamed answers -------------------------------------------------------
-
-
-def test_streamed_answer_wraps_between_words_at_the_console_width() -> None:
+def test_links_show_where_they_go() -> None:
     console = capture_console()
-    printer = render.MessagePrinter(console)
+    render.print_message(console, "assistant", "see [the docs](https://example.com/kvd)")
+    assert output(console) == "kvd> see the docs (https://example.com/kvd)\n"
+
+
+# -- streamed answers (tests/test_answer_stream.py has the Markdown blocks) ------
+
+
+def test_answer_wraps_under_its_label() -> None:
+    console = capture_console()
+    printer = render.answer_printer(console)
     printer.start()
     words = [f" word{i:02d}" for i in range(20)]
     for word in words:
@@ -117,38 +137,29 @@ def test_streamed_answer_wraps_between_words_at_the_console_width() -> None:
     lines = output(console).splitlines()
     assert all(len(line) <= 60 for line in lines)
     assert lines[0].startswith("kvd> word00 word01")
+    assert all(line.startswith("     word") for line in lines[1:])
     assert " ".join(" ".join(lines)[len("kvd> ") :].split()) == " ".join(w.strip() for w in words)
     assert all(not line.endswith(" ") for line in lines)
 
 
-def test_streamed_answer_breaks_a_word_wider_than_the_screen() -> None:
+def test_answer_breaks_a_word_wider_than_the_screen() -> None:
     console = capture_console()
-    printer = render.MessagePrinter(console)
+    printer = render.answer_printer(console)
     printer.start()
     printer.feed("x" * 130)
     printer.finish()
-    assert output(console) == "kvd> " + "x" * 55 + "\n" + "x" * 60 + "\n" + "x" * 15 + "\n"
-
-
-def test_streamed_answer_drops_leading_and_trailing_blank_space_keeps_indent() -> None:
-    console = capture_console()
-    printer = render.MessagePrinter(console)
-    printer.start()
-    for piece in ["\n\n  ", "def f():", "\n    ", "return 1", "\n\n", "  "]:
-        printer.feed(piece)
-    printer.finish()
-    assert output(console) == "kvd> def f():\n    return 1\n"
+    assert output(console) == "kvd> " + "x" * 55 + "\n     " + "x" * 55 + "\n     " + "x" * 20 + "\n"
 
 
 def test_an_answer_that_never_started_prints_nothing() -> None:
     """A refused chat.send (busy, too_large) shows its error alone, no dangling label."""
     console = capture_console()
-    printer = render.MessagePrinter(console)
+    printer = render.answer_printer(console)
     printer.finish()
     assert output(console) == ""
-    printer.feed("late")  # a delta before chat.start still gets its label
+    printer.start()  # an empty answer still shows whose it is
     printer.finish()
-    assert output(console) == "kvd> late\n"
+    assert output(console) == "kvd>\n"
 
 
 # -- header, history, errors --------------------------------------------------
@@ -186,11 +197,12 @@ def test_history() -> None:
     messages = [
         {"index": 0, "role": "user", "content": "Where to?", "status": "complete"},
         {"index": 1, "role": "assistant", "content": "Lisbon\x1b[2J.", "status": "complete"},
-        {"index": 2, "role": "user", "content": "And then?", "status": "complete"},
+        {"index": 2, "role": "user", "content": "And then?\n  and after", "status": "complete"},
         {"index": 3, "role": "assistant", "content": "Por", "status": "cancelled"},
     ]
     render.print_history(console, messages)
-    assert output(console) == "you> Where to?\nkvd> Lisbon.\n\nyou> And then?\nkvd> Por\n(cancelled)\n\n"
+    assert output(console) == (
+        "you> Where to?\nkvd> Lisbon.\n\nyou> And then?\n       and after\nkvd> Por\n(cancelled)\n\n")
 
 
 def test_error_is_one_line() -> None:
@@ -241,6 +253,21 @@ def test_ctrl_d_on_a_continuation_line_ends_the_message() -> None:
         read_message("you> ", "...> ", read)
 
 
+def test_triple_quotes_open_and_close_a_block() -> None:
+    lines = iter(['"""', "def f():", "    return 1  \\", "", '"""', "next"])
+    prompts: list[str] = []
+
+    def read(prompt: str) -> str:
+        prompts.append(prompt)
+        return next(lines)
+
+    assert read_message("you> ", "...> ", read) == "def f():\n    return 1  \\\n"
+    assert prompts == ["you> ", "...> ", "...> ", "...> ", "...> "]
+    assert read_message("you> ", "...> ", read) == "next"
+    # Three quotes inside a message are text.
+    assert read_message("you> ", "...> ", lambda prompt: 'say """hi"""') == 'say """hi"""'
+
+
 # -- import-light ---------------------------------------------------------------
 
 
@@ -256,3 +283,21 @@ def test_kvchat_imports_no_mlx_numpy_or_stores() -> None:
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
+
+
+def test_a_queued_turn_says_how_many_are_ahead_and_unknown_events_are_ignored() -> None:
+    from tui.turn import show
+
+    console = capture_console()
+    printer = render.answer_printer(console)
+    events = [
+        {"type": "chat.queued", "id": "r1", "session": "s", "position": 2},
+        {"type": "chat.start", "id": "r1", "message_index": 1},
+        {"type": "chat.something_new", "id": "r1"},
+        {"type": "chat.delta", "id": "r1", "seq": 0, "text": "Hello."},
+    ]
+    assert all(show(printer, event) is None for event in events)
+    done = {"type": "chat.done", "id": "r1", "finish_reason": "stop", "usage": {}}
+    assert show(printer, done) is done
+    printer.finish()
+    assert output(console) == "waiting for the daemon: 2 ahead of you\nkvd> Hello.\n"

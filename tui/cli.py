@@ -1,9 +1,9 @@
 """``kvchat``: talk to a running kvd from the terminal.
 
-Startup only: parse flags, find and connect to the daemon, open or resume a
-session, then hand over to the chat loop (repl.py). kvchat knows the wire
-protocol (daemon.protocol) and nothing else of kvd: importing it must never
-load mlx, numpy or the stores.
+Startup only: parse flags, find and connect to the daemon, pick a session,
+then hand over to the chat loop (repl.py). kvchat knows the wire protocol
+(daemon.protocol) and nothing else of kvd: importing it must never load mlx,
+numpy or the stores.
 """
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from daemon import protocol
 
 from . import render
-from .client import Client
-from .discover import locate
-from .errors import KvchatError, ServerError
-from .lineinput import enable_line_editing
+from .errors import KvchatError
+from .history import HISTORY_FILE, History
+from .interrupts import Interrupts
+from .lineinput import Input, enable_line_editing
+from .link import Link
 from .loop_thread import LoopThread
-from .repl import Chat, ChatOptions, Interrupts
+from .repl import Chat, ChatOptions
 
 try:
     import termios
@@ -34,7 +34,9 @@ except ImportError:  # not a POSIX terminal
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvchat", description="Chat with a running kvd daemon.")
+    parser = argparse.ArgumentParser(
+        prog="kvchat", description="Chat with a running kvd daemon. Without --session, --last or --new, "
+        "kvchat lists your sessions to pick one.")
     where = parser.add_argument_group("daemon")
     where.add_argument("--url", help=f"websocket URL (default: from <data-dir>/daemon.json, else {protocol.default_url()})")
     where.add_argument("--data-dir", type=Path, help="kvd's data directory (default: $KVD_DATA_DIR or ~/.local/share/kvd)")
@@ -42,10 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     which = parser.add_argument_group("session").add_mutually_exclusive_group()
     which.add_argument("--session", metavar="ID", help="resume the session with this id")
     which.add_argument("--last", action="store_true", help="resume the most recently used session")
+    which.add_argument("--new", action="store_true", help="start a new session without the list")
     new = parser.add_argument_group("new session")
     new.add_argument("--title", help="title of the new session")
     new.add_argument("--system", help="system prompt of the new session")
-    gen = parser.add_argument_group("generation")
+    gen = parser.add_argument_group("generation (for this run; /params sets a session's own)")
     gen.add_argument("--max-tokens", type=_positive_int, metavar="N", help="longest answer, in tokens")
     gen.add_argument("--temperature", type=_temperature, metavar="T", help="0 (greedy) to 2")
     return parser
@@ -53,63 +56,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(highlight=False)
-    errors = Console(stderr=True, highlight=False)
+    return run(args, Console(highlight=False), Console(stderr=True, highlight=False))
+
+
+def run(
+    args: argparse.Namespace,
+    console: Console,
+    errors: Console,
+    *,
+    read_line: Callable[[str], str] = input,
+    echo: bool | None = None,
+    signals: bool = True,
+) -> int:
+    """kvchat with these flags, on these consoles; tests pass their own input and no signal handling."""
     interrupts = Interrupts()
+    data_dir = args.data_dir if args.data_dir is not None else protocol.default_data_dir()
+    history = History(data_dir / HISTORY_FILE)
+    installed = interrupts.installed() if signals else contextlib.nullcontext()
     try:
-        with interrupts.installed(), _terminal_restored(), LoopThread() as net:
+        with installed, _terminal_restored(), LoopThread() as net:
+            link = Link(url=args.url, data_dir=args.data_dir, token_file=args.token_file)
             try:
-                endpoint = locate(url=args.url, data_dir=args.data_dir, token_file=args.token_file)
-                client = net.run(Client.connect(endpoint.url, endpoint.token, token_path=endpoint.token_path))
+                net.run(link.connect())
             except KvchatError as exc:
                 render.print_error(errors, str(exc))
                 return 1
             try:
-                session, messages = net.run(_open_session(client, args, console))
-            except KvchatError as exc:
-                render.print_error(errors, _session_error(exc, args))
-                return 1
-            try:
-                render.print_header(console, session, client.hello, resumed=bool(messages) or args.session is not None)
-                render.print_history(console, messages)
                 enable_line_editing()
-                options = ChatOptions(max_tokens=args.max_tokens, temperature=args.temperature)
-                return Chat(console, net, client, str(session["id"]), options, interrupts).run()
+                history.load()
+                typed = Input(console, read_line=read_line, history=history,
+                              echo=not sys.stdin.isatty() if echo is None else echo)
+                chat = Chat(console, net, link, interrupts, typed,
+                            ChatOptions(max_tokens=args.max_tokens, temperature=args.temperature))
+                try:
+                    # A title or system prompt asks for a new session: no list to pick from.
+                    new = args.new or (not args.session and not args.last and (args.title or args.system))
+                    if not chat.open(session_id=args.session, last=args.last, new=bool(new),
+                                     title=args.title, system=args.system):
+                        return 0
+                except KvchatError as exc:
+                    render.print_error(errors, str(exc))
+                    return 1
+                if (args.title or args.system) and (args.session or args.last):
+                    render.print_note(console, "--title and --system apply to new sessions; ignored")
+                return chat.run()
             finally:
+                history.save()
                 with contextlib.suppress(Exception, KeyboardInterrupt):
-                    net.run(client.close())
+                    net.run(link.close())
     except KeyboardInterrupt:
         errors.print()
         return 130
-
-
-async def _open_session(
-    client: Client, args: argparse.Namespace, console: Console
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The session to chat in and the messages it already has."""
-    session_id = args.session
-    if args.last:
-        sessions = (await client.request(protocol.SESSION_LIST)).get("sessions") or []
-        if sessions:
-            session_id = sessions[0]["id"]
-        else:
-            render.print_note(console, "no earlier session; starting a new one")
-    if session_id is not None:
-        if args.title or args.system:
-            render.print_note(console, "--title and --system apply to new sessions; ignored")
-        if not protocol.SESSION_ID_RE.match(session_id):
-            raise KvchatError(f"{session_id!r} is not a session id (16 hex characters, shown when a chat starts)")
-        reply = await client.request(protocol.SESSION_GET, session=session_id)
-        return reply["session"], list(reply.get("messages") or [])
-    fields = {k: v for k, v in (("title", args.title), ("system", args.system)) if v is not None}
-    reply = await client.request(protocol.SESSION_CREATE, **fields)
-    return reply["session"], []
-
-
-def _session_error(exc: KvchatError, args: argparse.Namespace) -> str:
-    if isinstance(exc, ServerError) and exc.code == protocol.UNKNOWN_SESSION:
-        return f"no session {args.session}; `kvchat --last` resumes the most recent one, `kvchat` starts a new one"
-    return str(exc)
 
 
 @contextlib.contextmanager

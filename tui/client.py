@@ -1,9 +1,15 @@
 """The client side of the kvd wire protocol over one websocket.
 
-Requests are multiplexed on the connection: each gets an id ("r1", "r2", …)
-and a queue, and one reader task hands every incoming event to the queue of
-the request whose id it echoes. That is what lets kvchat send ``chat.cancel``
-while a ``chat.send`` is still streaming on the same socket.
+Requests are multiplexed on the connection: each gets an id and a queue, and
+one reader task hands every incoming event to the queue of the request whose
+id it echoes. That is what lets kvchat send ``chat.cancel`` while a
+``chat.send`` is still streaming on the same socket.
+
+Ids carry a random prefix ("3fa9c1-1", "3fa9c1-2", …): after ``chat.attach``
+the answer's events keep the id of the request that started it, possibly on
+another connection or in another kvchat, and that id must not collide with one
+of ours. Events with no id (``loading``, ``ready``, a load failure) are about
+the daemon, not a request; they update ``ready``/``loading``/``load_error``.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncGenerator
+import secrets
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +28,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from daemon import protocol
 
-from .errors import ConnectionLost, NoDaemon, ServerError, TokenMissing, TokenRefused, Unreachable
+from .errors import ConnectionLost, KvchatError, NoDaemon, ServerError, TokenMissing, TokenRefused, Unreachable
 
 __all__ = ["Client", "ClientStatistics", "ServerError"]
 
@@ -51,15 +58,20 @@ class Client:
     def __init__(self, ws: ClientConnection, hello: dict[str, Any], url: str) -> None:
         self.hello = hello
         self.url = url
+        self.ready = bool(hello.get("ready", True))
+        self.loading: dict[str, Any] | None = hello.get("loading") if isinstance(hello.get("loading"), dict) else None
+        self.load_error: str | None = None
         self._ws = ws
-        self._ids = (f"r{n}" for n in itertools.count(1))
+        prefix = secrets.token_hex(3)
+        self._ids = (f"{prefix}-{n}" for n in itertools.count(1))
         # Unbounded on purpose: a stream is bounded by its max_tokens, and a
         # bounded queue would stall every other reply (chat.cancel's `ok`)
         # behind a consumer that is busy printing.
-        self._pending: dict[str, asyncio.Queue[Any]] = {}
+        self._pending: dict[Any, asyncio.Queue[Any]] = {}
         self._dropped = 0
         self._lost: ConnectionLost | None = None
         self._closing = False
+        self._changed = asyncio.Event()  # set whenever a daemon event (loading, ready) arrives
         self._reader = asyncio.create_task(self._read(), name="kvchat-reader")
 
     # -- connecting ---------------------------------------------------------
@@ -152,6 +164,47 @@ class Client:
         finally:
             del self._pending[request_id]
 
+    async def attach(self, session: str, after_seq: int) -> AsyncGenerator[dict[str, Any], None]:
+        """``chat.attach``: yield ``chat.attached``, then the answer's events if it is running.
+
+        Ends after ``chat.attached`` when the session is not generating, else
+        after the answer's ``chat.done``. The answer's events carry the id of
+        the request that started it; the reader routes them here from the
+        moment it reads ``chat.attached``, before any of them.
+        """
+        request_id, queue = await self._send(protocol.CHAT_ATTACH, {"session": session, "after_seq": after_seq})
+        followed: Any = None
+        try:
+            while True:
+                event = self._checked(await queue.get())
+                if event.get("type") == protocol.CHAT_ATTACHED:
+                    followed = event.get("request")
+                yield event
+                if event.get("type") == protocol.CHAT_ATTACHED and not event.get("generating"):
+                    return
+                if event.get("type") == protocol.CHAT_DONE:
+                    return
+        finally:
+            del self._pending[request_id]
+            if followed is not None and self._pending.get(followed) is queue:
+                del self._pending[followed]
+
+    async def wait_ready(self, progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Until the daemon's model is loaded; ``progress`` gets each ``loading`` state."""
+        while not self.ready:
+            if self.load_error is not None:
+                raise KvchatError(self.load_error)
+            if self._lost is not None:
+                raise self._lost
+            if progress is not None and self.loading is not None:
+                progress(self.loading)
+            self._changed.clear()
+            await self._changed.wait()
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
     def statistics(self) -> ClientStatistics:
         return ClientStatistics(pending=len(self._pending), dropped=self._dropped)
 
@@ -178,18 +231,43 @@ class Client:
                 except ValueError:
                     self._dropped += 1
                     continue
-                request_id = event.get("id") if isinstance(event, dict) else None
-                queue = self._pending.get(request_id) if isinstance(request_id, str) else None
+                if not isinstance(event, dict):
+                    self._dropped += 1
+                    continue
+                request_id = event.get("id")
+                if request_id is None:
+                    self._daemon_event(event)
+                    continue
+                queue = self._pending.get(request_id) if isinstance(request_id, (str, int)) else None
                 if queue is None:
                     self._dropped += 1
                     continue
+                if event.get("type") == protocol.CHAT_ATTACHED and event.get("generating"):
+                    # The answer's own events follow at once, under its original id.
+                    original = event.get("request")
+                    if isinstance(original, (str, int)) and not isinstance(original, bool):
+                        self._pending[original] = queue
                 queue.put_nowait(event)
         except ConnectionClosed as exc:
             self._connection_lost(exc)
         finally:
             self._connection_lost(None)
-            for queue in self._pending.values():
+            for queue in set(self._pending.values()):
                 queue.put_nowait(_CLOSED)
+            self._changed.set()
+
+    def _daemon_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == protocol.LOADING:
+            self.loading = event
+        elif kind == protocol.READY:
+            self.ready = True
+        elif kind == protocol.ERROR and not self.ready:
+            self.load_error = str(event.get("message") or "the daemon's model failed to load")
+        else:
+            self._dropped += 1
+            return
+        self._changed.set()
 
     def _checked(self, event: Any) -> dict[str, Any]:
         if event is _CLOSED:
@@ -224,4 +302,7 @@ def _refused(url: str, status: int, token: str | None, token_path: Path | None) 
         return Unreachable(url, "the daemon refused the connection (HTTP 403)")
     if status == 404:
         return Unreachable(url, f"nothing there (HTTP 404); the path is {protocol.PATH}")
+    if status == 503:
+        return Unreachable(url, "the daemon is busy: it has as many connections as limits.max_connections "
+                                "allows (HTTP 503); close another kvchat or raise the limit")
     return Unreachable(url, f"the daemon refused the connection (HTTP {status})")

@@ -10,6 +10,7 @@ is a bug in kvchat and keeps its traceback.
     * :exc:`TokenMissing`      no token file where kvchat looked
     * :exc:`TokenRefused`      the daemon refused the token kvchat sent
     * :exc:`ConnectionLost`    the daemon went away mid-session
+        * :exc:`GaveUp`        and did not come back while kvchat retried
     * :exc:`ServerError`       kvd answered a request with an ``error`` event
 """
 
@@ -24,7 +25,7 @@ class KvchatError(Exception):
 
 class NoDaemon(KvchatError):
     def __init__(self, url: str) -> None:
-        super().__init__(f"kvd is not running at {url}. Start it with: kvd serve")
+        super().__init__(f"kvd is not running at {url}; start it with `kvd serve` (or `make serve` in its source tree)")
         self.url = url
 
 
@@ -47,8 +48,8 @@ class TokenRefused(KvchatError):
     def __init__(self, path: Path | None) -> None:
         where = f"in {path}" if path is not None else "kvchat sent"
         super().__init__(
-            f"the daemon refused the token {where}; it belongs to another kvd "
-            "(pass --data-dir or --token-file for the daemon you mean, or restart it)"
+            f"the daemon refused the token {where}; kvchat must use the token file in the data "
+            "directory that daemon runs with (pass the same --data-dir as `kvd serve`, or --token-file)"
         )
         self.path = path
 
@@ -57,6 +58,16 @@ class ConnectionLost(KvchatError):
     def __init__(self, url: str, why: str = "") -> None:
         detail = f" ({why})" if why else ""
         super().__init__(f"lost the connection to kvd at {url}{detail}. If it stopped, start it with: kvd serve")
+        self.url = url
+
+
+class GaveUp(ConnectionLost):
+    def __init__(self, url: str, seconds: float, why: str) -> None:
+        KvchatError.__init__(
+            self,
+            f"kvd at {url} did not come back within {seconds:g} s ({why}); start it with `kvd serve`, "
+            "then carry on: kvchat reconnects on your next message (/attach shows an answer it missed)",
+        )
         self.url = url
 
 

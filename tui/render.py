@@ -2,8 +2,9 @@
 
 No I/O of its own beyond the console, so tests render on a capture console of
 fixed width. Text from the wire (answers, titles, error messages) is
-untrusted: it goes through :func:`sanitize` and is printed as ``Text``, never
-as markup, so a model can neither drive the terminal nor style itself.
+untrusted: it goes through :func:`sanitize` and is printed as ``Text`` or
+Markdown, never as Rich markup, so a model can neither drive the terminal nor
+style itself. Answers stream through :class:`tui.answer.AnswerPrinter`.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
+
+from .answer import AnswerPrinter, Labelled, render_answer
+from .sanitize import StreamSanitizer, sanitize
+
+__all__ = ["AnswerPrinter", "StreamSanitizer", "sanitize"]
 
 YOU = "you> "
 KVD = "kvd> "
@@ -23,172 +28,25 @@ YOU_STYLE = "bold green"
 KVD_STYLE = "bold cyan"
 DIM = "dim"
 ERROR_STYLE = "bold red"
-TAB = 8
-
-# Terminal escape sequences: CSI, OSC/DCS/SOS/PM/APC strings, two-character escapes.
-_ESCAPE = re.compile(
-    r"""
-      \x1b\[[0-?]*[ -/]*[@-~]                  # CSI: cursor, colours, clear screen
-    | \x1b[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\)  # OSC & co: titles, hyperlinks, clipboard
-    | \x1b[ -/]*[0-~]                          # ESC c (reset), ESC 7, charset selection
-    | \x9b[0-?]*[ -/]*[@-~]                    # the same as C1 controls
-    | [\x90\x98\x9d-\x9f][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)
-    """,
-    re.VERBOSE,
-)
-# What survives is stripped one character at a time: C0 controls but \t and \n,
-# DEL, and the C1 controls (U+0080-U+009F; some terminals act on U+009B as CSI).
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-# An escape sequence that may still be completed by the next delta.
-_UNFINISHED = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|[\]PX^_][^\x07\x1b]*|[ -/]*)?\Z")
-_MAX_HELD = 64
+TIERS = ("resident", "warm", "disk")
 
 
-def sanitize(text: str) -> str:
-    """Model or server text, minus anything a terminal would act on (keeps \\n, \\t)."""
-    return _CONTROL.sub("", _ESCAPE.sub("", text))
-
-
-class StreamSanitizer:
-    """:func:`sanitize` for text that arrives in pieces.
-
-    An escape sequence split across two deltas would otherwise lose its ESC in
-    the first and leave its tail ("[2J") printed in the second; so an
-    unfinished sequence at the end of a piece is held back (a few bytes at
-    most) until the next one completes or disproves it.
-    """
-
-    def __init__(self) -> None:
-        self._held = ""
-
-    def feed(self, piece: str) -> str:
-        text = self._held + piece
-        self._held = ""
-        start = text.rfind("\x1b")
-        if start != -1 and len(text) - start <= _MAX_HELD and _UNFINISHED.match(text, start):
-            text, self._held = text[:start], text[start:]
-        return sanitize(text)
-
-    def flush(self) -> str:
-        text, self._held = self._held, ""
-        return sanitize(text)
-
-
-class MessagePrinter:
-    """Prints one message after its ``you> ``/``kvd> `` label as it streams in.
-
-    Rich wraps whole renderables, not text that arrives a token at a time, and
-    the terminal would break words anywhere; so this keeps its own column and
-    breaks lines between words. The word being spelled is held back until it
-    is complete (about one token of delay). Leading and trailing blank space
-    is dropped; indentation after a newline is kept.
-    """
-
-    def __init__(self, console: Console, label: str = KVD, style: str = KVD_STYLE) -> None:
-        self._console = console
-        self._label = label
-        self._style = style
-        self._sanitizer = StreamSanitizer()
-        self._column = 0
-        self._word = ""
-        self._spaces = 0
-        self._newlines = 0
-        self._seen_text = False  # seen anything but blank space yet
-        self._out: list[str] = []
-        self.started = False
-
-    def start(self) -> None:
-        self._console.print(Text(self._label, style=self._style), end="", soft_wrap=True)
-        self._column = cell_len(self._label)
-        self.started = True
-
-    def feed(self, piece: str) -> None:
-        if not self.started:
-            self.start()
-        for char in self._sanitizer.feed(piece):
-            self._take(char)
-        self._flush_out()
-
-    def finish(self) -> None:
-        """Ends the message with a newline; what was held back is printed.
-        Does nothing for a message that never started."""
-        if not self.started:
-            return
-        for char in self._sanitizer.flush():
-            self._take(char)
-        self._place_word()
-        self._out.append("\n")
-        self._flush_out()
-        self._column = 0
-
-    def _take(self, char: str) -> None:
-        if char == "\n":
-            self._place_word()
-            if self._seen_text:
-                self._newlines += 1
-            self._spaces = 0
-        elif char == " " or char == "\t":
-            self._place_word()
-            if self._seen_text:
-                column = (0 if self._newlines else self._column) + self._spaces
-                self._spaces += TAB - column % TAB if char == "\t" else 1
-        else:
-            self._word += char
-            self._seen_text = True
-            if cell_len(self._word) > self._width():
-                self._place_word()  # wider than the screen: break it, don't wait for its end
-
-    def _place_word(self) -> None:
-        if not self._word:
-            return
-        width = self._width()
-        if self._newlines:
-            self._out.append("\n" * self._newlines)
-            self._newlines = 0
-            self._column = 0
-        word, self._word = self._word, ""
-        fits_a_line = cell_len(word) <= width
-        if self._column > 0 and self._column + self._spaces + cell_len(word) > width and fits_a_line:
-            self._out.append("\n")
-            self._column = 0
-        else:
-            self._out.append(" " * self._spaces)
-            self._column += self._spaces
-        self._spaces = 0
-        while self._column + cell_len(word) > width:
-            head, word = _split_cells(word, width - self._column)
-            self._out.append(head + "\n")
-            self._column = 0
-        self._out.append(word)
-        self._column += cell_len(word)
-
-    def _width(self) -> int:
-        return max(self._console.width, 8)
-
-    def _flush_out(self) -> None:
-        if self._out:
-            self._console.print(Text("".join(self._out)), end="", soft_wrap=True)
-            self._out.clear()
-
-
-def _split_cells(word: str, cells: int) -> tuple[str, str]:
-    """The longest head of ``word`` that fits in ``cells`` columns (at least one char)."""
-    used = 0
-    for i, char in enumerate(word):
-        used += cell_len(char)
-        if used > cells:
-            return (word[:i], word[i:]) if i else (word[:1], word[1:])
-    return word, ""
+def answer_printer(console: Console) -> AnswerPrinter:
+    return AnswerPrinter(console, KVD, KVD_STYLE)
 
 
 def print_message(console: Console, role: str, content: str, status: str = "complete") -> None:
-    """One message of a transcript, with a dim note if it did not complete."""
-    you = role == "user"
-    printer = MessagePrinter(console, YOU if you else KVD, YOU_STYLE if you else KVD_STYLE)
-    printer.start()
-    printer.feed(content)
-    printer.finish()
-    if status != "complete":
+    """One message of a transcript: the user's as typed, an answer as Markdown."""
+    if role == "user":
+        label = Text(YOU, style=YOU_STYLE)
+        width = max(console.width - label.cell_len, 10)
+        lines = console.render_lines(Text(sanitize(content)), console.options.update(width=width), pad=False)
+        console.print(Labelled(lines or [[]], label, label.cell_len), soft_wrap=True)
+    else:
+        console.print(render_answer(sanitize(content), Text(KVD, style=KVD_STYLE)), soft_wrap=True)
+    if status == "streaming":
+        console.print(Text("(still being written: /attach follows it)", style=DIM), soft_wrap=True)
+    elif status != "complete":
         console.print(Text(f"({sanitize(status)})", style=DIM), soft_wrap=True)
 
 
@@ -201,8 +59,30 @@ def print_history(console: Console, messages: Iterable[Mapping[str, Any]]) -> No
             console.print()
 
 
+def _ms(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def cache_part(usage: Mapping[str, Any]) -> str | None:
+    """``cache: disk 4096 tok in 86 ms``, or ``cache: none, prefilled 40 tok``."""
+    source = usage.get("restored_from")
+    if source in TIERS:
+        restored, ms = usage.get("restored_tokens"), usage.get("restore_ms")
+        part = f"cache: {source}"
+        if isinstance(restored, int):
+            part += f" {restored} tok"
+        if isinstance(ms, (int, float)):
+            part += f" in {_ms(ms)} ms"
+        return part
+    if source == "none":
+        prefilled = usage.get("prefill_tokens")
+        return "cache: none" + (f", prefilled {prefilled} tok" if isinstance(prefilled, int) else "")
+    cached = usage.get("cached_tokens")  # a daemon from before cache tiers
+    return f"{cached} cached" if isinstance(cached, int) else None
+
+
 def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> str:
-    """``12 tokens · TTFT 35 ms · 210.4 tok/s · 28 cached``, parts the daemon left out omitted."""
+    """``12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 3.1 ms``, parts the daemon left out omitted."""
     parts = []
     completion = usage.get("completion_tokens")
     if isinstance(completion, int):
@@ -213,22 +93,22 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
     tps = usage.get("decode_tps")
     if isinstance(tps, (int, float)):
         parts.append(f"{tps:.1f} tok/s")
-    cached = usage.get("cached_tokens")
-    if isinstance(cached, int):
-        parts.append(f"{cached} cached")
+    if (cache := cache_part(usage)) is not None:
+        parts.append(cache)
     line = " · ".join(parts)
     if finish_reason in ("cancelled", "length"):
         line = f"{line} ({finish_reason})" if line else f"({finish_reason})"
     return line
 
 
-def print_status(console: Console, done: Mapping[str, Any]) -> None:
-    """The dim line under an answer, from its ``chat.done`` event."""
+def print_status(console: Console, done: Mapping[str, Any], *, blank: bool = True) -> None:
+    """The dim line under an answer, from its ``chat.done`` event (then a blank line)."""
     usage = done.get("usage")
     reason = done.get("finish_reason")
     line = status_line(usage if isinstance(usage, Mapping) else {}, reason if isinstance(reason, str) else None)
     console.print(Text(line, style=DIM), soft_wrap=True)
-    console.print()
+    if blank:
+        console.print()
 
 
 def print_header(
@@ -256,8 +136,15 @@ def print_header(
     system = session.get("system")
     if system:
         console.print(Text(f"system: {sanitize(str(system))}", style=DIM), soft_wrap=True)
+    params = session.get("params")
+    if isinstance(params, Mapping) and params:
+        console.print(Text("params: " + format_params(params), style=DIM), soft_wrap=True)
     console.print(Text("/help for commands · Ctrl-C stops an answer · Ctrl-D quits", style=DIM), soft_wrap=True)
     console.print()
+
+
+def format_params(params: Mapping[str, Any]) -> str:
+    return " ".join(f"{key}={sanitize(str(value))}" for key, value in params.items())
 
 
 def print_error(console: Console, message: str) -> None:
@@ -267,19 +154,6 @@ def print_error(console: Console, message: str) -> None:
 
 def print_note(console: Console, message: str) -> None:
     console.print(Text(sanitize(message), style=DIM), soft_wrap=True)
-
-
-HELP = """\
-/help          this list
-/quit, /exit   leave (Ctrl-D at an empty prompt too)
-Ctrl-C         stop the answer being written; at the prompt, clear the line
-\\ at line end  continue the message on the next line
-//text         send a message that starts with "/"\
-"""
-
-
-def print_help(console: Console) -> None:
-    console.print(Text(HELP), soft_wrap=True)
 
 
 def prompt(console: Console, label: str, style: str) -> str:

@@ -1,87 +1,40 @@
-"""The chat loop: read a message, stream the answer, show the status line.
+"""The chat loop: read a message or a /command, stream the answer, show the status line.
 
 Threads: this runs on the main thread (prompt, Ctrl-C, printing); the client
-runs on the network thread. A turn's events cross over through a plain
-queue, so all printing happens here and never races the prompt.
+runs on the network thread (loop_thread.py) and is reached through
+``net.run``. Which session is open, and which sessions the last table showed
+(what "/switch 2" means), is this module's state.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import queue
-import signal
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
-import anyio
 from rich.console import Console
 from rich.text import Text
 
 from daemon import protocol
 
-from . import render
+from . import commands, listing, render
 from .client import Client
-from .errors import ConnectionLost, KvchatError, ServerError
-from .lineinput import echo_off, read_message
+from .errors import KvchatError, ServerError
+from .interrupts import Interrupts
+from .lineinput import Input
+from .link import Link
 from .loop_thread import LoopThread
+from .turn import RECONNECTED, RECONNECTING, Turn
 
-_END = object()  # the network thread is done with this turn
-PATIENCE = 1.0  # seconds after a cancel before another Ctrl-C gives up on the answer
-
-
-class StopWaiting(Exception):
-    """A later Ctrl-C on the same answer: give up on it without the daemon."""
-
-
-class Interrupts:
-    """What Ctrl-C means depends on where the user is.
-
-    At the prompt it is an ordinary KeyboardInterrupt, which readline turns
-    into a cleared line. While an answer streams, the first one asks the
-    daemon to cancel (the answer then ends with chat.done "cancelled"); one
-    pressed again after a moment (the daemon should have stopped by then)
-    stops waiting for it, and presses in quick succession count as one.
-    One handler for the whole run, switched by state, so there is no window
-    in which the wrong one is installed.
-    """
-
-    def __init__(self) -> None:
-        self._cancel: Callable[[], None] | None = None
-        self._cancelled_at: float | None = None
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        previous = signal.signal(signal.SIGINT, self._handle)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    @contextlib.contextmanager
-    def streaming(self, cancel: Callable[[], None]) -> Iterator[None]:
-        self._cancel, self._cancelled_at = cancel, None
-        try:
-            yield
-        finally:
-            self._cancel = None
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._cancel is None:
-            raise KeyboardInterrupt
-        if self._cancelled_at is None:
-            self._cancelled_at = time.monotonic()
-            self._cancel()  # only queues a call on the network loop
-        elif time.monotonic() - self._cancelled_at >= PATIENCE:
-            raise StopWaiting
+DEFAULT_TITLE = "New chat"  # the daemon's, for a session created without one
+TITLE_CHARS = 50
 
 
 @dataclass(frozen=True)
 class ChatOptions:
+    """Generation settings from kvchat's flags: sent with every turn, over the session's params."""
+
     max_tokens: int | None = None
     temperature: float | None = None
 
@@ -90,116 +43,212 @@ class ChatOptions:
 
 
 class Chat:
-    """One session's conversation in the terminal."""
+    """One terminal's conversation with kvd, across the sessions it switches between."""
 
     def __init__(
         self,
         console: Console,
         net: LoopThread,
-        client: Client,
-        session_id: str,
-        options: ChatOptions,
+        link: Link,
         interrupts: Interrupts,
+        input: Input,
+        options: ChatOptions = ChatOptions(),
     ) -> None:
         self.console = console
         self.net = net
-        self.client = client
-        self.session_id = session_id
-        self.options = options
+        self.link = link
         self.interrupts = interrupts
-        self._prompt = render.prompt(console, render.YOU, render.YOU_STYLE)
-        self._continuation = render.prompt(console, render.CONTINUE, render.DIM)
-        self._echo = not sys.stdin.isatty()  # a terminal echoes what is typed; a pipe does not
+        self.input = input
+        self.options = options
+        self.session: dict[str, Any] = {}
+        self.listed: list[dict[str, Any]] = []  # the rows of the last sessions table shown
+        self.last_index = -1  # the open session's last message
+        self._created: set[str] = set()  # sessions this run created (an empty one is not kept)
+        self.prompt = render.prompt(console, render.YOU, render.YOU_STYLE)
+        self.continuation = render.prompt(console, render.CONTINUE, render.DIM)
+
+    @property
+    def session_id(self) -> str:
+        return str(self.session["id"])
+
+    # -- the loop -----------------------------------------------------------------
 
     def run(self) -> int:
-        """Until /quit or Ctrl-D (0), or until the daemon goes away (1)."""
+        """Until /quit or Ctrl-D."""
+        try:
+            while True:
+                try:
+                    text = self.input.message(self.prompt, self.continuation)
+                    stripped = text.strip()
+                    if not stripped:
+                        continue
+                    if stripped.startswith("/") and not stripped.startswith("//"):
+                        if commands.dispatch(self, stripped):
+                            return 0
+                        continue
+                    text = text.strip("\n")
+                    text = text[1:] if stripped.startswith("//") else text
+                    self.name_after(text)
+                    self.turn(protocol.CHAT_SEND, text=text)
+                except KeyboardInterrupt:
+                    # readline has dropped the line; say so and prompt afresh
+                    self.console.print(Text("^C", style=render.DIM), soft_wrap=True)
+                except EOFError:
+                    self.console.print()
+                    return 0
+                except ServerError as exc:  # this request failed; the chat goes on
+                    busy = ("this session is answering right now (in another window?); /attach to watch it, "
+                            "Ctrl-C there stops it; or wait for it to finish")
+                    render.print_error(self.console, busy if exc.code == protocol.BUSY else str(exc))
+                except KvchatError as exc:
+                    render.print_error(self.console, str(exc))
+                except Exception as exc:  # a bug in kvchat: say so, and keep the chat
+                    render.print_error(self.console, f"kvchat hit a bug ({type(exc).__name__}: {exc}); "
+                                       "the chat goes on")
+        finally:
+            with contextlib.suppress(Exception, KeyboardInterrupt):
+                self.leave()
+
+    def turn(self, kind: str, **fields: Any) -> dict[str, Any] | None:
+        """Ask for an answer (or follow one) and print it; its chat.done, if it got one."""
+        if kind != protocol.CHAT_ATTACH:
+            fields = {**self.options.fields(), **fields}
+        self.wait_ready()
+        done = Turn(self.console, self.net, self.link, self.interrupts, self.session_id, kind, fields,
+                    last_index=self.last_index).run()
+        if done is not None and isinstance(done.get("message_index"), int):
+            self.last_index = done["message_index"]
+        return done
+
+    # -- talking to kvd ---------------------------------------------------------
+
+    def request(self, type_: str, **fields: Any) -> dict[str, Any]:
+        """One request; a dropped connection is made again first."""
+        return self.net.run(self._request(type_, fields))
+
+    async def _request(self, type_: str, fields: dict[str, Any]) -> dict[str, Any]:
+        client = await self._client()
+        return await client.request(type_, **fields)
+
+    def wait_ready(self) -> None:
+        """A spinner while the daemon's model loads (requests would wait silently)."""
+        client = self.net.run(self._client())
+        if client.ready:
+            return
+        model = render.sanitize(str(client.hello.get("model", "the model")))
+        if not self.console.is_terminal:  # no spinner to draw: say it once
+            render.print_note(self.console, f"waiting for kvd to finish loading model {model}…")
+            self.net.run(client.wait_ready())
+            return
+        with self.console.status(f"loading model {model}…") as status:
+
+            def progress(loading: Mapping[str, Any]) -> None:  # network thread
+                elapsed = loading.get("elapsed_s")
+                stage = render.sanitize(str(loading.get("stage") or f"loading {model}"))
+                status.update(f"{stage}… {elapsed:.1f} s" if isinstance(elapsed, (int, float)) else f"{stage}…")
+
+            self.net.run(client.wait_ready(progress))
+
+    async def _client(self) -> Client:
+        """The connection, made again (and said so) if it dropped since the last request."""
+        lost = self.link.client.lost
+        client = await self.link.ensure(on_retry=lambda: render.print_note(self.console, RECONNECTING))
+        if lost:
+            render.print_note(self.console, RECONNECTED)
+        return client
+
+    # -- sessions ------------------------------------------------------------------
+
+    def open(self, *, session_id: str | None = None, last: bool = False, new: bool = False,
+             title: str | None = None, system: str | None = None) -> bool:
+        """Choose the session to start in; False if the user left at the picker."""
+        if session_id is not None:
+            if not protocol.SESSION_ID_RE.match(session_id):
+                raise KvchatError(f"{session_id!r} is not a session id (16 hex characters, shown when a chat starts)")
+            try:
+                self.switch(session_id)
+            except ServerError as exc:
+                if exc.code == protocol.UNKNOWN_SESSION:
+                    raise KvchatError(f"no session {session_id}; `kvchat --last` resumes the most recent one, "
+                                      "`kvchat` lists them") from exc
+                raise
+            return True
+        if new:
+            self.create(title=title, system=system)
+            return True
+        sessions = self.list_sessions()
+        if last:
+            if sessions:
+                self.switch(sessions[0]["id"])
+            else:
+                render.print_note(self.console, "no earlier session; starting a new one")
+                self.create(title=title, system=system)
+            return True
+        if not sessions:
+            self.create(title=title, system=system)
+            return True
+        self.console.print(listing.sessions_table(sessions, width=self.console.width), soft_wrap=True)
         while True:
             try:
-                text = read_message(self._prompt, self._continuation, echo=self._echo).strip()
-                if not text:
-                    continue
-                if text.startswith("/") and not text.startswith("//"):
-                    if self._command(text):
-                        return 0
-                    continue
-                self.turn(text[1:] if text.startswith("//") else text)
-            except KeyboardInterrupt:
-                # readline has dropped the line; say so and prompt afresh
-                self.console.print(Text("^C", style=render.DIM), soft_wrap=True)
+                answer = self.input.ask("number, Enter for a new chat: ").strip()
             except EOFError:
                 self.console.print()
-                return 0
-            except ConnectionLost as exc:
-                render.print_error(
-                    self.console,
-                    f"{exc}, then resume this chat with: kvchat --session {self.session_id}",
-                )
-                return 1
-            except KvchatError as exc:  # ServerError: this request failed, the chat goes on
-                render.print_error(self.console, str(exc))
-
-    def _command(self, text: str) -> bool:
-        """Runs a /command; True means leave."""
-        name = text.split()[0].lower()
-        if name in ("/quit", "/exit"):
+                return False
+            if not answer:
+                self.create(title=title, system=system)
+                return True
+            found = listing.find(sessions, answer)
+            if isinstance(found, str):
+                render.print_note(self.console, found)
+                continue
+            self.switch(str(found["id"]))
             return True
-        if name == "/help":
-            render.print_help(self.console)
-        else:
-            render.print_note(self.console, f"unknown command {name}; /help lists them (// sends text that starts with /)")
-        return False
 
-    def turn(self, text: str) -> None:
-        """Send one message and print the answer as it streams."""
-        events: queue.Queue[Any] = queue.Queue()
-        cancel = asyncio.Event()  # set on the network loop; binds to it on first wait
-        printer = render.MessagePrinter(self.console)
-        future = self.net.submit(self._pump(text, events, cancel))
-        done: dict[str, Any] | None = None
-        failure: Exception | None = None
-        try:
-            with echo_off(), self.interrupts.streaming(lambda: self.net.call_soon(cancel.set)):
-                while (item := events.get()) is not _END:
-                    if isinstance(item, Exception):
-                        failure = item
-                    elif item.get("type") == protocol.CHAT_START:
-                        printer.start()  # not before: a refused request shows only its error
-                    elif item.get("type") == protocol.CHAT_DELTA:
-                        printer.feed(str(item.get("text", "")))
-                    elif item.get("type") == protocol.CHAT_DONE:
-                        done = item
-        except StopWaiting:
-            future.cancel()
-            printer.finish()
-            render.print_note(self.console, "(stopped waiting; kvd may still be finishing this answer)")
+    def list_sessions(self) -> list[dict[str, Any]]:
+        self.listed = list(self.request(protocol.SESSION_LIST).get("sessions") or [])
+        return self.listed
+
+    def switch(self, session_id: str) -> None:
+        got = self.request(protocol.SESSION_GET, session=session_id)
+        if self.session and self.session_id != session_id:
+            self.leave()
+        self.show(got["session"], got.get("messages") or [], resumed=True)
+
+    def create(self, *, title: str | None = None, system: str | None = None) -> None:
+        fields = {k: v for k, v in (("title", title), ("system", system)) if v is not None}
+        session = self.request(protocol.SESSION_CREATE, **fields)["session"]
+        if self.session:
+            self.leave()
+        self._created.add(session["id"])
+        self.show(session, [], resumed=False)
+
+    def show(self, session: dict[str, Any], messages: Sequence[Mapping[str, Any]], *, resumed: bool) -> None:
+        self.session = session
+        self.last_index = int(messages[-1]["index"]) if messages else -1
+        render.print_header(self.console, session, self.link.client.hello, resumed=resumed)
+        render.print_history(self.console, messages)
+
+    def name_after(self, text: str) -> None:
+        """A new chat is titled after its first message, so the sessions list says what it was about."""
+        if self.last_index >= 0 or self.session.get("title") != DEFAULT_TITLE:
             return
-        printer.finish()
-        if failure is not None:
-            raise failure
-        if done is not None:
-            render.print_status(self.console, done)
+        title = listing.one_line(text, TITLE_CHARS)
+        if title:
+            with contextlib.suppress(KvchatError):
+                self.session = self.request(protocol.SESSION_UPDATE, session=self.session_id, title=title)["session"]
 
-    async def _pump(self, text: str, events: queue.Queue[Any], cancel: asyncio.Event) -> None:
-        """Network side of a turn: events into the queue, chat.cancel when asked."""
+    def forget_current(self) -> None:
+        """The open session was deleted."""
+        self._created.discard(self.session_id)
+        self.session = {}
 
-        async def cancel_when_asked() -> None:
-            await cancel.wait()
-            with contextlib.suppress(KvchatError):  # a lost connection ends the stream too
-                await self.client.request(protocol.CHAT_CANCEL, session=self.session_id)
-
-        try:
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(cancel_when_asked)
-                try:
-                    stream = self.client.stream(
-                        protocol.CHAT_SEND, session=self.session_id, text=text, **self.options.fields()
-                    )
-                    async with contextlib.aclosing(stream):
-                        async for event in stream:
-                            events.put(event)
-                except Exception as exc:  # the main thread reports it (or raises, if a bug)
-                    events.put(exc)
-                finally:
-                    tasks.cancel_scope.cancel()
-        finally:
-            events.put(_END)
+    def leave(self) -> None:
+        """A new chat this run opened and never used is not kept (no messages, title, system or params)."""
+        if not self.session or self.session_id not in self._created or self.link.client.lost:
+            return
+        self._created.discard(self.session_id)
+        with contextlib.suppress(KvchatError):
+            got = self.request(protocol.SESSION_GET, session=self.session_id)["session"]
+            if (got.get("message_count") == 0 and got.get("title") == DEFAULT_TITLE and not got.get("system")
+                    and not got.get("params")):
+                self.request(protocol.SESSION_DELETE, session=self.session_id)

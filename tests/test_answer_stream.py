@@ -1,0 +1,175 @@
+"""Streaming Markdown: finished blocks printed once, the tail live, and it all adds up to the whole."""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import pytest
+from rich.console import Console, NewLine
+from rich.control import Control
+from rich.text import Text
+
+from tui import render
+from tui.answer import AnswerPrinter, render_answer, split_finished
+
+CODE = "\n".join(f"    total += step({i})  # line {i}" for i in range(30))
+ANSWER = f"""# Caches
+
+A KV cache keeps the keys and values of every token the model has read, so the
+next turn only reads **what is new**. Here is how `kvd` does it, step by step.
+
+1. keep the cache resident
+2. page it out when idle
+
+   with a second paragraph in the item
+
+- warm snapshots
+- disk segments
+
+```python
+def restore(session):
+    total = 0
+{CODE}
+    return total
+```
+Right after the fence, a line that wraps because it is long enough to wrap.
+
+---
+
+| tier | cost |
+|------|------|
+| resident | none |
+| disk | a read |
+
+> A quote
+> on two lines.
+
+    an indented block
+
+    that continues after a blank line
+
+Setext heading
+--------------
+
+The end, with a [link](https://example.com/kvd) and ~~strikethrough~~."""
+
+
+def whole(text: str, width: int = 60) -> str:
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
+    console.print(render_answer(text, Text(render.KVD, style=render.KVD_STYLE)))
+    return console.export_text()
+
+
+def stream(text: str, sizes: random.Random, console: Console) -> AnswerPrinter:
+    printer = render.answer_printer(console)
+    printer.start()
+    i = 0
+    while i < len(text):
+        n = sizes.randint(1, 9)
+        printer.feed(text[i : i + n])
+        i += n
+    printer.finish()
+    return printer
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_streamed_answer_equals_the_whole_rendered_at_once(seed: int) -> None:
+    console = Console(width=60, record=True, color_system=None, file=io.StringIO())
+    printer = stream(ANSWER, random.Random(seed), console)
+    assert console.export_text() == whole(ANSWER)
+    assert printer.text == ANSWER
+
+
+class PermanentOnly(Console):
+    """A terminal console that also keeps, apart, only what was printed for good (not the live region)."""
+
+    def __init__(self) -> None:
+        super().__init__(width=60, height=12, force_terminal=True, color_system=None, file=io.StringIO())
+        self.kept = Console(width=60, record=True, color_system=None, file=io.StringIO())
+        self.prints = 0
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        # Live prints Control() to refresh and a NewLine that a transient Live takes back on stop.
+        if objects and not isinstance(objects[0], (Control, NewLine)):
+            self.prints += 1
+            self.kept.print(*objects, **kwargs)
+        super().print(*objects, **kwargs)
+
+
+def test_on_a_terminal_each_block_is_printed_once_and_the_live_tail_fits_the_screen() -> None:
+    console = PermanentOnly()
+    printer = render.answer_printer(console)
+    printer.start()
+    tallest = 0
+    for i in range(0, len(ANSWER), 5):
+        printer.feed(ANSWER[i : i + 5])
+        # What the live region shows now: never taller than the screen.
+        live = console.render_lines(printer._live.renderable, pad=False) if printer._live else []  # type: ignore[union-attr]
+        tallest = max(tallest, len(live))
+    printer.finish()
+    assert printer._live is None  # the terminal is given back
+    assert 12 < len(whole(ANSWER).splitlines())  # the answer is taller than the screen...
+    assert 0 < tallest <= 11  # ...its live tail never is (the long code block is cropped to its end)
+    assert console.kept.export_text() == whole(ANSWER)
+    # Printed block by block as they finished, not all at the end.
+    assert console.prints > 10
+
+
+@pytest.mark.parametrize(
+    "text, finished, rest",
+    [
+        ("Para", [], "Para"),
+        ("Para\n", [], "Para\n"),  # the next line may continue it
+        ("Para\n\nNext", ["Para"], "\nNext"),
+        ("# Head\nx", ["# Head"], "x"),  # a heading cannot grow
+        ("```py\ncode\n", [], "```py\ncode\n"),  # an open fence waits
+        ("```py\ncode\n```\nafter", ["```py\ncode\n```"], "after"),
+        ("- a\n\n", [], "- a\n\n"),  # a list may go on after a blank line
+        ("- a\n\n- b\n\nText\n", ["- a\n\n- b\n"], "Text\n"),  # (a list's lines include the blank after it)
+        ("---\n", ["---"], ""),
+    ],
+)
+def test_blocks_are_finished_when_nothing_later_can_change_them(text: str, finished: list[str], rest: str) -> None:
+    blocks, left = split_finished(text)
+    assert [b.source for b in blocks] == finished
+    assert left == rest
+
+
+def test_a_rule_after_a_paragraph_is_not_taken_for_a_heading() -> None:
+    """A block is rendered with the text that was between it and the block before."""
+    text = "Para\n\n---\n\nMore"
+    console = Console(width=60, record=True, color_system=None, file=io.StringIO())
+    stream(text, random.Random(1), console)
+    shown = console.export_text()
+    assert shown == whole(text)
+    assert "-----" in shown
+
+
+def test_code_is_highlighted_on_a_colour_terminal() -> None:
+    console = Console(width=60, force_terminal=True, color_system="truecolor", file=io.StringIO())
+    printer = render.answer_printer(console)
+    printer.start()
+    printer.feed("```python\ndef f():\n    return 1\n```\n")
+    printer.finish()
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "\x1b[38;2;" in out  # the lexer's colours (monokai), not plain text
+
+
+def test_a_long_unfinished_code_block_is_previewed_by_its_end() -> None:
+    """Highlighting hundreds of lines ten times a second would starve the screen: the live tail shows the end."""
+    code = "```python\n" + "\n".join(f"x{i} = compute({i})" for i in range(400)) + "\n"
+    console = PermanentOnly()
+    printer = render.answer_printer(console)
+    printer.start()
+    printer.feed("Here it is:\n\n")
+    printer.feed(code)
+    assert printer._live is not None
+    live = ["".join(seg.text for seg in line).rstrip()
+            for line in console.render_lines(printer._live.renderable, pad=False)]
+    assert printer.previewing and len(live) <= 11
+    assert live[0].strip() == "…" and "x399 = compute(399)" in live[-2]  # then the code block's bottom padding
+    printer.feed("```\n\nDone.")
+    printer.finish()
+    assert console.kept.export_text() == whole("Here it is:\n\n" + code + "```\n\nDone.")

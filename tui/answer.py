@@ -1,0 +1,303 @@
+"""An answer rendered as Markdown while it streams.
+
+Rich renders Markdown as a whole, and a `Live` region that grows past the
+screen height can no longer be redrawn: the terminal has scrolled its top away,
+so each refresh would print it again. So the answer is split into top-level
+Markdown blocks as it arrives; a block that nothing later can change is printed
+once, for good, and only the unfinished tail is live (cropped to the screen).
+
+The pieces add up to exactly what rendering the whole answer at once gives.
+Rich renders top-level blocks one after another, and the only state one passes
+to the next is whether a blank line goes before it: none after a rule, one
+after anything else (a container's own items can decide it for themselves).
+So each block is rendered behind a one-line stand-in for the block before it
+("---" after a rule, a word otherwise), and the lines past the stand-in's are
+printed. The stand-in keeps that cheap however long the previous block was.
+
+The live tail is a preview: past a few thousand characters only its end is
+rendered (a code fence keeps its opening line, so it stays code), because
+rendering a long code block with highlighting takes long enough to starve
+the refresh. What is printed for good is always rendered in full.
+
+A block is finished when a later block has begun, or when it cannot grow: a
+heading, a rule, a closed code fence, or a paragraph, table or quote followed
+by a blank line. Lists and indented code wait for the next block (a blank line
+does not end them). Only complete lines are considered. (One thing cannot
+stream: a link reference definition that comes after the link it defines; the
+link is printed before the definition arrives, as plain text.)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from markdown_it import MarkdownIt
+from markdown_it.token import Token
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.segment import Segment
+from rich.text import Text
+
+from .sanitize import StreamSanitizer
+
+CODE_THEME = "monokai"
+MIN_WIDTH = 10
+REFRESH_PER_SECOND = 10
+PREVIEW_CHARS = 4000  # past this, the live tail renders only its end
+
+Lines = list[list[Segment]]
+
+# The parser rich.markdown.Markdown uses, so blocks split where Rich's would.
+_PARSER = MarkdownIt().enable("strikethrough").enable("table")
+_OPENING_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_CLOSING_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*$")
+_GROWS_UNTIL_BLANK = {"paragraph_open", "table_open", "blockquote_open"}
+_CANNOT_GROW = {"heading_open", "hr"}
+
+
+@dataclass(frozen=True)
+class Block:
+    source: str  # the block's own lines
+    kind: str  # its first markdown-it token's type: "paragraph_open", "fence", "hr", …
+
+
+def markdown(source: str) -> Markdown:
+    """How kvchat renders model text. Links show their address: a model cannot disguise one."""
+    return Markdown(source, code_theme=CODE_THEME, hyperlinks=False)
+
+
+def split_finished(text: str) -> tuple[list[Block], str]:
+    """The finished top-level blocks at the start of `text`, and the rest (unfinished)."""
+    end = text.rfind("\n")
+    if end < 0:
+        return [], text
+    lines = text[:end].split("\n")  # the complete lines
+    starts = [t for t in _PARSER.parse(text[: end + 1]) if t.level == 0 and t.nesting >= 0 and t.map]
+    finished: list[Block] = []
+    cut = 0  # lines consumed by finished blocks
+    for i, token in enumerate(starts):
+        assert token.map is not None
+        first, last = token.map
+        if i + 1 == len(starts) and not _cannot_grow(token, lines):
+            break
+        finished.append(Block("\n".join(lines[first:last]), token.type))
+        cut = last
+    if not finished:
+        return [], text
+    return finished, "".join(line + "\n" for line in lines[cut:]) + text[end + 1:]
+
+
+def _cannot_grow(token: Token, lines: list[str]) -> bool:
+    assert token.map is not None
+    first, last = token.map
+    if token.type in _CANNOT_GROW:
+        return True
+    if token.type == "fence":
+        return last - first >= 2 and bool(_CLOSING_FENCE.match(lines[last - 1]))
+    if token.type in _GROWS_UNTIL_BLANK:
+        return any(not line.strip() for line in lines[last:])
+    return False
+
+
+def stand_in(kind: str | None) -> str:
+    """One line that leaves Rich in the state a block of this kind leaves it in ("" for none)."""
+    if kind is None:
+        return ""
+    return "---" if kind == "hr" else "x"
+
+
+def after(console: Console, kind: str | None, source: str, width: int) -> Lines:
+    """The lines `source` renders to when it follows a block of `kind` (None: it comes first)."""
+    context = stand_in(kind)
+    if not context:
+        return render_lines(console, source, width)
+    skip = len(render_lines(console, context, width))
+    return render_lines(console, context + "\n\n" + source, width)[skip:]
+
+
+def preview(source: str, room: int) -> str:
+    """The end of a long unfinished tail, enough to fill `room` lines (exact when short)."""
+    if len(source) <= PREVIEW_CHARS:
+        return source
+    lines = source.split("\n")
+    first = next((line for line in lines if line.strip()), "")
+    fence = _OPENING_FENCE.match(first)
+    kept = lines[-room:]
+    text = "\n".join(kept)
+    if len(text) > PREVIEW_CHARS:  # a long paragraph: its last words, from a word boundary
+        text = text[-PREVIEW_CHARS:]
+        text = text[text.find(" ") + 1 :] if " " in text else text
+    if fence and (len(kept) < len(lines) or len(text) < len("\n".join(kept))):
+        text = first + "\n" + text
+    return text
+
+
+class Labelled:
+    """Lines indented by the label's width, the label on the first line of the answer.
+
+    Blank lines stay empty (no indent), so nothing ends in stray spaces.
+    """
+
+    def __init__(self, lines: Lines, label: Text | None, indent: int) -> None:
+        self.lines = lines
+        self.label = label
+        self.indent = indent
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for i, line in enumerate(self.lines):
+            if i == 0 and self.label is not None:
+                label = self.label.copy()
+                if not Segment.get_line_length(line):
+                    label.rstrip()
+                yield from label.render(console)
+            elif Segment.get_line_length(line):
+                yield Segment(" " * self.indent)
+            yield from line
+            yield Segment.line()
+
+
+class _Answer:
+    """A whole answer at once: what a streamed one adds up to."""
+
+    def __init__(self, text: str, label: Text) -> None:
+        self.text = text
+        self.label = label
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        lines = render_lines(console, self.text, options.max_width - self.label.cell_len) or [[]]
+        yield Labelled(lines, self.label, self.label.cell_len)
+
+
+def render_answer(text: str, label: Text) -> RenderableType:
+    return _Answer(text, label)
+
+
+def render_lines(console: Console, source: str, width: int) -> Lines:
+    options = console.options.update(width=max(width, MIN_WIDTH), height=None)
+    return [_rstrip(line) for line in console.render_lines(markdown(source), options, pad=False)]
+
+
+def _rstrip(line: list[Segment]) -> list[Segment]:
+    """Drop the spaces Rich pads a line with, unless they paint a background (code blocks)."""
+    line = list(line)
+    while line:
+        text, style, control = line[-1]
+        if control or (style is not None and style.bgcolor is not None):
+            break
+        stripped = text.rstrip(" ")
+        if stripped:
+            line[-1] = Segment(stripped, style)
+            break
+        line.pop()
+    return line
+
+
+class _Tail:
+    """The live part: a preview of the unfinished text, cropped to its last screenful."""
+
+    def __init__(self, printer: AnswerPrinter) -> None:
+        self.printer = printer
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        room = max(console.size.height - 2, 1)
+        lines = self.printer.tail_lines(room=room)
+        cropped = len(lines) > room or self.printer.previewing
+        if len(lines) > room:
+            lines = lines[-room:]
+        if cropped and lines:
+            lines[0] = [Segment("…", console.get_style("dim"))]
+        yield Labelled(lines, self.printer.label if self.printer.lines_printed == 0 else None,
+                       self.printer.label.cell_len)
+
+
+class AnswerPrinter:
+    """Prints one streamed answer after its label: finished blocks once, the tail live.
+
+    `start()` (on chat.start; not before, so a refused request shows only its
+    error), `feed()` each delta, `finish()` at the end, in a `finally`: it
+    prints the tail for good and gives the terminal back. On a console that is
+    not a terminal there is no live region; the tail is printed at the end.
+    """
+
+    def __init__(self, console: Console, label: str, style: str) -> None:
+        self.console = console
+        self.label = Text(label, style=style)
+        self.started = False
+        self.text = ""  # everything received so far, sanitized
+        self.lines_printed = 0
+        self.previewing = False  # the live tail shows only the end of a long unfinished block
+        self._sanitizer = StreamSanitizer()
+        self._pending = ""  # the text after the last printed block
+        self._last: str | None = None  # the kind of the last printed block
+        self._live: Live | None = None
+
+    @property
+    def width(self) -> int:
+        return self.console.width - self.label.cell_len
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        if self.console.is_terminal:
+            self._live = Live(_Tail(self), console=self.console, transient=True, auto_refresh=True,
+                              refresh_per_second=REFRESH_PER_SECOND, redirect_stdout=False,
+                              redirect_stderr=False)
+            self._live.start()
+
+    def feed(self, piece: str) -> None:
+        self.start()
+        clean = self._sanitizer.feed(piece)
+        if not clean:
+            return
+        self.text += clean
+        pending = self._pending + clean
+        if "\n" not in clean:
+            self._pending = pending
+            return
+        blocks, rest = split_finished(pending)
+        for block in blocks:
+            self._print(after(self.console, self._last, block.source, self.width))
+            self._last = block.kind
+        self._pending = rest
+
+    def note(self, message: str) -> None:
+        """A dim line above the live tail (e.g. "reconnecting…"); it stays in the scrollback."""
+        self.console.print(Text(message, style="dim"), soft_wrap=True)
+
+    def finish(self) -> None:
+        """Print what is left and end the live region; nothing for an answer that never started."""
+        if not self.started:
+            return
+        held = self._sanitizer.flush()
+        self.text += held
+        self._pending += held
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        lines = self.tail_lines()
+        if self.lines_printed == 0 and not lines:
+            lines = [[]]  # an empty answer still shows its label
+        self._print(lines)
+        self._pending = ""
+        self.started = False
+
+    def tail_lines(self, *, room: int | None = None) -> Lines:
+        """The lines the unfinished text adds after what was printed (a preview, given the room)."""
+        pending = self._pending
+        if room is not None:
+            shown = preview(pending, room)
+            self.previewing = shown is not pending
+            pending = shown
+        if self._last is not None and not pending.strip():
+            return []
+        return after(self.console, self._last, pending, self.width)
+
+    def _print(self, lines: Lines) -> None:
+        if not lines:
+            return
+        label = self.label if self.lines_printed == 0 else None
+        self.console.print(Labelled(lines, label, self.label.cell_len), soft_wrap=True)
+        self.lines_printed += len(lines)

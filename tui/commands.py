@@ -1,0 +1,271 @@
+"""The /commands: each one's usage line, what it does, and the code behind it.
+
+A command that gets arguments it cannot use prints its usage line; one the
+daemon refuses prints the daemon's reason (a KvchatError, caught by the chat
+loop). Nothing typed here ends kvchat but /quit and /exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from rich.text import Text
+
+from daemon import protocol
+
+from . import export, listing, render
+
+if TYPE_CHECKING:
+    from .repl import Chat
+
+
+class UsageError(Exception):
+    """The arguments do not fit; the message says why (the usage line follows it)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    usage: str
+    help: str
+    run: Callable[[Chat, str], bool | None]  # True: leave kvchat
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, usage: str, help: str) -> Callable[[Callable[[Chat, str], bool | None]],
+                                                          Callable[[Chat, str], bool | None]]:
+    def register(fn: Callable[[Chat, str], bool | None]) -> Callable[[Chat, str], bool | None]:
+        COMMANDS[name] = Command(usage, help, fn)
+        return fn
+
+    return register
+
+
+def dispatch(chat: Chat, text: str) -> bool:
+    """Run one /command line; True means leave."""
+    head, _, args = text.partition(" ")
+    if "\n" in head:
+        head, _, more = head.partition("\n")
+        args = more + (" " + args if args else "")
+    name = head.lower()
+    cmd = COMMANDS.get(name)
+    if cmd is None:
+        render.print_note(chat.console, f"unknown command {head}; /help lists them (// sends text that starts with /)")
+        return False
+    try:
+        return bool(cmd.run(chat, args.strip()))
+    except UsageError as exc:
+        usage = f"usage: {cmd.usage}"
+        render.print_note(chat.console, f"{exc} ({usage})" if str(exc) else usage)
+        return False
+
+
+def _update(chat: Chat, **fields: Any) -> dict[str, Any]:
+    session: dict[str, Any] = chat.request(protocol.SESSION_UPDATE, session=chat.session_id, **fields)["session"]
+    chat.session = session
+    return session
+
+
+def _target(chat: Chat, key: str) -> dict[str, Any]:
+    """The session a /switch or /delete argument names."""
+    found = listing.find(chat.listed or chat.list_sessions(), key)
+    if isinstance(found, str):
+        raise UsageError(found)
+    return dict(found)
+
+
+# -- the commands ------------------------------------------------------------------
+
+INPUT_HELP = """\
+Enter sends. End a line with \\ to continue on the next one; a line of three
+double quotes (\"\"\") starts a block that the next such line ends, for pasting.
+Ctrl-C stops an answer (kept as far as it got) or clears the line; Ctrl-D quits.
+//text sends a message that starts with "/". Up/Down recall earlier lines,
+also from earlier runs."""
+
+
+@command("/help", "/help", "this list")
+def _help(chat: Chat, args: str) -> None:
+    unique = list({id(c): c for c in COMMANDS.values()}.values())  # /exit is /quit
+    table = Table(box=None, show_header=False, padding=(0, 2, 0, 0), pad_edge=False)
+    table.add_column(no_wrap=True, width=max(len(c.usage) for c in unique))
+    table.add_column()
+    for cmd in unique:
+        table.add_row(Text(cmd.usage), Text(cmd.help))  # Text: "[path]" is not markup
+    chat.console.print(table)
+    chat.console.print(Text(INPUT_HELP, style=render.DIM))
+
+
+@command("/sessions", "/sessions", "list sessions (numbers are what /switch and /delete take)")
+def _sessions(chat: Chat, args: str) -> None:
+    sessions = chat.list_sessions()
+    current = chat.session.get("id")
+    chat.console.print(listing.sessions_table(sessions, width=chat.console.width, current=current), soft_wrap=True)
+    if len(sessions) > listing.SHOWN:
+        render.print_note(chat.console, f"… and {len(sessions) - listing.SHOWN} older; /switch ID opens one")
+
+
+@command("/new", "/new [title]", "start a new session")
+def _new(chat: Chat, args: str) -> None:
+    chat.create(title=args or None)
+
+
+@command("/switch", "/switch N|id", "open another session")
+def _switch(chat: Chat, args: str) -> None:
+    if not args:
+        raise UsageError("say which session: a number from /sessions, or an id")
+    target = _target(chat, args)
+    if target["id"] == chat.session.get("id"):
+        render.print_note(chat.console, "that is the session you are in")
+        return
+    chat.switch(str(target["id"]))
+
+
+@command("/rename", "/rename title", "rename this session")
+def _rename(chat: Chat, args: str) -> None:
+    if not args:
+        raise UsageError("give the new title")
+    session = _update(chat, title=args)
+    render.print_note(chat.console, f"renamed to {session['title']!r}")
+
+
+@command("/delete", "/delete [N|id]", "delete a session (this one if none is named), after asking")
+def _delete(chat: Chat, args: str) -> None:
+    target = _target(chat, args) if args else chat.session
+    title = render.sanitize(str(target.get("title") or target["id"]))
+    try:
+        answer = chat.input.ask(f"delete {title!r}? [y/N] ").strip().lower()
+    except EOFError:
+        answer = ""
+    if answer not in ("y", "yes"):
+        render.print_note(chat.console, "kept")
+        return
+    chat.request(protocol.SESSION_DELETE, session=target["id"])
+    chat.listed = []  # its numbers have moved
+    if target["id"] == chat.session.get("id"):
+        chat.forget_current()
+        render.print_note(chat.console, f"deleted {title!r}; here is a new chat")
+        chat.console.print()
+        chat.create()
+    else:
+        render.print_note(chat.console, f"deleted {title!r}")
+
+
+@command("/export", "/export [path]", "write this session to a Markdown file")
+def _export(chat: Chat, args: str) -> None:
+    got = chat.request(protocol.SESSION_GET, session=chat.session_id)
+    path = Path(args).expanduser() if args else export.default_path(got["session"])
+    if path.is_dir():
+        path = path / export.default_path(got["session"])
+    messages = got.get("messages") or []
+    try:
+        export.write_atomic(path, export.to_markdown(got["session"], messages))
+    except OSError as exc:
+        render.print_error(chat.console, f"cannot write {path}: {exc.strerror or exc}")
+        return
+    count = len(messages)
+    render.print_note(chat.console, f"exported {count} message{'' if count == 1 else 's'} to {path}")
+
+
+@command("/system", "/system [text | -]", "show the system prompt, set it, or clear it with -")
+def _system(chat: Chat, args: str) -> None:
+    if not args:
+        current = chat.session.get("system")
+        if current:
+            render.print_note(chat.console, f"system: {current}")
+        else:
+            render.print_note(chat.console, "no system prompt; /system TEXT sets one")
+        return
+    if args == "-":
+        _update(chat, system=None)
+        render.print_note(chat.console, "system prompt cleared; from the next answer on")
+    else:
+        _update(chat, system=args)
+        render.print_note(chat.console, "system prompt set; it applies from the next answer on")
+
+
+def _param_value(key: str, raw: str) -> float | int | None:
+    if raw in ("", "-", "default"):
+        return None
+    try:
+        return int(raw) if key == "max_tokens" else float(raw)
+    except ValueError:
+        kind = "a whole number" if key == "max_tokens" else "a number"
+        raise UsageError(f"{key} must be {kind}, not {raw!r}") from None
+
+
+@command("/params", "/params [key=value…]",
+         "show or set this session's temperature, top_p, max_tokens (key=- goes back to kvd's default)")
+def _params(chat: Chat, args: str) -> None:
+    if not args:
+        params = chat.session.get("params") or {}
+        shown = render.format_params(params) if params else "none set"
+        line = f"session params: {shown}; anything unset uses kvd's defaults"
+        flags = chat.options.fields()
+        if flags:
+            line += f"; this run's flags override: {render.format_params(flags)}"
+        render.print_note(chat.console, line)
+        return
+    change: dict[str, float | int | None] = {}
+    for word in args.split():
+        key, eq, raw = word.partition("=")
+        if not eq or key not in protocol.PARAMS:
+            raise UsageError(f"{word!r} is not key=value with a key of {', '.join(protocol.PARAMS)}")
+        change[key] = _param_value(key, raw)
+    session = _update(chat, params=change)
+    params = session.get("params") or {}
+    render.print_note(chat.console, "session params: " + (render.format_params(params) if params else "none set"))
+
+
+@command("/regen", "/regen", "write the last answer again")
+def _regen(chat: Chat, args: str) -> None:
+    render.print_note(chat.console, "(a new answer to your last message)")
+    chat.turn(protocol.CHAT_REGENERATE)
+
+
+@command("/edit", "/edit [N]", "change your Nth message (/edit alone lists them) and answer it again")
+def _edit(chat: Chat, args: str) -> None:
+    messages = chat.request(protocol.SESSION_GET, session=chat.session_id).get("messages") or []
+    yours = [m for m in messages if m.get("role") == "user"]
+    if not yours:
+        render.print_note(chat.console, "no message of yours to edit yet")
+        return
+    if not args:
+        for n, m in enumerate(yours, 1):
+            chat.console.print(Text(f"{n:>3}  {listing.one_line(m.get('content'))}"), soft_wrap=True)
+        try:
+            args = chat.input.ask("edit which? (number, Enter for the last) ").strip() or str(len(yours))
+        except EOFError:
+            return
+    if not args.isdigit() or not 1 <= int(args) <= len(yours):
+        raise UsageError(f"N counts your messages, 1 to {len(yours)}")
+    n = int(args)
+    old = yours[n - 1]
+    content = str(old.get("content", ""))
+    render.print_note(chat.console, f"editing your message {n}; what came after it is replaced by the new answer")
+    if "\n" in content:
+        render.print_note(chat.console, "it was:\n" + content)
+    label = render.prompt(chat.console, "edit> ", render.YOU_STYLE)
+    text = chat.input.message(label, chat.continuation, prefill=None if "\n" in content else content)
+    if not text.strip():
+        render.print_note(chat.console, "left as it was")
+        return
+    chat.turn(protocol.CHAT_EDIT, message_index=old["index"], text=text.strip("\n"))
+
+
+@command("/attach", "/attach", "show the answer this session is writing (e.g. asked for in another window)")
+def _attach(chat: Chat, args: str) -> None:
+    chat.turn(protocol.CHAT_ATTACH)
+
+
+@command("/quit", "/quit, /exit", "leave (Ctrl-D at an empty prompt too)")
+def _quit(chat: Chat, args: str) -> bool:
+    return True
+
+
+COMMANDS["/exit"] = COMMANDS["/quit"]

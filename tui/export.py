@@ -1,0 +1,68 @@
+"""A session as a Markdown file: /export.
+
+Answers are Markdown already and stay as they are; the file is written next to
+itself and renamed into place, so an export that fails leaves no half file.
+Control characters are dropped: the file should be safe to `cat`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .sanitize import sanitize
+
+SLUG_CHARS = 40
+
+
+def slug(title: str) -> str:
+    words = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+    return words[:SLUG_CHARS].rstrip("-") or "chat"
+
+
+def default_path(session: Mapping[str, Any]) -> Path:
+    """``./<title-slug>-<first 8 of the id>.md``: exporting again updates the same file."""
+    return Path(f"{slug(str(session.get('title') or ''))}-{str(session.get('id', ''))[:8]}.md")
+
+
+def to_markdown(session: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], *, now: float | None = None) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(time.time() if now is None else now))
+    out = [f"# {sanitize(str(session.get('title') or 'New chat'))}", "",
+           f"kvd session `{sanitize(str(session.get('id', '')))}`, exported {when}", ""]
+    system = session.get("system")
+    if system:
+        out += ["**System prompt:**", ""]
+        out += [f"> {line}" if line else ">" for line in sanitize(str(system)).split("\n")]
+        out.append("")
+    for message in messages:
+        who = "You" if message.get("role") == "user" else "kvd"
+        status = message.get("status", "complete")
+        out += [f"## {who}" + ("" if status == "complete" else f" ({sanitize(str(status))})"), ""]
+        out += [sanitize(str(message.get("content", ""))).strip("\n"), ""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path = path.expanduser()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # as an ordinary new file would be, not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,97 @@
+"""The sessions table (at start and for /sessions), and finding a session by number or id."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from daemon import protocol
+
+from .sanitize import sanitize
+
+SHOWN = 30  # rows in the table; older sessions are reachable by id
+PREVIEW_CHARS = 80
+TITLE_WIDTH = 30
+
+
+def relative_time(then: float, now: float) -> str:
+    seconds = max(now - then, 0)
+    if seconds < 45:
+        return "just now"
+    if seconds < 90:
+        return "1 min ago"
+    if seconds < 3600:
+        return f"{round(seconds / 60)} min ago"
+    if seconds < 23.5 * 3600:
+        return f"{round(seconds / 3600)} h ago"
+    if seconds < 2 * 86400:
+        return "yesterday"
+    if seconds < 30 * 86400:
+        return f"{int(seconds // 86400)} days ago"
+    return time.strftime("%Y-%m-%d", time.localtime(then))
+
+
+def one_line(text: str | None, limit: int = PREVIEW_CHARS) -> str:
+    flat = " ".join(sanitize(text or "").split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current: str | None = None,
+                   now: float | None = None) -> Table:
+    """Numbered rows, most recently used first; the number is what /switch and /delete take."""
+    now = time.time() if now is None else now
+    rows = []
+    for n, s in enumerate(sessions[:SHOWN], 1):
+        updated = s.get("updated_at")
+        rows.append((
+            f"{n}{'*' if s.get('id') == current else ''}",
+            one_line(str(s.get("title") or "New chat"), 60),
+            one_line(s.get("last_message")) or "—",
+            str(s.get("tokens", 0)),
+            str(s.get("cache", "none")),
+            relative_time(float(updated), now) if isinstance(updated, (int, float)) else "?",
+        ))
+    table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
+
+    def widest(i: int, header: str) -> int:
+        return max([len(header), *(len(row[i]) for row in rows)])
+
+    # Rich squeezes every no_wrap column alike; the numbers must not be, so widths are set here.
+    fixed = [widest(0, "#"), widest(3, "tokens"), widest(4, "cache"), widest(5, "last used")]
+    room = max(width - sum(fixed) - 2 * 5, 16)  # 2 cells between each of the 6 columns
+    title_width = min(widest(1, "title"), TITLE_WIDTH, max(8, room // 3))
+    table.add_column("#", justify="right", no_wrap=True, width=fixed[0])
+    table.add_column("title", no_wrap=True, overflow="ellipsis", width=title_width)
+    table.add_column("last message", no_wrap=True, overflow="ellipsis", width=max(room - title_width, 8))
+    table.add_column("tokens", justify="right", no_wrap=True, width=fixed[1])
+    table.add_column("cache", no_wrap=True, width=fixed[2])
+    table.add_column("last used", no_wrap=True, width=fixed[3])
+    for number, title, last, tokens, cache, used in rows:
+        table.add_row(number, Text(title), Text(last, style="dim"), tokens, cache, used)
+    return table
+
+
+def find(sessions: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] | str:
+    """The session `key` names (a number from the table, an id, or an id's unique start), or why not."""
+    key = key.strip()
+    if key.isdigit() and len(key) < 6:
+        n = int(key)
+        if 1 <= n <= min(len(sessions), SHOWN):
+            return sessions[n - 1]
+        return f"no session number {n}; /sessions lists them"
+    if protocol.SESSION_ID_RE.match(key):
+        for s in sessions:
+            if s.get("id") == key:
+                return s
+        return {"id": key}  # not in the list; the daemon will say if it does not exist
+    if len(key) >= 4 and all(c in "0123456789abcdef" for c in key):
+        matches = [s for s in sessions if str(s.get("id", "")).startswith(key)]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            return f"{key!r} starts {len(matches)} session ids; give more of it"
+    return f"{key!r} is not a session number or id; /sessions lists them"
