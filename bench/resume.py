@@ -139,10 +139,12 @@ def run(model: Any, n: int, new: int, kv_per_token: int) -> dict[str, Any]:
         # Restore bandwidth: read + verify + load + restore, beside a plain read of the same bytes.
         (row,) = restarted.index.chain(KEY)
         nbytes = row.path.stat().st_size
+        drop_page_cache()  # both reads start cold (when allowed), so neither warms the other
         t0 = time.perf_counter()
         data = row.path.read_bytes()
         plain = time.perf_counter() - t0
         del data
+        drop_page_cache()
         t0 = time.perf_counter()
         live = restore(read_segment(row.path, checksum=row.checksum, fingerprint="bench"))
         mx.eval([c.state for c in live])
