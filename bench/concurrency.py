@@ -37,6 +37,7 @@ from typing import Any, AsyncIterator
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.blas import preload_blas  # noqa: E402
+from shapes import QWEN25_05B  # noqa: E402
 
 BLAS = preload_blas()
 
@@ -51,11 +52,6 @@ from daemon.engine import Engine  # noqa: E402
 from daemon.server import Daemon  # noqa: E402
 from sessions import Store  # noqa: E402
 
-QWEN25_05B: dict[str, Any] = dict(
-    model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
-    num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=151936,
-    rope_theta=1e6, max_position_embeddings=32768, tie_word_embeddings=True,
-)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 WORDS = ("the cache keeps every session warm and the daemon pages cold ones out to disk "
          "so a long pause costs nothing when the user comes back later").split()

@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.blas import preload_blas  # noqa: E402
+from shapes import QWEN25_05B  # noqa: E402
 
 BLAS = preload_blas()
 
@@ -41,11 +42,6 @@ from cachestore.snapshot import restore  # noqa: E402
 from daemon.prefill import Prefill  # noqa: E402
 from daemon.prefill import first_token as decode_first  # noqa: E402
 
-QWEN25_05B: dict[str, Any] = dict(
-    model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
-    num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=151936,
-    rope_theta=1e6, max_position_embeddings=32768, tie_word_embeddings=True,
-)
 KEY = "0123456789abcdef"
 PREFILL_STEP = 512  # config.toml's default prefill_step_size
 GIB = 1 << 30
