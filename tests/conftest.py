@@ -133,6 +133,23 @@ async def wait_ready(c: Client) -> list[dict[str, Any]]:
     return seen
 
 
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Both built-in models, loaded through mlx-lm and cast to float32, once per test run."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    from daemon.builtin import BUILTIN_NAMES, ensure_builtin
+
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name in BUILTIN_NAMES:
+        model = load(str(ensure_builtin(name, root)))[0]
+        model.set_dtype(mx.float32)
+        out[name] = model
+    return out
+
+
 def greedy_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     """What a fresh full prefill of `prompt` continues with, outside kvd (call with no daemon running)."""
     import mlx.core as mx

@@ -8,19 +8,15 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load
 
 from cachestore.manager import Budgets, SessionCaches
-from daemon.builtin import ensure_builtin
 
 A, B, C = "aaaa", "bbbb", "cccc"
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    m = load(str(ensure_builtin("builtin:tiny", tmp_path_factory.mktemp("models"))))[0]
-    m.set_dtype(mx.float32)
-    return m
+@pytest.fixture
+def model(models: dict[str, Any]) -> Any:
+    return models["builtin:tiny"]
 
 
 def grow(model: Any, cache: list[Any] | None, tokens: list[int], more: list[int]) -> tuple[list[Any], list[int]]:

@@ -8,27 +8,14 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load
 
 from cachestore.errors import SnapshotError
 from cachestore.manager import Budgets, SessionCaches
 from cachestore.packing import is_packed, pack, unpack
 from cachestore.snapshot import restore, snapshot
 from conftest import client, running_daemon
-from daemon.builtin import ensure_builtin
 
 PROMPT = list(range(20, 120))  # 100 tokens: tiny-swa's 64-token window has wrapped
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("models")
-    out = {}
-    for name in ("builtin:tiny", "builtin:tiny-swa"):
-        m = load(str(ensure_builtin(name, root)))[0]
-        m.set_dtype(mx.float32)
-        out[name] = m
-    return out
 
 
 def filled(model: Any) -> list[Any]:

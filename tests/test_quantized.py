@@ -20,24 +20,12 @@ from cachestore.quantized import (
 from cachestore.segments import read_segment, write_segment
 from cachestore.snapshot import restore, snapshot
 from conftest import client, fed_tokens, running_daemon
-from daemon.builtin import ensure_builtin
 
 MODELS = ["builtin:tiny", "builtin:tiny-swa"]
 BITS = [4, 8]
 N = 12
 PROMPT = [(7 * i + 3) % 200 + 5 for i in range(40)]
 SHORT = [(11 * i + 1) % 150 + 9 for i in range(9)]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("models")
-    out = {}
-    for name in MODELS:
-        model = load(str(ensure_builtin(name, tmp)))[0]
-        model.set_dtype(mx.float32)
-        out[name] = model
-    return out
 
 
 def run(model: Any, prompts: list[list[int]], caches: list[list[Any]] | None = None,

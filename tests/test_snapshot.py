@@ -23,7 +23,6 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from mlx_lm.utils import load
 
 from cachestore.errors import CacheError, CannotSplit, SnapshotError
 from snapshots import assert_same, assert_same_layer  # noqa: F401
@@ -39,24 +38,12 @@ from cachestore.snapshot import (
     trimmable,
     truncate,
 )
-from daemon.builtin import ensure_builtin
 
 N = 12  # greedy tokens compared after each restore
 WINDOW = 64  # builtin:tiny-swa's sliding window
 # A fixed, varied prompt inside the vocabulary (below the special ids).
 TOKENS = [(i * 37 + 11) % 1600 + 10 for i in range(150)]
 MORE = [(i * 13 + 5) % 1600 + 10 for i in range(30)]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("models")
-    out = {}
-    for name in ("builtin:tiny", "builtin:tiny-swa"):
-        model = load(str(ensure_builtin(name, root)))[0]
-        model.set_dtype(mx.float32)
-        out[name] = model
-    return out
 
 
 @pytest.fixture(params=["builtin:tiny", "builtin:tiny-swa"])
