@@ -148,9 +148,7 @@ class SessionCaches:
         if not pieces:
             self.disk_stats["misses"] += 1
             return None
-        merged = pieces[0]
-        for piece in pieces[1:]:
-            merged = merge(merged, piece)
+        merged = merge(*pieces)
         self.disk_stats["hits"] += 1
         self.disk_stats["page_ins"] += 1
         self.index.touch(key, self._clock())

@@ -325,52 +325,62 @@ def _restore_layer(layer: LayerSnapshot, end: int) -> Any:
 # -- merge / split / truncate -------------------------------------------------
 
 
-def merge(a: Snapshot, b: Snapshot) -> Snapshot:
-    """``[a.start, a.end)`` + ``[a.end, b.end)`` -> ``[a.start, b.end)``.
+def merge(first: Snapshot, *rest: Snapshot) -> Snapshot:
+    """``[s0.start, s0.end)`` + ``[s0.end, s1.end)`` + ... -> ``[s0.start, last.end)``.
 
-    KV layers concatenate; rotating and recurrent layers keep ``b``'s state
-    (the later one is the only one valid at ``b.end``).
+    KV layers concatenate; rotating and recurrent layers keep the last part's
+    state (the latest is the only one valid at its end). All parts are joined
+    in one concatenation per array: merging a disk chain pairwise copied the
+    growing prefix once per segment (93 of 172 ms restoring a 2k-token,
+    8-segment SmolLM2-sized cache), n-way copies each byte once.
     """
-    if a.end != b.start:
-        raise SnapshotError(
-            f"cannot merge [{a.start}, {a.end}) with [{b.start}, {b.end}): not adjacent"
-        )
-    if len(a.layers) != len(b.layers):
-        raise SnapshotError(f"cannot merge snapshots of {len(a.layers)} and {len(b.layers)} layers")
-    layers = tuple(_merge_layer(x, y, a.start, b.end) for x, y in zip(a.layers, b.layers, strict=True))
-    snap = Snapshot(a.start, b.end, layers)
+    parts = (first, *rest)
+    for a, b in zip(parts, parts[1:]):
+        if a.end != b.start:
+            raise SnapshotError(
+                f"cannot merge [{a.start}, {a.end}) with [{b.start}, {b.end}): not adjacent"
+            )
+        if len(a.layers) != len(b.layers):
+            raise SnapshotError(f"cannot merge snapshots of {len(a.layers)} and {len(b.layers)} layers")
+    if not rest:
+        return first
+    start, end = first.start, parts[-1].end
+    layers = tuple(_merge_layer(list(group), start, end) for group in zip(*(s.layers for s in parts)))
+    snap = Snapshot(start, end, layers)
     mx.eval(snap.arrays())
     return snap
 
 
-def _merge_layer(x: LayerSnapshot, y: LayerSnapshot, start: int, end: int) -> LayerSnapshot:
-    if x.kind != y.kind:
-        raise SnapshotError(f"cannot merge a {x.kind} layer with a {y.kind} layer")
-    fixed = {k: v for k, v in x.meta.items() if k not in ("start", "offset", "idx", "present")}
-    if any(y.meta.get(k) != v for k, v in fixed.items()):
-        raise SnapshotError(f"cannot merge {x.kind} layers of different shape: {x.meta} vs {y.meta}")
+def _merge_layer(group: list[LayerSnapshot], start: int, end: int) -> LayerSnapshot:
+    x = group[0]
+    for y in group[1:]:
+        if x.kind != y.kind:
+            raise SnapshotError(f"cannot merge a {x.kind} layer with a {y.kind} layer")
+        fixed = {k: v for k, v in x.meta.items() if k not in ("start", "offset", "idx", "present")}
+        if any(y.meta.get(k) != v for k, v in fixed.items()):
+            raise SnapshotError(f"cannot merge {x.kind} layers of different shape: {x.meta} vs {y.meta}")
+    last = group[-1]
     if x.kind == "list":
-        if len(x.children) != len(y.children):
+        if len({len(y.children) for y in group}) != 1:
             raise SnapshotError("cannot merge cache lists of different lengths")
-        children = tuple(
-            _merge_layer(p, q, start, end) for p, q in zip(x.children, y.children, strict=True)
-        )
+        children = tuple(_merge_layer(list(kids), start, end) for kids in zip(*(y.children for y in group)))
         return LayerSnapshot("list", (), {"offset": end}, children)
     if x.kind not in _SPLITTABLE:
-        return y
-    meta = {**y.meta, "start": start, "offset": end}
-    if not x.arrays or not y.arrays:
-        return LayerSnapshot(x.kind, x.arrays or y.arrays, meta)
-    if len(x.arrays) != len(y.arrays):
-        raise SnapshotError(
-            f"cannot merge {x.kind} layers of {len(x.arrays)} and {len(y.arrays)} arrays"
-        )
-    for p, q in zip(x.arrays, y.arrays, strict=True):
-        if p.dtype != q.dtype or p.shape[:2] != q.shape[:2] or p.shape[3:] != q.shape[3:]:
-            raise SnapshotError(
-                f"cannot merge {x.kind} arrays {p.shape} {p.dtype} and {q.shape} {q.dtype}"
-            )
-    arrays = tuple(mx.concatenate([p, q], axis=2) for p, q in zip(x.arrays, y.arrays, strict=True))
+        return last
+    meta = {**last.meta, "start": start, "offset": end}
+    holding = [y.arrays for y in group if y.arrays]
+    if len(holding) <= 1:
+        return LayerSnapshot(x.kind, holding[0] if holding else (), meta)
+    if len({len(arrays) for arrays in holding}) != 1:
+        raise SnapshotError(f"cannot merge {x.kind} layers of {sorted({len(a) for a in holding})} arrays")
+    for column in zip(*holding):
+        p = column[0]
+        for q in column[1:]:
+            if p.dtype != q.dtype or p.shape[:2] != q.shape[:2] or p.shape[3:] != q.shape[3:]:
+                raise SnapshotError(
+                    f"cannot merge {x.kind} arrays {p.shape} {p.dtype} and {q.shape} {q.dtype}"
+                )
+    arrays = tuple(mx.concatenate(list(column), axis=2) for column in zip(*holding))
     return LayerSnapshot(x.kind, arrays, meta)
 
 
