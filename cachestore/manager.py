@@ -80,6 +80,7 @@ class SessionCaches:
         self.warm: Tier[tuple[Snapshot, list[int]]] = Tier("warm", budgets.warm_bytes)
         self.disk_stats = {"hits": 0, "misses": 0, "page_ins": 0, "page_outs": 0,
                            "bytes_written": 0, "bytes_read": 0, "dropped_corrupt": 0}
+        self.prefetch_stats = {"planned": 0, "done": 0, "bytes": 0}
         self._enforce_disk_budget(keep=None)
 
     def close(self) -> None:
@@ -118,6 +119,16 @@ class SessionCaches:
 
     def _page_in(self, key: str, wanted: Sequence[int], limit: int) -> Snapshot | None:
         """The longest prefix of `wanted` the disk chain holds, merged into one snapshot."""
+        merged = self._read_chain(key, wanted, limit)
+        if merged is None:
+            self.disk_stats["misses"] += 1
+            return None
+        self.disk_stats["hits"] += 1
+        self.disk_stats["page_ins"] += 1
+        self.index.touch(key, self._clock())
+        return merged
+
+    def _read_chain(self, key: str, wanted: Sequence[int], limit: int) -> Snapshot | None:
         chain = self._valid_chain(key)
         pieces: list[Snapshot] = []
         for row in chain:
@@ -145,14 +156,50 @@ class SessionCaches:
                 except CannotSplit:
                     pass
             break
-        if not pieces:
-            self.disk_stats["misses"] += 1
-            return None
-        merged = merge(*pieces)
-        self.disk_stats["hits"] += 1
-        self.disk_stats["page_ins"] += 1
-        self.index.touch(key, self._clock())
-        return merged
+        return merge(*pieces) if pieces else None
+
+    # --- prefetch after a restart ---
+
+    def prefetch_plan(self) -> list[str]:
+        """Sessions only on disk that the warm tier has room for, most recently used first.
+
+        Planned once the model is ready after a start: the sessions people were
+        just using are paged in before anyone asks, so the first turn after a
+        restart is a warm hit. Only free room is planned; a prefetch never
+        evicts anything.
+        """
+        room = self.warm.budget - self.warm.nbytes
+        plan = []
+        for key, nbytes in reversed(self.index.keys_by_use()):
+            if key in self.resident or key in self.warm or not 0 < nbytes <= room:
+                continue
+            plan.append(key)
+            room -= nbytes
+        self.prefetch_stats["planned"] += len(plan)
+        return plan
+
+    def prefetch(self, key: str) -> bool:
+        """Page one session's whole disk chain into the warm tier, if it still fits there.
+
+        Not a use: the session keeps its place in the disk LRU, and the
+        snapshot goes in at the warm tier's cold end (behind what people used
+        since), so prefetching never changes what is evicted first.
+        """
+        if key in self.resident or key in self.warm:
+            return False
+        chain = self._valid_chain(key)
+        tokens = [t for row in chain for t in row.tokens]
+        snap = self._read_chain(key, tokens, len(tokens)) if chain else None
+        if snap is None or snap.start != 0:
+            return False
+        toks = tokens[:snap.end]
+        if self.budgets.warm_bits:
+            snap = pack(snap, self.budgets.warm_bits)
+        if not self.warm.offer(key, (snap, toks), snap.nbytes, self._clock()):
+            return False
+        self.prefetch_stats["done"] += 1
+        self.prefetch_stats["bytes"] += snap.nbytes
+        return True
 
     def _valid_chain(self, key: str) -> list[SegmentRow]:
         chain = self.index.chain(key)
@@ -285,7 +332,8 @@ class SessionCaches:
         sessions, segments = self.index.count()
         return {
             "resident": self.resident.statistics(),
-            "warm": self.warm.statistics(),
+            "warm": {**self.warm.statistics(), "prefetched": self.prefetch_stats["done"],
+                     "prefetched_bytes": self.prefetch_stats["bytes"]},
             "disk": {"sessions": sessions, "segments": segments, "bytes": self.index.total_bytes(),
                      "budget": self.budgets.disk_bytes, **self.disk_stats},
         }

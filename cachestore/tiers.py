@@ -80,6 +80,21 @@ class Tier(Generic[V]):
             evicted.append((cold, entry.value))
         return evicted
 
+    def offer(self, key: str, value: V, nbytes: int, now: float) -> bool:
+        """Insert at the cold end if it fits without evicting anything; say whether it did.
+
+        For values nobody asked for yet (prefetched): they go behind everything
+        used since, so they are the first to leave, and idle times stay ordered.
+        """
+        if key in self._entries or nbytes < 0 or self.nbytes + nbytes > self.budget or (
+                self.max_entries is not None and len(self._entries) >= self.max_entries):
+            return False
+        coldest = next(iter(self._entries.values()), None)
+        self._entries[key] = Entry(value, nbytes, min(now, coldest.last_used) if coldest else now)
+        self._entries.move_to_end(key, last=False)
+        self.nbytes += nbytes
+        return True
+
     def take(self, key: str) -> V | None:
         """Remove and return a value that is being promoted (counted as a hit)."""
         entry = self._entries.pop(key, None)

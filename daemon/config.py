@@ -50,6 +50,7 @@ class Config:
     max_segments: int = 16
     max_resident_sessions: int = 32
     warm_bits: int = 0
+    prefetch: bool = True
     # Quantized KV caches: 0 off, or 4 / 8 bits
     kv_bits: int = 0
     # Limits
@@ -94,6 +95,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "max_segments": ("cache", "max_segments"),
     "max_resident_sessions": ("cache", "max_resident_sessions"),
     "warm_bits": ("cache", "warm_bits"),
+    "prefetch": ("cache", "prefetch"),
     "kv_bits": ("cache", "kv_bits"),
     "max_message_bytes": ("limits", "max_message_bytes"),
     "max_text_chars": ("limits", "max_text_chars"),

@@ -191,7 +191,8 @@ class Daemon:
                 "ready": self.engine.ready.is_set() and self.engine.load_error is None,
                 "connections": len(self._connections), "generating": stats.get("generating", 0),
                 "waiting": stats.get("waiting", 0),
-                "tiers": stats.get("tiers", {}), "locations": stats.get("locations", {})}
+                "tiers": stats.get("tiers", {}), "locations": stats.get("locations", {}),
+                "warm_up_ms": stats.get("warm_up_ms")}
 
     def _hello(self) -> dict[str, Any]:
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",

@@ -22,10 +22,14 @@ EVENT_TIMEOUT = 60.0
 
 
 class DaemonProcess:
-    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, prefetch: bool = False):
         self.data_dir = data_dir
+        # A restart in a test is cold (restored from disk) unless the test asks for prefetch.
+        config = data_dir.parent / f"{data_dir.name}-kvd.toml"
+        config.write_text(f"[cache]\nprefetch = {str(prefetch).lower()}\n")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir), *args],
+            [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir),
+             "--config", str(config), *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})},
         )

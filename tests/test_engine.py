@@ -149,3 +149,16 @@ def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -
     e._cancel("3" * 16)
     assert e.caches is not None
     e.caches.close()
+
+
+def test_the_model_is_warmed_up_before_ready(tmp_path: Path) -> None:
+    """The first forward after a load is paid before `ready`, not by the first user's turn."""
+    e = Engine(load_config(None, data_dir=tmp_path))
+    e.start()
+    assert e.ready.wait(120)
+    try:
+        assert e.load_error is None
+        assert e.warm_up_ms is not None and e.warm_up_ms > 0
+        assert e.stats["warm_up_ms"] == e.warm_up_ms  # published with the first statistics
+    finally:
+        e.stop()

@@ -100,3 +100,51 @@ def test_disk_budget_evicts_least_recently_used_sessions(model: Any, tmp_path: P
         assert caches.index.total_bytes() <= 2 * one_session
     assert [k for k, _ in caches.index.keys_by_use()] == [B, C]
     caches.close()
+
+
+def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model: Any, tmp_path: Path) -> None:
+    clock = Clock()
+    caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
+    kept: dict[str, tuple[list[Any], list[int]]] = {}
+    for key in (A, B, C):  # C used last
+        clock.now += 10
+        cache, toks = grow(model, None, [], list(range(10, 50)))
+        caches.checkin(key, cache, toks)
+        cache, toks = grow(model, cache, toks, list(range(60, 70)))  # a second turn: a second segment
+        caches.checkin(key, cache, toks)
+        kept[key] = (cache, toks)
+    per_session = caches.index.keys_by_use()[0][1]
+    caches.close()
+
+    # After a restart: room in warm for two sessions' caches, not three.
+    caches = SessionCaches(tmp_path, "fp", budgets(warm_bytes=2 * per_session + per_session // 2), clock=clock)
+    plan = caches.prefetch_plan()
+    assert plan == [C, B]
+    for key in plan:
+        assert caches.prefetch(key)
+    assert caches.locations() == {A: "disk", B: "warm", C: "warm"}
+    assert not caches.prefetch(C)  # already warm
+    stats = caches.statistics()
+    assert stats["warm"]["prefetched"] == 2 and stats["warm"]["prefetched_bytes"] == caches.warm.nbytes
+    assert stats["disk"]["hits"] == 0  # a prefetch is not a use
+
+    cache, toks = kept[C]
+    got = caches.checkout(C, toks + [7])
+    assert got.source == "warm" and got.tokens == len(toks)
+    assert got.cache is not None
+    for restored, live in zip(got.cache, cache):
+        assert mx.array_equal(restored.keys[..., :len(toks), :], live.keys[..., :len(toks), :])
+        assert mx.array_equal(restored.values[..., :len(toks), :], live.values[..., :len(toks), :])
+    assert caches.checkout(A, kept[A][1] + [7]).source == "disk"
+    caches.close()
+
+
+def test_prefetch_plans_nothing_that_does_not_fit(model: Any, tmp_path: Path) -> None:
+    caches = SessionCaches(tmp_path, "fp", budgets())
+    cache, toks = grow(model, None, [], list(range(10, 50)))
+    caches.checkin(A, cache, toks)
+    nbytes = caches.index.total_bytes()
+    caches.close()
+    caches = SessionCaches(tmp_path, "fp", budgets(warm_bytes=nbytes - 1))
+    assert caches.prefetch_plan() == []
+    caches.close()

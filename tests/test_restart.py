@@ -125,3 +125,37 @@ def test_kvd_status_command(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--data-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "kvd serve" in out.stderr
+
+
+def test_after_a_restart_prefetch_makes_the_next_turn_a_warm_hit(tmp_path: Path) -> None:
+    """Prefetch on: the session used last is paged into warm once the model is ready, and its
+    next turn is restored from there, with the same greedy answer as a cold restart's."""
+    import shutil
+    import time
+
+    data = tmp_path / "data"
+    d = DaemonProcess(data)
+    with d.client() as c:
+        sid = c.request("session.create")["session"]["id"]
+        c.chat(sid, "Hello, this is a conversation to remember.", max_tokens=20, temperature=0)
+        _, before = c.chat(sid, "And a second turn.", max_tokens=20, temperature=0)
+    assert d.terminate() == 0
+    shutil.copytree(data, tmp_path / "cold")
+
+    answers = {}
+    for name, prefetch in (("data", True), ("cold", False)):
+        d = DaemonProcess(tmp_path / name, prefetch=prefetch)
+        try:
+            with d.client() as c:
+                deadline = time.monotonic() + 60
+                while prefetch and c.request("status")["tiers"]["warm"]["prefetched"] < 1:
+                    assert time.monotonic() < deadline, "the prefetch never finished"
+                answer, done = c.chat(sid, "After the restart?", max_tokens=10, temperature=0)
+        finally:
+            d.terminate()
+        answers[name] = (answer, done["usage"])
+    (warm_answer, warm), (cold_answer, cold) = answers["data"], answers["cold"]
+    assert warm["restored_from"] == "warm" and cold["restored_from"] == "disk"
+    b = before["usage"]
+    assert warm["restored_tokens"] == cold["restored_tokens"] == b["prompt_tokens"] + b["completion_tokens"]
+    assert warm_answer == cold_answer

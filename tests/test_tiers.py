@@ -79,3 +79,18 @@ def test_cycling_many_sessions_never_exceeds_budgets(seed: int) -> None:
         assert resident.nbytes <= resident.budget and warm.nbytes <= warm.budget
         assert resident.nbytes == sum(resident.peek(k) or 0 for k in resident)
         assert not (set(resident) & set(warm))
+
+
+def test_offer_goes_to_the_cold_end_and_never_evicts() -> None:
+    t: Tier[str] = Tier("warm", budget=100)
+    t.put("used", "U", 40, now=10)
+    assert t.offer("p1", "P1", 30, now=20)  # prefetched: behind what was used
+    assert t.offer("p2", "P2", 30, now=30)  # planned later, so colder still
+    assert list(t) == ["p2", "p1", "used"] and t.nbytes == 100
+    assert not t.offer("p3", "P3", 1, now=40)  # no room: refused, nothing evicted
+    assert not t.offer("used", "U2", 0, now=40)  # a key already held is left as it is
+    assert t.peek("used") == "U" and list(t) == ["p2", "p1", "used"]
+    # Idle times stay ordered: the cold end is never younger than what follows it.
+    assert t.idle(now=10 + 50, idle_for=50) == [("p2", "P2"), ("p1", "P1"), ("used", "U")]
+    capped: Tier[str] = Tier("warm", budget=100, max_entries=1)
+    assert capped.offer("a", "A", 1, now=0) and not capped.offer("b", "B", 1, now=0)
