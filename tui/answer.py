@@ -202,6 +202,10 @@ class _Tail:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         room = max(console.size.height - 2, 1)
+        if self.printer.reading is not None and not self.printer.text:
+            line = [Segment(self.printer.reading, console.get_style("dim"))]
+            yield Labelled([line], self.printer.label, self.printer.label.cell_len)
+            return
         lines = self.printer.tail_lines(room=room)
         cropped = len(lines) > room or self.printer.previewing
         if len(lines) > room:
@@ -232,6 +236,8 @@ class AnswerPrinter:
         self._pending = ""  # the text after the last printed block
         self._last: str | None = None  # the kind of the last printed block
         self._live: Live | None = None
+        self.reading: str | None = None  # how far kvd has read the prompt, until the answer begins
+        self._reading_since: tuple[float, int] | None = None
 
     @property
     def width(self) -> int:
@@ -262,6 +268,23 @@ class AnswerPrinter:
             self._print(after(self.console, self._last, block.source, self.width))
             self._last = block.kind
         self._pending = rest
+
+    def progress(self, fed: int, total: int, now: float) -> None:
+        """kvd is reading a long prompt (chat.progress): shown where the answer will begin.
+
+        The estimate is the rate since the first progress event, so it covers
+        only this prefill. A console that is not a terminal says it once.
+        """
+        if self._reading_since is None:
+            self._reading_since = (now, fed)
+            if self._live is None:
+                self.note(f"(kvd is reading {total} tokens of history…)")
+        since, fed0 = self._reading_since
+        text = f"reading the conversation: {fed}/{total} tokens"
+        if fed > fed0 and now > since:
+            left = (total - fed) / ((fed - fed0) / (now - since))
+            text += f", about {left:.0f} s left" if left >= 1 else ", almost done"
+        self.reading = text
 
     def note(self, message: str) -> None:
         """A dim line above the live tail (e.g. "reconnecting…"); it stays in the scrollback."""

@@ -81,8 +81,21 @@ def cache_part(usage: Mapping[str, Any]) -> str | None:
     return f"{cached} cached" if isinstance(cached, int) else None
 
 
+def context_part(usage: Mapping[str, Any]) -> str | None:
+    """``8142/8192 ctx``: how much of the model's context the session fills after this answer."""
+    used, window = usage.get("context_tokens"), usage.get("context_window")
+    if not isinstance(used, int) or not used:
+        return None
+    return f"{used}/{window} ctx" if isinstance(window, int) else f"{used} ctx"
+
+
 def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> str:
-    """``12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 3.1 ms``, parts the daemon left out omitted."""
+    """``12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 3.1 ms · 52/8192 ctx``.
+
+    Parts the daemon left out are omitted; ``re-read N tok`` says when history
+    was fed again (a new system prompt, an edit), since the restored count
+    alone would look cheap.
+    """
     parts = []
     completion = usage.get("completion_tokens")
     if isinstance(completion, int):
@@ -95,6 +108,11 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
         parts.append(f"{tps:.1f} tok/s")
     if (cache := cache_part(usage)) is not None:
         parts.append(cache)
+    reread = usage.get("reread_tokens")
+    if isinstance(reread, int) and reread > 0 and usage.get("restored_from") != "none":
+        parts.append(f"re-read {reread} tok")  # a new system prompt or an edit: history fed again
+    if (context := context_part(usage)) is not None:
+        parts.append(context)
     line = " · ".join(parts)
     if finish_reason in ("cancelled", "length"):
         line = f"{line} ({finish_reason})" if line else f"({finish_reason})"
