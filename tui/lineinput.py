@@ -171,7 +171,7 @@ class Input:
     def _read(self, prompt: str, keep: bool) -> str:
         line = self._read_line(prompt)
         if self.echo:
-            self.console.print(Text(line), soft_wrap=True)
+            self.console.print(Text(line.removesuffix(EDITOR_MARK)), soft_wrap=True)
         if keep and self.history is not None:
             self.history.add(line.removesuffix(EDITOR_MARK))
         return line
