@@ -294,3 +294,20 @@ async def test_picker_takes_a_unique_title_prefix(tmp_path: Path) -> None:
     assert "'lisbon' starts 2 titles; give more of it, or the number" in screen.lines
     assert screen.after("number or title, Enter for a new chat: lisbon t")[0] == "Lisbon trip"
     assert screen.after("you> /switch porto")[0] == "Porto"
+
+
+async def test_code_blocks_start_at_column_0_and_copy_code_takes_the_last(tmp_path: Path) -> None:
+    answer = ("Two ways:\n\n```python\ndef f(x):\n    return x + 1\n```\n\n- or in a list:\n\n  ```\n  nested()\n"
+              "  ```\n\n```sh\necho done\n```")
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create", title="Code"))["session"]["id"]
+        d.store.append_message(sid, "user", "show me code")  # a transcript with code in it, as a model writes one
+        d.store.append_message(sid, "assistant", answer)
+        screen = await kvchat(d, "--session", sid, script=["/copy code", "/quit"])
+    shown = screen.after("you> show me code")
+    assert shown[:5] == ["kvd> Two ways:", "", "def f(x):", "    return x + 1", ""]
+    assert shown[5:9] == ["      • or in a list:", "        nested()", "", "echo done"]  # in a list: with its item
+    assert data_file(d, "kvchat-copy.txt").read_text() == "echo done\n"
+    assert f"no terminal to copy through: its last code block (9 characters) is in {data_file(d, 'kvchat-copy.txt')}" \
+        in screen.lines

@@ -36,8 +36,10 @@ from markdown_it import MarkdownIt
 from markdown_it.token import Token
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
-from rich.markdown import Markdown
+from rich.markdown import CodeBlock, Markdown
 from rich.segment import Segment
+from rich.style import Style
+from rich.syntax import Syntax
 from rich.text import Text
 
 from .sanitize import StreamSanitizer
@@ -63,9 +65,33 @@ class Block:
     kind: str  # its first markdown-it token's type: "paragraph_open", "fence", "hr", …
 
 
+# Marks the first segment of a top-level code block's lines: Labelled prints them from column 0.
+CODE_LINE = Style(meta={"kvchat": "code"})
+
+
+class _CodeBlock(CodeBlock):
+    """A code block without Rich's padding, each line marked, so it is printed without indent:
+    copied from the screen, it runs (no label indent, no padding column, no blank padding rows)."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        syntax = Syntax(str(self.text).rstrip(), self.lexer_name, theme=self.theme, word_wrap=True, padding=0)
+        for line in console.render_lines(syntax, options, pad=False):
+            yield Segment("", CODE_LINE)
+            yield from line
+            yield Segment.line()
+
+
+class _Markdown(Markdown):
+    elements = {**Markdown.elements, "fence": _CodeBlock, "code_block": _CodeBlock}
+
+
 def markdown(source: str) -> Markdown:
     """How kvchat renders model text. Links show their address: a model cannot disguise one."""
-    return Markdown(source, code_theme=CODE_THEME, hyperlinks=False)
+    return _Markdown(source, code_theme=CODE_THEME, hyperlinks=False)
+
+
+def is_code(line: list[Segment]) -> bool:
+    return bool(line) and line[0].style is CODE_LINE
 
 
 def split_finished(text: str) -> tuple[list[Block], str]:
@@ -137,7 +163,9 @@ def preview(source: str, room: int) -> str:
 class Labelled:
     """Lines indented by the label's width, the label on the first line of the answer.
 
-    Blank lines stay empty (no indent), so nothing ends in stray spaces.
+    Blank lines stay empty (no indent), so nothing ends in stray spaces. A
+    top-level code block's lines start at column 0 (the label, if the answer
+    starts with one, gets a line of its own).
     """
 
     def __init__(self, lines: Lines, label: Text | None, indent: int) -> None:
@@ -147,12 +175,15 @@ class Labelled:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         for i, line in enumerate(self.lines):
+            code = is_code(line)
             if i == 0 and self.label is not None:
                 label = self.label.copy()
-                if not Segment.get_line_length(line):
+                if code or not Segment.get_line_length(line):
                     label.rstrip()
                 yield from label.render(console)
-            elif Segment.get_line_length(line):
+                if code:
+                    yield Segment.line()
+            elif Segment.get_line_length(line) and not code:
                 yield Segment(" " * self.indent)
             yield from line
             yield Segment.line()
