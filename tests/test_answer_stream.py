@@ -173,3 +173,30 @@ def test_a_long_unfinished_code_block_is_previewed_by_its_end() -> None:
     printer.feed("```\n\nDone.")
     printer.finish()
     assert console.kept.export_text() == whole("Here it is:\n\n" + code + "```\n\nDone.")
+
+
+PLAIN = ("A paragraph with no markup at all runs on and on, as a small model's answers do; "
+         "its words wrap greedily, so every line but the last two is printed for good while it streams. " * 12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_long_plain_paragraph_is_printed_as_it_streams_with_a_short_live_region(seed: int) -> None:
+    text = "First, a short one.\n\n" + PLAIN.strip() + "\n\nThen **bold** text\n\n" + PLAIN.strip() + " The end."
+    console = PermanentOnly()
+    printer = render.answer_printer(console)
+    printer.start()
+    sizes = random.Random(seed)
+    tallest = printed_while_streaming = 0
+    i = 0
+    while i < len(text):
+        n = sizes.randint(1, 9)
+        printer.feed(text[i : i + n])
+        i += n
+        live = console.render_lines(printer._live.renderable, pad=False) if printer._live else []  # type: ignore[union-attr]
+        if i > len(text) // 2:
+            tallest = max(tallest, len(live))
+        printed_while_streaming = console.prints
+    printer.finish()
+    assert console.kept.export_text() == whole(text)  # exactly what rendering it whole gives
+    assert tallest <= 3  # the long paragraph's live part: its last lines only
+    assert printed_while_streaming > 20  # its lines were printed as it went, not at its end

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.control import Control
 from rich.live import Live
+from rich.live_render import LiveRender
 from rich.markdown import CodeBlock, Markdown
-from rich.segment import Segment
+from rich.segment import ControlType, Segment
 from rich.style import Style
 from rich.syntax import Syntax
 from rich.text import Text
@@ -50,6 +52,11 @@ REFRESH_PER_SECOND = 10
 PREVIEW_CHARS = 4000  # past this, the live tail renders only its end
 
 Lines = list[list[Segment]]
+
+KEEP_LIVE = 2  # lines of an unfinished plain paragraph kept live (its last one can still change)
+# Plain paragraph text: no character that starts inline markup, every line beginning with a letter.
+_PLAIN = re.compile(r"\n*[^\W\d_](?:[^*_`\[\]~<>\\&#|=+{}\n]|\n(?=[^\W\d_]))*", re.DOTALL)
+_WORD = re.compile(r"\S+")
 
 # The parser rich.markdown.Markdown uses, so blocks split where Rich's would.
 _PARSER = MarkdownIt().enable("strikethrough").enable("table")
@@ -225,6 +232,69 @@ def _rstrip(line: list[Segment]) -> list[Segment]:
     return line
 
 
+def live_rows(height: int) -> int:
+    """Rows the live tail may take: a quarter of the screen.
+
+    Not more, so that the terminal shrinking mid-answer (120x40 to 80x24:
+    each row may wrap into two, and the top rows go to the scrollback) keeps
+    the whole live region on screen, where it can still be erased; rows
+    pushed into the scrollback could not be, and would stay there as stale
+    lines. Finished blocks are printed for good as they end, so only an
+    unfinished block is cropped to this.
+    """
+    return max(height // 4, 3)
+
+
+class _ReflowingRender(LiveRender):
+    """Rich's live region, erased right after the terminal narrowed.
+
+    Rich moves the cursor up as many rows as it drew. A terminal that
+    reflows on resize (tmux, VTE, iTerm2, kitty, Windows Terminal) has
+    rewrapped each drawn line that is now too wide into several rows, so
+    that count would leave the rest on screen, and later in the scrollback.
+    This counts the rows each drawn line takes at the terminal's width when
+    the erase is rendered (not when it is asked for: a resize can come in
+    between).
+    """
+
+    def __init__(self, renderable: RenderableType, console: Console) -> None:
+        super().__init__(renderable)
+        self.console = console
+        self._widths: list[int] = []
+
+    def rows(self) -> int:
+        width = max(self.console.size.width, 1)
+        return sum(max(1, -(-w // width)) for w in self._widths)
+
+    def position_cursor(self) -> Control:
+        return _Erase(self, keep_line=True) if self._shape is not None else Control()
+
+    def restore_cursor(self) -> Control:
+        return _Erase(self, keep_line=False) if self._shape is not None else Control()
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        segments = [s for s in super().__rich_console__(console, options) if isinstance(s, Segment)]
+        self._widths = [Segment.get_line_length(line) for line in Segment.split_lines(segments)] or [0]
+        yield from segments
+
+
+class _Erase(Control):
+    """The cursor moved to the live region's start, its rows erased: counted when it is rendered."""
+
+    def __init__(self, live: _ReflowingRender, *, keep_line: bool) -> None:
+        # Control.__init__ would render the codes now; they are made in `segment`, when needed.
+        self.live = live
+        self.keep_line = keep_line  # position_cursor stays on the region's first row; restore_cursor goes above it
+
+    @property
+    def segment(self) -> Segment:  # type: ignore[override]  # Control sets it in __init__; here it is computed
+        rows = self.live.rows()
+        up = ((ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2))
+        if self.keep_line:
+            return Control(ControlType.CARRIAGE_RETURN, (ControlType.ERASE_IN_LINE, 2), *up * (rows - 1)).segment
+        return Control(ControlType.CARRIAGE_RETURN, *up * rows).segment
+
+
 class _Tail:
     """The live part: a preview of the unfinished text, cropped to its last screenful."""
 
@@ -232,7 +302,7 @@ class _Tail:
         self.printer = printer
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        room = max(console.size.height - 2, 1)
+        room = live_rows(console.size.height)
         if self.printer.reading is not None and not self.printer.text:
             line = [Segment(self.printer.reading, console.get_style("dim"))]
             yield Labelled([line], self.printer.label, self.printer.label.cell_len)
@@ -266,6 +336,7 @@ class AnswerPrinter:
         self._sanitizer = StreamSanitizer()
         self._pending = ""  # the text after the last printed block
         self._last: str | None = None  # the kind of the last printed block
+        self._continued = False  # _pending is the rest of a paragraph whose first lines are printed
         self._live: Live | None = None
         self.reading: str | None = None  # how far kvd has read the prompt, until the answer begins
         self._reading_since: tuple[float, int] | None = None
@@ -282,6 +353,8 @@ class AnswerPrinter:
             self._live = Live(_Tail(self), console=self.console, transient=True, auto_refresh=True,
                               refresh_per_second=REFRESH_PER_SECOND, redirect_stdout=False,
                               redirect_stderr=False)
+            # Rich keeps no public door for this; Live reads the attribute on every refresh.
+            self._live._live_render = _ReflowingRender(self._live.get_renderable(), self.console)
             self._live.start()
 
     def feed(self, piece: str) -> None:
@@ -293,12 +366,49 @@ class AnswerPrinter:
         pending = self._pending + clean
         if "\n" not in clean:
             self._pending = pending
+            self._print_stable_lines()
             return
         blocks, rest = split_finished(pending)
         for block in blocks:
-            self._print(after(self.console, self._last, block.source, self.width))
-            self._last = block.kind
+            self._print(self._render(block.source))
+            self._last, self._continued = block.kind, False
         self._pending = rest
+        self._print_stable_lines()
+
+    def _render(self, source: str) -> Lines:
+        if self._continued:
+            return render_lines(self.console, source, self.width)
+        return after(self.console, self._last, source, self.width)
+
+    def _print_stable_lines(self) -> None:
+        """Print the first lines of a long unfinished plain paragraph for good, keeping KEEP_LIVE live.
+
+        Word wrapping is greedy, so a plain paragraph's lines but its last
+        never change as words are added, and the rest, rendered from a line
+        start, wraps as it would have. Plain means nothing inline that a
+        later character could restyle (emphasis, code, links, escapes) and
+        every line starting with a letter (no list or heading can begin).
+        This keeps the live region a few rows high, so a terminal resized
+        mid-answer can still erase it.
+        """
+        pending = self._pending
+        if len(pending) < 2 * self.width or not _PLAIN.fullmatch(pending):
+            return
+        words = list(_WORD.finditer(pending))
+        if any(len(w.group()) >= self.width for w in words):
+            return
+        lines = self._render(pending)
+        stable = len(lines) - KEEP_LIVE
+        if stable <= 0:
+            return
+        shown = " ".join("".join(seg.text for seg in line) for line in lines[:stable]).split()
+        if not shown or len(shown) >= len(words) or words[len(shown) - 1].group() != shown[-1]:
+            return  # not the words as written: keep it live
+        rest = pending[words[len(shown) - 1].end():].lstrip()
+        if not rest[:1].isalpha():
+            return
+        self._print(lines[:stable])
+        self._pending, self._continued = rest, True
 
     def progress(self, fed: int, total: int, now: float) -> None:
         """kvd is reading a long prompt (chat.progress): shown where the answer will begin.
@@ -335,7 +445,7 @@ class AnswerPrinter:
         if self.lines_printed == 0 and not lines:
             lines = [[]]  # an empty answer still shows its label
         self._print(lines)
-        self._pending = ""
+        self._pending, self._continued = "", False
         self.started = False
 
     def tail_lines(self, *, room: int | None = None) -> Lines:
@@ -345,9 +455,9 @@ class AnswerPrinter:
             shown = preview(pending, room)
             self.previewing = shown is not pending
             pending = shown
-        if self._last is not None and not pending.strip():
+        if (self._last is not None or self._continued) and not pending.strip():
             return []
-        return after(self.console, self._last, pending, self.width)
+        return self._render(pending)
 
     def _print(self, lines: Lines) -> None:
         if not lines:

@@ -169,7 +169,8 @@ class Input:
         self.history = history
 
     def _read(self, prompt: str, keep: bool) -> str:
-        line = self._read_line(prompt)
+        with _echo(True):  # readline echoes only if the terminal does (else it reads a password)
+            line = self._read_line(prompt)
         if self.echo:
             self.console.print(Text(line.removesuffix(EDITOR_MARK)), soft_wrap=True)
         if keep and self.history is not None:
@@ -207,23 +208,27 @@ class Input:
 
 @contextlib.contextmanager
 def quiet_terminal() -> Iterator[None]:
-    """No echo for the whole chat, but inside readline (which echoes what it reads itself).
+    """No echo for the whole chat but while reading a line (Input turns it on around input()).
 
     Keys typed while a command or an answer runs wait in the terminal's buffer
     and appear once, at the next prompt; with echo on the terminal would show
     them where they were typed, and readline again at the prompt.
     """
-    with echo_off():
+    with _echo(False):
         yield
 
 
-@contextlib.contextmanager
-def echo_off() -> Iterator[None]:
+def echo_off() -> contextlib.AbstractContextManager[None]:
     """Keys typed while an answer streams are not echoed into it.
 
     They stay in the terminal's buffer and show up at the next prompt, and
     Ctrl-C is not echoed as "^C" in the middle of the answer.
     """
+    return _echo(False)
+
+
+@contextlib.contextmanager
+def _echo(on: bool) -> Iterator[None]:
     fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else -1
     if termios is None or fd < 0:
         yield
@@ -233,9 +238,9 @@ def echo_off() -> Iterator[None]:
     except termios.error:
         yield
         return
-    quiet = list(saved)
-    quiet[3] &= ~termios.ECHO
-    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    changed = list(saved)
+    changed[3] = changed[3] | termios.ECHO if on else changed[3] & ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, changed)
     try:
         yield
     finally:
