@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import signal
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -41,12 +42,10 @@ class UsageProblem(Exception):
 
 def answer_one(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, errors: Console) -> int:
     try:
-        text = _message(args, stdin)
+        return asyncio.run(_answer(args, lambda: _message(args, stdin), stdout))
     except UsageProblem as exc:
         render.print_error(errors, str(exc))
         return 2
-    try:
-        return asyncio.run(_answer(args, text, stdout))
     except KvchatError as exc:
         render.print_error(errors, _explained(exc))
         return 1
@@ -77,10 +76,11 @@ def _explained(exc: KvchatError) -> str:
     return str(exc)
 
 
-async def _answer(args: argparse.Namespace, text: str, stdout: TextIO) -> int:
+async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: TextIO) -> int:
     link = Link(url=args.url, data_dir=args.data_dir, token_file=args.token_file)
-    client = await link.connect()
+    client = await link.connect()  # first: "kvd is not running" matters more than an empty stdin
     try:
+        text = message()
         session = await _session(client, args, text)
         await client.wait_ready()
         fields: dict[str, Any] = {"text": text}
