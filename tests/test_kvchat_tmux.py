@@ -367,10 +367,11 @@ def test_daemon_restart_mid_answer_is_followed_and_told(tmp_path: Path, open_pan
         pane.wait_for("the reconnect note", lambda lines: "connection lost; reconnecting…" in lines)
         daemon = DaemonProcess(data)
         lines = pane.wait_for("the answer's end", has_status_after("tell me a story"))
-        # The notes are printed above the live answer, so above its unfinished paragraph here.
+        # The notes are printed above the live part of the answer: after the lines printed for good.
         asked = lines.index("you> tell me a story")
-        assert lines[asked + 1 : asked + 3] == ["connection lost; reconnecting…", "reconnected"]
-        story, status = answer_to(lines[:asked + 1] + lines[asked + 3 :], "tell me a story")
+        note = lines.index("connection lost; reconnecting…", asked)
+        assert lines[note + 1] == "reconnected"
+        story, status = answer_to(lines[:note] + lines[note + 2 :], "tell me a story")
         assert status.endswith("(cancelled)")
         assert any(line.startswith("kvd stopped while writing this answer") for line in lines)
         pane.wait_for_prompt()

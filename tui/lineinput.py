@@ -167,8 +167,10 @@ class Input:
         self._read_line = read_line
         self.echo = echo
         self.history = history
+        self.shown_prompt = ""  # the last prompt input() showed
 
     def _read(self, prompt: str, keep: bool) -> str:
+        self.shown_prompt = prompt.replace("\x01", "").replace("\x02", "")  # as the terminal shows it
         with _echo(True):  # readline echoes only if the terminal does (else it reads a password)
             line = self._read_line(prompt)
         if self.echo:

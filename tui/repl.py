@@ -96,6 +96,9 @@ class Chat:
                     self.send(text[1:] if stripped.startswith("//") else text)
                 except KeyboardInterrupt:
                     # readline has dropped the line; say so and prompt afresh
+                    dropped, self.interrupts.dropped_line = self.interrupts.dropped_line, None
+                    if dropped is not None and self.console.is_terminal and self.input.shown_prompt:
+                        self.console.file.write("\r" + self.input.shown_prompt + dropped)
                     self.console.print(Text("^C", style=render.DIM), soft_wrap=True)
                 except EOFError:
                     self.console.print()
