@@ -200,3 +200,25 @@ def test_a_long_plain_paragraph_is_printed_as_it_streams_with_a_short_live_regio
     assert console.kept.export_text() == whole(text)  # exactly what rendering it whole gives
     assert tallest <= 3  # the long paragraph's live part: its last lines only
     assert printed_while_streaming > 20  # its lines were printed as it went, not at its end
+
+
+def test_a_long_prefill_shows_its_progress_where_the_answer_begins() -> None:
+    console = PermanentOnly()
+    printer = render.answer_printer(console)
+    printer.start()
+
+    def live() -> list[str]:
+        assert printer._live is not None
+        return ["".join(seg.text for seg in line).rstrip()
+                for line in console.render_lines(printer._live.renderable, pad=False)]
+
+    printer.progress(512, 5120, now=100.0)
+    assert live() == ["kvd> reading 512/5120 tokens"]
+    printer.progress(1536, 5120, now=101.0)  # 1024 tokens a second: 3.5 s to go
+    assert live() == ["kvd> reading 1536/5120 tokens, about 4 s left"]
+    printer.progress(5000, 5120, now=104.4)
+    assert live() == ["kvd> reading 5000/5120 tokens, almost done"]
+    printer.feed("The answer")
+    assert live() == ["kvd> The answer"]  # the first delta takes its place
+    printer.finish()
+    assert console.kept.export_text() == whole("The answer")

@@ -421,7 +421,7 @@ class AnswerPrinter:
             if self._live is None:
                 self.note(f"(kvd is reading {total} tokens of history…)")
         since, fed0 = self._reading_since
-        text = f"reading the conversation: {fed}/{total} tokens"
+        text = f"reading {fed}/{total} tokens"
         if fed > fed0 and now > since:
             left = (total - fed) / ((fed - fed0) / (now - since))
             text += f", about {left:.0f} s left" if left >= 1 else ", almost done"
