@@ -203,6 +203,10 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
     assert (f"this new session carries the system prompt and the last 1 turn ({tokens} tokens; at most half the "
             "8192-token context) in its system prompt; 'Full' is kept (/switch to it)") in screen.lines
     assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["next"]
+    # Its header shows the start of that long system prompt, not all of it.
+    header = next(line for line in screen.after("you> /compact") if line.startswith("system: "))
+    assert header.startswith("system: Be brief. Earlier in this conversation (carried over from the session 'Full'):")
+    assert header.endswith(f"({len(new['session']['system'])} characters; /system shows it all)")
 
 
 def test_compact_rule() -> None:

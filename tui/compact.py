@@ -109,6 +109,7 @@ def run(chat: Chat) -> None:
     tokens = sum(t.tokens for t in kept)
     n = len(kept)
     limit = f"at most half the {size}-token context" if size else "the context size is not known yet"
-    render.print_note(chat.console, f"this new session carries the system prompt and the last {n} "
+    what = "the system prompt and " if old.get("system") else ""
+    render.print_note(chat.console, f"this new session carries {what}the last {n} "
                       f"turn{'' if n == 1 else 's'} ({tokens} tokens; {limit}) in its system prompt; "
                       f"{title!r} is kept (/switch to it)")

@@ -29,6 +29,7 @@ KVD_STYLE = "bold cyan"
 DIM = "dim"
 ERROR_STYLE = "bold red"
 TIERS = ("resident", "warm", "disk")
+SYSTEM_SHOWN = 200  # characters of a long system prompt in a session's header
 
 
 def answer_printer(console: Console) -> AnswerPrinter:
@@ -153,7 +154,10 @@ def print_header(
     console.print(Text(" · ".join(details), style=DIM), soft_wrap=True)
     system = session.get("system")
     if system:
-        console.print(Text(f"system: {sanitize(str(system))}", style=DIM), soft_wrap=True)
+        shown = sanitize(str(system))
+        if len(shown) > SYSTEM_SHOWN or shown.count("\n") > 2:  # e.g. /compact's: /system shows it all
+            shown = " ".join(shown[:SYSTEM_SHOWN].split()) + f" … ({len(shown)} characters; /system shows it all)"
+        console.print(Text(f"system: {shown}", style=DIM), soft_wrap=True)
     params = session.get("params")
     if isinstance(params, Mapping) and params:
         console.print(Text("params: " + format_params(params), style=DIM), soft_wrap=True)
