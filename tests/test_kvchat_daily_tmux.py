@@ -220,3 +220,24 @@ def test_help_names_every_default_data_dir() -> None:
     assert result.returncode == 0
     flat = " ".join(result.stdout.split())
     assert "$KVD_DATA_DIR, else $XDG_DATA_HOME/kvd, else ~/.local/share/kvd" in flat
+
+
+def test_ctrl_c_stops_a_one_shot_answer_and_keeps_it(kvd: Kvd) -> None:
+    import os
+    import select
+    import signal
+
+    proc = subprocess.Popen([*kvchat_command(), "--data-dir", str(kvd.data_dir), "--max-tokens", "4096",
+                             "--temperature", "0", "--title", "interrupted", "tell me a story"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)  # the answer has begun
+    assert ready, "no answer within 60 s"
+    first = os.read(proc.stdout.fileno(), 65536)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, b"")
+    sid = next(s["id"] for s in request(kvd, "session.list")["sessions"] if s["title"] == "interrupted")
+    answer = messages(kvd, sid)[1]
+    assert answer["status"] == "cancelled" and answer["usage"]["completion_tokens"] < 4096
+    assert (first + rest).decode() == answer["content"] + "\n"  # what was kept is what was printed
