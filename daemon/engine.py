@@ -160,6 +160,7 @@ class Engine:
         self._prefilling: list[str] = []  # sessions whose prompt is being fed, first come first
         self._waiting: list[_Waiting] = []  # jobs past max_generations, in arrival order
         self._prefill_tps: float | None = None  # the last prefill chunk's tokens per second
+        self.max_context: int | None = None  # the model's context length, once loaded (if it says)
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
 
@@ -324,7 +325,8 @@ class Engine:
         if self.max_context and len(tokens) + job.max_tokens > self.max_context:
             raise PromptTooLong(
                 f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
-                f"exceeds the model's context of {self.max_context} tokens; {_fit_advice(len(tokens), self.max_context)}"
+                f"exceeds the model's context of {self.max_context} tokens; "
+                + _fit_advice(len(tokens), self.max_context)
             )
         assert self.caches is not None
         out = self.caches.checkout(job.session_id, tokens)
@@ -508,7 +510,7 @@ class Engine:
             # before the cache's end, a lost cache): what a status line should own up to.
             "reread_tokens": max(min(len(act.job.fed_tokens), len(act.prompt)) - act.cached_len, 0),
             "context_tokens": len(act.prompt) + act.generated if act.prompt else 0,
-            "context_window": getattr(self, "max_context", None),
+            "context_window": self.max_context,
         }
 
     def _publish_stats(self) -> None:

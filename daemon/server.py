@@ -197,7 +197,7 @@ class Daemon:
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
                 "model": self.config.model, **self._loading.hello_fields(),
                 "defaults": {"temperature": self.config.temperature, "top_p": self.config.top_p,
-                             "max_tokens": self.config.max_tokens}}
+                             "max_tokens": min(self.config.max_tokens, self.config.max_tokens_limit)}}
 
     def _broadcast(self, event: dict[str, Any]) -> None:
         for conn in list(self._connections):

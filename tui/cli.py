@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ask this and print only the answer; `-` reads the message from stdin")
     where = parser.add_argument_group("daemon")
     where.add_argument("--url", help=f"websocket URL (default: from <data-dir>/daemon.json, else {protocol.default_url()})")
-    where.add_argument("--data-dir", type=Path, help="kvd's data directory (default: $KVD_DATA_DIR, else $XDG_DATA_HOME/kvd, "
-                       "else ~/.local/share/kvd)")
+    where.add_argument("--data-dir", type=Path, help="kvd's data directory (default: $KVD_DATA_DIR, "
+                       "else $XDG_DATA_HOME/kvd, else ~/.local/share/kvd)")
     where.add_argument("--token-file", type=Path, help="token file (default: <data-dir>/token)")
     which = parser.add_argument_group("session").add_mutually_exclusive_group()
     which.add_argument("--session", metavar="ID", help="resume the session with this id")

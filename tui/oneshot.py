@@ -66,7 +66,8 @@ def _message(args: argparse.Namespace, stdin: TextIO) -> str:
         text = args.message
     text = text.strip("\n")
     if not text.strip():
-        raise UsageProblem("nothing to send: the message is empty" + (" (stdin was empty)" if args.message == "-" else ""))
+        empty = " (stdin was empty)" if args.message == "-" else ""
+        raise UsageProblem(f"nothing to send: the message is empty{empty}")
     return text
 
 
