@@ -4,7 +4,13 @@ Rich renders Markdown as a whole, and a `Live` region that grows past the
 screen height can no longer be redrawn: the terminal has scrolled its top away,
 so each refresh would print it again. So the answer is split into top-level
 Markdown blocks as it arrives; a block that nothing later can change is printed
-once, for good, and only the unfinished tail is live (cropped to the screen).
+once, for good, and only the unfinished tail is live (cropped to a quarter of
+the screen, so a resize cannot push it out of reach: see live.py). A long plain
+paragraph (no inline markup) is printed line by line as it settles: greedy
+wrapping never changes a line once another follows it.
+
+Code blocks are printed from column 0 (no label indent, no padding), so code
+copied from the screen runs.
 
 The pieces add up to exactly what rendering the whole answer at once gives.
 Rich renders top-level blocks one after another, and the only state one passes
@@ -35,15 +41,14 @@ from dataclasses import dataclass
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
-from rich.control import Control
 from rich.live import Live
-from rich.live_render import LiveRender
 from rich.markdown import CodeBlock, Markdown
-from rich.segment import ControlType, Segment
+from rich.segment import Segment
 from rich.style import Style
 from rich.syntax import Syntax
 from rich.text import Text
 
+from .live import ReflowingRender, live_rows
 from .sanitize import StreamSanitizer
 
 CODE_THEME = "monokai"
@@ -232,69 +237,6 @@ def _rstrip(line: list[Segment]) -> list[Segment]:
     return line
 
 
-def live_rows(height: int) -> int:
-    """Rows the live tail may take: a quarter of the screen.
-
-    Not more, so that the terminal shrinking mid-answer (120x40 to 80x24:
-    each row may wrap into two, and the top rows go to the scrollback) keeps
-    the whole live region on screen, where it can still be erased; rows
-    pushed into the scrollback could not be, and would stay there as stale
-    lines. Finished blocks are printed for good as they end, so only an
-    unfinished block is cropped to this.
-    """
-    return max(height // 4, 3)
-
-
-class _ReflowingRender(LiveRender):
-    """Rich's live region, erased right after the terminal narrowed.
-
-    Rich moves the cursor up as many rows as it drew. A terminal that
-    reflows on resize (tmux, VTE, iTerm2, kitty, Windows Terminal) has
-    rewrapped each drawn line that is now too wide into several rows, so
-    that count would leave the rest on screen, and later in the scrollback.
-    This counts the rows each drawn line takes at the terminal's width when
-    the erase is rendered (not when it is asked for: a resize can come in
-    between).
-    """
-
-    def __init__(self, renderable: RenderableType, console: Console) -> None:
-        super().__init__(renderable)
-        self.console = console
-        self._widths: list[int] = []
-
-    def rows(self) -> int:
-        width = max(self.console.size.width, 1)
-        return sum(max(1, -(-w // width)) for w in self._widths)
-
-    def position_cursor(self) -> Control:
-        return _Erase(self, keep_line=True) if self._shape is not None else Control()
-
-    def restore_cursor(self) -> Control:
-        return _Erase(self, keep_line=False) if self._shape is not None else Control()
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        segments = [s for s in super().__rich_console__(console, options) if isinstance(s, Segment)]
-        self._widths = [Segment.get_line_length(line) for line in Segment.split_lines(segments)] or [0]
-        yield from segments
-
-
-class _Erase(Control):
-    """The cursor moved to the live region's start, its rows erased: counted when it is rendered."""
-
-    def __init__(self, live: _ReflowingRender, *, keep_line: bool) -> None:
-        # Control.__init__ would render the codes now; they are made in `segment`, when needed.
-        self.live = live
-        self.keep_line = keep_line  # position_cursor stays on the region's first row; restore_cursor goes above it
-
-    @property
-    def segment(self) -> Segment:  # type: ignore[override]  # Control sets it in __init__; here it is computed
-        rows = self.live.rows()
-        up = ((ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2))
-        if self.keep_line:
-            return Control(ControlType.CARRIAGE_RETURN, (ControlType.ERASE_IN_LINE, 2), *up * (rows - 1)).segment
-        return Control(ControlType.CARRIAGE_RETURN, *up * rows).segment
-
-
 class _Tail:
     """The live part: a preview of the unfinished text, cropped to its last screenful."""
 
@@ -354,7 +296,7 @@ class AnswerPrinter:
                               refresh_per_second=REFRESH_PER_SECOND, redirect_stdout=False,
                               redirect_stderr=False)
             # Rich keeps no public door for this; Live reads the attribute on every refresh.
-            self._live._live_render = _ReflowingRender(self._live.get_renderable(), self.console)
+            self._live._live_render = ReflowingRender(self._live.get_renderable(), self.console)
             self._live.start()
 
     def feed(self, piece: str) -> None:
