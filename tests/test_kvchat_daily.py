@@ -317,3 +317,36 @@ async def test_code_blocks_start_at_column_0_and_copy_code_takes_the_last(tmp_pa
     assert data_file(d, "kvchat-copy.txt").read_text() == "echo done\n"
     assert f"no terminal to copy through: its last code block (9 characters) is in {data_file(d, 'kvchat-copy.txt')}" \
         in screen.lines
+
+
+async def test_one_shot_in_process(tmp_path: Path) -> None:
+    import io
+    import json
+
+    import anyio.to_thread
+    from rich.console import Console
+
+    from daemon.cli import _write_daemon_file
+    from tui.cli import build_parser
+    from tui.oneshot import answer_one
+
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        _write_daemon_file(Path(d.config.data_dir), d.url)
+
+        def one(*argv: str, stdin: str = "") -> tuple[int, str, str]:
+            out, err = io.StringIO(), io.StringIO()
+            args = build_parser().parse_args(["--data-dir", str(d.config.data_dir), *argv])
+            code = answer_one(args, io.StringIO(stdin), out, Console(file=err, width=200, color_system=None))
+            return code, out.getvalue(), err.getvalue()
+
+        code, out, err = await anyio.to_thread.run_sync(
+            lambda: one("-", "--json", "--max-tokens", "3", "--title", "piped", stdin="a\nb\n"))
+        got = json.loads(out)
+        messages = (await transcript(d, got["session"]))["messages"]
+        assert (code, err) == (0, "")
+        assert [m["content"] for m in messages] == ["a\nb", got["answer"]]
+        code, out, err = await anyio.to_thread.run_sync(lambda: one("--last", "--max-tokens", "2", "more"))
+        messages = (await transcript(d, got["session"]))["messages"]
+        assert (code, err, out) == (0, "", messages[3]["content"] + "\n")
+        code, out, err = await anyio.to_thread.run_sync(lambda: one("   "))
+        assert (code, out, err) == (2, "", "error: nothing to send: the message is empty\n")
