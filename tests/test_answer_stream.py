@@ -222,3 +222,22 @@ def test_a_long_prefill_shows_its_progress_where_the_answer_begins() -> None:
     assert live() == ["kvd> The answer"]  # the first delta takes its place
     printer.finish()
     assert console.kept.export_text() == whole("The answer")
+
+
+def test_the_live_region_is_erased_by_the_rows_the_terminal_rewrapped_it_into() -> None:
+    from tui.live import ReflowingRender, terminal_reflows
+
+    console = Console(width=120, height=40, force_terminal=True, color_system=None, file=io.StringIO())
+    lines = Text("\n".join(["x" * 119, "y" * 80, "z" * 10]))
+    reflowing = ReflowingRender(lines, console, reflow=True)
+    cutting = ReflowingRender(lines, console, reflow=False)
+    for live in (reflowing, cutting):
+        list(console.render(live))
+    assert reflowing.rows() == cutting.rows() == 3
+    console.size = (80, 24)  # narrowed: 119 columns take two rows, 80 and 10 one each
+    assert reflowing.rows() == 4 and cutting.rows() == 3
+    assert reflowing.position_cursor().segment.text == "\r\x1b[2K" + "\x1b[1A\x1b[2K" * 3
+    assert terminal_reflows({"TMUX": "/tmp/tmux-0/default,1,0", "TERM": "screen"})
+    assert terminal_reflows({"TERM": "xterm-256color", "VTE_VERSION": "7600"})
+    assert not terminal_reflows({"TERM": "xterm", "XTERM_VERSION": "XTerm(379)"})
+    assert not terminal_reflows({"TERM": "linux"})

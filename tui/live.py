@@ -14,10 +14,27 @@ stale lines before, none after (tests/test_kvchat_daily_tmux.py).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.control import Control
 from rich.live_render import LiveRender
 from rich.segment import ControlType, Segment
+
+
+def terminal_reflows(env: Mapping[str, str]) -> bool:
+    """Whether the terminal rewraps lines when it narrows (most do), from what it puts in the environment.
+
+    Inside tmux, tmux is the terminal (it reflows). xterm (XTERM_VERSION), the
+    Linux console, st, rxvt and GNU screen cut lines instead; counting rows
+    for those as if rewrapped would erase lines above the live region.
+    """
+    if env.get("TMUX"):
+        return True
+    term = env.get("TERM", "")
+    cuts = term == "linux" or term == "st" or term.startswith(("st-", "rxvt"))
+    return not (env.get("XTERM_VERSION") or env.get("STY") or cuts)
 
 
 def live_rows(height: int) -> int:
@@ -45,12 +62,15 @@ class ReflowingRender(LiveRender):
     between).
     """
 
-    def __init__(self, renderable: RenderableType, console: Console) -> None:
+    def __init__(self, renderable: RenderableType, console: Console, *, reflow: bool | None = None) -> None:
         super().__init__(renderable)
         self.console = console
+        self.reflow = terminal_reflows(os.environ) if reflow is None else reflow
         self._widths: list[int] = []
 
     def rows(self) -> int:
+        if not self.reflow:  # narrowed lines were cut, not rewrapped: one row each, as Rich counts
+            return len(self._widths)
         width = max(self.console.size.width, 1)
         return sum(max(1, -(-w // width)) for w in self._widths)
 
