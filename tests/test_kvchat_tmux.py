@@ -232,6 +232,7 @@ def test_chat_in_tmux(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
 
     # Ctrl-C at the prompt drops the half-typed line; the next command runs alone.
     pane.type("half typed", enter=False)
+    pane.wait_for("the typed text", lambda lines: lines[-1:] == ["you> half typed"])  # read: ^C would flush it
     pane.keys("C-c")
     pane.wait_for("the line cleared", lambda lines: lines[-2:] == ["you> half typed^C", "you>"])
     pane.type("/nonsense")
