@@ -263,8 +263,8 @@ def in_effect(chat: Chat) -> str:
 OLLAMA_PARAMS = {"num_predict": "max_tokens"}
 
 
-@command("/set", "/set system TEXT | /set parameter KEY VALUE",
-         "as in ollama: /set system is /system, /set parameter temperature 0.2 is /params temperature=0.2")
+@command("/set", "/set system|parameter …",
+         "ollama's spelling: /set system TEXT, /set parameter temperature 0.2 (num_predict is max_tokens)")
 def _set(chat: Chat, args: str) -> None:
     what, _, rest = args.partition(" ")
     rest = rest.strip()
@@ -350,8 +350,8 @@ def _copy(chat: Chat, args: str) -> None:
     render.print_note(chat.console, clipboard.copy(chat.console, text, chat.copy_file, what=what))
 
 
-@command("/compact", "/compact", "go on in a new session carrying the system prompt and the last turns "
-         "that fit in half the context")
+@command("/compact", "/compact", "go on in a new session that carries the system prompt and the last "
+         "turns fitting in half the context")
 def _compact(chat: Chat, args: str) -> None:
     compact.run(chat)
 
