@@ -85,6 +85,14 @@ class Queued:
 
 
 @dataclass
+class Progress:
+    """How far a long prefill has got: sent after its first chunk, then at most every PROGRESS_EVERY."""
+
+    fed: int  # prompt tokens in the cache now (restored ones included)
+    total: int  # prompt tokens in all
+
+
+@dataclass
 class Delta:
     text: str
 
@@ -102,12 +110,13 @@ class Failed:
     message: str
 
 
-EngineEvent = Union[Queued, Started, Delta, Done, Failed]
+EngineEvent = Union[Queued, Started, Progress, Delta, Done, Failed]
 
 
 MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 WARM_UP_TOKENS = 16  # a short turn's prefill, then one decode step
 MIN_CHUNK = 8  # prompt tokens: smaller prefill chunks would mostly re-read the weights
+PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a second is enough to watch
 
 
 class PromptTooLong(Exception):
@@ -132,6 +141,7 @@ class _Active:
     sampler: Any
     prefill: Prefill | None  # while the prompt is being fed; then the session decodes in the batch
     uid: int | None = None  # its sequence in the BatchGenerator once decoding
+    progress_at: float | None = None  # when the last Progress event was sent
     generated: int = 0
     t_first: float | None = None
     t_last: float | None = None
@@ -151,6 +161,7 @@ class Engine:
         self._prefilling: list[str] = []  # sessions whose prompt is being fed, first come first
         self._waiting: list[_Waiting] = []  # jobs past max_generations, in arrival order
         self._prefill_tps: float | None = None  # the last prefill chunk's tokens per second
+        self.max_context: int | None = None  # the model's context length, once loaded (if it says)
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
@@ -363,7 +374,8 @@ class Engine:
         if self.max_context and len(tokens) + job.max_tokens > self.max_context:
             raise PromptTooLong(
                 f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
-                f"exceeds the model's context of {self.max_context} tokens; start a new session"
+                f"exceeds the model's context of {self.max_context} tokens; "
+                + _fit_advice(len(tokens), self.max_context)
             )
         assert self.caches is not None
         out = self.caches.checkout(job.session_id, tokens)
@@ -400,8 +412,12 @@ class Engine:
             with mx.stream(self.generator.stream):
                 logprobs = act.prefill.advance(n)
                 token = first_token(logprobs, act.sampler) if logprobs is not None else None
-            self._prefill_tps = (act.prefill.fed - before) / max(time.perf_counter() - t0, 1e-6)
+            now = time.perf_counter()
+            self._prefill_tps = (act.prefill.fed - before) / max(now - t0, 1e-6)
             if token is None:
+                if act.progress_at is None or now - act.progress_at >= PROGRESS_EVERY:
+                    act.progress_at = now
+                    act.job.emit(Progress(fed=act.prefill.fed, total=len(act.prefill.tokens)))
                 return
         except Exception as e:
             log.exception("prefill for %s failed", session_id)
@@ -522,8 +538,7 @@ class Engine:
         if session_id in self._prefilling:
             self._prefilling.remove(session_id)
 
-    @staticmethod
-    def _usage(act: _Active) -> dict[str, Any]:
+    def _usage(self, act: _Active) -> dict[str, Any]:
         ttft = (act.t_first - act.job.arrived) * 1000 if act.t_first else None
         tps = None
         if act.generated > 1 and act.t_first and act.t_last and act.t_last > act.t_first:
@@ -540,6 +555,11 @@ class Engine:
             "restore_ms": round(act.restore_ms, 2),
             "prefill_tokens": len(act.prompt) - act.cached_len,
             "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,
+            # Tokens fed in an earlier turn that had to be fed again (a new system prompt, an edit
+            # before the cache's end, a lost cache): what a status line should own up to.
+            "reread_tokens": max(min(len(act.job.fed_tokens), len(act.prompt)) - act.cached_len, 0),
+            "context_tokens": len(act.prompt) + act.generated if act.prompt else 0,
+            "context_window": self.max_context,
         }
 
     def _publish_stats(self) -> None:
@@ -547,3 +567,15 @@ class Engine:
         where = self.caches.locations() if self.caches is not None else {}
         self.stats = {"generating": len(self._active), "waiting": len(self._waiting),
                       "tiers": caches, "locations": where, "warm_up_ms": self.warm_up_ms}
+
+
+MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggesting
+
+
+def _fit_advice(prompt: int, context: int) -> str:
+    """What to do about a conversation that no longer fits, in the error a client shows."""
+    room = context - prompt
+    new = "start a new session carrying less of the history (kvchat: /compact)"
+    if room >= MIN_ANSWER:
+        return f"lower max_tokens to {room} or less, or {new}"
+    return new

@@ -42,6 +42,7 @@ SESSION = "session"
 SESSIONS = "sessions"
 CHAT_START = "chat.start"
 CHAT_QUEUED = "chat.queued"
+CHAT_PROGRESS = "chat.progress"  # how far a long prefill has got, at most a few a second
 CHAT_DELTA = "chat.delta"
 CHAT_DONE = "chat.done"
 CHAT_ATTACHED = "chat.attached"

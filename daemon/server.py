@@ -32,7 +32,7 @@ from . import __version__
 from . import protocol as p
 from .config import Config
 from .connection import Connection
-from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Queued, Started
+from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Progress, Queued, Started
 from .loading import LoadingWatch
 from .requests import (ChatAttach, ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError, SessionCreate,
                        SessionDelete, SessionGet, SessionList, SessionUpdate, Status, parse_request)
@@ -196,7 +196,9 @@ class Daemon:
 
     def _hello(self) -> dict[str, Any]:
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
-                "model": self.config.model, **self._loading.hello_fields()}
+                "model": self.config.model, **self._loading.hello_fields(),
+                "defaults": {"temperature": self.config.temperature, "top_p": self.config.top_p,
+                             "max_tokens": min(self.config.max_tokens, self.config.max_tokens_limit)}}
 
     def _broadcast(self, event: dict[str, Any]) -> None:
         for conn in list(self._connections):
@@ -391,6 +393,9 @@ class Daemon:
                 async for ev in events:
                     if isinstance(ev, Queued):
                         gen.publish({"type": p.CHAT_QUEUED, "position": ev.position})
+                        continue
+                    if isinstance(ev, Progress):
+                        gen.publish({"type": p.CHAT_PROGRESS, "fed": ev.fed, "total": ev.total})
                         continue
                     if isinstance(ev, Started):
                         if ev.retokenized:

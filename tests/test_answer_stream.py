@@ -169,7 +169,75 @@ def test_a_long_unfinished_code_block_is_previewed_by_its_end() -> None:
     live = ["".join(seg.text for seg in line).rstrip()
             for line in console.render_lines(printer._live.renderable, pad=False)]
     assert printer.previewing and len(live) <= 11
-    assert live[0].strip() == "…" and "x399 = compute(399)" in live[-2]  # then the code block's bottom padding
+    assert live[0].strip() == "…" and "x399 = compute(399)" in live[-1]  # code blocks have no padding rows
     printer.feed("```\n\nDone.")
     printer.finish()
     assert console.kept.export_text() == whole("Here it is:\n\n" + code + "```\n\nDone.")
+
+
+PLAIN = ("A paragraph with no markup at all runs on and on, as a small model's answers do; "
+         "its words wrap greedily, so every line but the last two is printed for good while it streams. " * 12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_long_plain_paragraph_is_printed_as_it_streams_with_a_short_live_region(seed: int) -> None:
+    text = "First, a short one.\n\n" + PLAIN.strip() + "\n\nThen **bold** text\n\n" + PLAIN.strip() + " The end."
+    console = PermanentOnly()
+    printer = render.answer_printer(console)
+    printer.start()
+    sizes = random.Random(seed)
+    tallest = printed_while_streaming = 0
+    i = 0
+    while i < len(text):
+        n = sizes.randint(1, 9)
+        printer.feed(text[i : i + n])
+        i += n
+        live = console.render_lines(printer._live.renderable, pad=False) if printer._live else []  # type: ignore[union-attr]
+        if i > len(text) // 2:
+            tallest = max(tallest, len(live))
+        printed_while_streaming = console.prints
+    printer.finish()
+    assert console.kept.export_text() == whole(text)  # exactly what rendering it whole gives
+    assert tallest <= 3  # the long paragraph's live part: its last lines only
+    assert printed_while_streaming > 20  # its lines were printed as it went, not at its end
+
+
+def test_a_long_prefill_shows_its_progress_where_the_answer_begins() -> None:
+    console = PermanentOnly()
+    printer = render.answer_printer(console)
+    printer.start()
+
+    def live() -> list[str]:
+        assert printer._live is not None
+        return ["".join(seg.text for seg in line).rstrip()
+                for line in console.render_lines(printer._live.renderable, pad=False)]
+
+    printer.progress(512, 5120, now=100.0)
+    assert live() == ["kvd> reading 512/5120 tokens"]
+    printer.progress(1536, 5120, now=101.0)  # 1024 tokens a second: 3.5 s to go
+    assert live() == ["kvd> reading 1536/5120 tokens, about 4 s left"]
+    printer.progress(5000, 5120, now=104.4)
+    assert live() == ["kvd> reading 5000/5120 tokens, almost done"]
+    printer.feed("The answer")
+    assert live() == ["kvd> The answer"]  # the first delta takes its place
+    printer.finish()
+    assert console.kept.export_text() == whole("The answer")
+
+
+def test_the_live_region_is_erased_by_the_rows_the_terminal_rewrapped_it_into() -> None:
+    from tui.live import ReflowingRender, terminal_reflows
+
+    console = Console(width=120, height=40, force_terminal=True, color_system=None, file=io.StringIO())
+    lines = Text("\n".join(["x" * 119, "y" * 80, "z" * 10]))
+    reflowing = ReflowingRender(lines, console, reflow=True)
+    cutting = ReflowingRender(lines, console, reflow=False)
+    for live in (reflowing, cutting):
+        list(console.render(live))
+    assert reflowing.rows() == cutting.rows() == 3
+    console.size = (80, 24)  # narrowed: 119 columns take two rows, 80 and 10 one each
+    assert reflowing.rows() == 4 and cutting.rows() == 3
+    assert reflowing.position_cursor().segment.text == "\r\x1b[2K" + "\x1b[1A\x1b[2K" * 3
+    assert terminal_reflows({"TMUX": "/tmp/tmux-0/default,1,0", "TERM": "screen"})
+    assert terminal_reflows({"TERM": "xterm-256color", "VTE_VERSION": "7600"})
+    assert not terminal_reflows({"TERM": "xterm", "XTERM_VERSION": "XTerm(379)"})
+    assert not terminal_reflows({"TERM": "linux"})

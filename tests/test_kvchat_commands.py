@@ -80,7 +80,7 @@ async def test_picker_then_sessions_new_switch_rename(tmp_path: Path) -> None:
         after_switch = screen.after("you> /switch 2")
         assert after_switch[0] == "Older chat"
         assert "renamed to 'Renamed chat'" in lines
-        assert "'nonsense' is not a session number or id; /sessions lists them (usage: /switch N|id)" in lines
+        assert "'nonsense' is not a session number, id or title; /sessions lists them (usage: /switch N|id)" in lines
         async with client(d) as c:
             listed = {s["id"]: s for s in (await c.request("session.list"))["sessions"]}
         assert listed[older]["title"] == "Renamed chat"
@@ -140,7 +140,9 @@ async def test_system_and_params(tmp_path: Path) -> None:
         assert "no system prompt; /system TEXT sets one" in lines
         assert "system prompt set; it applies from the next answer on" in lines
         assert "system: Answer in French." in lines
-        assert "session params: none set; anything unset uses kvd's defaults" in lines
+        assert "session params: none set" in lines
+        assert ("in effect: temperature=0.7 (kvd's default), top_p=1.0 (kvd's default), "
+                "max_tokens=512 (kvd's default)") in lines
         assert "session params: temperature=0.0 max_tokens=5" in lines
         assert "error: 'params.top_p' must be in (0, 1] (bad_request)" in lines
         assert ("'seed=1' is not key=value with a key of temperature, top_p, max_tokens "
@@ -329,7 +331,7 @@ async def test_reconnecting_gives_up_with_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(GaveUp) as info:
         await link.reconnect()
     assert str(info.value).startswith(f"kvd at {url} did not come back within 0.5 s (kvd is not running at {url})")
-    assert "start it with `kvd serve`" in str(info.value)
+    assert f"start it with `kvd serve --data-dir {tmp_path}`" in str(info.value)  # the same data dir
 
 
 async def test_a_connection_lost_between_answers_is_made_again(tmp_path: Path) -> None:

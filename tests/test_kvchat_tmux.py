@@ -58,7 +58,8 @@ def _drain(stream: Iterable[str], lines: queue.Queue[str | None], keep: list[str
 def kvd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kvd]:
     data_dir = tmp_path_factory.mktemp("kvd")
     process = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir),
+         "--model", "builtin:tiny"],
         cwd=REPO,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -105,21 +106,25 @@ def kvchat_command() -> list[str]:
 class Pane:
     """kvchat in a detached tmux session on a private tmux server."""
 
-    def __init__(self, command: list[str], workdir: Path) -> None:
+    def __init__(self, command: list[str], workdir: Path, *, options: str = "", size: tuple[int, int] = (100, 30)) -> None:
         if shutil.which("tmux") is None:
             pytest.fail("tmux is not installed; `make test` installs it (scripts/sysdeps.sh), or: apt-get install tmux")
         self.socket = f"kvchat-test-{uuid.uuid4().hex[:12]}"
         config = workdir / f"{self.socket}.conf"
-        config.write_text("set -g remain-on-exit on\nset -g history-limit 10000\n")
+        config.write_text("set -g remain-on-exit on\nset -g history-limit 10000\n" + options)
         # The exit status comes from a wrapper shell, not from #{pane_dead_status}:
         # tmux 3.3a sometimes leaves the exited pane process unreaped, status unknown.
         # The wrapper ignores SIGINT so Ctrl-C reaches kvchat alone (kvchat
         # installs its own handler, which replaces the inherited "ignore").
         wrapper = f'trap "" INT; "$@"; echo "{EXITED_TEXT}$?]"'
         self._tmux(
-            "-f", str(config), "new-session", "-d", "-x", "100", "-y", "30", "-s", "kvchat",
+            "-f", str(config), "new-session", "-d", "-x", str(size[0]), "-y", str(size[1]), "-s", "kvchat",
             shlex.join(["sh", "-c", wrapper, "sh", *command]),
         )
+
+    def tmux(self, *args: str) -> str:
+        """Any tmux command on this pane's server (paste-buffer, resize-window, show-buffer)."""
+        return self._tmux(*args)
 
     def _tmux(self, *args: str) -> str:
         result = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10)
@@ -227,6 +232,7 @@ def test_chat_in_tmux(kvd: Kvd, open_pane: Callable[..., Pane]) -> None:
 
     # Ctrl-C at the prompt drops the half-typed line; the next command runs alone.
     pane.type("half typed", enter=False)
+    pane.wait_for("the typed text", lambda lines: lines[-1:] == ["you> half typed"])  # read: ^C would flush it
     pane.keys("C-c")
     pane.wait_for("the line cleared", lambda lines: lines[-2:] == ["you> half typed^C", "you>"])
     pane.type("/nonsense")
@@ -362,10 +368,11 @@ def test_daemon_restart_mid_answer_is_followed_and_told(tmp_path: Path, open_pan
         pane.wait_for("the reconnect note", lambda lines: "connection lost; reconnecting…" in lines)
         daemon = DaemonProcess(data)
         lines = pane.wait_for("the answer's end", has_status_after("tell me a story"))
-        # The notes are printed above the live answer, so above its unfinished paragraph here.
+        # The notes are printed above the live part of the answer: after the lines printed for good.
         asked = lines.index("you> tell me a story")
-        assert lines[asked + 1 : asked + 3] == ["connection lost; reconnecting…", "reconnected"]
-        story, status = answer_to(lines[:asked + 1] + lines[asked + 3 :], "tell me a story")
+        note = lines.index("connection lost; reconnecting…", asked)
+        assert lines[note + 1] == "reconnected"
+        story, status = answer_to(lines[:note] + lines[note + 2 :], "tell me a story")
         assert status.endswith("(cancelled)")
         assert any(line.startswith("kvd stopped while writing this answer") for line in lines)
         pane.wait_for_prompt()
@@ -398,7 +405,8 @@ def test_no_daemon_says_how_to_start_it(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 1, result
-    assert f"kvd is not running at {url}; start it with `kvd serve`" in result.stderr
+    # The hint names the data directory kvchat was given: the daemon must use the same one.
+    assert f"kvd is not running at {url}; start it with `kvd serve --data-dir {tmp_path}`" in result.stderr
 
 
 def test_no_daemon_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,13 @@ Rich renders Markdown as a whole, and a `Live` region that grows past the
 screen height can no longer be redrawn: the terminal has scrolled its top away,
 so each refresh would print it again. So the answer is split into top-level
 Markdown blocks as it arrives; a block that nothing later can change is printed
-once, for good, and only the unfinished tail is live (cropped to the screen).
+once, for good, and only the unfinished tail is live (cropped to a quarter of
+the screen, so a resize cannot push it out of reach: see live.py). A long plain
+paragraph (no inline markup) is printed line by line as it settles: greedy
+wrapping never changes a line once another follows it.
+
+Code blocks are printed from column 0 (no label indent, no padding), so code
+copied from the screen runs.
 
 The pieces add up to exactly what rendering the whole answer at once gives.
 Rich renders top-level blocks one after another, and the only state one passes
@@ -36,10 +42,13 @@ from markdown_it import MarkdownIt
 from markdown_it.token import Token
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
-from rich.markdown import Markdown
+from rich.markdown import CodeBlock, Markdown
 from rich.segment import Segment
+from rich.style import Style
+from rich.syntax import Syntax
 from rich.text import Text
 
+from .live import ReflowingRender, live_rows
 from .sanitize import StreamSanitizer
 
 CODE_THEME = "monokai"
@@ -48,6 +57,11 @@ REFRESH_PER_SECOND = 10
 PREVIEW_CHARS = 4000  # past this, the live tail renders only its end
 
 Lines = list[list[Segment]]
+
+KEEP_LIVE = 2  # lines of an unfinished plain paragraph kept live (its last one can still change)
+# Plain paragraph text: no character that starts inline markup, every line beginning with a letter.
+_PLAIN = re.compile(r"\n*[^\W\d_](?:[^*_`\[\]~<>\\&#|=+{}\n]|\n(?=[^\W\d_]))*", re.DOTALL)
+_WORD = re.compile(r"\S+")
 
 # The parser rich.markdown.Markdown uses, so blocks split where Rich's would.
 _PARSER = MarkdownIt().enable("strikethrough").enable("table")
@@ -63,9 +77,33 @@ class Block:
     kind: str  # its first markdown-it token's type: "paragraph_open", "fence", "hr", …
 
 
+# Marks the first segment of a top-level code block's lines: Labelled prints them from column 0.
+CODE_LINE = Style(meta={"kvchat": "code"})
+
+
+class _CodeBlock(CodeBlock):
+    """A code block without Rich's padding, each line marked, so it is printed without indent:
+    copied from the screen, it runs (no label indent, no padding column, no blank padding rows)."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        syntax = Syntax(str(self.text).rstrip(), self.lexer_name, theme=self.theme, word_wrap=True, padding=0)
+        for line in console.render_lines(syntax, options, pad=False):
+            yield Segment("", CODE_LINE)
+            yield from line
+            yield Segment.line()
+
+
+class _Markdown(Markdown):
+    elements = {**Markdown.elements, "fence": _CodeBlock, "code_block": _CodeBlock}
+
+
 def markdown(source: str) -> Markdown:
     """How kvchat renders model text. Links show their address: a model cannot disguise one."""
-    return Markdown(source, code_theme=CODE_THEME, hyperlinks=False)
+    return _Markdown(source, code_theme=CODE_THEME, hyperlinks=False)
+
+
+def is_code(line: list[Segment]) -> bool:
+    return bool(line) and line[0].style is CODE_LINE
 
 
 def split_finished(text: str) -> tuple[list[Block], str]:
@@ -137,7 +175,9 @@ def preview(source: str, room: int) -> str:
 class Labelled:
     """Lines indented by the label's width, the label on the first line of the answer.
 
-    Blank lines stay empty (no indent), so nothing ends in stray spaces.
+    Blank lines stay empty (no indent), so nothing ends in stray spaces. A
+    top-level code block's lines start at column 0 (the label, if the answer
+    starts with one, gets a line of its own).
     """
 
     def __init__(self, lines: Lines, label: Text | None, indent: int) -> None:
@@ -147,12 +187,15 @@ class Labelled:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         for i, line in enumerate(self.lines):
+            code = is_code(line)
             if i == 0 and self.label is not None:
                 label = self.label.copy()
-                if not Segment.get_line_length(line):
+                if code or not Segment.get_line_length(line):
                     label.rstrip()
                 yield from label.render(console)
-            elif Segment.get_line_length(line):
+                if code:
+                    yield Segment.line()
+            elif Segment.get_line_length(line) and not code:
                 yield Segment(" " * self.indent)
             yield from line
             yield Segment.line()
@@ -201,7 +244,11 @@ class _Tail:
         self.printer = printer
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        room = max(console.size.height - 2, 1)
+        room = live_rows(console.size.height)
+        if self.printer.reading is not None and not self.printer.text:
+            line = [Segment(self.printer.reading, console.get_style("dim"))]
+            yield Labelled([line], self.printer.label, self.printer.label.cell_len)
+            return
         lines = self.printer.tail_lines(room=room)
         cropped = len(lines) > room or self.printer.previewing
         if len(lines) > room:
@@ -231,7 +278,10 @@ class AnswerPrinter:
         self._sanitizer = StreamSanitizer()
         self._pending = ""  # the text after the last printed block
         self._last: str | None = None  # the kind of the last printed block
+        self._continued = False  # _pending is the rest of a paragraph whose first lines are printed
         self._live: Live | None = None
+        self.reading: str | None = None  # how far kvd has read the prompt, until the answer begins
+        self._reading_since: tuple[float, int] | None = None
 
     @property
     def width(self) -> int:
@@ -245,6 +295,8 @@ class AnswerPrinter:
             self._live = Live(_Tail(self), console=self.console, transient=True, auto_refresh=True,
                               refresh_per_second=REFRESH_PER_SECOND, redirect_stdout=False,
                               redirect_stderr=False)
+            # Rich keeps no public door for this; Live reads the attribute on every refresh.
+            self._live._live_render = ReflowingRender(self._live.get_renderable(), self.console)
             self._live.start()
 
     def feed(self, piece: str) -> None:
@@ -256,12 +308,66 @@ class AnswerPrinter:
         pending = self._pending + clean
         if "\n" not in clean:
             self._pending = pending
+            self._print_stable_lines()
             return
         blocks, rest = split_finished(pending)
         for block in blocks:
-            self._print(after(self.console, self._last, block.source, self.width))
-            self._last = block.kind
+            self._print(self._render(block.source))
+            self._last, self._continued = block.kind, False
         self._pending = rest
+        self._print_stable_lines()
+
+    def _render(self, source: str) -> Lines:
+        if self._continued:
+            return render_lines(self.console, source, self.width)
+        return after(self.console, self._last, source, self.width)
+
+    def _print_stable_lines(self) -> None:
+        """Print the first lines of a long unfinished plain paragraph for good, keeping KEEP_LIVE live.
+
+        Word wrapping is greedy, so a plain paragraph's lines but its last
+        never change as words are added, and the rest, rendered from a line
+        start, wraps as it would have. Plain means nothing inline that a
+        later character could restyle (emphasis, code, links, escapes) and
+        every line starting with a letter (no list or heading can begin).
+        This keeps the live region a few rows high, so a terminal resized
+        mid-answer can still erase it.
+        """
+        pending = self._pending
+        if len(pending) < 2 * self.width or not _PLAIN.fullmatch(pending):
+            return
+        words = list(_WORD.finditer(pending))
+        if any(len(w.group()) >= self.width for w in words):
+            return
+        lines = self._render(pending)
+        stable = len(lines) - KEEP_LIVE
+        if stable <= 0:
+            return
+        shown = " ".join("".join(seg.text for seg in line) for line in lines[:stable]).split()
+        if not shown or len(shown) >= len(words) or words[len(shown) - 1].group() != shown[-1]:
+            return  # not the words as written: keep it live
+        rest = pending[words[len(shown) - 1].end():].lstrip()
+        if not rest[:1].isalpha():
+            return
+        self._print(lines[:stable])
+        self._pending, self._continued = rest, True
+
+    def progress(self, fed: int, total: int, now: float) -> None:
+        """kvd is reading a long prompt (chat.progress): shown where the answer will begin.
+
+        The estimate is the rate since the first progress event, so it covers
+        only this prefill. A console that is not a terminal says it once.
+        """
+        if self._reading_since is None:
+            self._reading_since = (now, fed)
+            if self._live is None:
+                self.note(f"(kvd is reading {total} tokens of history…)")
+        since, fed0 = self._reading_since
+        text = f"reading {fed}/{total} tokens"
+        if fed > fed0 and now > since:
+            left = (total - fed) / ((fed - fed0) / (now - since))
+            text += f", about {left:.0f} s left" if left >= 1 else ", almost done"
+        self.reading = text
 
     def note(self, message: str) -> None:
         """A dim line above the live tail (e.g. "reconnecting…"); it stays in the scrollback."""
@@ -281,7 +387,7 @@ class AnswerPrinter:
         if self.lines_printed == 0 and not lines:
             lines = [[]]  # an empty answer still shows its label
         self._print(lines)
-        self._pending = ""
+        self._pending, self._continued = "", False
         self.started = False
 
     def tail_lines(self, *, room: int | None = None) -> Lines:
@@ -291,9 +397,9 @@ class AnswerPrinter:
             shown = preview(pending, room)
             self.previewing = shown is not pending
             pending = shown
-        if self._last is not None and not pending.strip():
+        if (self._last is not None or self._continued) and not pending.strip():
             return []
-        return after(self.console, self._last, pending, self.width)
+        return self._render(pending)
 
     def _print(self, lines: Lines) -> None:
         if not lines:

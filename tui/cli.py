@@ -1,7 +1,9 @@
 """``kvchat``: talk to a running kvd from the terminal.
 
 Startup only: parse flags, find and connect to the daemon, pick a session,
-then hand over to the chat loop (repl.py). kvchat knows the wire protocol
+then hand over to the chat loop (repl.py). Given a message (``kvchat "question"``,
+``kvchat -`` or stdin that is not a terminal) it answers that one message for a
+script instead (oneshot.py). kvchat knows the wire protocol
 (daemon.protocol) and nothing else of kvd: importing it must never load mlx,
 numpy or the stores.
 """
@@ -18,11 +20,11 @@ from rich.console import Console
 
 from daemon import protocol
 
-from . import render
+from . import commands, render
 from .errors import KvchatError
 from .history import HISTORY_FILE, History
 from .interrupts import Interrupts
-from .lineinput import Input, enable_line_editing
+from .lineinput import Input, enable_line_editing, quiet_terminal
 from .link import Link
 from .loop_thread import LoopThread
 from .repl import Chat, ChatOptions
@@ -36,10 +38,14 @@ except ImportError:  # not a POSIX terminal
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvchat", description="Chat with a running kvd daemon. Without --session, --last or --new, "
-        "kvchat lists your sessions to pick one.")
+        "kvchat lists your sessions to pick one. Given a MESSAGE (or `-`, or stdin that is not a terminal), "
+        "it prints only the answer and exits: in a new session unless --session or --last says which.")
+    parser.add_argument("message", nargs="?", metavar="MESSAGE",
+                        help="ask this and print only the answer; `-` reads the message from stdin")
     where = parser.add_argument_group("daemon")
     where.add_argument("--url", help=f"websocket URL (default: from <data-dir>/daemon.json, else {protocol.default_url()})")
-    where.add_argument("--data-dir", type=Path, help="kvd's data directory (default: $KVD_DATA_DIR or ~/.local/share/kvd)")
+    where.add_argument("--data-dir", type=Path, help="kvd's data directory (default: $KVD_DATA_DIR, "
+                       "else $XDG_DATA_HOME/kvd, else ~/.local/share/kvd)")
     where.add_argument("--token-file", type=Path, help="token file (default: <data-dir>/token)")
     which = parser.add_argument_group("session").add_mutually_exclusive_group()
     which.add_argument("--session", metavar="ID", help="resume the session with this id")
@@ -51,12 +57,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen = parser.add_argument_group("generation (for this run; /params sets a session's own)")
     gen.add_argument("--max-tokens", type=_positive_int, metavar="N", help="longest answer, in tokens")
     gen.add_argument("--temperature", type=_temperature, metavar="T", help="0 (greedy) to 2")
+    script = parser.add_argument_group("scripts (with MESSAGE or -)")
+    script.add_argument("--json", action="store_true",
+                        help="print one JSON object: answer, finish_reason, usage, session")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run(args, Console(highlight=False), Console(stderr=True, highlight=False))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.message is None and sys.stdin is not None and not sys.stdin.isatty():
+        args.message = "-"  # `cmd | kvchat`: the whole of stdin is one message
+    if args.message is None:
+        if args.json:
+            parser.error("--json needs a MESSAGE (or -, or piped input)")
+        return run(args, Console(highlight=False), Console(stderr=True, highlight=False))
+    from .oneshot import answer_one
+
+    return answer_one(args, sys.stdin, sys.stdout, Console(stderr=True, highlight=False))
 
 
 def run(
@@ -74,7 +92,7 @@ def run(
     history = History(data_dir / HISTORY_FILE)
     installed = interrupts.installed() if signals else contextlib.nullcontext()
     try:
-        with installed, _terminal_restored(), LoopThread() as net:
+        with installed, _terminal_restored(), quiet_terminal(), LoopThread() as net:
             link = Link(url=args.url, data_dir=args.data_dir, token_file=args.token_file)
             try:
                 net.run(link.connect())
@@ -82,7 +100,7 @@ def run(
                 render.print_error(errors, str(exc))
                 return 1
             try:
-                enable_line_editing()
+                enable_line_editing(sorted(commands.COMMANDS))
                 history.load()
                 typed = Input(console, read_line=read_line, history=history,
                               echo=not sys.stdin.isatty() if echo is None else echo)

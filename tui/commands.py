@@ -2,7 +2,7 @@
 
 A command that gets arguments it cannot use prints its usage line; one the
 daemon refuses prints the daemon's reason (a KvchatError, caught by the chat
-loop). Nothing typed here ends kvchat but /quit and /exit.
+loop). Nothing typed here ends kvchat but /quit, /exit and /bye.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rich.text import Text
 
 from daemon import protocol
 
-from . import export, listing, render
+from . import clipboard, compact, export, listing, render
 
 if TYPE_CHECKING:
     from .repl import Chat
@@ -44,6 +44,14 @@ def command(name: str, usage: str, help: str) -> Callable[[Callable[[Chat, str],
         return fn
 
     return register
+
+
+def is_command(text: str) -> bool:
+    """Whether a message is a /command: it starts with one "/" and, when it is a paste of several
+    lines, with a command kvchat knows (so a pasted path or log is sent as a message)."""
+    if not text.startswith("/") or text.startswith("//"):
+        return False
+    return "\n" not in text or text.split(None, 1)[0].lower() in COMMANDS
 
 
 def dispatch(chat: Chat, text: str) -> bool:
@@ -82,16 +90,17 @@ def _target(chat: Chat, key: str) -> dict[str, Any]:
 # -- the commands ------------------------------------------------------------------
 
 INPUT_HELP = """\
-Enter sends. End a line with \\ to continue on the next one; a line of three
-double quotes (\"\"\") starts a block that the next such line ends, for pasting.
-Ctrl-C stops an answer (kept as far as it got) or clears the line; Ctrl-D quits.
-//text sends a message that starts with "/". Up/Down recall earlier lines,
-also from earlier runs."""
+Enter sends. A paste is one message, newlines kept. End a line with \\ to
+continue on the next one; a line of three double quotes (\"\"\") starts a block
+that the next such line ends. Ctrl-O (or /editor) writes the message in
+$VISUAL/$EDITOR. Tab completes /commands. Ctrl-C stops an answer (kept as far
+as it got) or clears the line; Ctrl-D quits. //text sends a message that
+starts with "/". Up/Down recall earlier lines, also from earlier runs."""
 
 
 @command("/help", "/help", "this list")
 def _help(chat: Chat, args: str) -> None:
-    unique = list({id(c): c for c in COMMANDS.values()}.values())  # /exit is /quit
+    unique = list({id(c): c for c in COMMANDS.values()}.values())  # /exit and /bye are /quit
     table = Table(box=None, show_header=False, padding=(0, 2, 0, 0), pad_edge=False)
     table.add_column(no_wrap=True, width=max(len(c.usage) for c in unique))
     table.add_column()
@@ -162,6 +171,9 @@ def _export(chat: Chat, args: str) -> None:
     path = Path(args).expanduser() if args else export.default_path(got["session"])
     if path.is_dir():
         path = path / export.default_path(got["session"])
+    if path.exists() and not args and not _yes(chat, f"{path} exists; overwrite it? [y/N] "):
+        render.print_note(chat.console, "not exported; /export PATH writes elsewhere")
+        return
     messages = got.get("messages") or []
     try:
         export.write_atomic(path, export.to_markdown(got["session"], messages))
@@ -170,6 +182,13 @@ def _export(chat: Chat, args: str) -> None:
         return
     count = len(messages)
     render.print_note(chat.console, f"exported {count} message{'' if count == 1 else 's'} to {path}")
+
+
+def _yes(chat: Chat, question: str) -> bool:
+    try:
+        return chat.input.ask(question).strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
 
 
 @command("/system", "/system [text | -]", "show the system prompt, set it, or clear it with -")
@@ -205,11 +224,8 @@ def _params(chat: Chat, args: str) -> None:
     if not args:
         params = chat.session.get("params") or {}
         shown = render.format_params(params) if params else "none set"
-        line = f"session params: {shown}; anything unset uses kvd's defaults"
-        flags = chat.options.fields()
-        if flags:
-            line += f"; this run's flags override: {render.format_params(flags)}"
-        render.print_note(chat.console, line)
+        render.print_note(chat.console, f"session params: {shown}")
+        render.print_note(chat.console, "in effect: " + in_effect(chat))
         return
     change: dict[str, float | int | None] = {}
     for word in args.split():
@@ -220,6 +236,49 @@ def _params(chat: Chat, args: str) -> None:
     session = _update(chat, params=change)
     params = session.get("params") or {}
     render.print_note(chat.console, "session params: " + (render.format_params(params) if params else "none set"))
+
+
+def in_effect(chat: Chat) -> str:
+    """Each param's value for the next answer and where it comes from: this run's flag, the
+    session's params, or kvd's default (from hello; a daemon too old to say is "kvd's default")."""
+    flags = chat.options.fields()
+    session = chat.session.get("params") or {}
+    defaults = chat.link.client.hello.get("defaults") or {}
+    parts = []
+    for key in protocol.PARAMS:
+        if key in flags:
+            value, source = flags[key], "--" + key.replace("_", "-")
+        elif key in session:
+            value, source = session[key], "session"
+        elif key in defaults:
+            value, source = defaults[key], "kvd's default"
+        else:
+            parts.append(f"{key}=kvd's default")
+            continue
+        parts.append(f"{key}={render.sanitize(str(value))} ({source})")
+    return ", ".join(parts)
+
+
+# ollama's names for /set parameter, where they differ from kvd's
+OLLAMA_PARAMS = {"num_predict": "max_tokens"}
+
+
+@command("/set", "/set system|parameter …",
+         "ollama's spelling: /set system TEXT, /set parameter temperature 0.2 (num_predict is max_tokens)")
+def _set(chat: Chat, args: str) -> None:
+    what, _, rest = args.partition(" ")
+    rest = rest.strip()
+    if what == "system" and rest:
+        _system(chat, rest)
+        return
+    if what == "parameter":
+        key, _, value = rest.partition(" ")
+        key = OLLAMA_PARAMS.get(key, key)
+        if key in protocol.PARAMS and value.strip():
+            _params(chat, f"{key}={value.strip()}")
+            return
+        raise UsageError(f"parameters are {', '.join(protocol.PARAMS)} (num_predict is max_tokens)")
+    raise UsageError("kvchat knows /set system and /set parameter")
 
 
 @command("/regen", "/regen", "write the last answer again")
@@ -251,7 +310,8 @@ def _edit(chat: Chat, args: str) -> None:
     if "\n" in content:
         render.print_note(chat.console, "it was:\n" + content)
     label = render.prompt(chat.console, "edit> ", render.YOU_STYLE)
-    text = chat.input.message(label, chat.continuation, prefill=None if "\n" in content else content)
+    text = chat.input.message(label, chat.continuation, prefill=None if "\n" in content else content,
+                              draft=content)
     if not text.strip():
         render.print_note(chat.console, "left as it was")
         return
@@ -263,9 +323,49 @@ def _attach(chat: Chat, args: str) -> None:
     chat.turn(protocol.CHAT_ATTACH)
 
 
-@command("/quit", "/quit, /exit", "leave (Ctrl-D at an empty prompt too)")
+@command("/editor", "/editor [text]", "write the message in $VISUAL/$EDITOR (Ctrl-O at the prompt too), then send it")
+def _editor(chat: Chat, args: str) -> None:
+    text = chat.input.compose(args)
+    if text.strip():
+        chat.send(text)
+
+
+@command("/copy", "/copy [code]", "put the last answer (or its last code block) on the clipboard")
+def _copy(chat: Chat, args: str) -> None:
+    if args not in ("", "code"):
+        raise UsageError("/copy copies the last answer, /copy code its last code block")
+    messages = chat.request(protocol.SESSION_GET, session=chat.session_id).get("messages") or []
+    answer = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+    if answer is None:
+        render.print_note(chat.console, "no answer to copy yet")
+        return
+    text = clipboard.sanitize_for_copy(str(answer.get("content", "")))
+    what = "the last answer"
+    if args == "code":
+        blocks = clipboard.code_blocks(text)
+        if not blocks:
+            render.print_note(chat.console, "the last answer has no code block; /copy copies all of it")
+            return
+        text, what = blocks[-1], "its last code block"
+    render.print_note(chat.console, clipboard.copy(chat.console, text, chat.copy_file, what=what))
+
+
+@command("/compact", "/compact", "go on in a new session that carries the system prompt and the last "
+         "turns fitting in half the context")
+def _compact(chat: Chat, args: str) -> None:
+    compact.run(chat)
+
+
+@command("/clear", "/clear", "clear the screen (the session stays; /new starts another)")
+def _clear(chat: Chat, args: str) -> None:
+    chat.console.clear()
+    render.print_header(chat.console, chat.session, chat.link.client.hello)
+
+
+@command("/quit", "/quit, /exit, /bye", "leave (Ctrl-D at an empty prompt too)")
 def _quit(chat: Chat, args: str) -> bool:
     return True
 
 
 COMMANDS["/exit"] = COMMANDS["/quit"]
+COMMANDS["/bye"] = COMMANDS["/quit"]

@@ -16,6 +16,7 @@ is a bug in kvchat and keeps its traceback.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 
@@ -23,9 +24,15 @@ class KvchatError(Exception):
     """An error the user should read; its text says what to do."""
 
 
+def start_command(data_dir: Path | None = None) -> str:
+    """`kvd serve`, with the --data-dir kvchat was given: the daemon must use the same one."""
+    return "kvd serve" if data_dir is None else f"kvd serve --data-dir {shlex.quote(str(data_dir))}"
+
+
 class NoDaemon(KvchatError):
-    def __init__(self, url: str) -> None:
-        super().__init__(f"kvd is not running at {url}; start it with `kvd serve` (or `make serve` in its source tree)")
+    def __init__(self, url: str, data_dir: Path | None = None) -> None:
+        super().__init__(f"kvd is not running at {url}; start it with `{start_command(data_dir)}` "
+                         "(or `make serve` in its source tree)")
         self.url = url
 
 
@@ -62,10 +69,10 @@ class ConnectionLost(KvchatError):
 
 
 class GaveUp(ConnectionLost):
-    def __init__(self, url: str, seconds: float, why: str) -> None:
+    def __init__(self, url: str, seconds: float, why: str, data_dir: Path | None = None) -> None:
         KvchatError.__init__(
             self,
-            f"kvd at {url} did not come back within {seconds:g} s ({why}); start it with `kvd serve`, "
+            f"kvd at {url} did not come back within {seconds:g} s ({why}); start it with `{start_command(data_dir)}`, "
             "then carry on: kvchat reconnects on your next message (/attach shows an answer it missed)",
         )
         self.url = url

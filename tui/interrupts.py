@@ -30,6 +30,10 @@ class Interrupts:
     def __init__(self) -> None:
         self._cancel: Callable[[], None] | None = None
         self._cancelled_at: float | None = None
+        # What was typed when Ctrl-C cleared the prompt. Python runs this handler before readline
+        # frees its line, and readline then leaves the cursor at column 0 (it ends bracketed paste
+        # with a carriage return), so the chat redraws the line to end it with "^C".
+        self.dropped_line: str | None = None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -49,9 +53,18 @@ class Interrupts:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._cancel is None:
+            self.dropped_line = _line_buffer()
             raise KeyboardInterrupt
         if self._cancelled_at is None:
             self._cancelled_at = time.monotonic()
             self._cancel()  # only queues a call on the network loop
         elif time.monotonic() - self._cancelled_at >= PATIENCE:
             raise StopWaiting
+
+
+def _line_buffer() -> str | None:
+    try:
+        import readline
+    except ImportError:
+        return None
+    return readline.get_line_buffer()

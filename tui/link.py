@@ -46,7 +46,12 @@ class Link:
     async def connect(self) -> Client:
         """One attempt; KvchatError says what is wrong."""
         endpoint = locate(url=self.url, data_dir=self.data_dir, token_file=self.token_file)
-        client = await Client.connect(endpoint.url, endpoint.token, token_path=endpoint.token_path)
+        try:
+            client = await Client.connect(endpoint.url, endpoint.token, token_path=endpoint.token_path)
+        except NoDaemon as exc:
+            if self.data_dir is None:
+                raise
+            raise NoDaemon(exc.url, self.data_dir) from exc
         old, self._client = self._client, client
         if old is not None:
             await old.close()
@@ -71,7 +76,7 @@ class Link:
                 why = str(exc)
                 url = getattr(exc, "url", self.url or "?")
             if time.monotonic() + delay > give_up:
-                raise GaveUp(url, self.reconnect_for, _short(why))
+                raise GaveUp(url, self.reconnect_for, _short(why), self.data_dir)
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_DELAY)
 

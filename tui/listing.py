@@ -76,7 +76,7 @@ def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current
 
 
 def find(sessions: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] | str:
-    """The session `key` names (a number from the table, an id, or an id's unique start), or why not."""
+    """The session `key` names (a number from the table, an id, an id's unique start, or a title's), or why not."""
     key = key.strip()
     if key.isdigit() and len(key) < 6:
         n = int(key)
@@ -94,4 +94,12 @@ def find(sessions: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] |
             return matches[0]
         if matches:
             return f"{key!r} starts {len(matches)} session ids; give more of it"
-    return f"{key!r} is not a session number or id; /sessions lists them"
+    # The start of a title, as shown in the table (case and spacing ignored).
+    wanted = " ".join(key.casefold().split())
+    titled = [s for s in sessions if one_line(str(s.get("title") or "New chat"), 200).casefold().startswith(wanted)]
+    exact = [s for s in titled if one_line(str(s.get("title") or "New chat"), 200).casefold() == wanted]
+    if len(titled) == 1 or len(exact) == 1:
+        return (exact or titled)[0]
+    if titled:
+        return f"{key!r} starts {len(titled)} titles; give more of it, or the number"
+    return f"{key!r} is not a session number, id or title; /sessions lists them"

@@ -29,6 +29,7 @@ KVD_STYLE = "bold cyan"
 DIM = "dim"
 ERROR_STYLE = "bold red"
 TIERS = ("resident", "warm", "disk")
+SYSTEM_SHOWN = 200  # characters of a long system prompt in a session's header
 
 
 def answer_printer(console: Console) -> AnswerPrinter:
@@ -81,8 +82,21 @@ def cache_part(usage: Mapping[str, Any]) -> str | None:
     return f"{cached} cached" if isinstance(cached, int) else None
 
 
+def context_part(usage: Mapping[str, Any]) -> str | None:
+    """``8142/8192 ctx``: how much of the model's context the session fills after this answer."""
+    used, window = usage.get("context_tokens"), usage.get("context_window")
+    if not isinstance(used, int) or not used:
+        return None
+    return f"{used}/{window} ctx" if isinstance(window, int) else f"{used} ctx"
+
+
 def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> str:
-    """``12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 3.1 ms``, parts the daemon left out omitted."""
+    """``12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 3.1 ms · 52/8192 ctx``.
+
+    Parts the daemon left out are omitted; ``re-read N tok`` says when history
+    was fed again (a new system prompt, an edit), since the restored count
+    alone would look cheap.
+    """
     parts = []
     completion = usage.get("completion_tokens")
     if isinstance(completion, int):
@@ -95,6 +109,11 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
         parts.append(f"{tps:.1f} tok/s")
     if (cache := cache_part(usage)) is not None:
         parts.append(cache)
+    reread = usage.get("reread_tokens")
+    if isinstance(reread, int) and reread > 0 and usage.get("restored_from") != "none":
+        parts.append(f"re-read {reread} tok")  # a new system prompt or an edit: history fed again
+    if (context := context_part(usage)) is not None:
+        parts.append(context)
     line = " · ".join(parts)
     if finish_reason in ("cancelled", "length"):
         line = f"{line} ({finish_reason})" if line else f"({finish_reason})"
@@ -135,7 +154,10 @@ def print_header(
     console.print(Text(" · ".join(details), style=DIM), soft_wrap=True)
     system = session.get("system")
     if system:
-        console.print(Text(f"system: {sanitize(str(system))}", style=DIM), soft_wrap=True)
+        shown = sanitize(str(system))
+        if len(shown) > SYSTEM_SHOWN or shown.count("\n") > 2:  # e.g. /compact's: /system shows it all
+            shown = " ".join(shown[:SYSTEM_SHOWN].split()) + f" … ({len(shown)} characters; /system shows it all)"
+        console.print(Text(f"system: {shown}", style=DIM), soft_wrap=True)
     params = session.get("params")
     if isinstance(params, Mapping) and params:
         console.print(Text("params: " + format_params(params), style=DIM), soft_wrap=True)

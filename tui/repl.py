@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -29,6 +30,11 @@ from .turn import RECONNECTED, RECONNECTING, Turn
 
 DEFAULT_TITLE = "New chat"  # the daemon's, for a session created without one
 TITLE_CHARS = 50
+COPY_FILE = "kvchat-copy.txt"
+PICK = "number or title, Enter for a new chat: "
+FULL_HINT = ("the session is full. /params max_tokens=N lowers the answer's room if that is enough; "
+             "/compact goes on in a new session that carries the system prompt and the last turns "
+             "that fit in half the context")
 
 
 @dataclass(frozen=True)
@@ -82,21 +88,30 @@ class Chat:
                     stripped = text.strip()
                     if not stripped:
                         continue
-                    if stripped.startswith("/") and not stripped.startswith("//"):
+                    if commands.is_command(stripped):
                         if commands.dispatch(self, stripped):
                             return 0
                         continue
                     text = text.strip("\n")
-                    text = text[1:] if stripped.startswith("//") else text
-                    self.name_after(text)
-                    self.turn(protocol.CHAT_SEND, text=text)
+                    self.send(text[1:] if stripped.startswith("//") else text)
                 except KeyboardInterrupt:
                     # readline has dropped the line; say so and prompt afresh
+                    dropped, self.interrupts.dropped_line = self.interrupts.dropped_line, None
+                    if dropped is not None and self.console.is_terminal and self.input.shown_prompt:
+                        self.console.file.write("\r" + self.input.shown_prompt + dropped)
                     self.console.print(Text("^C", style=render.DIM), soft_wrap=True)
                 except EOFError:
                     self.console.print()
                     return 0
                 except ServerError as exc:  # this request failed; the chat goes on
+                    if exc.code == protocol.UNKNOWN_SESSION and self.session and not self.session_exists():
+                        if not self.deleted_elsewhere():
+                            return 0
+                        continue
+                    if exc.code == protocol.TOO_LARGE and "context" in exc.message:
+                        render.print_error(self.console, exc.message)
+                        render.print_note(self.console, FULL_HINT)
+                        continue
                     busy = ("this session is answering right now (in another window?); /attach to watch it, "
                             "Ctrl-C there stops it; or wait for it to finish")
                     render.print_error(self.console, busy if exc.code == protocol.BUSY else str(exc))
@@ -108,6 +123,15 @@ class Chat:
         finally:
             with contextlib.suppress(Exception, KeyboardInterrupt):
                 self.leave()
+
+    def send(self, text: str) -> None:
+        self.name_after(text)
+        self.turn(protocol.CHAT_SEND, text=text)
+
+    @property
+    def copy_file(self) -> Path:
+        """Where /copy also keeps what it copied (next to kvchat's history)."""
+        return (self.link.data_dir or protocol.default_data_dir()) / COPY_FILE
 
     def turn(self, kind: str, **fields: Any) -> dict[str, Any] | None:
         """Ask for an answer (or follow one) and print it; its chat.done, if it got one."""
@@ -187,10 +211,15 @@ class Chat:
         if not sessions:
             self.create(title=title, system=system)
             return True
+        return self.pick(sessions, title=title, system=system)
+
+    def pick(self, sessions: Sequence[Mapping[str, Any]], *, title: str | None = None,
+             system: str | None = None) -> bool:
+        """The sessions table and a question: which one (Enter: a new chat); False if input ended."""
         self.console.print(listing.sessions_table(sessions, width=self.console.width), soft_wrap=True)
         while True:
             try:
-                answer = self.input.ask("number, Enter for a new chat: ").strip()
+                answer = self.input.ask(PICK).strip()
             except EOFError:
                 self.console.print()
                 return False
@@ -228,6 +257,12 @@ class Chat:
         render.print_header(self.console, session, self.link.client.hello, resumed=resumed)
         render.print_history(self.console, messages)
 
+    def adopt(self, session: dict[str, Any]) -> None:
+        """Open a session this run made with content of its own (/compact's)."""
+        if self.session:
+            self.leave()
+        self.show(session, [], resumed=False)
+
     def name_after(self, text: str) -> None:
         """A new chat is titled after its first message, so the sessions list says what it was about."""
         if self.last_index >= 0 or self.session.get("title") != DEFAULT_TITLE:
@@ -236,6 +271,29 @@ class Chat:
         if title:
             with contextlib.suppress(KvchatError):
                 self.session = self.request(protocol.SESSION_UPDATE, session=self.session_id, title=title)["session"]
+
+    def session_exists(self) -> bool:
+        try:
+            self.request(protocol.SESSION_GET, session=self.session_id)
+        except ServerError as exc:
+            if exc.code == protocol.UNKNOWN_SESSION:
+                return False
+            raise
+        return True
+
+    def deleted_elsewhere(self) -> bool:
+        """The open session is gone (deleted in another window): say so, then pick another or a new one."""
+        title = render.sanitize(str(self.session.get("title") or self.session_id))
+        render.print_note(self.console, f"this session ({title!r}) was deleted, in another window or by "
+                                        "another client; what you sent was not kept (Up recalls it)")
+        self.forget_current()
+        sessions = self.list_sessions()
+        if not sessions:
+            render.print_note(self.console, "here is a new chat")
+            self.console.print()
+            self.create()
+            return True
+        return self.pick(sessions)
 
     def forget_current(self) -> None:
         """The open session was deleted."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -258,6 +259,10 @@ def show(printer: render.AnswerPrinter, event: dict[str, Any]) -> dict[str, Any]
         printer.start()  # not before: a refused request shows only its error
     elif kind == protocol.CHAT_DELTA:
         printer.feed(str(event.get("text", "")))
+    elif kind == protocol.CHAT_PROGRESS:
+        fed, total = event.get("fed"), event.get("total")
+        if isinstance(fed, int) and isinstance(total, int):
+            printer.progress(fed, total, time.monotonic())
     elif kind == protocol.CHAT_DONE:
         return event
     elif kind == protocol.CHAT_QUEUED:

@@ -1,0 +1,352 @@
+"""kvchat for every day (issue 12), through the real tui code against an in-process daemon.
+
+Paste, the editor, /copy, the context on the status line, a long prefill's
+progress, a full session and /compact, ollama's habits, and the bugs a day
+of use found. builtin:tiny is pinned: these tests are about kvchat, not a model.
+The terminal-only parts (bracketed paste, Tab, echo, OSC 52, resize) are in
+test_kvchat_daily_tmux.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+import anyio.from_thread
+import pytest
+
+from conftest import client, running_daemon
+from kvchat_harness import Screen, data_file, kvchat
+from test_kvchat_commands import answer_lines, make_session, transcript
+from tui import compact
+from tui.lineinput import Completer
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "builtin:tiny"
+CTX = re.compile(r" · (\d+)/8192 ctx")
+
+
+def session_id(screen: Screen) -> str:
+    return re.findall(r"session ([0-9a-f]{16})", screen.text)[-1]
+
+
+async def test_a_paste_is_one_message(tmp_path: Path) -> None:
+    pasted = "def f(x):\n\treturn x + 1\n\nprint(f(1))"
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        # A bracketed paste reaches kvchat as one line holding newlines (readline keeps them).
+        screen = await kvchat(d, "--new", "--max-tokens", "3", script=[pasted + "\n", "/quit"])
+        got = await transcript(d, session_id(screen))
+    assert [m["role"] for m in got["messages"]] == ["user", "assistant"]  # one message, one answer
+    assert got["messages"][0]["content"] == pasted
+    assert len([line for line in screen.lines if re.match(r"^\d+ tokens? · ", line)]) == 1
+
+
+async def test_a_pasted_path_is_a_message_and_a_pasted_command_still_runs(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", "--max-tokens", "2", script=[
+            "/usr/lib/x.so: cannot open\nwhat does this mean?", "/rename Pasted\n", "/quit"])
+        got = await transcript(d, session_id(screen))
+    assert got["messages"][0]["content"] == "/usr/lib/x.so: cannot open\nwhat does this mean?"
+    assert "renamed to 'Pasted'" in screen.lines
+
+
+@pytest.fixture
+def editor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """$VISUAL: a script that appends a known line to the file it is given, and logs what it found."""
+    script = tmp_path / "fake-editor"
+    script.write_text('#!/bin/sh\ncat "$1" >> "$0.seen"; echo "---" >> "$0.seen"\n'
+                      'printf "written in the editor\\n" >> "$1"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("VISUAL", str(script))
+    monkeypatch.setenv("EDITOR", "false")  # $VISUAL wins
+    return script
+
+
+async def test_ctrl_o_and_editor_send_what_the_editor_saved(tmp_path: Path, editor: Path) -> None:
+    async with running_daemon(tmp_path / "kvd", model=MODEL) as d:
+        screen = await kvchat(d, "--new", "--max-tokens", "2", script=[
+            "typed so far\x0f",  # Ctrl-O: readline's macro ends the line with ^O and accepts it
+            "/editor",
+            "/edit 1", "\x0f",  # Ctrl-O on an empty edit line: the editor starts on the old message
+            "/quit"])
+        got = await transcript(d, session_id(screen))
+    seen = (tmp_path / "fake-editor.seen").read_text().split("---\n")
+    assert seen[:3] == ["typed so far\n", "", "typed so far\nwritten in the editor\n"]
+    assert screen.after("you> typed so far")[:2] == ["(from the editor)", "typed so far"]
+    # /edit 1 replaced the first message and everything after it.
+    contents = [m["content"] for m in got["messages"] if m["role"] == "user"]
+    assert contents == ["typed so far\nwritten in the editor\nwritten in the editor"]
+    assert screen.lines.count("(from the editor)") == 3
+
+
+async def test_an_editor_that_fails_sends_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VISUAL", "false")
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", script=["draft\x0f", "/quit"])
+        async with client(d) as c:
+            sessions = (await c.request("session.list"))["sessions"]
+    assert "error: the editor 'false' exited with status 1; nothing sent (set $VISUAL or $EDITOR to change it)" \
+        in screen.lines
+    assert sessions == []  # nothing was sent, so the new chat was not kept
+
+
+def test_tab_completes_commands_and_their_first_word() -> None:
+    complete = Completer(["/help", "/history-free", "/set", "/copy", "/quit"], lambda: "")
+    assert complete.candidates("/he", "/he") == ["/help "]
+    assert complete.candidates("/h", "/h") == ["/help ", "/history-free "]
+    assert complete.candidates("/set pa", "pa") == ["parameter "]
+    assert complete.candidates("/copy ", "") == ["code "]
+    assert complete.candidates("hello /he", "/he") == []  # only at the start of a line
+    assert complete.candidates("/set parameter te", "te") == []
+
+
+async def test_copy_without_a_terminal_keeps_it_in_a_file(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        async with client(d) as c:
+            sid = await make_session(c, "Copy me", "hello", temperature=0, max_tokens=8)
+        screen = await kvchat(d, "--session", sid, script=["/copy", "/copy code", "/copy all", "/quit"])
+        got = await transcript(d, sid)
+    path = data_file(d, "kvchat-copy.txt")
+    answer = got["messages"][-1]["content"]
+    assert f"no terminal to copy through: the last answer ({len(answer)} characters) is in {path}" in screen.lines
+    assert path.read_text() == answer + "\n"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert "the last answer has no code block; /copy copies all of it" in screen.lines
+    assert "/copy copies the last answer, /copy code its last code block (usage: /copy [code])" in screen.lines
+
+
+def test_copy_code_takes_the_last_code_block() -> None:
+    from tui.clipboard import code_blocks, osc52
+
+    answer = "Try:\n\n```python\nprint(1)\n```\n\nor\n\n    indented()\n\n~~~\nlast()\n  kept\n~~~\n"
+    assert code_blocks(answer) == ["print(1)", "indented()", "last()\n  kept"]
+    assert osc52("hé") == "\x1b]52;c;aMOp\x07"
+
+
+async def test_status_line_shows_the_context_and_a_reread(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", "--max-tokens", "4", "--temperature", "0", script=[
+            "first question", "second question", "/system Be brief.", "third question", "/quit"])
+        got = await transcript(d, session_id(screen))
+    answers = [m for m in got["messages"] if m["role"] == "assistant"]
+    used = []
+    for question, answer in zip(["first question", "second question", "third question"], answers):
+        _, status = answer_lines(screen, f"you> {question}")
+        match = CTX.search(status)
+        assert match, status
+        used.append(int(match.group(1)))
+        usage = answer["usage"]
+        assert used[-1] == usage["prompt_tokens"] + usage["completion_tokens"] == usage["context_tokens"]
+        assert usage["context_window"] == 8192
+    assert used[0] < used[1]
+    _, status = answer_lines(screen, "you> second question")
+    assert "re-read" not in status  # appended to the cache: nothing read again
+    # A new system prompt: kvd re-reads the history, and the status line owns up to it.
+    _, status = answer_lines(screen, "you> third question")
+    reread = answers[2]["usage"]["reread_tokens"]
+    assert reread > 0 and f"re-read {reread} tok" in status, status
+
+
+async def test_a_long_prefill_shows_progress(tmp_path: Path) -> None:
+    long = " ".join(["the sea and the sky"] * 40)  # some 300 tokens: 5 chunks of 64
+    async with running_daemon(tmp_path, model=MODEL, prefill_step_size=64) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            await c.send({"id": "p", "type": "chat.send", "session": sid, "text": long, "max_tokens": 2})
+            progress = []
+            while (event := await c.recv())["type"] != "chat.done":
+                if event["type"] == "chat.progress":
+                    assert event["id"] == "p" and event["session"] == sid
+                    progress.append((event["fed"], event["total"]))
+            total = event["usage"]["prompt_tokens"]
+        assert progress, "a prefill of many chunks reports progress"
+        assert progress[0] == (64, total)  # right after the first chunk, then at most four a second
+        assert all(a[0] < b[0] for a, b in zip(progress, progress[1:])) and progress[-1][0] < total
+        screen = await kvchat(d, "--new", "--max-tokens", "2", script=[long + " again", "/quit"])
+    assert re.match(r"\(kvd is reading \d+ tokens of history…\)$", screen.after(f"you> {long} again")[0])
+
+
+async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path) -> None:
+    long = " ".join(["the sea and the sky"] * 600)  # some 4,200 tokens: with max_tokens 4096, past 8192
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        async with client(d) as c:
+            sid = await make_session(c, "Full", temperature=0)
+            await c.request("session.update", session=sid, system="Be brief.")
+        screen = await kvchat(d, "--session", sid, script=[
+            "/params max_tokens=8", "an early one", "a short one", "/params max_tokens=4096", long, "/compact",
+            "/params", "/params max_tokens=8", "next", "/quit"])
+        old = await transcript(d, sid)
+        new_id = session_id(screen)
+        new = await transcript(d, new_id)
+    error = next(line for line in screen.after(f"you> {long}") if line.startswith("error: "))
+    room = int(re.search(r"lower max_tokens to (\d+) or less", error).group(1))  # type: ignore[union-attr]
+    assert re.match(r"error: the conversation \(\d+ tokens\) plus max_tokens \(4096\) exceeds the model's "
+                    r"context of 8192 tokens; lower max_tokens to \d+ or less, or start a new session "
+                    r"carrying less of the history \(kvchat: /compact\)$", error), error
+    assert 3000 < room < 4096
+    assert ("the session is full. /params max_tokens=N lowers the answer's room if that is enough; /compact goes "
+            "on in a new session that carries the system prompt and the last turns that fit in half the context") \
+        in screen.lines
+    # The refused turn was taken back; /compact carries the turns that fit in half the context (both, here).
+    assert [m["content"] for m in old["messages"] if m["role"] == "user"] == ["an early one", "a short one"]
+    assert new_id != sid and new["session"]["title"] == "Full (compacted)"
+    # Its params are the old session's.
+    assert ("in effect: temperature=0.0 (session), top_p=1.0 (kvd's default), max_tokens=4096 (session)"
+            in screen.after("you> /compact"))
+    answers = [old["messages"][1]["content"], old["messages"][3]["content"]]
+    assert new["session"]["system"] == (
+        "Be brief.\n\nEarlier in this conversation (carried over from the session 'Full'):\n\n"
+        f"User: an early one\n\nAssistant: {answers[0]}\n\nUser: a short one\n\nAssistant: {answers[1]}")
+    tokens = old["messages"][3]["usage"]["context_tokens"]
+    assert (f"this new session carries the system prompt and the last 2 turns ({tokens} tokens; at most half the "
+            "8192-token context) in its system prompt; 'Full' is kept (/switch to it)") in screen.lines
+    assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["next"]
+    # Its header shows the start of that long system prompt, not all of it.
+    header = next(line for line in screen.after("you> /compact") if line.startswith("system: "))
+    assert header.startswith("system: Be brief. Earlier in this conversation (carried over from the session 'Full'):")
+    assert header.endswith(f"({len(new['session']['system'])} characters; /system shows it all)")
+
+
+def test_compact_rule() -> None:
+    def turn(q: str, after: int | None) -> list[dict[str, Any]]:
+        usage = None if after is None else {"context_tokens": after, "context_window": 100}
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": q.upper(), "usage": usage}]
+
+    messages = turn("a", 30) + turn("b", None) + turn("c", 60) + turn("d", 80) + turn("e", 95)
+    measured = compact.turns(messages)
+    assert [(t.question, t.tokens) for t in measured] == [("c", 60), ("d", 20), ("e", 15)]
+    assert compact.window(messages) == 100
+    assert [t.question for t in compact.carried(measured, 50)] == ["d", "e"]
+    assert compact.carried(measured, 10) == []
+
+
+async def test_ollama_habits(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", "--title", "Habits", "--max-tokens", "9", script=[
+            "/set system Answer in French.", "/set parameter temperature 0.2", "/set parameter num_predict 5",
+            "/set parameter seed 1", "/set verbose", "/params", "/clear", "/bye", "never sent"])
+        got = await transcript(d, session_id(screen))
+    lines = screen.lines
+    assert screen.code == 0
+    assert got["session"]["system"] == "Answer in French."
+    assert got["session"]["params"] == {"temperature": 0.2, "max_tokens": 5}
+    assert "parameters are temperature, top_p, max_tokens (num_predict is max_tokens) (usage: /set system|parameter …)" \
+        in lines
+    assert "kvchat knows /set system and /set parameter (usage: /set system|parameter …)" in lines
+    # /params: the values the next answer uses, and where each comes from.
+    assert "in effect: temperature=0.2 (session), top_p=1.0 (kvd's default), max_tokens=9 (--max-tokens)" in lines
+    # /clear: the screen is cleared (no terminal here) and the header drawn again; the session stays.
+    assert screen.after("you> /clear")[0] == "Habits"
+    assert "you> never sent" not in lines  # /bye left
+
+
+async def test_a_session_deleted_elsewhere_offers_the_picker(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        async with client(d) as c:
+            other = await make_session(c, "Other chat", "hello")
+            doomed = await make_session(c, "Doomed chat", "hello")
+
+        async def delete_elsewhere() -> None:
+            async with client(d) as c:  # another window
+                assert (await c.request("session.delete", session=doomed))["type"] == "ok"
+
+        def delete_then(text: str) -> Any:
+            def step() -> str:
+                anyio.from_thread.run(delete_elsewhere)
+                return text
+
+            return step
+
+        screen = await kvchat(d, "--session", doomed, "--max-tokens", "2", script=[
+            delete_then("are you there?"), "Oth", "still here?", "/quit"])
+        got = await transcript(d, other)
+    after = screen.after("you> are you there?")
+    assert after[0] == ("this session ('Doomed chat') was deleted, in another window or by another client; "
+                        "what you sent was not kept (Up recalls it)")
+    assert re.match(r"\s*1 +Other chat", after[2])
+    assert "number or title, Enter for a new chat: Oth" in screen.lines  # a title's start picks it
+    assert [m["content"] for m in got["messages"] if m["role"] == "user"] == ["hello", "still here?"]
+    assert "unknown_session" not in screen.text, screen.lines
+
+
+async def test_export_asks_before_overwriting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with running_daemon(tmp_path / "kvd", model=MODEL) as d:
+        async with client(d) as c:
+            sid = await make_session(c, "Exported", "hello")
+        first = await kvchat(d, "--session", sid, script=["/export", "/quit"])
+        path = tmp_path / f"exported-{sid[:8]}.md"
+        path.write_text("my own notes\n")
+        screen = await kvchat(d, "--session", sid, script=["/export", "n", "/export", "y", "/quit"])
+    assert f"exported 2 messages to {path.name}" in first.lines
+    assert f"{path.name} exists; overwrite it? [y/N] n" in screen.lines
+    assert "not exported; /export PATH writes elsewhere" in screen.lines
+    assert f"{path.name} exists; overwrite it? [y/N] y" in screen.lines
+    assert screen.lines.count(f"exported 2 messages to {path.name}") == 1
+    assert path.read_text().startswith("# Exported\n")
+
+
+async def test_picker_takes_a_unique_title_prefix(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        async with client(d) as c:
+            await make_session(c, "Lisbon trip", "hello")
+            await make_session(c, "Lisbon food", "hello")
+            await make_session(c, "Porto", "hello")
+        screen = await kvchat(d, script=["lisbon", "lisbon t", "/switch porto", "/quit"])
+    assert "'lisbon' starts 2 titles; give more of it, or the number" in screen.lines
+    assert screen.after("number or title, Enter for a new chat: lisbon t")[0] == "Lisbon trip"
+    assert screen.after("you> /switch porto")[0] == "Porto"
+
+
+async def test_code_blocks_start_at_column_0_and_copy_code_takes_the_last(tmp_path: Path) -> None:
+    answer = ("Two ways:\n\n```python\ndef f(x):\n    return x + 1\n```\n\n- or in a list:\n\n  ```\n  nested()\n"
+              "  ```\n\n```sh\necho done\n```")
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create", title="Code"))["session"]["id"]
+        d.store.append_message(sid, "user", "show me code")  # a transcript with code in it, as a model writes one
+        d.store.append_message(sid, "assistant", answer)
+        screen = await kvchat(d, "--session", sid, script=["/copy code", "/quit"])
+    shown = screen.after("you> show me code")
+    assert shown[:5] == ["kvd> Two ways:", "", "def f(x):", "    return x + 1", ""]
+    assert shown[5:9] == ["      • or in a list:", "        nested()", "", "echo done"]  # in a list: with its item
+    assert data_file(d, "kvchat-copy.txt").read_text() == "echo done\n"
+    assert f"no terminal to copy through: its last code block (9 characters) is in {data_file(d, 'kvchat-copy.txt')}" \
+        in screen.lines
+
+
+async def test_one_shot_in_process(tmp_path: Path) -> None:
+    import io
+    import json
+
+    import anyio.to_thread
+    from rich.console import Console
+
+    from daemon.cli import _write_daemon_file
+    from tui.cli import build_parser
+    from tui.oneshot import answer_one
+
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        _write_daemon_file(Path(d.config.data_dir), d.url)
+
+        def one(*argv: str, stdin: str = "") -> tuple[int, str, str]:
+            out, err = io.StringIO(), io.StringIO()
+            args = build_parser().parse_args(["--data-dir", str(d.config.data_dir), *argv])
+            code = answer_one(args, io.StringIO(stdin), out, Console(file=err, width=200, color_system=None))
+            return code, out.getvalue(), err.getvalue()
+
+        code, out, err = await anyio.to_thread.run_sync(
+            lambda: one("-", "--json", "--max-tokens", "3", "--title", "piped", stdin="a\nb\n"))
+        got = json.loads(out)
+        messages = (await transcript(d, got["session"]))["messages"]
+        assert (code, err) == (0, "")
+        assert [m["content"] for m in messages] == ["a\nb", got["answer"]]
+        code, out, err = await anyio.to_thread.run_sync(lambda: one("--last", "--max-tokens", "2", "more"))
+        messages = (await transcript(d, got["session"]))["messages"]
+        assert (code, err, out) == (0, "", messages[3]["content"] + "\n")
+        code, out, err = await anyio.to_thread.run_sync(lambda: one("   "))
+        assert (code, out, err) == (2, "", "error: nothing to send: the message is empty\n")

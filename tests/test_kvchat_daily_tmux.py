@@ -1,0 +1,243 @@
+"""kvchat for every day (issue 12), as a person and as a script use it: a real `kvd serve`,
+kvchat in tmux for the terminal items, and kvchat as a subprocess for one-shot and pipe modes.
+
+Reuses test_kvchat_tmux's daemon (builtin:tiny, pinned) and panes; screens are
+polled under a deadline, never slept on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# `kvd` is the module-scoped daemon fixture; importing it here makes it this module's too.
+from test_kvchat_tmux import Kvd, Pane, has_status_after, is_status, kvchat_command, kvd
+from tui.client import Client
+from tui.discover import locate
+
+
+def request(kvd: Kvd, type_: str, **fields: Any) -> dict[str, Any]:
+    """One protocol request to the test daemon, from a client of its own."""
+
+    async def go() -> dict[str, Any]:
+        endpoint = locate(data_dir=kvd.data_dir)
+        async with await Client.connect(endpoint.url, endpoint.token) as client:
+            return await client.request(type_, **fields)
+
+    return asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def session_of(lines: list[str]) -> str:
+    match = re.search(r"session ([0-9a-f]{16})", "\n".join(lines))
+    assert match, lines
+    return match.group(1)
+
+
+def messages(kvd: Kvd, sid: str) -> list[dict[str, Any]]:
+    return list(request(kvd, "session.get", session=sid)["messages"])
+
+
+@pytest.fixture
+def pane(tmp_path: Path) -> Iterator[Callable[..., Pane]]:
+    panes: list[Pane] = []
+
+    def open_(*args: str, env: dict[str, str] | None = None, options: str = "",
+              size: tuple[int, int] = (100, 30)) -> Pane:
+        prefix = ["env", *(f"{k}={v}" for k, v in (env or {}).items())] if env else []
+        p = Pane([*prefix, *kvchat_command(), *args], tmp_path, options=options, size=size)
+        panes.append(p)
+        return p
+
+    yield open_
+    for p in panes:
+        p.close()
+
+
+# -- in tmux -------------------------------------------------------------------
+
+
+@pytest.mark.tmux
+def test_a_bracketed_paste_is_one_message(kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "3")
+    lines = p.wait_for_prompt()
+    sid = session_of(lines)
+    pasted = tmp_path / "pasted.txt"
+    pasted.write_text("first line\nsecond line\n\tindented third\n")
+    p.tmux("load-buffer", str(pasted))
+    p.tmux("paste-buffer", "-p", "-t", "kvchat")  # -p: inside the terminal's bracketed-paste markers
+    p.wait_for("the paste on the prompt", lambda lines: "you> first line" in lines and "second line" in lines)
+    p.keys("Enter")
+    lines = p.wait_for("the answer", lambda lines: any(is_status(line) for line in lines))
+    assert len([line for line in lines if is_status(line)]) == 1  # one message, one answer
+    got = messages(kvd, sid)
+    assert [m["role"] for m in got] == ["user", "assistant"]
+    assert got[0]["content"] == "first line\nsecond line\n\tindented third"
+    p.wait_for_prompt()
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_tab_ctrl_o_and_keys_typed_during_an_answer(kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
+    editor = tmp_path / "editor.sh"
+    editor.write_text('#!/bin/sh\nprintf "written by the editor\\n" >> "$1"\n')
+    editor.chmod(0o755)
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "200", "--temperature", "0",
+             env={"VISUAL": str(editor)})
+    sid = session_of(p.wait_for_prompt())
+    # Tab completes a /command.
+    p.type("/hel", enter=False)
+    p.keys("Tab")
+    p.wait_for("the completed command", lambda lines: lines[-1:] == ["you> /help"])
+    p.keys("Enter")
+    p.wait_for("the help", lambda lines: any(line.startswith("/quit, /exit, /bye") for line in lines))
+    p.wait_for_prompt()
+    # Ctrl-O: what is typed goes to $VISUAL, and what it saved is sent.
+    p.type("my draft", enter=False)
+    p.keys("C-o")
+    lines = p.wait_for("the editor's message answered", lambda lines: "(from the editor)" in lines
+                       and any(is_status(line) for line in lines))
+    assert lines[lines.index("(from the editor)") + 1 :][:2] == ["my draft", "written by the editor"]
+    assert messages(kvd, sid)[0]["content"] == "my draft\nwritten by the editor"
+    p.wait_for_prompt()
+    # Keys typed while an answer streams appear once, at the next prompt.
+    p.type("tell me a story")
+    p.wait_for("the story to start", lambda lines: any(line.startswith("kvd> ") for line in lines[-8:]))
+    p.type("typed ahead", enter=False)
+    lines = p.wait_for("the typed-ahead text at the prompt", lambda lines: lines[-1:] == ["you> typed ahead"])
+    assert sum(line.count("typed ahead") for line in lines) == 1
+    p.keys("C-u", "C-d")
+    assert p.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_copy_sends_osc52_to_the_terminal(kvd: Kvd, pane: Callable[..., Pane]) -> None:
+    # With set-clipboard on, tmux takes an application's OSC 52 into a paste buffer (and passes it on).
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "12", options="set -g set-clipboard on\n")
+    sid = session_of(p.wait_for_prompt())
+    p.type("hello")
+    p.wait_for("the answer", has_status_after("hello"))
+    p.wait_for_prompt()
+    p.type("/copy")
+    lines = p.wait_for("the copy note", lambda lines: any(line.startswith("copied the last answer") for line in lines))
+    answer = messages(kvd, sid)[1]["content"]
+    assert p.tmux("show-buffer") == answer
+    note = " ".join(lines[next(i for i, line in enumerate(lines) if line.startswith("copied the last answer")):])
+    assert f"copied the last answer ({len(answer)} characters) to the clipboard through the terminal (OSC 52)" in note
+    assert (kvd.data_dir / "kvchat-copy.txt").read_text() == answer + "\n"
+    p.type("/quit")
+    assert p.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_shrinking_the_terminal_mid_answer_leaves_no_stale_lines(kvd: Kvd, pane: Callable[..., Pane]) -> None:
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "1500", "--temperature", "0", size=(120, 40))
+    sid = session_of(p.wait_for_prompt())
+    p.type("tell me a story")
+
+    def well_under_way(lines: list[str]) -> bool:
+        asked = lines.index("you> tell me a story") if "you> tell me a story" in lines else len(lines)
+        return len(lines) - asked > 30
+
+    lines = p.wait_for("a screenful of answer", well_under_way)
+    assert not any(is_status(line) for line in lines), "the answer ended before the resize; make it longer"
+    p.tmux("resize-window", "-t", "kvchat", "-x", "80", "-y", "24")
+    lines = p.wait_for("the answer's end", has_status_after("tell me a story"))
+    p.wait_for_prompt()
+    lines = p.screen()  # the scrollback included
+    asked = lines.index("you> tell me a story")
+    status = next(i for i in range(asked, len(lines)) if is_status(lines[i]))
+    shown = lines[asked + 1 : status]
+    assert [line for line in shown if line.startswith("kvd>")] == [shown[0]]  # one answer, no stale copy
+    answer = messages(kvd, sid)[1]["content"]
+    assert " ".join(" ".join(shown).removeprefix("kvd>").split()) == " ".join(answer.split())  # no gap, no repeat
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0
+
+
+# -- as a script -------------------------------------------------------------------
+
+
+def kvchat(kvd: Kvd, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*kvchat_command(), "--data-dir", str(kvd.data_dir), *args],
+                          input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_one_shot_prints_only_the_answer(kvd: Kvd) -> None:
+    result = kvchat(kvd, "--max-tokens", "6", "--temperature", "0", "what is the sea?")
+    assert (result.returncode, result.stderr) == (0, "")
+    newest = request(kvd, "session.list")["sessions"][0]
+    assert newest["title"] == "what is the sea?"  # a new session, titled after the question
+    answer = messages(kvd, newest["id"])[1]["content"]
+    assert result.stdout == answer + "\n"
+    # --last goes on in it.
+    again = kvchat(kvd, "--last", "--max-tokens", "3", "and then?")
+    assert (again.returncode, again.stderr) == (0, "")
+    got = messages(kvd, newest["id"])
+    assert [m["content"] for m in got if m["role"] == "user"] == ["what is the sea?", "and then?"]
+    assert again.stdout == got[3]["content"] + "\n"
+
+
+def test_piped_input_is_one_message_and_json_says_it_all(kvd: Kvd) -> None:
+    result = kvchat(kvd, "-", "--json", "--max-tokens", "4", "--temperature", "0", "--system", "Be brief.",
+                    stdin="line one\nline two\n\nline four\n")
+    assert (result.returncode, result.stderr) == (0, "")
+    out = json.loads(result.stdout)
+    assert result.stdout.count("\n") == 1 and set(out) == {"answer", "finish_reason", "usage", "session"}
+    got = request(kvd, "session.get", session=out["session"])
+    assert got["session"]["system"] == "Be brief."
+    assert [m["content"] for m in got["messages"]] == ["line one\nline two\n\nline four", out["answer"]]
+    assert out["usage"]["completion_tokens"] <= 4 and out["finish_reason"] in ("stop", "length")
+    # stdin that is not a terminal is read without `-`, into the session named.
+    piped = kvchat(kvd, "--session", out["session"], "--max-tokens", "2", stdin="more\ntext\n")
+    assert (piped.returncode, piped.stderr) == (0, "")
+    assert messages(kvd, out["session"])[2]["content"] == "more\ntext"
+
+
+def test_script_errors_go_to_stderr_with_a_non_zero_exit(kvd: Kvd) -> None:
+    unknown = kvchat(kvd, "--session", "0" * 16, "hi")
+    assert (unknown.returncode, unknown.stdout) == (1, "")
+    assert unknown.stderr == "error: no such session; `kvchat` lists them, `--last` continues the most recent\n"
+    empty = kvchat(kvd, "-", stdin="")
+    assert (empty.returncode, empty.stdout) == (2, "")
+    assert empty.stderr == "error: nothing to send: the message is empty (stdin was empty)\n"
+    both = kvchat(kvd, "--last", "--system", "x", "hi")
+    assert (both.returncode, both.stdout) == (2, "")
+    assert both.stderr == ("error: --system and --title set up a new session; with --session or --last, change the "
+                           "session's system prompt in kvchat with /system\n")
+
+
+def test_help_names_every_default_data_dir() -> None:
+    result = subprocess.run([*kvchat_command(), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    flat = " ".join(result.stdout.split())
+    assert "$KVD_DATA_DIR, else $XDG_DATA_HOME/kvd, else ~/.local/share/kvd" in flat
+
+
+def test_ctrl_c_stops_a_one_shot_answer_and_keeps_it(kvd: Kvd) -> None:
+    import os
+    import select
+    import signal
+
+    proc = subprocess.Popen([*kvchat_command(), "--data-dir", str(kvd.data_dir), "--max-tokens", "4096",
+                             "--temperature", "0", "--title", "interrupted", "tell me a story"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)  # the answer has begun
+    assert ready, "no answer within 60 s"
+    first = os.read(proc.stdout.fileno(), 65536)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, b"")
+    sid = next(s["id"] for s in request(kvd, "session.list")["sessions"] if s["title"] == "interrupted")
+    answer = messages(kvd, sid)[1]
+    assert answer["status"] == "cancelled" and answer["usage"]["completion_tokens"] < 4096
+    assert (first + rest).decode() == answer["content"] + "\n"  # what was kept is what was printed

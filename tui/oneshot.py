@@ -1,0 +1,157 @@
+"""``kvchat "question"`` and ``cmd | kvchat -``: one message in, only its answer out.
+
+For scripts: stdout gets the answer and nothing else (no banner, prompt or
+status line), streamed as it comes, or with --json one object at the end;
+everything else goes to stderr, and a failure exits non-zero:
+
+- 0  the answer was printed (also when it stopped at max_tokens: see finish_reason)
+- 1  kvd refused or failed (not running, unknown session, the conversation does not fit, …)
+- 2  the flags or the input cannot be used (argparse's code)
+- 130  interrupted by Ctrl-C (the answer is cancelled and kept as far as it got)
+
+Without --session or --last the message starts a new session, titled after
+it and kept like any other (`kvchat --last` continues it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from rich.console import Console
+
+from daemon import protocol
+
+from . import listing, render
+from .client import Client
+from .errors import KvchatError, ServerError
+from .link import Link
+from .sanitize import StreamSanitizer
+
+TITLE_CHARS = 50
+
+
+class UsageProblem(Exception):
+    """The flags or the input cannot be used (exit 2)."""
+
+
+def answer_one(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, errors: Console) -> int:
+    try:
+        return asyncio.run(_answer(args, lambda: _message(args, stdin), stdout))
+    except UsageProblem as exc:
+        render.print_error(errors, str(exc))
+        return 2
+    except KvchatError as exc:
+        render.print_error(errors, _explained(exc))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _message(args: argparse.Namespace, stdin: TextIO) -> str:
+    if (args.system or args.title) and (args.session or args.last):
+        raise UsageProblem("--system and --title set up a new session; with --session or --last, "
+                           "change the session's system prompt in kvchat with /system")
+    if args.message == "-":
+        try:
+            text = stdin.read()
+        except UnicodeDecodeError as exc:
+            raise UsageProblem(f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    else:
+        text = args.message
+    text = text.strip("\n")
+    if not text.strip():
+        empty = " (stdin was empty)" if args.message == "-" else ""
+        raise UsageProblem(f"nothing to send: the message is empty{empty}")
+    return text
+
+
+def _explained(exc: KvchatError) -> str:
+    if isinstance(exc, ServerError) and exc.code == protocol.UNKNOWN_SESSION:
+        return "no such session; `kvchat` lists them, `--last` continues the most recent"
+    return str(exc)
+
+
+async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: TextIO) -> int:
+    link = Link(url=args.url, data_dir=args.data_dir, token_file=args.token_file)
+    client = await link.connect()  # first: "kvd is not running" matters more than an empty stdin
+    try:
+        text = message()
+        session = await _session(client, args, text)
+        await client.wait_ready()
+        fields: dict[str, Any] = {"text": text}
+        if args.max_tokens is not None:
+            fields["max_tokens"] = args.max_tokens
+        if args.temperature is not None:
+            fields["temperature"] = args.temperature
+        interrupted = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, interrupted.set)
+        canceller = asyncio.create_task(_cancel_when(interrupted, client, session))
+        try:
+            done = await _stream(client, session, fields, stdout, printing=not args.json)
+        finally:
+            canceller.cancel()
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGINT)
+        answer = done.pop("_text")
+        if args.json:
+            stdout.write(json.dumps({"answer": answer, "finish_reason": done.get("finish_reason"),
+                                     "usage": done.get("usage"), "session": session},
+                                    ensure_ascii=False) + "\n")
+        elif answer and not answer.endswith("\n"):
+            stdout.write("\n")
+        stdout.flush()
+        return 130 if interrupted.is_set() else 0
+    finally:
+        await client.close()
+
+
+async def _session(client: Client, args: argparse.Namespace, text: str) -> str:
+    if args.session:
+        if not protocol.SESSION_ID_RE.match(args.session):
+            raise KvchatError(f"{args.session!r} is not a session id (16 hex characters)")
+        await client.request(protocol.SESSION_GET, session=args.session)  # unknown_session if it is not there
+        return str(args.session)
+    if args.last:
+        sessions = (await client.request(protocol.SESSION_LIST)).get("sessions") or []
+        if sessions:
+            return str(sessions[0]["id"])
+    title = args.title or listing.one_line(text, TITLE_CHARS) or None
+    fields = {k: v for k, v in (("title", title), ("system", args.system)) if v}
+    return str((await client.request(protocol.SESSION_CREATE, **fields))["session"]["id"])
+
+
+async def _stream(client: Client, session: str, fields: dict[str, Any], stdout: TextIO,
+                  *, printing: bool) -> dict[str, Any]:
+    """The answer's chat.done, with the whole text under "_text"; deltas printed as they come."""
+    sanitizer = StreamSanitizer()
+    text = ""
+    stream = client.stream(protocol.CHAT_SEND, session=session, **fields)
+    async with contextlib.aclosing(stream):
+        async for event in stream:
+            if event.get("type") == protocol.CHAT_DELTA:
+                piece = sanitizer.feed(str(event.get("text", "")))
+                text += piece
+                if printing and piece:
+                    stdout.write(piece)
+                    stdout.flush()
+            elif event.get("type") == protocol.CHAT_DONE:
+                rest = sanitizer.flush()
+                text += rest
+                if printing and rest:
+                    stdout.write(rest)
+                return {**event, "_text": text}
+    raise KvchatError("the answer ended without chat.done")  # the client raises ConnectionLost first
+
+
+async def _cancel_when(interrupted: asyncio.Event, client: Client, session: str) -> None:
+    await interrupted.wait()
+    with contextlib.suppress(KvchatError):
+        await client.request(protocol.CHAT_CANCEL, session=session)
