@@ -141,6 +141,7 @@ class _Active:
     sampler: Any
     prefill: Prefill | None  # while the prompt is being fed; then the session decodes in the batch
     uid: int | None = None  # its sequence in the BatchGenerator once decoding
+    first: int | None = None  # the token sampled from the prompt's last chunk, fed by the first decode step
     progress_at: float | None = None  # when the last Progress event was sent
     generated: int = 0
     t_first: float | None = None
@@ -427,11 +428,15 @@ class Engine:
         self._prefilling.remove(session_id)
         prefill, act.prefill = act.prefill, None
         self._took(act, token, time.perf_counter())
+        act.first = token
         job = act.job
-        if token in self.tokenizer.eos_token_ids or job.max_tokens == 1:
-            # Done before decoding: the cache holds the prompt, the token was never fed.
-            reason = "stop" if token in self.tokenizer.eos_token_ids else "length"
-            self._finish(act, reason, prefill.cache, prefill.tokens)
+        if token in self.tokenizer.eos_token_ids:
+            # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
+            self._finish(act, "stop", prefill.cache, prefill.tokens)
+            return
+        if job.max_tokens == 1:
+            # A one-token answer: shown, so part of the history, but never fed to the cache.
+            self._finish(act, "length", prefill.cache, prefill.tokens, unfed=[token])
             return
         from cachestore.quantized import as_batchable
 
@@ -509,20 +514,28 @@ class Engine:
             return
         removed = self.generator.remove([act.uid], return_prompt_caches=True)
         cache, tokens = removed.get(act.uid, (None, []))
-        self._finish(act, "cancelled", cache, list(tokens))
+        tokens = list(tokens)
+        # Cancelled before the first decode step fed the first token: it was shown, so it
+        # belongs to the history, but the cache ends with the prompt.
+        unfed = [act.first] if act.first is not None and len(tokens) == len(act.prompt) else []
+        self._finish(act, "cancelled", cache, tokens, unfed=unfed)
 
     def _finish(self, act: _Active, reason: str, cache: list[Any] | None, tokens: list[int],
-                *, changed: bool = True) -> None:
+                *, changed: bool = True, unfed: Sequence[int] = ()) -> None:
         """Send the end of the answer, then keep the cache (which holds `tokens`).
 
-        `changed` is False when the session's fed ids stay as they were (nothing was generated).
+        `unfed`: answer tokens after `tokens` that were shown but never fed; the session's
+        history (`Done.tokens`) includes them, the cache does not, so the next turn feeds
+        them first. `changed` is False when the session's fed ids stay as they were
+        (nothing was generated).
         """
         act.detokenizer.finalize()
         if text := act.detokenizer.last_segment:
             act.job.emit(Delta(text))
         sid = act.job.session_id
         self._forget(sid)
-        act.job.emit(Done(reason, self._usage(act), tokens if tokens and changed else None))
+        history = [*tokens, *unfed]
+        act.job.emit(Done(reason, self._usage(act), history if tokens and changed else None))
         # Behind the turn: the client has its answer; now keep the cache and page out its new tokens.
         if cache is not None and tokens and self.caches is not None:
             try:

@@ -80,8 +80,42 @@ def test_one_token_answer_is_not_fed(engine: Engine) -> None:
     end = done(events)
     assert end.finish_reason == "length" and end.usage["completion_tokens"] == 1
     assert sum(isinstance(e, Delta) for e in events) == 1
-    # The cache holds the prompt alone: the one token was sampled but never fed.
-    assert end.tokens is not None and len(end.tokens) == end.usage["prompt_tokens"]
+    # The token was shown, so the session's history holds it; the cache holds the prompt
+    # alone (the token was sampled but never fed), so the next turn feeds it first.
+    assert end.tokens is not None and len(end.tokens) == end.usage["prompt_tokens"] + 1
+    assert_next_turn_starts_from(engine, "c" * 16, "Hello there.", events, end)
+
+
+def assert_next_turn_starts_from(engine: Engine, sid: str, text: str, events: list[EngineEvent],
+                                 end: Done) -> None:
+    """The next turn appends to exactly `end.tokens` and restores the prompt the cache holds."""
+    answer = "".join(e.text for e in events if isinstance(e, Delta))
+    assert end.tokens is not None
+    nxt: list[EngineEvent] = []
+    engine._start(GenerationJob(
+        session_id=sid, messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
+                                  {"role": "user", "content": "And then?"}],
+        system=None, fed_tokens=end.tokens, fed_covers=2, max_tokens=2, temperature=0.0, top_p=1.0,
+        emit=nxt.append))
+    started = nxt[0]
+    assert isinstance(started, Started) and not started.retokenized
+    assert started.cached_tokens == end.usage["prompt_tokens"]
+    assert engine._active[sid].prompt[:len(end.tokens)] == end.tokens
+    run_to_end(engine)
+
+
+def test_cancel_before_the_first_token_is_fed_keeps_it_in_the_history(engine: Engine) -> None:
+    """A cancel between the prefill's first token and the decode step that feeds it."""
+    sid = "f" * 16
+    events: list[EngineEvent] = []
+    engine._start(job(sid, "Hello there.", events))
+    while not any(isinstance(e, Delta) for e in events):
+        engine._step()  # the prompt is fed and the first token shown; no decode step has run
+    engine._cancel(sid)
+    end = done(events)
+    assert end.finish_reason == "cancelled" and end.usage["completion_tokens"] == 1
+    assert end.tokens is not None and len(end.tokens) == end.usage["prompt_tokens"] + 1
+    assert_next_turn_starts_from(engine, sid, "Hello there.", events, end)
 
 
 def test_cancel_mid_prefill_keeps_what_was_fed(engine: Engine) -> None:
