@@ -57,6 +57,7 @@ async def running_daemon(data_dir: Path, *, start_engine: bool = True, **overrid
     """A daemon serving on port 0. With start_engine=False it serves with the model not yet
     loading, until the test calls `d.daemon.engine.start()` (which it must, before leaving)."""
     overrides.setdefault("port", 0)
+    overrides.setdefault("model", "builtin:tiny")  # the real default model is for a handful of tests
     config = load_config(None, data_dir=data_dir, **overrides)
     data_dir.mkdir(parents=True, exist_ok=True)
     token = ensure_token(data_dir)

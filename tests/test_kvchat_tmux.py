@@ -58,7 +58,8 @@ def _drain(stream: Iterable[str], lines: queue.Queue[str | None], keep: list[str
 def kvd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kvd]:
     data_dir = tmp_path_factory.mktemp("kvd")
     process = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir),
+         "--model", "builtin:tiny"],
         cwd=REPO,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
