@@ -84,12 +84,13 @@ def _no_progress(stage: str, done: int, total: int) -> None:
 
 
 def _looks_like_path(model: str) -> bool:
-    """Anything but ``owner/name`` is a path: mlx-lm would send it to the hub as a repo id
-    and report a malformed id instead of the missing file it is."""
+    """Anything but ``owner/name`` is a path, and so is ``dir/name`` where ``dir`` exists
+    here: mlx-lm would send it to the hub as a repo id and report a malformed id (or a
+    network error) instead of the missing file it is."""
     if model.startswith(("/", ".", "~")) or model.endswith(".gguf") or os.sep != "/" and os.sep in model:
         return True
     parts = model.split("/")
-    return len(parts) != 2 or not all(parts)
+    return len(parts) != 2 or not all(parts) or Path(parts[0]).is_dir()
 
 
 def _download(repo: str) -> Path:
@@ -99,8 +100,9 @@ def _download(repo: str) -> Path:
         return Path(mlx_lm_download(repo))
     except Exception as e:  # huggingface_hub raises a dozen kinds; each is "cannot get it"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ModelError(f"could not get {repo} from Hugging Face ({first}); check the repo id "
-                         f"and the network, or use another model (a model is {KINDS})") from None
+        raise ModelError(f"could not get {repo} from Hugging Face ({first}), and there is no local "
+                         f"path {Path(repo).absolute()}; check the repo id and the network, or use "
+                         f"another model (a model is {KINDS})") from None
 
 
 def _checked_dir(path: Path) -> Path:
