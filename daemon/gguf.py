@@ -26,6 +26,7 @@ Measured facts this rests on:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,9 @@ def read_weights(path: Path, mode: str, on_tensor: Callable[[], None] | None = N
     """
     import mlx.core as mx
 
-    raw, meta = mx.load(str(path), return_metadata=True)  # type: ignore[misc]
+    loaded: Any = mx.load(str(path), return_metadata=True)
+    raw: dict[str, Any] = loaded[0]
+    meta: dict[str, Any] = loaded[1]
     heads = _int(meta, "llama.attention.head_count")
     kv_heads = _int(meta, "llama.attention.head_count_kv", heads)
     weights: dict[str, Any] = {}
@@ -225,8 +228,6 @@ def convert(path: Path, out: Path, *, mode: str, sha256: str,
     # mx.save_safetensors appends ".safetensors" and never fsyncs: save, then fsync.
     mx.save_safetensors(str(out / "model"), weights, metadata={"format": "mlx"})
     with open(out / "model.safetensors", "rb+") as f:
-        import os
-
         os.fsync(f.fileno())
     write_synced(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     for fname, data in tokenizer_files(meta).items():

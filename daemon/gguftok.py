@@ -108,7 +108,7 @@ def tokenizer_files(meta: dict[str, Any]) -> dict[str, bytes]:
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **specials,
-        "add_bos_token": bool(add_bos.item() if hasattr(add_bos, "item") else add_bos),
+        "add_bos_token": bool(add_bos is not None and (add_bos.item() if hasattr(add_bos, "item") else add_bos)),
         "additional_special_tokens": [tokens[i] for i, t in enumerate(types) if t == _CONTROL],
         "added_tokens_decoder": {
             str(i): {"content": tokens[i], "lstrip": False, "normalized": False, "rstrip": False,
