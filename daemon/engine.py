@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from .config import Config
@@ -151,8 +152,11 @@ class _Active:
 class Engine:
     """Owns the model; serves GenerationJobs through one BatchGenerator."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, model_dir: Path | None = None):
+        """`model_dir`: the model already prepared (daemon/models.py) by `kvd serve` before it
+        listened; None prepares it on the engine thread."""
         self.config = config
+        self.model_dir = model_dir
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Forget | _Stop | _Status] = queue.SimpleQueue()
@@ -199,10 +203,10 @@ class Engine:
         from mlx.utils import tree_flatten
         from mlx_lm.utils import load
 
-        from .builtin import ensure_builtin, is_builtin
+        from .models import prepare_model
 
         name = self.config.model
-        path = str(ensure_builtin(name, self.config.models_dir)) if is_builtin(name) else name
+        path = str(self.model_dir or prepare_model(name, self.config.models_dir))
         t0 = time.perf_counter()
         model, tokenizer, model_config = load(path, return_config=True)  # type: ignore[misc]
         if not mx.metal.is_available():
@@ -268,8 +272,8 @@ class Engine:
     def _run(self) -> None:
         try:
             self._load()
-        except BaseException as e:  # reported to every client; the daemon stays up
-            log.exception("loading model %s failed", self.config.model)
+        except BaseException as e:  # reported to every client; `kvd serve` then stops (startup.py)
+            log.debug("loading model %s failed", self.config.model, exc_info=True)
             self.load_error = e
         if self.caches is not None and self.config.prefetch:
             self._prefetch = self.caches.prefetch_plan()

@@ -58,6 +58,7 @@ async def running_daemon(data_dir: Path, *, start_engine: bool = True, **overrid
     loading, until the test calls `d.daemon.engine.start()` (which it must, before leaving)."""
     overrides.setdefault("port", 0)
     overrides.setdefault("prefetch", False)  # a restart in a test is cold unless it asks otherwise
+    overrides.setdefault("model", "builtin:tiny")  # the real default model is for a handful of tests
     config = load_config(None, data_dir=data_dir, **overrides)
     data_dir.mkdir(parents=True, exist_ok=True)
     token = ensure_token(data_dir)

@@ -23,7 +23,10 @@ EVENT_TIMEOUT = 60.0
 
 class DaemonProcess:
     def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, prefetch: bool = False):
+        """`kvd serve` on port 0; on builtin:tiny unless `args` name a --model."""
         self.data_dir = data_dir
+        if "--model" not in args:
+            args = ("--model", "builtin:tiny", *args)
         # A restart in a test is cold (restored from disk) unless the test asks for prefetch.
         config = data_dir.parent / f"{data_dir.name}-kvd.toml"
         config.write_text(f"[cache]\nprefetch = {str(prefetch).lower()}\n")

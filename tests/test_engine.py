@@ -22,7 +22,7 @@ STEP = 16
 
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[Engine]:
-    e = Engine(load_config(None, data_dir=tmp_path, prefill_step_size=STEP))
+    e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny", prefill_step_size=STEP))
     e._load()
     yield e
     assert e.caches is not None
@@ -157,7 +157,7 @@ def test_a_prefill_never_freezes_the_batch(engine: Engine) -> None:
 
 def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -> None:
     """Alone, a prompt goes in prefill_step_size chunks; beside a decoding session, in slices."""
-    e = Engine(load_config(None, data_dir=tmp_path, prefill_step_size=64, prefill_slice=1e-6))
+    e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny", prefill_step_size=64, prefill_slice=1e-6))
     e._load()
     alone: list[EngineEvent] = []
     e._start(job("1" * 16, LONG, alone))
@@ -187,7 +187,7 @@ def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -
 
 def test_the_model_is_warmed_up_before_ready(tmp_path: Path) -> None:
     """The first forward after a load is paid before `ready`, not by the first user's turn."""
-    e = Engine(load_config(None, data_dir=tmp_path))
+    e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny"))
     e.start()
     assert e.ready.wait(120)
     try:

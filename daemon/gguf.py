@@ -1,0 +1,234 @@
+"""A llama-family GGUF file, converted once into an mlx-lm model directory.
+
+People already have GGUF files (llama.cpp's format); mlx-lm loads its own
+directory layout. This module checks a GGUF file against what it can
+convert (architecture ``llama``; tensors in F32, F16, Q4_0, Q4_1 or Q8_0;
+a byte-level BPE vocabulary), reads its tensors with MLX's own GGUF reader
+and writes config.json, model.safetensors and the tokenizer files
+(daemon/gguftok.py) into a new directory.
+
+Measured facts this rests on:
+
+- `mx.load(path, return_metadata=True)` returns quantized tensors as MLX
+  affine triples (``weight`` uint32, ``scales``, ``biases``; group size 32).
+  The bits differ per tensor (SmolLM2's Q4_1 file keeps ``token_embd`` in
+  Q8_0), so they are derived from the shapes: 32 * packed columns / columns.
+- llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its
+  rope layout; mlx-lm's llama (``rope_traditional = false``) needs them back:
+  reshape to (heads, rows/heads/2, 2, cols) and swap axes 1 and 2. Rows are
+  the first axis of a weight and of its scales and biases alike.
+- On the CPU backend quantized matmuls are much slower than float32 ones
+  with OpenBLAS interposed, so there weights are dequantized to float32
+  (``mode="float32"``); where Metal is available they stay quantized
+  (``mode="quantized"``), with a per-layer bits entry in config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .ggufinfo import GGMLType, GGUFInfo, TYPE_NAMES
+
+__all__ = ["CONVERTER_VERSION", "MODES", "UnsupportedGGUF", "check_supported", "convert"]
+
+#: Bump when the files written change; converted dirs of another version are rebuilt.
+CONVERTER_VERSION = 1
+MODES = ("float32", "quantized")
+GROUP_SIZE = 32
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
+
+# GGUF tensor name (after "blk.N.") -> mlx-lm's llama name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class UnsupportedGGUF(Exception):
+    """The file is a GGUF file this converter does not handle; the message names what and why."""
+
+
+def _supported_types() -> str:
+    return ", ".join(TYPE_NAMES[t] for t in SUPPORTED_TYPES)
+
+
+def check_supported(info: GGUFInfo, path: Path) -> None:
+    """Refuse, naming what was found, anything :func:`convert` cannot turn into a working model."""
+    arch = info.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedGGUF(f"{path.name} is a {arch!r} model; kvd converts GGUF files of "
+                              f"architecture {', '.join(SUPPORTED_ARCHITECTURES)} only")
+    for t in info.tensors:
+        if t.type not in SUPPORTED_TYPES:
+            raise UnsupportedGGUF(f"{path.name}: tensor {t.name} is encoded as {t.type_name}; kvd "
+                                  f"converts GGUF tensors in {_supported_types()} only")
+        if _mlx_name(t.name) is None:
+            raise UnsupportedGGUF(f"{path.name}: tensor {t.name} has no place in mlx-lm's llama model "
+                                  "(kvd converts plain llama-family GGUF files)")
+    end = max((t.offset + (t.nbytes or 0) for t in info.tensors), default=0) + info.data_offset
+    if info.file_size < end:
+        raise UnsupportedGGUF(f"{path} is truncated: {info.file_size} bytes where its tensors need "
+                              f"{end}; download it again")
+    scaling = info.metadata.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedGGUF(f"{path.name} uses rope scaling {scaling!r}; kvd converts GGUF files "
+                              "without rope scaling only")
+    model = info.metadata.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise UnsupportedGGUF(f"{path.name} has a {model!r} tokenizer; kvd converts GGUF files with a "
+                              "byte-level BPE ('gpt2') tokenizer only")
+
+
+def _mlx_name(name: str) -> str | None:
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight",):
+        return None
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.weight"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def _int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if value is None:
+        raise UnsupportedGGUF(f"the GGUF file has no {key}")
+    return int(value.item() if hasattr(value, "item") else value)
+
+
+def _float(meta: dict[str, Any], key: str, default: float) -> float:
+    value = meta.get(key, default)
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def model_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """mlx-lm's llama config from the GGUF metadata (as `mx.load` returns it)."""
+    a = "llama"
+    heads = _int(meta, f"{a}.attention.head_count")
+    hidden = _int(meta, f"{a}.embedding_length")
+    head_dim = _int(meta, f"{a}.attention.key_length", hidden // heads)
+    rope_dims = _int(meta, f"{a}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise UnsupportedGGUF(f"rope over {rope_dims} of {head_dim} head dimensions is not supported")
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": _int(meta, f"{a}.block_count"),
+        "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int(meta, f"{a}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _float(meta, f"{a}.rope.freq_base", 10000.0),
+        "rope_traditional": False,
+        "max_position_embeddings": _int(meta, f"{a}.context_length"),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "tie_word_embeddings": tied,
+        "eos_token_id": _int(meta, "tokenizer.ggml.eos_token_id"),
+    }
+    if "tokenizer.ggml.bos_token_id" in meta:
+        config["bos_token_id"] = _int(meta, "tokenizer.ggml.bos_token_id")
+    return config
+
+
+def unpermute(x: Any, heads: int) -> Any:
+    """Undo llama.cpp's rope permutation of the rows of attn_q / attn_k (any trailing shape)."""
+    rows, cols = x.shape
+    return x.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def read_weights(path: Path, mode: str, on_tensor: Callable[[], None] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(weights named for mlx-lm, their quantization entries, the GGUF metadata).
+
+    In "float32" mode every weight is a float32 array: quantized ones are
+    dequantized with float32 scales and biases, so each value is the exact
+    `scale * q + bias` of the file's float16 scale and bias. In "quantized"
+    mode quantized weights stay triples and the second dict gives each
+    module's bits.
+    """
+    import mlx.core as mx
+
+    loaded: Any = mx.load(str(path), return_metadata=True)
+    raw: dict[str, Any] = loaded[0]
+    meta: dict[str, Any] = loaded[1]
+    heads = _int(meta, "llama.attention.head_count")
+    kv_heads = _int(meta, "llama.attention.head_count_kv", heads)
+    weights: dict[str, Any] = {}
+    quant: dict[str, Any] = {}
+    for key in sorted(raw):
+        base, _, part = key.rpartition(".")
+        if part != "weight":
+            continue  # scales and biases travel with their weight
+        name = _mlx_name(key)
+        assert name is not None  # check_supported refused the file otherwise
+        module = name[: -len(".weight")]
+        w = raw[key]
+        triple = [w, raw.get(f"{base}.scales"), raw.get(f"{base}.biases")]
+        rows_heads = heads if base.endswith("attn_q") else kv_heads if base.endswith("attn_k") else 0
+        if rows_heads:
+            triple = [unpermute(t, rows_heads) if t is not None else None for t in triple]
+        w, scales, biases = triple
+        if scales is None:
+            weights[name] = w.astype(mx.float32) if mode == "float32" else w
+        else:
+            bits = 32 * w.shape[-1] // (scales.shape[-1] * GROUP_SIZE)
+            if mode == "float32":
+                weights[name] = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
+                                              group_size=GROUP_SIZE, bits=bits)
+            else:
+                weights[name] = w
+                weights[f"{module}.scales"] = scales
+                weights[f"{module}.biases"] = biases
+                quant[module] = {"group_size": GROUP_SIZE, "bits": bits}
+        mx.eval(*(v for k, v in weights.items() if k.startswith(module)))
+        if on_tensor is not None:
+            on_tensor()
+    return weights, quant, meta
+
+
+def convert(path: Path, out: Path, *, mode: str, sha256: str,
+            on_tensor: Callable[[], None] | None = None) -> None:
+    """Write the mlx-lm model dir for the (already checked) GGUF file `path` into `out`.
+
+    `on_tensor` is called once per tensor converted, for a progress bar.
+    """
+    import mlx.core as mx
+
+    from .gguftok import tokenizer_files
+    from .modeldir import write_synced
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    weights, quant, meta = read_weights(path, mode, on_tensor)
+    tied = "lm_head.weight" not in weights
+    config = model_config(meta, tied)
+    if quant:
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quant}
+    config["torch_dtype"] = "float32" if mode == "float32" else "float16"
+    config["kvd_gguf"] = {"sha256": sha256, "mode": mode, "version": CONVERTER_VERSION,
+                          "source": path.name}
+    # mx.save_safetensors appends ".safetensors" and never fsyncs: save, then fsync.
+    mx.save_safetensors(str(out / "model"), weights, metadata={"format": "mlx"})
+    with open(out / "model.safetensors", "rb+") as f:
+        os.fsync(f.fileno())
+    write_synced(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    for fname, data in tokenizer_files(meta).items():
+        write_synced(out / fname, data)
