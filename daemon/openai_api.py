@@ -39,6 +39,7 @@ from .asgi import headers_of
 from .config import Config
 from .engine import Engine
 from .guards import check
+from .loading import LoadingWatch
 from .openai_schema import ApiError, ChatRequest, parse, stops
 from .prompt import render
 from .requests import RequestError
@@ -48,6 +49,7 @@ from .turns import Tokens, Turn, Turns
 log = logging.getLogger("kvd.api")
 
 SESSION_HEADER = "X-Kvd-Session"
+LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
 DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
 
 # The turn core's error codes, as HTTP statuses and OpenAI error codes.
@@ -83,8 +85,10 @@ class _Events:
 
 
 class OpenAIDoor:
-    def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str):
+    def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str,
+                 loading: LoadingWatch):
         self.config = config
+        self.loading = loading
         self.store = store
         self.engine = engine
         self.turns = turns
@@ -127,6 +131,9 @@ class OpenAIDoor:
         headers: dict[str, str] = {}
         try:
             req = parse(await self._json(request), self.config)
+            if not self.engine.ready.is_set():
+                with anyio.move_on_after(LOAD_WAIT):
+                    await self.loading.settled.wait()
             self._check_ready()
             pinned = request.headers.get(SESSION_HEADER)
             if pinned is not None and not is_valid_session_id(pinned):
@@ -172,7 +179,7 @@ class OpenAIDoor:
     def _check_ready(self) -> None:
         if not self.engine.ready.is_set():
             raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading its model "
-                           f"({self.config.model}); retry in a few seconds", code="model_loading")
+                           f"({self.config.model}) after {LOAD_WAIT:.0f} s; retry later", code="model_loading")
         if self.engine.load_error is not None:
             raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {self.engine.load_error}; "
                            "kvd's log has the details, fix the model setting and restart kvd",

@@ -50,7 +50,7 @@ class Daemon:
         self.turns = Turns(config, store, engine)
         self._loading = LoadingWatch(engine, config.model)
         self.websocket = WebSocketDoor(config, store, engine, self.turns, token, self._loading, self.status)
-        self.api = OpenAIDoor(config, store, engine, self.turns, token)
+        self.api = OpenAIDoor(config, store, engine, self.turns, token, self._loading)
         self._stopping = anyio.Event()
         self.url: str | None = None
 
@@ -71,7 +71,8 @@ class Daemon:
                                     family=socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
         logging.getLogger("uvicorn").setLevel(logging.WARNING)
         config = uvicorn.Config(
-            self._app, ws="websockets-sansio", http="h11", lifespan="off", log_config=None,
+            self._app, interface="asgi3", ws="websockets-sansio", http="h11", lifespan="off", log_config=None,
+            proxy_headers=False,
             access_log=False, server_header=False, headers=[("server", f"kvd/{__version__}")],
             ws_max_size=self.config.max_message_bytes, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
         )
@@ -95,8 +96,9 @@ class Daemon:
                 self.url = p.default_url(self.config.host, sock.getsockname()[1])
                 task_status.started(self.url)
                 await self._stopping.wait()
-                log.info("shutting down: finishing answers, closing connections")
+                log.info("shutting down: closing connections, finishing answers")
                 loading.cancel()
+                await self.websocket.close_all()
                 await anyio.to_thread.run_sync(self.engine.stop)  # every running turn ends, cancelled
                 server.should_exit = True
                 # Leaving the task group waits for every turn to commit its answer.

@@ -47,6 +47,16 @@ class WebSocketDoor:
         self._status = status
         self.connections: set[Connection] = set()
 
+    async def close_all(self) -> None:
+        """Close every connection with 1001 (going away): kvchat then says the daemon shut down."""
+        for conn in list(self.connections):
+            conn.close()
+            with anyio.move_on_after(1.0):
+                try:
+                    await conn.ws.close(1001)
+                except (RuntimeError, OSError):
+                    pass  # already closed
+
     def broadcast(self, event: dict[str, Any]) -> None:
         for conn in list(self.connections):
             conn.publish(event)
