@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .config import Config
 
 MAX_STOPS = 4  # as OpenAI
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in error paths
 
 
 class ApiError(Exception):
@@ -93,8 +94,12 @@ def parse(body: Any, config: Config) -> ChatRequest:
     try:
         req = ChatRequest.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+        # A union (content: a string or a list of parts) reports one error per member; the
+        # deepest says most (a part's wrong type, rather than "not a string").
+        first = max(e.errors(), key=lambda err: len(err["loc"]))
+        loc = [part for part in first["loc"] if isinstance(part, int) or part.isidentifier()
+               and part not in _UNION_TAGS]
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
         got = repr(first.get("input"))
         got = got if len(got) <= 60 else got[:57] + "..."
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{where or 'body'}: {first['msg']} (got {got})",
