@@ -98,6 +98,8 @@ class Daemon:
                 await self._stopping.wait()
                 log.info("shutting down: closing connections, finishing answers")
                 loading.cancel()
+                for listener in server.servers:
+                    listener.close()  # no new clients: one could attach to an answer about to be cut
                 await self.websocket.close_all()
                 await anyio.to_thread.run_sync(self.engine.stop)  # every running turn ends, cancelled
                 server.should_exit = True
