@@ -75,6 +75,9 @@ class Daemon:
             proxy_headers=False,
             access_log=False, server_header=False, headers=[("server", f"kvd/{__version__}")],
             ws_max_size=self.config.max_message_bytes, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+            # An outer bound on HTTP and websocket connections together (uvicorn answers 503 past
+            # it); websockets alone meet max_connections first, with kvd's own 503 that names it.
+            limit_concurrency=2 * self.config.max_connections,
         )
         config.load()
         # uvicorn's serve() without its signal handlers (`kvd serve` owns SIGTERM and SIGINT):

@@ -119,7 +119,10 @@ def _append(store: Store, session_id: str, messages: Sequence[tuple[str, str]]) 
 
 def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[tuple[str, str]],
             session_id: str) -> Placement:
-    session = turns.session(session_id)
+    session = store.get_session(session_id)
+    if session is None:
+        raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r} (deleted?); "
+                           "send the request without pinning a session to start a new one")
     if session_id in turns.active:
         raise RequestError(p.BUSY, f"session {session_id} is answering another request; "
                            "wait for it to finish or cancel it")

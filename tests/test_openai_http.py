@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from websockets.asyncio.client import connect
@@ -164,3 +165,42 @@ async def test_stop_sequences_end_the_answer_and_the_kept_text(tmp_path: Path) -
                 assert (text, finish) == (cut, "stop")
                 kept = d.store.messages(r.headers["X-Kvd-Session"])[-1]
                 assert (kept["content"], kept["finish_reason"], kept["status"]) == (cut, "stop", "complete")
+
+
+async def test_a_pinned_session_is_continued_and_rewound_where_the_request_differs(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create", title="From kvchat"))["session"]["id"]
+            _, done = await c.chat(sid, "hello from kvchat", max_tokens=4, temperature=0)
+            assert done["type"] == "chat.done"
+        first = d.store.messages(sid)
+        convo = [{"role": m["role"], "content": m["content"]} for m in first]
+        async with http(d, **{"X-Kvd-Session": sid}) as h:
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": [*convo, {"role": "user", "content": "and now?"}]})
+            assert r.status_code == 200 and r.headers["X-Kvd-Session"] == sid
+            answer = r.json()["choices"][0]["message"]["content"]
+            assert [m["content"] for m in d.store.messages(sid)] == [first[0]["content"], first[1]["content"],
+                                                                     "and now?", answer]
+            # The client edits its first message: the pinned session is rewound there, as /edit does.
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": [{"role": "user", "content": "edited"}]})
+            assert r.status_code == 200
+            edited = r.json()["choices"][0]["message"]["content"]
+            assert [(m["role"], m["content"]) for m in d.store.messages(sid)] == [("user", "edited"),
+                                                                                   ("assistant", edited)]
+            # Busy: another request on the same pinned session while one is answering.
+            long = {**HI, "max_tokens": 4000, "stream": True, "messages": [{"role": "user", "content": "go on"}]}
+            async with h.stream("POST", "/v1/chat/completions", json=long) as streaming:
+                assert streaming.status_code == 200
+                async for line in streaming.aiter_lines():
+                    if '"content":"' in line.replace(" ", "") and '"content":""' not in line.replace(" ", ""):
+                        break  # under way
+                r = await h.post("/v1/chat/completions", json=HI)
+                assert_error(r, 409, says="answering another request")
+            # Leaving the stream early cancelled that answer; the session is usable again.
+            turn = d.daemon._generations.get(sid)
+            if turn is not None:
+                with anyio.fail_after(60):
+                    await turn.finished.wait()
+            assert d.store.messages(sid)[-1]["status"] == "cancelled"
+            assert (await h.post("/v1/chat/completions", json=HI)).status_code == 200
+        assert [s["id"] for s in d.store.list_sessions()] == [sid]  # nothing else was created
