@@ -16,9 +16,14 @@ words); then, for each server:
 
 1. the conversation so far, ending with a user message (untimed: the first
    prefill, which also fills the server's prompt cache);
-2. the next turn (the answer it got, plus a new message): "same process";
-3. the server is stopped and started again, and the turn after that is
-   sent: "after restart".
+2. the next turn (the answer it got, plus a new message), `--repeat` times:
+   "same process";
+3. the server is stopped and started again and the turn after that is
+   sent: "after restart", `--repeat` times for kvd, once for mlx_lm.server
+   (each of its restarts re-reads the whole conversation).
+
+Medians are reported with their range: other work on a shared 2-core machine
+makes single turns vary by several times.
 
 Between an answer and the next message the client waits THINK seconds, as a
 reader would; kvd is also asked for its status first, which it answers
@@ -34,6 +39,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -157,7 +163,9 @@ def warm_up(base_url: str, key: str) -> None:
     turn(base_url, key, [{"role": "user", "content": "hi"}], 1)
 
 
-def run(server: str, model: Path, tokens: int, new: int, root: Path) -> dict[str, Any]:
+def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int) -> dict[str, Any]:
+    """`repeat` next turns in one process, then `repeat` restarts with one turn each (kvd; one for
+    mlx_lm.server, whose every restart re-reads the whole conversation)."""
     messages = conversation(model, tokens)
     start: Any
     if server == "kvd":
@@ -165,30 +173,45 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path) -> dict[str
         start = lambda: Kvd(model, data)  # noqa: E731
     else:
         start = lambda: MlxServer(model)  # noqa: E731
+    same: list[float] = []
+    restarted: list[float] = []
+    usages: list[dict[str, Any]] = []
     s = start()
     try:
         key = getattr(s, "key", "none")
         warm_up(s.base_url, key)
-        _, a1, u1 = turn(s.base_url, key, messages, new)
-        s.settle()
-        time.sleep(THINK)
-        messages += [{"role": "assistant", "content": a1}, {"role": "user", "content": "And then?"}]
-        same, a2, u2 = turn(s.base_url, key, messages, new)
+        _, answer, first = turn(s.base_url, key, messages, new)
+        for i in range(repeat):
+            s.settle()
+            time.sleep(THINK)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And then ({i})?"}]
+            ttft, answer, usage = turn(s.base_url, key, messages, new)
+            same.append(ttft)
+            usages.append(usage)
         s.settle()
     finally:
         s.stop()
-    messages += [{"role": "assistant", "content": a2}, {"role": "user", "content": "One more thing."}]
-    s = start()
-    try:
-        key = getattr(s, "key", "none")
-        warm_up(s.base_url, key)
-        time.sleep(THINK)
-        restarted, _, u3 = turn(s.base_url, key, messages, new)
-    finally:
-        s.stop()
-    return {"server": server, "tokens": tokens, "prompt_1": u1.get("prompt_tokens"),
-            "same": same, "same_prompt": u2.get("prompt_tokens"), "same_usage": u2,
-            "restart": restarted, "restart_prompt": u3.get("prompt_tokens"), "restart_usage": u3}
+    for i in range(repeat if server == "kvd" else 1):
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"After a restart ({i})?"}]
+        s = start()
+        try:
+            key = getattr(s, "key", "none")
+            warm_up(s.base_url, key)
+            time.sleep(THINK)
+            ttft, answer, usage = turn(s.base_url, key, messages, new)
+            restarted.append(ttft)
+            usages.append(usage)
+            s.settle()
+        finally:
+            s.stop()
+    return {"server": server, "tokens": tokens, "prompt_1": first.get("prompt_tokens"),
+            "same": same, "restart": restarted, "usages": usages}
+
+
+def span(values: list[float]) -> str:
+    """The median, and the range when there are several."""
+    mid = f"{statistics.median(values) * 1000:.0f} ms"
+    return mid if len(values) == 1 else f"{mid} ({min(values) * 1000:.0f}-{max(values) * 1000:.0f})"
 
 
 def main() -> int:
@@ -197,6 +220,7 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--new", type=int, default=8, help="tokens per answer")
     parser.add_argument("--servers", nargs="+", default=["kvd", "mlx_lm.server"])
+    parser.add_argument("--repeat", type=int, default=3, help="turns per case (medians are reported)")
     args = parser.parse_args()
     root = Path(os.environ.get("KVD_BENCH_DIR") or tempfile.mkdtemp(prefix="kvd-bench-"))
     if args.model == "05b":
@@ -210,18 +234,18 @@ def main() -> int:
     rows = []
     for tokens in args.lengths:
         for server in args.servers:
-            row = run(server, model, tokens, args.new, Path(tempfile.mkdtemp(dir=root)))
+            row = run(server, model, tokens, args.new, Path(tempfile.mkdtemp(dir=root)), args.repeat)
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}\n")
-    print("| N | server | same process | after restart | restart / same | cached after restart |")
+    print("| conversation | server | next turn, same process | after a restart | restart / same | cached after restart |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
-        cached = ((r["restart_usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-                  if r["restart_usage"] else None)
-        print(f"| {r['restart_prompt'] or r['tokens']} | {r['server']} | {r['same'] * 1000:.0f} ms "
-              f"| {r['restart'] * 1000:.0f} ms | {r['restart'] / r['same']:.1f}x "
-              f"| {cached if cached is not None else 'n/a'} |")
+        last = r["usages"][-1]
+        cached = (last.get("prompt_tokens_details") or {}).get("cached_tokens")
+        same, restart = statistics.median(r["same"]), statistics.median(r["restart"])
+        print(f"| {last.get('prompt_tokens')} tok | {r['server']} | {span(r['same'])} | {span(r['restart'])} "
+              f"| {restart / same:.1f}x | {cached} tok |")
     return 0
 
 
