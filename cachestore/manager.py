@@ -117,6 +117,40 @@ class SessionCaches:
             return Checkout(restore(paged), paged.end, "disk", ms())
         return Checkout(None, 0, "none", ms())
 
+    def copy_prefix(self, source: str, wanted: Sequence[int]) -> Checkout:
+        """A copy of the longest usable prefix another session's cache holds; that session keeps its own.
+
+        For a conversation that branches from a stored one (an edited
+        message, a request that shares its beginning): the new session starts
+        from the shared prefix while the source stays exactly as it was, in
+        whatever tier it is. Arrays are shared copy-on-write (snapshot.py),
+        so a copy costs at most one read of the source's state.
+        """
+        t0 = time.perf_counter()
+        limit = len(wanted) - 1
+        ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
+
+        if (res := self.resident.peek(source)) is not None:
+            cache, toks = res
+            n = min(common_prefix_len(toks, wanted), limit)
+            if n > 0:
+                try:
+                    return Checkout(restore(truncate(snapshot(cache, 0), n)), n, "resident", ms())
+                except CannotSplit:
+                    log.debug("resident cache of %s cannot be cut at %d", source, n)
+        if (w := self.warm.peek(source)) is not None:
+            snap, toks = w
+            n = min(common_prefix_len(toks, wanted), limit)
+            if n > 0:
+                try:
+                    return Checkout(restore(truncate(unpack(snap), n)), n, "warm", ms())
+                except CannotSplit:
+                    log.debug("warm snapshot of %s cannot be cut at %d", source, n)
+        paged = self._page_in(source, wanted, limit)
+        if paged is not None:
+            return Checkout(restore(paged), paged.end, "disk", ms())
+        return Checkout(None, 0, "none", ms())
+
     def _page_in(self, key: str, wanted: Sequence[int], limit: int) -> Snapshot | None:
         """The longest prefix of `wanted` the disk chain holds, merged into one snapshot."""
         merged = self._read_chain(key, wanted, limit)

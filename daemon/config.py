@@ -35,6 +35,7 @@ class Config:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     # Generation defaults (a request may override them)
     max_tokens: int = 512
     temperature: float = 0.7
@@ -82,6 +83,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "host": ("server", "host"),
     "port": ("server", "port"),
     "allowed_origins": ("server", "allowed_origins"),
+    "allowed_hosts": ("server", "allowed_hosts"),
     "max_tokens": ("generation", "max_tokens"),
     "temperature": ("generation", "temperature"),
     "top_p": ("generation", "top_p"),
@@ -134,7 +136,7 @@ def _check(name: str, value: Any) -> Any:
         if not isinstance(value, (str, Path)) or not str(value):
             raise ConfigError(f"{dotted} must be a path")
         return Path(value).expanduser()
-    if name == "allowed_origins":
+    if name in ("allowed_origins", "allowed_hosts"):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{dotted} must be a list of strings")
         return tuple(value)

@@ -1,7 +1,7 @@
 """One websocket client: a bounded outbox and a writer that never waits forever.
 
-A client that stops reading fills the socket's buffers and then `send()`
-blocks indefinitely (keepalive pings wait behind the same full buffer), so
+A client that stops reading fills the socket's buffers and then a send
+waits indefinitely (keepalive pings wait behind the same full buffer), so
 every send is bounded by `send_timeout`, after which the transport is aborted.
 Publishers never block: an outbox that overflows also cuts the client off.
 Either way the daemon, the engine and other clients carry on.
@@ -10,12 +10,12 @@ Either way the daemon, the engine and other clients carry on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .protocol import encode
 
@@ -25,9 +25,10 @@ OUTBOX_SIZE = 1024
 
 
 class Connection:
-    def __init__(self, ws: ServerConnection, *, send_timeout: float):
+    def __init__(self, ws: WebSocket, *, send_timeout: float, abort: Callable[[], None]):
         self.ws = ws
         self.send_timeout = send_timeout
+        self._abort = abort
         self.closed = False
         self.closed_event = anyio.Event()  # set once this client is done with, for any reason
         send, receive = anyio.create_memory_object_stream[str](OUTBOX_SIZE)
@@ -38,7 +39,7 @@ class Connection:
 
     @property
     def peer(self) -> str:
-        addr = self.ws.remote_address
+        addr = self.ws.client
         return f"{addr[0]}:{addr[1]}" if addr else "?"
 
     def publish(self, event: dict[str, Any]) -> None:
@@ -59,8 +60,8 @@ class Connection:
             async for frame in self._receive:
                 with anyio.move_on_after(self.send_timeout) as scope:
                     try:
-                        await self.ws.send(frame)
-                    except ConnectionClosed:
+                        await self.ws.send_text(frame)
+                    except (WebSocketDisconnect, OSError, RuntimeError):  # gone, or closed under us
                         break
                 if scope.cancelled_caught:
                     log.warning("client %s did not read for %.1f s; disconnecting it",
@@ -71,8 +72,7 @@ class Connection:
 
     def abort(self) -> None:
         self.close()
-        if self.ws.transport is not None:
-            self.ws.transport.abort()
+        self._abort()
 
     def close(self) -> None:
         if not self.closed:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from .config import Config
 
@@ -36,17 +36,34 @@ log = logging.getLogger("kvd.engine")
 # --- jobs in ---------------------------------------------------------------
 
 
+class Prompt(Protocol):
+    """How a turn's prompt ids are made; the turn core (turns.py) owns the rule."""
+
+    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the session's fed ids were rebuilt rather than appended to.
+
+        Called on the engine thread, where the tokenizer lives.
+        """
+        ...
+
+    @property
+    def fed_before(self) -> int:
+        """How many ids the session had fed in earlier turns (what a re-read is counted against)."""
+        ...
+
+
 @dataclass
 class GenerationJob:
     session_id: str
-    messages: list[dict[str, str]]
-    system: str | None
-    fed_tokens: list[int]  # the exact ids the session fed so far (from the store)
-    fed_covers: int  # how many leading `messages` those ids stand for
+    prompt: Prompt
     max_tokens: int
     temperature: float
     top_p: float
     emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
+    # Start from a copy of this session's cache instead of taking the session's own
+    # (a conversation that branches from a stored one; the source is left as it was).
+    source: str | None = None
+    seed: int | None = None  # seeds MLX's sampler when the turn starts
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -372,10 +389,8 @@ class Engine:
         from cachestore.quantized import make_cache
 
         from .prefill import Prefill
-        from .prompt import prompt_tokens
 
-        tokens, appended = prompt_tokens(self.tokenizer, job.messages, job.system, job.fed_tokens,
-                                         fed_covers=job.fed_covers)
+        tokens, retokenized = job.prompt.ids(self.tokenizer)
         if self.max_context and len(tokens) + job.max_tokens > self.max_context:
             raise PromptTooLong(
                 f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
@@ -383,7 +398,14 @@ class Engine:
                 + _fit_advice(len(tokens), self.max_context)
             )
         assert self.caches is not None
-        out = self.caches.checkout(job.session_id, tokens)
+        if job.source is not None:
+            out = self.caches.copy_prefix(job.source, tokens)
+        else:
+            out = self.caches.checkout(job.session_id, tokens)
+        if job.seed is not None:
+            import mlx.core as mx
+
+            mx.random.seed(job.seed)
         cache, cached = out.cache, out.tokens
         if cache is None or cached == 0:
             cache, cached = make_cache(self.model, self.config.kv_bits or None), 0
@@ -394,8 +416,7 @@ class Engine:
             prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size),
         )
         self._prefilling.append(job.session_id)
-        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached,
-                         retokenized=bool(job.fed_tokens) and not appended))
+        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
 
     def _step(self) -> None:
         """One decode step for every session in the batch, then one prefill chunk."""
@@ -574,7 +595,7 @@ class Engine:
             "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,
             # Tokens fed in an earlier turn that had to be fed again (a new system prompt, an edit
             # before the cache's end, a lost cache): what a status line should own up to.
-            "reread_tokens": max(min(len(act.job.fed_tokens), len(act.prompt)) - act.cached_len, 0),
+            "reread_tokens": max(min(act.job.prompt.fed_before, len(act.prompt)) - act.cached_len, 0),
             "context_tokens": len(act.prompt) + act.generated if act.prompt else 0,
             "context_window": self.max_context,
         }

@@ -37,6 +37,7 @@ class LoadingWatch:
         self.since = time.monotonic()
         self.ready = False
         self.failure: str | None = None
+        self.settled = anyio.Event()  # set once `ready` or `failure` is known
 
     def progress(self) -> dict[str, Any]:
         return {"stage": f"loading {self.model}", "elapsed_s": round(time.monotonic() - self.since, 1)}
@@ -73,3 +74,4 @@ class LoadingWatch:
         else:
             self.ready = True
             broadcast({"type": p.READY})
+        self.settled.set()

@@ -129,3 +129,30 @@ def m002_session_params(db: Database) -> None:
     # Per-session generation defaults (temperature, top_p, max_tokens) as a
     # JSON object; NULL means none set, so the daemon's config applies.
     db.execute("ALTER TABLE sessions ADD COLUMN params TEXT")
+
+
+@migration
+def m003_fed_blocks(db: Database) -> None:
+    # A hash-chain key per 16 fed token ids (sessions/prefixes.py), so a
+    # request carrying a whole conversation finds the session that shares its
+    # longest prefix through an index instead of reading every session's ids.
+    from .prefixes import block_keys
+    from .tokens import unpack_tokens
+
+    db.execute(
+        """
+        CREATE TABLE fed_blocks (
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            n INTEGER NOT NULL CHECK (n >= 1),  -- the key covers fed ids [0, n * BLOCK)
+            key INTEGER NOT NULL,
+            PRIMARY KEY (session_id, n)
+        )
+        """
+    )
+    db.execute("CREATE INDEX fed_blocks_key ON fed_blocks (key, n)")
+    for session_id, blob in db.execute("SELECT session_id, tokens FROM session_tokens").fetchall():
+        keys = block_keys(unpack_tokens(blob))
+        db.conn.executemany(
+            "INSERT INTO fed_blocks (session_id, n, key) VALUES (?, ?, ?)",
+            [(session_id, n, key) for n, key in enumerate(keys, start=1)],
+        )

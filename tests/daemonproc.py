@@ -60,6 +60,11 @@ class DaemonProcess:
                 break
         self.token = (data_dir / "token").read_text().strip()
 
+    @property
+    def base_url(self) -> str:
+        """Where OpenAI clients find the daemon: the same port, over HTTP."""
+        return self.url.replace("ws://", "http://", 1)
+
     @contextmanager
     def client(self) -> Iterator[SyncClient]:
         with connect(self.url, additional_headers={"Authorization": f"Bearer {self.token}"},

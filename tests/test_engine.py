@@ -15,6 +15,7 @@ import pytest
 from conftest import greedy_reference
 from daemon.config import load_config
 from daemon.engine import MIN_CHUNK, Delta, Done, Engine, EngineEvent, GenerationJob, Started
+from daemon.turns import Continuation
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
 STEP = 16
@@ -31,8 +32,8 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
 
 def job(session: str, text: str, events: list[EngineEvent], **fields: Any) -> GenerationJob:
     fields.setdefault("max_tokens", 32)
-    return GenerationJob(session_id=session, messages=[{"role": "user", "content": text}], system=None,
-                         fed_tokens=[], fed_covers=0, temperature=0.0, top_p=1.0,
+    prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
+    return GenerationJob(session_id=session, prompt=prompt, temperature=0.0, top_p=1.0,
                          emit=events.append, **fields)
 
 
@@ -92,11 +93,11 @@ def assert_next_turn_starts_from(engine: Engine, sid: str, text: str, events: li
     answer = "".join(e.text for e in events if isinstance(e, Delta))
     assert end.tokens is not None
     nxt: list[EngineEvent] = []
-    engine._start(GenerationJob(
-        session_id=sid, messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
-                                  {"role": "user", "content": "And then?"}],
-        system=None, fed_tokens=end.tokens, fed_covers=2, max_tokens=2, temperature=0.0, top_p=1.0,
-        emit=nxt.append))
+    prompt = Continuation(messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
+                                    {"role": "user", "content": "And then?"}],
+                          system=None, fed=end.tokens, fed_covers=2)
+    engine._start(GenerationJob(session_id=sid, prompt=prompt, max_tokens=2, temperature=0.0, top_p=1.0,
+                                emit=nxt.append))
     started = nxt[0]
     assert isinstance(started, Started) and not started.retokenized
     assert started.cached_tokens == end.usage["prompt_tokens"]

@@ -148,3 +148,38 @@ def test_prefetch_plans_nothing_that_does_not_fit(model: Any, tmp_path: Path) ->
     caches = SessionCaches(tmp_path, "fp", budgets(warm_bytes=nbytes - 1))
     assert caches.prefetch_plan() == []
     caches.close()
+
+
+def _state(cache: list[Any]) -> list[Any]:
+    return [mx.array(a) for c in cache for a in c.state]
+
+
+@pytest.mark.parametrize("tier", ["resident", "warm", "disk"])
+def test_copy_prefix_leaves_the_source_as_it_was(model: Any, tmp_path: Path, tier: str) -> None:
+    """A branch copies another session's prefix from any tier; the source keeps its cache, intact."""
+    clock = Clock()
+    caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
+    cache, toks = grow(model, None, [], list(range(10, 50)))
+    caches.checkin(A, cache, toks)
+    if tier != "resident":
+        clock.now += 61
+        caches.maintain()  # resident -> warm
+    if tier == "disk":
+        clock.now += 601
+        caches.maintain()  # warm dropped; disk holds it
+    kept = _state(caches.checkout(A, toks + [7]).cache or []) if tier == "resident" else None
+    if kept is not None:
+        caches.checkin(A, cache, toks)  # back where it was, resident
+    branch = toks[:30] + [3, 4, 5]
+    got = caches.copy_prefix(A, branch)
+    assert got.source == tier and got.tokens == 30 and got.cache is not None
+    # The copy is fed the branch's own tokens: the source must not see them.
+    model(mx.array([branch[30:]]), cache=got.cache)
+    mx.eval([c.state for c in got.cache])
+    assert got.cache[0].offset == 33
+    again = caches.checkout(A, toks + [7])
+    assert again.source == tier and again.tokens == len(toks)
+    assert again.cache is not None and again.cache[0].offset == len(toks)
+    if kept is not None:
+        assert all(mx.array_equal(x, y).item() for x, y in zip(kept, _state(again.cache)))
+    caches.close()

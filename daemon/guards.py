@@ -1,0 +1,73 @@
+"""Who may talk to kvd: the checks both front doors run on every request, before anything else.
+
+Pure functions of the request's headers and the config, so the websocket
+handshake and the HTTP API cannot drift apart:
+
+- Host: a loopback name, the address kvd listens on, or one listed in
+  `server.allowed_hosts`. A web page can point its own domain at 127.0.0.1
+  (DNS rebinding) and so reach a loopback port "same-origin"; the browser
+  still sends that domain as Host, and it is refused here.
+- Origin: browsers send it; none is allowed unless listed in
+  `server.allowed_origins`. Non-browser clients send none.
+- Token: `Authorization: Bearer <token>` (the token file in the data
+  directory; OpenAI clients send their API key exactly so), compared in
+  constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from .config import Config
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: HTTPStatus
+    message: str  # what is wrong and what to do, for a person reading a client's error
+
+
+def host_name(host_header: str) -> str:
+    """The name part of a Host header: `[::1]:8765` -> `::1`, `localhost:80` -> `localhost`."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host[1:]
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def host_allowed(host_header: str | None, config: Config) -> bool:
+    if not host_header:
+        return False
+    name = host_name(host_header)
+    if name in LOOPBACK_NAMES or name in (h.lower() for h in config.allowed_hosts):
+        return True
+    if name == config.host.lower() and config.host not in ("0.0.0.0", "::"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def check(headers: dict[str, str], config: Config, token: str) -> Refusal | None:
+    """The first reason to refuse a request with these (lower-cased) headers, or None."""
+    if not host_allowed(headers.get("host"), config):
+        return Refusal(HTTPStatus.FORBIDDEN,
+                       f"Host {headers.get('host')!r} is not allowed: kvd answers to loopback names "
+                       "and the hosts listed in server.allowed_hosts in config.toml")
+    origin = headers.get("origin")
+    if origin is not None and origin not in config.allowed_origins:
+        return Refusal(HTTPStatus.FORBIDDEN,
+                       "browser origins are not allowed; see allowed_origins in config.toml")
+    auth = headers.get("authorization", "")
+    if not hmac.compare_digest(auth.encode(), f"Bearer {token}".encode()):
+        return Refusal(HTTPStatus.UNAUTHORIZED,
+                       "missing or wrong token; it is in the token file of kvd's data directory")
+    return None

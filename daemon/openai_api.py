@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP door: `POST /v1/chat/completions`, `GET /v1/models` (docs/openai.md).
+
+A thin layer over the turn core, like the websocket door: it checks who is
+asking (guards.py), validates the body (openai_schema.py), tokenizes the
+conversation, lets stateless.py place it in a session, starts a turn and
+translates the turn's events into OpenAI's response or server-sent events.
+
+A client that hangs up cancels its answer (what was generated stays in the
+session); one that stops reading is cut off after `send_timeout`, and its
+answer is cancelled too. A response starts only when the first token (or an
+error) is known, so an error found at admission (a conversation too long for
+the model) is a real HTTP error, not a broken stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from sessions import Store, is_valid_session_id
+
+from . import protocol as p
+from .asgi import headers_of
+from .config import Config
+from .engine import Engine
+from .guards import check
+from .loading import LoadingWatch
+from .openai_schema import ApiError, ChatRequest, parse, stops
+from .prompt import render
+from .requests import RequestError
+from .stateless import place
+from .turns import Tokens, Turn, Turns
+
+log = logging.getLogger("kvd.api")
+
+SESSION_HEADER = "X-Kvd-Session"
+LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
+DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
+
+# The turn core's error codes, as HTTP statuses and OpenAI error codes.
+_STATUS = {
+    p.BAD_REQUEST: (HTTPStatus.BAD_REQUEST, None),
+    p.TOO_LARGE: (HTTPStatus.BAD_REQUEST, "context_length_exceeded"),
+    p.UNKNOWN_SESSION: (HTTPStatus.NOT_FOUND, "session_not_found"),
+    p.BUSY: (HTTPStatus.CONFLICT, "session_busy"),
+}
+
+
+def api_error(code: str, message: str) -> ApiError:
+    status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
+    return ApiError(status, message, code=api_code)
+
+
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class _Events:
+    """A turn's events for one HTTP response. Unbounded, but a turn publishes at most
+    max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
+
+    def __init__(self) -> None:
+        self._send, self.receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+
+    def publish(self, event: dict[str, Any]) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+
+
+class OpenAIDoor:
+    def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str,
+                 loading: LoadingWatch):
+        self.config = config
+        self.loading = loading
+        self.store = store
+        self.engine = engine
+        self.turns = turns
+        self._token = token
+        self._created = int(time.time())
+        self._router = Starlette(
+            routes=[Route("/v1/models", self.models, methods=["GET"]),
+                    Route("/v1/chat/completions", self.chat, methods=["POST"])],
+            exception_handlers={HTTPException: self._http_error},
+        )
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refused = check(headers_of(scope), self.config, self._token)
+        if refused is not None:
+            log.warning("refused an HTTP request: %s", refused.message)
+            status = HTTPStatus(refused.status)
+            await error_response(ApiError(status, refused.message,
+                                          code="invalid_api_key" if status == 401 else None))(scope, receive, send)
+            return
+        await self._router(scope, receive, send)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        status = HTTPStatus(exc.status_code)
+        if status == HTTPStatus.NOT_FOUND:
+            message = f"no such endpoint {request.url.path}; kvd serves /v1/chat/completions and /v1/models"
+        else:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(ApiError(status, message))
+
+    # --- GET /v1/models ---
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "kvd"}]})
+
+    # --- POST /v1/chat/completions ---
+
+    async def chat(self, request: Request) -> Response:
+        headers: dict[str, str] = {}
+        try:
+            req = parse(await self._json(request), self.config)
+            if not self.engine.ready.is_set():
+                with anyio.move_on_after(LOAD_WAIT):
+                    await self.loading.settled.wait()
+            self._check_ready()
+            pinned = request.headers.get(SESSION_HEADER)
+            if pinned is not None and not is_valid_session_id(pinned):
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
+                               "(16 lowercase hex characters)", param=SESSION_HEADER)
+            system = req.messages[0].text() if req.messages[0].role == "system" else None
+            convo: list[tuple[str, str]] = [(m.role, m.text()) for m in req.messages if m.role != "system"]
+            ids = await anyio.to_thread.run_sync(self._tokenize, system, convo)
+            placement = place(self.store, self.turns, ids, system, convo, pinned)
+            headers[SESSION_HEADER] = placement.session_id
+            events = _Events()
+            rid = f"chatcmpl-{secrets.token_hex(12)}"
+            turn = self.turns.start(
+                events, rid, placement.session_id, placement.first_new,
+                max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
+                top_p=req.top_p, prompt=Tokens(ids), source=placement.source, stop=stops(req), seed=req.seed,
+            )
+            log.info("API turn in session %s (%s, %d prompt tokens)", placement.session_id, placement.kind, len(ids))
+        except ApiError as e:
+            return error_response(e, headers)
+        except RequestError as e:
+            return error_response(api_error(e.code, e.message), headers)
+        return _Answer(self, turn, events.receive, req, headers)
+
+    async def _json(self, request: Request) -> Any:
+        limit = self.config.max_message_bytes
+        body, size = bytearray(), 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                body += chunk
+            elif size > DRAIN_LIMIT:
+                break
+        if size > limit:
+            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                           f"the request body is {size} bytes, more than kvd accepts ({limit}; "
+                           "limits.max_message_bytes in config.toml)", code="request_too_large")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
+
+    def _check_ready(self) -> None:
+        if not self.engine.ready.is_set():
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading its model "
+                           f"({self.config.model}) after {LOAD_WAIT:.0f} s; retry later", code="model_loading")
+        if self.engine.load_error is not None:
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {self.engine.load_error}; "
+                           "kvd's log has the details, fix the model setting and restart kvd",
+                           code="model_not_loaded")
+
+    def _tokenize(self, system: str | None, convo: list[tuple[str, str]]) -> list[int]:
+        """The whole conversation as a fresh daemon would feed it (worker thread: no MLX here)."""
+        tokenizer = self.engine.tokenizer
+        messages = [{"role": role, "content": content} for role, content in convo]
+        return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False))
+
+
+def usage_of(u: dict[str, Any]) -> dict[str, Any]:
+    prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens") or 0)}}
+
+
+def finish_reason_of(reason: str) -> str:
+    # OpenAI knows stop and length; an answer cancelled under a client (kvd stopping,
+    # chat.cancel from kvchat) ended early without running out of tokens.
+    return "length" if reason == "length" else "stop"
+
+
+class _Answer(Response):
+    """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
+
+    def __init__(self, door: OpenAIDoor, turn: Turn, events: MemoryObjectReceiveStream[dict[str, Any]],
+                 req: ChatRequest, headers: dict[str, str]):
+        self.door = door
+        self.turn = turn
+        self.events = events
+        self.req = req
+        self.extra_headers = headers
+        self.created = int(time.time())
+        self.started = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
+        turns, turn = self.door.turns, self.turn
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                log.info("client of %s hung up; cancelling its answer", turn.session_id)
+                turns.cancel(turn.session_id, turn)
+                tg.cancel_scope.cancel()
+
+            async def bounded(message: dict[str, Any]) -> None:
+                with anyio.move_on_after(self.door.config.send_timeout) as timer:
+                    await send(message)
+                if timer.cancelled_caught:
+                    log.warning("client of %s did not read for %.1f s; cutting it off",
+                                turn.session_id, self.door.config.send_timeout)
+                    turns.cancel(turn.session_id, turn)
+                    abort()
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                async with self.events:
+                    if self.req.stream:
+                        await self._stream(bounded)
+                    else:
+                        await self._whole(bounded)
+            except OSError:  # the client went away under a send
+                turns.cancel(turn.session_id, turn)
+            tg.cancel_scope.cancel()
+
+    def _kvd(self, done: dict[str, Any]) -> dict[str, Any]:
+        u = done.get("usage") or {}
+        return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
+                "ttft_ms": u.get("ttft_ms"), "prefill_tokens": u.get("prefill_tokens")}
+
+    async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
+        headers = [(b"content-type", content_type.encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
+        if content_type.startswith("text/event-stream"):
+            headers += [(b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        self.started = True
+
+    async def _body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body, ensure_ascii=False).encode()
+        await self._start(send, status, "application/json")
+        await send({"type": "http.response.body", "body": data})
+
+    async def _error(self, send: Callable[[dict[str, Any]], Any], event: dict[str, Any]) -> None:
+        e = api_error(event["code"], event["message"])
+        await self._body(send, e.status, e.body())
+
+    async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
+        text = ""
+        async for event in self.events:
+            if event["type"] == p.CHAT_DELTA:
+                text += event["text"]
+            elif event["type"] == p.CHAT_DONE:
+                await self._body(send, 200, {
+                    "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
+                    "model": self.door.config.model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": finish_reason_of(event["finish_reason"])}],
+                    "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
+                return
+            elif event["type"] == p.ERROR:
+                await self._error(send, event)
+                return
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.turn.request_id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.door.config.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if self._usage_wanted():
+            chunk["usage"] = None
+        return chunk
+
+    def _usage_wanted(self) -> bool:
+        return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    async def _stream(self, send: Callable[[dict[str, Any]], Any]) -> None:
+        async def sse(data: dict[str, Any] | str) -> None:
+            payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+            await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
+
+        async def begin() -> None:
+            if not self.started:
+                await self._start(send, 200, "text/event-stream; charset=utf-8")
+                await sse(self._chunk({"role": "assistant", "content": ""}))
+
+        async for event in self.events:
+            kind = event["type"]
+            if kind == p.CHAT_DELTA:
+                await begin()
+                await sse(self._chunk({"content": event["text"]}))
+            elif kind == p.CHAT_DONE:
+                await begin()
+                await sse(self._chunk({}, finish_reason_of(event["finish_reason"])))
+                if self._usage_wanted():
+                    await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
+                               "created": self.created, "model": self.door.config.model, "choices": [],
+                               "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
+                break
+            elif kind == p.ERROR:
+                if not self.started:
+                    await self._error(send, event)
+                    return
+                await sse(api_error(event["code"], event["message"]).body())
+                break
+        if self.started:
+            await sse("[DONE]")
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,138 @@
+"""Where a stateless request's turn goes: which session continues, which branches, which is new.
+
+An OpenAI-style request carries the whole conversation every time. Its
+token ids are the conversation rendered and tokenized whole, exactly as a
+fresh daemon would feed it (so a greedy answer equals a fresh prefill's);
+the session whose fed ids share the longest prefix with them holds the
+cache to reuse, in whatever tier, also after a restart (the lookup is the
+store's prefix index, sessions/prefixes.py, then a comparison of true ids).
+
+- The request extends that session's transcript (same system prompt, its
+  messages, then new ones) and it is idle: the new messages become the
+  session's next turn, and the session's cache is taken and rewound to the
+  shared prefix.
+- It shares a prefix but says something else (an edited message, a retry,
+  an unrelated conversation with the same system prompt): a new session
+  holds the request's conversation, and its cache starts from a *copy* of
+  the shared prefix. The stored session is not touched.
+- Nothing shared: a new session.
+
+A client may pin its session (the `X-Kvd-Session` header): then the request
+continues that session, rewinding it where the request's messages differ
+(that is how a pinned client edits or regenerates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from cachestore.prefix import common_prefix_len
+from sessions import Message, Store
+from sessions.store import DEFAULT_TITLE
+
+from . import protocol as p
+from .requests import RequestError
+from .turns import Turns
+
+TITLE_CHARS = 60
+
+Kind = Literal["continued", "branched", "new", "pinned"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    session_id: str
+    first_new: int  # the first message this turn added
+    source: str | None  # copy the cache prefix from this session (a branch)
+    kind: Kind
+
+
+def _said(messages: list[Message]) -> list[Message]:
+    """The messages a client could have been shown (an answer cancelled before any text is not)."""
+    return [m for m in messages if m["content"]]
+
+
+def divergence(stored: Sequence[tuple[str, str]], request: Sequence[tuple[str, str]]) -> int:
+    """How many leading messages the stored transcript and the request agree on."""
+    n = 0
+    for a, b in zip(stored, request):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def title_for(messages: Sequence[tuple[str, str]]) -> str:
+    first = next((text for role, text in messages if role == "user" and text.strip()), "")
+    line = first.strip().splitlines()[0] if first.strip() else ""
+    if not line:
+        return DEFAULT_TITLE
+    return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1] + "…"
+
+
+def place(store: Store, turns: Turns, ids: Sequence[int], system: str | None,
+          messages: Sequence[tuple[str, str]], pinned: str | None = None) -> Placement:
+    """Decide where the request's turn goes and commit its messages there.
+
+    `messages` are (role, content) pairs, user and assistant only; `system`
+    the request's system prompt. Synchronous on the event loop: nothing else
+    can start a turn between the decision and the caller's `turns.start`.
+    """
+    if pinned is not None:
+        return _pinned(store, turns, system, messages, pinned)
+    best, shared = None, 0
+    _, candidates = store.sharing_prefix(ids)
+    for sid in candidates:
+        n = common_prefix_len(store.fed(sid)[0], ids)
+        if n > shared:
+            best, shared = sid, n
+    if best is None:
+        return _new(store, system, messages, None)
+    session = store.get_session(best)
+    assert session is not None
+    said = [(m["role"], m["content"]) for m in _said(store.messages(best))]
+    if (session["system"] == system and best not in turns.active and len(messages) > len(said)
+            and divergence(said, messages) == len(said)):
+        first_new = _append(store, best, messages[len(said):])
+        return Placement(best, first_new, None, "continued")
+    return _new(store, system, messages, best)
+
+
+def _new(store: Store, system: str | None, messages: Sequence[tuple[str, str]], source: str | None) -> Placement:
+    session = store.create_session(title=title_for(messages), system=system)
+    first_new = _append(store, session["id"], messages)
+    return Placement(session["id"], first_new, source, "branched" if source else "new")
+
+
+def _append(store: Store, session_id: str, messages: Sequence[tuple[str, str]]) -> int:
+    """Commit `messages` to the session; the index of the first (or of the answer to come)."""
+    first = None
+    for role, content in messages:
+        index = store.append_message(session_id, role, content)
+        first = index if first is None else first
+    if first is None:
+        first = len(store.messages(session_id))
+    return first
+
+
+def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[tuple[str, str]],
+            session_id: str) -> Placement:
+    session = store.get_session(session_id)
+    if session is None:
+        raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r} (deleted?); "
+                           "send the request without pinning a session to start a new one")
+    if session_id in turns.active:
+        raise RequestError(p.BUSY, f"session {session_id} is answering another request; "
+                           "wait for it to finish or cancel it")
+    if session["system"] != system:
+        store.update_session(session_id, system=system)
+        turns.system_changed(session_id, session["message_count"])
+    stored = _said(store.messages(session_id))
+    agree = divergence([(m["role"], m["content"]) for m in stored], messages)
+    if agree < len(stored):
+        # The request says something else from here on: the pinned session is rewound, like chat.edit.
+        turns.rewind(session_id, stored[agree]["index"])
+    first_new = _append(store, session_id, messages[agree:])
+    return Placement(session_id, first_new, None, "pinned")

@@ -1,0 +1,219 @@
+"""The websocket front door: kvchat's protocol (docs/protocol.md) on `/v1`.
+
+A thin layer: it checks the handshake, keeps one bounded outbox per client
+(connection.py), turns each frame into a typed request (requests.py) and
+calls the session store or the turn core (turns.py). Answers are turns,
+owned by the daemon, so a client that goes away does not stop one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from starlette.responses import PlainTextResponse
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket
+
+from sessions import Keep, Session, Store
+
+from . import __version__
+from . import protocol as p
+from .asgi import abort_transport, headers_of
+from .config import Config
+from .connection import Connection
+from .engine import Engine
+from .guards import check
+from .loading import LoadingWatch
+from .requests import (ChatAttach, ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError, SessionCreate,
+                       SessionDelete, SessionGet, SessionList, SessionUpdate, Status, parse_request)
+from .sampling import merge
+from .turns import Turns
+
+log = logging.getLogger("kvd.server")
+
+
+class WebSocketDoor:
+    def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str,
+                 loading: LoadingWatch, status: Callable[[], Awaitable[dict[str, Any]]]):
+        self.config = config
+        self.store = store
+        self.engine = engine
+        self.turns = turns
+        self._token = token
+        self._loading = loading
+        self._status = status
+        self.connections: set[Connection] = set()
+
+    async def close_all(self) -> None:
+        """Close every connection with 1001 (going away): kvchat then says the daemon shut down."""
+        for conn in list(self.connections):
+            conn.close()
+            with anyio.move_on_after(1.0):
+                try:
+                    await conn.ws.close(1001)
+                except (RuntimeError, OSError):
+                    pass  # already closed
+
+    def broadcast(self, event: dict[str, Any]) -> None:
+        for conn in list(self.connections):
+            conn.publish(event)
+
+    # --- handshake and connection ---
+
+    def _refusal(self, ws: WebSocket) -> PlainTextResponse | None:
+        if ws.url.path != p.PATH:
+            return PlainTextResponse(f"kvd speaks on {p.PATH}\n", 404)
+        refused = check(headers_of(ws.scope), self.config, self._token)
+        if refused is not None:
+            log.warning("refused a handshake: %s", refused.message)
+            return PlainTextResponse(refused.message + "\n", refused.status)
+        if len(self.connections) >= self.config.max_connections:
+            log.warning("refused a connection: %d open (limits.max_connections)", len(self.connections))
+            return PlainTextResponse(f"kvd has {len(self.connections)} connections open, its limit "
+                                     "(limits.max_connections in config.toml); close one and retry\n", 503)
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ws = WebSocket(scope, receive, send)
+        if (refusal := self._refusal(ws)) is not None:
+            await ws.send_denial_response(refusal)
+            return
+        await ws.accept(headers=[(b"server", f"kvd/{__version__}".encode())])
+        conn = Connection(ws, send_timeout=self.config.send_timeout, abort=lambda: abort_transport(send))
+        self.connections.add(conn)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(conn.writer)
+                conn.publish(self._hello())
+                if (failed := self._loading.failure_event()) is not None:
+                    conn.publish(failed)
+                try:
+                    while True:
+                        message = await receive()
+                        if message["type"] != "websocket.receive":
+                            break  # websocket.disconnect
+                        raw = message.get("text")
+                        await self._dispatch(conn, raw if raw is not None else message.get("bytes") or b"")
+                finally:
+                    conn.close()
+        finally:
+            self.connections.discard(conn)
+            for turn in self.turns.active.values():
+                turn.subscribers.discard(conn)
+
+    def _hello(self) -> dict[str, Any]:
+        return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
+                "model": self.config.model, **self._loading.hello_fields(),
+                "defaults": {"temperature": self.config.temperature, "top_p": self.config.top_p,
+                             "max_tokens": min(self.config.max_tokens, self.config.max_tokens_limit)}}
+
+    # --- requests ---
+
+    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:
+        rid = None
+        try:
+            req = parse_request(raw, self.config)
+            rid = req.id
+            if isinstance(req, Ping):
+                conn.publish({"type": p.PONG, "id": rid})
+            elif isinstance(req, Status):
+                conn.publish({"type": p.STATUS, "id": rid, **await self._status()})
+            elif isinstance(req, SessionCreate):
+                session = self.store.create_session(title=req.title, system=req.system)
+                conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
+            elif isinstance(req, SessionList):
+                conn.publish({"type": p.SESSIONS, "id": rid,
+                              "sessions": [self._session_object(s) for s in self.store.list_sessions()]})
+            elif isinstance(req, SessionGet):
+                session = self.turns.session(req.session, rid)
+                conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session),
+                              "messages": self.store.messages(req.session)})
+            elif isinstance(req, SessionUpdate):
+                self._session_update(conn, req)
+            elif isinstance(req, SessionDelete):
+                self.turns.check_idle(req.session, req.id)
+                self.store.delete_session(req.session)
+                self.engine.forget(req.session)  # queued behind any turn that is still keeping its cache
+                conn.publish({"type": p.OK, "id": req.id})
+            elif isinstance(req, ChatAttach):
+                self._chat_attach(conn, req)
+            elif isinstance(req, ChatSend):
+                self.turns.check_idle(req.session, req.id)
+                # The user's message is committed before anything is generated.
+                first_new = self.store.append_message(req.session, "user", req.text)
+                self._start(conn, req, first_new)
+            elif isinstance(req, ChatRegenerate):
+                self._chat_regenerate(conn, req)
+            elif isinstance(req, ChatEdit):
+                self._chat_edit(conn, req)
+            elif isinstance(req, ChatCancel):
+                self.turns.session(req.session, rid)
+                self.turns.cancel(req.session)
+                conn.publish({"type": p.OK, "id": rid})
+        except RequestError as e:
+            if e.request_id is None:
+                e.request_id = rid
+            conn.publish(e.event())
+        except Exception:
+            log.exception("request failed: %.200r", raw)
+            conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
+
+    def _session_object(self, session: Session) -> dict[str, Any]:
+        """The protocol's session object: the stored one plus where its cache lives now."""
+        if session["id"] in self.turns.active:
+            cache = "resident"  # in the engine's batch
+        else:
+            cache = self.engine.stats.get("locations", {}).get(session["id"], "none")
+        return {**session, "cache": cache}
+
+    def _session_update(self, conn: Connection, req: SessionUpdate) -> None:
+        session = self.turns.session(req.session, req.id)
+        params = req.params if isinstance(req.params, Keep) else merge(session["params"], req.params)
+        new_system = not isinstance(req.system, Keep) and req.system != session["system"]
+        if new_system:
+            self.turns.check_idle(req.session, req.id)  # the running turn would keep the old prompt's ids
+        self.store.update_session(req.session, title=req.title, system=req.system, params=params)
+        if new_system:
+            self.turns.system_changed(req.session, session["message_count"])
+        conn.publish({"type": p.SESSION, "id": req.id,
+                      "session": self._session_object(self.turns.session(req.session, req.id))})
+
+    def _chat_regenerate(self, conn: Connection, req: ChatRegenerate) -> None:
+        self.turns.check_idle(req.session, req.id)
+        messages = self.store.messages(req.session)
+        if not messages or messages[-1]["role"] != "assistant":
+            raise RequestError(p.BAD_REQUEST, "the session's last message is not an answer; "
+                               "there is nothing to regenerate", req.id)
+        last = messages[-1]["index"]
+        self.turns.rewind(req.session, last, messages)
+        self._start(conn, req, last)
+
+    def _chat_edit(self, conn: Connection, req: ChatEdit) -> None:
+        self.turns.check_idle(req.session, req.id)
+        messages = self.store.messages(req.session)
+        target = next((m for m in messages if m["index"] == req.message_index), None)
+        if target is None or target["role"] != "user":
+            raise RequestError(p.BAD_REQUEST, f"message {req.message_index} is not a user message "
+                               "of this session; session.get lists them", req.id)
+        self.turns.rewind(req.session, req.message_index, messages)
+        first_new = self.store.append_message(req.session, "user", req.text)
+        self._start(conn, req, first_new)
+
+    def _start(self, conn: Connection, req: ChatSend | ChatRegenerate | ChatEdit, first_new: int) -> None:
+        self.turns.start(conn, req.id, req.session, first_new, max_tokens=req.max_tokens,
+                         temperature=req.temperature, top_p=req.top_p)
+
+    def _chat_attach(self, conn: Connection, req: ChatAttach) -> None:
+        self.turns.session(req.session, req.id)
+        turn = self.turns.active.get(req.session)
+        if turn is None:
+            messages = self.store.messages(req.session)
+            conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session,
+                          "generating": False, "message": messages[-1] if messages else None})
+            return
+        conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session, "generating": True,
+                      "request": turn.request_id, "message_index": turn.message_index})
+        turn.attach(conn, req.after_seq)

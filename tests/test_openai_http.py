@@ -1,0 +1,206 @@
+"""The HTTP door's guards and bad input: every refusal is an OpenAI-shaped error, and kvd keeps serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from conftest import RunningDaemon, client, running_daemon
+
+pytestmark = pytest.mark.anyio
+
+HI = {"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+
+
+def http(d: RunningDaemon, **headers: str) -> httpx.AsyncClient:
+    base = d.url.replace("ws://", "http://").removesuffix("/v1")
+    return httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {d.token}", **headers}, timeout=60)
+
+
+def assert_error(r: httpx.Response, status: int, *, says: str, param: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert says in error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+async def still_serving(d: RunningDaemon) -> None:
+    async with http(d) as h:
+        r = await h.post("/v1/chat/completions", json=HI)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    "headers, status, says",
+    [
+        ({"Authorization": ""}, 401, "token"),
+        ({"Authorization": "Bearer wrong"}, 401, "token"),
+        ({"Authorization": "Basic abc"}, 401, "token"),
+        ({"Origin": "http://evil.example"}, 403, "allowed_origins"),
+        ({"Host": "evil.example"}, 403, "allowed_hosts"),
+        ({"Host": "evil.example:8765"}, 403, "allowed_hosts"),
+        ({"Host": "127.0.0.1.evil.example"}, 403, "allowed_hosts"),
+    ],
+)
+async def test_http_refusals(tmp_path: Path, headers: dict[str, str], status: int, says: str) -> None:
+    async with running_daemon(tmp_path) as d:
+        async with http(d, **headers) as h:
+            for r in (await h.get("/v1/models"), await h.post("/v1/chat/completions", json=HI)):
+                assert_error(r, status, says=says)
+        await still_serving(d)
+
+
+async def test_loopback_and_configured_hosts_are_allowed(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, allowed_hosts=["kvd.example"]) as d:
+        port = d.url.split(":")[2].split("/")[0]
+        for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", "[::1]:80", "kvd.example", "KVD.example:1"):
+            async with http(d, Host=host) as h:
+                assert (await h.get("/v1/models")).status_code == 200, host
+
+
+async def test_websocket_handshake_checks_the_host_too(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path) as d:
+        port = int(d.url.split(":")[2].split("/")[0])
+        with pytest.raises(InvalidStatus) as info:
+            # The URL names the rebound domain (so it is the Host header); the socket goes to loopback.
+            async with connect(f"ws://evil.example:{port}/v1", host="127.0.0.1", port=port,
+                               additional_headers={"Authorization": f"Bearer {d.token}"}):
+                pass
+        assert info.value.response.status_code == 403
+        assert b"allowed_hosts" in info.value.response.body
+        async with client(d) as c:
+            assert (await c.request("ping"))["type"] == "pong"
+
+
+BAD: list[tuple[Any, int, str, str | None]] = [
+    (b"not json", 400, "not valid JSON", None),
+    (b"\xff\xfe", 400, "not valid JSON", None),
+    ([1, 2], 400, "JSON object", None),
+    ({}, 400, "messages", "messages"),
+    ({"messages": []}, 400, "at least 1", "messages"),
+    ({"messages": "hi"}, 400, "valid list", "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "'system', 'user' or 'assistant'", "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, 400, "Field required", "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "'text'", None),
+    ({"messages": [{"role": "system", "content": "only a system prompt"}]}, 400, "no user or assistant", "messages"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}, 400,
+     "one system message", "messages[1].role"),
+    ({**HI, "max_tokens": "5"}, 400, "valid integer", "max_tokens"),
+    ({**HI, "max_tokens": True}, 400, "valid integer", "max_tokens"),
+    ({**HI, "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
+    ({**HI, "max_completion_tokens": 10**6}, 400, "at most", "max_completion_tokens"),
+    ({**HI, "temperature": 3}, 400, "less than or equal to 2", "temperature"),
+    ({**HI, "top_p": 0}, 400, "greater than 0", "top_p"),
+    ({**HI, "stream": "yes"}, 400, "valid boolean", "stream"),
+    ({**HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),
+    ({**HI, "n": 3}, 400, "n = 1", "n"),
+    ({**HI, "logprobs": True}, 400, "logprobs", "logprobs"),
+]
+
+
+async def test_bad_bodies_are_clear_errors_and_lose_nothing(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, max_message_bytes=4096) as d:
+        async with http(d) as h:
+            for body, status, says, param in BAD:
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                r = await h.post("/v1/chat/completions", content=content,
+                                 headers={"Content-Type": "application/json"})
+                assert_error(r, status, says=says, param=param)
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": [
+                {"role": "user", "content": "x" * 5000}]})
+            assert_error(r, 413, says="max_message_bytes")
+            assert_error(await h.get("/v1/nothing"), 404, says="/v1/chat/completions")
+            assert_error(await h.get("/v1/chat/completions"), 405, says="GET")
+            r = await h.post("/v1/chat/completions", json=HI, headers={"X-Kvd-Session": "../etc"})
+            assert_error(r, 400, says="session id", param="X-Kvd-Session")
+            r = await h.post("/v1/chat/completions", json=HI, headers={"X-Kvd-Session": "0123456789abcdef"})
+            assert_error(r, 404, says="no session")
+        assert d.store.list_sessions() == []  # nothing was stored by any of them
+        await still_serving(d)
+
+
+async def test_a_conversation_too_long_for_the_model_is_a_400_and_is_not_kept(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, max_message_bytes=1 << 22) as d:
+        async with http(d) as h:
+            long = {**HI, "messages": [{"role": "user", "content": "word " * 40000}]}
+            for stream in (False, True):
+                r = await h.post("/v1/chat/completions", json={**long, "stream": stream})
+                assert_error(r, 400, says="context")
+                assert r.json()["error"]["code"] == "context_length_exceeded"
+        await still_serving(d)
+
+
+async def test_stop_sequences_end_the_answer_and_the_kept_text(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path) as d:
+        async with http(d) as h:
+            ask = {**HI, "max_tokens": 40}
+            whole = (await h.post("/v1/chat/completions", json=ask)).json()["choices"][0]["message"]["content"]
+            words = whole.split()
+            stop = words[3]
+            cut = whole[:whole.index(stop)]
+            for stream in (False, True):
+                r = await h.post("/v1/chat/completions", json={**ask, "stop": [stop, "never seen"], "stream": stream})
+                if stream:
+                    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                              if line.startswith("data: {")]
+                    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+                    finish = chunks[-1]["choices"][0]["finish_reason"]
+                    assert r.text.rstrip().endswith("data: [DONE]")
+                else:
+                    text = r.json()["choices"][0]["message"]["content"]
+                    finish = r.json()["choices"][0]["finish_reason"]
+                assert (text, finish) == (cut, "stop")
+                kept = d.store.messages(r.headers["X-Kvd-Session"])[-1]
+                assert (kept["content"], kept["finish_reason"], kept["status"]) == (cut, "stop", "complete")
+
+
+async def test_a_pinned_session_is_continued_and_rewound_where_the_request_differs(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create", title="From kvchat"))["session"]["id"]
+            _, done = await c.chat(sid, "hello from kvchat", max_tokens=4, temperature=0)
+            assert done["type"] == "chat.done"
+        first = d.store.messages(sid)
+        convo = [{"role": m["role"], "content": m["content"]} for m in first]
+        async with http(d, **{"X-Kvd-Session": sid}) as h:
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": [*convo, {"role": "user", "content": "and now?"}]})
+            assert r.status_code == 200 and r.headers["X-Kvd-Session"] == sid
+            answer = r.json()["choices"][0]["message"]["content"]
+            assert [m["content"] for m in d.store.messages(sid)] == [first[0]["content"], first[1]["content"],
+                                                                     "and now?", answer]
+            # The client edits its first message: the pinned session is rewound there, as /edit does.
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": [{"role": "user", "content": "edited"}]})
+            assert r.status_code == 200
+            edited = r.json()["choices"][0]["message"]["content"]
+            assert [(m["role"], m["content"]) for m in d.store.messages(sid)] == [("user", "edited"),
+                                                                                   ("assistant", edited)]
+            # Busy: another request on the same pinned session while one is answering.
+            long = {**HI, "max_tokens": 4000, "stream": True, "messages": [{"role": "user", "content": "go on"}]}
+            async with h.stream("POST", "/v1/chat/completions", json=long) as streaming:
+                assert streaming.status_code == 200
+                async for line in streaming.aiter_lines():
+                    if '"content":"' in line.replace(" ", "") and '"content":""' not in line.replace(" ", ""):
+                        break  # under way
+                r = await h.post("/v1/chat/completions", json=HI)
+                assert_error(r, 409, says="answering another request")
+            # Leaving the stream early cancelled that answer; the session is usable again.
+            turn = d.daemon._generations.get(sid)
+            if turn is not None:
+                with anyio.fail_after(60):
+                    await turn.finished.wait()
+            assert d.store.messages(sid)[-1]["status"] == "cancelled"
+            assert (await h.post("/v1/chat/completions", json=HI)).status_code == 200
+        assert [s["id"] for s in d.store.list_sessions()] == [sid]  # nothing else was created
