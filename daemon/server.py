@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -86,6 +87,7 @@ class Daemon:
         self._stopping = anyio.Event()
         self._loading = LoadingWatch(engine, config.model)
         self.url: str | None = None
+        self._started = time.monotonic()
 
     # --- lifecycle ---
 
@@ -115,7 +117,14 @@ class Daemon:
                 self.url = p.default_url(self.config.host, port)
                 task_status.started(self.url)
                 await self._stopping.wait()
-                log.info("shutting down: closing connections, finishing answers")
+                if cut := len(self._generations):
+                    # Cut, not finished: a stop must not wait for max_tokens of every answer.
+                    # Each is kept as 'cancelled' with its text and its cache, so it resumes.
+                    log.info("shutting down: cutting %d answer(s) short (kept as 'cancelled'; "
+                             "chat.regenerate or a new message resumes from the cache), "
+                             "paging caches out", cut)
+                else:
+                    log.info("shutting down: paging caches out")
                 loading.cancel()
                 server.close(close_connections=True)
                 await anyio.to_thread.run_sync(self.engine.stop)
@@ -187,7 +196,9 @@ class Daemon:
             self.engine.query_status(deliver)
             with anyio.move_on_after(STATUS_TIMEOUT):
                 stats = await fresh
-        return {"server": f"kvd {__version__}", "model": self.config.model,
+        return {"server": f"kvd {__version__}", "model": self.config.model, "pid": os.getpid(),
+                "uptime": time.monotonic() - self._started, "log_file": str(self.config.log_path),
+                "data_dir": str(self.config.data_dir),
                 "ready": self.engine.ready.is_set() and self.engine.load_error is None,
                 "connections": len(self._connections), "generating": stats.get("generating", 0),
                 "waiting": stats.get("waiting", 0),

@@ -24,6 +24,8 @@ EVENT_TIMEOUT = 60.0
 class DaemonProcess:
     def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None):
         self.data_dir = data_dir
+        if "--model" not in args:
+            args = ("--model", "builtin:tiny", *args)  # pinned: the default model may change
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir), *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

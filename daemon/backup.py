@@ -1,0 +1,62 @@
+"""Rolling backups of the transcript: `VACUUM INTO` at clean shutdown and once a day.
+
+The transcript is the one thing kvd cannot rebuild, and a deleted or damaged
+kvd.sqlite-wal takes its last commits with it. `VACUUM INTO` writes a
+consistent, compact copy while the daemon keeps its connection (readers are
+not blocked in WAL mode). Written to a temp name, then renamed: a crash never
+leaves a half backup under a backup's name. The newest BACKUPS_KEPT are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from sessions import Store
+
+log = logging.getLogger("kvd")
+
+BACKUPS_KEPT = 3
+BACKUP_EVERY = 24 * 3600.0
+PREFIX = "kvd-"
+SUFFIX = ".sqlite"
+
+
+def backups(directory: Path) -> list[Path]:
+    """Backups, oldest first (names sort by time)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.name.startswith(PREFIX) and p.name.endswith(SUFFIX))
+
+
+def newest_backup(directory: Path) -> Path | None:
+    found = backups(directory)
+    return found[-1] if found else None
+
+
+def back_up(store: Store, directory: Path, *, now: float | None = None) -> Path:
+    """Write one backup and drop the oldest beyond BACKUPS_KEPT; return its path."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    path = directory / f"{PREFIX}{stamp}{SUFFIX}"
+    tmp = directory / f".{path.name}.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        store.db.execute("VACUUM INTO ?", [str(tmp)])
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    for old in backups(directory)[:-BACKUPS_KEPT]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def due(directory: Path, *, now: float | None = None) -> bool:
+    """Whether a day has passed since the newest backup (or there is none)."""
+    newest = newest_backup(directory)
+    if newest is None:
+        return True
+    return (time.time() if now is None else now) - newest.stat().st_mtime >= BACKUP_EVERY
