@@ -24,7 +24,6 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from sessions import Keep, Message, Session, Store
@@ -161,18 +160,10 @@ class Daemon:
         conn = Connection(ws, send_timeout=self.config.send_timeout)
         self._connections.add(conn)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(conn.writer)
-                conn.publish(self._hello())
-                if (failed := self._loading.failure_event()) is not None:
-                    conn.publish(failed)
-                try:
-                    async for raw in ws:
-                        await self._dispatch(conn, raw)
-                except ConnectionClosed:
-                    pass
-                finally:
-                    conn.close()
+            conn.publish(self._hello())
+            if (failed := self._loading.failure_event()) is not None:
+                conn.publish(failed)
+            await conn.serve(self._dispatch)
         finally:
             self._connections.discard(conn)
             for gen in self._generations.values():
@@ -204,6 +195,9 @@ class Daemon:
                 "waiting": stats.get("waiting", 0),
                 "tiers": stats.get("tiers", {}), "locations": stats.get("locations", {})}
 
+    def connection_statistics(self) -> list[dict[str, Any]]:
+        return [c.statistics() for c in self._connections]
+
     def _hello(self) -> dict[str, Any]:
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
                 "model": self.config.model, **self._loading.hello_fields()}
@@ -220,7 +214,7 @@ class Daemon:
             if isinstance(req, Ping):
                 conn.publish({"type": p.PONG, "id": rid})
             elif isinstance(req, Status):
-                conn.publish({"type": p.STATUS, "id": rid, **await self.status()})
+                conn.start_slow(rid, lambda: self._reply_status(conn, rid))
             elif isinstance(req, SessionCreate):
                 session = self.store.create_session(title=req.title, system=req.system)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
@@ -250,10 +244,13 @@ class Daemon:
         except RequestError as e:
             if e.request_id is None:
                 e.request_id = rid
-            conn.publish(e.event())
+            conn.refuse(e)
         except Exception:
             log.exception("request failed: %.200r", raw)
             conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
+
+    async def _reply_status(self, conn: Connection, rid: Any) -> None:
+        conn.publish({"type": p.STATUS, "id": rid, **await self.status()})
 
     def _session(self, session_id: str, rid: Any) -> Session:
         session = self.store.get_session(session_id)
