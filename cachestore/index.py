@@ -5,6 +5,11 @@ from the engine thread. A segment file is listed here only after it is
 complete on disk (written, fsynced, renamed, directory fsynced), so a row
 never points at a partial file; files without a row are leftovers of a
 crash and are deleted on open.
+
+The index is not the only record, though: each segment's header holds its
+range, fingerprint and token ids. An index that is missing, empty or not a
+database is therefore set aside (`lost` says how it was found) and rebuilt
+from the files by the owner (manager.py), not taken as "no segments".
 """
 
 from __future__ import annotations
@@ -79,11 +84,39 @@ class SegmentIndex:
     def __init__(self, root: Path):
         self.root = root
         self.files = root / "segments"
-        self.files.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(root / "index.sqlite", isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS _kvd_migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+        self.files.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = root / "index.sqlite"
+        # How the index was found, when it could not be used as it was: None (fine),
+        # "missing", "empty", or "damaged (<why>), set aside as <name>".
+        self.lost: str | None = None
+        try:
+            self.db = self._open()
+        except sqlite3.DatabaseError as e:
+            aside = self.path.with_name(f"index.sqlite.damaged-{int(time.time())}")
+            self.path.replace(aside)
+            for suffix in ("-wal", "-shm"):
+                self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
+            self.lost = f"damaged ({e}), set aside as {aside.name}"
+            self.db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        existed = self.path.exists()
+        db = sqlite3.connect(self.path, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            known = db.execute("SELECT 1 FROM sqlite_master WHERE name = '_kvd_migrations'").fetchone()
+            if known is None and self.lost is None:
+                self.lost = "empty" if existed else "missing"
+            db.execute("CREATE TABLE IF NOT EXISTS _kvd_migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+        except BaseException:
+            db.close()
+            raise
+        self.db = db
+        self._migrate()
+        return db
+
+    def _migrate(self) -> None:
         done = {r[0] for r in self.db.execute("SELECT name FROM _kvd_migrations")}
         for name, sql in _MIGRATIONS:
             if name not in done:

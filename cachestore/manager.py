@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CannotSplit, CorruptSegment
-from .index import SegmentIndex, SegmentRow
+from .errors import CannotSplit, CorruptSegment, UnsupportedFormat
+from .index import SEGMENT_SUFFIX, SegmentIndex, SegmentRow, check_key
 from .packing import pack, unpack
 from .prefix import common_prefix_len
-from .segments import read_segment, write_segment
+from .segments import read_header, read_segment, write_segment
 from .snapshot import Snapshot, merge, restore, rewind, snapshot, trimmable, truncate
 from .tiers import Tier
 
@@ -73,6 +73,8 @@ class SessionCaches:
         self.budgets = budgets
         self._clock = clock
         self.index = SegmentIndex(root)
+        if self.index.lost is not None:
+            self._rebuild_index(self.index.lost)
         if removed := self.index.sweep():
             log.info("removed %d cache file(s) left incomplete by a crash", removed)
         self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes,
@@ -84,6 +86,41 @@ class SessionCaches:
 
     def close(self) -> None:
         self.index.close()
+
+    def _rebuild_index(self, how: str) -> None:
+        """List again every segment file whose own header verifies; remove the rest.
+
+        Each file names its session (its directory) and carries its range,
+        fingerprint and token ids; what verifies is exactly what the lost
+        index would have listed, so no valid cache is thrown away.
+        """
+        files = sorted(self.index.files.glob(f"*/*{SEGMENT_SUFFIX}"))
+        if not files:
+            if how not in ("missing", "empty"):
+                log.warning("the cache index %s was %s; there were no cache files to rebuild it from",
+                            self.index.path, how)
+            return
+        kept: set[str] = set()
+        count = 0
+        dropped: list[str] = []
+        for path in files:
+            key = path.parent.name
+            try:
+                check_key(key)
+                h = read_header(path)
+                if path != self.index.path_for(key, h.start, h.end):
+                    raise UnsupportedFormat(f"its name does not match its range [{h.start}, {h.end})", path=path)
+            except (CorruptSegment, ValueError) as e:
+                dropped.append(str(e))
+                path.unlink(missing_ok=True)
+                continue
+            self.index.add(key, h.start, h.end, path, h.nbytes, h.checksum, h.fingerprint, h.tokens,
+                           path.stat().st_mtime)
+            kept.add(key)
+            count += 1
+        log.warning("the cache index %s was %s; rebuilt it from the cache files' own headers: "
+                    "%d file(s) of %d session(s) kept%s", self.index.path, how, count, len(kept),
+                    f", {len(dropped)} that did not verify removed (first: {dropped[0]})" if dropped else "")
 
     # --- resume ---
 
@@ -219,7 +256,7 @@ class SessionCaches:
         if replace:
             self.index.drop_from(key, 0)  # may remove the (then empty) directory
         path.parent.mkdir(parents=True, exist_ok=True)
-        seg = write_segment(path, snap, fingerprint=self.fingerprint)
+        seg = write_segment(path, snap, fingerprint=self.fingerprint, tokens=tokens[snap.start:snap.end])
         _maybe_crash("after-write")
         self.index.add(key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,
                        self.fingerprint, tokens[snap.start:snap.end], now)
