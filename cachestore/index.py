@@ -180,7 +180,8 @@ class SegmentIndex:
                             "ON CONFLICT (key) DO UPDATE SET last_used = excluded.last_used", [key, now])
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            if self.db.in_transaction:  # a failed COMMIT (a full disk) has rolled back already
+                self.db.execute("ROLLBACK")
             raise
 
     def touch(self, key: str, now: float) -> None:
@@ -201,6 +202,26 @@ class SegmentIndex:
                 self.dir_for(key).rmdir()
             except OSError:
                 pass
+        return sum(r.nbytes for r in rows)
+
+    def evict(self, key: str) -> int:
+        """Free a full disk of `key`'s files: deleted first, unlisted after if the disk allows.
+
+        The reverse of drop_from's order, because unlisting needs room in the
+        index's WAL that only the deletion frees. A row left pointing at a
+        deleted file is harmless: reading it finds the file missing and drops
+        the row, and the next sweep removes it.
+        """
+        rows = self.chain(key)
+        for r in rows:
+            r.path.unlink(missing_ok=True)
+        try:
+            self.drop_from(key, 0)
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+                raise
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
         return sum(r.nbytes for r in rows)
 
     def sweep(self) -> int:

@@ -26,7 +26,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from sessions import Keep, Message, Session, Store
+from sessions import Keep, Message, Session, Store, is_disk_full
 
 from . import __version__
 from . import protocol as p
@@ -41,6 +41,8 @@ from .sampling import merge, resolve
 log = logging.getLogger("kvd.server")
 
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
+DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
+                     "free some space and send it again (nothing saved before is lost)")
 STATUS_TIMEOUT = 5.0  # a busy engine answers status between steps; past this, the last figures
 
 
@@ -245,7 +247,11 @@ class Daemon:
             if e.request_id is None:
                 e.request_id = rid
             conn.refuse(e)
-        except Exception:
+        except Exception as e:
+            if is_disk_full(e):
+                log.warning("request refused, the disk is full: %s", e)
+                conn.refuse(RequestError(p.DISK_FULL, DISK_FULL_MESSAGE, rid))
+                return
             log.exception("request failed: %.200r", raw)
             conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
 
@@ -297,7 +303,18 @@ class Daemon:
         self._check_idle(req.session, req.id)
         # The user's message is committed before anything is generated.
         first_new = self.store.append_message(req.session, "user", req.text)
-        self._start_turn(conn, req.id, req.session, first_new, req.max_tokens, req.temperature, req.top_p)
+        try:
+            self._start_turn(conn, req.id, req.session, first_new, req.max_tokens, req.temperature, req.top_p)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            try:  # so that "not saved" stays true
+                self.store.truncate_messages(req.session, first_new)
+            except Exception:
+                raise RequestError(p.DISK_FULL, "the disk holding kvd's data directory is full: your "
+                                   "message was saved but no answer could be started; free some space "
+                                   "and send chat.regenerate", req.id) from None
+            raise
 
     def _chat_regenerate(self, conn: Connection, req: ChatRegenerate) -> None:
         self._check_idle(req.session, req.id)
@@ -434,12 +451,20 @@ class Daemon:
                                                       finish_reason="error")
                         gen.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
                         return
-        except Exception:
-            log.exception("answer for session %s failed", gen.session_id)
-            self.store.update_message(gen.session_id, gen.message_index, content=gen.text,
-                                      status="error", finish_reason="error")
-            gen.publish({"type": p.ERROR, "code": p.INTERNAL,
-                         "message": "kvd hit an internal error; it is logged"})
+        except Exception as e:
+            self.engine.cancel(gen.session_id)  # nobody is left to keep what it generates
+            if is_disk_full(e):
+                log.warning("answer for session %s cut: the disk is full (%s)", gen.session_id, e)
+                gen.publish({"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE})
+            else:
+                log.exception("answer for session %s failed", gen.session_id)
+                gen.publish({"type": p.ERROR, "code": p.INTERNAL,
+                             "message": "kvd hit an internal error; it is logged"})
+            try:
+                self.store.update_message(gen.session_id, gen.message_index, content=gen.text,
+                                          status="error", finish_reason="error")
+            except Exception as again:  # the answer keeps what was committed before; recovered at start
+                log.warning("could not mark the answer of %s as cut: %s", gen.session_id, again)
         finally:
             self._generations.pop(gen.session_id, None)
             gen.finished.set()
