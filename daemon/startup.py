@@ -143,7 +143,8 @@ def open_store(db_path: Path, backups: Path) -> Store:
         result = [str(e)]
     if result != ["ok"]:
         store.close()
-        raise StartError(f"{db_path} is damaged (SQLite quick_check: {'; '.join(result)[:200]}); {restore}")
+        found = " ".join(" ".join(result).split())[:200]  # one line, whatever SQLite reports
+        raise StartError(f"{db_path} is damaged (SQLite quick_check: {found}); {restore}")
     return store
 
 
