@@ -58,7 +58,7 @@ def make_data_dir(d: Path) -> None:
     with proc.client() as c:
         sid = c.request("session.create")["session"]["id"]
         c.chat(sid, "hello", max_tokens=3, temperature=0)
-    assert proc.terminate() == 0
+    assert proc.terminate() == 0, "".join(proc.log)
 
 
 def test_malformed_database(tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ def test_cache_permission_problem_is_a_cache_problem(tmp_path: Path) -> None:
 def test_full_disk_at_start(tmp_path: Path) -> None:
     mnt = tmp_path / "small"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], check=True)
     try:
         d = mnt / "data"
         make_data_dir(d)
@@ -174,6 +174,6 @@ def test_an_existing_open_data_dir_is_tightened(tmp_path: Path) -> None:
         proc = DaemonProcess(d)
     finally:
         os.umask(old)
-    assert proc.terminate() == 0
+    assert proc.terminate() == 0, "".join(proc.log)
     assert any(f"the data directory {d} was readable by others (mode 0755)" in line for line in proc.log)
     assert _modes(d) == {}
