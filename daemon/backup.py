@@ -2,8 +2,8 @@
 
 The transcript is the one thing kvd cannot rebuild, and a deleted or damaged
 kvd.sqlite-wal takes its last commits with it. `VACUUM INTO` writes a
-consistent, compact copy while the daemon keeps its connection (readers are
-not blocked in WAL mode). Written to a temp name, then renamed: a crash never
+consistent, compact copy through a connection of its own, so it can run on a
+worker thread while the daemon keeps writing (WAL: a reader blocks nobody). Written to a temp name, then renamed: a crash never
 leaves a half backup under a backup's name. The newest BACKUPS_KEPT are kept.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import time
 from pathlib import Path
 
-from sessions import Store
 
 log = logging.getLogger("kvd")
 
@@ -36,19 +36,23 @@ def newest_backup(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def back_up(store: Store, directory: Path, *, now: float | None = None) -> Path:
-    """Write one backup and drop the oldest beyond BACKUPS_KEPT; return its path."""
+def back_up(db_path: Path, directory: Path, *, now: float | None = None) -> Path:
+    """Write one backup of the database at `db_path`, drop the oldest beyond BACKUPS_KEPT; return its path."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
     path = directory / f"{PREFIX}{stamp}{SUFFIX}"
     tmp = directory / f".{path.name}.tmp"
     tmp.unlink(missing_ok=True)
+    db = sqlite3.connect(db_path)
     try:
-        store.db.execute("VACUUM INTO ?", [str(tmp)])
+        db.execute("PRAGMA busy_timeout = 5000")
+        db.execute("VACUUM INTO ?", [str(tmp)])
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        db.close()
     for old in backups(directory)[:-BACKUPS_KEPT]:
         old.unlink(missing_ok=True)
     return path

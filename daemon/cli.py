@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from sessions import Store
-
 from . import __version__, backup, startup
 from .config import Config, ConfigError, load_config
 from .control import DETACHED_FLAG, detach, leave_terminal, logs, read_daemon_file, running_line, stop, write_daemon_file
@@ -169,7 +167,7 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
         engine.start()
         daemon = Daemon(config, store, engine, token)
         anyio.run(_main, config, daemon, detached)
-        _back_up(store, config, "at shutdown")
+        _back_up(config, "at shutdown")
     finally:
         store.close()
     log.info("stopped")
@@ -198,7 +196,7 @@ async def _main(config: Config, daemon: Daemon, detached: bool) -> None:
             if detached:
                 leave_terminal()
             backups = anyio.CancelScope()
-            tg.start_soon(_daily_backups, daemon.store, config, backups)
+            tg.start_soon(_daily_backups, config, backups)
             async for signum in signals:
                 log.info("received %s", signal.Signals(signum).name)
                 backups.cancel()
@@ -207,17 +205,17 @@ async def _main(config: Config, daemon: Daemon, detached: bool) -> None:
             daemon_file.unlink(missing_ok=True)
 
 
-async def _daily_backups(store: Store, config: Config, scope: anyio.CancelScope) -> None:
+async def _daily_backups(config: Config, scope: anyio.CancelScope) -> None:
     with scope:
         while True:
             if backup.due(config.backups_dir):
-                _back_up(store, config, "daily")
+                await anyio.to_thread.run_sync(_back_up, config, "daily")
             await anyio.sleep(3600)
 
 
-def _back_up(store: Store, config: Config, when: str) -> None:
+def _back_up(config: Config, when: str) -> None:
     try:
-        path = backup.back_up(store, config.backups_dir)
+        path = backup.back_up(config.db_path, config.backups_dir)
     except Exception as e:  # a backup must never stop the daemon or lose its shutdown
         log.warning("could not back up the transcript %s: %s", when, e)
         return

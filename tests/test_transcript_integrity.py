@@ -64,7 +64,7 @@ def test_backups_roll(tmp_path: Path) -> None:
     sid = store.create_session(title="kept")["id"]
     where = tmp_path / "backups"
     assert due(where, now=0)
-    written = [back_up(store, where, now=1_800_000_000 + day * 86400) for day in range(5)]
+    written = [back_up(tmp_path / "kvd.sqlite", where, now=1_800_000_000 + day * 86400) for day in range(5)]
     store.close()
     assert backups(where) == written[-BACKUPS_KEPT:]
     assert not due(where, now=written[-1].stat().st_mtime + 3600)
