@@ -161,20 +161,23 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
                         "was %s-wal deleted or damaged? %s", len(lost), config.db_path,
                         ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else ""), config.db_path.name,
                         startup.restore_hint(config.db_path, config.backups_dir))
+            log.warning("no backups while this daemon runs: they would replace the ones from before "
+                        "the loss")
         if n := store.recover_interrupted():
             log.warning("%d answer(s) were cut off by a crash; they are kept, marked 'error'", n)
         engine = Engine(config)
         engine.start()
         daemon = Daemon(config, store, engine, token)
-        anyio.run(_main, config, daemon, detached)
-        _back_up(config, "at shutdown")
+        anyio.run(_main, config, daemon, detached, not lost)
+        if not lost:
+            _back_up(config, "at shutdown")
     finally:
         store.close()
     log.info("stopped")
     return 0
 
 
-async def _main(config: Config, daemon: Daemon, detached: bool) -> None:
+async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool) -> None:
     # The signal handler is in place before the port opens: a SIGTERM right after
     # "listening" is a clean stop, not the default death.
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -196,7 +199,8 @@ async def _main(config: Config, daemon: Daemon, detached: bool) -> None:
             if detached:
                 leave_terminal()
             backups = anyio.CancelScope()
-            tg.start_soon(_daily_backups, config, backups)
+            if backups_on:
+                tg.start_soon(_daily_backups, config, backups)
             async for signum in signals:
                 log.info("received %s", signal.Signals(signum).name)
                 backups.cancel()

@@ -36,6 +36,8 @@ def test_deleted_wal_is_detected_and_named(tmp_path: Path) -> None:
     assert f"3 session(s) have KV caches but no transcript in {tmp_path / 'kvd.sqlite'}" in lost[0]
     assert all(sid in lost[0] for sid in sids)
     assert "was kvd.sqlite-wal deleted or damaged? restore the newest backup: cp " in lost[0]
+    # The backups from before the loss are kept as they were.
+    assert not any("backed up the transcript" in line for line in d.log)
 
 
 def test_damage_inside_the_database_is_caught_by_quick_check(tmp_path: Path) -> None:
@@ -71,3 +73,6 @@ def test_backups_roll(tmp_path: Path) -> None:
     assert due(where, now=written[-1].stat().st_mtime + 86400)
     copy = sqlite3.connect(written[-1])
     assert copy.execute("SELECT id, title FROM sessions").fetchall() == [(sid, "kept")]
+    # Later the same day: it replaces that day's backup, the earlier days stay.
+    again = back_up(tmp_path / "kvd.sqlite", where, now=1_800_000_000 + 4 * 86400 + 3600)
+    assert backups(where) == [*written[-BACKUPS_KEPT:-1], again]
