@@ -120,11 +120,11 @@ def logs(log_file: Path, lines: int, follow_: bool) -> int:
     if not log_file.exists():
         print(f"kvd logs: no log at {log_file} yet (kvd serve writes it)", file=sys.stderr)
         return 1
-    sys.stdout.writelines(tail(log_file, lines))
-    sys.stdout.flush()
-    if follow_:
-        try:
-            follow(log_file, sys.stdout)
-        except KeyboardInterrupt:
-            pass
+    if not follow_:
+        sys.stdout.writelines(tail(log_file, lines))
+        return 0
+    try:
+        follow(log_file, sys.stdout, lines=lines)
+    except KeyboardInterrupt:
+        pass
     return 0

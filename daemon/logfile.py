@@ -47,16 +47,18 @@ def tail(path: Path, lines: int) -> list[str]:
         return list(deque(f, maxlen=lines)) if lines > 0 else []
 
 
-def follow(path: Path, out: TextIO, *, poll: float = 0.25) -> None:
-    """Print lines as they are appended, across rotations, until interrupted.
+def follow(path: Path, out: TextIO, *, lines: int, poll: float = 0.25) -> None:
+    """Print the last `lines` lines, then lines as they are appended, across rotations, until interrupted.
 
-    A rotation renames the file and starts a new one at the same path: seen
-    as a different inode (or a shorter file), and then the new one is read
-    from its start.
+    The tail and the follow read through one file object, so no line
+    appended between them is lost. A rotation renames the file and starts a
+    new one at the same path: seen as a different inode (or a shorter file),
+    and then the new one is read from its start.
     """
     f = open(path, encoding="utf-8", errors="replace")
     try:
-        f.seek(0, os.SEEK_END)
+        out.writelines(deque(f, maxlen=max(lines, 0)))  # reads to the end: the follow starts there
+        out.flush()
         ino = os.fstat(f.fileno()).st_ino
         while True:
             line = f.readline()

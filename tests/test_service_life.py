@@ -80,9 +80,12 @@ def test_detach_status_logs_stop(tmp_path: Path) -> None:
     pid, url = info["pid"], info["url"]
     assert f"kvd: started (pid {pid}) on {url}" in started.stderr
     assert is_locked(tmp_path)
-    follower = subprocess.Popen([*KVD, "logs", "-f", "-n", "0", "--data-dir", str(tmp_path)],
+    follower = subprocess.Popen([*KVD, "logs", "-f", "-n", "100", "--data-dir", str(tmp_path)],
                                 stdout=subprocess.PIPE, text=True)
     try:
+        lines = _lines(follower)
+        while "kvd: listening on" not in (lines.get(timeout=TIMEOUT) or ""):
+            pass  # the tail is printed: `kvd logs -f` follows from here on
         status = kvd("status", "--data-dir", str(tmp_path))
         assert status.returncode == 0, status.stderr
         first = status.stdout.splitlines()[0]
@@ -90,7 +93,6 @@ def test_detach_status_logs_stop(tmp_path: Path) -> None:
         assert "model builtin:tiny" in status.stdout
         assert "0 client(s) connected" in status.stdout  # not counting the status request itself
         # `kvd logs -f` printed the status request's connection as the daemon logged it.
-        lines = _lines(follower)
         while "connection open" not in (line := lines.get(timeout=TIMEOUT) or ""):
             pass
     finally:
