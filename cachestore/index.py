@@ -5,6 +5,11 @@ from the engine thread. A segment file is listed here only after it is
 complete on disk (written, fsynced, renamed, directory fsynced), so a row
 never points at a partial file; files without a row are leftovers of a
 crash and are deleted on open.
+
+The index is not the only record, though: each segment's header holds its
+range, fingerprint and token ids. An index that is missing, empty or not a
+database is therefore set aside (`lost` says how it was found) and rebuilt
+from the files by the owner (manager.py), not taken as "no segments".
 """
 
 from __future__ import annotations
@@ -79,11 +84,39 @@ class SegmentIndex:
     def __init__(self, root: Path):
         self.root = root
         self.files = root / "segments"
-        self.files.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(root / "index.sqlite", isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS _kvd_migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+        self.files.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = root / "index.sqlite"
+        # How the index was found, when it could not be used as it was: None (fine),
+        # "missing", "empty", or "damaged (<why>), set aside as <name>".
+        self.lost: str | None = None
+        try:
+            self.db = self._open()
+        except sqlite3.DatabaseError as e:
+            aside = self.path.with_name(f"index.sqlite.damaged-{int(time.time())}")
+            self.path.replace(aside)
+            for suffix in ("-wal", "-shm"):
+                self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
+            self.lost = f"damaged ({e}), set aside as {aside.name}"
+            self.db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        existed = self.path.exists()
+        db = sqlite3.connect(self.path, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            known = db.execute("SELECT 1 FROM sqlite_master WHERE name = '_kvd_migrations'").fetchone()
+            if known is None and self.lost is None:
+                self.lost = "empty" if existed else "missing"
+            db.execute("CREATE TABLE IF NOT EXISTS _kvd_migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+        except BaseException:
+            db.close()
+            raise
+        self.db = db
+        self._migrate()
+        return db
+
+    def _migrate(self) -> None:
         done = {r[0] for r in self.db.execute("SELECT name FROM _kvd_migrations")}
         for name, sql in _MIGRATIONS:
             if name not in done:
@@ -147,7 +180,8 @@ class SegmentIndex:
                             "ON CONFLICT (key) DO UPDATE SET last_used = excluded.last_used", [key, now])
             self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            if self.db.in_transaction:  # a failed COMMIT (a full disk) has rolled back already
+                self.db.execute("ROLLBACK")
             raise
 
     def touch(self, key: str, now: float) -> None:
@@ -168,6 +202,26 @@ class SegmentIndex:
                 self.dir_for(key).rmdir()
             except OSError:
                 pass
+        return sum(r.nbytes for r in rows)
+
+    def evict(self, key: str) -> int:
+        """Free a full disk of `key`'s files: deleted first, unlisted after if the disk allows.
+
+        The reverse of drop_from's order, because unlisting needs room in the
+        index's WAL that only the deletion frees. A row left pointing at a
+        deleted file is harmless: reading it finds the file missing and drops
+        the row, and the next sweep removes it.
+        """
+        rows = self.chain(key)
+        for r in rows:
+            r.path.unlink(missing_ok=True)
+        try:
+            self.drop_from(key, 0)
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+                raise
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
         return sum(r.nbytes for r in rows)
 
     def sweep(self) -> int:

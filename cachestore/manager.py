@@ -19,25 +19,29 @@ never wrong.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CannotSplit, CorruptSegment
-from .index import SegmentIndex, SegmentRow
+from .errors import CannotSplit, CorruptSegment, UnsupportedFormat
+from .index import SEGMENT_SUFFIX, SegmentIndex, SegmentRow, check_key
 from .packing import pack, unpack
 from .prefix import common_prefix_len
-from .segments import read_segment, write_segment
+from .segments import read_header, read_segment, write_segment
 from .snapshot import Snapshot, merge, restore, rewind, snapshot, trimmable, truncate
 from .tiers import Tier
 
 log = logging.getLogger("kvd.cache")
 
 Cache = list[Any]
+
+NOTHING_TO_EVICT = "no other session's cache is left to remove"
 
 
 @dataclass(frozen=True)
@@ -73,18 +77,56 @@ class SessionCaches:
         self.budgets = budgets
         self._clock = clock
         self.index = SegmentIndex(root)
+        if self.index.lost is not None:
+            self._rebuild_index(self.index.lost)
         if removed := self.index.sweep():
             log.info("removed %d cache file(s) left incomplete by a crash", removed)
         self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes,
                                                                   budgets.resident_sessions)
         self.warm: Tier[tuple[Snapshot, list[int]]] = Tier("warm", budgets.warm_bytes)
         self.disk_stats = {"hits": 0, "misses": 0, "page_ins": 0, "page_outs": 0,
-                           "bytes_written": 0, "bytes_read": 0, "dropped_corrupt": 0}
+                           "bytes_written": 0, "bytes_read": 0, "dropped_corrupt": 0,
+                           "evicted_full": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "bytes": 0}
         self._enforce_disk_budget(keep=None)
 
     def close(self) -> None:
         self.index.close()
+
+    def _rebuild_index(self, how: str) -> None:
+        """List again every segment file whose own header verifies; remove the rest.
+
+        Each file names its session (its directory) and carries its range,
+        fingerprint and token ids; what verifies is exactly what the lost
+        index would have listed, so no valid cache is thrown away.
+        """
+        files = sorted(self.index.files.glob(f"*/*{SEGMENT_SUFFIX}"))
+        if not files:
+            if how not in ("missing", "empty"):
+                log.warning("the cache index %s was %s; there were no cache files to rebuild it from",
+                            self.index.path, how)
+            return
+        kept: set[str] = set()
+        count = 0
+        dropped: list[str] = []
+        for path in files:
+            key = path.parent.name
+            try:
+                check_key(key)
+                h = read_header(path)
+                if path != self.index.path_for(key, h.start, h.end):
+                    raise UnsupportedFormat(f"its name does not match its range [{h.start}, {h.end})", path=path)
+            except (CorruptSegment, ValueError) as e:
+                dropped.append(str(e))
+                path.unlink(missing_ok=True)
+                continue
+            self.index.add(key, h.start, h.end, path, h.nbytes, h.checksum, h.fingerprint, h.tokens,
+                           path.stat().st_mtime)
+            kept.add(key)
+            count += 1
+        log.warning("the cache index %s was %s; rebuilt it from the cache files' own headers: "
+                    "%d file(s) of %d session(s) kept%s", self.index.path, how, count, len(kept),
+                    f", {len(dropped)} that did not verify removed (first: {dropped[0]})" if dropped else "")
 
     # --- resume ---
 
@@ -253,7 +295,12 @@ class SessionCaches:
         try:
             self._write_behind(key, cache, tokens)
         except OSError as e:
-            log.warning("could not write the cache of %s to disk: %s", key, e)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("the disk holding the KV caches is full (%s); the cache of %s stays in "
+                            "memory only (after a restart it is rebuilt from the transcript)",
+                            e.strerror, key)
+            else:
+                log.warning("could not write the cache of %s to disk: %s", key, e)
         self.warm.discard(key)
         now = self._clock()
         for cold, (c, toks) in self.resident.put(key, (cache, tokens), cache_nbytes(cache), now):
@@ -278,7 +325,7 @@ class SessionCaches:
             pos = row.end
         return kept, pos
 
-    def _write_behind(self, key: str, cache: Cache, tokens: list[int]) -> None:
+    def _write_behind(self, key: str, cache: Cache, tokens: list[int], *, evict: bool = True) -> None:
         kept, pos = self._covered(key, tokens)
         chain_len = len(self.index.chain(key))
         if chain_len > len(kept):
@@ -290,20 +337,57 @@ class SessionCaches:
         if len(kept) + 1 > self.budgets.max_segments:
             pos = 0  # compaction: one segment for the whole history, from the live cache
         snap = snapshot(cache, pos)
-        self._write(key, snap, tokens, now, replace=pos == 0 and bool(kept))
+        self._write(key, snap, tokens, now, replace=pos == 0 and bool(kept), evict=evict)
         self._enforce_disk_budget(keep=key)
 
-    def _write(self, key: str, snap: Snapshot, tokens: Sequence[int], now: float, *, replace: bool) -> None:
+    def _write(self, key: str, snap: Snapshot, tokens: Sequence[int], now: float, *, replace: bool,
+               evict: bool = True) -> None:
         path = self.index.path_for(key, snap.start, snap.end)
         if replace:
             self.index.drop_from(key, 0)  # may remove the (then empty) directory
-        path.parent.mkdir(parents=True, exist_ok=True)
-        seg = write_segment(path, snap, fingerprint=self.fingerprint)
+        evicted: set[str] = set()
+        while True:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                seg = write_segment(path, snap, fingerprint=self.fingerprint, tokens=tokens[snap.start:snap.end])
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if not evict or not self._evict_for(key, evicted):
+                    raise OSError(e.errno, NOTHING_TO_EVICT if evict else e.strerror) from None
         _maybe_crash("after-write")
-        self.index.add(key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,
-                       self.fingerprint, tokens[snap.start:snap.end], now)
+        while True:
+            try:
+                self.index.add(key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,
+                               self.fingerprint, tokens[snap.start:snap.end], now)
+                break
+            except sqlite3.OperationalError as e:  # the index shares the full disk
+                if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+                    seg.path.unlink(missing_ok=True)
+                    raise
+                if not evict or not self._evict_for(key, evicted):
+                    seg.path.unlink(missing_ok=True)
+                    raise OSError(errno.ENOSPC, NOTHING_TO_EVICT if evict else str(e)) from None
         self.disk_stats["page_outs"] += 1
         self.disk_stats["bytes_written"] += seg.nbytes
+
+    def _evict_for(self, key: str, evicted: set[str]) -> bool:
+        """The cache's filesystem is full: remove the least recently used other session's files.
+
+        The same choice the byte budget makes, forced by the disk instead of
+        the config. False when no other session has files left to remove.
+        """
+        for victim, nbytes in self.index.keys_by_use():
+            if victim != key and nbytes > 0 and victim not in evicted:
+                evicted.add(victim)
+                self.index.evict(victim)
+                self.disk_stats["evicted_full"] += 1
+                log.warning("the disk holding the KV caches is full: removed the cache files of "
+                            "session %s (%d bytes, least recently used) to make room for %s",
+                            victim, nbytes, key)
+                return True
+        return False
 
     def _enforce_disk_budget(self, keep: str | None) -> None:
         total = self.index.total_bytes()
@@ -334,7 +418,8 @@ class SessionCaches:
             entry = self.resident.peek(key)
             if entry is not None:
                 try:
-                    self._write_behind(key, entry[0], entry[1])
+                    # No evictions for this: it must not push out caches used more recently.
+                    self._write_behind(key, entry[0], entry[1], evict=False)
                 except OSError as e:
                     log.warning("could not page out %s: %s", key, e)
         for key in self.warm:
@@ -346,7 +431,7 @@ class SessionCaches:
             if pos < snap.end:
                 try:
                     # A packed snapshot is saved at its rounded precision: the best there is.
-                    self._write(key, unpack(snap), toks, self._clock(), replace=True)
+                    self._write(key, unpack(snap), toks, self._clock(), replace=True, evict=False)
                 except OSError as e:
                     log.warning("could not page out %s: %s", key, e)
 

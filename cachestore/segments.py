@@ -30,6 +30,7 @@ plain ``read_bytes``. ``sha256:<hex>`` checksums are accepted on read too.
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import hashlib
 import io
@@ -37,8 +38,10 @@ import json
 import os
 import secrets
 import struct
+import sys
 import zlib
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeGuard
@@ -58,6 +61,8 @@ from .snapshot import KINDS, LayerSnapshot, Snapshot
 __all__ = [
     "FORMAT_VERSION",
     "SegmentFile",
+    "SegmentHeader",
+    "read_header",
     "fingerprint",
     "read_segment",
     "sweep_temp_files",
@@ -73,6 +78,7 @@ _FINGERPRINT = "kvd.fingerprint"
 _START = "kvd.start"
 _END = "kvd.end"
 _LAYOUT = "kvd.layout"
+_TOKENS = "kvd.tokens"  # base64 of the range's token ids, uint32 little-endian (since 2026-11)
 
 _CHUNK = 4 << 20  # read + checksum in cache-sized chunks: 2.5x faster than one big read
 _MAX_HEADER = 100 << 20  # safetensors' own limit
@@ -124,12 +130,15 @@ def fingerprint(
 # -- write --------------------------------------------------------------------
 
 
-def write_segment(path: Path, snap: Snapshot, *, fingerprint: str) -> SegmentFile:
+def write_segment(path: Path, snap: Snapshot, *, fingerprint: str,
+                  tokens: Sequence[int] | None = None) -> SegmentFile:
     """Write ``snap`` to ``path`` atomically and durably; return its checksum.
 
     The snapshot's arrays should already be evaluated (this may run on an I/O
     worker). MLX streams the file through a shim that checksums it on the
-    way, so the file is never read back.
+    way, so the file is never read back. ``tokens`` (the ids of
+    ``[start, end)``) go in the header, so a lost index can be rebuilt from
+    the files alone (:func:`read_header`).
     """
     path = Path(path)
     tensors, layout = _flatten(snap)
@@ -140,6 +149,13 @@ def write_segment(path: Path, snap: Snapshot, *, fingerprint: str) -> SegmentFil
         _END: str(snap.end),
         _LAYOUT: json.dumps(layout, separators=(",", ":")),
     }
+    if tokens is not None:
+        if len(tokens) != snap.end - snap.start:
+            raise ValueError("a segment's token ids must cover exactly [start, end)")
+        ids = array("I", tokens)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        metadata[_TOKENS] = base64.b64encode(ids.tobytes()).decode()
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{_TEMP_SUFFIX}")
     try:
         with open(tmp, "xb") as f:
@@ -332,6 +348,66 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
             )
         tensors = _load(f, path, specs)
     return _build(start, end, layout, tensors)
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """What a segment file says about itself: enough to list it in the index again."""
+
+    start: int
+    end: int
+    fingerprint: str
+    tokens: tuple[int, ...]
+    nbytes: int
+    checksum: str  # of the file as it is now
+
+
+def read_header(path: Path) -> SegmentHeader:
+    """Verify a segment's structure from its own header, without MLX; checksum it as it is.
+
+    Everything :func:`read_segment` checks before MLX sees a byte (sizes,
+    format version, layout, every invariant) except the checksum, which only
+    the lost index knew: a file that passes here is a whole segment that
+    :func:`read_segment` accepts with the checksum returned. Files written
+    before token ids were kept in the header fail (UnsupportedFormat): their
+    ids are gone with the index.
+    """
+    path = Path(path)
+    try:
+        f = open(path, "rb", buffering=0)
+    except OSError as e:
+        raise SegmentMissing(f"cannot open it: {e.strerror or e}", path=path) from None
+    with f:
+        try:
+            size, crc = _digest(f, "crc32")
+            header = _read_header(f, size, path)
+        except OSError as e:
+            raise SegmentMissing(f"cannot read it: {e.strerror or e}", path=path) from None
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not isinstance(meta.get(_FINGERPRINT), str):
+        raise UnsupportedFormat("not a kvd segment: no fingerprint in its metadata", path=path)
+    if meta.get(_FORMAT) != str(FORMAT_VERSION):
+        raise UnsupportedFormat(f"format version {meta.get(_FORMAT)!r}, this kvd reads {FORMAT_VERSION}",
+                                path=path)
+    start, end, layout = _parse_layout(meta, path)
+    specs = _parse_specs(header, path)
+    try:
+        names = set(_check_layers(layout, specs, start, end))
+    except _Bad as e:
+        raise InvariantViolation(str(e), path=path) from None
+    if specs.keys() - names:
+        raise InvariantViolation("tensors the layout does not account for", path=path)
+    if not isinstance(meta.get(_TOKENS), str):
+        raise UnsupportedFormat("written by an older kvd: no token ids in its header", path=path)
+    try:
+        ids = array("I", base64.b64decode(meta[_TOKENS], validate=True))
+    except ValueError:
+        raise UnsupportedFormat("unreadable token ids in its header", path=path) from None
+    if sys.byteorder != "little":
+        ids.byteswap()
+    if len(ids) != end - start:
+        raise InvariantViolation(f"{len(ids)} token ids for the range [{start}, {end})", path=path)
+    return SegmentHeader(start, end, meta[_FINGERPRINT], tuple(ids), size, f"crc32:{crc}")
 
 
 def _claimed_size(f: io.FileIO) -> int | None:

@@ -7,20 +7,33 @@ Nothing here imports mlx at module level: OpenBLAS must be interposed before
 from __future__ import annotations
 
 import argparse
-import json
+import errno
 import logging
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from . import __version__
+from . import __version__, backup, preflight
 from .config import Config, ConfigError, load_config
-from .protocol import DAEMON_FILE, TOKEN_FILE
+from .control import DETACHED_FLAG, detach, leave_terminal, logs, read_daemon_file, running_line, stop, write_daemon_file
+from .lockfile import AlreadyRunning, DataDirLock
+from .logfile import setup_logging
+from .protocol import TOKEN_FILE, default_data_dir
+from .preflight import StartError
+
+if TYPE_CHECKING:
+    from .server import Daemon
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger("kvd")
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,11 +48,27 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="port on the host (0 picks a free one)")
     s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--data-dir", type=Path, help="where the database, token and caches live")
+    s.add_argument("--log-file", type=Path, help="the log file (default: kvd.log in the data directory)")
+    s.add_argument("--detach", action="store_true", help="run in the background; return once it listens")
+    s.add_argument(DETACHED_FLAG, action="store_true", help=argparse.SUPPRESS)
     s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    st = sub.add_parser("status", help="show a running daemon's cache tiers")
+    st = sub.add_parser("status", help="show a running daemon: pid, URL, uptime, cache tiers")
     st.add_argument("--data-dir", type=Path, help="the daemon's data directory")
     st.add_argument("--url", help="the daemon's URL (default: from the data directory)")
     st.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    sp = sub.add_parser("stop", help="stop the running daemon (pages every cache out first)")
+    sp.add_argument("--data-dir", type=Path, help="the daemon's data directory")
+    sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
+    lg = sub.add_parser("logs", help="show the daemon's log")
+    lg.add_argument("--data-dir", type=Path, help="the daemon's data directory")
+    lg.add_argument("--log-file", type=Path, help="the log file, if not the default")
+    lg.add_argument("-n", "--lines", type=int, default=50, help="lines to show (default 50)")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    sv = sub.add_parser("service", help="run kvd at login (systemd user unit or launchd agent)")
+    sv.add_argument("action", choices=["install"], help="write the unit file")
+    sv.add_argument("--data-dir", type=Path, help="the data directory the service uses")
+    sv.add_argument("--config", type=Path, help="a config.toml the service passes to kvd serve")
+    sv.add_argument("--print", action="store_true", help="print the file instead of writing it")
     return parser
 
 
@@ -49,10 +78,14 @@ def ensure_token(data_dir: Path) -> str:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        if path.stat().st_mode & 0o077:
-            log.warning("%s was readable by others; setting mode 0600", path)
-            path.chmod(0o600)
-        token = path.read_text().strip()
+        try:
+            if path.stat().st_mode & 0o077:
+                log.warning("%s was readable by others; setting mode 0600", path)
+                path.chmod(0o600)
+            token = path.read_text().strip()
+        except OSError as e:
+            raise StartError(f"cannot read the token file {path}: {e.strerror or e}; kvd must own "
+                             f"everything in its data directory (chown -R $USER {data_dir})") from None
         if token:
             return token
         fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
@@ -64,76 +97,195 @@ def ensure_token(data_dir: Path) -> str:
     return token
 
 
-def _write_daemon_file(data_dir: Path, url: str) -> Path:
-    path = data_dir / DAEMON_FILE
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"url": url, "pid": os.getpid(), "version": __version__}, f)
-    os.replace(tmp, path)
-    return path
+def serve(config: Config, *, verbose: bool = False, detached: bool = False) -> int:
+    """Check everything, take the data directory, listen, serve until SIGTERM; 1 with one line on failure."""
+    setup_logging(verbose=verbose, log_file=None)
+    lock = DataDirLock(config.data_dir)
+    try:
+        preflight.prepare_data_dir(config.data_dir)
+        lock.acquire()
+    except AlreadyRunning:
+        print(running_line(config.data_dir), file=sys.stderr)
+        return 1
+    except (StartError, OSError) as e:
+        print(f"kvd: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        try:
+            setup_logging(verbose=verbose, log_file=config.log_path)
+        except OSError as e:
+            raise StartError(f"cannot write the log file {config.log_path}: {e.strerror or e}; "
+                             "pick another with --log-file") from None
+        return _serve_locked(config, detached=detached)
+    except BaseException as e:
+        if (start_error := _find(e, StartError)) is None:
+            raise
+        log.error("error: %s", start_error)
+        return 1
+    finally:
+        lock.release()
 
 
-def serve(config: Config) -> int:
+E = TypeVar("E", bound=BaseException)
+
+
+def _find(e: BaseException, kind: type[E]) -> E | None:
+    """The `kind` exception in `e`, also when task groups wrapped it."""
+    if isinstance(e, kind):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for inner in e.exceptions:
+            if (found := _find(inner, kind)) is not None:
+                return found
+    return None
+
+
+def _serve_locked(config: Config, *, detached: bool) -> int:
     from .blas import preload_blas
 
+    if config.host not in LOOPBACK:
+        log.warning("listening on %s, not loopback: anyone who can reach this address and holds the "
+                    "token can read every conversation; the token is then the only guard", config.host)
     blas = preload_blas(config.blas)
     log.info("%s", blas.reason)
 
-    from sessions import Store
-
     from .engine import Engine
     from .server import Daemon
-    from .startup import prepare, until_stopped
+    from .startup import prepare
 
-    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = ensure_token(config.data_dir)
     model_dir = prepare(config)  # before listening: a model that cannot load stops kvd here
     if model_dir is None:
         return 1
-    store = Store(config.db_path)
-    if n := store.recover_interrupted():
-        log.warning("%d answer(s) were cut off by a crash; they are kept, marked 'error'", n)
-    engine = Engine(config, model_dir)
-    engine.start()
-    daemon = Daemon(config, store, engine, token)
-
-    async def main() -> str | None:
-        async with anyio.create_task_group() as tg:
-            url = await tg.start(daemon.run)
-            daemon_file = _write_daemon_file(config.data_dir, url)
-            print(f"kvd: listening on {url} (model {config.model}, data {config.data_dir})",
-                  file=sys.stderr, flush=True)
-            failed = await until_stopped(engine)  # a signal, or the model failing to load
-            daemon.shutdown()
-        daemon_file.unlink(missing_ok=True)
-        return failed
-
+    store = preflight.open_store(config.db_path, config.backups_dir)
     try:
-        failed = anyio.run(main)
+        preflight.check_cache_dir(config.cache_dir)
+        if lost := preflight.sessions_without_transcript(store, config.cache_dir):
+            log.warning("TRANSCRIPTS LOST: %d session(s) have KV caches but no transcript in %s (%s); "
+                        "was %s-wal deleted or damaged? %s", len(lost), config.db_path,
+                        ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else ""), config.db_path.name,
+                        preflight.restore_hint(config.db_path, config.backups_dir))
+            log.warning("no backups while this daemon runs: they would replace the ones from before "
+                        "the loss")
+        if n := store.recover_interrupted():
+            log.warning("%d answer(s) were cut off by a crash; they are kept, marked 'error'", n)
+        engine = Engine(config, model_dir)
+        engine.start()
+        daemon = Daemon(config, store, engine, token)
+        failed = anyio.run(_main, config, daemon, detached, not lost)
+        if not lost and not failed:
+            _back_up(config, "at shutdown")
     finally:
         store.close()
-    log.info("stopped")
+        log.info("stopped")
     return 1 if failed else 0
+
+
+async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool) -> bool:
+    """Serve until SIGTERM/SIGINT (False) or until the model fails to load after all (True)."""
+    from .startup import load_failure
+
+    failed = False
+    # The signal handler is in place before the port opens: a SIGTERM right after
+    # "listening" is a clean stop, not the default death.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+            try:
+                url = await tg.start(daemon.run)
+            except BaseException as group:
+                if (e := _find(group, OSError)) is None:
+                    raise
+                if e.errno == errno.EADDRINUSE:
+                    raise StartError(f"port {config.port} on {config.host} is already in use (another "
+                                     "program, or a kvd with another data directory); pick another with "
+                                     "--port N or [server] port in config.toml (--port 0 picks a free "
+                                     "one)") from None
+                raise StartError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+            daemon_file = write_daemon_file(config.data_dir, url, config.log_path)
+            log.info("listening on %s (pid %d, model %s, data %s, log %s)", url, os.getpid(), config.model,
+                     config.data_dir, config.log_path)
+            if detached:
+                leave_terminal()
+            backups = anyio.CancelScope()
+            if backups_on:
+                tg.start_soon(_daily_backups, config, backups)
+            async with anyio.create_task_group() as until:
+
+                async def on_signal() -> None:
+                    async for signum in signals:
+                        log.info("received %s", signal.Signals(signum).name)
+                        break
+                    until.cancel_scope.cancel()
+
+                async def on_load_failure() -> None:
+                    nonlocal failed
+                    if (why := await load_failure(daemon.engine)) is not None:
+                        log.error("error: the model failed to load: %s", why)
+                        failed = True
+                        until.cancel_scope.cancel()
+
+                until.start_soon(on_signal)
+                until.start_soon(on_load_failure)
+            backups.cancel()
+            daemon.shutdown()
+            daemon_file.unlink(missing_ok=True)
+    return failed
+
+
+async def _daily_backups(config: Config, scope: anyio.CancelScope) -> None:
+    with scope:
+        while True:
+            if backup.due(config.backups_dir):
+                await anyio.to_thread.run_sync(_back_up, config, "daily")
+            await anyio.sleep(3600)
+
+
+def _back_up(config: Config, when: str) -> None:
+    try:
+        path = backup.back_up(config.db_path, config.backups_dir)
+    except Exception as e:  # a backup must never stop the daemon or lose its shutdown
+        log.warning("could not back up the transcript %s: %s", when, e)
+        return
+    log.info("backed up the transcript %s to %s", when, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
-                        format="kvd: %(message)s", stream=sys.stderr)
+    data_dir = getattr(args, "data_dir", None) or default_data_dir()
     if args.command == "serve":
         try:
             config = load_config(args.config, model=args.model, port=args.port, host=args.host,
-                                 data_dir=args.data_dir)
+                                 data_dir=args.data_dir, log_file=args.log_file)
         except ConfigError as e:
             print(f"kvd: error: {e}", file=sys.stderr)
             return 2
-        return serve(config)
+        if args.detach:
+            child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--detach"]
+            return detach(child_argv, config.log_path)
+        return serve(config, verbose=args.verbose, detached=args.detached_child)
+    setup_logging(verbose=False, log_file=None)
     if args.command == "status":
-        from .protocol import default_data_dir
         from .statuscmd import main as status_main
 
-        return status_main(args.data_dir or default_data_dir(), args.url, args.json)
+        return status_main(data_dir, args.url, args.json)
+    if args.command == "stop":
+        return stop(data_dir, args.timeout)
+    if args.command == "logs":
+        return logs(args.log_file or Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log"),
+                    args.lines, args.follow)
+    if args.command == "service":
+        from .service import install, service_file
+
+        data_dir = data_dir.expanduser().resolve()
+        sf = service_file(data_dir, data_dir / "kvd.log", args.config)
+        if args.print:
+            print(sf.content, end="")
+            return 0
+        install(sf)
+        print(f"kvd: wrote {sf.path}; start it now and at every login with:", file=sys.stderr)
+        for step in sf.next_steps:
+            print(f"  {step}", file=sys.stderr)
+        return 0
     return 2
 
 

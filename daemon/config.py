@@ -31,6 +31,7 @@ class Config:
     blas: str = "auto"
     # Where kvd keeps its database, token, caches and built-in models
     data_dir: Path = field(default_factory=default_data_dir)
+    log_file: Path | None = None  # None: <data_dir>/kvd.log
     # Server
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -67,6 +68,14 @@ class Config:
         return self.data_dir / "kvd.sqlite"
 
     @property
+    def log_path(self) -> Path:
+        return self.log_file if self.log_file is not None else self.data_dir / "kvd.log"
+
+    @property
+    def backups_dir(self) -> Path:
+        return self.data_dir / "backups"
+
+    @property
     def models_dir(self) -> Path:
         return self.data_dir / "models"
 
@@ -80,6 +89,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"),
     "blas": (None, "blas"),
     "data_dir": (None, "data_dir"),
+    "log_file": (None, "log_file"),
     "host": ("server", "host"),
     "port": ("server", "port"),
     "allowed_origins": ("server", "allowed_origins"),
@@ -132,7 +142,7 @@ def _check(name: str, value: Any) -> Any:
     table, key = _LAYOUT[name]
     dotted = f"{table}.{key}" if table else key
     default = getattr(Config(), name)
-    if name == "data_dir":
+    if name in ("data_dir", "log_file"):
         if not isinstance(value, (str, Path)) or not str(value):
             raise ConfigError(f"{dotted} must be a path")
         return Path(value).expanduser()

@@ -59,6 +59,7 @@ UNKNOWN_TYPE = "unknown_type"
 UNKNOWN_SESSION = "unknown_session"
 TOO_LARGE = "too_large"
 BUSY = "busy"
+DISK_FULL = "disk_full"
 INTERNAL = "internal"
 
 SESSION_ID_RE = re.compile(r"^[0-9a-f]{16}$")

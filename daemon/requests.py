@@ -20,13 +20,18 @@ RequestId = Union[str, int, None]
 
 
 class RequestError(Exception):
-    """A request the daemon answers with an `error` event (the connection stays open)."""
+    """A request the daemon answers with an `error` event (the connection stays open).
 
-    def __init__(self, code: str, message: str, request_id: RequestId = None):
+    `log_once` names a kind of abuse worth one log line per connection (a
+    client must not be able to grow the log at will by repeating it).
+    """
+
+    def __init__(self, code: str, message: str, request_id: RequestId = None, *, log_once: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.log_once = log_once
 
     def event(self) -> dict[str, Any]:
         return {"type": p.ERROR, "id": self.request_id, "code": self.code, "message": self.message}
@@ -232,16 +237,53 @@ def _text(msg: dict[str, Any], rid: RequestId, config: Config) -> str:
     return text
 
 
+def _surrogate(msg: dict[str, Any]) -> str | None:
+    """The first field holding a lone UTF-16 surrogate ("\\ud800"), which JSON allows and UTF-8 cannot carry.
+
+    Iterative: a frame nested just under the parser's limit must not
+    overflow the stack here.
+    """
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in msg.items()]
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((name, k) for k in value)
+            stack.extend((name, v) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((name, v) for v in value)
+        elif isinstance(value, str) and not _encodable(value):
+            return name
+        if not _encodable(name):
+            return "a key"
+    return None
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_request(raw: str | bytes, config: Config) -> Request:
     """Turn one frame into a typed request, or raise RequestError."""
     if isinstance(raw, bytes):
         raise RequestError(p.BAD_JSON, "send JSON text frames, not binary frames")
     try:
         msg = json.loads(raw)
+    except RecursionError:
+        raise RequestError(p.BAD_JSON, "the frame is nested too deeply; kvd's requests are at most "
+                           "a few levels deep", log_once="frames nested too deeply") from None
     except ValueError:
         raise RequestError(p.BAD_JSON, "the frame is not valid JSON") from None
     if not isinstance(msg, dict):
         raise RequestError(p.BAD_JSON, "a request must be a JSON object")
+    if "\\u" in raw and (field := _surrogate(msg)) is not None:
+        rid = msg.get("id") if field != "id" else None
+        raise RequestError(p.BAD_REQUEST, f"{field!r} holds a lone UTF-16 surrogate (such as \\ud800), "
+                           "which is not text; send valid Unicode",
+                           rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None)
     rid = _request_id(msg.get("id"))
     kind = msg.get("type")
     if not isinstance(kind, str):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import time
 from typing import Any
 
 import anyio
@@ -52,6 +54,7 @@ class Daemon:
         self.websocket = WebSocketDoor(config, store, engine, self.turns, token, self._loading, self.status)
         self.api = OpenAIDoor(config, store, engine, self.turns, token, self._loading)
         self._stopping = anyio.Event()
+        self._started = time.monotonic()
         self.url: str | None = None
 
     # What tests and tools look at: the open websocket clients, the answers being generated.
@@ -66,7 +69,7 @@ class Daemon:
     # --- lifecycle ---
 
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Serve until `shutdown()`; then finish every answer and return."""
+        """Serve until `shutdown()`; then cut every answer short, keep it, and return."""
         sock = socket.create_server((self.config.host, self.config.port),
                                     family=socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
         logging.getLogger("uvicorn").setLevel(logging.WARNING)
@@ -99,7 +102,14 @@ class Daemon:
                 self.url = p.default_url(self.config.host, sock.getsockname()[1])
                 task_status.started(self.url)
                 await self._stopping.wait()
-                log.info("shutting down: closing connections, finishing answers")
+                if cut := len(self.turns.active):
+                    # Cut, not finished: a stop must not wait for max_tokens of every answer.
+                    # Each is kept as 'cancelled' with its text and its cache, so it resumes.
+                    log.info("shutting down: cutting %d answer(s) short (kept as 'cancelled'; "
+                             "chat.regenerate or a new message resumes from the cache), "
+                             "paging caches out", cut)
+                else:
+                    log.info("shutting down: paging caches out")
                 loading.cancel()
                 for listener in server.servers:
                     listener.close()  # no new clients: one could attach to an answer about to be cut
@@ -112,6 +122,9 @@ class Daemon:
 
     def shutdown(self) -> None:
         self._stopping.set()
+
+    def connection_statistics(self) -> list[dict[str, Any]]:
+        return [c.statistics() for c in self.websocket.connections]
 
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Route by kind: websockets to kvchat's door, HTTP to the API's."""
@@ -139,7 +152,9 @@ class Daemon:
             self.engine.query_status(deliver)
             with anyio.move_on_after(STATUS_TIMEOUT):
                 stats = await fresh
-        return {"server": f"kvd {__version__}", "model": self.config.model,
+        return {"server": f"kvd {__version__}", "model": self.config.model, "pid": os.getpid(),
+                "uptime": time.monotonic() - self._started, "log_file": str(self.config.log_path),
+                "data_dir": str(self.config.data_dir),
                 "ready": self.engine.ready.is_set() and self.engine.load_error is None,
                 "connections": len(self.websocket.connections), "generating": stats.get("generating", 0),
                 "waiting": stats.get("waiting", 0),

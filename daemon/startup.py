@@ -4,7 +4,7 @@ A model that cannot be loaded must stop kvd with one line and a non-zero
 exit, not leave a listening daemon that answers every message with an error.
 Two moments catch it: :func:`prepare` runs before kvd listens (a missing
 path, a bad or unsupported file, a failed fetch: everything daemon/models.py
-can tell without loading weights), and :func:`until_stopped` ends the
+can tell without loading weights), and :func:`load_failure` tells `kvd serve` (cli.py) to end the
 daemon when the engine thread's load fails after all (weights that do not
 match their config, say), once every waiting client has been told.
 """
@@ -12,7 +12,6 @@ match their config, say), once every waiting client has been told.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -38,27 +37,10 @@ def prepare(config: Config) -> Path | None:
         return None
 
 
-async def until_stopped(engine: Engine) -> str | None:
-    """Wait for SIGTERM/SIGINT (None) or for the model to fail to load (the line printed)."""
-    failure: str | None = None
-    async with anyio.create_task_group() as tg:
-
-        async def signals() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
-                async for signum in received:
-                    log.info("received %s", signal.Signals(signum).name)
-                    break
-            tg.cancel_scope.cancel()
-
-        async def load_failure() -> None:
-            nonlocal failure
-            while not engine.ready.is_set():
-                await anyio.sleep(POLL_INTERVAL)
-            if engine.load_error is not None:
-                failure = f"kvd: error: the model failed to load: {engine.load_error}"
-                print(failure, file=sys.stderr, flush=True)
-                tg.cancel_scope.cancel()
-
-        tg.start_soon(signals)
-        tg.start_soon(load_failure)
-    return failure
+async def load_failure(engine: Engine) -> str | None:
+    """Wait until the engine has tried to load the model: None if it did, else why not."""
+    while not engine.ready.is_set():
+        await anyio.sleep(POLL_INTERVAL)
+    if engine.load_error is None:
+        return None
+    return str(engine.load_error) or type(engine.load_error).__name__

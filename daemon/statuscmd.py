@@ -40,11 +40,24 @@ def fetch_status(url: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
                 return reply
 
 
-def render_status(status: dict[str, Any], console: Console) -> None:
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return f"{d}d {h}h" if d else f"{h}h {m}m" if h else f"{m}m {s}s" if m else f"{s}s"
+
+
+def render_status(status: dict[str, Any], console: Console, url: str | None = None) -> None:
+    # The status request's own connection is not a client worth counting.
+    others = max(0, status["connections"] - 1)
+    if "pid" in status:
+        console.print(f"pid {status['pid']} · {url or '?'} · up {_duration(status['uptime'])} · "
+                      f"log {status['log_file']}", soft_wrap=True)
     console.print(f"{status['server']} · model {status['model']} · "
                   f"{'ready' if status['ready'] else 'loading'} · "
-                  f"{status['connections']} connection(s) · {status['generating']} generating"
-                  f"{f' · {w} waiting' if (w := status.get('waiting')) else ''}")
+                  f"{others} client(s) connected · {status['generating']} generating"
+                  f"{f' · {w} waiting' if (w := status.get('waiting')) else ''}", soft_wrap=True)
     table = Table(show_edge=False)
     for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
         table.add_column(col, justify="left" if col == "tier" else "right")
@@ -80,5 +93,5 @@ def main(data_dir: Path, url: str | None, as_json: bool) -> int:
         print(json.dumps(status, indent=2))
     else:
         console = Console()
-        render_status(status, Console(width=max(console.width, 100)))
+        render_status(status, Console(width=max(console.width, 100)), url)
     return 0

@@ -35,7 +35,7 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from sessions import Message, Store
+from sessions import Message, Store, is_disk_full
 
 from . import protocol as p
 from .config import Config
@@ -47,6 +47,8 @@ from .sampling import resolve
 log = logging.getLogger("kvd.turns")
 
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
+DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
+                     "free some space and send it again (nothing saved before is lost)")
 
 
 class Listener(Protocol):
@@ -324,12 +326,20 @@ class Turns:
                                                       status="error", finish_reason="error")
                         turn.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
                         return
-        except Exception:
-            log.exception("answer for session %s failed", sid)
-            self.store.update_message(sid, turn.message_index, content=turn.text,
-                                      status="error", finish_reason="error")
-            turn.publish({"type": p.ERROR, "code": p.INTERNAL,
-                          "message": "kvd hit an internal error; it is logged"})
+        except Exception as e:
+            self.engine.cancel(sid)  # nobody is left to keep what it generates
+            if is_disk_full(e):
+                log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
+                turn.publish({"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE})
+            else:
+                log.exception("answer for session %s failed", sid)
+                turn.publish({"type": p.ERROR, "code": p.INTERNAL,
+                              "message": "kvd hit an internal error; it is logged"})
+            try:
+                self.store.update_message(sid, turn.message_index, content=turn.text,
+                                          status="error", finish_reason="error")
+            except Exception as again:  # the answer keeps what was committed before; recovered at start
+                log.warning("could not mark the answer of %s as cut: %s", sid, again)
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]

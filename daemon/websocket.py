@@ -17,7 +17,7 @@ from starlette.responses import PlainTextResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from sessions import Keep, Session, Store
+from sessions import Keep, Session, Store, is_disk_full
 
 from . import __version__
 from . import protocol as p
@@ -30,7 +30,7 @@ from .loading import LoadingWatch
 from .requests import (ChatAttach, ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError, SessionCreate,
                        SessionDelete, SessionGet, SessionList, SessionUpdate, Status, parse_request)
 from .sampling import merge
-from .turns import Turns
+from .turns import DISK_FULL_MESSAGE, Turns
 
 log = logging.getLogger("kvd.server")
 
@@ -85,20 +85,10 @@ class WebSocketDoor:
         conn = Connection(ws, send_timeout=self.config.send_timeout, abort=lambda: abort_transport(send))
         self.connections.add(conn)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(conn.writer)
-                conn.publish(self._hello())
-                if (failed := self._loading.failure_event()) is not None:
-                    conn.publish(failed)
-                try:
-                    while True:
-                        message = await receive()
-                        if message["type"] != "websocket.receive":
-                            break  # websocket.disconnect
-                        raw = message.get("text")
-                        await self._dispatch(conn, raw if raw is not None else message.get("bytes") or b"")
-                finally:
-                    conn.close()
+            conn.publish(self._hello())
+            if (failed := self._loading.failure_event()) is not None:
+                conn.publish(failed)
+            await conn.serve(receive, self._dispatch)
         finally:
             self.connections.discard(conn)
             for turn in self.turns.active.values():
@@ -120,7 +110,7 @@ class WebSocketDoor:
             if isinstance(req, Ping):
                 conn.publish({"type": p.PONG, "id": rid})
             elif isinstance(req, Status):
-                conn.publish({"type": p.STATUS, "id": rid, **await self._status()})
+                conn.start_slow(rid, lambda: self._reply_status(conn, rid))
             elif isinstance(req, SessionCreate):
                 session = self.store.create_session(title=req.title, system=req.system)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
@@ -144,7 +134,7 @@ class WebSocketDoor:
                 self.turns.check_idle(req.session, req.id)
                 # The user's message is committed before anything is generated.
                 first_new = self.store.append_message(req.session, "user", req.text)
-                self._start(conn, req, first_new)
+                self._send(conn, req, first_new)
             elif isinstance(req, ChatRegenerate):
                 self._chat_regenerate(conn, req)
             elif isinstance(req, ChatEdit):
@@ -156,8 +146,12 @@ class WebSocketDoor:
         except RequestError as e:
             if e.request_id is None:
                 e.request_id = rid
-            conn.publish(e.event())
-        except Exception:
+            conn.refuse(e)
+        except Exception as e:
+            if is_disk_full(e):
+                log.warning("request refused, the disk is full: %s", e)
+                conn.refuse(RequestError(p.DISK_FULL, DISK_FULL_MESSAGE, rid))
+                return
             log.exception("request failed: %.200r", raw)
             conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
 
@@ -205,6 +199,23 @@ class WebSocketDoor:
     def _start(self, conn: Connection, req: ChatSend | ChatRegenerate | ChatEdit, first_new: int) -> None:
         self.turns.start(conn, req.id, req.session, first_new, max_tokens=req.max_tokens,
                          temperature=req.temperature, top_p=req.top_p)
+
+    def _send(self, conn: Connection, req: ChatSend, first_new: int) -> None:
+        try:
+            self._start(conn, req, first_new)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            try:  # so that "not saved" stays true
+                self.store.truncate_messages(req.session, first_new)
+            except Exception:
+                raise RequestError(p.DISK_FULL, "the disk holding kvd's data directory is full: your "
+                                   "message was saved but no answer could be started; free some space "
+                                   "and send chat.regenerate", req.id) from None
+            raise
+
+    async def _reply_status(self, conn: Connection, rid: Any) -> None:
+        conn.publish({"type": p.STATUS, "id": rid, **await self._status()})
 
     def _chat_attach(self, conn: Connection, req: ChatAttach) -> None:
         self.turns.session(req.session, req.id)

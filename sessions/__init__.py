@@ -5,7 +5,7 @@ Knows nothing of MLX: the daemon feeds it text and token ids.
 
 from __future__ import annotations
 
-from .errors import UnknownMessage, UnknownSession
+from .errors import UnknownMessage, UnknownSession, is_disk_full
 from .ids import is_valid_session_id, new_session_id
 from .store import KEEP, Keep, Message, Session, Store
 
@@ -17,6 +17,7 @@ __all__ = [
     "Store",
     "UnknownMessage",
     "UnknownSession",
+    "is_disk_full",
     "is_valid_session_id",
     "new_session_id",
 ]

@@ -28,11 +28,12 @@ class DaemonProcess:
         if "--model" not in args:
             args = ("--model", "builtin:tiny", *args)
         # A restart in a test is cold (restored from disk) unless the test asks for prefetch.
-        config = data_dir.parent / f"{data_dir.name}-kvd.toml"
-        config.write_text(f"[cache]\nprefetch = {str(prefetch).lower()}\n")
+        if "--config" not in args:
+            config = data_dir.parent / f"{data_dir.name}-kvd.toml"
+            config.write_text(f"[cache]\nprefetch = {str(prefetch).lower()}\n")
+            args = ("--config", str(config), *args)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir),
-             "--config", str(config), *args],
+            [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir), *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})},
         )

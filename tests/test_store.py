@@ -421,7 +421,7 @@ def test_file_database_pragmas(store: Store) -> None:
         return store.db.execute(f"PRAGMA {name}").fetchone()[0]
 
     assert pragma("journal_mode") == "wal"
-    assert pragma("synchronous") == 1  # NORMAL
+    assert pragma("synchronous") == 2  # FULL (bench/synchronous.py measured its cost)
     assert pragma("foreign_keys") == 1
     assert pragma("busy_timeout") == 5000
 
@@ -472,7 +472,7 @@ def test_commits_survive_a_killed_process(db_path: Path) -> None:
 
 
 def test_update_message_is_one_statement_and_one_commit(store: Store) -> None:
-    """It runs for every streamed chunk: no reads, no second write."""
+    """It runs for every streamed chunk: no reads, no second write, no fsync (synchronous NORMAL)."""
     s = store.create_session()
     i = store.append_message(s["id"], "assistant", "", status="streaming")
     statements: list[str] = []
@@ -481,7 +481,9 @@ def test_update_message_is_one_statement_and_one_commit(store: Store) -> None:
         store.update_message(s["id"], i, content="Hel", usage={"completion_tokens": 1})
     finally:
         store.db.conn.set_trace_callback(None)
-    assert [sql.split()[0] for sql in statements] == ["BEGIN", "UPDATE", "COMMIT"]
+    assert [" ".join(sql.split()[:2]) for sql in statements] == [
+        "PRAGMA synchronous", "BEGIN", "UPDATE messages", "COMMIT", "PRAGMA synchronous"]
+    assert statements[0].endswith("NORMAL") and statements[-1].endswith("FULL")
 
 
 def test_fed_end_marks_turn_boundaries_until_forgotten(tmp_path: Path) -> None:

@@ -1,0 +1,201 @@
+"""Everything `kvd serve` checks before it listens, each failure one line that says what to do.
+
+A daemon that prints "listening" and then cannot record a single answer is
+worse than one that refuses to start, so the data directory is probed for
+what kvd needs (ownership, privacy, room to write, a readable token and
+database, a usable cache directory) before the port is opened. Each problem
+is a StartError whose message is the whole story: what is wrong, which path,
+and what the user can do.
+
+Privacy: kvd's files hold private conversations. The process umask is set to
+0077 first, so everything kvd or SQLite creates (the database and its -wal and
+-shm, the cache index, segment files, model caches, every directory) is
+owner-only whatever the user's umask; an existing data directory that others
+can read is tightened, with a warning, as the token always was.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import stat
+from pathlib import Path
+
+from sessions import Store
+
+log = logging.getLogger("kvd")
+
+WHEN_WRONG = "README.md, 'When something is wrong'"
+
+
+class StartError(Exception):
+    """kvd cannot start; the message is one line for the user, the exit is non-zero."""
+
+
+def _why(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def prepare_data_dir(data_dir: Path) -> None:
+    """Owner-only from here on: umask 0077, the directory made or tightened, then probed."""
+    os.umask(0o077)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = data_dir.stat()
+    except OSError as e:
+        raise StartError(f"cannot create the data directory {data_dir}: {_why(e)}; "
+                         "pick another with --data-dir") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StartError(f"the data directory {data_dir} is not a directory; pick another with --data-dir")
+    if st.st_uid != os.getuid():
+        raise StartError(f"the data directory {data_dir} belongs to uid {st.st_uid}, not to you "
+                         f"(uid {os.getuid()}); kvd keeps private conversations there, so it must "
+                         "be yours: chown it or pick another with --data-dir")
+    if st.st_mode & 0o077:
+        log.warning("the data directory %s was readable by others (mode %04o); "
+                    "kvd made it and everything in it owner-only", data_dir, stat.S_IMODE(st.st_mode))
+        tighten(data_dir)
+    probe_writable(data_dir, "the data directory")
+
+
+def tighten(root: Path) -> None:
+    """Remove group and other permissions from `root` and everything under it (no symlinks followed)."""
+    for path in [root, *root.rglob("*")]:
+        try:
+            st = path.lstat()
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+                path.chmod(stat.S_IMODE(st.st_mode) & 0o700)
+        except OSError as e:
+            raise StartError(f"cannot make {path} owner-only: {_why(e)}; fix its owner or "
+                             "permissions (kvd must own its data directory)") from None
+
+
+def probe_writable(directory: Path, what: str) -> None:
+    """Write, fsync and remove a small file: a read-only or full disk fails here, not mid-answer."""
+    probe = directory / f".kvd-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        probe.unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StartError(disk_full_line(directory)) from None
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise StartError(f"{what} {directory} is read-only ({_why(e)}); kvd must write its "
+                             "transcripts and caches there: fix its permissions or pick another "
+                             "with --data-dir") from None
+        raise StartError(f"cannot write in {what} {directory}: {_why(e)}") from None
+    probe.unlink(missing_ok=True)
+
+
+def disk_full_line(directory: Path) -> str:
+    cache = _du(directory / "cache") if (directory / "cache").is_dir() else 0
+    hint = (f"; {cache / 2**20:.0f} MiB of that are KV caches in {directory / 'cache'}, which "
+            "kvd rebuilds from the transcripts, so deleting that directory is safe" if cache else "")
+    return (f"no space left on the disk holding {directory}: kvd could not record a single answer, "
+            f"so it does not start. Free some space{hint}")
+
+
+def _du(root: Path) -> int:
+    total = 0
+    for p in root.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def check_readable(path: Path, what: str) -> None:
+    """Open an existing file for reading and writing, as SQLite will; a refusal says which file."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise StartError(f"cannot open {what} {path}: {_why(e)}; kvd must own everything in its "
+                         f"data directory (chown -R $USER {path.parent})") from None
+    os.close(fd)
+
+
+def open_store(db_path: Path, backups: Path) -> Store:
+    """The transcript store, checked with SQLite's quick_check; damage is a StartError."""
+    for suffix, what in (("", "the transcript database"), ("-wal", "the transcript's write-ahead log"),
+                         ("-shm", "the transcript's shared-memory file")):
+        check_readable(db_path.with_name(db_path.name + suffix), what)
+    restore = restore_hint(db_path, backups)
+    try:
+        store = Store(db_path)
+    except sqlite3.DatabaseError as e:
+        if _is_full(e):
+            raise StartError(disk_full_line(db_path.parent)) from None
+        raise StartError(f"{db_path} is not a kvd database or is damaged ({e}); {restore}") from None
+    try:
+        result = [r[0] for r in store.db.execute("PRAGMA quick_check").fetchall()]
+    except sqlite3.DatabaseError as e:
+        result = [str(e)]
+    if result != ["ok"]:
+        store.close()
+        found = " ".join(" ".join(result).split())[:200]  # one line, whatever SQLite reports
+        raise StartError(f"{db_path} is damaged (SQLite quick_check: {found}); {restore}")
+    return store
+
+
+def restore_hint(db_path: Path, backups: Path) -> str:
+    """How to get the transcripts back: the newest backup, or how to start afresh."""
+    from .backup import newest_backup
+
+    newest = newest_backup(backups)
+    if newest is None:
+        return (f"there is no backup in {backups}; move {db_path.name} aside to start with no "
+                f"sessions (see {WHEN_WRONG})")
+    return (f"restore the newest backup: cp {newest} {db_path} && rm -f {db_path}-wal {db_path}-shm "
+            f"(see {WHEN_WRONG})")
+
+
+def _is_full(e: sqlite3.DatabaseError) -> bool:
+    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e)
+
+
+def check_cache_dir(cache_dir: Path) -> None:
+    """The cache directory is kvd's to write: a problem there is named as a cache problem."""
+    segments = cache_dir / "segments"
+    try:
+        segments.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for p in (cache_dir / "index.sqlite", cache_dir / "index.sqlite-wal", cache_dir / "index.sqlite-shm"):
+            if p.exists():
+                os.close(os.open(p, os.O_RDWR))
+        for d in [segments, *(p for p in segments.iterdir() if p.is_dir())]:
+            if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "Permission denied", str(d))
+    except OSError as e:
+        where = e.filename or cache_dir
+        raise StartError(f"cannot use the KV cache directory {cache_dir} ({where}: {_why(e)}); "
+                         "fix its permissions, or delete it: kvd rebuilds caches from the "
+                         "transcripts") from None
+    probe_writable(segments, "the KV cache directory")
+
+
+def sessions_without_transcript(store: Store, cache_dir: Path) -> list[str]:
+    """Session ids the cache holds files for but the transcript no longer knows.
+
+    A segment directory is named after its session and is only ever written
+    for a session the transcript has; so an id here and not in the database
+    means the transcript lost it (a deleted or damaged kvd.sqlite-wal), or a
+    crash fell between deleting a session and deleting its cache.
+    """
+    segments = cache_dir / "segments"
+    if not segments.is_dir():
+        return []
+    cached = {p.name for p in segments.iterdir() if p.is_dir()}
+    if not cached:
+        return []
+    known = {r[0] for r in store.db.execute("SELECT id FROM sessions")}
+    return sorted(cached - known)

@@ -1,0 +1,135 @@
+"""A full disk: `disk_full` for requests (nothing acknowledged lost), LRU eviction for caches.
+
+Fault injection runs everywhere (SQLite's page limit; a cache filesystem of a
+fixed capacity); a real small tmpfs runs where the test may mount one (root).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cachestore.manager as manager
+from cachestore.manager import SessionCaches
+from conftest import client, running_daemon
+from daemonproc import DaemonProcess
+from sessions import is_disk_full
+from test_manager import Clock, budgets, grow
+
+A, B, C = "aaaa", "bbbb", "cccc"
+
+
+@pytest.mark.anyio
+async def test_full_transcript_disk_is_disk_full_and_loses_nothing(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, model="builtin:tiny") as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            _, done = await c.chat(sid, "hello", max_tokens=4, temperature=0)
+            assert done["type"] == "chat.done"
+            before = (await c.request("session.get", session=sid))["messages"]
+            # The disk fills up: no page beyond the current ones, and those filled to the brim.
+            db = d.store.db
+            filler = d.store.create_session()["id"]
+            (pages,) = db.execute("PRAGMA page_count").fetchone()
+            db.execute(f"PRAGMA max_page_count = {pages}")
+            for fill in (lambda: d.store.create_session(title="filler " * 20),
+                         lambda: d.store.create_session(),  # as small as session.create's
+                         lambda: d.store.append_message(filler, "user", "x" * 500)):
+                with pytest.raises(Exception) as full:
+                    while True:
+                        fill()
+                assert is_disk_full(full.value)
+
+            created = await c.request("session.create")
+            assert (created["type"], created["code"]) == ("error", "disk_full")
+            assert "disk holding kvd's data directory is full" in created["message"]
+            _, refused = await c.chat(sid, "a message that does not fit " * 40, max_tokens=4)
+            assert (refused["type"], refused.get("code")) == ("error", "disk_full"), refused
+            assert (await c.request("ping"))["type"] == "pong"  # still serving
+            # Nothing acknowledged was lost, and the refused message was not half-kept.
+            assert (await c.request("session.get", session=sid))["messages"] == before
+
+            db.execute("PRAGMA max_page_count = 1073741823")  # room again
+            _, done = await c.chat(sid, "and now?", max_tokens=4, temperature=0)
+            assert done["type"] == "chat.done"
+
+
+@pytest.fixture
+def model(models: dict[str, Any]) -> Any:
+    return models["builtin:tiny"]
+
+
+def test_full_cache_disk_evicts_the_least_recently_used(model: Any, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A cache filesystem that holds two sessions' files (injected ENOSPC past that)."""
+    real_write = manager.write_segment
+    capacity = 0
+
+    def write_on_small_disk(path: Path, *args: Any, **kwargs: Any) -> Any:
+        seg = real_write(path, *args, **kwargs)
+        if caches.index.total_bytes() + seg.nbytes > capacity:
+            seg.path.unlink()
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return seg
+
+    monkeypatch.setattr(manager, "write_segment", write_on_small_disk)
+    clock = Clock()
+    caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
+    sessions = {}
+    for key in (A, B, C):
+        sessions[key] = grow(model, None, [], list(range(10, 40)))
+    one = 30 * 2048 + 8192
+    capacity = 2 * one
+    caplog.set_level(logging.INFO)
+    for key in (A, B, C):
+        clock.now += 1
+        caches.checkin(key, *sessions[key])
+    assert [k for k, _ in caches.index.keys_by_use()] == [B, C]
+    assert caches.statistics()["disk"]["evicted_full"] == 1
+    assert any(f"removed the cache files of session {A}" in r.getMessage() and f"room for {C}" in r.getMessage()
+               for r in caplog.records)
+    # Nothing left to evict and one session does not fit: it stays resident, said so.
+    capacity = 1000
+    cache, toks = grow(model, None, [], list(range(50, 90)))
+    caches.checkin("dddd", cache, toks)
+    assert "dddd" in caches.resident and caches.index.chain("dddd") == []
+    assert any("(no other session's cache is left to remove); the cache of dddd stays in memory only"
+               in r.getMessage() for r in caplog.records)
+    caches.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="mounting a small tmpfs needs root")
+def test_full_cache_filesystem_on_a_real_tmpfs(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    cache = data / "cache"
+    cache.mkdir(parents=True, mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(cache)], check=True)
+    try:
+        d = DaemonProcess(data)
+        try:
+            sids = []
+            with d.client() as c:
+                for i in range(5):
+                    sid = c.request("session.create")["session"]["id"]
+                    sids.append(sid)
+                    _, done = c.chat(sid, f"Conversation {i}: " + "tell me more about this. " * 90,
+                                     max_tokens=8, temperature=0)
+                    assert done["type"] == "chat.done", done
+                status = c.request("status")
+        finally:
+            assert d.terminate() == 0
+        log = "".join(d.log)
+        assert "the disk holding the KV caches is full: removed the cache files of session" in log
+        assert "stays in memory only" not in log and "could not write" not in log
+        on_disk = {p.name for p in (cache / "segments").iterdir() if any(p.iterdir())}
+        assert sids[-1] in on_disk and sids[0] not in on_disk
+        assert status["tiers"]["disk"]["evicted_full"] >= 1
+    finally:
+        subprocess.run(["umount", str(cache)], check=True)

@@ -1,0 +1,187 @@
+"""Service life of a real `kvd serve`: one per data dir, a busy port, --detach, stop, logs, status, units."""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import plistlib
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from conftest import fed_tokens
+from daemon.lockfile import is_locked
+from daemon.service import LAUNCHD_LABEL, launchd_plist, service_file, systemd_unit
+from daemonproc import DaemonProcess
+
+KVD = [sys.executable, "-m", "daemon.cli"]
+TIMEOUT = 120
+
+
+def kvd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVD, *args], capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, **(env or {})})
+
+
+def test_second_daemon_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    try:
+        before = (tmp_path / "daemon.json").read_text()
+        out = kvd("serve", "--model", "builtin:tiny", "--port", "0", "--data-dir", str(tmp_path))
+        assert out.returncode == 1
+        assert out.stderr.splitlines() == [
+            f"kvd is already running (pid {d.proc.pid}, {d.url}) for {tmp_path}; "
+            f"stop it with: kvd stop --data-dir {tmp_path}"]
+        # The refused one touched nothing: the first still serves, and clients still find it.
+        assert (tmp_path / "daemon.json").read_text() == before
+        with d.client() as c:
+            assert c.request("ping")["type"] == "pong"
+    finally:
+        assert d.terminate() == 0
+    assert not is_locked(tmp_path)
+
+
+def test_port_in_use_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = kvd("serve", "--model", "builtin:tiny", "--port", str(port), "--data-dir", str(tmp_path))
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert errors == [f"kvd: error: port {port} on 127.0.0.1 is already in use (another program, or a kvd "
+                      "with another data directory); pick another with --port N or [server] port in "
+                      "config.toml (--port 0 picks a free one)"]
+    assert "Traceback" not in out.stderr and "kvd: listening" not in out.stderr
+    assert not is_locked(tmp_path)
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def drain() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return lines
+
+
+def test_detach_status_logs_stop(tmp_path: Path) -> None:
+    started = kvd("serve", "--detach", "--model", "builtin:tiny", "--port", "0", "--data-dir", str(tmp_path))
+    assert started.returncode == 0, started.stderr
+    info = json.loads((tmp_path / "daemon.json").read_text())
+    pid, url = info["pid"], info["url"]
+    assert f"kvd: started (pid {pid}) on {url}" in started.stderr
+    assert is_locked(tmp_path)
+    follower = subprocess.Popen([*KVD, "logs", "-f", "-n", "100", "--data-dir", str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        lines = _lines(follower)
+        while "kvd: listening on" not in (lines.get(timeout=TIMEOUT) or ""):
+            pass  # the tail is printed: `kvd logs -f` follows from here on
+        status = kvd("status", "--data-dir", str(tmp_path))
+        assert status.returncode == 0, status.stderr
+        first = status.stdout.splitlines()[0]
+        assert first.startswith(f"pid {pid} · {url} · up ") and first.endswith(f"log {tmp_path / 'kvd.log'}")
+        assert "model builtin:tiny" in status.stdout
+        assert "0 client(s) connected" in status.stdout  # not counting the status request itself
+        # `kvd logs -f` printed the status request's connection as the daemon logged it.
+        while "connection open" not in (line := lines.get(timeout=TIMEOUT) or ""):
+            pass
+    finally:
+        follower.terminate()
+        follower.wait(timeout=TIMEOUT)
+    shown = kvd("logs", "-n", "3", "--data-dir", str(tmp_path))
+    assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 3
+    stopped = kvd("stop", "--data-dir", str(tmp_path))
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stderr.splitlines()[-1].startswith(f"kvd stop: stopped (pid {pid}, ")
+    assert not is_locked(tmp_path) and not (tmp_path / "daemon.json").exists()
+    log = (tmp_path / "kvd.log").read_text()
+    assert "received SIGTERM" in log and log.rstrip().endswith("kvd: stopped")
+    again = kvd("stop", "--data-dir", str(tmp_path))
+    assert again.returncode == 0 and "not running" in again.stderr
+
+
+def test_detach_reports_a_start_failure(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    try:
+        out = kvd("serve", "--detach", "--model", "builtin:tiny", "--port", "0", "--data-dir", str(tmp_path))
+        assert out.returncode == 1
+        assert f"kvd is already running (pid {d.proc.pid}, {d.url})" in out.stderr
+    finally:
+        d.terminate()
+
+
+def test_systemd_unit_content(tmp_path: Path) -> None:
+    argv = ["/opt/kvd env/bin/kvd", "serve", "--data-dir", "/home/u/kvd data"]
+    unit = configparser.ConfigParser(interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read_string(systemd_unit(argv))
+    assert unit["Service"]["ExecStart"] == "'/opt/kvd env/bin/kvd' serve --data-dir '/home/u/kvd data'"
+    assert unit["Service"]["Type"] == "simple" and unit["Service"]["Restart"] == "on-failure"
+    assert unit["Service"]["UMask"] == "0077"
+    assert unit["Install"]["WantedBy"] == "default.target"
+
+
+def test_launchd_plist_content(tmp_path: Path) -> None:
+    argv = ["/opt/kvd/bin/kvd", "serve", "--data-dir", "/Users/u/kvd"]
+    plist = plistlib.loads(launchd_plist(argv, Path("/Users/u/kvd/kvd.log")).encode())
+    assert plist["Label"] == LAUNCHD_LABEL and plist["ProgramArguments"] == argv
+    assert plist["RunAtLoad"] is True and plist["KeepAlive"] == {"SuccessfulExit": False}
+    assert plist["Umask"] == 0o077
+    sf = service_file(Path("/Users/u/kvd"), Path("/Users/u/kvd/kvd.log"), None, platform="darwin",
+                      home=Path("/Users/u"))
+    assert sf.path == Path(f"/Users/u/Library/LaunchAgents/{LAUNCHD_LABEL}.plist")
+
+
+def test_service_install_writes_the_unit(tmp_path: Path) -> None:
+    out = kvd("service", "install", "--data-dir", str(tmp_path / "data"),
+              env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
+    assert out.returncode == 0, out.stderr
+    unit = (tmp_path / "config" / "systemd" / "user" / "kvd.service").read_text()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert exec_start.endswith(f"serve --data-dir {tmp_path / 'data'}")
+    assert "systemctl --user enable --now kvd.service" in out.stderr
+    # The command the unit runs is a working kvd.
+    assert subprocess.run([exec_start.removeprefix("ExecStart=").split()[0], "--version"],
+                          capture_output=True, timeout=TIMEOUT).returncode == 0
+
+
+def test_non_loopback_host_warns(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path, "--host", "0.0.0.0")
+    assert d.terminate() == 0
+    assert any("not loopback" in line and "the token is then the only guard" in line for line in d.log)
+
+
+def test_shutdown_cuts_answers_as_it_says_and_they_resume(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    with d.client() as c:
+        sid = c.request("session.create")["session"]["id"]
+        c.send(type="chat.send", session=sid, text="A long answer, please.", max_tokens=4000, temperature=0)
+        deltas = 0
+        while deltas < 10:
+            deltas += c.recv()["type"] == "chat.delta"
+        assert d.terminate() == 0
+    log = "".join(d.log)
+    assert "cutting 1 answer(s) short (kept as 'cancelled'" in log
+    fed = fed_tokens(tmp_path / "kvd.sqlite", sid)
+
+    d = DaemonProcess(tmp_path)
+    try:
+        with d.client() as c:
+            cut = c.request("session.get", session=sid)["messages"][-1]
+            assert cut["status"] == "cancelled" and cut["finish_reason"] == "cancelled" and cut["content"]
+            _, done = c.chat(sid, "Go on.", max_tokens=4, temperature=0)
+    finally:
+        d.terminate()
+    # Everything fed before the stop, the cut answer included, came back from disk.
+    assert done["usage"]["restored_from"] == "disk"
+    assert done["usage"]["restored_tokens"] == len(fed) > cut["usage"]["prompt_tokens"]
