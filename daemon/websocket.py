@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 from starlette.responses import PlainTextResponse
 from starlette.types import Receive, Scope, Send
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from sessions import Keep, Session, Store, is_disk_full
 
@@ -54,8 +54,8 @@ class WebSocketDoor:
             with anyio.move_on_after(1.0):
                 try:
                     await conn.ws.close(1001)
-                except (RuntimeError, OSError):
-                    pass  # already closed
+                except (RuntimeError, OSError, WebSocketDisconnect):
+                    pass  # already closed, or the client is gone
 
     def broadcast(self, event: dict[str, Any]) -> None:
         for conn in list(self.connections):
@@ -83,6 +83,7 @@ class WebSocketDoor:
             return
         await ws.accept(headers=[(b"server", f"kvd/{__version__}".encode())])
         conn = Connection(ws, send_timeout=self.config.send_timeout, abort=lambda: abort_transport(send))
+        log.info("connection open from %s", conn.peer)
         self.connections.add(conn)
         try:
             conn.publish(self._hello())

@@ -326,12 +326,12 @@ async def test_one_shot_in_process(tmp_path: Path) -> None:
     import anyio.to_thread
     from rich.console import Console
 
-    from daemon.cli import _write_daemon_file
+    from daemon.control import write_daemon_file
     from tui.cli import build_parser
     from tui.oneshot import answer_one
 
     async with running_daemon(tmp_path, model=MODEL) as d:
-        _write_daemon_file(Path(d.config.data_dir), d.url)
+        write_daemon_file(Path(d.config.data_dir), d.url, d.config.log_path)
 
         def one(*argv: str, stdin: str = "") -> tuple[int, str, str]:
             out, err = io.StringIO(), io.StringIO()

@@ -302,6 +302,9 @@ def test_a_day_with_kvchat_across_a_daemon_restart(tmp_path: Path, open_pane: Ca
         assert lines[0] == "a day" and re.match(r"session [0-9a-f]{16} · model builtin:tiny", lines[1])
         sid = re.search(r"[0-9a-f]{16}", lines[1]).group(0)  # type: ignore[union-attr]
 
+        # Greedy from the start: the story below follows from this answer, so it must not be sampled.
+        pane.type("/params temperature=0")
+        pane.wait_for("greedy", lambda lines: "session params: temperature=0.0" in lines)
         pane.type("Tell me about the sea")
         lines = pane.wait_for("the first answer", has_status_after("Tell me about the sea"))
         assert STATUS.match(answer_to(lines, "Tell me about the sea")[1])
