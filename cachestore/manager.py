@@ -146,18 +146,9 @@ class SessionCaches:
                 self.warm.discard(key)
                 return Checkout(cache, n, "resident", ms())
             log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
-        if (w := self.warm.take(key)) is not None:
-            snap, toks = w
-            n = min(common_prefix_len(toks, wanted), limit)
-            if n > 0:
-                try:
-                    return Checkout(restore(truncate(unpack(snap), n)), n, "warm", ms())
-                except CannotSplit:
-                    log.debug("warm snapshot of %s cannot be cut at %d", key, n)
-        paged = self._page_in(key, wanted, limit)
-        if paged is not None:
-            return Checkout(restore(paged), paged.end, "disk", ms())
-        return Checkout(None, 0, "none", ms())
+        if (w := self.warm.take(key)) is not None and (got := _from_warm(key, *w, wanted, limit)):
+            return Checkout(*got, "warm", ms())
+        return self._from_disk(key, wanted, limit, ms)
 
     def copy_prefix(self, source: str, wanted: Sequence[int]) -> Checkout:
         """A copy of the longest usable prefix another session's cache holds; that session keeps its own.
@@ -180,15 +171,12 @@ class SessionCaches:
                     return Checkout(restore(truncate(snapshot(cache, 0), n)), n, "resident", ms())
                 except CannotSplit:
                     log.debug("resident cache of %s cannot be cut at %d", source, n)
-        if (w := self.warm.peek(source)) is not None:
-            snap, toks = w
-            n = min(common_prefix_len(toks, wanted), limit)
-            if n > 0:
-                try:
-                    return Checkout(restore(truncate(unpack(snap), n)), n, "warm", ms())
-                except CannotSplit:
-                    log.debug("warm snapshot of %s cannot be cut at %d", source, n)
-        paged = self._page_in(source, wanted, limit)
+        if (w := self.warm.peek(source)) is not None and (got := _from_warm(source, *w, wanted, limit)):
+            return Checkout(*got, "warm", ms())
+        return self._from_disk(source, wanted, limit, ms)
+
+    def _from_disk(self, key: str, wanted: Sequence[int], limit: int, ms: Callable[[], float]) -> Checkout:
+        paged = self._page_in(key, wanted, limit)
         if paged is not None:
             return Checkout(restore(paged), paged.end, "disk", ms())
         return Checkout(None, 0, "none", ms())
@@ -456,6 +444,18 @@ class SessionCaches:
             "disk": {"sessions": sessions, "segments": segments, "bytes": self.index.total_bytes(),
                      "budget": self.budgets.disk_bytes, **self.disk_stats},
         }
+
+
+def _from_warm(key: str, snap: Snapshot, toks: list[int], wanted: Sequence[int],
+               limit: int) -> tuple[Cache, int] | None:
+    """Live caches restored from a warm snapshot, holding its longest usable prefix of `wanted`."""
+    n = min(common_prefix_len(toks, wanted), limit)
+    if n > 0:
+        try:
+            return restore(truncate(unpack(snap), n)), n
+        except CannotSplit:
+            log.debug("warm snapshot of %s cannot be cut at %d", key, n)
+    return None
 
 
 def _maybe_crash(point: str) -> None:
