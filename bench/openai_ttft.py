@@ -223,6 +223,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="turns per case (medians are reported)")
     args = parser.parse_args()
     root = Path(os.environ.get("KVD_BENCH_DIR") or tempfile.mkdtemp(prefix="kvd-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
     if args.model == "05b":
         sys.path.insert(0, str(ROOT / "bench"))
         from concurrency import write_model
