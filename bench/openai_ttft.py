@@ -20,7 +20,9 @@ words); then, for each server:
    "same process";
 3. the server is stopped and started again and the turn after that is
    sent: "after restart", `--repeat` times for kvd, once for mlx_lm.server
-   (each of its restarts re-reads the whole conversation).
+   (each of its restarts re-reads the whole conversation). The server
+   `kvd-prefetch` is kvd with `cache.prefetch` on, each restart timed once
+   its prefetch is done; plain `kvd` restarts cold, from disk.
 
 Medians are reported with their range: other work on a shared 2-core machine
 makes single turns vary by several times.
@@ -122,10 +124,17 @@ class MlxServer:
 
 
 class Kvd:
-    def __init__(self, model: Path, data_dir: Path):
-        self.d = DaemonProcess(data_dir, "--model", str(model))
-        with self.d.client():
-            pass  # loaded
+    def __init__(self, model: Path, data_dir: Path, *, prefetch: bool = False):
+        """With `prefetch`, a restart returns once the last session was paged into warm (a user
+        coming back after a restart, not racing it); otherwise restarts are cold, from disk."""
+        restart = (data_dir / "cache").exists()
+        self.d = DaemonProcess(data_dir, "--model", str(model), prefetch=prefetch)
+        with self.d.client() as c:
+            deadline = time.monotonic() + 300
+            while prefetch and restart and c.request("status")["tiers"]["warm"]["prefetched"] < 1:
+                if time.monotonic() > deadline:
+                    raise SystemExit("kvd's prefetch did not finish within 300 s")
+                time.sleep(0.1)
         self.base_url = self.d.base_url
         self.key = self.d.token
 
@@ -168,9 +177,9 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
     mlx_lm.server, whose every restart re-reads the whole conversation)."""
     messages = conversation(model, tokens)
     start: Any
-    if server == "kvd":
-        data = root / f"kvd-{tokens}"
-        start = lambda: Kvd(model, data)  # noqa: E731
+    if server in ("kvd", "kvd-prefetch"):
+        data = root / f"{server}-{tokens}"
+        start = lambda: Kvd(model, data, prefetch=server == "kvd-prefetch")  # noqa: E731
     else:
         start = lambda: MlxServer(model)  # noqa: E731
     same: list[float] = []
@@ -191,7 +200,7 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
         s.settle()
     finally:
         s.stop()
-    for i in range(repeat if server == "kvd" else 1):
+    for i in range(repeat if server.startswith("kvd") else 1):
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"After a restart ({i})?"}]
         s = start()
         try:
