@@ -323,29 +323,7 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
             header = _read_header(f, size, path)
         except OSError as e:
             raise SegmentMissing(f"cannot read it: {e.strerror or e}", path=path) from None
-        meta = header.pop("__metadata__", None)
-        if not isinstance(meta, dict) or not isinstance(meta.get(_FINGERPRINT), str):
-            raise UnsupportedFormat("not a kvd segment: no fingerprint in its metadata", path=path)
-        if meta[_FINGERPRINT] != fingerprint:
-            raise FingerprintMismatch(
-                f"written for fingerprint {meta[_FINGERPRINT]}, this model's is {fingerprint}",
-                path=path,
-            )
-        if meta.get(_FORMAT) != str(FORMAT_VERSION):
-            raise UnsupportedFormat(
-                f"format version {meta.get(_FORMAT)!r}, this kvd reads {FORMAT_VERSION}", path=path
-            )
-        start, end, layout = _parse_layout(meta, path)
-        specs = _parse_specs(header, path)
-        try:
-            names = list(_check_layers(layout, specs, start, end))
-        except _Bad as e:
-            raise InvariantViolation(str(e), path=path) from None
-        unnamed = specs.keys() - set(names)
-        if unnamed:
-            raise InvariantViolation(
-                f"tensors the layout does not account for: {sorted(unnamed)[:5]}", path=path
-            )
+        meta, start, end, layout, specs = _checked(header, path, fingerprint=fingerprint)
         tensors = _load(f, path, specs)
     return _build(start, end, layout, tensors)
 
@@ -383,20 +361,7 @@ def read_header(path: Path) -> SegmentHeader:
             header = _read_header(f, size, path)
         except OSError as e:
             raise SegmentMissing(f"cannot read it: {e.strerror or e}", path=path) from None
-    meta = header.pop("__metadata__", None)
-    if not isinstance(meta, dict) or not isinstance(meta.get(_FINGERPRINT), str):
-        raise UnsupportedFormat("not a kvd segment: no fingerprint in its metadata", path=path)
-    if meta.get(_FORMAT) != str(FORMAT_VERSION):
-        raise UnsupportedFormat(f"format version {meta.get(_FORMAT)!r}, this kvd reads {FORMAT_VERSION}",
-                                path=path)
-    start, end, layout = _parse_layout(meta, path)
-    specs = _parse_specs(header, path)
-    try:
-        names = set(_check_layers(layout, specs, start, end))
-    except _Bad as e:
-        raise InvariantViolation(str(e), path=path) from None
-    if specs.keys() - names:
-        raise InvariantViolation("tensors the layout does not account for", path=path)
+    meta, start, end, layout, specs = _checked(header, path)
     if not isinstance(meta.get(_TOKENS), str):
         raise UnsupportedFormat("written by an older kvd: no token ids in its header", path=path)
     try:
@@ -408,6 +373,36 @@ def read_header(path: Path) -> SegmentHeader:
     if len(ids) != end - start:
         raise InvariantViolation(f"{len(ids)} token ids for the range [{start}, {end})", path=path)
     return SegmentHeader(start, end, meta[_FINGERPRINT], tuple(ids), size, f"crc32:{crc}")
+
+
+def _checked(header: dict[str, Any], path: Path, *, fingerprint: str | None = None
+             ) -> tuple[dict[str, Any], int, int, tuple[_Node, ...], dict[str, _Spec]]:
+    """A header's metadata and structure, every invariant checked, before MLX sees a byte.
+
+    With `fingerprint`, a segment written for another model is refused first.
+    """
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not isinstance(meta.get(_FINGERPRINT), str):
+        raise UnsupportedFormat("not a kvd segment: no fingerprint in its metadata", path=path)
+    if fingerprint is not None and meta[_FINGERPRINT] != fingerprint:
+        raise FingerprintMismatch(
+            f"written for fingerprint {meta[_FINGERPRINT]}, this model's is {fingerprint}", path=path
+        )
+    if meta.get(_FORMAT) != str(FORMAT_VERSION):
+        raise UnsupportedFormat(
+            f"format version {meta.get(_FORMAT)!r}, this kvd reads {FORMAT_VERSION}", path=path
+        )
+    start, end, layout = _parse_layout(meta, path)
+    specs = _parse_specs(header, path)
+    try:
+        names = set(_check_layers(layout, specs, start, end))
+    except _Bad as e:
+        raise InvariantViolation(str(e), path=path) from None
+    if unnamed := specs.keys() - names:
+        raise InvariantViolation(
+            f"tensors the layout does not account for: {sorted(unnamed)[:5]}", path=path
+        )
+    return meta, start, end, layout, specs
 
 
 def _claimed_size(f: io.FileIO) -> int | None:

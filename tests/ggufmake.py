@@ -30,7 +30,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def _byte_symbols() -> list[str]:
+def byte_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: the symbol standing for each byte 0-255."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
                  + list(range(ord("®"), ord("ÿ") + 1)))
     table = {b: b for b in printable}
@@ -45,7 +46,7 @@ def _byte_symbols() -> list[str]:
 def vocabulary() -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token types): specials first, then 256 byte symbols and a few merges."""
     merges = ["Ġ t", "h e", "Ġt he", "i n", "a n"]
-    tokens = SPECIALS + _byte_symbols() + ["Ġt", "he", "Ġthe", "in", "an"]
+    tokens = SPECIALS + byte_symbols() + ["Ġt", "he", "Ġthe", "in", "an"]
     types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
     return tokens, merges, types
 

@@ -22,6 +22,7 @@ from daemon.gguf import read_weights
 from daemon.models import DEFAULT_MODEL, prepare_model
 from daemon.smollm2 import GGUF_NAME
 from daemonproc import DaemonProcess
+from ggufmake import byte_symbols
 from test_gguf import assert_equal_to_reference
 
 
@@ -86,18 +87,6 @@ TEXTS = [
 ]
 
 
-def _byte_symbols() -> dict[int, str]:
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    table = {b: b for b in printable}
-    n = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = 256 + n
-            n += 1
-    return {b: chr(c) for b, c in table.items()}
-
-
 def reference_encode(text: str, meta: dict[str, Any]) -> list[int]:
     """GPT-2's byte-level BPE with SmolLM's pre-split (single digits), written from its definition."""
     import regex
@@ -106,7 +95,7 @@ def reference_encode(text: str, meta: dict[str, Any]) -> list[int]:
     ids = {t: i for i, t in enumerate(tokens)}
     ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(meta["tokenizer.ggml.merges"])}
     specials = [t for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"].tolist()) if kind == 3]
-    symbols = _byte_symbols()
+    symbols = dict(enumerate(byte_symbols()))
     gpt2 = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
     out: list[int] = []
     for part in regex.split("(" + "|".join(map(regex.escape, specials)) + ")", text):
