@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .direct import Piece, read_direct
 from .errors import CannotSplit, CorruptSegment, UnsupportedFormat
 from .index import SEGMENT_SUFFIX, SegmentIndex, SegmentRow, check_key
 from .packing import pack, unpack
@@ -176,6 +177,20 @@ class SessionCaches:
         return self._from_disk(source, wanted, limit, ms)
 
     def _from_disk(self, key: str, wanted: Sequence[int], limit: int, ms: Callable[[], float]) -> Checkout:
+        pieces = self._pieces(key, wanted, limit)
+        got = read_direct(pieces, fingerprint=self.fingerprint, room=len(wanted) - pieces[-1].use) if pieces else None
+        if got is not None:
+            self.disk_stats["bytes_read"] += got.bytes_read
+            if got.bad is not None:
+                piece, e = got.bad
+                self._drop_corrupt(key, piece.start, piece.path, e)
+            if got.cache is None:
+                self.disk_stats["misses"] += 1
+                return Checkout(None, 0, "none", ms())
+            self.disk_stats["hits"] += 1
+            self.disk_stats["page_ins"] += 1
+            self.index.touch(key, self._clock())
+            return Checkout(got.cache, got.tokens, "disk", ms())
         paged = self._page_in(key, wanted, limit)
         if paged is not None:
             return Checkout(restore(paged), paged.end, "disk", ms())
@@ -205,9 +220,7 @@ class SessionCaches:
             try:
                 piece = read_segment(row.path, checksum=row.checksum, fingerprint=self.fingerprint)
             except CorruptSegment as e:
-                log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
-                self.disk_stats["dropped_corrupt"] += 1
-                self.index.drop_from(key, row.start)
+                self._drop_corrupt(key, row.start, row.path, e)
                 break
             self.disk_stats["bytes_read"] += row.nbytes
             if whole:
@@ -221,6 +234,27 @@ class SessionCaches:
                     pass
             break
         return merge(*pieces) if pieces else None
+
+    def _pieces(self, key: str, wanted: Sequence[int], limit: int) -> list[Piece]:
+        """The disk chain's segments holding the longest prefix of `wanted` (at most `limit` ids)."""
+        pieces: list[Piece] = []
+        pos = 0
+        for row in self._valid_chain(key):
+            if row.start != pos:
+                break
+            use = min(row.start + common_prefix_len(row.tokens, wanted[row.start:row.end]), limit)
+            if use <= row.start:
+                break
+            pieces.append(Piece(row.path, row.checksum, row.start, row.end, use))
+            if use < row.end:
+                break
+            pos = row.end
+        return pieces
+
+    def _drop_corrupt(self, key: str, start: int, path: Path, e: CorruptSegment) -> None:
+        log.warning("dropping cache file %s: %s; the session will prefill instead", path, e)
+        self.disk_stats["dropped_corrupt"] += 1
+        self.index.drop_from(key, start)
 
     # --- prefetch after a restart ---
 

@@ -15,9 +15,14 @@ them (MLX loads a bit-flipped file without complaint), then the fingerprint,
 the format version and every invariant a live cache relies on; any failure is
 a :class:`~cachestore.errors.CorruptSegment`, never a crash.
 
-Checksum: crc32. It guards against corruption (torn writes, bad disks, a
-file swapped under a name by a bug), not against an adversary who can write
-our data directory, so a cryptographic hash buys nothing. Measured on a warm
+Checksum: xxh3-64 (``xxh3:<16 hex>`` in the index; files indexed with
+``crc32:`` or ``sha256:`` before are still read). It guards against
+corruption (torn writes, bad disks, a file swapped under a name by a bug),
+not against an adversary who can write our data directory, so a
+cryptographic hash buys nothing. On a restore it is the one pass over the
+bytes besides reading them, so its speed is the restore's: measured on 94 MB
+of random bytes (2-core AMD EPYC, load 2.7), xxh3_64 10.5 GB/s, crc32c
+(google-crc32c) 5.0, zlib.crc32 2.0. Earlier measurements, on a warm
 100 MB segment (2-core AMD EPYC, zlib 1.2.13; ranges over quiet and busy
 runs): zlib.crc32 2.5-4.2 GB/s, sha256 (SHA-NI) 1.7-1.8, sha1 1.9, blake2b
 0.7-0.9, md5 0.8; ``Path.read_bytes`` 1.2-1.9 GB/s (its fresh 100 MB buffer
@@ -47,6 +52,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeGuard
 
 import mlx.core as mx
+import xxhash
 
 from .errors import (
     ChecksumMismatch,
@@ -63,6 +69,10 @@ __all__ = [
     "SegmentFile",
     "SegmentHeader",
     "read_header",
+    "read_raw_header",
+    "hasher_for",
+    "CHECKSUM",
+    "check_header",
     "fingerprint",
     "read_segment",
     "sweep_temp_files",
@@ -104,7 +114,7 @@ class SegmentFile:
 
     path: Path
     nbytes: int
-    checksum: str  # "crc32:<8 hex>"
+    checksum: str  # "xxh3:<16 hex>"
 
 
 def fingerprint(
@@ -159,17 +169,17 @@ def write_segment(path: Path, snap: Snapshot, *, fingerprint: str,
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{_TEMP_SUFFIX}")
     try:
         with open(tmp, "xb") as f:
-            shim = _ChecksumWriter(f)
+            shim = _ChecksumWriter(f, _HASHERS[CHECKSUM]())
             # A file object, not a name: MLX would append ".safetensors" to a name.
             mx.save_safetensors(shim, tensors, metadata)  # type: ignore[arg-type]
             f.flush()
             _fsync(f.fileno())
             nbytes = f.tell()
         if shim.sequential:
-            checksum = f"crc32:{shim.crc:08x}"
+            checksum = f"{CHECKSUM}:{shim.hasher.hexdigest()}"
         else:  # a future MLX that seeks while writing: read it back instead
             with open(tmp, "rb", buffering=0) as f:
-                checksum = f"crc32:{_digest(f, 'crc32')[1]}"
+                checksum = f"{CHECKSUM}:{_digest(f, CHECKSUM)[1]}"
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -218,13 +228,13 @@ class _Writable(Protocol):
 
 
 class _ChecksumWriter:
-    """The file object MLX writes to: forwards every write and crc32s it on the way."""
+    """The file object MLX writes to: forwards every write and hashes it on the way."""
 
-    def __init__(self, f: _Writable) -> None:
+    def __init__(self, f: _Writable, hasher: Hasher) -> None:
         self._f = f
-        self.crc = 0
+        self.hasher = hasher
         self.pos = 0
-        self.sequential = True  # the crc is only the file's if nothing was overwritten
+        self.sequential = True  # the hash is only the file's if nothing was overwritten
 
     @property
     def closed(self) -> bool:
@@ -233,7 +243,7 @@ class _ChecksumWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._f.write(view)
-        self.crc = zlib.crc32(view, self.crc)
+        self.hasher.update(view)
         self.pos += view.nbytes
         return view.nbytes
 
@@ -272,7 +282,37 @@ def _fsync_dir(directory: Path) -> None:
 
 # -- read ---------------------------------------------------------------------
 
-_HASHERS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256}
+class Hasher(Protocol):
+    def update(self, data: Any, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+class _Crc32:
+    """zlib.crc32 with hashlib's interface: what segments were indexed with before xxh3."""
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: Any, /) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+
+    def hexdigest(self) -> str:
+        return f"{self._crc:08x}"
+
+
+CHECKSUM = "xxh3"  # what new segments are indexed with
+_HASHERS: dict[str, Callable[[], Hasher]] = {"xxh3": xxhash.xxh3_64, "crc32": _Crc32, "sha256": hashlib.sha256}
+
+
+def hasher_for(checksum: str, path: Path) -> tuple[Hasher, str]:
+    """A fresh hasher of the checksum's kind and the digest it must reach, or ChecksumMismatch."""
+    algo, _, want = checksum.partition(":")
+    if algo not in _HASHERS:
+        raise ChecksumMismatch(
+            f"unknown checksum {checksum!r} (expected one of {', '.join(f'{a}:<hex>' for a in _HASHERS)})",
+            path=path,
+        )
+    return _HASHERS[algo](), want.lower()
 
 
 def _digest(f: io.FileIO, algo: str) -> tuple[int, str]:
@@ -280,12 +320,6 @@ def _digest(f: io.FileIO, algo: str) -> tuple[int, str]:
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     size = 0
-    if algo == "crc32":
-        crc = 0
-        while n := f.readinto(view):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-        return size, f"{crc:08x}"
     h = _HASHERS[algo]()
     while n := f.readinto(view):
         h.update(view[:n])
@@ -301,11 +335,8 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
     MLX loads the very file descriptor that was checksummed.
     """
     path = Path(path)
-    algo, _, want = checksum.partition(":")
-    if algo != "crc32" and algo not in _HASHERS:
-        raise ChecksumMismatch(
-            f"unknown checksum {checksum!r} (expected crc32:<hex> or sha256:<hex>)", path=path
-        )
+    algo = checksum.partition(":")[0]
+    _, want = hasher_for(checksum, path)
     try:
         f = open(path, "rb", buffering=0)
     except FileNotFoundError:
@@ -315,7 +346,7 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
     with f:
         try:
             size, got = _digest(f, algo)
-            if got != want.lower():
+            if got != want:
                 claimed = _claimed_size(f)
                 if claimed is not None and claimed > size:
                     raise SegmentTruncated(f"{size} bytes, its header describes {claimed}", path=path)
@@ -357,7 +388,7 @@ def read_header(path: Path) -> SegmentHeader:
         raise SegmentMissing(f"cannot open it: {e.strerror or e}", path=path) from None
     with f:
         try:
-            size, crc = _digest(f, "crc32")
+            size, digest = _digest(f, CHECKSUM)
             header = _read_header(f, size, path)
         except OSError as e:
             raise SegmentMissing(f"cannot read it: {e.strerror or e}", path=path) from None
@@ -372,7 +403,30 @@ def read_header(path: Path) -> SegmentHeader:
         ids.byteswap()
     if len(ids) != end - start:
         raise InvariantViolation(f"{len(ids)} token ids for the range [{start}, {end})", path=path)
-    return SegmentHeader(start, end, meta[_FINGERPRINT], tuple(ids), size, f"crc32:{crc}")
+    return SegmentHeader(start, end, meta[_FINGERPRINT], tuple(ids), size, f"{CHECKSUM}:{digest}")
+
+
+def read_raw_header(f: io.FileIO, path: Path, hasher: Hasher) -> dict[str, Any]:
+    """A segment's parsed safetensors header, its bytes fed to ``hasher``, ``f`` left at the data.
+
+    For readers that hash the data as they place it (cachestore/direct.py):
+    the header is checked with :func:`check_header` before any data is read.
+    """
+    size = os.fstat(f.fileno()).st_size
+    header = _read_header(f, size, path)
+    data = f.tell()
+    f.seek(0)
+    hasher.update(f.read(data))
+    if f.tell() != data:
+        raise SegmentTruncated("changed while it was read", path=path)
+    return header
+
+
+def check_header(header: dict[str, Any], path: Path, *, fingerprint: str
+                 ) -> tuple[int, int, list[str], dict[str, tuple[tuple[int, ...], str]]]:
+    """Every check :func:`read_segment` makes before MLX sees a byte: (start, end, layer kinds, tensors)."""
+    _, start, end, layout, specs = _checked(dict(header), path, fingerprint=fingerprint)
+    return start, end, [node.kind for node in layout], specs
 
 
 def _checked(header: dict[str, Any], path: Path, *, fingerprint: str | None = None

@@ -78,7 +78,15 @@ def no_mlx_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+def digest(path: Path) -> str:
+    """The checksum kvd indexes a file with, computed here independently."""
+    import xxhash
+
+    return f"xxh3:{xxhash.xxh3_64_hexdigest(path.read_bytes())}"
+
+
 def crc(path: Path) -> str:
+    """The checksum indexes held before xxh3."""
     return f"crc32:{zlib.crc32(path.read_bytes()):08x}"
 
 
@@ -98,7 +106,7 @@ def header_len(path: Path) -> int:
 def test_round_trip_is_exact(written: SegmentFile, snap: Snapshot) -> None:
     assert written.path.name == "s1.seg"  # no ".safetensors" appended
     assert written.nbytes == written.path.stat().st_size
-    assert written.checksum == crc(written.path)
+    assert written.checksum == digest(written.path)
     back = read_segment(written.path, checksum=written.checksum, fingerprint=FP)
     assert_same(back, snap)
     assert [layer.kind for layer in back.layers] == ["rotating", "kv", "rotating", "kv"]
@@ -157,6 +165,16 @@ def test_empty_snapshot_round_trips(tmp_path: Path, swa: Any) -> None:
     snap = snapshot(make_prompt_cache(swa))
     seg = write_segment(tmp_path / "empty", snap, fingerprint=FP)
     assert_same(read_segment(seg.path, checksum=seg.checksum, fingerprint=FP), snap)
+
+
+def test_new_files_are_indexed_with_xxh3_and_older_crc32_still_reads(written: SegmentFile) -> None:
+    assert written.checksum == digest(written.path)
+    old = crc(written.path)
+    read_segment(written.path, checksum=old, fingerprint=FP)  # an index from before xxh3
+    flip_bit(written.path, written.nbytes - 1)
+    for checksum in (written.checksum, old):
+        with pytest.raises(ChecksumMismatch):
+            read_segment(written.path, checksum=checksum, fingerprint=FP)
 
 
 def test_sha256_checksums_are_accepted(written: SegmentFile) -> None:
@@ -347,7 +365,7 @@ def test_garbage_with_matching_checksum(tmp_path: Path) -> None:
         path = tmp_path / name
         path.write_bytes(data)
         with pytest.raises(UnsupportedFormat):
-            read_segment(path, checksum=crc(path), fingerprint=FP)
+            read_segment(path, checksum=digest(path), fingerprint=FP)
 
 
 # -- hand-crafted files: format and invariants --------------------------------

@@ -1,0 +1,158 @@
+"""Direct restore (cachestore/direct.py): a chain of segments read straight into the live cache.
+
+Checked against the general path (read_segment + merge + restore) and
+against a fresh prefill, on the real mlx-lm caches of builtin:tiny.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from cachestore.direct import STEP, Piece, read_direct
+from cachestore.errors import ChecksumMismatch, SegmentTruncated
+from cachestore.manager import Budgets, SessionCaches
+from cachestore.snapshot import merge, restore
+from cachestore.segments import read_segment
+
+KEY = "abcd"
+TURNS = [list(range(10, 50)), list(range(60, 90)), list(range(100, 133))]  # 40 + 30 + 33 tokens
+
+
+@pytest.fixture
+def model(models: dict[str, Any]) -> Any:
+    return models["builtin:tiny"]
+
+
+def budgets() -> Budgets:
+    return Budgets(resident_bytes=1 << 30, warm_bytes=1 << 30, disk_bytes=1 << 30,
+                   resident_idle=60.0, warm_idle=600.0, max_segments=16)
+
+
+def written(model: Any, root: Path) -> tuple[SessionCaches, list[int]]:
+    """A session whose three turns are three segments on disk, nothing in memory."""
+    caches = SessionCaches(root, "fp", budgets())
+    cache, toks = make_prompt_cache(model), []
+    for more in TURNS:
+        model(mx.array([more]), cache=cache)
+        mx.eval([c.state for c in cache])
+        toks += more
+        caches.checkin(KEY, cache, toks)
+    caches.resident.discard(KEY)
+    caches.warm.discard(KEY)
+    return caches, toks
+
+
+def pieces(caches: SessionCaches, use: int | None = None) -> list[Piece]:
+    rows = caches.index.chain(KEY)
+    last = rows[-1].end if use is None else use
+    return [Piece(r.path, r.checksum, r.start, r.end, min(r.end, last)) for r in rows if r.start < last]
+
+
+def greedy(model: Any, cache: list[Any], ids: list[int], n: int = 6) -> list[int]:
+    out = []
+    logits = model(mx.array([ids]), cache=cache)
+    for _ in range(n):
+        t = int(mx.argmax(logits[0, -1]).item())
+        out.append(t)
+        logits = model(mx.array([[t]]), cache=cache)
+    return out
+
+
+def test_equals_the_general_path_and_leaves_room(model: Any, tmp_path: Path) -> None:
+    caches, toks = written(model, tmp_path)
+    rows = caches.index.chain(KEY)
+    assert len(rows) == 3
+    got = read_direct(pieces(caches), fingerprint="fp", room=20)
+    assert got is not None and got.bad is None and got.tokens == len(toks)
+    assert got.bytes_read == sum(r.nbytes for r in rows)
+    general = restore(merge(*(read_segment(r.path, checksum=r.checksum, fingerprint="fp") for r in rows)))
+    assert got.cache is not None and len(got.cache) == len(general)
+    for d, g in zip(got.cache, general, strict=True):
+        assert isinstance(d, KVCache) and d.offset == g.offset == len(toks)
+        for a, b in zip(d.state[:2], g.state[:2], strict=True):
+            assert mx.array_equal(a[..., :len(toks), :], b[..., :len(toks), :]).item()
+        # Room for the 20 tokens that follow, so the next forward does not grow the buffer.
+        assert d.keys.shape[2] >= len(toks) + 20 and d.keys.shape[2] % STEP == 0
+    caches.close()
+
+
+def test_continuation_equals_a_fresh_prefill(model: Any, tmp_path: Path) -> None:
+    caches, toks = written(model, tmp_path)
+    caches.close()
+    restarted = SessionCaches(tmp_path, "fp", budgets())
+    nxt = [140, 141, 142]
+    out = restarted.checkout(KEY, toks + nxt)
+    assert out.source == "disk" and out.tokens == len(toks) and out.cache is not None
+    before = out.cache[0].keys.shape
+    restored = greedy(model, out.cache, nxt)
+    assert out.cache[0].keys.shape == before  # the first forward wrote into the room it was given
+    fresh = greedy(model, make_prompt_cache(model), toks + nxt)
+    assert restored == fresh
+    restarted.close()
+
+
+def test_a_prefix_of_the_last_segment(model: Any, tmp_path: Path) -> None:
+    caches, toks = written(model, tmp_path)
+    got = read_direct(pieces(caches, use=55), fingerprint="fp")
+    assert got is not None and got.tokens == 55 and got.cache is not None
+    assert all(c.offset == 55 for c in got.cache)
+    assert greedy(model, got.cache, toks[55:60]) == greedy(model, make_prompt_cache(model), toks[:60])
+    caches.close()
+
+
+def test_a_flipped_byte_stops_the_chain_there(model: Any, tmp_path: Path) -> None:
+    caches, toks = written(model, tmp_path)
+    second = caches.index.chain(KEY)[1]
+    raw = bytearray(second.path.read_bytes())
+    raw[-100] ^= 0x01  # in the data: MLX would load it without complaint
+    second.path.write_bytes(bytes(raw))
+    got = read_direct(pieces(caches), fingerprint="fp")
+    assert got is not None and got.tokens == 40 and got.bad is not None
+    assert got.bad[0].start == 40 and isinstance(got.bad[1], ChecksumMismatch)
+    # Through the store: the bad segment and everything after it are dropped; the first serves.
+    out = caches.checkout(KEY, toks + [1])
+    assert out.source == "disk" and out.tokens == 40
+    assert [(r.start, r.end) for r in caches.index.chain(KEY)] == [(0, 40)]
+    assert caches.statistics()["disk"]["dropped_corrupt"] == 1
+    caches.close()
+
+
+def test_a_truncated_file_is_refused(model: Any, tmp_path: Path) -> None:
+    caches, _ = written(model, tmp_path)
+    last = caches.index.chain(KEY)[2]
+    last.path.write_bytes(last.path.read_bytes()[:-64])
+    got = read_direct(pieces(caches), fingerprint="fp")
+    assert got is not None and got.tokens == 70
+    assert got.bad is not None and isinstance(got.bad[1], SegmentTruncated)
+    caches.close()
+
+
+def test_another_fingerprint_is_never_read(model: Any, tmp_path: Path) -> None:
+    caches, _ = written(model, tmp_path)
+    got = read_direct(pieces(caches), fingerprint="another")
+    assert got is not None and got.cache is None and got.bad is not None
+    caches.close()
+
+
+@pytest.mark.parametrize("name", ["builtin:tiny-swa"])
+def test_other_layouts_take_the_general_path(models: dict[str, Any], name: str, tmp_path: Path) -> None:
+    caches, toks = written(models[name], tmp_path)
+    assert read_direct(pieces(caches), fingerprint="fp") is None
+    out = caches.checkout(KEY, toks + [1])  # still restored, by read_segment + merge
+    assert out.source == "disk" and out.tokens == len(toks)
+    caches.close()
+
+
+def test_an_index_from_before_xxh3_still_reads(model: Any, tmp_path: Path) -> None:
+    caches, toks = written(model, tmp_path)
+    old = [Piece(p.path, f"crc32:{zlib.crc32(p.path.read_bytes()):08x}", p.start, p.end, p.use)
+           for p in pieces(caches)]
+    got = read_direct(old, fingerprint="fp")
+    assert got is not None and got.bad is None and got.tokens == len(toks)
+    caches.close()
