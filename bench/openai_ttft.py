@@ -189,7 +189,7 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
     try:
         key = getattr(s, "key", "none")
         warm_up(s.base_url, key)
-        _, answer, first = turn(s.base_url, key, messages, new)
+        cold, answer, first = turn(s.base_url, key, messages, new)
         for i in range(repeat):
             s.settle()
             time.sleep(THINK)
@@ -213,7 +213,7 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
             s.settle()
         finally:
             s.stop()
-    return {"server": server, "tokens": tokens, "prompt_1": first.get("prompt_tokens"),
+    return {"server": server, "tokens": tokens, "prompt_1": first.get("prompt_tokens"), "cold": cold,
             "same": same, "restart": restarted, "usages": usages}
 
 
@@ -248,13 +248,15 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}\n")
-    print("| conversation | server | next turn, same process | after a restart | restart / same | cached after restart |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    print("| conversation | server | first turn, cold | next turn, same process | after a restart "
+          "| restart / same | cached after restart |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         last = r["usages"][-1]
         cached = (last.get("prompt_tokens_details") or {}).get("cached_tokens")
         same, restart = statistics.median(r["same"]), statistics.median(r["restart"])
-        print(f"| {last.get('prompt_tokens')} tok | {r['server']} | {span(r['same'])} | {span(r['restart'])} "
+        print(f"| {last.get('prompt_tokens')} tok | {r['server']} | {r['cold'] * 1000:.0f} ms "
+              f"| {span(r['same'])} | {span(r['restart'])} "
               f"| {restart / same:.1f}x | {cached} tok |")
     return 0
 
