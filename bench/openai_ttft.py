@@ -131,7 +131,7 @@ class Kvd:
         self.d = DaemonProcess(data_dir, "--model", str(model), prefetch=prefetch)
         with self.d.client() as c:
             deadline = time.monotonic() + 300
-            while prefetch and restart and c.request("status")["tiers"]["warm"]["prefetched"] < 1:
+            while prefetch and restart and c.request("status")["prefetched"].get("sessions", 0) < 1:
                 if time.monotonic() > deadline:
                     raise SystemExit("kvd's prefetch did not finish within 300 s")
                 time.sleep(0.1)

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import KVCache
 from .errors import ChecksumMismatch, CorruptSegment, SegmentMissing, SegmentTruncated
 from .segments import Hasher, check_header, hasher_for, read_raw_header
 
-__all__ = ["Piece", "Direct", "read_direct"]
+__all__ = ["Piece", "Direct", "capacity", "read_direct"]
 
 STEP = KVCache.step  # mlx-lm grows a KVCache by this many tokens at a time
 _ITEMSIZE = {"F32": 4, "F16": 2}
@@ -72,6 +72,11 @@ class Direct:
     bad: tuple[Piece, CorruptSegment] | None = None
 
 
+def capacity(tokens: int, room: int) -> int:
+    """Tokens a live buffer holding `tokens` with `room` more is allocated for: whole steps, as mlx-lm's."""
+    return -(-(tokens + max(room, 1)) // STEP) * STEP
+
+
 class _Unsupported(Exception):
     """The chain is readable, but not by this path; the general path reads it."""
 
@@ -87,7 +92,7 @@ def read_direct(pieces: Sequence[Piece], *, fingerprint: str, room: int = 0) -> 
     if not pieces or pieces[0].start != 0:
         return None
     want = pieces[-1].use
-    capacity = -(-(max(p.end for p in pieces) + max(room, 1)) // STEP) * STEP
+    size = capacity(max(p.end for p in pieces), room)
     buffers: list[tuple[mx.array, mx.array]] | None = None
     views: list[tuple[memoryview, memoryview]] = []
     shape: tuple[int, int, str] | None = None
@@ -108,11 +113,11 @@ def read_direct(pieces: Sequence[Piece], *, fingerprint: str, room: int = 0) -> 
                     header = read_raw_header(f, piece.path, hasher)
                     layout, specs, offsets = _plain_kv(header, piece, fingerprint)
                     if buffers is None:
-                        shape, buffers, views = _allocate(specs, len(layout), capacity)
+                        shape, buffers, views = _allocate(specs, len(layout), size)
                     elif _layer_shape(specs) != shape or len(layout) != len(buffers):
                         raise _Unsupported
                     assert shape is not None
-                    n = _read_data(f, piece, offsets, views, shape, capacity, hasher)
+                    n = _read_data(f, piece, offsets, views, shape, size, hasher)
                 except CorruptSegment as e:
                     bad = (piece, e)
                     break

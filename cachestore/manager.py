@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .direct import Piece, read_direct
+from .direct import Piece, capacity, read_direct
 from .errors import CannotSplit, CorruptSegment, UnsupportedFormat
 from .index import SEGMENT_SUFFIX, SegmentIndex, SegmentRow, check_key
 from .packing import pack, unpack
@@ -43,6 +43,7 @@ log = logging.getLogger("kvd.cache")
 Cache = list[Any]
 
 NOTHING_TO_EVICT = "no other session's cache is left to remove"
+PREFETCH_ROOM = 64  # tokens a prefetched live cache can take before it grows: a typical next message
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class SessionCaches:
         self.disk_stats = {"hits": 0, "misses": 0, "page_ins": 0, "page_outs": 0,
                            "bytes_written": 0, "bytes_read": 0, "dropped_corrupt": 0,
                            "evicted_full": 0}
-        self.prefetch_stats = {"planned": 0, "done": 0, "bytes": 0}
+        self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
         self._enforce_disk_budget(keep=None)
 
     def close(self) -> None:
@@ -259,45 +260,80 @@ class SessionCaches:
     # --- prefetch after a restart ---
 
     def prefetch_plan(self) -> list[str]:
-        """Sessions only on disk that the warm tier has room for, most recently used first.
+        """Sessions only on disk that memory has room for, most recently used first.
 
         Planned once the model is ready after a start: the sessions people were
         just using are paged in before anyone asks, so the first turn after a
-        restart is a warm hit. Only free room is planned; a prefetch never
-        evicts anything.
+        restart finds its cache in memory. Only free room is planned (the
+        resident tier's, then the warm tier's); a prefetch never evicts anything.
         """
-        room = self.warm.budget - self.warm.nbytes
+        resident = self.resident.budget - self.resident.nbytes
+        warm = self.warm.budget - self.warm.nbytes
         plan = []
         for key, nbytes in reversed(self.index.keys_by_use()):
-            if key in self.resident or key in self.warm or not 0 < nbytes <= room:
+            if key in self.resident or key in self.warm or nbytes <= 0:
+                continue
+            if (live := _live_bytes(self.index.chain(key))) <= resident:
+                resident -= live
+            elif nbytes <= warm:
+                warm -= nbytes
+            else:
                 continue
             plan.append(key)
-            room -= nbytes
         self.prefetch_stats["planned"] += len(plan)
         return plan
 
-    def prefetch(self, key: str) -> bool:
-        """Page one session's whole disk chain into the warm tier, if it still fits there.
+    def prefetch(self, key: str) -> str | None:
+        """Page one session's whole disk chain into memory if it fits; the tier it went to.
 
-        Not a use: the session keeps its place in the disk LRU, and the
-        snapshot goes in at the warm tier's cold end (behind what people used
+        Resident first: after a restart that tier is empty, and a live cache
+        there (read by :func:`~cachestore.direct.read_direct`, with room for a
+        typical next message) makes the first turn cost what a turn before the
+        restart did; a warm snapshot still needs a copy into a live cache.
+        Otherwise warm. Not a use: the session keeps its place in the disk
+        LRU, and it goes in at the tier's cold end (behind what people used
         since), so prefetching never changes what is evicted first.
         """
         if key in self.resident or key in self.warm:
-            return False
+            return None
         chain = self._valid_chain(key)
+        if not chain:
+            return None
         tokens = [t for row in chain for t in row.tokens]
-        snap = self._read_chain(key, tokens, len(tokens)) if chain else None
+        if self.resident.fits(_live_bytes(chain)) and (live := self._prefetch_live(key, tokens)) is not None:
+            return live
+        snap = self._read_chain(key, tokens, len(tokens))
         if snap is None or snap.start != 0:
-            return False
+            return None
         toks = tokens[:snap.end]
         if self.budgets.warm_bits:
             snap = pack(snap, self.budgets.warm_bits)
         if not self.warm.offer(key, (snap, toks), snap.nbytes, self._clock()):
-            return False
+            return None
+        self._prefetched("warm", snap.nbytes)
+        return "warm"
+
+    def _prefetch_live(self, key: str, tokens: list[int]) -> str | None:
+        pieces = self._pieces(key, tokens, len(tokens))
+        got = read_direct(pieces, fingerprint=self.fingerprint, room=PREFETCH_ROOM) if pieces else None
+        if got is None:
+            return None  # a layout read_direct does not read: the warm path reads it
+        self.disk_stats["bytes_read"] += got.bytes_read
+        if got.bad is not None:
+            piece, e = got.bad
+            self._drop_corrupt(key, piece.start, piece.path, e)
+        if got.cache is None:
+            return "none"
+        nbytes = cache_nbytes(got.cache)
+        if not self.resident.offer(key, (got.cache, tokens[:got.tokens]), nbytes, self._clock()):
+            return None
+        self._prefetched("resident", nbytes)
+        return "resident"
+
+    def _prefetched(self, tier: str, nbytes: int) -> None:
         self.prefetch_stats["done"] += 1
-        self.prefetch_stats["bytes"] += snap.nbytes
-        return True
+        self.prefetch_stats[tier] += 1
+        self.prefetch_stats["bytes"] += nbytes
 
     def _valid_chain(self, key: str) -> list[SegmentRow]:
         chain = self.index.chain(key)
@@ -473,11 +509,18 @@ class SessionCaches:
         sessions, segments = self.index.count()
         return {
             "resident": self.resident.statistics(),
-            "warm": {**self.warm.statistics(), "prefetched": self.prefetch_stats["done"],
-                     "prefetched_bytes": self.prefetch_stats["bytes"]},
+            "warm": self.warm.statistics(),
+            "prefetched": {"sessions": self.prefetch_stats["done"], "bytes": self.prefetch_stats["bytes"],
+                           "resident": self.prefetch_stats["resident"], "warm": self.prefetch_stats["warm"]},
             "disk": {"sessions": sessions, "segments": segments, "bytes": self.index.total_bytes(),
                      "budget": self.budgets.disk_bytes, **self.disk_stats},
         }
+
+
+def _live_bytes(chain: Sequence[SegmentRow]) -> int:
+    """An upper bound of a prefetched live cache's bytes: its buffers are whole steps, the files' headers count."""
+    tokens = chain[-1].end if chain else 0
+    return sum(row.nbytes for row in chain) * capacity(tokens, PREFETCH_ROOM) // tokens if tokens else 0
 
 
 def _from_warm(key: str, snap: Snapshot, toks: list[int], wanted: Sequence[int],

@@ -80,14 +80,18 @@ class Tier(Generic[V]):
             evicted.append((cold, entry.value))
         return evicted
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a value of `nbytes` would go in without evicting anything."""
+        return self.nbytes + nbytes <= self.budget and (
+            self.max_entries is None or len(self._entries) < self.max_entries)
+
     def offer(self, key: str, value: V, nbytes: int, now: float) -> bool:
         """Insert at the cold end if it fits without evicting anything; say whether it did.
 
         For values nobody asked for yet (prefetched): they go behind everything
         used since, so they are the first to leave, and idle times stay ordered.
         """
-        if key in self._entries or nbytes < 0 or self.nbytes + nbytes > self.budget or (
-                self.max_entries is not None and len(self._entries) >= self.max_entries):
+        if key in self._entries or nbytes < 0 or not self.fits(nbytes):
             return False
         coldest = next(iter(self._entries.values()), None)
         self._entries[key] = Entry(value, nbytes, min(now, coldest.last_used) if coldest else now)

@@ -334,7 +334,7 @@ class Engine:
                 self._step()
 
     def _prefetch_one(self) -> None:
-        """Page the next planned session into warm: only while nothing else runs.
+        """Page the next planned session into memory: only while nothing else runs.
 
         The lowest priority there is: a decode step or a queued job always
         goes first, and a job that arrives meanwhile waits for at most one
@@ -344,13 +344,14 @@ class Engine:
         assert self.caches is not None
         key = self._prefetch.pop(0)
         try:
-            if self.caches.prefetch(key):
-                log.debug("prefetched the cache of %s into warm", key)
+            if tier := self.caches.prefetch(key):
+                log.debug("prefetched the cache of %s into %s", key, tier)
         except Exception:
             log.exception("prefetching the cache of %s failed; it stays on disk", key)
         if not self._prefetch:
-            s = self.caches.statistics()["warm"]
-            log.info("prefetched %d session(s) into warm (%d bytes)", s["prefetched"], s["prefetched_bytes"])
+            s = self.caches.statistics()["prefetched"]
+            log.info("prefetched %d session(s) into memory (%d resident, %d warm; %d bytes)",
+                     s["sessions"], s["resident"], s["warm"], s["bytes"])
 
     def _start(self, job: GenerationJob) -> None:
         if self.load_error is not None:
@@ -604,7 +605,8 @@ class Engine:
         caches = self.caches.statistics() if self.caches is not None else {}
         where = self.caches.locations() if self.caches is not None else {}
         self.stats = {"generating": len(self._active), "waiting": len(self._waiting),
-                      "tiers": caches, "locations": where, "warm_up_ms": self.warm_up_ms}
+                      "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
+                      "warm_up_ms": self.warm_up_ms}
 
 
 MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggesting

@@ -158,5 +158,6 @@ class Daemon:
                 "ready": self.engine.ready.is_set() and self.engine.load_error is None,
                 "connections": len(self.websocket.connections), "generating": stats.get("generating", 0),
                 "waiting": stats.get("waiting", 0),
-                "tiers": stats.get("tiers", {}), "locations": stats.get("locations", {}),
+                "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
+                "locations": stats.get("locations", {}),
                 "warm_up_ms": stats.get("warm_up_ms")}

@@ -68,10 +68,10 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
         table.add_row(name, str(t["sessions"]), _human(t["bytes"]), _human(t["budget"]),
                       str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
     console.print(table)
-    warm = status.get("tiers", {}).get("warm") or {}
-    if warm.get("prefetched"):
-        console.print(f"prefetched into warm after start: {warm['prefetched']} session(s), "
-                      f"{_human(warm['prefetched_bytes'])}")
+    pre = status.get("prefetched") or {}
+    if pre.get("sessions"):
+        console.print(f"prefetched into memory after start: {pre['sessions']} session(s) "
+                      f"({pre['resident']} resident, {pre['warm']} warm), {_human(pre['bytes'])}")
 
 
 def main(data_dir: Path, url: str | None, as_json: bool) -> int:

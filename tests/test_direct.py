@@ -58,7 +58,7 @@ def greedy(model: Any, cache: list[Any], ids: list[int], n: int = 6) -> list[int
     out = []
     logits = model(mx.array([ids]), cache=cache)
     for _ in range(n):
-        t = int(mx.argmax(logits[0, -1]).item())
+        t = int(mx.argmax(logits[0, -1]).item())  # type: ignore[arg-type]
         out.append(t)
         logits = model(mx.array([[t]]), cache=cache)
     return out

@@ -116,16 +116,17 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
     per_session = caches.index.keys_by_use()[0][1]
     caches.close()
 
-    # After a restart: room in warm for two sessions' caches, not three.
-    caches = SessionCaches(tmp_path, "fp", budgets(warm_bytes=2 * per_session + per_session // 2), clock=clock)
+    # After a restart: no resident room, room in warm for two sessions' caches, not three.
+    caches = SessionCaches(tmp_path, "fp", budgets(resident_bytes=0, warm_bytes=2 * per_session + per_session // 2),
+                           clock=clock)
     plan = caches.prefetch_plan()
     assert plan == [C, B]
     for key in plan:
-        assert caches.prefetch(key)
+        assert caches.prefetch(key) == "warm"
     assert caches.locations() == {A: "disk", B: "warm", C: "warm"}
-    assert not caches.prefetch(C)  # already warm
+    assert caches.prefetch(C) is None  # already warm
     stats = caches.statistics()
-    assert stats["warm"]["prefetched"] == 2 and stats["warm"]["prefetched_bytes"] == caches.warm.nbytes
+    assert stats["prefetched"] == {"sessions": 2, "bytes": caches.warm.nbytes, "resident": 0, "warm": 2}
     assert stats["disk"]["hits"] == 0  # a prefetch is not a use
 
     cache, toks = kept[C]
@@ -139,13 +140,50 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
     caches.close()
 
 
+
+def test_prefetch_fills_resident_room_first_with_live_caches(model: Any, tmp_path: Path) -> None:
+    """Resident room for one session, warm room for one: the most recent goes live, the next warm.
+
+    The live one holds room for a next message, so its next forward does not grow
+    it, and both continue exactly as the caches from before the restart.
+    """
+    clock = Clock()
+    caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
+    kept: dict[str, tuple[list[Any], list[int]]] = {}
+    for key in (A, B, C):  # C used last
+        clock.now += 10
+        cache, toks = grow(model, None, [], list(range(10, 50)))
+        caches.checkin(key, cache, toks)
+        kept[key] = (cache, toks)
+    per_session = caches.index.keys_by_use()[0][1]
+    caches.close()
+
+    live_bytes = per_session * 256 // 40  # a live buffer holds a whole 256-token step
+    caches = SessionCaches(tmp_path, "fp", budgets(resident_bytes=live_bytes * 3 // 2, warm_bytes=per_session + 1),
+                           clock=clock)
+    assert [caches.prefetch(key) for key in caches.prefetch_plan()] == ["resident", "warm"]
+    assert caches.locations() == {A: "disk", B: "warm", C: "resident"}
+    assert caches.statistics()["prefetched"]["resident"] == 1
+    assert caches.statistics()["disk"]["hits"] == 0  # a prefetch is not a use
+    for key, tier in ((C, "resident"), (B, "warm")):
+        live, toks = kept[key]
+        got = caches.checkout(key, toks + [7, 8])
+        assert got.source == tier and got.tokens == len(toks) and got.cache is not None
+        shape = got.cache[0].keys.shape
+        nxt = model(mx.array([[7, 8]]), cache=got.cache)
+        ref = model(mx.array([[7, 8]]), cache=live)
+        assert mx.array_equal(nxt, ref).item()
+        if tier == "resident":
+            assert got.cache[0].keys.shape == shape  # written into its room, not grown
+    caches.close()
+
 def test_prefetch_plans_nothing_that_does_not_fit(model: Any, tmp_path: Path) -> None:
     caches = SessionCaches(tmp_path, "fp", budgets())
     cache, toks = grow(model, None, [], list(range(10, 50)))
     caches.checkin(A, cache, toks)
     nbytes = caches.index.total_bytes()
     caches.close()
-    caches = SessionCaches(tmp_path, "fp", budgets(warm_bytes=nbytes - 1))
+    caches = SessionCaches(tmp_path, "fp", budgets(resident_bytes=nbytes - 1, warm_bytes=nbytes - 1))
     assert caches.prefetch_plan() == []
     caches.close()
 
