@@ -142,6 +142,7 @@ def merge(first: Snapshot, *rest: Snapshot) -> Snapshot:
 
 def split(s: Snapshot, at: int) -> tuple[Snapshot, Snapshot]:
     """``[start, end)`` -> ``[start, at)``, ``[at, end)``; KV / quantized layers only."""
+    _check_cut(s, at)
     first, second = _part(s, s.start, at), _part(s, at, s.end)
     mx.eval(first.arrays(), second.arrays())
     return first, second
@@ -152,23 +153,26 @@ def truncate(s: Snapshot, end: int) -> Snapshot:
 
     ``end == s.end`` is always allowed (nothing to cut), even for rotating or
     recurrent snapshots; anything else needs a splittable snapshot. Only the
-    kept part is copied.
+    part kept is copied.
     """
     if end == s.end:
         return s
+    _check_cut(s, end)
     first = _part(s, s.start, end)
     mx.eval(first.arrays())
     return first
 
 
-def _part(s: Snapshot, lo: int, hi: int) -> Snapshot:
-    """``[lo, hi)`` of ``s``, where ``lo`` or ``hi`` is a cut point; unevaluated."""
+def _check_cut(s: Snapshot, at: int) -> None:
     if not trimmable(s):
         kinds = sorted({n.kind for layer in s.layers for n in layer.walk() if not splittable(n)})
         raise CannotSplit(f"a snapshot with {', '.join(kinds)} layers keeps no earlier state to cut at")
-    cut = hi if lo == s.start else lo
-    if not s.start <= cut <= s.end:
-        raise CannotSplit(f"cannot split [{s.start}, {s.end}) at {cut}")
+    if not s.start <= at <= s.end:
+        raise CannotSplit(f"cannot split [{s.start}, {s.end}) at {at}")
+
+
+def _part(s: Snapshot, lo: int, hi: int) -> Snapshot:
+    """``[lo, hi)`` of a splittable ``s``, unevaluated."""
     return Snapshot(lo, hi, tuple(cut_layer(layer, s.start, lo, hi) for layer in s.layers))
 
 
