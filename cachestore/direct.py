@@ -18,7 +18,7 @@ step), so neither a merge nor the first forward copies it again. The
 checksum is computed over the bytes where they land, in file order, so the
 guarantee of the general path holds: a file whose bytes are not the bytes
 written is never used. Its header is checked by the same code
-(:func:`~cachestore.segments.check_header`) before a byte of data is read.
+(:func:`~cachestore.segread.check_header`) before a byte of data is read.
 
 Only layouts where every layer is a plain ``KVCache`` in float32 or float16
 take this path (the default on the CPU: models run in float32 there);
@@ -38,7 +38,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .errors import ChecksumMismatch, CorruptSegment, SegmentMissing, SegmentTruncated
-from .segments import Hasher, check_header, hasher_for, read_raw_header
+from .segformat import Hasher
+from .segread import check_header, hasher_for, read_raw_header
 
 __all__ = ["Piece", "Direct", "capacity", "read_direct"]
 

@@ -18,10 +18,10 @@ import pytest
 from daemon.builtin import (
     BUILTIN_NAMES,
     BUILTIN_VERSION,
-    CHAT_TEMPLATE,
     ensure_builtin,
     is_builtin,
 )
+from daemon.builtintok import CHAT_TEMPLATE
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")

@@ -74,7 +74,7 @@ def no_mlx_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a segment that failed verification was handed to MLX")
 
-    monkeypatch.setattr(segments.mx, "load", refuse)
+    monkeypatch.setattr(mx, "load", refuse)
     yield
 
 
@@ -228,8 +228,8 @@ def test_no_file_at_path_until_complete(
         events.append("rename")
         real_replace(src, dst)
 
-    monkeypatch.setattr(segments.os, "fsync", fsync)
-    monkeypatch.setattr(segments.os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     seg = write_segment(path, snap, fingerprint=FP)
     if sys.platform.startswith("linux"):
         assert events == ["fsync-file", "rename", "fsync-dir"]
@@ -247,14 +247,14 @@ def test_failed_write_leaves_nothing(
         raise OSError(28, "No space left on device")
 
     path = tmp_path / "seg"
-    monkeypatch.setattr(segments.mx, "save_safetensors", half_then_fail)
+    monkeypatch.setattr(mx, "save_safetensors", half_then_fail)
     with pytest.raises(OSError, match="No space"):
         write_segment(path, snap, fingerprint=FP)
     assert list(tmp_path.iterdir()) == []
     # An old segment under the name survives a failed rewrite intact.
-    monkeypatch.setattr(segments.mx, "save_safetensors", real_save)
+    monkeypatch.setattr(mx, "save_safetensors", real_save)
     old = write_segment(path, snap, fingerprint=FP)
-    monkeypatch.setattr(segments.mx, "save_safetensors", half_then_fail)
+    monkeypatch.setattr(mx, "save_safetensors", half_then_fail)
     with pytest.raises(OSError):
         write_segment(path, snap, fingerprint=OTHER_FP)
     read_segment(path, checksum=old.checksum, fingerprint=FP)
@@ -271,8 +271,8 @@ from mlx_lm.models.cache import KVCache
 c = KVCache()
 k = mx.ones((1, 2, 300, 32))
 c.update_and_fetch(k, k)
-segments.os.fsync = lambda fd: os._exit(3)  # power cut: data written, never synced or renamed
-segments.write_segment(segments.Path(sys.argv[1]), snapshot([c]), fingerprint="x")
+os.fsync = lambda fd: os._exit(3)  # power cut: data written, never synced or renamed
+segments.write_segment(sys.argv[1], snapshot([c]), fingerprint="x")
 """
 
 
