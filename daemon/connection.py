@@ -30,9 +30,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from starlette.types import Receive
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from . import protocol as p
-from .protocol import encode
-from .requests import RequestError, RequestId
+import protocol as p
+from protocol import encode
+from protocol.requests import RequestError, RequestId
 
 log = logging.getLogger("kvd.server")
 

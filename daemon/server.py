@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 from sessions import Store
 
 from . import __version__
-from . import protocol as p
+import protocol as p
 from .asgi import abort_transport
 from .config import Config
 from .connection import Connection

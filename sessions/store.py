@@ -40,7 +40,6 @@ Status = Literal["complete", "streaming", "cancelled", "error"]
 ROLES: tuple[str, ...] = ("user", "assistant")
 STATUSES: tuple[str, ...] = ("complete", "streaming", "cancelled", "error")
 
-DEFAULT_TITLE = "New chat"
 LAST_MESSAGE_CHARS = 200
 BUSY_TIMEOUT_MS = 5000
 
@@ -142,11 +141,11 @@ class Store:
     # Sessions
 
     def create_session(
-        self, *, title: str | None = None, system: str | None = None
+        self, *, title: str, system: str | None = None
     ) -> Session:
+        """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE)."""
         now = self._clock()
         session_id = new_session_id()
-        title = DEFAULT_TITLE if title is None else title
         self.db.execute(
             "INSERT INTO sessions (id, title, system, created_at, updated_at) "
             "VALUES (?, ?, ?, ?, ?)",

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import client, running_daemon
 from daemon.config import Config
-from daemon.requests import RequestError, parse_request
+from protocol.requests import RequestError, parse_request
 
 pytestmark = pytest.mark.anyio
 
@@ -48,7 +48,7 @@ FUZZ: list[tuple[str, str, Any]] = [
 @pytest.mark.parametrize("raw, code, rid", FUZZ)
 def test_parse_table(raw: str, code: str, rid: Any) -> None:
     with pytest.raises(RequestError) as info:
-        parse_request(raw, Config())
+        parse_request(raw, Config().request_limits())
     event = info.value.event()
     assert (event["code"], event["id"]) == (code, rid)
     json.dumps(event).encode()  # the answer itself can always be sent
@@ -56,7 +56,7 @@ def test_parse_table(raw: str, code: str, rid: Any) -> None:
 
 
 def test_valid_non_bmp_text_is_fine() -> None:
-    req = parse_request('{"id": "a", "type": "session.create", "title": "\\ud83d\\ude00 ok"}', Config())
+    req = parse_request('{"id": "a", "type": "session.create", "title": "\\ud83d\\ude00 ok"}', Config().request_limits())
     assert getattr(req, "title") == "\U0001f600 ok"
 
 
