@@ -8,7 +8,8 @@ class: kinds map to classes through a fixed table.
 
 Writes are atomic (temp file in the same directory, fsync, rename, fsync of
 the directory): a crash leaves either no file or a whole one at ``path``,
-plus at worst a hidden ``.*.tmp`` file that :func:`sweep_temp_files` removes.
+plus at worst a hidden ``.*.tmp`` file, which no index row lists, so the
+index's sweep at start removes it.
 
 Reads trust nothing: the checksum of the bytes is verified before MLX sees
 them (MLX loads a bit-flipped file without complaint), then the fingerprint,
@@ -25,7 +26,7 @@ page-faults), ``mx.load`` by path 3-9 GB/s. Reading once into bytes and
 handing MLX a ``BytesIO`` (which it accepts) costs 0.6-0.9 GB/s overall;
 checksumming in 4 MB chunks and then letting MLX read the same descriptor
 again from the page cache gives :func:`read_segment` 1.5-2.4 GB/s, above
-plain ``read_bytes``. ``sha256:<hex>`` checksums are accepted on read too.
+plain ``read_bytes``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeGuard
@@ -65,7 +66,6 @@ __all__ = [
     "read_header",
     "fingerprint",
     "read_segment",
-    "sweep_temp_files",
     "write_segment",
 ]
 
@@ -169,26 +169,13 @@ def write_segment(path: Path, snap: Snapshot, *, fingerprint: str,
             checksum = f"crc32:{shim.crc:08x}"
         else:  # a future MLX that seeks while writing: read it back instead
             with open(tmp, "rb", buffering=0) as f:
-                checksum = f"crc32:{_digest(f, 'crc32')[1]}"
+                checksum = f"crc32:{_crc32(f)[1]}"
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
     return SegmentFile(path, nbytes, checksum)
-
-
-def sweep_temp_files(directory: Path) -> list[Path]:
-    """Remove the temp files of writes a crash interrupted; return them.
-
-    Call it when no write into ``directory`` is in flight (at startup).
-    """
-    removed = []
-    for p in Path(directory).iterdir():
-        if p.name.startswith(".") and p.name.endswith(_TEMP_SUFFIX) and p.is_file():
-            p.unlink(missing_ok=True)
-            removed.append(p)
-    return removed
 
 
 def _flatten(snap: Snapshot) -> tuple[dict[str, mx.array], list[dict[str, Any]]]:
@@ -272,25 +259,14 @@ def _fsync_dir(directory: Path) -> None:
 
 # -- read ---------------------------------------------------------------------
 
-_HASHERS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256}
-
-
-def _digest(f: io.FileIO, algo: str) -> tuple[int, str]:
-    """(size, hex digest) of a whole file, read in chunks that stay in cache."""
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    size = 0
-    if algo == "crc32":
-        crc = 0
-        while n := f.readinto(view):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-        return size, f"{crc:08x}"
-    h = _HASHERS[algo]()
+def _crc32(f: io.FileIO) -> tuple[int, str]:
+    """(size, crc32 in hex) of a whole file, read in chunks that stay in cache."""
+    view = memoryview(bytearray(_CHUNK))
+    size = crc = 0
     while n := f.readinto(view):
-        h.update(view[:n])
+        crc = zlib.crc32(view[:n], crc)
         size += n
-    return size, h.hexdigest()
+    return size, f"{crc:08x}"
 
 
 def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
@@ -302,10 +278,8 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
     """
     path = Path(path)
     algo, _, want = checksum.partition(":")
-    if algo != "crc32" and algo not in _HASHERS:
-        raise ChecksumMismatch(
-            f"unknown checksum {checksum!r} (expected crc32:<hex> or sha256:<hex>)", path=path
-        )
+    if algo != "crc32":
+        raise ChecksumMismatch(f"unknown checksum {checksum!r} (expected crc32:<hex>)", path=path)
     try:
         f = open(path, "rb", buffering=0)
     except FileNotFoundError:
@@ -314,7 +288,7 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
         raise SegmentMissing(f"cannot open it: {e.strerror or e}", path=path) from None
     with f:
         try:
-            size, got = _digest(f, algo)
+            size, got = _crc32(f)
             if got != want.lower():
                 claimed = _claimed_size(f)
                 if claimed is not None and claimed > size:
@@ -357,7 +331,7 @@ def read_header(path: Path) -> SegmentHeader:
         raise SegmentMissing(f"cannot open it: {e.strerror or e}", path=path) from None
     with f:
         try:
-            size, crc = _digest(f, "crc32")
+            size, crc = _crc32(f)
             header = _read_header(f, size, path)
         except OSError as e:
             raise SegmentMissing(f"cannot read it: {e.strerror or e}", path=path) from None
