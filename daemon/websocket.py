@@ -160,7 +160,7 @@ class WebSocketDoor:
             conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
 
     def _session_object(self, session: Session) -> dict[str, Any]:
-        """The protocol's session object: the stored one plus where its cache lives now."""
+        """The protocol's session object: the stored one plus the fastest tier holding its cache now."""
         if session["id"] in self.turns.active:
             tier = p.TIERS[0]  # resident: in the engine's batch
         else:
