@@ -56,7 +56,7 @@ def main() -> None:
             if mode != "kvd":
                 store.synchronous = store.streamed_synchronous = mode
                 store.db.execute(f"PRAGMA synchronous = {mode}")
-            sid = store.create_session()["id"]
+            sid = store.create_session(title="New chat")["id"]
             history: list[int] = []
             times = [turn_ms(store, sid, args.updates, history) for _ in range(args.turns)]
             store.close()

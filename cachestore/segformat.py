@@ -8,8 +8,8 @@ the layer layout (kinds and meta ints) as JSON. Nothing in a file ever names
 a class: kinds map to classes through a fixed table (cachestore/kinds.py).
 
 :mod:`cachestore.segwrite` writes a durable file; :mod:`cachestore.segread`
-checks an untrusted one. Checksum: crc32 (the reasons and numbers are in
-segread's docstring); ``sha256:<hex>`` checksums are accepted on read too.
+checks an untrusted one. Checksum: xxh3-64 (:data:`CHECKSUM` says why;
+indexes from before it hold crc32, which still reads).
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ class _Crc32:
 #: 94 MB of random bytes (2-core AMD EPYC, load 2.7): xxh3_64 10.5 GB/s,
 #: crc32c (google-crc32c) 5.0, zlib.crc32 2.0 (2.5-4.2 on a quiet machine).
 CHECKSUM = "xxh3"
-#: Every checksum a reader accepts: files indexed with crc32 (before xxh3) or sha256 still read.
-HASHERS: dict[str, Callable[[], Hasher]] = {"xxh3": xxhash.xxh3_64, "crc32": _Crc32, "sha256": hashlib.sha256}
+#: Every checksum a reader accepts: files indexed with crc32 (before xxh3) still read.
+HASHERS: dict[str, Callable[[], Hasher]] = {"xxh3": xxhash.xxh3_64, "crc32": _Crc32}
 
 
 def hasher_for(checksum: str) -> tuple[Hasher, str] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .segformat import FORMAT_VERSION, fingerprint
 from .segread import SegmentHeader, read_header, read_segment
-from .segwrite import SegmentFile, sweep_temp_files, write_segment
+from .segwrite import SegmentFile, write_segment
 
 __all__ = [
     "FORMAT_VERSION",
@@ -19,6 +19,5 @@ __all__ = [
     "fingerprint",
     "read_header",
     "read_segment",
-    "sweep_temp_files",
     "write_segment",
 ]

@@ -5,8 +5,8 @@ them (MLX loads a bit-flipped file without complaint), then the fingerprint,
 the format version and every invariant a live cache relies on; any failure is
 a :class:`~cachestore.errors.CorruptSegment`, never a crash.
 
-Checksum: xxh3-64 for new files (segformat.CHECKSUM says why); crc32 and
-sha256 in older indexes still read. Measurements from before xxh3, on a warm
+Checksum: xxh3-64 for new files (segformat.CHECKSUM says why); crc32 in
+older indexes still reads. Measurements from before xxh3, on a warm
 100 MB segment (2-core AMD EPYC, zlib 1.2.13; ranges over quiet and busy
 runs): zlib.crc32 2.5-4.2 GB/s, sha256 (SHA-NI) 1.7-1.8, sha1 1.9, blake2b
 0.7-0.9, md5 0.8; ``Path.read_bytes`` 1.2-1.9 GB/s (its fresh 100 MB buffer
@@ -14,7 +14,7 @@ page-faults), ``mx.load`` by path 3-9 GB/s. Reading once into bytes and
 handing MLX a ``BytesIO`` (which it accepts) costs 0.6-0.9 GB/s overall;
 checksumming in 4 MB chunks and then letting MLX read the same descriptor
 again from the page cache gives :func:`read_segment` 1.5-2.4 GB/s, above
-plain ``read_bytes``. ``sha256:<hex>`` checksums are accepted on read too.
+plain ``read_bytes``.
 """
 
 from __future__ import annotations

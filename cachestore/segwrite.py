@@ -2,7 +2,8 @@
 
 Writes are atomic (temp file in the same directory, fsync, rename, fsync of
 the directory): a crash leaves either no file or a whole one at ``path``,
-plus at worst a hidden ``.*.tmp`` file that :func:`sweep_temp_files` removes.
+plus at worst a hidden ``.*.tmp`` file, which no index row lists, so the
+index's sweep at start removes it.
 Only then may the file get its index row ("durable, then indexed").
 """
 
@@ -22,7 +23,7 @@ import mlx.core as mx
 from . import segformat as fmt
 from .snapshot import LayerSnapshot, Snapshot
 
-__all__ = ["SegmentFile", "sweep_temp_files", "write_segment"]
+__all__ = ["SegmentFile", "write_segment"]
 
 
 @dataclass(frozen=True)
@@ -77,19 +78,6 @@ def write_segment(path: Path, snap: Snapshot, *, fingerprint: str,
         raise
     _fsync_dir(path.parent)
     return SegmentFile(path, nbytes, checksum)
-
-
-def sweep_temp_files(directory: Path) -> list[Path]:
-    """Remove the temp files of writes a crash interrupted; return them.
-
-    Call it when no write into ``directory`` is in flight (at startup).
-    """
-    removed = []
-    for p in Path(directory).iterdir():
-        if p.name.startswith(".") and p.name.endswith(fmt.TEMP_SUFFIX) and p.is_file():
-            p.unlink(missing_ok=True)
-            removed.append(p)
-    return removed
 
 
 def _flatten(snap: Snapshot) -> tuple[dict[str, mx.array], list[dict[str, Any]]]:

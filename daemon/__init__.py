@@ -1,3 +1,3 @@
-"""kvd: the daemon. Kept import-free so `daemon.protocol` stays light for kvchat."""
+"""kvd: the daemon."""
 
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ from .config import Config, ConfigError, load_config
 from .control import DETACHED_FLAG, detach, leave_terminal, logs, read_daemon_file, running_line, stop, write_daemon_file
 from .lockfile import AlreadyRunning, DataDirLock
 from .logfile import setup_logging
-from .protocol import TOKEN_FILE, default_data_dir
+from protocol import TOKEN_FILE, default_data_dir
 from .preflight import StartError
 
 if TYPE_CHECKING:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
+from protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
+from protocol.requests import Limits
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,6 +63,10 @@ class Config:
     send_timeout: float = 10.0
     max_generations: int = 8
     max_connections: int = 64
+
+    def request_limits(self) -> Limits:
+        """The [limits] a client's request is checked against (protocol/requests.py)."""
+        return Limits(max_text_chars=self.max_text_chars, max_tokens_limit=self.max_tokens_limit)
 
     @property
     def db_path(self) -> Path:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -30,14 +31,24 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from starlette.types import Receive
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from . import protocol as p
-from .protocol import encode
-from .requests import RequestError, RequestId
+import protocol as p
+from protocol import encode
+from protocol.requests import RequestError, RequestId
 
 log = logging.getLogger("kvd.server")
 
 OUTBOX_SIZE = 1024
 MAX_SLOW = 4
+
+
+@dataclass(frozen=True)
+class ConnectionStatistics:
+    """One client's figures, in the style of anyio's `statistics()`."""
+
+    peer: str
+    handled: int  # requests dispatched
+    dropped: int  # events published after the client had gone
+    queued: int  # events waiting in the outbox
 
 
 class Connection:
@@ -50,7 +61,6 @@ class Connection:
         send, receive = anyio.create_memory_object_stream[str](OUTBOX_SIZE)
         self._send: MemoryObjectSendStream[str] = send
         self._receive: MemoryObjectReceiveStream[str] = receive
-        self.sent = 0
         self.dropped = 0
         self.handled = 0  # requests dispatched
         self._logged: set[str] = set()
@@ -132,7 +142,6 @@ class Connection:
                                 self.peer, self.send_timeout)
                     self.abort()
                     break
-                self.sent += 1
 
     def abort(self) -> None:
         self.close()
@@ -144,6 +153,6 @@ class Connection:
             self.closed_event.set()
             self._send.close()
 
-    def statistics(self) -> dict[str, Any]:
-        return {"peer": self.peer, "sent": self.sent, "dropped": self.dropped, "handled": self.handled,
-                "queued": self._send.statistics().current_buffer_used}
+    def statistics(self) -> ConnectionStatistics:
+        return ConnectionStatistics(peer=self.peer, handled=self.handled, dropped=self.dropped,
+                                    queued=self._send.statistics().current_buffer_used)

@@ -20,7 +20,7 @@ from typing import Any
 from . import __version__
 from .lockfile import holder_pid, is_locked
 from .logfile import follow, tail
-from .protocol import DAEMON_FILE
+from protocol import DAEMON_FILE
 
 READY_MARK = "kvd: listening on "
 DETACHED_FLAG = "--detached-child"

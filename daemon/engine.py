@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Union
 
+import protocol as p
+
 from .config import Config
 
 if TYPE_CHECKING:
@@ -355,10 +357,10 @@ class Engine:
 
     def _start(self, job: GenerationJob) -> None:
         if self.load_error is not None:
-            job.emit(Failed("internal", f"the model failed to load: {self.load_error}"))
+            job.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             return
         if job.session_id in self._active or any(w.job.session_id == job.session_id for w in self._waiting):
-            job.emit(Failed("busy", "this session is already generating"))
+            job.emit(Failed(p.BUSY, "this session is already generating"))
             return
         if len(self._active) >= self.config.max_generations:
             self._waiting.append(_Waiting(job, told=len(self._waiting) + 1))
@@ -379,10 +381,10 @@ class Engine:
         try:
             self._insert(job)
         except PromptTooLong as e:
-            job.emit(Failed("too_large", str(e)))
+            job.emit(Failed(p.TOO_LARGE, str(e)))
         except Exception as e:
             log.exception("starting generation for %s failed", job.session_id)
-            job.emit(Failed("internal", f"generation failed to start: {e}"))
+            job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
 
     def _insert(self, job: GenerationJob) -> None:
         from mlx_lm.sample_utils import make_sampler
@@ -448,7 +450,7 @@ class Engine:
                 return
         except Exception as e:
             log.exception("prefill for %s failed", session_id)
-            act.job.emit(Failed("internal", f"generation failed: {e}"))
+            act.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
             self._forget(session_id)
             return
         self._prefilling.remove(session_id)
@@ -496,7 +498,7 @@ class Engine:
             # The batch is in an unknown state: fail everyone in it, start afresh.
             log.exception("generation step failed")
             for sid in list(self._by_uid.values()):
-                self._active[sid].job.emit(Failed("internal", f"generation failed: {e}"))
+                self._active[sid].job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
                 self._forget(sid)
             self._new_generator()
             return
@@ -525,7 +527,7 @@ class Engine:
             self._waiting.remove(waiting)
             job = waiting.job
             job.emit(Done("cancelled", self._usage(_Active(
-                job=job, detokenizer=None, prompt=[], cached_len=0, restored_from="none",
+                job=job, detokenizer=None, prompt=[], cached_len=0, restored_from=p.NO_CACHE,
                 restore_ms=0.0, inserted=job.arrived, sampler=None, prefill=None)), None))
             return
         act = self._active.get(session_id)

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from . import protocol as p
+import protocol as p
 from .engine import Engine
 
 POLL_INTERVAL = 0.2  # seconds between looks at engine.ready

@@ -34,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from sessions import Store, is_valid_session_id
 
-from . import protocol as p
+import protocol as p
 from .asgi import headers_of
 from .config import Config
 from .engine import Engine
@@ -42,7 +42,7 @@ from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError, ChatRequest, parse, stops
 from .prompt import render
-from .requests import RequestError
+from protocol.requests import RequestError
 from .stateless import place
 from .turns import Tokens, Turn, Turns
 

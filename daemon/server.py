@@ -28,10 +28,10 @@ from starlette.types import Receive, Scope, Send
 from sessions import Store
 
 from . import __version__
-from . import protocol as p
+import protocol as p
 from .asgi import abort_transport
 from .config import Config
-from .connection import Connection
+from .connection import Connection, ConnectionStatistics
 from .engine import Engine
 from .loading import LoadingWatch
 from .openai_api import OpenAIDoor
@@ -123,7 +123,7 @@ class Daemon:
     def shutdown(self) -> None:
         self._stopping.set()
 
-    def connection_statistics(self) -> list[dict[str, Any]]:
+    def connection_statistics(self) -> list[ConnectionStatistics]:
         return [c.statistics() for c in self.websocket.connections]
 
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -30,10 +30,10 @@ from typing import Literal
 
 from cachestore.prefix import common_prefix_len
 from sessions import Message, Store
-from sessions.store import DEFAULT_TITLE
 
-from . import protocol as p
-from .requests import RequestError
+import protocol as p
+from protocol import DEFAULT_TITLE
+from protocol.requests import RequestError
 from .turns import Turns
 
 TITLE_CHARS = 60

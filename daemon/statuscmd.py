@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from websockets.exceptions import WebSocketException
 
-from . import protocol as p
+import protocol as p
 
 
 def _human(n: int) -> str:
@@ -61,7 +61,7 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     table = Table(show_edge=False)
     for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
         table.add_column(col, justify="left" if col == "tier" else "right")
-    for name in ("resident", "warm", "disk"):
+    for name in p.TIERS:
         t = status.get("tiers", {}).get(name)
         if t is None:
             continue

@@ -37,11 +37,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from sessions import Message, Store, is_disk_full
 
-from . import protocol as p
+import protocol as p
 from .config import Config
 from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Progress, Prompt, Queued, Started
 from .prompt import prompt_tokens
-from .requests import RequestError, RequestId
+from protocol.requests import RequestError, RequestId
 from .sampling import resolve
 
 log = logging.getLogger("kvd.turns")

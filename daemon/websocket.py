@@ -1,7 +1,7 @@
 """The websocket front door: kvchat's protocol (docs/protocol.md) on `/v1`.
 
 A thin layer: it checks the handshake, keeps one bounded outbox per client
-(connection.py), turns each frame into a typed request (requests.py) and
+(connection.py), turns each frame into a typed request (protocol/requests.py) and
 calls the session store or the turn core (turns.py). Answers are turns,
 owned by the daemon, so a client that goes away does not stop one.
 """
@@ -17,18 +17,20 @@ from starlette.responses import PlainTextResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from sessions import Keep, Session, Store, is_disk_full
+import protocol as p
+from protocol import requests, wire
+from protocol.requests import (ChatAttach, ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError,
+                               SessionCreate, SessionDelete, SessionGet, SessionList, SessionUpdate, Status,
+                               parse_request)
+from sessions import KEEP, Session, Store, is_disk_full
 
 from . import __version__
-from . import protocol as p
 from .asgi import abort_transport, headers_of
 from .config import Config
 from .connection import Connection
 from .engine import Engine
 from .guards import check
 from .loading import LoadingWatch
-from .requests import (ChatAttach, ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError, SessionCreate,
-                       SessionDelete, SessionGet, SessionList, SessionUpdate, Status, parse_request)
 from .sampling import merge
 from .turns import DISK_FULL_MESSAGE, Turns
 
@@ -39,6 +41,7 @@ class WebSocketDoor:
     def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str,
                  loading: LoadingWatch, status: Callable[[], Awaitable[dict[str, Any]]]):
         self.config = config
+        self.limits = config.request_limits()
         self.store = store
         self.engine = engine
         self.turns = turns
@@ -106,7 +109,7 @@ class WebSocketDoor:
     async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:
         rid = None
         try:
-            req = parse_request(raw, self.config)
+            req = parse_request(raw, self.limits)
             rid = req.id
             if isinstance(req, Ping):
                 conn.publish({"type": p.PONG, "id": rid})
@@ -121,7 +124,7 @@ class WebSocketDoor:
             elif isinstance(req, SessionGet):
                 session = self.turns.session(req.session, rid)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session),
-                              "messages": self.store.messages(req.session)})
+                              "messages": [wire.message_object(m) for m in self.store.messages(req.session)]})
             elif isinstance(req, SessionUpdate):
                 self._session_update(conn, req)
             elif isinstance(req, SessionDelete):
@@ -157,20 +160,22 @@ class WebSocketDoor:
             conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
 
     def _session_object(self, session: Session) -> dict[str, Any]:
-        """The protocol's session object: the stored one plus where its cache lives now."""
+        """The protocol's session object: the stored one plus the fastest tier holding its cache now."""
         if session["id"] in self.turns.active:
-            cache = "resident"  # in the engine's batch
+            tier = p.TIERS[0]  # resident: in the engine's batch
         else:
-            cache = self.engine.stats.get("locations", {}).get(session["id"], "none")
-        return {**session, "cache": cache}
+            tier = self.engine.stats.get("locations", {}).get(session["id"], p.NO_CACHE)
+        return wire.session_object(session, tier)
 
     def _session_update(self, conn: Connection, req: SessionUpdate) -> None:
         session = self.turns.session(req.session, req.id)
-        params = req.params if isinstance(req.params, Keep) else merge(session["params"], req.params)
-        new_system = not isinstance(req.system, Keep) and req.system != session["system"]
+        params = KEEP if isinstance(req.params, requests.Keep) else merge(session["params"], req.params)
+        system = KEEP if isinstance(req.system, requests.Keep) else req.system
+        new_system = system is not KEEP and system != session["system"]
         if new_system:
             self.turns.check_idle(req.session, req.id)  # the running turn would keep the old prompt's ids
-        self.store.update_session(req.session, title=req.title, system=req.system, params=params)
+        self.store.update_session(req.session, title=KEEP if isinstance(req.title, requests.Keep) else req.title,
+                                  system=system, params=params)
         if new_system:
             self.turns.system_changed(req.session, session["message_count"])
         conn.publish({"type": p.SESSION, "id": req.id,
@@ -224,7 +229,7 @@ class WebSocketDoor:
         if turn is None:
             messages = self.store.messages(req.session)
             conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session,
-                          "generating": False, "message": messages[-1] if messages else None})
+                          "generating": False, "message": wire.message_object(messages[-1]) if messages else None})
             return
         conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session, "generating": True,
                       "request": turn.request_id, "message_index": turn.message_index})

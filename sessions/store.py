@@ -40,7 +40,6 @@ Status = Literal["complete", "streaming", "cancelled", "error"]
 ROLES: tuple[str, ...] = ("user", "assistant")
 STATUSES: tuple[str, ...] = ("complete", "streaming", "cancelled", "error")
 
-DEFAULT_TITLE = "New chat"
 LAST_MESSAGE_CHARS = 200
 BUSY_TIMEOUT_MS = 5000
 
@@ -142,11 +141,11 @@ class Store:
     # Sessions
 
     def create_session(
-        self, *, title: str | None = None, system: str | None = None
+        self, *, title: str, system: str | None = None
     ) -> Session:
+        """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE)."""
         now = self._clock()
         session_id = new_session_id()
-        title = DEFAULT_TITLE if title is None else title
         self.db.execute(
             "INSERT INTO sessions (id, title, system, created_at, updated_at) "
             "VALUES (?, ?, ?, ?, ?)",
@@ -174,13 +173,6 @@ class Store:
         )
         return [_session_dict(row) for row in rows]
 
-    def rename_session(self, session_id: str, title: str) -> None:
-        """Renaming is not use: it leaves `updated_at`, so the list order stays."""
-        self._update_session(session_id, "title = ?", [title])
-
-    def set_system(self, session_id: str, system: str | None) -> None:
-        self._update_session(session_id, "system = ?", [system])
-
     def update_session(
         self,
         session_id: str,
@@ -189,7 +181,7 @@ class Store:
         system: str | None | Keep = KEEP,
         params: Mapping[str, Any] | Keep = KEEP,
     ) -> None:
-        """Change the given fields in one statement; like renaming, this is not use.
+        """Change the given fields in one statement; this is not use (`updated_at`, so the list order, stays).
 
         `params` replaces the session's generation defaults as a whole (an
         empty mapping clears them); merging a partial change is the caller's.
@@ -209,10 +201,6 @@ class Store:
             self._update_session(session_id, ", ".join(sets), values)
         else:
             self._require_session(session_id)
-
-    def touch(self, session_id: str) -> None:
-        """Mark the session used now: it moves to the top of `list_sessions`."""
-        self._update_session(session_id, "updated_at = ?", [self._clock()])
 
     def delete_session(self, session_id: str) -> bool:
         """Delete the session, its messages and tokens; False if it did not exist."""
@@ -333,10 +321,6 @@ class Store:
         return cursor.rowcount
 
     # Token ids
-
-    def tokens(self, session_id: str) -> list[int]:
-        """The exact token ids fed to the model for this session ([] if none yet)."""
-        return self.fed(session_id)[0]
 
     def fed(self, session_id: str) -> tuple[list[int], int]:
         """The session's fed token ids and how many leading messages they cover."""

@@ -71,7 +71,7 @@ def test_prefix_index_finds_the_longest_true_prefix(tmp_path: Path) -> None:
     system = [rng.randrange(50000) for _ in range(3 * BLOCK + 5)]  # shared by every session
     sessions = {}
     for _ in range(300):
-        sid = store.create_session()["id"]
+        sid = store.create_session(title="New chat")["id"]
         ids = system + [rng.randrange(50000) for _ in range(rng.randrange(BLOCK, 20 * BLOCK))]
         store.set_tokens(sid, ids)
         sessions[sid] = ids
@@ -101,7 +101,7 @@ def test_migration_indexes_existing_sessions(tmp_path: Path) -> None:
     path = tmp_path / "kvd.sqlite"
     ids = list(range(1000, 1000 + 5 * BLOCK + 3))
     with Store(path) as store:
-        sid = store.create_session()["id"]
+        sid = store.create_session(title="New chat")["id"]
         store.set_tokens(sid, ids)
     db = sqlite3.connect(path)
     db.execute("DELETE FROM fed_blocks")

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import client, running_daemon
 from daemon.config import Config
-from daemon.requests import RequestError, parse_request
+from protocol.requests import RequestError, parse_request
 
 pytestmark = pytest.mark.anyio
 
@@ -48,7 +48,7 @@ FUZZ: list[tuple[str, str, Any]] = [
 @pytest.mark.parametrize("raw, code, rid", FUZZ)
 def test_parse_table(raw: str, code: str, rid: Any) -> None:
     with pytest.raises(RequestError) as info:
-        parse_request(raw, Config())
+        parse_request(raw, Config().request_limits())
     event = info.value.event()
     assert (event["code"], event["id"]) == (code, rid)
     json.dumps(event).encode()  # the answer itself can always be sent
@@ -56,7 +56,7 @@ def test_parse_table(raw: str, code: str, rid: Any) -> None:
 
 
 def test_valid_non_bmp_text_is_fine() -> None:
-    req = parse_request('{"id": "a", "type": "session.create", "title": "\\ud83d\\ude00 ok"}', Config())
+    req = parse_request('{"id": "a", "type": "session.create", "title": "\\ud83d\\ude00 ok"}', Config().request_limits())
     assert getattr(req, "title") == "\U0001f600 ok"
 
 
@@ -91,9 +91,9 @@ async def test_a_flood_does_not_starve_another_client(tmp_path: Path) -> None:
                 await flooder.send({"id": i, "type": "session.list"})
             assert (await flooder.recv())["id"] == 0  # the flood is being served
             assert (await other.request("ping"))["type"] == "pong"
-            served = next(c for c in d.daemon.connection_statistics() if c["peer"] == _peer(flooder))
+            served = next(c for c in d.daemon.connection_statistics() if c.peer == _peer(flooder))
             # Without the yield the ping waits for all 300 (bench/fairness.py); now a handful at most.
-            assert served["handled"] < n // 2, served
+            assert served.handled < n // 2, served
             for i in range(1, n):
                 assert (await flooder.recv())["id"] == i
 

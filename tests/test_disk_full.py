@@ -35,11 +35,11 @@ async def test_full_transcript_disk_is_disk_full_and_loses_nothing(tmp_path: Pat
             before = (await c.request("session.get", session=sid))["messages"]
             # The disk fills up: no page beyond the current ones, and those filled to the brim.
             db = d.store.db
-            filler = d.store.create_session()["id"]
+            filler = d.store.create_session(title="New chat")["id"]
             (pages,) = db.execute("PRAGMA page_count").fetchone()
             db.execute(f"PRAGMA max_page_count = {pages}")
             for fill in (lambda: d.store.create_session(title="filler " * 20),
-                         lambda: d.store.create_session(),  # as small as session.create's
+                         lambda: d.store.create_session(title="New chat"),  # as small as session.create's
                          lambda: d.store.append_message(filler, "user", "x" * 500)):
                 with pytest.raises(Exception) as full:
                     while True:

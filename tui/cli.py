@@ -4,7 +4,7 @@ Startup only: parse flags, find and connect to the daemon, pick a session,
 then hand over to the chat loop (repl.py). Given a message (``kvchat "question"``,
 ``kvchat -`` or stdin that is not a terminal) it answers that one message for a
 script instead (oneshot.py). kvchat knows the wire protocol
-(daemon.protocol) and nothing else of kvd: importing it must never load mlx,
+(the `protocol` package) and nothing else of kvd: importing it must never load mlx,
 numpy or the stores.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from daemon import protocol
+import protocol
 
 from . import commands, render
 from .errors import KvchatError

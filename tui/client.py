@@ -26,7 +26,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from daemon import protocol
+import protocol
 
 from .errors import ConnectionLost, KvchatError, NoDaemon, ServerError, TokenMissing, TokenRefused, Unreachable
 

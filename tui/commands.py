@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
-from daemon import protocol
+import protocol
 
 from . import clipboard, compact, export, listing, render
 

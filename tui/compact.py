@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from daemon import protocol
+import protocol
 
 from . import render
 from .errors import ServerError
@@ -89,7 +89,7 @@ def system_prompt(system: str | None, title: str, kept: Sequence[Turn]) -> str |
 def run(chat: Chat) -> None:
     got = chat.request(protocol.SESSION_GET, session=chat.session_id)
     old, messages = got["session"], got.get("messages") or []
-    title = str(old.get("title") or "New chat")
+    title = str(old.get("title") or protocol.DEFAULT_TITLE)
     size = window(messages)
     measured = turns(messages)
     kept = carried(measured, size // 2) if size else []

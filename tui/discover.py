@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon import protocol
+import protocol
 
 from .errors import KvchatError
 

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import protocol
+
 from .sanitize import sanitize
 
 SLUG_CHARS = 40
@@ -33,7 +35,7 @@ def default_path(session: Mapping[str, Any]) -> Path:
 
 def to_markdown(session: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], *, now: float | None = None) -> str:
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(time.time() if now is None else now))
-    out = [f"# {sanitize(str(session.get('title') or 'New chat'))}", "",
+    out = [f"# {sanitize(str(session.get('title') or protocol.DEFAULT_TITLE))}", "",
            f"kvd session `{sanitize(str(session.get('id', '')))}`, exported {when}", ""]
     system = session.get("system")
     if system:

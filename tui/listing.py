@@ -9,7 +9,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from daemon import protocol
+import protocol
 
 from .sanitize import sanitize
 
@@ -49,10 +49,10 @@ def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current
         updated = s.get("updated_at")
         rows.append((
             f"{n}{'*' if s.get('id') == current else ''}",
-            one_line(str(s.get("title") or "New chat"), 60),
+            one_line(str(s.get("title") or protocol.DEFAULT_TITLE), 60),
             one_line(s.get("last_message")) or "—",
             str(s.get("tokens", 0)),
-            str(s.get("cache", "none")),
+            str(s.get("cache", protocol.NO_CACHE)),
             relative_time(float(updated), now) if isinstance(updated, (int, float)) else "?",
         ))
     table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
@@ -83,7 +83,7 @@ def find(sessions: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] |
         if 1 <= n <= min(len(sessions), SHOWN):
             return sessions[n - 1]
         return f"no session number {n}; /sessions lists them"
-    if protocol.SESSION_ID_RE.match(key):
+    if protocol.SESSION_ID_RE.fullmatch(key):
         for s in sessions:
             if s.get("id") == key:
                 return s
@@ -96,8 +96,8 @@ def find(sessions: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] |
             return f"{key!r} starts {len(matches)} session ids; give more of it"
     # The start of a title, as shown in the table (case and spacing ignored).
     wanted = " ".join(key.casefold().split())
-    titled = [s for s in sessions if one_line(str(s.get("title") or "New chat"), 200).casefold().startswith(wanted)]
-    exact = [s for s in titled if one_line(str(s.get("title") or "New chat"), 200).casefold() == wanted]
+    titled = [s for s in sessions if one_line(str(s.get("title") or protocol.DEFAULT_TITLE), 200).casefold().startswith(wanted)]
+    exact = [s for s in titled if one_line(str(s.get("title") or protocol.DEFAULT_TITLE), 200).casefold() == wanted]
     if len(titled) == 1 or len(exact) == 1:
         return (exact or titled)[0]
     if titled:

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from rich.console import Console
 
-from daemon import protocol
+import protocol
 
 from . import listing, render
 from .client import Client
@@ -115,7 +115,7 @@ async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: 
 
 async def _session(client: Client, args: argparse.Namespace, text: str) -> str:
     if args.session:
-        if not protocol.SESSION_ID_RE.match(args.session):
+        if not protocol.SESSION_ID_RE.fullmatch(args.session):
             raise KvchatError(f"{args.session!r} is not a session id (16 hex characters)")
         await client.request(protocol.SESSION_GET, session=args.session)  # unknown_session if it is not there
         return str(args.session)

@@ -16,6 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+import protocol
+
 from .answer import AnswerPrinter, Labelled, render_answer
 from .sanitize import StreamSanitizer, sanitize
 
@@ -28,7 +30,6 @@ YOU_STYLE = "bold green"
 KVD_STYLE = "bold cyan"
 DIM = "dim"
 ERROR_STYLE = "bold red"
-TIERS = ("resident", "warm", "disk")
 SYSTEM_SHOWN = 200  # characters of a long system prompt in a session's header
 
 
@@ -66,16 +67,16 @@ def _ms(value: float) -> str:
 
 def cache_part(usage: Mapping[str, Any]) -> str | None:
     """``cache: disk 4096 tok in 86 ms``, or ``cache: none, prefilled 40 tok``."""
-    source = usage.get("restored_from")
-    if source in TIERS:
+    tier = usage.get("restored_from")
+    if tier in protocol.TIERS:
         restored, ms = usage.get("restored_tokens"), usage.get("restore_ms")
-        part = f"cache: {source}"
+        part = f"cache: {tier}"
         if isinstance(restored, int):
             part += f" {restored} tok"
         if isinstance(ms, (int, float)):
             part += f" in {_ms(ms)} ms"
         return part
-    if source == "none":
+    if tier == protocol.NO_CACHE:
         prefilled = usage.get("prefill_tokens")
         return "cache: none" + (f", prefilled {prefilled} tok" if isinstance(prefilled, int) else "")
     cached = usage.get("cached_tokens")  # a daemon from before cache tiers
@@ -110,7 +111,7 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
     if (cache := cache_part(usage)) is not None:
         parts.append(cache)
     reread = usage.get("reread_tokens")
-    if isinstance(reread, int) and reread > 0 and usage.get("restored_from") != "none":
+    if isinstance(reread, int) and reread > 0 and usage.get("restored_from") != protocol.NO_CACHE:
         parts.append(f"re-read {reread} tok")  # a new system prompt or an edit: history fed again
     if (context := context_part(usage)) is not None:
         parts.append(context)
@@ -138,7 +139,7 @@ def print_header(
     resumed: bool = False,
 ) -> None:
     """Title, then session id, model and server, so the id to resume is on screen."""
-    title = sanitize(str(session.get("title") or "New chat"))
+    title = sanitize(str(session.get("title") or protocol.DEFAULT_TITLE))
     console.print(Text(title, style="bold"), soft_wrap=True)
     details = [f"session {sanitize(str(session.get('id', '?')))}"]
     model = hello.get("model")

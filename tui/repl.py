@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from daemon import protocol
+import protocol
 
 from . import commands, listing, render
 from .client import Client
@@ -28,7 +28,6 @@ from .link import Link
 from .loop_thread import LoopThread
 from .turn import RECONNECTED, RECONNECTING, Turn
 
-DEFAULT_TITLE = "New chat"  # the daemon's, for a session created without one
 TITLE_CHARS = 50
 COPY_FILE = "kvchat-copy.txt"
 PICK = "number or title, Enter for a new chat: "
@@ -187,7 +186,7 @@ class Chat:
              title: str | None = None, system: str | None = None) -> bool:
         """Choose the session to start in; False if the user left at the picker."""
         if session_id is not None:
-            if not protocol.SESSION_ID_RE.match(session_id):
+            if not protocol.SESSION_ID_RE.fullmatch(session_id):
                 raise KvchatError(f"{session_id!r} is not a session id (16 hex characters, shown when a chat starts)")
             try:
                 self.switch(session_id)
@@ -265,7 +264,7 @@ class Chat:
 
     def name_after(self, text: str) -> None:
         """A new chat is titled after its first message, so the sessions list says what it was about."""
-        if self.last_index >= 0 or self.session.get("title") != DEFAULT_TITLE:
+        if self.last_index >= 0 or self.session.get("title") != protocol.DEFAULT_TITLE:
             return
         title = listing.one_line(text, TITLE_CHARS)
         if title:
@@ -307,6 +306,6 @@ class Chat:
         self._created.discard(self.session_id)
         with contextlib.suppress(KvchatError):
             got = self.request(protocol.SESSION_GET, session=self.session_id)["session"]
-            if (got.get("message_count") == 0 and got.get("title") == DEFAULT_TITLE and not got.get("system")
+            if (got.get("message_count") == 0 and got.get("title") == protocol.DEFAULT_TITLE and not got.get("system")
                     and not got.get("params")):
                 self.request(protocol.SESSION_DELETE, session=self.session_id)

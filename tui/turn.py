@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 from rich.console import Console
 
-from daemon import protocol
+import protocol
 
 from . import render
 from .client import Client

@@ -1,8 +1,10 @@
 """The kvd wire protocol, v1: names and defaults shared by the daemon and kvchat.
 
-Import-light on purpose: kvchat imports this module and must never pull in
-mlx, the engine or the stores. Standard library only. docs/protocol.md is the
-reference for every type and field named here.
+A leaf package: it imports no other kvd package (tests/test_arrows.py checks),
+so kvchat can import it and never pull in mlx, the engine or the stores.
+Standard library only. docs/protocol.md is the reference for every type and
+field named here; `protocol.requests` parses the frames a client sends and
+`protocol.wire` builds the objects the daemon sends back.
 """
 
 from __future__ import annotations
@@ -62,10 +64,19 @@ BUSY = "busy"
 DISK_FULL = "disk_full"
 INTERNAL = "internal"
 
-SESSION_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+# A session id on the wire: 16 lowercase hex characters (docs/protocol.md).
+# The daemon mints ids to this format (sessions/ids.py states it for the
+# store, which imports nothing of kvd; tests/test_arrows.py checks both agree).
+SESSION_ID_RE = re.compile(r"[0-9a-f]{16}")
 
-# Where a session's KV cache lives ("cache" in session objects, "restored_from").
-CACHE_TIERS = ("resident", "warm", "disk", "none")
+# The cache tiers, fastest first: the values of a session's "cache", of
+# "usage.restored_from" and of status "locations", with NO_CACHE when only the
+# transcript is left (docs/protocol.md).
+TIERS = ("resident", "warm", "disk")
+NO_CACHE = "none"
+
+# The title of a session created without one.
+DEFAULT_TITLE = "New chat"
 
 # Per-session generation defaults a session.update may set ("params").
 PARAMS = ("temperature", "top_p", "max_tokens")

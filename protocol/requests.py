@@ -1,22 +1,39 @@
 """Parsing and validating protocol requests: pure functions, no I/O.
 
 Every way a frame can be wrong ends here as a RequestError carrying the
-protocol's error code and a message that says what to send instead.
+protocol's error code and a message that says what to send instead. The
+daemon's limits come in as a `Limits` of plain values, so this module needs
+nothing of the daemon.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass
 from typing import Any, Union
 
-from sessions import KEEP, Keep
-
-from . import protocol as p
-from .config import Config
+import protocol as p
 
 RequestId = Union[str, int, None]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for (config.toml's [limits])."""
+
+    max_text_chars: int  # a message's or a system prompt's characters
+    max_tokens_limit: int  # the most a request's max_tokens may be
+
+
+class Keep(enum.Enum):
+    """A session.update field the request left out: leave it as it is (null would clear it)."""
+
+    KEEP = enum.auto()
+
+
+KEEP = Keep.KEEP
 
 
 class RequestError(Exception):
@@ -40,7 +57,7 @@ class RequestError(Exception):
 @dataclass(frozen=True)
 class SessionCreate:
     id: RequestId
-    title: str | None
+    title: str  # DEFAULT_TITLE when the request has none
     system: str | None
 
 
@@ -176,10 +193,10 @@ def _number(msg: dict[str, Any], rid: RequestId, name: str,
     return value
 
 
-def _max_tokens(msg: dict[str, Any], rid: RequestId, config: Config, *, label: str = "") -> int | None:
+def _max_tokens(msg: dict[str, Any], rid: RequestId, limits: Limits, *, label: str = "") -> int | None:
     value = _field(msg, rid, "max_tokens", int, required=False)
-    if value is not None and not 1 <= value <= config.max_tokens_limit:
-        raise RequestError(p.BAD_REQUEST, f"{label or repr('max_tokens')} must be 1-{config.max_tokens_limit}", rid)
+    if value is not None and not 1 <= value <= limits.max_tokens_limit:
+        raise RequestError(p.BAD_REQUEST, f"{label or repr('max_tokens')} must be 1-{limits.max_tokens_limit}", rid)
     return value  # type: ignore[no-any-return]
 
 
@@ -191,7 +208,7 @@ def _top_p(msg: dict[str, Any], rid: RequestId, *, label: str = "") -> float | N
     return _number(msg, rid, "top_p", 0.0, 1.0, low_open=True, label=label)
 
 
-def _params(msg: dict[str, Any], rid: RequestId, config: Config) -> dict[str, float | int | None] | Keep:
+def _params(msg: dict[str, Any], rid: RequestId, limits: Limits) -> dict[str, float | int | None] | Keep:
     """session.update's `params`: each key a value in the range chat.send allows, or null to clear."""
     if msg.get("params") is None:
         return KEEP
@@ -206,7 +223,7 @@ def _params(msg: dict[str, Any], rid: RequestId, config: Config) -> dict[str, fl
     for key in params:
         label = f"'params.{key}'"
         if key == "max_tokens":
-            change[key] = _max_tokens(params, rid, config, label=label)
+            change[key] = _max_tokens(params, rid, limits, label=label)
         elif key == "temperature":
             change[key] = _temperature(params, rid, label=label)
         else:
@@ -221,19 +238,19 @@ def _title(msg: dict[str, Any], rid: RequestId) -> str | None:
     return title  # type: ignore[no-any-return]
 
 
-def _system(msg: dict[str, Any], rid: RequestId, config: Config) -> str | None:
+def _system(msg: dict[str, Any], rid: RequestId, limits: Limits) -> str | None:
     system = _field(msg, rid, "system", str, required=False)
-    if system is not None and len(system) > config.max_text_chars:
-        raise RequestError(p.TOO_LARGE, f"'system' is longer than {config.max_text_chars} characters", rid)
+    if system is not None and len(system) > limits.max_text_chars:
+        raise RequestError(p.TOO_LARGE, f"'system' is longer than {limits.max_text_chars} characters", rid)
     return system  # type: ignore[no-any-return]
 
 
-def _text(msg: dict[str, Any], rid: RequestId, config: Config) -> str:
+def _text(msg: dict[str, Any], rid: RequestId, limits: Limits) -> str:
     text = _field(msg, rid, "text", str)
     if not text.strip():
         raise RequestError(p.BAD_REQUEST, "'text' is empty", rid)
-    if len(text) > config.max_text_chars:
-        raise RequestError(p.TOO_LARGE, f"'text' is longer than {config.max_text_chars} characters", rid)
+    if len(text) > limits.max_text_chars:
+        raise RequestError(p.TOO_LARGE, f"'text' is longer than {limits.max_text_chars} characters", rid)
     return text
 
 
@@ -266,7 +283,7 @@ def _encodable(s: str) -> bool:
     return True
 
 
-def parse_request(raw: str | bytes, config: Config) -> Request:
+def parse_request(raw: str | bytes, limits: Limits) -> Request:
     """Turn one frame into a typed request, or raise RequestError."""
     if isinstance(raw, bytes):
         raise RequestError(p.BAD_JSON, "send JSON text frames, not binary frames")
@@ -296,15 +313,15 @@ def parse_request(raw: str | bytes, config: Config) -> Request:
     if kind == p.SESSION_LIST:
         return SessionList(rid)
     if kind == p.SESSION_CREATE:
-        return SessionCreate(rid, _title(msg, rid), _system(msg, rid, config))
+        return SessionCreate(rid, _title(msg, rid) or p.DEFAULT_TITLE, _system(msg, rid, limits))
     if kind == p.SESSION_GET:
         return SessionGet(rid, _session(msg, rid))
     if kind == p.SESSION_UPDATE:
         session = _session(msg, rid)
         title = _title(msg, rid)
-        system = _system(msg, rid, config) if "system" in msg else KEEP  # null clears it
+        system = _system(msg, rid, limits) if "system" in msg else KEEP  # null clears it
         return SessionUpdate(rid, session, KEEP if title is None else title, system,
-                             _params(msg, rid, config))
+                             _params(msg, rid, limits))
     if kind == p.SESSION_DELETE:
         return SessionDelete(rid, _session(msg, rid))
     if kind == p.CHAT_CANCEL:
@@ -317,12 +334,12 @@ def parse_request(raw: str | bytes, config: Config) -> Request:
         return ChatAttach(rid, session, after_seq)
     if kind in (p.CHAT_SEND, p.CHAT_REGENERATE, p.CHAT_EDIT):
         session = _session(msg, rid)
-        max_tokens = _max_tokens(msg, rid, config)
+        max_tokens = _max_tokens(msg, rid, limits)
         temperature = _temperature(msg, rid)
         top_p = _top_p(msg, rid)
         if kind == p.CHAT_REGENERATE:
             return ChatRegenerate(rid, session, max_tokens, temperature, top_p)
-        text = _text(msg, rid, config)
+        text = _text(msg, rid, limits)
         if kind == p.CHAT_SEND:
             return ChatSend(rid, session, text, max_tokens, temperature, top_p)
         index = _field(msg, rid, "message_index", int)

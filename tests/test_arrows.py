@@ -1,0 +1,103 @@
+"""The package arrows of the design, checked by reading every import.
+
+    daemon -> sessions, cachestore, protocol
+    tui    -> protocol
+    sessions, cachestore, protocol -> no other kvd package
+
+Read from the source with `ast`, not from `sys.modules` after an import, so
+an import inside a function, under `if TYPE_CHECKING:` or behind a branch
+that a test never takes counts as much as one at the top of a module.
+`importlib.import_module("...")` with a literal name counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOWED: dict[str, frozenset[str]] = {
+    "daemon": frozenset({"sessions", "cachestore", "protocol"}),
+    "tui": frozenset({"protocol"}),
+    "sessions": frozenset(),
+    "cachestore": frozenset(),
+    "protocol": frozenset(),
+}
+PACKAGES = frozenset(ALLOWED)
+
+
+def imported(tree: ast.AST, module: str) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in `tree`, the module named `module`."""
+    package = module.split(".")[:-1]  # "a.b.c" and "a.b.__init__" both live in package a.b
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            yield node.lineno, name
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            yield node.lineno, node.args[0].value
+
+
+def wrong_arrows(root: Path) -> list[str]:
+    """Each import under `root` that the design's arrows do not allow, as `file:line: a -> b`."""
+    wrong = []
+    for package, allowed in sorted(ALLOWED.items()):
+        for path in sorted((root / package).rglob("*.py")):
+            relative = path.relative_to(root)
+            module = ".".join(relative.with_suffix("").parts)
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, name in imported(tree, module):
+                target = name.split(".")[0]
+                if target in PACKAGES and target != package and target not in allowed:
+                    wrong.append(f"{relative}:{line}: {package} -> {target} ({name})")
+    return wrong
+
+
+def test_every_import_follows_the_arrows() -> None:
+    assert all((ROOT / package / "__init__.py").is_file() for package in PACKAGES)
+    assert wrong_arrows(ROOT) == []
+
+
+@pytest.mark.parametrize("source, found", [
+    ("import daemon.engine\n", "sessions -> daemon (daemon.engine)"),
+    ("def f():\n    from protocol import DEFAULT_TITLE\n", "sessions -> protocol (protocol)"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cachestore.manager import Checkout\n",
+     "sessions -> cachestore (cachestore.manager)"),
+    ("import importlib\ndef f():\n    return importlib.import_module('tui.render')\n", "sessions -> tui (tui.render)"),
+])  # fmt: skip
+def test_a_wrong_arrow_is_found_wherever_the_import_is(tmp_path: Path, source: str, found: str) -> None:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "sessions" / "store.py").write_text("from . import ids\nfrom .ids import x\nimport json\n" + source)
+    assert [w.split(": ", 1)[1] for w in wrong_arrows(tmp_path)] == [found]
+
+
+def test_relative_imports_stay_in_their_package(tmp_path: Path) -> None:
+    (tmp_path / "tui").mkdir()
+    (tmp_path / "tui" / "__init__.py").write_text("")
+    (tmp_path / "tui" / "deep").mkdir()
+    (tmp_path / "tui" / "deep" / "mod.py").write_text("from .. import render\nfrom ..render import x\n")
+    tree = ast.parse((tmp_path / "tui" / "deep" / "mod.py").read_text())
+    assert [name for _, name in imported(tree, "tui.deep.mod")] == ["tui", "tui.render"]
+
+
+def test_the_session_id_format_is_the_same_on_both_sides() -> None:
+    """The wire states the format (protocol) and so does the store (sessions): neither may import the other."""
+    import protocol
+    from sessions import ids
+
+    assert ids.SESSION_ID_RE.pattern == protocol.SESSION_ID_RE.pattern
+    assert protocol.SESSION_ID_RE.fullmatch(ids.new_session_id())
