@@ -128,7 +128,7 @@ class Engine:
     def load(self) -> None:
         """Load the model, open the caches and warm up: the first thing the engine thread does."""
         from cachestore.manager import Budgets, SessionCaches
-        from cachestore.quantized import make_cache
+        from .quantized import make_cache
         from cachestore.segments import fingerprint
         from cachestore.snapshot import layout as cache_layout
 
@@ -282,7 +282,7 @@ class Engine:
     def _insert(self, job: GenerationJob) -> None:
         from mlx_lm.sample_utils import make_sampler
 
-        from cachestore.quantized import make_cache
+        from .quantized import make_cache
 
         from .prefill import Prefill
 
@@ -357,7 +357,7 @@ class Engine:
             # A one-token answer: shown, so part of the history, but never fed to the cache.
             self._finish(act, "length", prefill.cache, prefill.tokens, unfed=[token])
             return
-        from cachestore.quantized import as_batchable
+        from .quantized import as_batchable
 
         # The first token is the sequence's one-token prompt: BatchGenerator feeds it and
         # samples on; its max_tokens counts from the second token.
