@@ -29,7 +29,7 @@ from .running import Running, TurnStatistics, fit_advice
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from cachestore.manager import SessionCaches
+    from cachestore import SessionCaches
 
     from .prefill import Prefill
 
@@ -127,22 +127,19 @@ class Engine:
 
     def load(self) -> None:
         """Load the model, open the caches and warm up: the first thing the engine thread does."""
-        from cachestore.manager import Budgets, SessionCaches
-        from .quantized import make_cache
-        from cachestore.segments import fingerprint
-        from cachestore.snapshot import layout as cache_layout
+        from cachestore import Budgets, SessionCaches, model_fingerprint
 
         from .modelload import load_model, warm_up
         from .models import prepare_model
+        from .quantized import make_cache
 
         c = self.config
         loaded = load_model(c.model, self.model_dir or prepare_model(c.model, c.models_dir))
         kv_bits = c.kv_bits or None
-        layout = cache_layout(make_cache(loaded.model, kv_bits))
         self.caches = SessionCaches(
             c.cache_dir,
-            fingerprint(model_id=c.model, config=loaded.config, dtype=loaded.dtype, kv_bits=kv_bits,
-                        layout=layout),
+            model_fingerprint(model_id=c.model, config=loaded.config, dtype=loaded.dtype, kv_bits=kv_bits,
+                              fresh_cache=make_cache(loaded.model, kv_bits)),
             Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
