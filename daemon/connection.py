@@ -66,6 +66,7 @@ class Connection:
         self._logged: set[str] = set()
         self._slow: TaskGroup | None = None
         self._slow_running = 0
+        self._watchers: list[Callable[[dict[str, Any]], None]] = []
 
     @property
     def peer(self) -> str:
@@ -79,6 +80,8 @@ class Connection:
             return
         try:
             self._send.send_nowait(encode(event))
+            for watch in self._watchers:
+                watch(event)
         except anyio.WouldBlock:
             log.warning("client %s is not reading (outbox full); disconnecting it", self.peer)
             self.abort()
@@ -146,6 +149,14 @@ class Connection:
     def abort(self) -> None:
         self.close()
         self._abort()
+
+    def watch(self, observer: Callable[[dict[str, Any]], None]) -> None:
+        """Call `observer` on the event loop with each event once it is queued for this client.
+
+        For tests and tools that must act at an exact point of a stream (drop
+        the connection after the 20th delta); it must not block.
+        """
+        self._watchers.append(observer)
 
     def close(self) -> None:
         if not self.closed:

@@ -25,17 +25,17 @@ import uvicorn
 from anyio.abc import TaskStatus
 from starlette.types import Receive, Scope, Send
 
+import protocol as p
 from sessions import Store
 
 from . import __version__
-import protocol as p
 from .asgi import abort_transport
 from .config import Config
-from .connection import Connection, ConnectionStatistics
+from .connection import ConnectionStatistics
 from .engine import Engine
 from .loading import LoadingWatch
 from .openai_api import OpenAIDoor
-from .turns import Turn, Turns
+from .turns import Turns
 from .websocket import WebSocketDoor
 
 log = logging.getLogger("kvd.server")
@@ -56,15 +56,6 @@ class Daemon:
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self.url: str | None = None
-
-    # What tests and tools look at: the open websocket clients, the answers being generated.
-    @property
-    def _connections(self) -> set[Connection]:
-        return self.websocket.connections
-
-    @property
-    def _generations(self) -> dict[str, Turn]:
-        return self.turns.active
 
     # --- lifecycle ---
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cachestore.prefix import common_prefix_len
+from cachestore import common_prefix_len
 from sessions import Message, Store
 
 import protocol as p

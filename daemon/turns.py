@@ -39,7 +39,8 @@ from sessions import Message, Store, is_disk_full
 
 import protocol as p
 from .config import Config
-from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Progress, Prompt, Queued, Started
+from .engine import Engine
+from .jobs import Delta, Done, EngineEvent, Failed, GenerationJob, Progress, Prompt, Queued, Started
 from .prompt import prompt_tokens
 from protocol.requests import RequestError, RequestId
 from .sampling import resolve

@@ -75,19 +75,13 @@ def in_loop(fn: Callable[[], Any]) -> Any:
 
 
 def newest_connection(d: RunningDaemon, known: set[Connection]) -> Connection:
-    (conn,) = [c for c in d.daemon._connections if c not in known]
+    (conn,) = [c for c in d.daemon.websocket.connections if c not in known]
     return conn
 
 
 def tap(conn: Connection, on_event: Callable[[dict[str, Any]], None]) -> None:
     """Call `on_event` with each event the daemon sends on `conn`, after queueing it."""
-    original = conn.publish
-
-    def publish(event: dict[str, Any]) -> None:
-        original(event)
-        on_event(event)
-
-    conn.publish = publish  # type: ignore[method-assign]
+    conn.watch(on_event)
 
 
 def data_file(d: RunningDaemon, name: str) -> Path:

@@ -41,7 +41,7 @@ async def test_attach_while_generating_continues_the_same_answer(tmp_path: Path)
                     assert event["type"] == "chat.delta"
                     seen.append(event)
                 # The first client drops without a goodbye; the answer runs on.
-                (server_side,) = [c for c in d.daemon._connections
+                (server_side,) = [c for c in d.daemon.websocket.connections
                                   if c.peer == "%s:%s" % first.ws.local_address[:2]]
                 server_side.abort()
 

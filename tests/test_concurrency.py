@@ -66,7 +66,7 @@ async def stall(d: RunningDaemon, text: str) -> str:
     reader, writer = await raw_client(d.url, d.token)
     assert b'"hello"' in await reader.read(4096)
     local = "%s:%s" % writer.get_extra_info("sockname")[:2]
-    (conn,) = [c for c in d.daemon._connections if c.peer == local]
+    (conn,) = [c for c in d.daemon.websocket.connections if c.peer == local]
 
     def frame(request: dict[str, Any]) -> bytes:
         return Frame(Opcode.TEXT, json.dumps(request).encode()).serialize(mask=True, extensions=[])
@@ -107,7 +107,7 @@ async def test_eight_clients_at_once_each_equal_to_alone(tmp_path: Path) -> None
         assert sum(a.first < min(b.last for b in answers) for a in answers) >= 4
         # The stalled client was cut off, but its answer runs on into the transcript.
         (sid,) = stalled
-        gen = d.daemon._generations.get(sid)
+        gen = d.daemon.turns.active.get(sid)
         if gen is not None:
             with anyio.fail_after(60):
                 await gen.finished.wait()

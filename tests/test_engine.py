@@ -1,7 +1,7 @@
 """The engine's scheduling, step by step: prefill chunks, the first token, cancel, interleaving.
 
-These tests drive one Engine on the test thread (no engine thread is started),
-so every step is deterministic. The model is the real built-in one.
+These tests drive one Engine on the test thread (no engine thread is started:
+`load()`, then `submit()`/`cancel()` and `step()`), so every step is deterministic. The model is the real built-in one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import load_config
-from daemon.engine import MIN_CHUNK, Delta, Done, Engine, EngineEvent, GenerationJob, Started
+from daemon.engine import Engine
+from daemon.jobs import Delta, Done, EngineEvent, GenerationJob, Started
+from daemon.scheduler import MIN_CHUNK
 from daemon.turns import Continuation
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
@@ -24,7 +26,7 @@ STEP = 16
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[Engine]:
     e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny", prefill_step_size=STEP))
-    e._load()
+    e.load()
     yield e
     assert e.caches is not None
     e.caches.close()
@@ -43,18 +45,28 @@ def done(events: list[EngineEvent]) -> Done:
 
 
 def run_to_end(engine: Engine) -> None:
-    while engine._active:
-        engine._step()
+    engine.step()
+    while engine.statistics().running:
+        engine.step()
+
+
+def generated(engine: Engine, sid: str) -> int:
+    return engine.statistics().turns[sid].generated
+
+
+def fed(engine: Engine, sid: str) -> int:
+    return engine.statistics().turns[sid].fed
 
 
 def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
     events: list[EngineEvent] = []
-    engine._start(job("a" * 16, LONG, events))
+    engine.submit(job("a" * 16, LONG, events))
+    engine.step()  # starts the turn and feeds its first chunk
     started = events[0]
     assert isinstance(started, Started) and started.prompt_tokens > 4 * STEP
-    steps = 0
+    steps = 1
     while not any(isinstance(e, Delta) for e in events):
-        engine._step()
+        engine.step()
         steps += 1
     assert steps == -(-started.prompt_tokens // STEP)  # ceil: the last chunk yields the first token
     run_to_end(engine)
@@ -64,7 +76,7 @@ def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
 def test_first_token_path_is_exact(engine: Engine, tmp_path: Path) -> None:
     """The first token comes from the last chunk's logits; the whole answer equals mlx-lm's own."""
     events: list[EngineEvent] = []
-    engine._start(job("b" * 16, LONG, events, max_tokens=24))
+    engine.submit(job("b" * 16, LONG, events, max_tokens=24))
     run_to_end(engine)
     end = done(events)
     assert end.tokens is not None
@@ -76,7 +88,7 @@ def test_first_token_path_is_exact(engine: Engine, tmp_path: Path) -> None:
 
 def test_one_token_answer_is_not_fed(engine: Engine) -> None:
     events: list[EngineEvent] = []
-    engine._start(job("c" * 16, "Hello there.", events, max_tokens=1))
+    engine.submit(job("c" * 16, "Hello there.", events, max_tokens=1))
     run_to_end(engine)
     end = done(events)
     assert end.finish_reason == "length" and end.usage["completion_tokens"] == 1
@@ -96,23 +108,25 @@ def assert_next_turn_starts_from(engine: Engine, sid: str, text: str, events: li
     prompt = Continuation(messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
                                     {"role": "user", "content": "And then?"}],
                           system=None, fed=end.tokens, fed_covers=2)
-    engine._start(GenerationJob(session_id=sid, prompt=prompt, max_tokens=2, temperature=0.0, top_p=1.0,
+    engine.submit(GenerationJob(session_id=sid, prompt=prompt, max_tokens=2, temperature=0.0, top_p=1.0,
                                 emit=nxt.append))
+    run_to_end(engine)
     started = nxt[0]
     assert isinstance(started, Started) and not started.retokenized
     assert started.cached_tokens == end.usage["prompt_tokens"]
-    assert engine._active[sid].prompt[:len(end.tokens)] == end.tokens
-    run_to_end(engine)
+    # The prompt began with exactly those ids (the next history is the prompt, then the answer).
+    assert done(nxt).tokens is not None and done(nxt).tokens[:len(end.tokens)] == end.tokens
 
 
 def test_cancel_before_the_first_token_is_fed_keeps_it_in_the_history(engine: Engine) -> None:
     """A cancel between the prefill's first token and the decode step that feeds it."""
     sid = "f" * 16
     events: list[EngineEvent] = []
-    engine._start(job(sid, "Hello there.", events))
+    engine.submit(job(sid, "Hello there.", events))
     while not any(isinstance(e, Delta) for e in events):
-        engine._step()  # the prompt is fed and the first token shown; no decode step has run
-    engine._cancel(sid)
+        engine.step()  # the prompt is fed and the first token shown; no decode step has run
+    engine.cancel(sid)
+    engine.step()
     end = done(events)
     assert end.finish_reason == "cancelled" and end.usage["completion_tokens"] == 1
     assert end.tokens is not None and len(end.tokens) == end.usage["prompt_tokens"] + 1
@@ -122,17 +136,19 @@ def test_cancel_before_the_first_token_is_fed_keeps_it_in_the_history(engine: En
 def test_cancel_mid_prefill_keeps_what_was_fed(engine: Engine) -> None:
     sid = "d" * 16
     events: list[EngineEvent] = []
-    engine._start(job(sid, LONG, events))
+    engine.submit(job(sid, LONG, events))
     for _ in range(3):
-        engine._step()
-    engine._cancel(sid)
+        engine.step()
+    engine.cancel(sid)
+    engine.step()
     end = done(events)
     assert end.finish_reason == "cancelled" and end.usage["completion_tokens"] == 0
     assert end.tokens is None  # nothing was generated: the session's fed ids stay as they were
     assert not any(isinstance(e, Delta) for e in events)
     # The three chunks fed are kept: a retry restores them and prefills only the rest.
     retry: list[EngineEvent] = []
-    engine._start(job(sid, LONG, retry))
+    engine.submit(job(sid, LONG, retry))
+    engine.step()
     again = retry[0]
     assert isinstance(again, Started) and again.cached_tokens == 3 * STEP
 
@@ -140,48 +156,50 @@ def test_cancel_mid_prefill_keeps_what_was_fed(engine: Engine) -> None:
 def test_a_prefill_never_freezes_the_batch(engine: Engine) -> None:
     """While B's long prompt is fed, A gets a token at every step."""
     a_events: list[EngineEvent] = []
-    engine._start(job("e" * 16, "Hi.", a_events, max_tokens=200))
-    while engine._active["e" * 16].generated < 2:  # A is in the batch and decoding
-        engine._step()
+    engine.submit(job("e" * 16, "Hi.", a_events, max_tokens=200))
+    engine.step()
+    while generated(engine, "e" * 16) < 2:  # A is in the batch and decoding
+        engine.step()
     b_events: list[EngineEvent] = []
-    engine._start(job("f" * 16, LONG, b_events))
+    engine.submit(job("f" * 16, LONG, b_events))
     steps = 0
     while not any(isinstance(e, Delta) for e in b_events):
-        before = engine._active["e" * 16].generated
-        engine._step()
-        assert engine._active["e" * 16].generated == before + 1
+        before = generated(engine, "e" * 16)
+        engine.step()
+        assert generated(engine, "e" * 16) == before + 1
         steps += 1
     assert steps > 4  # B's prompt took several chunks, each beside a decode step for A
-    engine._cancel("e" * 16)
-    engine._cancel("f" * 16)
+    engine.cancel("e" * 16)
+    engine.cancel("f" * 16)
+    engine.step()
 
 
 def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -> None:
     """Alone, a prompt goes in prefill_step_size chunks; beside a decoding session, in slices."""
     e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny", prefill_step_size=64, prefill_slice=1e-6))
-    e._load()
+    e.load()
     alone: list[EngineEvent] = []
-    e._start(job("1" * 16, LONG, alone))
-    pre = e._active["1" * 16].prefill
-    assert pre is not None
-    e._step()
-    assert pre.fed == 64  # nobody else is decoding: a whole step
+    e.submit(job("1" * 16, LONG, alone))
+    e.step()  # starts the turn and feeds its first chunk
+    assert fed(e, "1" * 16) == 64  # nobody else is decoding: a whole step
     run_to_end(e)
     a_events: list[EngineEvent] = []
-    e._start(job("2" * 16, "Hi.", a_events, max_tokens=200))
-    while e._active["2" * 16].generated < 2:
-        e._step()
-    e._start(job("3" * 16, LONG, []))
-    pre = e._active["3" * 16].prefill
-    assert pre is not None
-    fed = [pre.fed]
+    e.submit(job("2" * 16, "Hi.", a_events, max_tokens=200))
+    e.step()
+    while generated(e, "2" * 16) < 2:
+        e.step()
+    e.submit(job("3" * 16, LONG, []))
+    e.step()
+    assert e.statistics().turns["3" * 16].phase == "prefill"
+    seen = [fed(e, "3" * 16)]
     for _ in range(3):
-        e._step()
-        fed.append(pre.fed)
+        e.step()
+        seen.append(fed(e, "3" * 16))
     # A microsecond slice rounds down to the smallest chunk worth a forward.
-    assert [b - a for a, b in zip(fed, fed[1:])] == [MIN_CHUNK] * 3
-    e._cancel("2" * 16)
-    e._cancel("3" * 16)
+    assert [b - a for a, b in zip(seen, seen[1:])] == [MIN_CHUNK] * 3
+    e.cancel("2" * 16)
+    e.cancel("3" * 16)
+    e.step()
     assert e.caches is not None
     e.caches.close()
 

@@ -209,7 +209,7 @@ async def test_reconnect_continues_the_same_answer(tmp_path: Path) -> None:
     async with running_daemon(tmp_path) as d:
         async with client(d) as c:
             sid = await make_session(c, "Dropped", temperature=0, max_tokens=300)
-        known = set(d.daemon._connections)
+        known = set(d.daemon.websocket.connections)
 
         def drop_after_some_deltas() -> str:
             def hook() -> None:
@@ -248,7 +248,7 @@ async def test_busy_session_then_attach(tmp_path: Path) -> None:
                               "max_tokens": 4000, "temperature": 0})
             assert (await other.recv())["type"] == "chat.start"
             assert (await other.recv())["type"] == "chat.delta"  # it is under way
-            known = set(d.daemon._connections)
+            known = set(d.daemon.websocket.connections)
 
             def attach_then_stop_it() -> str:
                 def hook() -> None:
@@ -338,7 +338,7 @@ async def test_a_connection_lost_between_answers_is_made_again(tmp_path: Path) -
     async with running_daemon(tmp_path) as d:
         async with client(d) as c:
             sid = await make_session(c, "Idle drop", temperature=0, max_tokens=5)
-        known = set(d.daemon._connections)
+        known = set(d.daemon.websocket.connections)
 
         def drop_then(text: str) -> Any:
             def step() -> str:

@@ -197,7 +197,7 @@ async def test_a_pinned_session_is_continued_and_rewound_where_the_request_diffe
                 r = await h.post("/v1/chat/completions", json=HI)
                 assert_error(r, 409, says="answering another request")
             # Leaving the stream early cancelled that answer; the session is usable again.
-            turn = d.daemon._generations.get(sid)
+            turn = d.daemon.turns.active.get(sid)
             if turn is not None:
                 with anyio.fail_after(60):
                     await turn.finished.wait()

@@ -11,7 +11,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.utils import load
 
-from cachestore.quantized import (
+from daemon.quantized import (
     BatchQuantizedKVCache,
     KvdQuantizedKVCache,
     as_batchable,

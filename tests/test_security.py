@@ -135,7 +135,7 @@ async def test_client_that_stops_reading_is_cut_off(tmp_path: Path) -> None:
             # Once hello arrives the daemon has registered this connection.
             assert b'"hello"' in await reader.read(4096)
             local = "%s:%s" % writer.get_extra_info("sockname")[:2]
-            (stalled,) = [c for c in d.daemon._connections if c.peer == local]
+            (stalled,) = [c for c in d.daemon.websocket.connections if c.peer == local]
             request = json.dumps({"id": 1, "type": "session.get", "session": sid}).encode()
             frame = Frame(Opcode.TEXT, request).serialize(mask=True, extensions=[])
             # ~18 MB of replies, far beyond any socket buffer, and this client reads none.

@@ -1,0 +1,96 @@
+"""What goes into the engine and what comes out of it: the types the turn core shares with the engine.
+
+A turn core (turns.py) submits a GenerationJob; the engine thread answers
+through the job's `emit` with EngineEvents, in this order: `Queued` (only
+past max_generations, again whenever its place moves up), `Started`,
+`Progress` (long prefills), `Delta`s, then exactly one `Done` or `Failed`.
+Plain data: nothing here touches MLX, so the event loop side imports it freely.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union
+
+# --- jobs in ---------------------------------------------------------------
+
+
+class Prompt(Protocol):
+    """How a turn's prompt ids are made; the turn core (turns.py) owns the rule."""
+
+    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the session's fed ids were rebuilt rather than appended to.
+
+        Called on the engine thread, where the tokenizer lives.
+        """
+        ...
+
+    @property
+    def fed_before(self) -> int:
+        """How many ids the session had fed in earlier turns (what a re-read is counted against)."""
+        ...
+
+
+@dataclass
+class GenerationJob:
+    session_id: str
+    prompt: Prompt
+    max_tokens: int
+    temperature: float
+    top_p: float
+    emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
+    # Start from a copy of this session's cache instead of taking the session's own
+    # (a conversation that branches from a stored one; the source is left as it was).
+    source: str | None = None
+    seed: int | None = None  # seeds MLX's sampler when the turn starts
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class PromptTooLong(Exception):
+    """The prompt plus max_tokens does not fit the model's context (answered as `too_large`)."""
+
+
+# --- events out ------------------------------------------------------------
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+    retokenized: bool  # the fed ids were rebuilt from the transcript, not appended to
+
+
+@dataclass
+class Queued:
+    position: int  # 1: the next to start; sent again whenever it moves up
+
+
+@dataclass
+class Progress:
+    """How far a long prefill has got: sent after its first chunk, then at most every PROGRESS_EVERY."""
+
+    fed: int  # prompt tokens in the cache now (restored ones included)
+    total: int  # prompt tokens in all
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    usage: dict[str, Any]
+    tokens: list[int] | None  # every id the session's cache now holds; None: unchanged
+
+
+@dataclass
+class Failed:
+    code: str
+    message: str
+
+
+EngineEvent = Union[Queued, Started, Progress, Delta, Done, Failed]

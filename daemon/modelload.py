@@ -1,0 +1,62 @@
+"""The model onto the engine thread: loaded in the dtype the backend runs fastest, then warmed up.
+
+Called on the engine thread only (the arrays it makes belong there).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kvd.engine")
+
+WARM_UP_TOKENS = 16  # a short turn's prefill, then one decode step
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    config: dict[str, Any]  # the model's config.json
+    dtype: str  # its weights' dtype as run
+    max_context: int | None  # its context length, if it says
+
+
+def load_model(name: str, path: Path) -> Loaded:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
+
+    t0 = time.perf_counter()
+    model, tokenizer, model_config = load(str(path), return_config=True)  # type: ignore[misc]
+    if not mx.metal.is_available():
+        # On the CPU backend float32 matmuls are ~20x faster than bf16/fp16.
+        model.set_dtype(mx.float32)
+    params: Any = tree_flatten(model.parameters())
+    args = getattr(model, "args", None)
+    log.info("loaded %s (%s) in %.1f s", name, getattr(args, "model_type", "?"), time.perf_counter() - t0)
+    return Loaded(model, tokenizer, model_config, dtype=str(params[0][1].dtype),
+                  max_context=int(getattr(args, "max_position_embeddings", 0) or 0) or None)
+
+
+def warm_up(model: Any, tokenizer: Any, cache: list[Any]) -> float:
+    """Run one short prefill and one decode step on a throwaway cache; the milliseconds it took.
+
+    MLX's first forward after a load pays for allocating its buffers and
+    waking the BLAS threads: measured on SmolLM2-135M, a 13-token turn
+    over a 2k context took 687 ms as the first forward and 480 ms after.
+    That cost belongs to start-up (before `ready`), not to the first user's turn.
+    """
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    ids = (tokenizer.encode("Hello, who are you?") * 4)[:WARM_UP_TOKENS] or [0] * WARM_UP_TOKENS
+    logits = model(mx.array([ids]), cache=cache)
+    token = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(model(token[:, None], cache=cache))
+    ms = (time.perf_counter() - t0) * 1000
+    log.info("warmed up in %.0f ms (a %d-token prefill and a decode step)", ms, len(ids))
+    return ms

@@ -1,0 +1,92 @@
+"""A running turn as the engine holds it: its prompt, its place in the prefill, its timings.
+
+Engine-thread state (the detokenizer, the sampler and the prefill's cache are
+live objects); what leaves the thread is a copy: the `usage` of the Done
+event and the TurnStatistics of `Engine.statistics()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import protocol as p
+
+from .jobs import GenerationJob
+
+if TYPE_CHECKING:
+    from .prefill import Prefill
+
+MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggesting
+
+
+@dataclass(frozen=True)
+class TurnStatistics:
+    phase: str  # "prefill" | "decode"
+    prompt_tokens: int
+    fed: int  # prompt tokens in the cache so far (restored ones included)
+    generated: int  # answer tokens sampled so far
+
+
+@dataclass
+class Running:
+    job: GenerationJob
+    detokenizer: Any
+    prompt: list[int]
+    cached_len: int
+    restored_from: str
+    restore_ms: float
+    inserted: float
+    sampler: Any
+    prefill: Prefill | None  # while the prompt is being fed; then the session decodes in the batch
+    uid: int | None = None  # its sequence in the BatchGenerator once decoding
+    first: int | None = None  # the token sampled from the prompt's last chunk, fed by the first decode step
+    progress_at: float | None = None  # when the last Progress event was sent
+    generated: int = 0
+    t_first: float | None = None
+    t_last: float | None = None
+
+    @classmethod
+    def never_started(cls, job: GenerationJob) -> Running:
+        """A job cancelled while it waited: what its Done event reports."""
+        return cls(job=job, detokenizer=None, prompt=[], cached_len=0, restored_from=p.NO_CACHE,
+                   restore_ms=0.0, inserted=job.arrived, sampler=None, prefill=None)
+
+    def statistics(self) -> TurnStatistics:
+        pre = self.prefill
+        return TurnStatistics(phase="prefill" if pre is not None else "decode", prompt_tokens=len(self.prompt),
+                              fed=pre.fed if pre is not None else len(self.prompt), generated=self.generated)
+
+    def usage(self, context_window: int | None) -> dict[str, Any]:
+        """The Done event's figures (the wire's `usage`)."""
+        ttft = (self.t_first - self.job.arrived) * 1000 if self.t_first else None
+        tps = None
+        if self.generated > 1 and self.t_first and self.t_last and self.t_last > self.t_first:
+            tps = (self.generated - 1) / (self.t_last - self.t_first)
+        prefill_ms = (self.t_first - self.inserted) * 1000 if self.t_first else None
+        return {
+            "prompt_tokens": len(self.prompt),
+            "cached_tokens": self.cached_len,
+            "completion_tokens": self.generated,
+            "ttft_ms": round(ttft, 1) if ttft is not None else None,
+            "decode_tps": round(tps, 1) if tps is not None else None,
+            "restored_from": self.restored_from,
+            "restored_tokens": self.cached_len,
+            "restore_ms": round(self.restore_ms, 2),
+            "prefill_tokens": len(self.prompt) - self.cached_len,
+            "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,
+            # Tokens fed in an earlier turn that had to be fed again (a new system prompt, an edit
+            # before the cache's end, a lost cache): what a status line should own up to.
+            "reread_tokens": max(min(self.job.prompt.fed_before, len(self.prompt)) - self.cached_len, 0),
+            "context_tokens": len(self.prompt) + self.generated if self.prompt else 0,
+            "context_window": context_window,
+        }
+
+
+def fit_advice(prompt: int, context: int) -> str:
+    """What to do about a conversation that no longer fits, in the error a client shows."""
+    room = context - prompt
+    new = "start a new session carrying less of the history (kvchat: /compact)"
+    if room >= MIN_ANSWER:
+        return f"lower max_tokens to {room} or less, or {new}"
+    return new
