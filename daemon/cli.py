@@ -170,8 +170,17 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
         if n := store.recover_interrupted():
             log.warning("%d answer(s) were cut off by a crash; they are kept, marked 'error'", n)
         engine = Engine(config, model_dir)
-        engine.start()
         daemon = Daemon(config, store, engine, token)
+        try:
+            daemon.bind()
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartError(f"port {config.port} on {config.host} is already in use (another "
+                                 "program, or a kvd with another data directory); pick another with "
+                                 "--port N or [server] port in config.toml (--port 0 picks a free "
+                                 "one)") from None
+            raise StartError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+        engine.start()
         failed = anyio.run(_main, config, daemon, detached, not lost)
         if not lost and not failed:
             _back_up(config, "at shutdown")
@@ -190,17 +199,7 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
     # "listening" is a clean stop, not the default death.
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with anyio.create_task_group() as tg:
-            try:
-                url = await tg.start(daemon.run)
-            except BaseException as group:
-                if (e := _find(group, OSError)) is None:
-                    raise
-                if e.errno == errno.EADDRINUSE:
-                    raise StartError(f"port {config.port} on {config.host} is already in use (another "
-                                     "program, or a kvd with another data directory); pick another with "
-                                     "--port N or [server] port in config.toml (--port 0 picks a free "
-                                     "one)") from None
-                raise StartError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+            url = await tg.start(daemon.run)
             daemon_file = write_daemon_file(config.data_dir, url, config.log_path)
             log.info("listening on %s (pid %d, model %s, data %s, log %s)", url, os.getpid(), config.model,
                      config.data_dir, config.log_path)

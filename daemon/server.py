@@ -55,14 +55,27 @@ class Daemon:
         self.api = OpenAIDoor(config, store, engine, self.turns, token, self._loading)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
+        self._sock: socket.socket | None = None
         self.url: str | None = None
 
     # --- lifecycle ---
 
+    def bind(self) -> None:
+        """Open the listening socket now (OSError if the port is taken), before anything else starts.
+
+        `kvd serve` binds before the engine thread starts loading the model,
+        so a port in use ends it with one line and no thread in the middle of
+        MLX work (exiting under one aborts the process).
+        """
+        self._sock = socket.create_server((self.config.host, self.config.port),
+                                          family=socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
+
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until `shutdown()`; then cut every answer short, keep it, and return."""
-        sock = socket.create_server((self.config.host, self.config.port),
-                                    family=socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
+        if self._sock is None:
+            self.bind()
+        sock = self._sock
+        assert sock is not None
         logging.getLogger("uvicorn").setLevel(logging.WARNING)
         config = uvicorn.Config(
             self._app, interface="asgi3", ws="websockets-sansio", http="h11", lifespan="off", log_config=None,
