@@ -88,7 +88,7 @@ def chat_timed(c: SyncClient, session: str, text: str, **fields: Any) -> tuple[s
 def fed(db: Path, session: str) -> list[int]:
     import sqlite3
 
-    from sessions.tokens import unpack_tokens
+    from protocol.tokenids import unpack_tokens
 
     con = sqlite3.connect(db)
     try:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import re
 import sqlite3
 import time
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from protocol.tokenids import pack_tokens, unpack_tokens
 
 KEY_RE = re.compile(r"[0-9a-f]{1,64}")
 SEGMENT_SUFFIX = ".safetensors"
@@ -36,16 +37,6 @@ class SegmentRow:
     checksum: str
     fingerprint: str
     tokens: tuple[int, ...]
-
-
-def _pack(tokens: Sequence[int]) -> bytes:
-    return array("I", tokens).tobytes()
-
-
-def _unpack(blob: bytes) -> tuple[int, ...]:
-    a = array("I")
-    a.frombytes(blob)
-    return tuple(a)
 
 
 def check_key(key: str) -> str:
@@ -141,7 +132,7 @@ class SegmentIndex:
         rows = self.db.execute(
             'SELECT key, start, "end", file, nbytes, checksum, fingerprint, tokens FROM segments '
             "WHERE key = ? ORDER BY start", [check_key(key)]).fetchall()
-        return [SegmentRow(r[0], r[1], r[2], self.files / r[3], r[4], r[5], r[6], _unpack(r[7]))
+        return [SegmentRow(r[0], r[1], r[2], self.files / r[3], r[4], r[5], r[6], tuple(unpack_tokens(r[7])))
                 for r in rows]
 
     def keys_by_use(self) -> list[tuple[str, int]]:
@@ -175,7 +166,7 @@ class SegmentIndex:
             self.db.execute(
                 'INSERT OR REPLACE INTO segments (key, start, "end", file, nbytes, checksum, fingerprint, '
                 "tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [check_key(key), start, end, rel, nbytes, checksum, fingerprint, _pack(tokens), now])
+                [check_key(key), start, end, rel, nbytes, checksum, fingerprint, pack_tokens(tokens), now])
             self.db.execute("INSERT INTO keys (key, last_used) VALUES (?, ?) "
                             "ON CONFLICT (key) DO UPDATE SET last_used = excluded.last_used", [key, now])
             self.db.execute("COMMIT")

@@ -95,7 +95,8 @@ class _Positions(Kind):
         if len(holding) <= 1:
             return LayerSnapshot(self.name, holding[0] if holding else (), meta)
         if len({len(arrays) for arrays in holding}) != 1:
-            raise SnapshotError(f"cannot merge {self.name} layers of {sorted({len(a) for a in holding})} arrays")
+            counts = sorted({len(a) for a in holding})
+            raise SnapshotError(f"cannot merge {self.name} layers of {counts} arrays")
         for column in zip(*holding):
             p = column[0]
             for q in column[1:]:
@@ -110,7 +111,8 @@ class _Positions(Kind):
         meta = {**layer.meta, "start": lo, "offset": hi}
         if lo == hi or not layer.arrays:
             return LayerSnapshot(self.name, (), meta)
-        return LayerSnapshot(self.name, tuple(copy_array(a[..., lo - origin : hi - origin, :]) for a in layer.arrays), meta)
+        arrays = tuple(copy_array(a[..., lo - origin : hi - origin, :]) for a in layer.arrays)
+        return LayerSnapshot(self.name, arrays, meta)
 
     def check(self, where: str, meta: dict[str, int], arrays: list[Spec], children: int,
               start: int, end: int) -> None:
@@ -271,7 +273,8 @@ class _Arrays(Kind):
                 present |= 1 << i
                 arrays.append(copy_array(a))
         # left_padding / lengths are batch bookkeeping that ArraysCache.extract drops too.
-        return LayerSnapshot(self.name, tuple(arrays), {"offset": end, "slots": len(c.cache), "present": present})
+        meta = {"offset": end, "slots": len(c.cache), "present": present}
+        return LayerSnapshot(self.name, tuple(arrays), meta)
 
     def restore(self, layer: LayerSnapshot, end: int) -> Any:
         m = layer.meta

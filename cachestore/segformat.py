@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import json
-import sys
 import zlib
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import xxhash
+
+from protocol.tokenids import pack_tokens, unpack_tokens
 
 __all__ = [
     "CHECKSUM",
@@ -37,7 +36,6 @@ __all__ = [
     "Hasher",
     "LAYOUT",
     "START",
-    "TEMP_SUFFIX",
     "TOKENS",
     "decode_tokens",
     "digest",
@@ -58,8 +56,6 @@ LAYOUT = "kvd.layout"
 TOKENS = "kvd.tokens"  # base64 of the range's token ids, uint32 little-endian (since 2026-11)
 
 CHUNK = 4 << 20  # read + checksum in cache-sized chunks: 2.5x faster than one big read
-#: A write in flight is a hidden ``.<name>.<random>.tmp`` file beside its segment.
-TEMP_SUFFIX = ".tmp"
 
 
 def fingerprint(
@@ -83,19 +79,19 @@ def fingerprint(
 
 
 def encode_tokens(tokens: Sequence[int]) -> str:
-    """The ``kvd.tokens`` metadata value for these token ids."""
-    ids = array("I", tokens)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return base64.b64encode(ids.tobytes()).decode()
+    """The ``kvd.tokens`` metadata value for these token ids: the one blob codec, base64'd."""
+    return base64.b64encode(pack_tokens(tokens)).decode()
 
 
 def decode_tokens(value: str) -> list[int]:
     """Inverse of :func:`encode_tokens`; ValueError if it is not one."""
-    ids = array("I", base64.b64decode(value, validate=True))
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids.tolist()
+    return unpack_tokens(base64.b64decode(value, validate=True))
+
+
+class Readable(Protocol):
+    """A binary file open for reading: a raw ``FileIO`` or a buffered one."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
 
 
 class Hasher(Protocol):
@@ -134,7 +130,7 @@ def hasher_for(checksum: str) -> tuple[Hasher, str] | None:
     return (HASHERS[algo](), want.lower()) if algo in HASHERS else None
 
 
-def digest(f: io.FileIO, algo: str) -> tuple[int, str]:
+def digest(f: Readable, algo: str) -> tuple[int, str]:
     """(size, hex digest) of a whole file, read in chunks that stay in cache."""
     buf = bytearray(CHUNK)
     view = memoryview(buf)

@@ -1,24 +1,23 @@
 """Writing a segment file: atomically, durably, checksummed on the way.
 
-Writes are atomic (temp file in the same directory, fsync, rename, fsync of
-the directory): a crash leaves either no file or a whole one at ``path``,
-plus at worst a hidden ``.*.tmp`` file, which no index row lists, so the
-index's sweep at start removes it.
+Writes are atomic and durable (``protocol.durable``: temp file in the same
+directory, fsync, rename, fsync of the directory): a crash leaves either no
+file or a whole one at ``path``, plus at worst a hidden ``.*.tmp`` file,
+which no index row lists, so the index's sweep at start removes it.
 Only then may the file get its index row ("durable, then indexed").
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
+
+from protocol import durable
 
 from . import segformat as fmt
 from .snapshot import LayerSnapshot, Snapshot
@@ -58,25 +57,17 @@ def write_segment(path: Path, snap: Snapshot, *, fingerprint: str,
         if len(tokens) != snap.end - snap.start:
             raise ValueError("a segment's token ids must cover exactly [start, end)")
         metadata[fmt.TOKENS] = fmt.encode_tokens(tokens)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{fmt.TEMP_SUFFIX}")
-    try:
-        with open(tmp, "xb") as f:
-            shim = _ChecksumWriter(f, fmt.HASHERS[fmt.CHECKSUM]())
-            # A file object, not a name: MLX would append ".safetensors" to a name.
-            mx.save_safetensors(shim, tensors, metadata)  # type: ignore[arg-type]
-            f.flush()
-            _fsync(f.fileno())
-            nbytes = f.tell()
+    with durable.replacing(path) as f:
+        shim = _ChecksumWriter(f, fmt.HASHERS[fmt.CHECKSUM]())
+        # A file object, not a name: MLX would append ".safetensors" to a name.
+        mx.save_safetensors(shim, tensors, metadata)  # type: ignore[arg-type]
+        nbytes = f.tell()
         if shim.sequential:
             checksum = f"{fmt.CHECKSUM}:{shim.hasher.hexdigest()}"
         else:  # a future MLX that seeks while writing: read it back instead
-            with open(tmp, "rb", buffering=0) as f:
-                checksum = f"{fmt.CHECKSUM}:{fmt.digest(f, fmt.CHECKSUM)[1]}"
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+            f.flush()
+            f.seek(0)
+            checksum = f"{fmt.CHECKSUM}:{fmt.digest(f, fmt.CHECKSUM)[1]}"
     return SegmentFile(path, nbytes, checksum)
 
 
@@ -137,23 +128,3 @@ class _ChecksumWriter:
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def _fsync(fd: int) -> None:
-    # On macOS fsync() stops at the drive's cache; F_FULLFSYNC reaches the platter.
-    full = getattr(fcntl, "F_FULLFSYNC", None)
-    if full is not None:
-        try:
-            fcntl.fcntl(fd, full)
-            return
-        except OSError:
-            pass
-    os.fsync(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -12,10 +12,11 @@ restarts in one day cannot push out yesterday's copy.
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 import time
 from pathlib import Path
+
+from protocol import durable
 
 
 log = logging.getLogger("kvd")
@@ -49,7 +50,7 @@ def back_up(db_path: Path, directory: Path, *, now: float | None = None) -> Path
     try:
         db.execute("PRAGMA busy_timeout = 5000")
         db.execute("VACUUM INTO ?", [str(tmp)])
-        os.replace(tmp, path)
+        durable.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

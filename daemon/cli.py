@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
+from protocol import durable
+
 from . import __version__, backup, preflight
 from .config import Config, ConfigError, load_config
 from .control import DETACHED_FLAG, detach, leave_terminal, logs, read_daemon_file, running_line, stop, write_daemon_file
@@ -76,24 +78,18 @@ def ensure_token(data_dir: Path) -> str:
     """The handshake token: created once with mode 0600, reused across restarts."""
     path = data_dir / TOKEN_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        try:
-            if path.stat().st_mode & 0o077:
-                log.warning("%s was readable by others; setting mode 0600", path)
-                path.chmod(0o600)
-            token = path.read_text().strip()
-        except OSError as e:
-            raise StartError(f"cannot read the token file {path}: {e.strerror or e}; kvd must own "
-                             f"everything in its data directory (chown -R $USER {data_dir})") from None
-        if token:
-            return token
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        if path.stat().st_mode & 0o077:
+            log.warning("%s was readable by others; setting mode 0600", path)
+            path.chmod(0o600)
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        token = ""
+    except OSError as e:
+        raise StartError(f"cannot read the token file {path}: {e.strerror or e}; kvd must own "
+                         f"everything in its data directory (chown -R $USER {data_dir})") from None
+    if not token:
+        token = secrets.token_urlsafe(32)
+        durable.write_atomic(path, token + "\n", mode=0o600)
     return token
 
 

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from protocol import durable
+
 from . import __version__
 from .lockfile import holder_pid, is_locked
 from .logfile import follow, tail
@@ -29,12 +31,9 @@ DETACHED_FLAG = "--detached-child"
 def write_daemon_file(data_dir: Path, url: str, log_file: Path) -> Path:
     """daemon.json: where clients find the daemon (written once it listens)."""
     path = data_dir / DAEMON_FILE
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"url": url, "pid": os.getpid(), "version": __version__,
-                   "started_at": time.time(), "log_file": str(log_file)}, f)
-    os.replace(tmp, path)
+    info = {"url": url, "pid": os.getpid(), "version": __version__, "started_at": time.time(),
+            "log_file": str(log_file)}
+    durable.write_atomic(path, json.dumps(info), mode=0o600)
     return path
 
 

@@ -26,10 +26,11 @@ Measured facts this rests on:
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from protocol import durable
 
 from .ggufinfo import GGMLType, GGUFInfo, TYPE_NAMES
 
@@ -228,7 +229,7 @@ def convert(path: Path, out: Path, *, mode: str, sha256: str,
     # mx.save_safetensors appends ".safetensors" and never fsyncs: save, then fsync.
     mx.save_safetensors(str(out / "model"), weights, metadata={"format": "mlx"})
     with open(out / "model.safetensors", "rb+") as f:
-        os.fsync(f.fileno())
+        durable.fsync_file(f.fileno())
     write_synced(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     for fname, data in tokenizer_files(meta).items():
         write_synced(out / fname, data)

@@ -15,7 +15,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["fsync_dir", "publish_dir", "write_synced"]
+from protocol import durable
+
+__all__ = ["publish_dir", "write_synced"]
 
 _TMP_MARK = ".tmp-"
 
@@ -37,7 +39,7 @@ def publish_dir(dest: Path, build: Callable[[Path], None], is_complete: Callable
     tmp.mkdir()
     try:
         build(tmp)
-        fsync_dir(tmp)
+        durable.fsync_dir(tmp)
         if dest.exists():
             # Move the bad one aside first: rename cannot replace a non-empty dir.
             trash = _tmp_path(parent, dest.name)
@@ -49,7 +51,7 @@ def publish_dir(dest: Path, build: Callable[[Path], None], is_complete: Callable
             if not is_complete(dest):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-        fsync_dir(parent)
+        durable.fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -57,18 +59,11 @@ def publish_dir(dest: Path, build: Callable[[Path], None], is_complete: Callable
 
 
 def write_synced(path: Path, data: bytes) -> None:
+    """A new file inside a dir being built: fsynced, not renamed (the dir is)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        durable.fsync_file(f.fileno())
 
 
 def _tmp_path(parent: Path, name: str) -> Path:

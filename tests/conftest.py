@@ -166,7 +166,7 @@ def greedy_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 def fed_tokens(db_path: Path, session: str) -> list[int]:
     import sqlite3
 
-    from sessions.tokens import unpack_tokens
+    from protocol.tokenids import unpack_tokens
 
     db = sqlite3.connect(db_path)
     try:

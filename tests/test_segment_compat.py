@@ -39,7 +39,8 @@ def _step(i: int, dim: int = 32) -> mx.array:
 
 
 def build_cache() -> list[Any]:
-    kv, rotating, quantized = KVCache(), RotatingKVCache(max_size=4, keep=1), QuantizedKVCache(group_size=32, bits=4)
+    kv, rotating = KVCache(), RotatingKVCache(max_size=4, keep=1)
+    quantized = QuantizedKVCache(group_size=32, bits=4)
     recurrent = ArraysCache(2)
     pair = CacheList(KVCache(), RotatingKVCache(max_size=3))
     for i in range(len(TOKENS)):  # one token at a time: the rotating rings wrap

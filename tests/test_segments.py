@@ -23,7 +23,6 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
-from cachestore import segments
 from cachestore.errors import (
     ChecksumMismatch,
     CorruptSegment,

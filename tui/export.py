@@ -1,22 +1,21 @@
 """A session as a Markdown file: /export.
 
 Answers are Markdown already and stay as they are; the file is written next to
-itself and renamed into place, so an export that fails leaves no half file.
+itself, fsynced and renamed into place (protocol.durable), so an export that
+fails leaves no half file.
 Control characters are dropped: the file should be safe to `cat`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import protocol
+from protocol import durable
 
 from .sanitize import sanitize
 
@@ -51,20 +50,5 @@ def to_markdown(session: Mapping[str, Any], messages: Sequence[Mapping[str, Any]
 
 
 def write_atomic(path: Path, text: str) -> None:
-    path = path.expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())  # as an ordinary new file would be, not mkstemp's 0600
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    """Write the export as an ordinary new file would be (the umask decides its mode)."""
+    durable.write_atomic(path.expanduser(), text)
