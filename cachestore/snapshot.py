@@ -60,6 +60,7 @@ __all__ = [
     "merge",
     "restore",
     "rewind",
+    "section",
     "snapshot",
     "split",
     "trimmable",
@@ -127,8 +128,14 @@ class Snapshot:
 # -- snapshot -----------------------------------------------------------------
 
 
-def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None) -> Snapshot:
-    """Copy the state of tokens ``[start, offset)`` out of a live cache.
+def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None,
+             upto: int | None = None) -> Snapshot:
+    """Copy the state of tokens ``[start, offset)`` (or ``[start, upto)``) out of a live cache.
+
+    ``upto`` copies only a prefix of what the cache holds (a new session
+    starting from another's shared prefix): a cache whose layers can all be
+    cut (KV, quantized) only, since a window or a recurrent state at ``upto``
+    is not in a cache that has moved past it.
 
     ``offset`` is read from the layers (they must all agree); pass it only
     for a cache whose layers are all recurrent (``ArraysCache`` records no
@@ -137,6 +144,10 @@ def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None)
     return_prompt_caches=True)``) as well as on caches a model call filled.
     """
     end = _common_offset(cache, offset)
+    if upto is not None and upto != end:
+        if not 0 <= upto <= end or not all(_kind(c) in _SPLITTABLE for c in cache):
+            raise CannotSplit(f"cannot snapshot the first {upto} of the {end} tokens this cache holds")
+        end = upto
     if not 0 <= start <= end:
         raise SnapshotError(f"start {start} is outside [0, {end}], the tokens the cache holds")
     layers = tuple(_snapshot_layer(c, start, end) for c in cache)
@@ -408,6 +419,20 @@ def _cut(layer: LayerSnapshot, origin: int, lo: int, hi: int) -> LayerSnapshot:
         return LayerSnapshot(layer.kind, (), meta)
     arrays = tuple(_copy(a[..., lo - origin : hi - origin, :]) for a in layer.arrays)
     return LayerSnapshot(layer.kind, arrays, meta)
+
+
+def section(s: Snapshot, lo: int, hi: int) -> Snapshot:
+    """The tokens ``[lo, hi)`` of a splittable snapshot, one copy of that range only.
+
+    ``(s.start, s.end)`` itself is always allowed (nothing to cut).
+    """
+    if (lo, hi) == (s.start, s.end):
+        return s
+    if not trimmable(s) or not s.start <= lo <= hi <= s.end:
+        raise CannotSplit(f"cannot take [{lo}, {hi}) out of [{s.start}, {s.end})")
+    part = Snapshot(lo, hi, tuple(_cut(layer, s.start, lo, hi) for layer in s.layers))
+    mx.eval(part.arrays())
+    return part
 
 
 def truncate(s: Snapshot, end: int) -> Snapshot:

@@ -60,9 +60,6 @@ class GenerationJob:
     temperature: float
     top_p: float
     emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
-    # Start from a copy of this session's cache instead of taking the session's own
-    # (a conversation that branches from a stored one; the source is left as it was).
-    source: str | None = None
     seed: int | None = None  # seeds MLX's sampler when the turn starts
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -164,6 +161,7 @@ class _Active:
     generated: int = 0
     t_first: float | None = None
     t_last: float | None = None
+    shared_tokens: int = 0  # of cached_len, those another session's cache supplied
 
 
 class Engine:
@@ -245,7 +243,8 @@ class Engine:
             Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
-                    resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits),
+                    resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
+                    block_tokens=c.block_tokens),
         )
         self.model, self.tokenizer = model, tokenizer
         args = getattr(model, "args", None)
@@ -398,22 +397,20 @@ class Engine:
                 + _fit_advice(len(tokens), self.max_context)
             )
         assert self.caches is not None
-        if job.source is not None:
-            out = self.caches.copy_prefix(job.source, tokens)
-        else:
-            out = self.caches.checkout(job.session_id, tokens)
+        out = self.caches.checkout(job.session_id, tokens)
         if job.seed is not None:
             import mlx.core as mx
 
             mx.random.seed(job.seed)
-        cache, cached = out.cache, out.tokens
+        cache, cached, shared = out.cache, out.tokens, out.shared_tokens
         if cache is None or cached == 0:
-            cache, cached = make_cache(self.model, self.config.kv_bits or None), 0
+            cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
         self._active[job.session_id] = _Active(
             job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
             restored_from=out.source, restore_ms=out.restore_ms, inserted=time.perf_counter(),
             sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
             prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size),
+            shared_tokens=shared,
         )
         self._prefilling.append(job.session_id)
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
@@ -590,6 +587,8 @@ class Engine:
             "decode_tps": round(tps, 1) if tps is not None else None,
             "restored_from": act.restored_from,
             "restored_tokens": act.cached_len,
+            # Of those, the tokens another session's cache or shared disk blocks supplied.
+            "shared_tokens": act.shared_tokens,
             "restore_ms": round(act.restore_ms, 2),
             "prefill_tokens": len(act.prompt) - act.cached_len,
             "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,

@@ -106,9 +106,9 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
     clock = Clock()
     caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
     kept: dict[str, tuple[list[Any], list[int]]] = {}
-    for key in (A, B, C):  # C used last
+    for i, key in enumerate((A, B, C)):  # C used last
         clock.now += 10
-        cache, toks = grow(model, None, [], list(range(10, 50)))
+        cache, toks = grow(model, None, [], list(range(10 + i, 50 + i)))  # no prefix to share
         caches.checkin(key, cache, toks)
         cache, toks = grow(model, cache, toks, list(range(60, 70)))  # a second turn: a second segment
         caches.checkin(key, cache, toks)
@@ -154,11 +154,15 @@ def _state(cache: list[Any]) -> list[Any]:
     return [mx.array(a) for c in cache for a in c.state]
 
 
-@pytest.mark.parametrize("tier", ["resident", "warm", "disk"])
-def test_copy_prefix_leaves_the_source_as_it_was(model: Any, tmp_path: Path, tier: str) -> None:
-    """A branch copies another session's prefix from any tier; the source keeps its cache, intact."""
+@pytest.mark.parametrize("tier, shared", [("resident", 30), ("warm", 30), ("disk", 24)])
+def test_a_new_session_copies_a_shared_prefix_and_the_source_keeps_its_own(
+        model: Any, tmp_path: Path, tier: str, shared: int) -> None:
+    """A branch copies another session's prefix from any tier; the source keeps its cache, intact.
+
+    From memory any prefix is copied; from disk, whole blocks (8 ids here): 24 of the 30.
+    """
     clock = Clock()
-    caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
+    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8), clock=clock)
     cache, toks = grow(model, None, [], list(range(10, 50)))
     caches.checkin(A, cache, toks)
     if tier != "resident":
@@ -171,10 +175,10 @@ def test_copy_prefix_leaves_the_source_as_it_was(model: Any, tmp_path: Path, tie
     if kept is not None:
         caches.checkin(A, cache, toks)  # back where it was, resident
     branch = toks[:30] + [3, 4, 5]
-    got = caches.copy_prefix(A, branch)
-    assert got.source == tier and got.tokens == 30 and got.cache is not None
+    got = caches.checkout(B, branch)
+    assert got.source == "shared" and got.tokens == got.shared_tokens == shared and got.cache is not None
     # The copy is fed the branch's own tokens: the source must not see them.
-    model(mx.array([branch[30:]]), cache=got.cache)
+    model(mx.array([branch[shared:]]), cache=got.cache)
     mx.eval([c.state for c in got.cache])
     assert got.cache[0].offset == 33
     again = caches.checkout(A, toks + [7])
