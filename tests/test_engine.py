@@ -171,7 +171,8 @@ def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -
     e._start(job("2" * 16, "Hi.", a_events, max_tokens=200))
     while e._active["2" * 16].generated < 2:
         e._step()
-    e._start(job("3" * 16, LONG, []))
+    # Another prompt: the same one would start from session 1's cache (shared), with nothing to slice.
+    e._start(job("3" * 16, "Something else. " + LONG, []))
     pre = e._active["3" * 16].prefill
     assert pre is not None
     fed = [pre.fed]
