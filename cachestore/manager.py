@@ -71,6 +71,9 @@ NOTHING_TO_EVICT = "no other session's cache is left to remove"
 #: forward over a few tokens costs about what copying them out of another cache does.
 MIN_SHARED = 16
 
+#: Warm entries holding a whole block start with this; a session's key never does (hex).
+BLOCK_ENTRY = "#"
+
 
 @dataclass(frozen=True)
 class Budgets:
@@ -217,19 +220,20 @@ class SessionCaches:
                     f", {len(dropped)} that did not verify removed (first: {dropped[0]})" if dropped else "")
 
     def _walk_back(self, last: str, parents: dict[str, tuple[str, int, int]]) -> list[tuple[str, int]]:
-        """A chain from the root to `last` through the rebuilt blocks: [(block, end)], or ValueError."""
-        chain: list[tuple[str, int]] = []
+        """The chain from the root to `last` through the rebuilt blocks, as [(block, end)]; ValueError if broken."""
+        chain: list[tuple[str, int, int]] = []  # walked backwards: (block, start, end)
         at = last
         while at != self.root:
             if at not in parents or len(chain) > 1 << 20:
                 raise ValueError(f"block {at} of the chain is missing")
             parent, start, end = parents[at]
-            if chain and end != chain[-1][1] - (chain[-1][1] - start):
+            if chain and end != chain[-1][1]:
                 raise ValueError(f"block {at} does not end where the next one starts")
-            chain.append((at, end))
+            chain.append((at, start, end))
             at = parent
-        chain.reverse()
-        return chain
+        if chain and chain[-1][1] != 0:
+            raise ValueError(f"the chain of block {last} does not start at token 0")
+        return [(block, end) for block, _, end in reversed(chain)]
 
     # --- resume ---
 
@@ -256,19 +260,22 @@ class SessionCaches:
             else:
                 log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
         own_warm = self.warm.peek(key) if own is None else None
-        own_warm_n = _usable(own_warm, wanted, limit) if own_warm is not None else 0
+        own_warm_n = self._usable_warm(own_warm, wanted, limit) if own_warm is not None else 0
 
         best_n = max(own.tokens if own else 0, own_warm_n)
         other: tuple[str, str, int] | None = None  # (tier, session, tokens)
-        for tier_name, tier in (("resident", self.resident), ("warm", self.warm)):
-            for other_key in tier:
-                if other_key == key:
-                    continue
-                value = tier.peek(other_key)
-                assert value is not None
-                n = _usable(value, wanted, limit)
+        for other_key in self.resident:
+            res = self.resident.peek(other_key)
+            if other_key != key and res is not None:
+                n = _usable(res, wanted, limit)
                 if n > best_n and n >= MIN_SHARED:
-                    best_n, other = n, (tier_name, other_key, n)
+                    best_n, other = n, ("resident", other_key, n)
+        for other_key in self.warm:
+            w = self.warm.peek(other_key)
+            if other_key != key and not other_key.startswith(BLOCK_ENTRY) and w is not None:
+                n = self._usable_warm(w, wanted, limit)
+                if n > best_n and n >= MIN_SHARED:
+                    best_n, other = n, ("warm", other_key, n)
         plan = self._disk_plan(key, wanted, limit)
         if plan.end > best_n:
             got = self._read_plan(key, plan)
@@ -281,21 +288,66 @@ class SessionCaches:
             plan = _DiskPlan([], 0, 0)
         if other is not None:
             tier_name, other_key, n = other
-            value = (self.resident if tier_name == "resident" else self.warm).peek(other_key)
-            assert value is not None
-            copied = _copy(value, n)
+            if tier_name == "resident":
+                value = self.resident.peek(other_key)
+                assert value is not None
+                copied = _copy(value, n)
+            else:
+                copied = self._copy_warm(other_key, n)
             if copied is not None:
                 return self._counted(Checkout(copied, n, "shared", ms(), n))
         if own is not None:
             own.restore_ms = ms()
             return own
         if own_warm is not None and own_warm_n > 0:
+            copied = self._copy_warm(key, own_warm_n)
             self.warm.take(key)
-            copied = _copy(own_warm, own_warm_n)
             if copied is not None:
                 return Checkout(copied, own_warm_n, "warm", ms())
         self.disk_stats["misses"] += 1
         return Checkout(None, 0, "none", ms())
+
+    # --- warm: a session's tail after its whole blocks, each block held once ---
+
+    def _warm_parts(self, value: tuple[Snapshot, list[int]]) -> list[Snapshot]:
+        """The warm snapshots that hold a session's prefix, in order, up to the first block missing.
+
+        A session's warm entry is the tail ``[m*B, n)`` of its cache; its
+        whole blocks are entries of their own (BLOCK_ENTRY + key), held once
+        however many sessions' tails follow them, so the warm budget counts
+        a shared prefix once.
+        """
+        tail, toks = value
+        if tail.start == 0:
+            return [tail]
+        parts: list[Snapshot] = []
+        for block in block_keys(toks[:tail.start], self.block, self.root):
+            entry = self.warm.peek(BLOCK_ENTRY + block)
+            if entry is None:
+                return parts
+            parts.append(entry[0])
+        return [*parts, tail]
+
+    def _usable_warm(self, value: tuple[Snapshot, list[int]], wanted: Sequence[int], limit: int) -> int:
+        """How many wanted ids a warm entry (with the blocks it needs) can give a copy of."""
+        parts = self._warm_parts(value)
+        held = parts[-1].end if parts else 0
+        n = min(common_prefix_len(value[1][:held], wanted), limit)
+        if n <= 0:
+            return 0
+        last = next(p for p in parts if p.end >= n)
+        return n if n == last.end or trimmable(last) else 0
+
+    def _copy_warm(self, key: str, n: int) -> Cache | None:
+        """Live caches holding the first n ids of a warm entry; the entry stays as it is."""
+        value = self.warm.peek(key)
+        if value is None:
+            return None
+        parts = [p for p in self._warm_parts(value) if p.start < n]
+        try:
+            return restore(truncate(merge(*[unpack(p) for p in parts]), n)) if parts else None
+        except CannotSplit:
+            return None
 
     def _counted(self, out: Checkout) -> Checkout:
         if out.shared_tokens:
@@ -452,9 +504,22 @@ class SessionCaches:
             self._demote(cold, c, toks, now)
 
     def _demote(self, key: str, cache: Cache, tokens: list[int], now: float) -> None:
+        """A live cache becomes warm: its whole blocks (those not warm already) and its tail."""
+        whole = (len(tokens) - 1) // self.block if all(_cuttable(c) for c in cache) else 0
         snap = snapshot(cache, 0)
-        if self.budgets.warm_bits:
-            snap = pack(snap, self.budgets.warm_bits)
+        keys = block_keys(tokens[:whole * self.block], self.block, self.root)
+        for k, block in enumerate(keys):
+            held = self.warm.peek(BLOCK_ENTRY + block)
+            piece = held[0] if held is not None else self._packed(
+                section(snap, k * self.block, (k + 1) * self.block))
+            self._warm_put(BLOCK_ENTRY + block, piece, tokens[k * self.block:(k + 1) * self.block], now)
+        tail = self._packed(section(snap, whole * self.block, snap.end))
+        self._warm_put(key, tail, tokens, now)
+
+    def _packed(self, snap: Snapshot) -> Snapshot:
+        return pack(snap, self.budgets.warm_bits) if self.budgets.warm_bits else snap
+
+    def _warm_put(self, key: str, snap: Snapshot, tokens: list[int], now: float) -> None:
         for cold, _ in self.warm.put(key, (snap, tokens), snap.nbytes, now):
             log.debug("warm snapshot of %s dropped; disk holds it", cold)
 
@@ -630,34 +695,51 @@ class SessionCaches:
                     log.warning("could not page out %s: %s", key, e)
         for key in self.warm:
             w = self.warm.peek(key)
-            if w is None:
+            if w is None or key.startswith(BLOCK_ENTRY):
                 continue
-            snap, toks = w
+            parts = self._warm_parts(w)
+            if not parts or parts[0].start != 0:
+                continue
             try:
                 # A packed snapshot is saved at its rounded precision: the best there is.
-                self._write_behind(key, unpack(snap), toks[:snap.end], evict=False)
+                snap = merge(*[unpack(p) for p in parts])
+                self._write_behind(key, snap, w[1][:snap.end], evict=False)
             except (OSError, CannotSplit) as e:
                 log.warning("could not page out %s: %s", key, e)
 
     def forget(self, key: str) -> None:
         """A deleted session: its caches go, and every block no other session lists."""
         self.resident.discard(key)
-        self.warm.discard(key)
+        gone = self.warm.discard(key)
+        if gone is not None and gone[0].start > 0:
+            mine = set(block_keys(gone[1][:gone[0].start], self.block, self.root))
+            for other in self.warm:
+                entry = self.warm.peek(other)
+                if entry is not None and not other.startswith(BLOCK_ENTRY) and entry[0].start > 0:
+                    mine -= set(block_keys(entry[1][:entry[0].start], self.block, self.root))
+            for block in mine:
+                self.warm.discard(BLOCK_ENTRY + block)
         self.index.drop_from(key, 0)
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
         where = {key: "disk" for key in self.index.keys()}
-        where.update({key: "warm" for key in self.warm})
+        where.update({key: "warm" for key in self.warm if not key.startswith(BLOCK_ENTRY)})
         where.update({key: "resident" for key in self.resident})
         return where
+
+    def _warm_blocks(self) -> dict[str, int]:
+        """The warm tier's sessions and whole blocks (each held once, whoever's tails follow it)."""
+        blocks = [k for k in self.warm if k.startswith(BLOCK_ENTRY)]
+        return {"sessions": len(self.warm) - len(blocks), "blocks": len(blocks),
+                "block_bytes": sum(e[0].nbytes for k in blocks if (e := self.warm.peek(k)) is not None)}
 
     def statistics(self) -> dict[str, Any]:
         sessions, segments = self.index.count()
         return {
             "resident": self.resident.statistics(),
-            "warm": {**self.warm.statistics(), "prefetched": self.prefetch_stats["done"],
-                     "prefetched_bytes": self.prefetch_stats["bytes"]},
+            "warm": {**self.warm.statistics(), **self._warm_blocks(),
+                     "prefetched": self.prefetch_stats["done"], "prefetched_bytes": self.prefetch_stats["bytes"]},
             "disk": {"sessions": sessions, "segments": segments, "bytes": self.index.total_bytes(),
                      "budget": self.budgets.disk_bytes, "block_tokens": self.block,
                      **self.index.sharing(), **self.disk_stats},
