@@ -150,6 +150,11 @@ def test_prefetch_plans_nothing_that_does_not_fit(model: Any, tmp_path: Path) ->
     caches.close()
 
 
+def _held(cache: list[Any]) -> list[Any]:
+    """The keys and values of the tokens a cache holds (a live buffer is longer)."""
+    return [mx.array(a[..., :c.offset, :]) for c in cache for a in (c.keys, c.values)]
+
+
 def _state(cache: list[Any]) -> list[Any]:
     return [mx.array(a) for c in cache for a in c.state]
 
@@ -187,3 +192,36 @@ def test_a_new_session_copies_a_shared_prefix_and_the_source_keeps_its_own(
     if kept is not None:
         assert all(mx.array_equal(x, y).item() for x, y in zip(kept, _state(again.cache)))
     caches.close()
+
+
+@pytest.mark.parametrize("warm_bits", [0, 8])
+def test_warm_holds_a_shared_prefix_once(model: Any, tmp_path: Path, warm_bits: int) -> None:
+    """Six sessions over one 64-token prefix: warm holds its blocks once, plus six tails; each restores exactly."""
+    prefix = list(range(100, 164))
+    sizes = {}
+    for block_tokens in (16, 4096):  # sharing, and (blocks longer than any session) not
+        clock = Clock()
+        caches = SessionCaches(tmp_path / str(block_tokens), "fp",
+                               budgets(resident_bytes=0, block_tokens=block_tokens, warm_bits=warm_bits),
+                               clock=clock)
+        kept = {}
+        for i in range(6):
+            key = f"{i:04x}"
+            cache, toks = grow(model, None, [], prefix + [200 + i] * 5)
+            caches.checkin(key, cache, toks)  # no resident room: straight to warm
+            kept[key] = (_held(cache), toks)
+        sizes[block_tokens] = caches.warm.nbytes
+        if block_tokens == 16:
+            assert caches.statistics()["warm"]["blocks"] == 4 and caches.statistics()["warm"]["sessions"] == 6
+            for key, (state, toks) in kept.items():
+                got = caches.checkout(key, toks + [7])
+                assert got.source == "warm" and got.tokens == len(toks) and got.cache is not None
+                if not warm_bits:
+                    assert all(mx.array_equal(x, y).item() for x, y in zip(state, _held(got.cache)))
+            caches.forget("0000")
+        caches.close()
+    one_session = sizes[4096] / 6
+    tail = one_session * 5 / 69
+    # One prefix plus six tails, against six whole sessions.
+    assert sizes[16] <= 1.01 * (one_session * 64 / 69 + 6 * tail)
+    assert sizes[16] < sizes[4096] / 3

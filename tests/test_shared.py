@@ -66,10 +66,10 @@ CASES = [("builtin:tiny", 0), ("builtin:tiny", 8), ("builtin:tiny-swa", 0)]
 
 
 @pytest.mark.parametrize("model, kv_bits", CASES)
-@pytest.mark.parametrize("tiers", ["memory", "disk"])
+@pytest.mark.parametrize("tiers", ["resident", "warm", "disk"])
 async def test_a_new_session_starting_like_another_reuses_its_prefix_exactly(
         tmp_path: Path, model: str, kv_bits: int, tiers: str) -> None:
-    budgets = DISK_ONLY if tiers == "disk" else {}
+    budgets = {"resident": {}, "warm": {"resident_bytes": 0}, "disk": DISK_ONLY}[tiers]
     async with running_daemon(tmp_path, model=model, kv_bits=kv_bits, block_tokens=BLOCK, **budgets) as d:
         async with client(d) as c:
             first = await _session(c)
@@ -85,13 +85,16 @@ async def test_a_new_session_starting_like_another_reuses_its_prefix_exactly(
         # A sliding window is only ever restored where it was saved: the first session's
         # window is at the end of its answer, past where the second's prompt diverges.
         assert u["restored_from"] == "none" and u["shared_tokens"] == 0
-    elif tiers == "memory":  # a copy out of the first session's resident cache, token-exact
+    elif tiers != "disk":  # a copy out of the first session's resident cache or warm blocks, token-exact
         assert u["restored_from"] == "shared" and u["shared_tokens"] == u["cached_tokens"] == prompt - 1
     else:  # whole blocks on disk: every block before the prompt's last token
         assert u["restored_from"] == "shared"
         assert u["shared_tokens"] == u["cached_tokens"] == (prompt - 1) // BLOCK * BLOCK
         assert status["tiers"]["disk"]["shared_bytes"] > 0
         assert status["tiers"]["disk"]["saved_bytes"] == status["tiers"]["disk"]["shared_bytes"]
+    if tiers == "warm" and model == "builtin:tiny":  # both sessions' tails follow the same warm blocks
+        warm = status["tiers"]["warm"]
+        assert warm["sessions"] == 2 and warm["blocks"] == (prompt - 1) // BLOCK
     check_exact(tmp_path, model, second, b, kv_bits)
     check_exact(tmp_path, model, first, a, kv_bits)
 
