@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/shared_prefix.py [--model builtin:smollm2 | DIR] [--lengths 1024 4096]
                                              [--repeat 3] [--sessions 16] [--prefix 2048]
+     .venv/bin/python bench/shared_prefix.py --model DIR --prefix 4096 --block-sizes 64 128 256 512
 
 A real `kvd serve` (tests/daemonproc.py) on the given model, spoken to over
 its websocket protocol, greedy, `--new` answer tokens. TTFT is the daemon's
@@ -17,9 +18,10 @@ own `usage.ttft_ms` (request arrival to first token).
      shares nothing (a full prefill, what every new session paid before).
 2. Bytes: `--sessions` sessions whose conversations share a `--prefix`-token
    system prompt (each then asks its own question), with no resident room so
-   every cache is warm, then on disk; against the same with blocks longer
-   than any conversation (nothing shared). The ideal is one prefix plus each
-   session's own suffix.
+   every cache is warm, then on disk; against the bytes per token of two
+   sessions with blocks longer than any conversation (nothing shared). The
+   ideal is one prefix plus each session's own suffix at that rate; "16x one
+   session" is that rate times all sixteen sessions' tokens.
 
 Other work shares this machine's 2 cores, so each number is printed with
 the load average when it was taken; medians with their range.
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import fed_tokens  # noqa: E402
@@ -107,7 +110,8 @@ def ttft(model: str, root: Path, tokens: int, repeat: int, new: int) -> dict[str
         for i in range(repeat):
             note("resumed", b.turn(sid, system, f"And point {i}?")[1])
             note("shared", b.turn(None, system, first)[1])
-            note("without sharing", b.turn(None, prompt_of(tokens, 100 + i), first)[1])
+        # A full prefill: once (4k tokens take over a minute on 2 CPU cores; its spread is small).
+        note("without sharing", b.turn(None, prompt_of(tokens, 100), first)[1])
         b.stop()
         for _ in range(repeat):
             b.start()
@@ -136,6 +140,47 @@ def nbytes(model: str, root: Path, sessions: int, prefix: int, new: int, block_t
             "tokens": [len(t) for t in ids], "common": common}
 
 
+def block_sizes(model_dir: str, root: Path, tokens: int, sizes: list[int], repeat: int) -> None:
+    """How the block size costs: write a `tokens`-token cache, then restore it for another session
+    from disk after a restart (every block read, checksummed, merged), in process on the model's caches."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load as load_model
+
+    from cachestore.manager import Budgets, SessionCaches
+
+    model = load_model(model_dir)[0]
+    model.set_dtype(mx.float32)
+    ids = [int(t) % 1000 + 100 for t in random.Random(3).sample(range(10**6), tokens)]
+    cache = make_prompt_cache(model)
+    for i in range(0, tokens, 512):
+        model(mx.array([ids[i:i + 512]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    print(f"\nblock size: a {tokens}-token cache written once, then restored for a new session after a restart")
+    for size in sizes:
+        writes, reads = [], []
+        for r in range(repeat):
+            where = Path(tempfile.mkdtemp(dir=root))
+            budgets = Budgets(resident_bytes=1 << 34, warm_bytes=0, disk_bytes=1 << 40, resident_idle=1e9,
+                              warm_idle=1e9, max_segments=16, block_tokens=size)
+            caches = SessionCaches(where, "bench", budgets)
+            t0 = time.perf_counter()
+            caches.checkin("aaaa", cache, ids)
+            writes.append((time.perf_counter() - t0) * 1000)
+            files = caches.statistics()["disk"]["blocks"]
+            caches.close()
+            caches = SessionCaches(where, "bench", budgets)
+            t0 = time.perf_counter()
+            got = caches.checkout("bbbb", ids + [5])
+            reads.append((time.perf_counter() - t0) * 1000)
+            assert got.source == "shared", got.source
+            caches.close()
+        print(f"  block_tokens {size:4}: {files:3} blocks, write {span(writes)}, shared restore {span(reads)}, "
+              f"load {load():.1f}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:smollm2")
@@ -146,10 +191,15 @@ def main() -> int:
     parser.add_argument("--prefix", type=int, default=2048)
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-bytes", action="store_true")
+    parser.add_argument("--block-sizes", type=int, nargs="*", default=[],
+                        help="only measure write and restore cost per block size (in process; --model DIR)")
     args = parser.parse_args()
     root = Path(os.environ.get("KVD_BENCH_DIR") or tempfile.mkdtemp(prefix="kvd-shared-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model}; load average {load():.2f}", flush=True)
+    if args.block_sizes:
+        block_sizes(args.model, root, args.prefix, args.block_sizes, args.repeat)
+        return 0
     if not args.skip_ttft:
         for tokens in args.lengths:
             out = ttft(args.model, root, tokens, args.repeat, args.new)
@@ -161,16 +211,19 @@ def main() -> int:
                 print(f"  {name:22} TTFT {span(values)}  load {loads}  restored {', '.join(where)}", flush=True)
     if not args.skip_bytes:
         shared = nbytes(args.model, root, args.sessions, args.prefix, args.new, 128)
-        alone = nbytes(args.model, root, args.sessions, args.prefix, args.new, 1 << 20)
+        # Unshared bytes per token, from two sessions (each prefills the whole prefix: slow on CPU).
+        alone = nbytes(args.model, root, 2, args.prefix, args.new, 1 << 20)
         # The ideal: one copy of the common prefix plus each session's own suffix, at the
         # bytes per token the unshared run measured in each tier.
         kept = shared["common"] + sum(t - shared["common"] for t in shared["tokens"])
         ideal = {tier: alone[tier] / sum(alone["tokens"]) * kept for tier in ("warm", "disk")}
         print(f"\n{args.sessions} sessions sharing a {shared['common']}-token prefix "
               f"({min(shared['tokens'])}-{max(shared['tokens'])} tokens each)")
-        for name, r in (("shared (128-token blocks)", shared), ("not shared", alone)):
-            print(f"  {name:26} warm {r['warm'] / 2**20:8.1f} MiB  disk {r['disk'] / 2**20:8.1f} MiB  "
-                  f"load {r['load']:.1f}")
+        everything = {tier: alone[tier] / sum(alone["tokens"]) * sum(shared["tokens"]) for tier in ("warm", "disk")}
+        print(f"  shared (128-token blocks)  warm {shared['warm'] / 2**20:8.1f} MiB  disk "
+              f"{shared['disk'] / 2**20:8.1f} MiB  load {shared['load']:.1f}")
+        print(f"  {args.sessions}x one session (unshared) warm {everything['warm'] / 2**20:8.1f} MiB  disk "
+              f"{everything['disk'] / 2**20:8.1f} MiB  load {alone['load']:.1f}")
         print(f"  ideal (one prefix + suffixes): warm {ideal['warm'] / 2**20:.1f} MiB, disk "
               f"{ideal['disk'] / 2**20:.1f} MiB; shared/ideal: warm {shared['warm'] / ideal['warm']:.2f}x, "
               f"disk {shared['disk'] / ideal['disk']:.2f}x", flush=True)

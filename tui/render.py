@@ -67,7 +67,7 @@ def _ms(value: float) -> str:
 def cache_part(usage: Mapping[str, Any]) -> str | None:
     """``cache: disk 4096 tok in 86 ms``, or ``cache: none, prefilled 40 tok``."""
     source = usage.get("restored_from")
-    if source in TIERS:
+    if source in TIERS or source == "shared":  # shared: another conversation's prefix
         restored, ms = usage.get("restored_tokens"), usage.get("restore_ms")
         part = f"cache: {source}"
         if isinstance(restored, int):
