@@ -11,8 +11,8 @@ own `usage.ttft_ms` (request arrival to first token).
 1. TTFT, for a system prompt of about N tokens already used by one session
    (its first turn untimed):
    - resumed: that session's next turn (its own resident cache);
-   - shared: a new session with the same system prompt and first message
-     (the prefix is copied out of the first session's cache);
+   - shared: a new session with the same system prompt and a question of
+     its own (the prefix is copied out of the first session's cache);
    - shared after restart: the same, after a cold restart (disk blocks);
    - without sharing: a new session whose system prompt of the same length
      shares nothing (a full prefill, what every new session paid before).
@@ -109,13 +109,15 @@ def ttft(model: str, root: Path, tokens: int, repeat: int, new: int) -> dict[str
         sid, u = b.turn(None, system, first)
         for i in range(repeat):
             note("resumed", b.turn(sid, system, f"And point {i}?")[1])
-            note("shared", b.turn(None, system, first)[1])
+            # A new session asking something new: the system prompt and the template's
+            # head are shared, its own question is prefilled (as the resumed turn's is).
+            note("shared", b.turn(None, system, f"What is point {i}, in short?")[1])
         # A full prefill: once (4k tokens take over a minute on 2 CPU cores; its spread is small).
         note("without sharing", b.turn(None, prompt_of(tokens, 100), first)[1])
         b.stop()
         for _ in range(repeat):
             b.start()
-            note("shared after restart", b.turn(None, system, first)[1])
+            note("shared after restart", b.turn(None, system, "And what is it not about?")[1])
             b.stop()
     finally:
         if b.d is not None:
@@ -208,7 +210,10 @@ def main() -> int:
                 values = [r[0] for r in rows]
                 loads = ", ".join(f"{r[1]:.1f}" for r in rows)
                 where = sorted({f"{r[2]['restored_from']}:{r[2]['cached_tokens']}" for r in rows})
-                print(f"  {name:22} TTFT {span(values)}  load {loads}  restored {', '.join(where)}", flush=True)
+                restore = statistics.median(r[2]["restore_ms"] for r in rows)
+                prefill = sorted({r[2]["prefill_tokens"] for r in rows})
+                print(f"  {name:22} TTFT {span(values)}  load {loads}  restored {', '.join(where)} "
+                      f"in {restore:.0f} ms, prefilled {prefill} tok", flush=True)
     if not args.skip_bytes:
         shared = nbytes(args.model, root, args.sessions, args.prefix, args.new, 128)
         # Unshared bytes per token, from two sessions (each prefills the whole prefix: slow on CPU).
