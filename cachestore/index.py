@@ -165,6 +165,12 @@ class SegmentIndex:
             found.update((str(r[0]), self._block_row(r)) for r in rows)
         return found
 
+    def children(self, parent: str) -> list[BlockRow]:
+        """The blocks that follow the block `parent` (or the root) in some chain."""
+        rows = self.db.execute(f"SELECT {self._BLOCK_COLUMNS} FROM blocks b WHERE b.parent = ?",
+                               [parent]).fetchall()
+        return [self._block_row(r) for r in rows]
+
     def keys_by_use(self) -> list[tuple[str, int]]:
         """(key, bytes its private segments and its chain's blocks take), least recently used first."""
         return [(r[0], r[1] + r[2]) for r in self.db.execute(

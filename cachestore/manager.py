@@ -378,20 +378,32 @@ class SessionCaches:
                 break
         own = _DiskPlan(mine, pos, pos)
         keys = block_keys(wanted[:limit + self.block - 1 if limit else 0], self.block, self.root)
-        found = self.index.find_blocks(keys) if len(keys) * self.block > own.end else {}
-        shared_pieces: list[Piece] = []
+        found = self.index.find_blocks(keys)
+        shared_pieces: list[BlockRow] = []
         end = 0
-        for k, b in enumerate(keys):
+        for b in keys:
             row = found.get(b)
             if row is None or row.fingerprint != self.fingerprint or row.start != end \
                     or tuple(wanted[row.start:row.end]) != row.tokens[:len(wanted[row.start:row.end])]:
                 break
             shared_pieces.append(row)
             end = min(row.end, limit)
+        if end < limit and end == len(shared_pieces) * self.block:
+            # Past the last whole block in common: the block some session wrote next that
+            # agrees longest with the wanted ids, cut where they part (KV blocks cut anywhere).
+            parent = shared_pieces[-1].block if shared_pieces else self.root
+            best, agree = None, 0
+            for row in self.index.children(parent):
+                n = min(common_prefix_len(row.tokens, wanted[end:limit]), limit - end)
+                if n > agree and row.fingerprint == self.fingerprint and row.start == end:
+                    best, agree = row, n
+            if best is not None:
+                shared_pieces.append(best)
+                end += agree
         if end <= own.end:
             return own
         mine_blocks = sum(1 for b in blocks if b in shared_pieces)
-        return _DiskPlan(shared_pieces, end, min(mine_blocks * self.block, end))
+        return _DiskPlan(list(shared_pieces), end, min(mine_blocks * self.block, end))
 
     def _read_plan(self, key: str, plan: _DiskPlan, *, use: bool = True) -> tuple[Snapshot, int] | None:
         """Read and merge a plan's files; a bad file ends it there (and is dropped with what follows)."""

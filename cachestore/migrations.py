@@ -107,3 +107,4 @@ def m002_blocks(db: Database) -> None:
         """
     )
     db.execute("CREATE INDEX chains_block ON chains (block)")
+    db.execute("CREATE INDEX blocks_parent ON blocks (parent)")

@@ -87,14 +87,15 @@ async def test_a_new_session_starting_like_another_reuses_its_prefix_exactly(
         assert u["restored_from"] == "none" and u["shared_tokens"] == 0
     elif tiers != "disk":  # a copy out of the first session's resident cache or warm blocks, token-exact
         assert u["restored_from"] == "shared" and u["shared_tokens"] == u["cached_tokens"] == prompt - 1
-    else:  # whole blocks on disk: every block before the prompt's last token
-        assert u["restored_from"] == "shared"
-        assert u["shared_tokens"] == u["cached_tokens"] == (prompt - 1) // BLOCK * BLOCK
+    else:  # blocks on disk: the whole ones in common, then the next one cut where the ids part
+        assert u["restored_from"] == "shared" and u["shared_tokens"] == u["cached_tokens"]
+        written = (a["usage"]["context_tokens"] - 1) // BLOCK * BLOCK  # the first session's blocks
+        assert u["cached_tokens"] == min(prompt - 1, written)
         assert status["tiers"]["disk"]["shared_bytes"] > 0
         assert status["tiers"]["disk"]["saved_bytes"] == status["tiers"]["disk"]["shared_bytes"]
     if tiers == "warm" and model == "builtin:tiny":  # both sessions' tails follow the same warm blocks
         warm = status["tiers"]["warm"]
-        assert warm["sessions"] == 2 and warm["blocks"] == (prompt - 1) // BLOCK
+        assert warm["sessions"] == 2 and warm["blocks"] == (a["usage"]["context_tokens"] - 1) // BLOCK
     check_exact(tmp_path, model, second, b, kv_bits)
     check_exact(tmp_path, model, first, a, kv_bits)
 
