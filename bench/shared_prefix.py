@@ -42,8 +42,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+import daemonproc  # noqa: E402
 from conftest import fed_tokens  # noqa: E402
 from daemonproc import DaemonProcess  # noqa: E402
+
+# A 4k-token prompt chunk on a busy 2-core machine can take longer than a test waits for an event.
+daemonproc.EVENT_TIMEOUT = 900.0
 
 WORDS = ("cache block token prefix session model answer question system prompt window layer "
          "memory disk warm resident restore prefill decode batch chunk budget index segment "
