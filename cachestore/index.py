@@ -1,4 +1,10 @@
-"""The disk tier's index: which segment files exist, for which tokens.
+"""The disk tier's index: which blocks and segment files exist, for which tokens.
+
+Two kinds of file (manager.py says why): content-addressed *blocks*, each
+stored once under ``blocks/`` and listed in any number of sessions'
+*chains*, and each session's private *segments* under ``segments/<key>/``
+(what follows its last whole block). A block's reference count is the number
+of chains that list it; a block no chain lists is deleted (`collect`).
 
 Its own SQLite file (cachestore owns these rows and no others), used only
 from the engine thread. A segment file is listed here only after it is
@@ -17,11 +23,17 @@ from __future__ import annotations
 import re
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlite_utils import Database
+
 from protocol.tokenids import pack_tokens, unpack_tokens
+
+from .blocks import BLOCK_RE
+from .migrations import known, migrate
 
 KEY_RE = re.compile(r"[0-9a-f]{1,64}")
 SEGMENT_SUFFIX = ".safetensors"
@@ -39,6 +51,19 @@ class SegmentRow:
     tokens: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class BlockRow:
+    block: str  # its key: the hash chain of every id up to its end (blocks.py)
+    parent: str  # the previous block's key, or the fingerprint for the first block
+    start: int
+    end: int
+    path: Path
+    nbytes: int
+    checksum: str
+    fingerprint: str
+    tokens: tuple[int, ...]
+
+
 def check_key(key: str) -> str:
     """Keys become directory names: only short lowercase hex ever touches a path."""
     if not isinstance(key, str) or not KEY_RE.fullmatch(key):
@@ -46,36 +71,13 @@ def check_key(key: str) -> str:
     return key
 
 
-_MIGRATIONS = [
-    (
-        "m001_segments",
-        """
-        CREATE TABLE segments (
-            key TEXT NOT NULL,
-            start INTEGER NOT NULL CHECK (start >= 0),
-            "end" INTEGER NOT NULL CHECK ("end" > start),
-            file TEXT NOT NULL,
-            nbytes INTEGER NOT NULL,
-            checksum TEXT NOT NULL,
-            fingerprint TEXT NOT NULL,
-            tokens BLOB NOT NULL,
-            created_at REAL NOT NULL,
-            PRIMARY KEY (key, start)
-        );
-        CREATE TABLE keys (
-            key TEXT PRIMARY KEY,
-            last_used REAL NOT NULL
-        );
-        """,
-    ),
-]
-
-
 class SegmentIndex:
     def __init__(self, root: Path):
         self.root = root
         self.files = root / "segments"
         self.files.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.blocks = root / "blocks"
+        self.blocks.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = root / "index.sqlite"
         # How the index was found, when it could not be used as it was: None (fine),
         # "missing", "empty", or "damaged (<why>), set aside as <name>".
@@ -96,26 +98,14 @@ class SegmentIndex:
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-            known = db.execute("SELECT 1 FROM sqlite_master WHERE name = '_kvd_migrations'").fetchone()
-            if known is None and self.lost is None:
+            wrapped = Database(db, execute_plugins=False)
+            if not known(wrapped) and self.lost is None:
                 self.lost = "empty" if existed else "missing"
-            db.execute("CREATE TABLE IF NOT EXISTS _kvd_migrations (name TEXT PRIMARY KEY, applied_at REAL)")
+            migrate(wrapped)
         except BaseException:
             db.close()
             raise
-        self.db = db
-        self._migrate()
         return db
-
-    def _migrate(self) -> None:
-        done = {r[0] for r in self.db.execute("SELECT name FROM _kvd_migrations")}
-        for name, sql in _MIGRATIONS:
-            if name not in done:
-                self.db.execute("BEGIN IMMEDIATE")
-                for stmt in filter(str.strip, sql.split(";")):
-                    self.db.execute(stmt)
-                self.db.execute("INSERT INTO _kvd_migrations VALUES (?, ?)", [name, time.time()])
-                self.db.execute("COMMIT")
 
     def close(self) -> None:
         self.db.close()
@@ -123,77 +113,193 @@ class SegmentIndex:
     def dir_for(self, key: str) -> Path:
         return self.files / check_key(key)
 
-    def path_for(self, key: str, start: int, end: int) -> Path:
-        return self.dir_for(key) / f"{start:010d}-{end:010d}{SEGMENT_SUFFIX}"
+    def path_for(self, key: str, start: int, end: int, after: str | None = None) -> Path:
+        """A private segment's file; `after` names the chain's last block when it has one,
+        so a rebuilt index can find the session's chain again from the file names."""
+        tail = f"-{_check_block(after)}" if after else ""
+        return self.dir_for(key) / f"{start:010d}-{end:010d}{tail}{SEGMENT_SUFFIX}"
+
+    def block_path(self, block: str, parent: str) -> Path:
+        return self.blocks / f"{_check_block(block)}-{_check_parent(parent)}{SEGMENT_SUFFIX}"
 
     # --- reads ---
 
     def chain(self, key: str) -> list[SegmentRow]:
+        """The session's private segments, in order."""
         rows = self.db.execute(
             'SELECT key, start, "end", file, nbytes, checksum, fingerprint, tokens FROM segments '
             "WHERE key = ? ORDER BY start", [check_key(key)]).fetchall()
         return [SegmentRow(r[0], r[1], r[2], self.files / r[3], r[4], r[5], r[6], tuple(unpack_tokens(r[7])))
                 for r in rows]
 
+    _BLOCK_COLUMNS = 'b.block, b.parent, b.start, b."end", b.file, b.nbytes, b.checksum, b.fingerprint, b.tokens'
+
+    def _block_row(self, r: tuple[object, ...]) -> BlockRow:
+        return BlockRow(str(r[0]), str(r[1]), int(r[2]), int(r[3]),  # type: ignore[call-overload]
+                        self.blocks / str(r[4]), int(r[5]), str(r[6]), str(r[7]),  # type: ignore[call-overload]
+                        tuple(unpack_tokens(r[8])))  # type: ignore[arg-type]
+
+    def blocks_of(self, key: str) -> list[BlockRow]:
+        """The blocks the session's chain lists, in order."""
+        rows = self.db.execute(
+            f"SELECT {self._BLOCK_COLUMNS} FROM chains c JOIN blocks b ON b.block = c.block "
+            "WHERE c.key = ? ORDER BY c.n", [check_key(key)]).fetchall()
+        return [self._block_row(r) for r in rows]
+
+    def find_blocks(self, blocks: Sequence[str]) -> dict[str, BlockRow]:
+        """The listed blocks among `blocks`, by key."""
+        found: dict[str, BlockRow] = {}
+        for i in range(0, len(blocks), 500):
+            part = list(blocks[i:i + 500])
+            rows = self.db.execute(f"SELECT {self._BLOCK_COLUMNS} FROM blocks b WHERE b.block IN "
+                                   f"({','.join('?' * len(part))})", part).fetchall()
+            found.update((str(r[0]), self._block_row(r)) for r in rows)
+        return found
+
+    def children(self, parent: str) -> list[BlockRow]:
+        """The blocks that follow the block `parent` (or the root) in some chain."""
+        rows = self.db.execute(f"SELECT {self._BLOCK_COLUMNS} FROM blocks b WHERE b.parent = ?",
+                               [parent]).fetchall()
+        return [self._block_row(r) for r in rows]
+
     def keys_by_use(self) -> list[tuple[str, int]]:
-        """(key, bytes on disk), least recently used first."""
-        return [(r[0], r[1]) for r in self.db.execute(
-            "SELECT k.key, COALESCE(SUM(s.nbytes), 0) FROM keys k LEFT JOIN segments s ON s.key = k.key "
-            "GROUP BY k.key ORDER BY k.last_used, k.key")]
+        """(key, bytes its private segments and its chain's blocks take), least recently used first."""
+        return [(r[0], r[1] + r[2]) for r in self.db.execute(
+            "SELECT k.key, (SELECT COALESCE(SUM(s.nbytes), 0) FROM segments s WHERE s.key = k.key), "
+            "(SELECT COALESCE(SUM(b.nbytes), 0) FROM chains c JOIN blocks b ON b.block = c.block "
+            "WHERE c.key = k.key) FROM keys k ORDER BY k.last_used, k.key")]
 
     def keys(self) -> set[str]:
-        """Every key with at least one segment."""
-        return {r[0] for r in self.db.execute("SELECT DISTINCT key FROM segments")}
+        """Every key with at least one segment or block."""
+        return {r[0] for r in self.db.execute("SELECT key FROM segments UNION SELECT key FROM chains")}
 
     def total_bytes(self) -> int:
-        return int(self.db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM segments").fetchone()[0])
+        """Bytes on disk: every block once, however many chains list it, plus every segment."""
+        return int(self.db.execute(
+            "SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM segments) + "
+            "(SELECT COALESCE(SUM(nbytes), 0) FROM blocks)").fetchone()[0])
 
     def count(self) -> tuple[int, int]:
-        """(keys with segments, segments)."""
-        row = self.db.execute("SELECT COUNT(DISTINCT key), COUNT(*) FROM segments").fetchone()
-        return int(row[0]), int(row[1])
+        """(keys with segments or blocks, segments)."""
+        sessions = len(self.keys())
+        return sessions, int(self.db.execute("SELECT COUNT(*) FROM segments").fetchone()[0])
+
+    def sharing(self) -> dict[str, int]:
+        """Blocks, their bytes, those listed by more than one chain, and what sharing saves."""
+        row = self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(nbytes), 0), COALESCE(SUM(CASE WHEN refs > 1 THEN nbytes END), 0), "
+            "COALESCE(SUM((refs - 1) * nbytes), 0) FROM (SELECT b.nbytes AS nbytes, "
+            "(SELECT COUNT(*) FROM chains c WHERE c.block = b.block) AS refs FROM blocks b)").fetchone()
+        return {"blocks": int(row[0]), "block_bytes": int(row[1]), "shared_bytes": int(row[2]),
+                "saved_bytes": int(row[3])}
 
     # --- writes ---
 
     def add(self, key: str, start: int, end: int, path: Path, nbytes: int, checksum: str,
             fingerprint: str, tokens: Sequence[int], now: float) -> None:
-        """List a complete file. Called only after the file is durable."""
+        """List a complete private segment. Called only after the file is durable."""
         if len(tokens) != end - start:
             raise ValueError("a segment's token ids must cover exactly [start, end)")
         rel = path.relative_to(self.files).as_posix()
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction():
             self.db.execute(
                 'INSERT OR REPLACE INTO segments (key, start, "end", file, nbytes, checksum, fingerprint, '
                 "tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [check_key(key), start, end, rel, nbytes, checksum, fingerprint, pack_tokens(tokens), now])
-            self.db.execute("INSERT INTO keys (key, last_used) VALUES (?, ?) "
-                            "ON CONFLICT (key) DO UPDATE SET last_used = excluded.last_used", [key, now])
-            self.db.execute("COMMIT")
-        except BaseException:
-            if self.db.in_transaction:  # a failed COMMIT (a full disk) has rolled back already
-                self.db.execute("ROLLBACK")
-            raise
+            self._used(key, now)
+
+    def add_block(self, block: str, parent: str, start: int, end: int, path: Path, nbytes: int,
+                  checksum: str, fingerprint: str, tokens: Sequence[int], now: float) -> None:
+        """List a complete block file (no chain lists it yet). Called only after the file is durable."""
+        if len(tokens) != end - start:
+            raise ValueError("a block's token ids must cover exactly [start, end)")
+        rel = path.relative_to(self.blocks).as_posix()
+        with self._transaction():
+            self.db.execute(
+                'INSERT OR REPLACE INTO blocks (block, parent, start, "end", file, nbytes, checksum, '
+                "fingerprint, tokens, last_used) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [_check_block(block), _check_parent(parent), start, end, rel, nbytes, checksum,
+                 fingerprint, pack_tokens(tokens), now])
+
+    def set_chain(self, key: str, blocks: Sequence[str], now: float) -> int:
+        """Make `blocks` the session's chain; collect blocks nobody lists any more. Returns bytes freed."""
+        with self._transaction():
+            self.db.execute("DELETE FROM chains WHERE key = ?", [check_key(key)])
+            self.db.executemany("INSERT INTO chains (key, n, block) VALUES (?, ?, ?)",
+                                     [(key, n, b) for n, b in enumerate(blocks)])
+            self.db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?",
+                                     [(now, b) for b in blocks])
+            self._used(key, now)
+        return self.collect()
 
     def touch(self, key: str, now: float) -> None:
         self.db.execute("UPDATE keys SET last_used = ? WHERE key = ?", [now, check_key(key)])
+        self.db.execute("UPDATE blocks SET last_used = ? WHERE block IN "
+                        "(SELECT block FROM chains WHERE key = ?)", [now, key])
+
+    def touch_blocks(self, blocks: Sequence[str], now: float) -> None:
+        self.db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?", [(now, b) for b in blocks])
 
     def drop_from(self, key: str, start: int) -> int:
-        """Unlist and delete every segment of `key` starting at or after `start`; returns bytes freed."""
+        """Unlist and delete the session's segments starting at or after `start`; returns bytes freed.
+
+        `start == 0` forgets the session on disk altogether: its chain too,
+        and every block no other chain lists.
+        """
         rows = [r for r in self.chain(key) if r.start >= start]
-        self.db.execute("BEGIN IMMEDIATE")
-        self.db.execute("DELETE FROM segments WHERE key = ? AND start >= ?", [key, start])
-        if start == 0:
-            self.db.execute("DELETE FROM keys WHERE key = ?", [key])
-        self.db.execute("COMMIT")
+        with self._transaction():
+            self.db.execute("DELETE FROM segments WHERE key = ? AND start >= ?", [key, start])
+            if start == 0:
+                self.db.execute("DELETE FROM keys WHERE key = ?", [key])
+                self.db.execute("DELETE FROM chains WHERE key = ?", [key])
         for r in rows:  # unlisted first, then deleted: a crash in between leaves only orphans
             r.path.unlink(missing_ok=True)
+        freed = sum(r.nbytes for r in rows)
         if start == 0:
             try:
                 self.dir_for(key).rmdir()
             except OSError:
                 pass
+            freed += self.collect()
+        return freed
+
+    def drop_segments(self, key: str, start: int) -> int:
+        """Unlist and delete the session's private segments from `start` on; its chain stays."""
+        rows = [r for r in self.chain(key) if r.start >= start]
+        if rows:
+            self.db.execute("DELETE FROM segments WHERE key = ? AND start >= ?", [key, start])
+        for r in rows:
+            r.path.unlink(missing_ok=True)
         return sum(r.nbytes for r in rows)
+
+    def drop_block(self, block: str) -> list[str]:
+        """A bad block: cut every chain that lists it there (with the segments after it), remove it.
+
+        Returns the sessions whose chains were cut; they prefill from there.
+        """
+        cut = self.db.execute("SELECT key, n FROM chains WHERE block = ?", [block]).fetchall()
+        files = [r.path for key, _ in cut for r in self.chain(key)]
+        with self._transaction():
+            for key, n in cut:
+                self.db.execute("DELETE FROM chains WHERE key = ? AND n >= ?", [key, n])
+                self.db.execute("DELETE FROM segments WHERE key = ?", [key])
+        for path in files:
+            path.unlink(missing_ok=True)
+        self.collect(also=[block])
+        return [key for key, _ in cut]
+
+    def collect(self, also: Sequence[str] = ()) -> int:
+        """Delete the blocks no chain lists (and `also`); returns bytes freed. Delete means delete."""
+        rows = self.db.execute(
+            "SELECT block, file, nbytes FROM blocks WHERE block NOT IN (SELECT block FROM chains) "
+            f"OR block IN ({','.join('?' * len(also))})", list(also)).fetchall()
+        if not rows:
+            return 0
+        with self._transaction():
+            self.db.executemany("DELETE FROM blocks WHERE block = ?", [(r[0],) for r in rows])
+        for _, rel, _ in rows:
+            (self.blocks / rel).unlink(missing_ok=True)
+        return sum(int(r[2]) for r in rows)
 
     def evict(self, key: str) -> int:
         """Free a full disk of `key`'s files: deleted first, unlisted after if the disk allows.
@@ -201,11 +307,16 @@ class SegmentIndex:
         The reverse of drop_from's order, because unlisting needs room in the
         index's WAL that only the deletion frees. A row left pointing at a
         deleted file is harmless: reading it finds the file missing and drops
-        the row, and the next sweep removes it.
+        the row, and the next sweep removes it. Blocks another chain lists stay.
         """
         rows = self.chain(key)
+        only = self.db.execute(
+            "SELECT b.file, b.nbytes FROM chains c JOIN blocks b ON b.block = c.block WHERE c.key = ? "
+            "AND (SELECT COUNT(*) FROM chains o WHERE o.block = c.block) = 1", [key]).fetchall()
         for r in rows:
             r.path.unlink(missing_ok=True)
+        for rel, _ in only:
+            (self.blocks / rel).unlink(missing_ok=True)
         try:
             self.drop_from(key, 0)
         except sqlite3.OperationalError as e:
@@ -213,21 +324,54 @@ class SegmentIndex:
                 raise
             if self.db.in_transaction:
                 self.db.execute("ROLLBACK")
-        return sum(r.nbytes for r in rows)
+        return sum(r.nbytes for r in rows) + sum(int(n) for _, n in only)
 
     def sweep(self) -> int:
         """Delete files no row lists (a crash before indexing) and rows whose file is gone."""
-        listed = {Path(r[0]) for r in self.db.execute("SELECT file FROM segments")}
         removed = 0
-        for path in sorted(self.files.rglob("*")):
-            if path.is_file() and path.relative_to(self.files) not in listed:
-                path.unlink(missing_ok=True)
-                removed += 1
-        for (rel,) in self.db.execute("SELECT file FROM segments").fetchall():
-            if not (self.files / rel).is_file():
-                self.db.execute("DELETE FROM segments WHERE file = ?", [rel])
-                removed += 1
+        for table, root in (("segments", self.files), ("blocks", self.blocks)):
+            listed = {Path(r[0]) for r in self.db.execute(f"SELECT file FROM {table}")}
+            for path in sorted(root.rglob("*")):
+                if path.is_file() and path.relative_to(root) not in listed:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+            for (rel,) in self.db.execute(f"SELECT file FROM {table}").fetchall():
+                if not (root / rel).is_file():
+                    if table == "blocks":
+                        block = self.db.execute("SELECT block FROM blocks WHERE file = ?", [rel]).fetchone()[0]
+                        self.drop_block(block)
+                    else:
+                        self.db.execute("DELETE FROM segments WHERE file = ?", [rel])
+                    removed += 1
         for d in sorted(self.files.iterdir()):
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()
         return removed
+
+    def _used(self, key: str, now: float) -> None:
+        self.db.execute("INSERT INTO keys (key, last_used) VALUES (?, ?) "
+                        "ON CONFLICT (key) DO UPDATE SET last_used = excluded.last_used", [key, now])
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:  # a failed COMMIT (a full disk) has rolled back already
+                self.db.execute("ROLLBACK")
+            raise
+
+
+def _check_block(block: str) -> str:
+    if not isinstance(block, str) or not BLOCK_RE.fullmatch(block):
+        raise ValueError(f"invalid block key {block!r}")
+    return block
+
+
+def _check_parent(parent: str) -> str:
+    """A block's parent: another block's key, or (the first block) the root key (blocks.root_key)."""
+    if not isinstance(parent, str) or not BLOCK_RE.fullmatch(parent):
+        raise ValueError(f"invalid block parent {parent!r}")
+    return parent

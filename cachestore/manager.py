@@ -2,19 +2,41 @@
 
 Runs on the engine thread only (it holds live MLX caches). The policy:
 
-- After a turn, the session's live cache is *resident*, and the tokens the
-  turn added are written *behind* it to disk as one new segment
-  `[a, b)`, so page-out cost grows with the new tokens, not the history.
+- After a turn, the session's live cache is *resident*, and what the turn
+  added is written *behind* it to disk: the whole blocks it completed (see
+  below) and a rewritten private tail, so page-out cost grows with the new
+  tokens, not the history.
 - Resident over budget or idle: the least recently used cache is demoted to
   *warm*, a compact evaluated snapshot trimmed to its offset.
 - Warm over budget or idle: dropped; disk already holds it.
-- Disk over budget: the least recently used sessions' segments are deleted.
-- Resume (`checkout`) restores the longest prefix of the wanted token ids it
-  finds, resident first, then warm, then disk; the caller prefills the rest.
+- Disk over budget: the least recently used sessions are forgotten on disk
+  (their private files, and the blocks no other session lists).
+- Resume (`checkout`) restores the longest prefix of the wanted token ids
+  that anything kvd holds: the session's own cache (resident, warm, disk),
+  another session's resident or warm cache (a copy of the shared prefix),
+  or blocks on disk that any session wrote; the caller prefills the rest.
 
-A disk file that fails its checksum, fingerprint or invariants is dropped with
-everything after it; the session then prefills from its transcript: slower,
-never wrong.
+Content-addressed blocks (issue 14). A session's disk chain is its whole
+blocks ``[k*B, (k+1)*B)`` (B = `Budgets.block_tokens`) followed by private
+segments ``[m*B, n)``, at least one token long. A block is keyed by the hash
+chain of every id up to its end (blocks.py) and stored once under
+``blocks/``; any session whose ids pass through it lists it in its chain, so
+a long system prompt many sessions share is written, stored and counted
+against the disk budget once, and a new session resumes from it, also
+after a restart. A block's reference count is the number of chains listing
+it; when the last one goes (delete, eviction, a rewind), the file goes.
+
+Only a cache that can be cut anywhere (plain and quantized KV layers)
+yields blocks: the live cache at n holds every position, so each block is a
+slice of it. A sliding-window layer at n holds only the window ending at n,
+not the window at an earlier block boundary, and a window restored at the
+wrong position would be silently wrong; so caches with rotating or
+recurrent layers keep a private chain from 0 (as before issue 14) and share
+only through other sessions' resident or warm caches, at exactly their end.
+
+A disk file that fails its checksum, fingerprint or invariants is dropped
+with everything after it (a bad block: in every chain that lists it); the
+sessions then prefill from there: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -29,13 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .direct import Piece, capacity, read_direct
+from . import direct
+from .blocks import block_key, block_keys, root_key
 from .errors import CannotSplit, CorruptSegment, UnsupportedFormat
-from .index import SEGMENT_SUFFIX, SegmentIndex, SegmentRow, check_key
+from .index import SEGMENT_SUFFIX, BlockRow, SegmentIndex, SegmentRow, check_key
 from .packing import pack, unpack
 from .prefix import common_prefix_len
 from .segments import read_header, read_segment, write_segment
-from .snapshot import Snapshot, merge, restore, rewind, snapshot, trimmable, truncate
+from .snapshot import Snapshot, merge, restore, rewind, section, snapshot, trimmable, truncate
 from .tiers import Tier
 
 log = logging.getLogger("kvd.cache")
@@ -44,6 +67,14 @@ Cache = list[Any]
 
 NOTHING_TO_EVICT = "no other session's cache is left to remove"
 PREFETCH_ROOM = 64  # tokens a prefetched live cache can take before it grows: a typical next message
+
+#: Fewer ids in common with another session's cache in memory are prefilled, not copied: a
+#: chat template's head ("<|im_start|>user\n") is shared by every conversation, and a
+#: forward over a few tokens costs about what copying them out of another cache does.
+MIN_SHARED = 16
+
+#: Warm entries holding a whole block start with this; a session's key never does (hex).
+BLOCK_ENTRY = "#"
 
 
 @dataclass(frozen=True)
@@ -58,25 +89,58 @@ class Budgets:
     max_segments: int
     resident_sessions: int | None = None  # at most this many live caches, whatever their size
     warm_bits: int = 0  # 4 | 8: warm snapshots kept quantized (packing.py); 0: exact copies
+    block_tokens: int = 128  # token ids per content-addressed disk block
 
 
 @dataclass
 class Checkout:
     cache: Cache | None
     tokens: int  # how many leading ids of the wanted tokens `cache` holds
-    source: str  # "resident" | "warm" | "disk" | "none"
+    source: str  # "resident" | "warm" | "disk" | "shared" | "none"
     restore_ms: float
+    shared_tokens: int = 0  # of `tokens`, those another session's cache or blocks supplied
 
 
 def cache_nbytes(cache: Cache) -> int:
     return sum(int(c.nbytes) for c in cache)
 
 
+@dataclass(frozen=True)
+class _Block:
+    """Where `_write` puts a snapshot: a content-addressed block..."""
+
+    block: str
+    parent: str
+    key: str  # the session writing it (never evicted to make room for it)
+
+
+@dataclass(frozen=True)
+class _Private:
+    """... or one of a session's private segments (after its chain's last block, if any)."""
+
+    key: str
+    after: str | None
+
+
+Piece = BlockRow | SegmentRow
+
+
+@dataclass
+class _DiskPlan:
+    pieces: list[Piece]
+    end: int  # tokens the plan restores (the last piece is cut there if it ends later)
+    own: int  # of those, the tokens the session's own chain holds
+
+
 class SessionCaches:
     def __init__(self, root: Path, fingerprint: str, budgets: Budgets,
                  *, clock: Callable[[], float] = time.time):
+        if budgets.block_tokens < 1:
+            raise ValueError("block_tokens must be at least 1")
         self.fingerprint = fingerprint
         self.budgets = budgets
+        self.block = budgets.block_tokens
+        self.root = root_key(fingerprint)
         self._clock = clock
         self.index = SegmentIndex(root)
         if self.index.lost is not None:
@@ -88,7 +152,8 @@ class SessionCaches:
         self.warm: Tier[tuple[Snapshot, list[int]]] = Tier("warm", budgets.warm_bytes)
         self.disk_stats = {"hits": 0, "misses": 0, "page_ins": 0, "page_outs": 0,
                            "bytes_written": 0, "bytes_read": 0, "dropped_corrupt": 0,
-                           "evicted_full": 0}
+                           "evicted_full": 0, "blocks_written": 0, "blocks_reused": 0}
+        self.shared_stats = {"restores": 0, "tokens": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
         self._enforce_disk_budget(keep=None)
 
@@ -96,166 +161,314 @@ class SessionCaches:
         self.index.close()
 
     def _rebuild_index(self, how: str) -> None:
-        """List again every segment file whose own header verifies; remove the rest.
+        """List again every block and segment file whose own header verifies; remove the rest.
 
-        Each file names its session (its directory) and carries its range,
-        fingerprint and token ids; what verifies is exactly what the lost
-        index would have listed, so no valid cache is thrown away.
+        Each file carries its range, fingerprint and token ids; a block's
+        name is its key and its parent's (the key is checked against the
+        ids), and a private segment's name its session (the directory) and
+        the last block of its chain, from which the chain is walked back.
+        What verifies is exactly what the lost index would have listed.
         """
+        blocks = sorted(self.index.blocks.glob(f"*{SEGMENT_SUFFIX}"))
         files = sorted(self.index.files.glob(f"*/*{SEGMENT_SUFFIX}"))
-        if not files:
+        if not files and not blocks:
             if how not in ("missing", "empty"):
                 log.warning("the cache index %s was %s; there were no cache files to rebuild it from",
                             self.index.path, how)
             return
+        dropped: list[str] = []
+        parents: dict[str, tuple[str, int, int]] = {}  # block -> (parent, start, end)
+        now = self._clock()
+        for path in blocks:
+            try:
+                block, _, parent = path.name[:-len(SEGMENT_SUFFIX)].partition("-")
+                h = read_header(path)
+                if path != self.index.block_path(block, parent) or block_key(parent, h.tokens) != block:
+                    raise UnsupportedFormat("its name is not the key of its token ids", path=path)
+            except (CorruptSegment, ValueError) as e:
+                dropped.append(str(e))
+                path.unlink(missing_ok=True)
+                continue
+            self.index.add_block(block, parent, h.start, h.end, path, h.nbytes, h.checksum, h.fingerprint,
+                                 h.tokens, path.stat().st_mtime)
+            parents[block] = (parent, h.start, h.end)
         kept: set[str] = set()
         count = 0
-        dropped: list[str] = []
         for path in files:
             key = path.parent.name
             try:
                 check_key(key)
                 h = read_header(path)
-                if path != self.index.path_for(key, h.start, h.end):
+                after = path.name[:-len(SEGMENT_SUFFIX)].split("-")[2:]
+                if path != self.index.path_for(key, h.start, h.end, after[0] if after else None):
                     raise UnsupportedFormat(f"its name does not match its range [{h.start}, {h.end})", path=path)
+                chain = self._walk_back(after[0], parents) if after else []
+                if (chain[-1][1] if chain else 0) != h.start and after:
+                    raise UnsupportedFormat("the blocks before it are gone", path=path)
             except (CorruptSegment, ValueError) as e:
                 dropped.append(str(e))
                 path.unlink(missing_ok=True)
                 continue
+            if key not in kept and chain:
+                self.index.set_chain(key, [b for b, _ in chain], now)
             self.index.add(key, h.start, h.end, path, h.nbytes, h.checksum, h.fingerprint, h.tokens,
                            path.stat().st_mtime)
             kept.add(key)
             count += 1
+        self.index.collect()
         log.warning("the cache index %s was %s; rebuilt it from the cache files' own headers: "
-                    "%d file(s) of %d session(s) kept%s", self.index.path, how, count, len(kept),
+                    "%d file(s) of %d session(s) and %d block(s) kept%s", self.index.path, how, count,
+                    len(kept), self.index.sharing()["blocks"],
                     f", {len(dropped)} that did not verify removed (first: {dropped[0]})" if dropped else "")
+
+    def _walk_back(self, last: str, parents: dict[str, tuple[str, int, int]]) -> list[tuple[str, int]]:
+        """The chain from the root to `last` through the rebuilt blocks, as [(block, end)]; ValueError if broken."""
+        chain: list[tuple[str, int, int]] = []  # walked backwards: (block, start, end)
+        at = last
+        while at != self.root:
+            if at not in parents or len(chain) > 1 << 20:
+                raise ValueError(f"block {at} of the chain is missing")
+            parent, start, end = parents[at]
+            if chain and end != chain[-1][1]:
+                raise ValueError(f"block {at} does not end where the next one starts")
+            chain.append((at, start, end))
+            at = parent
+        if chain and chain[-1][1] != 0:
+            raise ValueError(f"the chain of block {last} does not start at token 0")
+        return [(block, end) for block, _, end in reversed(chain)]
 
     # --- resume ---
 
     def checkout(self, key: str, wanted: Sequence[int]) -> Checkout:
-        """Take the session's cache out of the tiers, holding the longest usable prefix.
+        """Take the session's cache out of the tiers, holding the longest usable prefix anything holds.
 
-        At least one wanted token is always left to feed.
+        At least one wanted token is always left to feed. Candidates, best
+        first on a tie: the session's own resident cache (rewound in place),
+        its own warm snapshot, another session's resident cache or warm
+        snapshot (a copy of the shared prefix; that session keeps its own),
+        then disk (the session's chain, and blocks any session wrote).
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
         ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
 
+        own: Checkout | None = None
         if (res := self.resident.take(key)) is not None:
             cache, toks = res
             n = min(common_prefix_len(toks, wanted), limit)
             if n > 0 and rewind(cache, len(toks) - n):
                 self.warm.discard(key)
-                return Checkout(cache, n, "resident", ms())
-            log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
-        if (w := self.warm.take(key)) is not None and (got := _from_warm(key, *w, wanted, limit)):
-            return Checkout(*got, "warm", ms())
-        return self._from_disk(key, wanted, limit, ms)
+                own = Checkout(cache, n, "resident", 0.0)
+            else:
+                log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
+        own_warm = self.warm.peek(key) if own is None else None
+        own_warm_n = self._usable_warm(own_warm, wanted, limit) if own_warm is not None else 0
 
-    def copy_prefix(self, source: str, wanted: Sequence[int]) -> Checkout:
-        """A copy of the longest usable prefix another session's cache holds; that session keeps its own.
-
-        For a conversation that branches from a stored one (an edited
-        message, a request that shares its beginning): the new session starts
-        from the shared prefix while the source stays exactly as it was, in
-        whatever tier it is. Arrays are shared copy-on-write (snapshot.py),
-        so a copy costs at most one read of the source's state.
-        """
-        t0 = time.perf_counter()
-        limit = len(wanted) - 1
-        ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
-
-        if (res := self.resident.peek(source)) is not None:
-            cache, toks = res
-            n = min(common_prefix_len(toks, wanted), limit)
-            if n > 0:
-                try:
-                    return Checkout(restore(truncate(snapshot(cache, 0), n)), n, "resident", ms())
-                except CannotSplit:
-                    log.debug("resident cache of %s cannot be cut at %d", source, n)
-        if (w := self.warm.peek(source)) is not None and (got := _from_warm(source, *w, wanted, limit)):
-            return Checkout(*got, "warm", ms())
-        return self._from_disk(source, wanted, limit, ms)
-
-    def _from_disk(self, key: str, wanted: Sequence[int], limit: int, ms: Callable[[], float]) -> Checkout:
-        pieces = self._pieces(key, wanted, limit)
-        got = read_direct(pieces, fingerprint=self.fingerprint, room=len(wanted) - pieces[-1].use) if pieces else None
-        if got is not None:
-            self.disk_stats["bytes_read"] += got.bytes_read
-            if got.bad is not None:
-                piece, e = got.bad
-                self._drop_corrupt(key, piece.start, piece.path, e)
-            if got.cache is None:
-                self.disk_stats["misses"] += 1
-                return Checkout(None, 0, "none", ms())
-            self.disk_stats["hits"] += 1
-            self.disk_stats["page_ins"] += 1
-            self.index.touch(key, self._clock())
-            return Checkout(got.cache, got.tokens, "disk", ms())
-        paged = self._page_in(key, wanted, limit)
-        if paged is not None:
-            return Checkout(restore(paged), paged.end, "disk", ms())
+        best_n = max(own.tokens if own else 0, own_warm_n)
+        other: tuple[str, str, int] | None = None  # (tier, session, tokens)
+        for other_key in self.resident:
+            res = self.resident.peek(other_key)
+            if other_key != key and res is not None:
+                n = _usable(res, wanted, limit)
+                if n > best_n and n >= MIN_SHARED:
+                    best_n, other = n, ("resident", other_key, n)
+        for other_key in self.warm:
+            w = self.warm.peek(other_key)
+            if other_key != key and not other_key.startswith(BLOCK_ENTRY) and w is not None:
+                n = self._usable_warm(w, wanted, limit)
+                if n > best_n and n >= MIN_SHARED:
+                    best_n, other = n, ("warm", other_key, n)
+        plan = self._disk_plan(key, wanted, limit)
+        if plan.end > best_n:
+            live = self._restore_plan(key, plan, room=len(wanted) - plan.end)
+            if live is not None:
+                cache, end, own_tokens = live
+                self.index.touch(key, self._clock())
+                shared = max(end - own_tokens, 0)
+                return self._counted(Checkout(cache, end, "shared" if shared else "disk", ms(), shared))
+            plan = _DiskPlan([], 0, 0)
+        if other is not None:
+            tier_name, other_key, n = other
+            if tier_name == "resident":
+                value = self.resident.peek(other_key)
+                assert value is not None
+                copied = _copy(value, n)
+            else:
+                copied = self._copy_warm(other_key, n)
+            if copied is not None:
+                return self._counted(Checkout(copied, n, "shared", ms(), n))
+        if own is not None:
+            own.restore_ms = ms()
+            return own
+        if own_warm is not None and own_warm_n > 0:
+            copied = self._copy_warm(key, own_warm_n)
+            self.warm.take(key)
+            if copied is not None:
+                return Checkout(copied, own_warm_n, "warm", ms())
+        self.disk_stats["misses"] += 1
         return Checkout(None, 0, "none", ms())
 
-    def _page_in(self, key: str, wanted: Sequence[int], limit: int) -> Snapshot | None:
-        """The longest prefix of `wanted` the disk chain holds, merged into one snapshot."""
-        merged = self._read_chain(key, wanted, limit)
-        if merged is None:
-            self.disk_stats["misses"] += 1
-            return None
-        self.disk_stats["hits"] += 1
-        self.disk_stats["page_ins"] += 1
-        self.index.touch(key, self._clock())
-        return merged
+    # --- warm: a session's tail after its whole blocks, each block held once ---
 
-    def _read_chain(self, key: str, wanted: Sequence[int], limit: int) -> Snapshot | None:
-        chain = self._valid_chain(key)
+    def _warm_parts(self, value: tuple[Snapshot, list[int]]) -> list[Snapshot]:
+        """The warm snapshots that hold a session's prefix, in order, up to the first block missing.
+
+        A session's warm entry is the tail ``[m*B, n)`` of its cache; its
+        whole blocks are entries of their own (BLOCK_ENTRY + key), held once
+        however many sessions' tails follow them, so the warm budget counts
+        a shared prefix once.
+        """
+        tail, toks = value
+        if tail.start == 0:
+            return [tail]
+        parts: list[Snapshot] = []
+        for block in block_keys(toks[:tail.start], self.block, self.root):
+            entry = self.warm.peek(BLOCK_ENTRY + block)
+            if entry is None:
+                return parts
+            parts.append(entry[0])
+        return [*parts, tail]
+
+    def _usable_warm(self, value: tuple[Snapshot, list[int]], wanted: Sequence[int], limit: int) -> int:
+        """How many wanted ids a warm entry (with the blocks it needs) can give a copy of."""
+        parts = self._warm_parts(value)
+        held = parts[-1].end if parts else 0
+        n = min(common_prefix_len(value[1][:held], wanted), limit)
+        if n <= 0:
+            return 0
+        last = next(p for p in parts if p.end >= n)
+        return n if n == last.end or trimmable(last) else 0
+
+    def _copy_warm(self, key: str, n: int) -> Cache | None:
+        """Live caches holding the first n ids of a warm entry; the entry stays as it is."""
+        value = self.warm.peek(key)
+        if value is None:
+            return None
+        parts = [p for p in self._warm_parts(value) if p.start < n]
+        try:
+            return restore(truncate(merge(*[unpack(p) for p in parts]), n)) if parts else None
+        except CannotSplit:
+            return None
+
+    def _counted(self, out: Checkout) -> Checkout:
+        if out.shared_tokens:
+            self.shared_stats["restores"] += 1
+            self.shared_stats["tokens"] += out.shared_tokens
+        return out
+
+    def _disk_plan(self, key: str, wanted: Sequence[int], limit: int) -> _DiskPlan:
+        """Which files restore the longest prefix of `wanted` (at most `limit` ids), read nothing yet.
+
+        Either the session's own chain (its blocks, then its private
+        segments), or the blocks any session wrote whose keys are the
+        wanted ids' own: whichever holds more.
+        """
+        mine: list[Piece] = []
+        pos = 0
+        blocks = self.index.blocks_of(key)
+        pieces: list[Piece] = [*blocks, *self._valid_chain(key)]
+        for piece in pieces:
+            if piece.start != pos or piece.fingerprint != self.fingerprint:
+                break
+            shared = common_prefix_len(piece.tokens, wanted[piece.start:piece.end])
+            if shared == 0:
+                break
+            mine.append(piece)
+            pos = min(piece.start + shared, limit)
+            if pos < piece.end:
+                break
+        own = _DiskPlan(mine, pos, pos)
+        keys = block_keys(wanted[:limit + self.block - 1 if limit else 0], self.block, self.root)
+        found = self.index.find_blocks(keys)
+        shared_pieces: list[BlockRow] = []
+        end = 0
+        for b in keys:
+            row = found.get(b)
+            if row is None or row.fingerprint != self.fingerprint or row.start != end \
+                    or tuple(wanted[row.start:row.end]) != row.tokens[:len(wanted[row.start:row.end])]:
+                break
+            shared_pieces.append(row)
+            end = min(row.end, limit)
+        if end < limit and end == len(shared_pieces) * self.block:
+            # Past the last whole block in common: the block some session wrote next that
+            # agrees longest with the wanted ids, cut where they part (KV blocks cut anywhere).
+            parent = shared_pieces[-1].block if shared_pieces else self.root
+            best, agree = None, 0
+            for row in self.index.children(parent):
+                n = min(common_prefix_len(row.tokens, wanted[end:limit]), limit - end)
+                if n > agree and row.fingerprint == self.fingerprint and row.start == end:
+                    best, agree = row, n
+            if best is not None:
+                shared_pieces.append(best)
+                end += agree
+        if end <= own.end:
+            return own
+        mine_blocks = sum(1 for b in blocks if b in shared_pieces)
+        return _DiskPlan(list(shared_pieces), end, min(mine_blocks * self.block, end))
+
+    def _restore_plan(self, key: str, plan: _DiskPlan, *, room: int, use: bool = True
+                      ) -> tuple[Cache, int, int] | None:
+        """Live caches holding a plan's tokens: (cache, tokens held, of those the session's own).
+
+        Plain-KV caches are read straight into the live cache's buffers, with
+        room for `room` more tokens (direct.py); other layouts are read,
+        merged and restored.
+        """
+        parts = [direct.Piece(row.path, row.checksum, row.start, row.end, min(row.end, plan.end))
+                 for row in plan.pieces]
+        got = direct.read_direct(parts, fingerprint=self.fingerprint, room=room) if parts else None
+        if got is None:
+            merged = self._read_plan(key, plan, use=use)
+            return (restore(merged[0]), merged[0].end, merged[1]) if merged is not None else None
+        self.disk_stats["bytes_read"] += got.bytes_read
+        if got.bad is not None:
+            part, e = got.bad
+            self._drop_bad(key, plan.pieces[parts.index(part)], e)
+        if got.cache is None:
+            return None
+        if use:  # a prefetch is not a use
+            blocks = [row.block for row in plan.pieces if row.start < got.tokens and isinstance(row, BlockRow)]
+            self.index.touch_blocks(blocks, self._clock())
+            self.disk_stats["hits"] += 1
+            self.disk_stats["page_ins"] += 1
+        return got.cache, got.tokens, min(plan.own, got.tokens)
+
+    def _drop_bad(self, key: str, row: Piece, e: CorruptSegment) -> None:
+        """A file failed verification: unlist it and what follows it (a block: in every chain)."""
+        self.disk_stats["dropped_corrupt"] += 1
+        if isinstance(row, BlockRow):
+            cut = self.index.drop_block(row.block)
+            log.warning("dropping cache block %s: %s; %d session(s) listed it and will prefill "
+                        "from token %d", row.path, e, len(cut), row.start)
+        else:
+            log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
+            self.index.drop_from(key, row.start)
+
+    def _read_plan(self, key: str, plan: _DiskPlan, *, use: bool = True) -> tuple[Snapshot, int] | None:
+        """Read and merge a plan's files; a bad file ends it there (and is dropped with what follows)."""
         pieces: list[Snapshot] = []
-        for row in chain:
-            if row.start != (pieces[-1].end if pieces else 0):
-                break
-            shared = common_prefix_len(row.tokens, wanted[row.start:row.end])
-            whole = shared == row.end - row.start and row.end <= limit
-            if not whole and shared == 0:
-                break
+        for row in plan.pieces:
             try:
                 piece = read_segment(row.path, checksum=row.checksum, fingerprint=self.fingerprint)
             except CorruptSegment as e:
-                self._drop_corrupt(key, row.start, row.path, e)
+                self._drop_bad(key, row, e)
                 break
             self.disk_stats["bytes_read"] += row.nbytes
-            if whole:
-                pieces.append(piece)
-                continue
-            end = min(row.start + shared, limit)
-            if end > row.start and trimmable(piece):
+            if piece.end > plan.end:
                 try:
-                    pieces.append(truncate(piece, end))
+                    piece = truncate(piece, plan.end)
                 except CannotSplit:
-                    pass
-            break
-        return merge(*pieces) if pieces else None
-
-    def _pieces(self, key: str, wanted: Sequence[int], limit: int) -> list[Piece]:
-        """The disk chain's segments holding the longest prefix of `wanted` (at most `limit` ids)."""
-        pieces: list[Piece] = []
-        pos = 0
-        for row in self._valid_chain(key):
-            if row.start != pos:
-                break
-            use = min(row.start + common_prefix_len(row.tokens, wanted[row.start:row.end]), limit)
-            if use <= row.start:
-                break
-            pieces.append(Piece(row.path, row.checksum, row.start, row.end, use))
-            if use < row.end:
-                break
-            pos = row.end
-        return pieces
-
-    def _drop_corrupt(self, key: str, start: int, path: Path, e: CorruptSegment) -> None:
-        log.warning("dropping cache file %s: %s; the session will prefill instead", path, e)
-        self.disk_stats["dropped_corrupt"] += 1
-        self.index.drop_from(key, start)
+                    break
+            pieces.append(piece)
+        if not pieces:
+            return None
+        if use:  # a prefetch is not a use
+            blocks = [row.block for row in plan.pieces[:len(pieces)] if isinstance(row, BlockRow)]
+            self.index.touch_blocks(blocks, self._clock())
+            self.disk_stats["hits"] += 1
+            self.disk_stats["page_ins"] += 1
+        merged = merge(*pieces)
+        return merged, min(plan.own, merged.end)
 
     # --- prefetch after a restart ---
 
@@ -273,7 +486,7 @@ class SessionCaches:
         for key, nbytes in reversed(self.index.keys_by_use()):
             if key in self.resident or key in self.warm or nbytes <= 0:
                 continue
-            if (live := _live_bytes(self.index.chain(key))) <= resident:
+            if (live := _live_bytes(self._rows(key))) <= resident:
                 resident -= live
             elif nbytes <= warm:
                 warm -= nbytes
@@ -287,7 +500,7 @@ class SessionCaches:
         """Page one session's whole disk chain into memory if it fits; the tier it went to.
 
         Resident first: after a restart that tier is empty, and a live cache
-        there (read by :func:`~cachestore.direct.read_direct`, with room for a
+        there (read straight into its buffers by direct.py, with room for a
         typical next message) makes the first turn cost what a turn before the
         restart did; a warm snapshot still needs a copy into a live cache.
         Otherwise warm. Not a use: the session keeps its place in the disk
@@ -296,15 +509,27 @@ class SessionCaches:
         """
         if key in self.resident or key in self.warm:
             return None
-        chain = self._valid_chain(key)
-        if not chain:
+        rows = self._rows(key)
+        tokens = [t for row in rows for t in row.tokens]
+        if not tokens:
             return None
-        tokens = [t for row in chain for t in row.tokens]
-        if self.resident.fits(_live_bytes(chain)) and (live := self._prefetch_live(key, tokens)) is not None:
-            return live
-        snap = self._read_chain(key, tokens, len(tokens))
-        if snap is None or snap.start != 0:
+        plan = self._disk_plan(key, tokens, len(tokens))
+        if not plan.pieces:
             return None
+        if self.resident.fits(_live_bytes(rows)):
+            live = self._restore_plan(key, plan, room=PREFETCH_ROOM, use=False)
+            if live is None:
+                return None
+            cache, end, _ = live
+            nbytes = cache_nbytes(cache)
+            if self.resident.offer(key, (cache, tokens[:end]), nbytes, self._clock()):
+                self._prefetched("resident", nbytes)
+                return "resident"
+            return None
+        got = self._read_plan(key, plan, use=False)
+        if got is None:
+            return None
+        snap = got[0]
         toks = tokens[:snap.end]
         if self.budgets.warm_bits:
             snap = pack(snap, self.budgets.warm_bits)
@@ -313,22 +538,9 @@ class SessionCaches:
         self._prefetched("warm", snap.nbytes)
         return "warm"
 
-    def _prefetch_live(self, key: str, tokens: list[int]) -> str | None:
-        pieces = self._pieces(key, tokens, len(tokens))
-        got = read_direct(pieces, fingerprint=self.fingerprint, room=PREFETCH_ROOM) if pieces else None
-        if got is None:
-            return None  # a layout read_direct does not read: the warm path reads it
-        self.disk_stats["bytes_read"] += got.bytes_read
-        if got.bad is not None:
-            piece, e = got.bad
-            self._drop_corrupt(key, piece.start, piece.path, e)
-        if got.cache is None:
-            return "none"
-        nbytes = cache_nbytes(got.cache)
-        if not self.resident.offer(key, (got.cache, tokens[:got.tokens]), nbytes, self._clock()):
-            return None
-        self._prefetched("resident", nbytes)
-        return "resident"
+    def _rows(self, key: str) -> list[Piece]:
+        """The session's disk chain: its blocks, then its private segments."""
+        return [*self.index.blocks_of(key), *self._valid_chain(key)]
 
     def _prefetched(self, tier: str, nbytes: int) -> None:
         self.prefetch_stats["done"] += 1
@@ -336,6 +548,7 @@ class SessionCaches:
         self.prefetch_stats["bytes"] += nbytes
 
     def _valid_chain(self, key: str) -> list[SegmentRow]:
+        """The session's private segments, once those another model or layout wrote are dropped."""
         chain = self.index.chain(key)
         for row in chain:
             if row.fingerprint != self.fingerprint:
@@ -365,66 +578,138 @@ class SessionCaches:
             self._demote(cold, c, toks, now)
 
     def _demote(self, key: str, cache: Cache, tokens: list[int], now: float) -> None:
+        """A live cache becomes warm: its whole blocks (those not warm already) and its tail."""
+        whole = (len(tokens) - 1) // self.block if all(_cuttable(c) for c in cache) else 0
         snap = snapshot(cache, 0)
-        if self.budgets.warm_bits:
-            snap = pack(snap, self.budgets.warm_bits)
+        keys = block_keys(tokens[:whole * self.block], self.block, self.root)
+        for k, block in enumerate(keys):
+            held = self.warm.peek(BLOCK_ENTRY + block)
+            piece = held[0] if held is not None else self._packed(
+                section(snap, k * self.block, (k + 1) * self.block))
+            self._warm_put(BLOCK_ENTRY + block, piece, tokens[k * self.block:(k + 1) * self.block], now)
+        tail = self._packed(section(snap, whole * self.block, snap.end))
+        self._warm_put(key, tail, tokens, now)
+
+    def _packed(self, snap: Snapshot) -> Snapshot:
+        return pack(snap, self.budgets.warm_bits) if self.budgets.warm_bits else snap
+
+    def _warm_put(self, key: str, snap: Snapshot, tokens: list[int], now: float) -> None:
         for cold, _ in self.warm.put(key, (snap, tokens), snap.nbytes, now):
             log.debug("warm snapshot of %s dropped; disk holds it", cold)
 
-    def _covered(self, key: str, tokens: Sequence[int]) -> tuple[list[SegmentRow], int]:
-        """The chain's leading segments that agree with `tokens`, and where they end."""
-        kept: list[SegmentRow] = []
-        pos = 0
-        for row in self._valid_chain(key):
-            if (row.start != pos or row.end > len(tokens)
-                    or tuple(tokens[row.start:row.end]) != row.tokens):
-                break
-            kept.append(row)
-            pos = row.end
-        return kept, pos
+    def _write_behind(self, key: str, cache: Cache | Snapshot, tokens: list[int], *,
+                      evict: bool = True) -> None:
+        """Make the disk chain of `key` hold `tokens`, writing only what disk lacks.
 
-    def _write_behind(self, key: str, cache: Cache, tokens: list[int], *, evict: bool = True) -> None:
-        kept, pos = self._covered(key, tokens)
-        chain_len = len(self.index.chain(key))
-        if chain_len > len(kept):
-            self.index.drop_from(key, pos)  # a rewind (regenerate, edit) left these behind
+        The whole blocks first (each one only if no session wrote it yet:
+        that is the sharing), then the chain that lists them, then the
+        private segments after them: appended to when they still agree,
+        rewritten as one when the chain moved or they reach max_segments.
+        `cache` is a live cache, or a snapshot of all of `tokens` (page_out_all).
+        """
+        n = len(tokens)
         now = self._clock()
-        if pos == len(tokens):
+        memo: dict[int, Snapshot] = {}
+
+        def cut(start: int) -> Snapshot:
+            """The state of tokens [start, n): one copy, made once, sliced after."""
+            if not memo:
+                memo[start] = snapshot(cache, start) if isinstance(cache, list) else \
+                    (cache if start == 0 else section(cache, start, n))
+            (have,) = memo.values()
+            return have if have.start == start else section(have, start, n)
+
+        whole = (n - 1) // self.block
+        keys = block_keys(tokens[:whole * self.block], self.block, self.root)
+        listed = [b.block for b in self.index.blocks_of(key)]
+        same = common_prefix_len(listed, keys)
+        chain = keys[:same]
+        if whole > same and self._splittable(cache):
+            found = self.index.find_blocks(keys[same:])
+            for k in range(same, whole):
+                lo, hi = k * self.block, (k + 1) * self.block
+                row = found.get(keys[k])
+                if row is not None and row.fingerprint == self.fingerprint and row.tokens == tuple(tokens[lo:hi]):
+                    self.disk_stats["blocks_reused"] += 1
+                else:
+                    piece = section(cut(same * self.block), lo, hi)
+                    self._write(_Block(keys[k], chain[-1] if chain else self.root, key), piece, tokens, now,
+                                evict=evict)
+                    self.disk_stats["blocks_written"] += 1
+                chain.append(keys[k])
+        base = len(chain) * self.block
+        private = self._valid_chain(key)
+        if chain != listed:
+            # The private segments followed the old chain's last block: they go with it.
+            self.index.drop_segments(key, 0)
+            self.index.set_chain(key, chain, now)
+            private = []
+        kept: list[SegmentRow] = []
+        pos = base
+        for seg in private:
+            if seg.start != pos or seg.end > n or tuple(tokens[seg.start:seg.end]) != seg.tokens:
+                break
+            kept.append(seg)
+            pos = seg.end
+        if len(private) > len(kept):
+            self.index.drop_segments(key, pos)  # a rewind (regenerate, edit) left these behind
+        if pos == n:
             self.index.touch(key, now)
             return
-        if len(kept) + 1 > self.budgets.max_segments:
-            pos = 0  # compaction: one segment for the whole history, from the live cache
-        snap = snapshot(cache, pos)
-        self._write(key, snap, tokens, now, replace=pos == 0 and bool(kept), evict=evict)
+        replace = len(kept) + 1 > self.budgets.max_segments
+        if replace:
+            pos = base  # compaction: one segment for everything after the blocks
+        self._write(_Private(key, chain[-1] if chain else None), cut(pos), tokens, now,
+                    replace=replace and bool(kept), evict=evict)
         self._enforce_disk_budget(keep=key)
 
-    def _write(self, key: str, snap: Snapshot, tokens: Sequence[int], now: float, *, replace: bool,
-               evict: bool = True) -> None:
-        path = self.index.path_for(key, snap.start, snap.end)
-        if replace:
-            self.index.drop_from(key, 0)  # may remove the (then empty) directory
+    def _splittable(self, cache: Cache | Snapshot) -> bool:
+        if isinstance(cache, Snapshot):
+            return trimmable(cache)
+        return all(_cuttable(c) for c in cache)
+
+    def _write(self, target: _Block | _Private, snap: Snapshot, tokens: Sequence[int], now: float, *,
+               replace: bool = False, evict: bool = True) -> None:
+        """Persist one evaluated snapshot: the file made durable, then its index row.
+
+        The one place a cache file is written (a block or a private segment);
+        the arrays are already evaluated, so this may run off the engine thread.
+        """
+        ids = tokens[snap.start:snap.end]
+        if isinstance(target, _Block):
+            path = self.index.block_path(target.block, target.parent)
+            owner = target.key
+        else:
+            owner = target.key
+            path = self.index.path_for(target.key, snap.start, snap.end, target.after)
+            if replace:
+                self.index.drop_segments(target.key, snap.start)  # the segments this one replaces
         evicted: set[str] = set()
         while True:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                seg = write_segment(path, snap, fingerprint=self.fingerprint, tokens=tokens[snap.start:snap.end])
+                seg = write_segment(path, snap, fingerprint=self.fingerprint, tokens=ids)
                 break
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                if not evict or not self._evict_for(key, evicted):
+                if not evict or not self._evict_for(owner, evicted):
                     raise OSError(e.errno, NOTHING_TO_EVICT if evict else e.strerror) from None
         _maybe_crash("after-write")
         while True:
             try:
-                self.index.add(key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,
-                               self.fingerprint, tokens[snap.start:snap.end], now)
+                if isinstance(target, _Block):
+                    self.index.add_block(target.block, target.parent, snap.start, snap.end, seg.path,
+                                         seg.nbytes, seg.checksum, self.fingerprint, ids, now)
+                else:
+                    self.index.add(target.key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,
+                                   self.fingerprint, ids, now)
                 break
             except sqlite3.OperationalError as e:  # the index shares the full disk
                 if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
                     seg.path.unlink(missing_ok=True)
                     raise
-                if not evict or not self._evict_for(key, evicted):
+                if not evict or not self._evict_for(owner, evicted):
                     seg.path.unlink(missing_ok=True)
                     raise OSError(errno.ENOSPC, NOTHING_TO_EVICT if evict else str(e)) from None
         self.disk_stats["page_outs"] += 1
@@ -448,16 +733,16 @@ class SessionCaches:
         return False
 
     def _enforce_disk_budget(self, keep: str | None) -> None:
-        total = self.index.total_bytes()
-        if total <= self.budgets.disk_bytes:
+        """Forget least recently used sessions on disk until every byte (each block once) fits."""
+        if self.index.total_bytes() <= self.budgets.disk_bytes:
             return
-        for key, nbytes in self.index.keys_by_use():
-            if total <= self.budgets.disk_bytes:
-                break
+        for key, _ in self.index.keys_by_use():
             if key == keep:
                 continue
-            total -= self.index.drop_from(key, 0)
-        if total > self.budgets.disk_bytes and keep is not None:
+            self.index.drop_from(key, 0)
+            if self.index.total_bytes() <= self.budgets.disk_bytes:
+                return
+        if keep is not None and self.index.total_bytes() > self.budgets.disk_bytes:
             log.warning("the cache of %s alone exceeds the disk budget; not keeping it on disk", keep)
             self.index.drop_from(keep, 0)
 
@@ -471,68 +756,109 @@ class SessionCaches:
         self.warm.idle(now, self.budgets.warm_idle)
 
     def page_out_all(self) -> None:
-        """Make sure disk holds every session kept in memory (on shutdown)."""
+        """Make sure disk holds every session kept in memory (on shutdown).
+
+        No evictions for this: it must not push out caches used more recently.
+        """
         for key in self.resident:
             entry = self.resident.peek(key)
             if entry is not None:
                 try:
-                    # No evictions for this: it must not push out caches used more recently.
                     self._write_behind(key, entry[0], entry[1], evict=False)
                 except OSError as e:
                     log.warning("could not page out %s: %s", key, e)
         for key in self.warm:
             w = self.warm.peek(key)
-            if w is None:
+            if w is None or key.startswith(BLOCK_ENTRY):
                 continue
-            snap, toks = w
-            _, pos = self._covered(key, toks)
-            if pos < snap.end:
-                try:
-                    # A packed snapshot is saved at its rounded precision: the best there is.
-                    self._write(key, unpack(snap), toks, self._clock(), replace=True, evict=False)
-                except OSError as e:
-                    log.warning("could not page out %s: %s", key, e)
+            parts = self._warm_parts(w)
+            if not parts or parts[0].start != 0:
+                continue
+            try:
+                # A packed snapshot is saved at its rounded precision: the best there is.
+                snap = merge(*[unpack(p) for p in parts])
+                self._write_behind(key, snap, w[1][:snap.end], evict=False)
+            except (OSError, CannotSplit) as e:
+                log.warning("could not page out %s: %s", key, e)
 
     def forget(self, key: str) -> None:
+        """A deleted session: its caches go, and every block no other session lists."""
         self.resident.discard(key)
-        self.warm.discard(key)
+        gone = self.warm.discard(key)
+        if gone is not None and gone[0].start > 0:
+            mine = set(block_keys(gone[1][:gone[0].start], self.block, self.root))
+            for other in self.warm:
+                entry = self.warm.peek(other)
+                if entry is not None and not other.startswith(BLOCK_ENTRY) and entry[0].start > 0:
+                    mine -= set(block_keys(entry[1][:entry[0].start], self.block, self.root))
+            for block in mine:
+                self.warm.discard(BLOCK_ENTRY + block)
         self.index.drop_from(key, 0)
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
         where = {key: "disk" for key in self.index.keys()}
-        where.update({key: "warm" for key in self.warm})
+        where.update({key: "warm" for key in self.warm if not key.startswith(BLOCK_ENTRY)})
         where.update({key: "resident" for key in self.resident})
         return where
+
+    def _warm_blocks(self) -> dict[str, int]:
+        """The warm tier's sessions and whole blocks (each held once, whoever's tails follow it)."""
+        blocks = [k for k in self.warm if k.startswith(BLOCK_ENTRY)]
+        return {"sessions": len(self.warm) - len(blocks), "blocks": len(blocks),
+                "block_bytes": sum(e[0].nbytes for k in blocks if (e := self.warm.peek(k)) is not None)}
 
     def statistics(self) -> dict[str, Any]:
         sessions, segments = self.index.count()
         return {
             "resident": self.resident.statistics(),
-            "warm": self.warm.statistics(),
+            "warm": {**self.warm.statistics(), **self._warm_blocks()},
             "prefetched": {"sessions": self.prefetch_stats["done"], "bytes": self.prefetch_stats["bytes"],
                            "resident": self.prefetch_stats["resident"], "warm": self.prefetch_stats["warm"]},
             "disk": {"sessions": sessions, "segments": segments, "bytes": self.index.total_bytes(),
-                     "budget": self.budgets.disk_bytes, **self.disk_stats},
+                     "budget": self.budgets.disk_bytes, "block_tokens": self.block,
+                     **self.index.sharing(), **self.disk_stats},
+            "shared": dict(self.shared_stats),
         }
 
 
-def _live_bytes(chain: Sequence[SegmentRow]) -> int:
+def _live_bytes(rows: Sequence[Piece]) -> int:
     """An upper bound of a prefetched live cache's bytes: its buffers are whole steps, the files' headers count."""
-    tokens = chain[-1].end if chain else 0
-    return sum(row.nbytes for row in chain) * capacity(tokens, PREFETCH_ROOM) // tokens if tokens else 0
+    tokens = rows[-1].end if rows else 0
+    return sum(row.nbytes for row in rows) * direct.capacity(tokens, PREFETCH_ROOM) // tokens if tokens else 0
 
 
-def _from_warm(key: str, snap: Snapshot, toks: list[int], wanted: Sequence[int],
-               limit: int) -> tuple[Cache, int] | None:
-    """Live caches restored from a warm snapshot, holding its longest usable prefix of `wanted`."""
+def _cuttable(c: Any) -> bool:
+    """A live layer whose state can be sliced at any earlier position (KV, quantized, lists of them)."""
+    from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+
+    if isinstance(c, CacheList):
+        return all(_cuttable(x) for x in c.caches)
+    return isinstance(c, (KVCache, QuantizedKVCache))
+
+
+def _usable(value: tuple[Cache | Snapshot, list[int]], wanted: Sequence[int], limit: int) -> int:
+    """How many wanted ids a resident cache or warm snapshot can give a copy of."""
+    held, toks = value
     n = min(common_prefix_len(toks, wanted), limit)
-    if n > 0:
-        try:
-            return restore(truncate(unpack(snap), n)), n
-        except CannotSplit:
-            log.debug("warm snapshot of %s cannot be cut at %d", key, n)
-    return None
+    if n <= 0:
+        return 0
+    end = held.end if isinstance(held, Snapshot) else len(toks)
+    if n == end:
+        return n
+    cuttable = trimmable(held) if isinstance(held, Snapshot) else all(_cuttable(c) for c in held)
+    return n if cuttable else 0
+
+
+def _copy(value: tuple[Cache | Snapshot, list[int]], n: int) -> Cache | None:
+    """Live caches holding the first n ids of a resident cache or warm snapshot; the source is untouched."""
+    held, _ = value
+    try:
+        if isinstance(held, Snapshot):
+            return restore(truncate(unpack(held), n))
+        return restore(snapshot(held, 0, upto=n))
+    except CannotSplit:
+        return None
 
 
 def _maybe_crash(point: str) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "merge",
     "restore",
     "rewind",
+    "section",
     "snapshot",
     "split",
     "trimmable",
@@ -62,8 +63,14 @@ class Snapshot:
 # -- snapshot / restore -------------------------------------------------------
 
 
-def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None) -> Snapshot:
-    """Copy the state of tokens ``[start, offset)`` out of a live cache.
+def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None,
+             upto: int | None = None) -> Snapshot:
+    """Copy the state of tokens ``[start, offset)`` (or ``[start, upto)``) out of a live cache.
+
+    ``upto`` copies only a prefix of what the cache holds (a new session
+    starting from another's shared prefix): a cache whose layers can all be
+    cut (KV, quantized) only, since a window or a recurrent state at ``upto``
+    is not in a cache that has moved past it.
 
     ``offset`` is read from the layers (they must all agree); pass it only
     for a cache whose layers are all recurrent (``ArraysCache`` records no
@@ -72,6 +79,10 @@ def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None)
     return_prompt_caches=True)``) as well as on caches a model call filled.
     """
     end = _common_offset(cache, offset)
+    if upto is not None and upto != end:
+        if not 0 <= upto <= end or not all(kind_of(c).splittable for c in cache):
+            raise CannotSplit(f"cannot snapshot the first {upto} of the {end} tokens this cache holds")
+        end = upto
     if not 0 <= start <= end:
         raise SnapshotError(f"start {start} is outside [0, {end}], the tokens the cache holds")
     snap = Snapshot(start, end, tuple(kind_of(c).snapshot(c, start, end) for c in cache))
@@ -146,6 +157,22 @@ def split(s: Snapshot, at: int) -> tuple[Snapshot, Snapshot]:
     first, second = _part(s, s.start, at), _part(s, at, s.end)
     mx.eval(first.arrays(), second.arrays())
     return first, second
+
+
+def section(s: Snapshot, lo: int, hi: int) -> Snapshot:
+    """The tokens ``[lo, hi)`` of a splittable snapshot, one copy of that range only.
+
+    ``(s.start, s.end)`` itself is always allowed (nothing to cut).
+    """
+    if (lo, hi) == (s.start, s.end):
+        return s
+    _check_cut(s, lo)
+    _check_cut(s, hi)
+    if lo > hi:
+        raise CannotSplit(f"cannot take [{lo}, {hi}) out of [{s.start}, {s.end})")
+    part = _part(s, lo, hi)
+    mx.eval(part.arrays())
+    return part
 
 
 def truncate(s: Snapshot, end: int) -> Snapshot:

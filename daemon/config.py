@@ -51,6 +51,7 @@ class Config:
     resident_idle: float = 600.0
     warm_idle: float = 3600.0
     max_segments: int = 16
+    block_tokens: int = 128
     max_resident_sessions: int = 32
     warm_bits: int = 0
     prefetch: bool = True
@@ -110,6 +111,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "resident_idle": ("cache", "resident_idle"),
     "warm_idle": ("cache", "warm_idle"),
     "max_segments": ("cache", "max_segments"),
+    "block_tokens": ("cache", "block_tokens"),
     "max_resident_sessions": ("cache", "max_resident_sessions"),
     "warm_bits": ("cache", "warm_bits"),
     "prefetch": ("cache", "prefetch"),

@@ -145,7 +145,8 @@ class Engine:
             Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
-                    resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits),
+                    resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
+                    block_tokens=c.block_tokens),
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self._new_generator()
@@ -294,22 +295,20 @@ class Engine:
                 + fit_advice(len(tokens), self.max_context)
             )
         assert self.caches is not None
-        if job.source is not None:
-            out = self.caches.copy_prefix(job.source, tokens)
-        else:
-            out = self.caches.checkout(job.session_id, tokens)
+        out = self.caches.checkout(job.session_id, tokens)
         if job.seed is not None:
             import mlx.core as mx
 
             mx.random.seed(job.seed)
-        cache, cached = out.cache, out.tokens
+        cache, cached, shared = out.cache, out.tokens, out.shared_tokens
         if cache is None or cached == 0:
-            cache, cached = make_cache(self.model, self.config.kv_bits or None), 0
+            cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
         self._turns.start(job.session_id, Running(
             job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
             restored_from=out.source, restore_ms=out.restore_ms, inserted=time.perf_counter(),
             sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
             prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size),
+            shared_tokens=shared,
         ))
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
 

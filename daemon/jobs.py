@@ -41,9 +41,6 @@ class GenerationJob:
     temperature: float
     top_p: float
     emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
-    # Start from a copy of this session's cache instead of taking the session's own
-    # (a conversation that branches from a stored one; the source is left as it was).
-    source: str | None = None
     seed: int | None = None  # seeds MLX's sampler when the turn starts
     arrived: float = field(default_factory=time.perf_counter)
 

@@ -142,14 +142,14 @@ class OpenAIDoor:
             system = req.messages[0].text() if req.messages[0].role == "system" else None
             convo: list[tuple[str, str]] = [(m.role, m.text()) for m in req.messages if m.role != "system"]
             ids = await anyio.to_thread.run_sync(self._tokenize, system, convo)
-            placement = place(self.store, self.turns, ids, system, convo, pinned)
+            placement = place(self.store, self.turns, system, convo, pinned)
             headers[SESSION_HEADER] = placement.session_id
             events = _Events()
             rid = f"chatcmpl-{secrets.token_hex(12)}"
             turn = self.turns.start(
                 events, rid, placement.session_id, placement.first_new,
                 max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-                top_p=req.top_p, prompt=Tokens(ids), source=placement.source, stop=stops(req), seed=req.seed,
+                top_p=req.top_p, prompt=Tokens(ids), stop=stops(req), seed=req.seed,
             )
             log.info("API turn in session %s (%s, %d prompt tokens)", placement.session_id, placement.kind, len(ids))
         except ApiError as e:
@@ -253,7 +253,7 @@ class _Answer(Response):
     def _kvd(self, done: dict[str, Any]) -> dict[str, Any]:
         u = done.get("usage") or {}
         return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
-                "ttft_ms": u.get("ttft_ms"), "prefill_tokens": u.get("prefill_tokens")}
+                "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"), "prefill_tokens": u.get("prefill_tokens")}
 
     async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]

@@ -45,6 +45,7 @@ class Running:
     generated: int = 0
     t_first: float | None = None
     t_last: float | None = None
+    shared_tokens: int = 0  # of cached_len, those another session's cache or shared disk blocks supplied
 
     @classmethod
     def never_started(cls, job: GenerationJob) -> Running:
@@ -72,6 +73,8 @@ class Running:
             "decode_tps": round(tps, 1) if tps is not None else None,
             "restored_from": self.restored_from,
             "restored_tokens": self.cached_len,
+            # Of those, the tokens another session's cache or shared disk blocks supplied.
+            "shared_tokens": self.shared_tokens,
             "restore_ms": round(self.restore_ms, 2),
             "prefill_tokens": len(self.prompt) - self.cached_len,
             "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,

@@ -1,21 +1,22 @@
-"""Where a stateless request's turn goes: which session continues, which branches, which is new.
+"""Where a stateless request's turn goes: which session continues it, or a new one.
 
 An OpenAI-style request carries the whole conversation every time. Its
 token ids are the conversation rendered and tokenized whole, exactly as a
-fresh daemon would feed it (so a greedy answer equals a fresh prefill's);
-the session whose fed ids share the longest prefix with them holds the
-cache to reuse, in whatever tier, also after a restart (the lookup is the
-store's prefix index, sessions/prefixes.py, then a comparison of true ids).
+fresh daemon would feed it (so a greedy answer equals a fresh prefill's).
 
-- The request extends that session's transcript (same system prompt, its
-  messages, then new ones) and it is idle: the new messages become the
-  session's next turn, and the session's cache is taken and rewound to the
-  shared prefix.
-- It shares a prefix but says something else (an edited message, a retry,
-  an unrelated conversation with the same system prompt): a new session
-  holds the request's conversation, and its cache starts from a *copy* of
-  the shared prefix. The stored session is not touched.
-- Nothing shared: a new session.
+- The request extends a stored session's transcript (same system prompt,
+  its messages, then new ones) and that session is idle: the new messages
+  become the session's next turn. Candidates are the most recent sessions
+  with the request's system prompt and first message (Store.continuable).
+- Anything else (an edited message, a retry, an unrelated conversation with
+  the same system prompt): a new session holds the request's conversation.
+  The stored sessions are not touched.
+
+Where the turn's cache comes from is not decided here: cachestore's
+checkout restores the longest prefix of the ids that anything holds (the
+session's own cache, another session's, blocks on disk), so a new session
+that shares a long system prompt or a branched conversation's beginning
+starts from it, also after a restart.
 
 A client may pin its session (the `X-Kvd-Session` header): then the request
 continues that session, rewinding it where the request's messages differ
@@ -28,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cachestore import common_prefix_len
 from sessions import Message, Store
 
 import protocol as p
@@ -38,14 +38,13 @@ from .turns import Turns
 
 TITLE_CHARS = 60
 
-Kind = Literal["continued", "branched", "new", "pinned"]
+Kind = Literal["continued", "new", "pinned"]
 
 
 @dataclass(frozen=True)
 class Placement:
     session_id: str
     first_new: int  # the first message this turn added
-    source: str | None  # copy the cache prefix from this session (a branch)
     kind: Kind
 
 
@@ -72,7 +71,7 @@ def title_for(messages: Sequence[tuple[str, str]]) -> str:
     return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1] + "…"
 
 
-def place(store: Store, turns: Turns, ids: Sequence[int], system: str | None,
+def place(store: Store, turns: Turns, system: str | None,
           messages: Sequence[tuple[str, str]], pinned: str | None = None) -> Placement:
     """Decide where the request's turn goes and commit its messages there.
 
@@ -82,28 +81,20 @@ def place(store: Store, turns: Turns, ids: Sequence[int], system: str | None,
     """
     if pinned is not None:
         return _pinned(store, turns, system, messages, pinned)
-    best, shared = None, 0
-    _, candidates = store.sharing_prefix(ids)
-    for sid in candidates:
-        n = common_prefix_len(store.fed(sid)[0], ids)
-        if n > shared:
-            best, shared = sid, n
-    if best is None:
-        return _new(store, system, messages, None)
-    session = store.get_session(best)
-    assert session is not None
-    said = [(m["role"], m["content"]) for m in _said(store.messages(best))]
-    if (session["system"] == system and best not in turns.active and len(messages) > len(said)
-            and divergence(said, messages) == len(said)):
-        first_new = _append(store, best, messages[len(said):])
-        return Placement(best, first_new, None, "continued")
-    return _new(store, system, messages, best)
+    if messages:
+        role, content = messages[0]
+        for sid in store.continuable(system, role, content):
+            said = [(m["role"], m["content"]) for m in _said(store.messages(sid))]
+            if sid not in turns.active and len(messages) > len(said) and divergence(said, messages) == len(said):
+                first_new = _append(store, sid, messages[len(said):])
+                return Placement(sid, first_new, "continued")
+    return _new(store, system, messages)
 
 
-def _new(store: Store, system: str | None, messages: Sequence[tuple[str, str]], source: str | None) -> Placement:
+def _new(store: Store, system: str | None, messages: Sequence[tuple[str, str]]) -> Placement:
     session = store.create_session(title=title_for(messages), system=system)
     first_new = _append(store, session["id"], messages)
-    return Placement(session["id"], first_new, source, "branched" if source else "new")
+    return Placement(session["id"], first_new, "new")
 
 
 def _append(store: Store, session_id: str, messages: Sequence[tuple[str, str]]) -> int:
@@ -135,4 +126,4 @@ def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[t
         # The request says something else from here on: the pinned session is rewound, like chat.edit.
         turns.rewind(session_id, stored[agree]["index"])
     first_new = _append(store, session_id, messages[agree:])
-    return Placement(session_id, first_new, None, "pinned")
+    return Placement(session_id, first_new, "pinned")

@@ -68,6 +68,15 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
         table.add_row(name, str(t["sessions"]), _human(t["bytes"]), _human(t["budget"]),
                       str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
     console.print(table)
+    disk = status.get("tiers", {}).get("disk") or {}
+    if "blocks" in disk:
+        console.print(f"disk blocks: {disk['blocks']} of {disk['block_tokens']} tokens, "
+                      f"{_human(disk['block_bytes'])}; shared by several sessions: "
+                      f"{_human(disk['shared_bytes'])}; saved by sharing: {_human(disk['saved_bytes'])}")
+    shared = status.get("tiers", {}).get("shared") or {}
+    if shared.get("restores"):
+        console.print(f"turns started from another session's prefix: {shared['restores']} "
+                      f"({shared['tokens']} tokens not prefilled again)")
     pre = status.get("prefetched") or {}
     if pre.get("sessions"):
         console.print(f"prefetched into memory after start: {pre['sessions']} session(s) "

@@ -241,13 +241,13 @@ class Turns:
 
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
               max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-              prompt: Prompt | None = None, source: str | None = None, stop: Sequence[str] = (),
+              prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None) -> Turn:
         """Generate an answer to the transcript as it stands (its new messages are committed).
 
-        `prompt` defaults to the transcript under the fed-token rule; `source`
-        names another session whose cache prefix is copied instead of taking
-        this session's own.
+        `prompt` defaults to the transcript under the fed-token rule. The
+        cache comes from wherever the longest prefix of its ids is held: the
+        session's own or any other's (cachestore's checkout).
         """
         assert self.tg is not None, "the daemon is not serving"
         session = self.session(session_id, rid)
@@ -274,7 +274,7 @@ class Turns:
         self.tg.start_soon(self._pump, turn, receive)
         turn.publish({"type": p.CHAT_START, "message_index": index})
         self.engine.submit(GenerationJob(
-            session_id=session_id, prompt=prompt, source=source, seed=seed,
+            session_id=session_id, prompt=prompt, seed=seed,
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, emit=emit,
         ))
         return turn

@@ -74,6 +74,9 @@ SESSION_ID_RE = re.compile(r"[0-9a-f]{16}")
 # transcript is left (docs/protocol.md).
 TIERS = ("resident", "warm", "disk")
 NO_CACHE = "none"
+# "usage.restored_from" only: the prefix came from another session's cache
+# (in memory, or content-addressed blocks on disk); "shared_tokens" says how much.
+SHARED = "shared"
 
 # The title of a session created without one.
 DEFAULT_TITLE = "New chat"

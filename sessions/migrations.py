@@ -133,26 +133,25 @@ def m002_session_params(db: Database) -> None:
 
 @migration
 def m003_fed_blocks(db: Database) -> None:
-    # A hash-chain key per 16 fed token ids (sessions/prefixes.py), so a
-    # request carrying a whole conversation finds the session that shares its
-    # longest prefix through an index instead of reading every session's ids.
-    from .prefixes import block_keys
-    from protocol.tokenids import unpack_tokens
-
+    # Issue 10's index on fed token ids, replaced by content-addressed cache
+    # blocks (issue 14) and dropped by m004. A new database gets the empty
+    # table for the one step in between; existing ones kept their rows then.
     db.execute(
         """
         CREATE TABLE fed_blocks (
             session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
-            n INTEGER NOT NULL CHECK (n >= 1),  -- the key covers fed ids [0, n * BLOCK)
+            n INTEGER NOT NULL CHECK (n >= 1),
             key INTEGER NOT NULL,
             PRIMARY KEY (session_id, n)
         )
         """
     )
     db.execute("CREATE INDEX fed_blocks_key ON fed_blocks (key, n)")
-    for session_id, blob in db.execute("SELECT session_id, tokens FROM session_tokens").fetchall():
-        keys = block_keys(unpack_tokens(blob))
-        db.conn.executemany(
-            "INSERT INTO fed_blocks (session_id, n, key) VALUES (?, ?, ?)",
-            [(session_id, n, key) for n, key in enumerate(keys, start=1)],
-        )
+
+
+@migration
+def m004_drop_fed_blocks(db: Database) -> None:
+    # Which session a stateless request continues is found by its transcript
+    # (Store.continuable); where its cache comes from, by cachestore's blocks.
+    db.execute("DROP INDEX IF EXISTS fed_blocks_key")
+    db.execute("DROP TABLE IF EXISTS fed_blocks")

@@ -34,7 +34,6 @@ from protocol.tokenids import pack_tokens, unpack_tokens
 from .errors import UnknownMessage, UnknownSession
 from .ids import new_session_id
 from .migrations import migrate
-from .prefixes import BLOCK, block_keys
 
 Role = Literal["user", "assistant"]
 Status = Literal["complete", "streaming", "cancelled", "error"]
@@ -343,7 +342,6 @@ class Store:
         if covers < 0:
             raise ValueError("covers must be >= 0")
         self._require_session(session_id)
-        keys = block_keys(tokens)
         with self.db.atomic():
             self.db.execute(
                 "INSERT INTO session_tokens (session_id, tokens, covers, updated_at) "
@@ -352,46 +350,20 @@ class Store:
                 "updated_at = excluded.updated_at",
                 [session_id, blob, covers, self._clock()],
             )
-            # Only the blocks past the first changed one are rewritten: a turn
-            # that appends touches its new blocks, not the whole history.
-            old = [k for (k,) in self.db.execute(
-                "SELECT key FROM fed_blocks WHERE session_id = ? ORDER BY n", [session_id])]
-            same = next((i for i, (a, b) in enumerate(zip(old, keys)) if a != b), min(len(old), len(keys)))
-            self.db.execute("DELETE FROM fed_blocks WHERE session_id = ? AND n > ?", [session_id, same])
-            self.db.conn.executemany(
-                "INSERT INTO fed_blocks (session_id, n, key) VALUES (?, ?, ?)",
-                [(session_id, n, key) for n, key in enumerate(keys[same:], start=same + 1)],
-            )
 
-    def sharing_prefix(self, tokens: Sequence[int], *, limit: int = 8) -> tuple[int, list[str]]:
-        """The sessions whose fed ids share the most whole blocks with `tokens`, and how many tokens those are.
+    def continuable(self, system: str | None, role: str, content: str, *, limit: int = 8) -> list[str]:
+        """Sessions with this system prompt whose first message is (role, content), most recent first.
 
-        A block key stands for its whole prefix (a hash chain), so if any
-        session shares k blocks, some session shares every shorter depth too:
-        the deepest shared depth is found by binary search, a handful of
-        indexed lookups however many sessions there are. The sessions come
-        most recently used first, at most `limit`. A key is a hash: the
-        caller compares the true ids (`fed`) before trusting a match.
-        Sharing less than one block (prefixes.BLOCK tokens) finds nothing.
+        The candidates a stateless request may continue (daemon/stateless.py
+        compares their transcripts). Only which session a request continues
+        depends on this; where its cache comes from does not (cachestore
+        finds the longest prefix any session holds).
         """
-        keys = block_keys(tokens)
-
-        def at(depth: int, n: int | None = None) -> list[str]:
-            rows = self.db.execute(
-                "SELECT b.session_id FROM fed_blocks b JOIN sessions s ON s.id = b.session_id "
-                "WHERE b.key = ? AND b.n = ? ORDER BY s.updated_at DESC LIMIT ?",
-                [keys[depth - 1], depth, n if n is not None else limit],
-            ).fetchall()
-            return [row[0] for row in rows]
-
-        lo, hi = 0, len(keys)  # some session shares `lo` blocks (0: trivially); none shares more than `hi`
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if at(mid, 1):
-                lo = mid
-            else:
-                hi = mid - 1
-        return (lo * BLOCK, at(lo)) if lo else (0, [])
+        rows = self.db.execute(
+            "SELECT s.id FROM sessions s JOIN messages m ON m.session_id = s.id AND m.idx = 0 "
+            "WHERE s.system IS ? AND m.role = ? AND m.content = ? ORDER BY s.updated_at DESC LIMIT ?",
+            [system, role, content, limit]).fetchall()
+        return [row[0] for row in rows]
 
     # Internals
 

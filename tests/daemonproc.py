@@ -22,7 +22,8 @@ EVENT_TIMEOUT = 60.0
 
 
 class DaemonProcess:
-    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, prefetch: bool = False):
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, prefetch: bool = False,
+                 block_tokens: int | None = None):
         """`kvd serve` on port 0; on builtin:tiny unless `args` name a --model."""
         self.data_dir = data_dir
         if "--model" not in args:
@@ -30,7 +31,8 @@ class DaemonProcess:
         # A restart in a test is cold (restored from disk) unless the test asks for prefetch.
         if "--config" not in args:
             config = data_dir.parent / f"{data_dir.name}-kvd.toml"
-            config.write_text(f"[cache]\nprefetch = {str(prefetch).lower()}\n")
+            blocks = f"block_tokens = {block_tokens}\n" if block_tokens else ""
+            config.write_text(f"[cache]\nprefetch = {str(prefetch).lower()}\n{blocks}")
             args = ("--config", str(config), *args)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir), *args],

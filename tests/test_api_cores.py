@@ -1,9 +1,7 @@
-"""The API's pure parts as tables: stop sequences, Host names, placing a stateless request, the prefix index."""
+"""The API's pure parts as tables: stop sequences, Host names, placing a stateless request."""
 
 from __future__ import annotations
 
-import random
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ from daemon.guards import host_allowed, host_name
 from daemon.stateless import divergence, title_for
 from daemon.turns import StopScan
 from sessions import Store
-from sessions.prefixes import BLOCK, block_keys
 
 
 @pytest.mark.parametrize(
@@ -65,50 +62,28 @@ def test_divergence_and_titles() -> None:
     assert title_for([("assistant", "only")]) == "New chat"
 
 
-def test_prefix_index_finds_the_longest_true_prefix(tmp_path: Path) -> None:
-    rng = random.Random(7)
-    store = Store(tmp_path / "kvd.sqlite")
-    system = [rng.randrange(50000) for _ in range(3 * BLOCK + 5)]  # shared by every session
-    sessions = {}
-    for _ in range(300):
-        sid = store.create_session(title="New chat")["id"]
-        ids = system + [rng.randrange(50000) for _ in range(rng.randrange(BLOCK, 20 * BLOCK))]
-        store.set_tokens(sid, ids)
-        sessions[sid] = ids
-    target, ids = next(iter(sessions.items()))
-    # A request continuing one session finds it alone, at its deepest whole block.
-    depth, found = store.sharing_prefix(ids + [1, 2, 3])
-    assert found == [target] and depth == len(ids) // BLOCK * BLOCK
-    # One sharing only the system prompt finds the most recently used sessions sharing it.
-    depth, found = store.sharing_prefix(system + [9] * 40)
-    assert depth == 3 * BLOCK and len(found) == 8 and set(found) <= set(sessions)
-    # Less than a block in common: nothing.
-    assert store.sharing_prefix(system[:BLOCK - 1]) == (0, [])
-    assert store.sharing_prefix([]) == (0, [])
-    # A session's ids rewritten (a rewind) re-key only its blocks past the change.
-    store.set_tokens(target, ids[:2 * BLOCK] + [5] * BLOCK)
-    depth, found = store.sharing_prefix(ids)
-    assert depth == 3 * BLOCK and target not in found  # the others still share the system prompt's 3 blocks
-    assert store.sharing_prefix(ids[:2 * BLOCK] + [5] * BLOCK) == (3 * BLOCK, [target])
-    # Deleting a session drops its keys.
-    store.delete_session(target)
-    assert target not in store.sharing_prefix(ids[:2 * BLOCK] + [5] * BLOCK)[1]
+def test_continuable_sessions_share_the_system_prompt_and_first_message(tmp_path: Path) -> None:
+    """The candidates a stateless request may continue: most recent first, at most `limit`."""
+    clock = iter(range(1, 1000))
+    store = Store(tmp_path / "kvd.sqlite", clock=lambda: float(next(clock)))
+    made = []
+    for system in ("Be brief.", None):
+        for _ in range(3):
+            sid = store.create_session(title="New chat", system=system)["id"]
+            store.append_message(sid, "user", "hi")
+            store.append_message(sid, "assistant", "hello")
+            made.append((system, sid))
+    other = store.create_session(title="New chat", system="Be brief.")["id"]
+    store.append_message(other, "user", "something else")
+    brief = [sid for system, sid in made if system == "Be brief."]
+    bare = [sid for system, sid in made if system is None]
+    assert store.continuable("Be brief.", "user", "hi") == brief[::-1]
+    assert store.continuable(None, "user", "hi") == bare[::-1]
+    assert store.continuable("Be brief.", "user", "hi", limit=2) == brief[::-1][:2]
+    assert store.continuable("Be brief.", "user", "something else") == [other]
+    assert store.continuable("Other.", "user", "hi") == []
+    store.append_message(brief[0], "user", "more")  # used again: first now
+    assert store.continuable("Be brief.", "user", "hi")[0] == brief[0]
+    store.delete_session(brief[0])
+    assert brief[0] not in store.continuable("Be brief.", "user", "hi")
     store.close()
-
-
-def test_migration_indexes_existing_sessions(tmp_path: Path) -> None:
-    """m003 keys the fed ids sessions already had, so conversations from before the upgrade are found."""
-    path = tmp_path / "kvd.sqlite"
-    ids = list(range(1000, 1000 + 5 * BLOCK + 3))
-    with Store(path) as store:
-        sid = store.create_session(title="New chat")["id"]
-        store.set_tokens(sid, ids)
-    db = sqlite3.connect(path)
-    db.execute("DELETE FROM fed_blocks")
-    db.execute("DELETE FROM _kvd_migrations WHERE name = 'm003_fed_blocks'")
-    db.execute("DROP TABLE fed_blocks")
-    db.commit()
-    db.close()
-    with Store(path) as store:
-        assert store.sharing_prefix(ids + [1]) == (5 * BLOCK, [sid])
-    assert len(block_keys(ids)) == 5

@@ -188,7 +188,8 @@ def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -
     e.step()
     while generated(e, "2" * 16) < 2:
         e.step()
-    e.submit(job("3" * 16, LONG, []))
+    # Another prompt: the same one would start from session 1's cache (shared), with nothing to slice.
+    e.submit(job("3" * 16, "Something else. " + LONG, []))
     e.step()
     assert e.statistics().turns["3" * 16].phase == "prefill"
     seen = [fed(e, "3" * 16)]

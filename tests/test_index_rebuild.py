@@ -1,4 +1,8 @@
-"""A lost cache index is rebuilt from the segment files' own headers by a real `kvd serve`."""
+"""A lost cache index is rebuilt from the cache files' own headers by a real `kvd serve`.
+
+Blocks of 16 ids: the two sessions begin alike, so they share blocks, and a
+rebuilt index must find each session's chain of blocks again.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,19 @@ from conftest import fed_tokens
 from daemonproc import DaemonProcess
 
 
-def _rows(cache: Path) -> set[tuple[str, int, int, str, str, bytes]]:
+def _rows(cache: Path) -> set[tuple[object, ...]]:
     db = sqlite3.connect(cache / "index.sqlite")
     try:
-        return set(db.execute('SELECT key, start, "end", checksum, fingerprint, tokens FROM segments'))
+        return (set(db.execute('SELECT key, start, "end", checksum, fingerprint, tokens FROM segments'))
+                | set(db.execute('SELECT block, parent, start, "end", checksum, fingerprint, tokens FROM blocks'))
+                | set(db.execute("SELECT key, n, block FROM chains")))
     finally:
         db.close()
 
 
 @pytest.mark.parametrize("damage", ["deleted", "zero bytes", "zeroed"])
 def test_lost_index_is_rebuilt_from_the_files(tmp_path: Path, damage: str) -> None:
-    d = DaemonProcess(tmp_path)
+    d = DaemonProcess(tmp_path, block_tokens=16)
     with d.client() as c:
         sids = [c.request("session.create")["session"]["id"] for _ in range(2)]
         for sid in sids:
@@ -32,7 +38,12 @@ def test_lost_index_is_rebuilt_from_the_files(tmp_path: Path, damage: str) -> No
     cache = tmp_path / "cache"
     before = _rows(cache)
     fed = fed_tokens(tmp_path / "kvd.sqlite", sids[0])
-    assert len(before) == 4
+    db = sqlite3.connect(cache / "index.sqlite")
+    segments, blocks, shared = db.execute(
+        "SELECT (SELECT COUNT(*) FROM segments), (SELECT COUNT(*) FROM blocks), "
+        "(SELECT COUNT(*) FROM (SELECT block FROM chains GROUP BY block HAVING COUNT(*) > 1))").fetchone()
+    db.close()
+    assert segments >= 2 and blocks >= 2 and shared >= 1  # the sessions share their first block(s)
     index = cache / "index.sqlite"
     for suffix in ("-wal", "-shm"):
         Path(f"{index}{suffix}").unlink(missing_ok=True)
@@ -49,19 +60,20 @@ def test_lost_index_is_rebuilt_from_the_files(tmp_path: Path, damage: str) -> No
     first = sorted((cache / "segments" / sids[0]).iterdir())[0]
     shutil.copy(first, first.with_name("0000000000-0000000001.safetensors"))
 
-    d = DaemonProcess(tmp_path)
+    d = DaemonProcess(tmp_path, block_tokens=16)
     try:
         with d.client() as c:
+            rebuilt = _rows(cache)  # the model is loaded: the index was rebuilt
             _, done = c.chat(sids[0], "After the index was lost?", max_tokens=4, temperature=0)
     finally:
         d.terminate()
     log = "".join(d.log)
     assert f"the cache index {index} was {how}" in log
-    assert ("rebuilt it from the cache files' own headers: 4 file(s) of 2 session(s) kept, 1 that did "
-            "not verify removed (first: ") in log
+    assert (f"rebuilt it from the cache files' own headers: {segments} file(s) of 2 session(s) and "
+            f"{blocks} block(s) kept, 1 that did not verify removed (first: ") in log
     assert "its name does not match its range" in log
     assert "left incomplete by a crash" not in log
-    # Exactly what the lost index listed (the new turn adds its own segment).
-    assert before <= _rows(cache)
+    # Exactly what the lost index listed: files, blocks and each session's chain.
+    assert rebuilt == before
     assert done["usage"]["restored_from"] == "disk"
     assert done["usage"]["restored_tokens"] == len(fed)  # every token fed before the loss

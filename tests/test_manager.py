@@ -106,9 +106,9 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
     clock = Clock()
     caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
     kept: dict[str, tuple[list[Any], list[int]]] = {}
-    for key in (A, B, C):  # C used last
+    for i, key in enumerate((A, B, C)):  # C used last
         clock.now += 10
-        cache, toks = grow(model, None, [], list(range(10, 50)))
+        cache, toks = grow(model, None, [], list(range(10 + i, 50 + i)))  # no prefix to share
         caches.checkin(key, cache, toks)
         cache, toks = grow(model, cache, toks, list(range(60, 70)))  # a second turn: a second segment
         caches.checkin(key, cache, toks)
@@ -188,15 +188,25 @@ def test_prefetch_plans_nothing_that_does_not_fit(model: Any, tmp_path: Path) ->
     caches.close()
 
 
+def _held(cache: list[Any]) -> list[Any]:
+    """The keys and values of the tokens a cache holds (a live buffer is longer)."""
+    return [mx.array(a[..., :c.offset, :]) for c in cache for a in (c.keys, c.values)]
+
+
 def _state(cache: list[Any]) -> list[Any]:
     return [mx.array(a) for c in cache for a in c.state]
 
 
-@pytest.mark.parametrize("tier", ["resident", "warm", "disk"])
-def test_copy_prefix_leaves_the_source_as_it_was(model: Any, tmp_path: Path, tier: str) -> None:
-    """A branch copies another session's prefix from any tier; the source keeps its cache, intact."""
+@pytest.mark.parametrize("tier, shared", [("resident", 30), ("warm", 30), ("disk", 30)])
+def test_a_new_session_copies_a_shared_prefix_and_the_source_keeps_its_own(
+        model: Any, tmp_path: Path, tier: str, shared: int) -> None:
+    """A branch copies another session's prefix from any tier; the source keeps its cache, intact.
+
+    From memory any prefix is copied; from disk, whole blocks (8 ids here), then the next
+    block cut where the ids part: all 30.
+    """
     clock = Clock()
-    caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
+    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8), clock=clock)
     cache, toks = grow(model, None, [], list(range(10, 50)))
     caches.checkin(A, cache, toks)
     if tier != "resident":
@@ -209,10 +219,10 @@ def test_copy_prefix_leaves_the_source_as_it_was(model: Any, tmp_path: Path, tie
     if kept is not None:
         caches.checkin(A, cache, toks)  # back where it was, resident
     branch = toks[:30] + [3, 4, 5]
-    got = caches.copy_prefix(A, branch)
-    assert got.source == tier and got.tokens == 30 and got.cache is not None
+    got = caches.checkout(B, branch)
+    assert got.source == "shared" and got.tokens == got.shared_tokens == shared and got.cache is not None
     # The copy is fed the branch's own tokens: the source must not see them.
-    model(mx.array([branch[30:]]), cache=got.cache)
+    model(mx.array([branch[shared:]]), cache=got.cache)
     mx.eval([c.state for c in got.cache])
     assert got.cache[0].offset == 33
     again = caches.checkout(A, toks + [7])
@@ -221,3 +231,36 @@ def test_copy_prefix_leaves_the_source_as_it_was(model: Any, tmp_path: Path, tie
     if kept is not None:
         assert all(mx.array_equal(x, y).item() for x, y in zip(kept, _state(again.cache)))
     caches.close()
+
+
+@pytest.mark.parametrize("warm_bits", [0, 8])
+def test_warm_holds_a_shared_prefix_once(model: Any, tmp_path: Path, warm_bits: int) -> None:
+    """Six sessions over one 64-token prefix: warm holds its blocks once, plus six tails; each restores exactly."""
+    prefix = list(range(100, 164))
+    sizes = {}
+    for block_tokens in (16, 4096):  # sharing, and (blocks longer than any session) not
+        clock = Clock()
+        caches = SessionCaches(tmp_path / str(block_tokens), "fp",
+                               budgets(resident_bytes=0, block_tokens=block_tokens, warm_bits=warm_bits),
+                               clock=clock)
+        kept = {}
+        for i in range(6):
+            key = f"{i:04x}"
+            cache, toks = grow(model, None, [], prefix + [200 + i] * 5)
+            caches.checkin(key, cache, toks)  # no resident room: straight to warm
+            kept[key] = (_held(cache), toks)
+        sizes[block_tokens] = caches.warm.nbytes
+        if block_tokens == 16:
+            assert caches.statistics()["warm"]["blocks"] == 4 and caches.statistics()["warm"]["sessions"] == 6
+            for key, (state, toks) in kept.items():
+                got = caches.checkout(key, toks + [7])
+                assert got.source == "warm" and got.tokens == len(toks) and got.cache is not None
+                if not warm_bits:
+                    assert all(mx.array_equal(x, y).item() for x, y in zip(state, _held(got.cache)))
+            caches.forget("0000")
+        caches.close()
+    one_session = sizes[4096] / 6
+    tail = one_session * 5 / 69
+    # One prefix plus six tails, against six whole sessions.
+    assert sizes[16] <= 1.01 * (one_session * 64 / 69 + 6 * tail)
+    assert sizes[16] < sizes[4096] / 3

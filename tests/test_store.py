@@ -404,7 +404,7 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
     db.execute("INSERT INTO sessions (id, title, system, created_at, updated_at) "
                "VALUES (?, 'old', NULL, 1, 1)", [MISSING])
     db.conn.commit()
-    assert migrate(db) == ["m002_session_params", "m003_fed_blocks"]
+    assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks"]
     db.close()
     with Store(db_path) as store:
         old = get(store, MISSING)

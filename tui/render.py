@@ -68,7 +68,7 @@ def _ms(value: float) -> str:
 def cache_part(usage: Mapping[str, Any]) -> str | None:
     """``cache: disk 4096 tok in 86 ms``, or ``cache: none, prefilled 40 tok``."""
     tier = usage.get("restored_from")
-    if tier in protocol.TIERS:
+    if tier in protocol.TIERS or tier == protocol.SHARED:  # shared: another conversation's prefix
         restored, ms = usage.get("restored_tokens"), usage.get("restore_ms")
         part = f"cache: {tier}"
         if isinstance(restored, int):
