@@ -1,56 +1,40 @@
 """The cache index's schema migrations: numbered, append-only functions.
 
-The same mechanism as the session store's (sessions/migrations.py, the
-simonw/llm pattern, on sqlite-utils): a function per schema change, a
-`_kvd_migrations` table of applied names, each migration in its own
-`BEGIN IMMEDIATE` transaction with the row that records it. cachestore may
-not import sessions, so the dozen lines of runner live here too; the
-shape, the table and the rules are the same. Never edit or reorder a
-migration that has shipped; append ``m00N_what_changed(db)``.
+Run by sqlite-utils' own runner, `sqlite_utils.migrations.Migrations`, as the
+session store's are (sessions/migrations.py): applied names are recorded in
+`_sqlite_migrations` under the set "kvd.cache", each migration in one
+transaction with the row that records it. Never edit or reorder a migration
+that has shipped; append ``m00N_what_changed(db)``.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
 
-MIGRATIONS_TABLE = "_kvd_migrations"
-
-Migration = Callable[[Database], None]
-MIGRATIONS: list[Migration] = []
-
-
-def migration(fn: Migration) -> Migration:
-    """Register `fn`; registration order is application order."""
-    MIGRATIONS.append(fn)
-    return fn
+MIGRATIONS = Migrations("kvd.cache")
+#: Where kvd recorded applied migrations before it used sqlite-utils' runner.
+LEGACY_TABLE = "_kvd_migrations"
+migration = MIGRATIONS()
 
 
 def known(db: Database) -> bool:
     """Whether `db` was ever migrated (an index created before, not a new or emptied file)."""
-    return db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", [MIGRATIONS_TABLE]).fetchone() is not None
+    return bool({MIGRATIONS.migrations_table, LEGACY_TABLE} & set(db.table_names()))
 
 
 def migrate(db: Database) -> list[str]:
     """Apply the migrations `db` has not seen yet; return their names."""
-    db.execute(f"CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (name TEXT PRIMARY KEY, applied_at REAL)")
-    applied: list[str] = []
-    for fn in MIGRATIONS:
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            done = {row[0] for row in db.execute(f"SELECT name FROM {MIGRATIONS_TABLE}")}
-            if fn.__name__ not in done:
-                fn(db)
-                db.execute(f"INSERT INTO {MIGRATIONS_TABLE} (name, applied_at) VALUES (?, ?)",
-                           [fn.__name__, time.time()])
-                applied.append(fn.__name__)
-        except BaseException:
-            db.conn.rollback()
-            raise
-        db.conn.commit()
-    return applied
+    if LEGACY_TABLE in db.table_names():  # recorded by kvd's own runner: carry the names over, once
+        with db.atomic():
+            MIGRATIONS.ensure_migrations_table(db)
+            db.execute(f"INSERT OR IGNORE INTO {MIGRATIONS.migrations_table} (migration_set, name, applied_at) "
+                       f"SELECT ?, name, datetime(applied_at, 'unixepoch') FROM {LEGACY_TABLE}", [MIGRATIONS.name])
+            db.execute(f"DROP TABLE {LEGACY_TABLE}")
+    pending = [m.name for m in MIGRATIONS.pending(db)]
+    if pending:
+        MIGRATIONS.apply(db)
+    return pending
 
 
 @migration

@@ -1,75 +1,39 @@
-"""Schema migrations: numbered, append-only functions (the simonw/llm pattern).
+"""Schema migrations: numbered, append-only functions, run by sqlite-utils' own runner.
 
-Never edit or reorder a migration that has shipped: a user's database records
-it as applied and will not run it again. Change the schema by appending
-``m00N_what_changed(db)``. Each migration runs in its own transaction together
-with the row that records it, so a crash mid-migration leaves no half-applied
-schema; it must therefore not change PRAGMAs (they are no-ops inside a
-transaction).
+`sqlite_utils.migrations.Migrations` (the same runner the cache index uses,
+cachestore/migrations.py) records each applied function's name in
+`_sqlite_migrations` under the set "kvd.sessions", and runs each migration in
+one transaction together with the row that records it, so a crash
+mid-migration leaves no half-applied schema; a migration must therefore not
+change PRAGMAs (they are no-ops inside a transaction). Never edit or reorder
+a migration that has shipped: a user's database records it as applied and
+will not run it again. Change the schema by appending
+``m00N_what_changed(db)``.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
 
-MIGRATIONS_TABLE = "_kvd_migrations"
-
-Migration = Callable[[Database], None]
-MIGRATIONS: list[Migration] = []
-
-
-def migration(fn: Migration) -> Migration:
-    """Register `fn`; registration order is application order."""
-    MIGRATIONS.append(fn)
-    return fn
+MIGRATIONS = Migrations("kvd.sessions")
+#: Where kvd recorded applied migrations before it used sqlite-utils' runner.
+LEGACY_TABLE = "_kvd_migrations"
+migration = MIGRATIONS()
 
 
 def migrate(db: Database) -> list[str]:
     """Apply the migrations `db` has not seen yet; return their names."""
-    db.execute(
-        f"CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} "
-        "(name TEXT PRIMARY KEY, applied_at REAL NOT NULL)"
-    )
-    if not _pending(db):  # the usual case: one read, no write lock
-        return []
-    applied: list[str] = []
-    for fn in MIGRATIONS:
-        with _write_transaction(db):
-            # Checked again under the write lock: another process may have
-            # migrated since we looked.
-            if fn.__name__ not in _applied(db):
-                fn(db)
-                db.execute(
-                    f"INSERT INTO {MIGRATIONS_TABLE} (name, applied_at) VALUES (?, ?)",
-                    [fn.__name__, time.time()],
-                )
-                applied.append(fn.__name__)
-    return applied
-
-
-def _applied(db: Database) -> set[str]:
-    return {row[0] for row in db.execute(f"SELECT name FROM {MIGRATIONS_TABLE}")}
-
-
-def _pending(db: Database) -> list[str]:
-    done = _applied(db)
-    return [fn.__name__ for fn in MIGRATIONS if fn.__name__ not in done]
-
-
-@contextmanager
-def _write_transaction(db: Database) -> Iterator[None]:
-    """BEGIN IMMEDIATE: take the write lock before reading what to apply."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        db.rollback()
-        raise
-    db.commit()
+    if LEGACY_TABLE in db.table_names():  # recorded by kvd's own runner: carry the names over, once
+        with db.atomic():
+            MIGRATIONS.ensure_migrations_table(db)
+            db.execute(f"INSERT OR IGNORE INTO {MIGRATIONS.migrations_table} (migration_set, name, applied_at) "
+                       f"SELECT ?, name, datetime(applied_at, 'unixepoch') FROM {LEGACY_TABLE}", [MIGRATIONS.name])
+            db.execute(f"DROP TABLE {LEGACY_TABLE}")
+    pending = [m.name for m in MIGRATIONS.pending(db)]
+    if pending:
+        MIGRATIONS.apply(db)
+    return pending
 
 
 @migration

@@ -77,3 +77,28 @@ def test_lost_index_is_rebuilt_from_the_files(tmp_path: Path, damage: str) -> No
     assert rebuilt == before
     assert done["usage"]["restored_from"] == "disk"
     assert done["usage"]["restored_tokens"] == len(fed)  # every token fed before the loss
+
+
+def test_an_index_from_kvds_own_migration_runner_carries_over(tmp_path: Path) -> None:
+    """An index whose migrations kvd's earlier runner recorded (in _kvd_migrations) is kept, not
+    rebuilt: the names move to sqlite-utils' table and only the later migrations run."""
+    from sqlite_utils import Database
+
+    from cachestore.index import SegmentIndex
+    from cachestore.migrations import LEGACY_TABLE, m001_segments
+
+    (tmp_path / "segments").mkdir()
+    db = Database(tmp_path / "index.sqlite")
+    db.execute(f"CREATE TABLE {LEGACY_TABLE} (name TEXT PRIMARY KEY, applied_at REAL)")
+    m001_segments(db)
+    db.execute(f"INSERT INTO {LEGACY_TABLE} VALUES ('m001_segments', 1)")
+    db.conn.commit()
+    db.close()
+    index = SegmentIndex(tmp_path)
+    assert index.lost is None  # an existing index, not an empty one to rebuild
+    names = [r[0] for r in index.db.execute(
+        "SELECT name FROM _sqlite_migrations WHERE migration_set = 'kvd.cache' ORDER BY id")]
+    assert names == ["m001_segments", "m002_blocks"]
+    tables = {r[0] for r in index.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"segments", "blocks", "chains"} <= tables and LEGACY_TABLE not in tables
+    index.close()

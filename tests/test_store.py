@@ -24,7 +24,7 @@ from sessions import (
     is_valid_session_id,
     new_session_id,
 )
-from sessions.migrations import MIGRATIONS, MIGRATIONS_TABLE
+from sessions.migrations import LEGACY_TABLE, MIGRATIONS
 
 REPO = Path(__file__).resolve().parent.parent
 MISSING = "0123456789abcdef"
@@ -386,25 +386,31 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
         s = store.create_session(title="survives")
     with Store(db_path) as store:
         assert store.get_session(s["id"]) is not None
-    names = [r[0] for r in raw_query(db_path, f"SELECT name FROM {MIGRATIONS_TABLE}")]
-    assert sorted(names) == sorted(fn.__name__ for fn in MIGRATIONS)
-    assert names[0] == "m001_initial"
+    names = [r[0] for r in raw_query(db_path, "SELECT name FROM _sqlite_migrations "
+                                               "WHERE migration_set = 'kvd.sessions' ORDER BY id")]
+    assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks"]
 
 
 def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
-    """A kvd.sqlite written by the first release gains the params column, rows intact."""
+    """A kvd.sqlite written by the first release gains the params column, rows intact.
+
+    Its migrations were recorded by kvd's own runner (in _kvd_migrations); they
+    move to sqlite-utils' table and only the later ones run.
+    """
     from sqlite_utils import Database
 
     from sessions.migrations import m001_initial, migrate
 
     db = Database(db_path)
-    db.execute(f"CREATE TABLE {MIGRATIONS_TABLE} (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    db.execute(f"CREATE TABLE {LEGACY_TABLE} (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
     m001_initial(db)
-    db.execute(f"INSERT INTO {MIGRATIONS_TABLE} VALUES ('m001_initial', 0)")
+    db.execute(f"INSERT INTO {LEGACY_TABLE} VALUES ('m001_initial', 0)")
     db.execute("INSERT INTO sessions (id, title, system, created_at, updated_at) "
                "VALUES (?, 'old', NULL, 1, 1)", [MISSING])
     db.conn.commit()
     assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks"]
+    assert LEGACY_TABLE not in db.table_names() and MIGRATIONS.pending(db) == []
+    assert migrate(db) == []
     db.close()
     with Store(db_path) as store:
         old = get(store, MISSING)
