@@ -49,7 +49,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -155,7 +158,7 @@ def turn(base_url: str, key: str, messages: list[dict[str, str]], new: int) -> t
     first = None
     text = ""
     usage: dict[str, Any] = {}
-    stream = client.chat.completions.create(model="default_model", messages=messages,  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model="default_model", messages=cast("list[ChatCompletionMessageParam]", messages),
                                             stream=True, temperature=0, max_tokens=new,
                                             stream_options={"include_usage": True})
     for chunk in stream:

@@ -137,7 +137,7 @@ class SessionCaches:
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
-        ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
+        ms: Callable[[], float] = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
 
         if (res := self.resident.take(key)) is not None:
             cache, toks = res
@@ -161,7 +161,7 @@ class SessionCaches:
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
-        ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
+        ms: Callable[[], float] = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
 
         if (res := self.resident.peek(source)) is not None:
             cache, toks = res

@@ -385,7 +385,7 @@ def _claimed_size(f: io.FileIO) -> int | None:
     raw = f.read(8)
     if len(raw) < 8:
         return 8
-    (n,) = struct.unpack("<Q", raw)
+    n: int = struct.unpack("<Q", raw)[0]
     if n > _MAX_HEADER:
         return None
     head = f.read(n)

@@ -85,7 +85,8 @@ class Client:
 
     async def recv(self) -> dict[str, Any]:
         with anyio.fail_after(EVENT_TIMEOUT):
-            return json.loads(await self.ws.recv())
+            event: dict[str, Any] = json.loads(await self.ws.recv())
+        return event
 
     async def send(self, frame: dict[str, Any] | str | bytes) -> None:
         await self.ws.send(frame if isinstance(frame, (str, bytes)) else json.dumps(frame))

@@ -31,7 +31,8 @@ CTX = re.compile(r" · (\d+)/8192 ctx")
 
 
 def session_id(screen: Screen) -> str:
-    return re.findall(r"session ([0-9a-f]{16})", screen.text)[-1]
+    ids: list[str] = re.findall(r"session ([0-9a-f]{16})", screen.text)
+    return ids[-1]
 
 
 async def test_a_paste_is_one_message(tmp_path: Path) -> None:

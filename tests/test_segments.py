@@ -74,7 +74,7 @@ def no_mlx_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a segment that failed verification was handed to MLX")
 
-    monkeypatch.setattr(segments.mx, "load", refuse)
+    monkeypatch.setattr(mx, "load", refuse)
     yield
 
 
@@ -207,8 +207,8 @@ def test_no_file_at_path_until_complete(
         events.append("rename")
         real_replace(src, dst)
 
-    monkeypatch.setattr(segments.os, "fsync", fsync)
-    monkeypatch.setattr(segments.os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     seg = write_segment(path, snap, fingerprint=FP)
     if sys.platform.startswith("linux"):
         assert events == ["fsync-file", "rename", "fsync-dir"]
@@ -226,14 +226,14 @@ def test_failed_write_leaves_nothing(
         raise OSError(28, "No space left on device")
 
     path = tmp_path / "seg"
-    monkeypatch.setattr(segments.mx, "save_safetensors", half_then_fail)
+    monkeypatch.setattr(mx, "save_safetensors", half_then_fail)
     with pytest.raises(OSError, match="No space"):
         write_segment(path, snap, fingerprint=FP)
     assert list(tmp_path.iterdir()) == []
     # An old segment under the name survives a failed rewrite intact.
-    monkeypatch.setattr(segments.mx, "save_safetensors", real_save)
+    monkeypatch.setattr(mx, "save_safetensors", real_save)
     old = write_segment(path, snap, fingerprint=FP)
-    monkeypatch.setattr(segments.mx, "save_safetensors", half_then_fail)
+    monkeypatch.setattr(mx, "save_safetensors", half_then_fail)
     with pytest.raises(OSError):
         write_segment(path, snap, fingerprint=OTHER_FP)
     read_segment(path, checksum=old.checksum, fingerprint=FP)
@@ -367,7 +367,7 @@ def craft(
         **(meta or {}),
     }
     with open(path, "wb") as f:
-        mx.save_safetensors(f, tensors, metadata)  # type: ignore[arg-type]
+        mx.save_safetensors(f, tensors, metadata)
     return crc(path)
 
 

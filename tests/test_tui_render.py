@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -291,7 +292,7 @@ def test_a_queued_turn_says_how_many_are_ahead_and_unknown_events_are_ignored() 
 
     console = capture_console()
     printer = render.answer_printer(console)
-    events = [
+    events: list[dict[str, Any]] = [
         {"type": "chat.queued", "id": "r1", "session": "s", "position": 2},
         {"type": "chat.start", "id": "r1", "message_index": 1},
         {"type": "chat.something_new", "id": "r1"},
