@@ -41,8 +41,8 @@ import json
 import os
 import random
 import signal
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -158,8 +158,9 @@ def turn(base_url: str, key: str, messages: list[dict[str, str]], new: int) -> t
     first = None
     text = ""
     usage: dict[str, Any] = {}
-    stream = client.chat.completions.create(model="default_model", messages=cast("list[ChatCompletionMessageParam]", messages),
-                                            stream=True, temperature=0, max_tokens=new,
+    params = cast("list[ChatCompletionMessageParam]", messages)
+    stream = client.chat.completions.create(model="default_model", messages=params, stream=True,
+                                            temperature=0, max_tokens=new,
                                             stream_options={"include_usage": True})
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -251,7 +252,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}\n")
-    print("| conversation | server | next turn, same process | after a restart | restart / same | cached after restart |")
+    print("| conversation | server | next turn, same process | after a restart | restart / same "
+          "| cached after restart |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         last = r["usages"][-1]

@@ -381,7 +381,7 @@ class SessionCaches:
         total = self.index.total_bytes()
         if total <= self.budgets.disk_bytes:
             return
-        for key, nbytes in self.index.keys_by_use():
+        for key, _ in self.index.keys_by_use():
             if total <= self.budgets.disk_bytes:
                 break
             if key == keep:

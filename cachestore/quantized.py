@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
@@ -23,8 +24,6 @@ from mlx_lm.models.cache import (
     dynamic_roll,
     make_prompt_cache,
 )
-from mlx_lm.models.base import create_causal_mask
-
 
 __all__ = ["BatchQuantizedKVCache", "KvdQuantizedKVCache", "as_batchable", "make_cache"]
 

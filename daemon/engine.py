@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol
 
 import protocol as p
 
@@ -130,7 +130,7 @@ class Failed:
     message: str
 
 
-EngineEvent = Union[Queued, Started, Progress, Delta, Done, Failed]
+EngineEvent = Queued | Started | Progress | Delta | Done | Failed
 
 
 MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs

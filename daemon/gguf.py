@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .ggufinfo import GGMLType, GGUFInfo, TYPE_NAMES
+from .ggufinfo import TYPE_NAMES, GGMLType, GGUFInfo
 
 __all__ = ["CONVERTER_VERSION", "MODES", "UnsupportedGGUF", "check_supported", "convert"]
 

@@ -32,9 +32,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+import protocol as p
+from protocol.requests import RequestError
 from sessions import Store, is_valid_session_id
 
-import protocol as p
 from .asgi import headers_of
 from .config import Config
 from .engine import Engine
@@ -42,7 +43,6 @@ from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError, ChatRequest, parse, stops
 from .prompt import render
-from protocol.requests import RequestError
 from .stateless import place
 from .turns import Tokens, Turn, Turns
 

@@ -25,10 +25,10 @@ import uvicorn
 from anyio.abc import TaskStatus
 from starlette.types import Receive, Scope, Send
 
+import protocol as p
 from sessions import Store
 
 from . import __version__
-import protocol as p
 from .asgi import abort_transport
 from .config import Config
 from .connection import Connection, ConnectionStatistics

@@ -28,12 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cachestore.prefix import common_prefix_len
-from sessions import Message, Store
-
 import protocol as p
+from cachestore.prefix import common_prefix_len
 from protocol import DEFAULT_TITLE
 from protocol.requests import RequestError
+from sessions import Message, Store
+
 from .turns import Turns
 
 TITLE_CHARS = 60

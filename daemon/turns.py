@@ -35,13 +35,13 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+import protocol as p
+from protocol.requests import RequestError, RequestId
 from sessions import Message, Store, is_disk_full
 
-import protocol as p
 from .config import Config
 from .engine import Delta, Done, Engine, EngineEvent, Failed, GenerationJob, Progress, Prompt, Queued, Started
 from .prompt import prompt_tokens
-from protocol.requests import RequestError, RequestId
 from .sampling import resolve
 
 log = logging.getLogger("kvd.turns")

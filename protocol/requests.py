@@ -12,11 +12,11 @@ import enum
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import protocol as p
 
-RequestId = Union[str, int, None]
+RequestId = str | int | None
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,8 @@ class Status:
     id: RequestId
 
 
-Request = Union[SessionCreate, SessionList, SessionGet, SessionUpdate, SessionDelete, ChatSend,
-                ChatRegenerate, ChatEdit, ChatCancel, ChatAttach, Ping, Status]
+Request = (SessionCreate | SessionList | SessionGet | SessionUpdate | SessionDelete | ChatSend
+           | ChatRegenerate | ChatEdit | ChatCancel | ChatAttach | Ping | Status)
 
 MAX_TITLE_CHARS = 200
 

@@ -53,7 +53,8 @@ class RunningDaemon:
 
 
 @asynccontextmanager
-async def running_daemon(data_dir: Path, *, start_engine: bool = True, **overrides: Any) -> AsyncIterator[RunningDaemon]:
+async def running_daemon(data_dir: Path, *, start_engine: bool = True,
+                         **overrides: Any) -> AsyncIterator[RunningDaemon]:
     """A daemon serving on port 0. With start_engine=False it serves with the model not yet
     loading, until the test calls `d.daemon.engine.start()` (which it must, before leaving)."""
     overrides.setdefault("port", 0)

@@ -23,7 +23,6 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
-from cachestore import segments
 from cachestore.errors import (
     ChecksumMismatch,
     CorruptSegment,
@@ -34,9 +33,9 @@ from cachestore.errors import (
     UnsupportedFormat,
 )
 from cachestore.segments import SegmentFile, fingerprint, read_segment, write_segment
-from snapshots import assert_same, assert_same_layer  # noqa: F401
-from cachestore.snapshot import LayerSnapshot, Snapshot, layout, merge, restore, snapshot
+from cachestore.snapshot import Snapshot, layout, merge, restore, snapshot
 from daemon.builtin import ensure_builtin
+from snapshots import assert_same, assert_same_layer  # noqa: F401
 
 FP = fingerprint(
     model_id="builtin:tiny-swa", config={"a": 1}, dtype="float32", kv_bits=None, layout=["kv"]

@@ -25,7 +25,6 @@ from mlx_lm.models.cache import (
 )
 
 from cachestore.errors import CacheError, CannotSplit, SnapshotError
-from snapshots import assert_same, assert_same_layer  # noqa: F401
 from cachestore.snapshot import (
     LayerSnapshot,
     Snapshot,
@@ -38,6 +37,7 @@ from cachestore.snapshot import (
     trimmable,
     truncate,
 )
+from snapshots import assert_same, assert_same_layer  # noqa: F401
 
 N = 12  # greedy tokens compared after each restore
 WINDOW = 64  # builtin:tiny-swa's sliding window

@@ -43,7 +43,8 @@ def test_status_line_says_why_the_answer_stopped(reason: str) -> None:
 @pytest.mark.parametrize(
     "cache, says",
     [
-        ({"restored_from": "resident", "restored_tokens": 512, "restore_ms": 0.04}, "cache: resident 512 tok in 0.0 ms"),
+        ({"restored_from": "resident", "restored_tokens": 512, "restore_ms": 0.04},
+         "cache: resident 512 tok in 0.0 ms"),
         ({"restored_from": "warm", "restored_tokens": 512, "restore_ms": 3.14}, "cache: warm 512 tok in 3.1 ms"),
         ({"restored_from": "none", "restored_tokens": 0, "prefill_tokens": 40}, "cache: none, prefilled 40 tok"),
         ({"cached_tokens": 28}, "28 cached"),  # a daemon from before cache tiers
