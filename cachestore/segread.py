@@ -195,7 +195,7 @@ def _claimed_size(f: io.FileIO) -> int | None:
     raw = f.read(8)
     if len(raw) < 8:
         return 8
-    (n,) = struct.unpack("<Q", raw)
+    n = int(struct.unpack("<Q", raw)[0])
     if n > _MAX_HEADER:
         return None
     head = f.read(n)
@@ -214,7 +214,7 @@ def _read_header(f: io.FileIO, size: int, path: Path) -> dict[str, Any]:
     raw = f.read(8)
     if len(raw) < 8:
         raise SegmentTruncated(f"{size} bytes: not even a safetensors header", path=path)
-    (n,) = struct.unpack("<Q", raw)
+    n = int(struct.unpack("<Q", raw)[0])
     if n > _MAX_HEADER:
         raise UnsupportedFormat(f"a {n}-byte header: not a safetensors file", path=path)
     if 8 + n > size:

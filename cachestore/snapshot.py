@@ -17,9 +17,9 @@ from typing import Any
 import mlx.core as mx
 
 from .errors import CannotSplit, SnapshotError
+from .layers import LayerSnapshot
 from .kinds import (
     KINDS,
-    LayerSnapshot,
     cut_layer,
     kind_of,
     merge_layers,

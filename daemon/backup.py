@@ -3,8 +3,8 @@
 The transcript is the one thing kvd cannot rebuild, and a deleted or damaged
 kvd.sqlite-wal takes its last commits with it. `VACUUM INTO` writes a
 consistent, compact copy through a connection of its own, so it can run on a
-worker thread while the daemon keeps writing (WAL: a reader blocks nobody). Written to a temp name, then renamed: a crash never
-leaves a half backup under a backup's name. One backup per UTC day (a new
+worker thread while the daemon keeps writing (WAL: a reader blocks nobody).
+Written to a temp name, then renamed: a crash never leaves a half backup under a backup's name. One backup per UTC day (a new
 one replaces the day's earlier one), the newest BACKUPS_KEPT days kept: many
 restarts in one day cannot push out yesterday's copy.
 """
@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from protocol import durable
-
 
 log = logging.getLogger("kvd")
 

@@ -18,14 +18,22 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from protocol import durable
+from protocol import TOKEN_FILE, default_data_dir, durable
 
 from . import __version__, backup, preflight
 from .config import Config, ConfigError, load_config
-from .control import DETACHED_FLAG, detach, leave_terminal, logs, read_daemon_file, running_line, stop, write_daemon_file
+from .control import (
+    DETACHED_FLAG,
+    detach,
+    leave_terminal,
+    logs,
+    read_daemon_file,
+    running_line,
+    stop,
+    write_daemon_file,
+)
 from .lockfile import AlreadyRunning, DataDirLock
 from .logfile import setup_logging
-from protocol import TOKEN_FILE, default_data_dir
 from .preflight import StartError
 
 if TYPE_CHECKING:

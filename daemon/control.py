@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol import durable
+from protocol import DAEMON_FILE, durable
 
 from . import __version__
 from .lockfile import holder_pid, is_locked
 from .logfile import follow, tail
-from protocol import DAEMON_FILE
 
 READY_MARK = "kvd: listening on "
 DETACHED_FLAG = "--detached-child"

@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 
 from .config import Config
-from .jobs import Delta, Done, EngineEvent, Failed, GenerationJob, Progress, PromptTooLong, Queued, Started
+from .jobs import Delta, Done, Failed, GenerationJob, Progress, PromptTooLong, Queued, Started
 from .running import Running, TurnStatistics, fit_advice
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from cachestore import SessionCaches
 
-    from .prefill import Prefill
 
 log = logging.getLogger("kvd.engine")
 
@@ -283,9 +282,8 @@ class Engine:
     def _insert(self, job: GenerationJob) -> None:
         from mlx_lm.sample_utils import make_sampler
 
-        from .quantized import make_cache
-
         from .prefill import Prefill
+        from .quantized import make_cache
 
         tokens, retokenized = job.prompt.ids(self.tokenizer)
         if self.max_context and len(tokens) + job.max_tokens > self.max_context:

@@ -32,7 +32,7 @@ from typing import Any
 
 from protocol import durable
 
-from .ggufinfo import GGMLType, GGUFInfo, TYPE_NAMES
+from .ggufinfo import TYPE_NAMES, GGMLType, GGUFInfo
 
 __all__ = ["CONVERTER_VERSION", "MODES", "UnsupportedGGUF", "check_supported", "convert"]
 

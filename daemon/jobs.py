@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 # --- jobs in ---------------------------------------------------------------
 
@@ -90,4 +90,4 @@ class Failed:
     message: str
 
 
-EngineEvent = Union[Queued, Started, Progress, Delta, Done, Failed]
+EngineEvent = Queued | Started | Progress | Delta | Done | Failed

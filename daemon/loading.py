@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 
 import protocol as p
+
 from .engine import Engine
 
 POLL_INTERVAL = 0.2  # seconds between looks at engine.ready

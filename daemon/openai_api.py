@@ -32,9 +32,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+import protocol as p
+from protocol.requests import RequestError
 from sessions import Store, is_valid_session_id
 
-import protocol as p
 from .asgi import headers_of
 from .config import Config
 from .engine import Engine
@@ -42,7 +43,6 @@ from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError, ChatRequest, parse, stops
 from .prompt import render
-from protocol.requests import RequestError
 from .stateless import place
 from .turns import Tokens, Turn, Turns
 
@@ -253,7 +253,8 @@ class _Answer(Response):
     def _kvd(self, done: dict[str, Any]) -> dict[str, Any]:
         u = done.get("usage") or {}
         return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
-                "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"), "prefill_tokens": u.get("prefill_tokens")}
+                "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
+                "prefill_tokens": u.get("prefill_tokens")}
 
     async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]

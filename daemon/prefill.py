@@ -54,8 +54,8 @@ class Prefill:
             mx.eval([c.state for c in self.cache])
             mx.clear_cache()
             return None
-        logits = logits[:, -1, :]
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        last: mx.array = logits[:, -1, :]
+        return last - mx.logsumexp(last, axis=-1, keepdims=True)
 
 
 def first_token(logprobs: mx.array, sampler: Callable[[mx.array], mx.array]) -> int:

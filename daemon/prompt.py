@@ -25,8 +25,9 @@ def _conversation(messages: Sequence[dict[str, str]], system: str | None) -> lis
 
 def render(tokenizer: Any, messages: Sequence[dict[str, str]], system: str | None,
            *, generation_prompt: bool = True) -> str:
-    return tokenizer.apply_chat_template(_conversation(messages, system),
-                                         add_generation_prompt=generation_prompt, tokenize=False)
+    text: str = tokenizer.apply_chat_template(_conversation(messages, system),
+                                              add_generation_prompt=generation_prompt, tokenize=False)
+    return text
 
 
 def _continuation(tokenizer: Any, history: Sequence[dict[str, str]], new: Sequence[dict[str, str]],

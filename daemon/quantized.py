@@ -16,15 +16,14 @@ from __future__ import annotations
 from typing import Any, cast
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     _BaseCache,
-    create_causal_mask,
     dynamic_roll,
     make_prompt_cache,
 )
-
 
 __all__ = ["BatchQuantizedKVCache", "KvdQuantizedKVCache", "as_batchable", "make_cache"]
 
@@ -132,7 +131,8 @@ class BatchQuantizedKVCache(_BaseCache):
             self._right_padding = None
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        mask: mx.array = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        return mask
 
     # -- batch management --------------------------------------------------------
 

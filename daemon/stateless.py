@@ -29,11 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from sessions import Message, Store
-
 import protocol as p
 from protocol import DEFAULT_TITLE
 from protocol.requests import RequestError
+from sessions import Message, Store
+
 from .turns import Turns
 
 TITLE_CHARS = 60

@@ -33,7 +33,7 @@ def fetch_status(url: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
             raise RuntimeError(f"unexpected greeting from {url}: {hello}")
         ws.send(json.dumps({"id": "status", "type": p.STATUS}))
         while True:
-            reply = json.loads(ws.recv(timeout=timeout))
+            reply: dict[str, Any] = json.loads(ws.recv(timeout=timeout))
             if reply.get("id") == "status":
                 if reply.get("type") == p.ERROR:
                     raise RuntimeError(f"kvd at {url} refused status: {reply.get('message')}")

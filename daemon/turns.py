@@ -35,14 +35,14 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+import protocol as p
+from protocol.requests import RequestError, RequestId
 from sessions import Message, Store, is_disk_full
 
-import protocol as p
 from .config import Config
 from .engine import Engine
 from .jobs import Delta, Done, EngineEvent, Failed, GenerationJob, Progress, Prompt, Queued, Started
 from .prompt import prompt_tokens
-from protocol.requests import RequestError, RequestId
 from .sampling import resolve
 
 log = logging.getLogger("kvd.turns")

@@ -19,9 +19,22 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 import protocol as p
 from protocol import requests, wire
-from protocol.requests import (ChatAttach, ChatCancel, ChatEdit, ChatRegenerate, ChatSend, Ping, RequestError,
-                               SessionCreate, SessionDelete, SessionGet, SessionList, SessionUpdate, Status,
-                               parse_request)
+from protocol.requests import (
+    ChatAttach,
+    ChatCancel,
+    ChatEdit,
+    ChatRegenerate,
+    ChatSend,
+    Ping,
+    RequestError,
+    SessionCreate,
+    SessionDelete,
+    SessionGet,
+    SessionList,
+    SessionUpdate,
+    Status,
+    parse_request,
+)
 from sessions import KEEP, Session, Store, is_disk_full
 
 from . import __version__

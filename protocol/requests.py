@@ -12,11 +12,11 @@ import enum
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import protocol as p
 
-RequestId = Union[str, int, None]
+RequestId = str | int | None
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,8 @@ class Status:
     id: RequestId
 
 
-Request = Union[SessionCreate, SessionList, SessionGet, SessionUpdate, SessionDelete, ChatSend,
-                ChatRegenerate, ChatEdit, ChatCancel, ChatAttach, Ping, Status]
+Request = (SessionCreate | SessionList | SessionGet | SessionUpdate | SessionDelete | ChatSend
+           | ChatRegenerate | ChatEdit | ChatCancel | ChatAttach | Ping | Status)
 
 MAX_TITLE_CHARS = 200
 
@@ -175,7 +175,7 @@ def _field(msg: dict[str, Any], rid: RequestId, name: str, kind: type | tuple[ty
 
 
 def _session(msg: dict[str, Any], rid: RequestId) -> str:
-    sid = _field(msg, rid, "session", str)
+    sid: str = _field(msg, rid, "session", str)
     if not p.SESSION_ID_RE.fullmatch(sid):
         raise RequestError(p.BAD_REQUEST, "'session' must be a session id: 16 lowercase hex characters", rid)
     return sid
@@ -194,10 +194,10 @@ def _number(msg: dict[str, Any], rid: RequestId, name: str,
 
 
 def _max_tokens(msg: dict[str, Any], rid: RequestId, limits: Limits, *, label: str = "") -> int | None:
-    value = _field(msg, rid, "max_tokens", int, required=False)
+    value: int | None = _field(msg, rid, "max_tokens", int, required=False)
     if value is not None and not 1 <= value <= limits.max_tokens_limit:
         raise RequestError(p.BAD_REQUEST, f"{label or repr('max_tokens')} must be 1-{limits.max_tokens_limit}", rid)
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _temperature(msg: dict[str, Any], rid: RequestId, *, label: str = "") -> float | None:
@@ -232,21 +232,21 @@ def _params(msg: dict[str, Any], rid: RequestId, limits: Limits) -> dict[str, fl
 
 
 def _title(msg: dict[str, Any], rid: RequestId) -> str | None:
-    title = _field(msg, rid, "title", str, required=False)
+    title: str | None = _field(msg, rid, "title", str, required=False)
     if title is not None and not 1 <= len(title) <= MAX_TITLE_CHARS:
         raise RequestError(p.BAD_REQUEST, f"'title' must be 1-{MAX_TITLE_CHARS} characters", rid)
-    return title  # type: ignore[no-any-return]
+    return title
 
 
 def _system(msg: dict[str, Any], rid: RequestId, limits: Limits) -> str | None:
-    system = _field(msg, rid, "system", str, required=False)
+    system: str | None = _field(msg, rid, "system", str, required=False)
     if system is not None and len(system) > limits.max_text_chars:
         raise RequestError(p.TOO_LARGE, f"'system' is longer than {limits.max_text_chars} characters", rid)
-    return system  # type: ignore[no-any-return]
+    return system
 
 
 def _text(msg: dict[str, Any], rid: RequestId, limits: Limits) -> str:
-    text = _field(msg, rid, "text", str)
+    text: str = _field(msg, rid, "text", str)
     if not text.strip():
         raise RequestError(p.BAD_REQUEST, "'text' is empty", rid)
     if len(text) > limits.max_text_chars:

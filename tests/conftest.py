@@ -53,7 +53,8 @@ class RunningDaemon:
 
 
 @asynccontextmanager
-async def running_daemon(data_dir: Path, *, start_engine: bool = True, **overrides: Any) -> AsyncIterator[RunningDaemon]:
+async def running_daemon(data_dir: Path, *, start_engine: bool = True,
+                         **overrides: Any) -> AsyncIterator[RunningDaemon]:
     """A daemon serving on port 0. With start_engine=False it serves with the model not yet
     loading, until the test calls `d.daemon.engine.start()` (which it must, before leaving)."""
     overrides.setdefault("port", 0)
@@ -85,7 +86,8 @@ class Client:
 
     async def recv(self) -> dict[str, Any]:
         with anyio.fail_after(EVENT_TIMEOUT):
-            return json.loads(await self.ws.recv())
+            event: dict[str, Any] = json.loads(await self.ws.recv())
+        return event
 
     async def send(self, frame: dict[str, Any] | str | bytes) -> None:
         await self.ws.send(frame if isinstance(frame, (str, bytes)) else json.dumps(frame))

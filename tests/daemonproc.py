@@ -96,7 +96,8 @@ class SyncClient:
         self.n = 0
 
     def recv(self) -> dict[str, Any]:
-        return json.loads(self.ws.recv(timeout=EVENT_TIMEOUT))
+        event: dict[str, Any] = json.loads(self.ws.recv(timeout=EVENT_TIMEOUT))
+        return event
 
     def send(self, **frame: Any) -> str:
         self.n += 1

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.text import Text
 
 from conftest import RunningDaemon
-from daemon.control import write_daemon_file
 from daemon.connection import Connection
+from daemon.control import write_daemon_file
 from tui.cli import build_parser, run
 
 Step = str | Callable[[], str]
@@ -60,7 +60,8 @@ class Script:
 
 async def kvchat(d: RunningDaemon, *flags: str, script: Iterable[Step], width: int = 80) -> Screen:
     """Run kvchat with `flags` (and --data-dir) until the script ends; return what it showed."""
-    write_daemon_file(Path(d.config.data_dir), d.url, d.config.log_path)  # as `kvd serve` does: kvchat finds the daemon there
+    # As `kvd serve` does: kvchat finds the daemon there.
+    write_daemon_file(Path(d.config.data_dir), d.url, d.config.log_path)
     console = Console(width=width, record=True, color_system=None, file=io.StringIO(), highlight=False)
     args = build_parser().parse_args(["--data-dir", str(d.config.data_dir), *flags])
     typed = Script(console, script)

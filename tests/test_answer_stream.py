@@ -106,7 +106,7 @@ def test_on_a_terminal_each_block_is_printed_once_and_the_live_tail_fits_the_scr
     for i in range(0, len(ANSWER), 5):
         printer.feed(ANSWER[i : i + 5])
         # What the live region shows now: never taller than the screen.
-        live = console.render_lines(printer._live.renderable, pad=False) if printer._live else []  # type: ignore[union-attr]
+        live = console.render_lines(printer._live.renderable, pad=False) if printer._live else []
         tallest = max(tallest, len(live))
     printer.finish()
     assert printer._live is None  # the terminal is given back
@@ -192,7 +192,7 @@ def test_a_long_plain_paragraph_is_printed_as_it_streams_with_a_short_live_regio
         n = sizes.randint(1, 9)
         printer.feed(text[i : i + n])
         i += n
-        live = console.render_lines(printer._live.renderable, pad=False) if printer._live else []  # type: ignore[union-attr]
+        live = console.render_lines(printer._live.renderable, pad=False) if printer._live else []
         if i > len(text) // 2:
             tallest = max(tallest, len(live))
         printed_while_streaming = console.prints

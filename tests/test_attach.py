@@ -35,7 +35,7 @@ async def test_attach_while_generating_continues_the_same_answer(tmp_path: Path)
                                   "max_tokens": 4000, "temperature": 0})
                 start = await first.recv()
                 assert start["type"] == "chat.start"
-                seen = []
+                seen: list[dict[str, Any]] = []
                 while len(seen) < 5:
                     event = await first.recv()
                     assert event["type"] == "chat.delta"
@@ -52,7 +52,7 @@ async def test_attach_while_generating_continues_the_same_answer(tmp_path: Path)
                 attached = await second.recv()
                 assert attached == {"type": "chat.attached", "id": "att", "session": sid, "generating": True,
                                     "request": "orig", "message_index": start["message_index"]}
-                more = []
+                more: list[dict[str, Any]] = []
                 while len(more) < 5:
                     event = await second.recv()
                     assert event["type"] == "chat.delta" and event["id"] == "orig", event

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import client, running_daemon
 from daemon.config import Config
-from protocol.requests import RequestError, parse_request
+from protocol.requests import RequestError, SessionCreate, parse_request
 
 pytestmark = pytest.mark.anyio
 
@@ -56,8 +56,9 @@ def test_parse_table(raw: str, code: str, rid: Any) -> None:
 
 
 def test_valid_non_bmp_text_is_fine() -> None:
-    req = parse_request('{"id": "a", "type": "session.create", "title": "\\ud83d\\ude00 ok"}', Config().request_limits())
-    assert getattr(req, "title") == "\U0001f600 ok"
+    raw = '{"id": "a", "type": "session.create", "title": "\\ud83d\\ude00 ok"}'
+    req = parse_request(raw, Config().request_limits())
+    assert isinstance(req, SessionCreate) and req.title == "\U0001f600 ok"
 
 
 async def test_fuzzed_frames_against_the_daemon(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

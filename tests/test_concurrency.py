@@ -60,7 +60,7 @@ async def alone(d: RunningDaemon, text: str) -> str:
 async def stall(d: RunningDaemon, text: str) -> str:
     """A client that starts an answer, then floods requests and reads nothing until cut off."""
     async with client(d) as c:
-        sid = (await c.request("session.create"))["session"]["id"]
+        sid: str = (await c.request("session.create"))["session"]["id"]
         # A session whose session.get reply is ~30 kB: a few hundred of them fill any socket buffer.
         big = (await c.request("session.create", system="z" * 30000))["session"]["id"]
     reader, writer = await raw_client(d.url, d.token)

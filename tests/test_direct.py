@@ -17,8 +17,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from cachestore.direct import STEP, Piece, read_direct
 from cachestore.errors import ChecksumMismatch, SegmentTruncated
 from cachestore.manager import Budgets, SessionCaches
-from cachestore.snapshot import merge, restore
 from cachestore.segments import read_segment
+from cachestore.snapshot import merge, restore
 
 KEY = "abcd"
 TURNS = [list(range(10, 50)), list(range(60, 90)), list(range(100, 133))]  # 40 + 30 + 33 tokens
@@ -78,7 +78,7 @@ def test_equals_the_general_path_and_leaves_room(model: Any, tmp_path: Path) -> 
         for a, b in zip(d.state[:2], g.state[:2], strict=True):
             assert mx.array_equal(a[..., :len(toks), :], b[..., :len(toks), :]).item()
         # Room for the 20 tokens that follow, so the next forward does not grow the buffer.
-        assert d.keys.shape[2] >= len(toks) + 20 and d.keys.shape[2] % STEP == 0
+        assert d.keys is not None and d.keys.shape[2] >= len(toks) + 20 and d.keys.shape[2] % STEP == 0
     caches.close()
 
 

@@ -17,6 +17,7 @@ import pytest
 
 import cachestore.manager as manager
 from cachestore.manager import SessionCaches
+from cachestore.segments import write_segment
 from conftest import client, running_daemon
 from daemonproc import DaemonProcess
 from sessions import is_disk_full
@@ -69,7 +70,7 @@ def test_full_cache_disk_evicts_the_least_recently_used(model: Any, tmp_path: Pa
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     """A cache filesystem that holds two sessions' files (injected ENOSPC past that)."""
-    real_write = manager.write_segment
+    real_write = write_segment  # what manager calls, patched below
     capacity = 0
 
     def write_on_small_disk(path: Path, *args: Any, **kwargs: Any) -> Any:

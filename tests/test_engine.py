@@ -115,7 +115,8 @@ def assert_next_turn_starts_from(engine: Engine, sid: str, text: str, events: li
     assert isinstance(started, Started) and not started.retokenized
     assert started.cached_tokens == end.usage["prompt_tokens"]
     # The prompt began with exactly those ids (the next history is the prompt, then the answer).
-    assert done(nxt).tokens is not None and done(nxt).tokens[:len(end.tokens)] == end.tokens
+    tokens = done(nxt).tokens
+    assert tokens is not None and end.tokens is not None and tokens[:len(end.tokens)] == end.tokens
 
 
 def test_cancel_before_the_first_token_is_fed_keeps_it_in_the_history(engine: Engine) -> None:

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import Client, RunningDaemon, client, running_daemon
 from kvchat_harness import Screen, data_file, in_loop, kvchat, newest_connection, tap
-from tui.answer import render_answer
 from tui import render
+from tui.answer import render_answer
 
 pytestmark = pytest.mark.anyio
 
@@ -67,7 +67,8 @@ async def test_picker_then_sessions_new_switch_rename(tmp_path: Path) -> None:
         # The picker: a numbered table, most recent first, with tokens, cache tier and age.
         header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
         assert re.match(r"\s*# +title +last message +tokens +cache +last used$", lines[header])
-        assert re.match(r"\s*1 +Newer chat +\S.* +\d+ +(resident|warm|disk) +just now$", lines[header + 1]), lines[header + 1]
+        first_row = lines[header + 1]
+        assert re.match(r"\s*1 +Newer chat +\S.* +\d+ +(resident|warm|disk) +just now$", first_row), first_row
         assert re.match(r"\s*2 +Older chat +", lines[header + 2])
         assert "no session number 9; /sessions lists them" in lines
         # Picking 2 opens the older chat with its history.
@@ -92,7 +93,7 @@ async def test_delete_asks_first(tmp_path: Path) -> None:
     async with running_daemon(tmp_path) as d:
         async with client(d) as c:
             keep = await make_session(c, "Keep me", "hello")
-            doomed = await make_session(c, "Doomed", "hello")
+            await make_session(c, "Doomed", "hello")
         screen = await kvchat(d, "--session", keep, script=[
             "/sessions", "/delete 1", "n", "/delete 1", "y", "/delete", "yes", "/quit"])
         lines = screen.lines
@@ -261,8 +262,8 @@ async def test_busy_session_then_attach(tmp_path: Path) -> None:
                 in_loop(hook)
                 return "/attach"
 
-            screen = await kvchat(d, "--session", sid, script=["hello", "/system Be brief.", attach_then_stop_it, "/attach",
-                                                               "/quit"])
+            screen = await kvchat(d, "--session", sid,
+                                  script=["hello", "/system Be brief.", attach_then_stop_it, "/attach", "/quit"])
         got = await transcript(d, sid)
     lines = screen.lines
     assert ("error: this session is answering in another window; /attach to watch that answer, "

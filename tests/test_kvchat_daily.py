@@ -31,7 +31,8 @@ CTX = re.compile(r" · (\d+)/8192 ctx")
 
 
 def session_id(screen: Screen) -> str:
-    return re.findall(r"session ([0-9a-f]{16})", screen.text)[-1]
+    ids: list[str] = re.findall(r"session ([0-9a-f]{16})", screen.text)
+    return ids[-1]
 
 
 async def test_a_paste_is_one_message(tmp_path: Path) -> None:
@@ -234,8 +235,8 @@ async def test_ollama_habits(tmp_path: Path) -> None:
     assert screen.code == 0
     assert got["session"]["system"] == "Answer in French."
     assert got["session"]["params"] == {"temperature": 0.2, "max_tokens": 5}
-    assert "parameters are temperature, top_p, max_tokens (num_predict is max_tokens) (usage: /set system|parameter …)" \
-        in lines
+    assert ("parameters are temperature, top_p, max_tokens (num_predict is max_tokens) "
+            "(usage: /set system|parameter …)") in lines
     assert "kvchat knows /set system and /set parameter (usage: /set system|parameter …)" in lines
     # /params: the values the next answer uses, and where each comes from.
     assert "in effect: temperature=0.2 (session), top_p=1.0 (kvd's default), max_tokens=9 (--max-tokens)" in lines

@@ -17,10 +17,13 @@ from typing import Any
 
 import pytest
 
-# `kvd` is the module-scoped daemon fixture; importing it here makes it this module's too.
-from test_kvchat_tmux import Kvd, Pane, has_status_after, is_status, kvchat_command, kvd
+import test_kvchat_tmux
+from test_kvchat_tmux import Kvd, Pane, has_status_after, is_status, kvchat_command
 from tui.client import Client
 from tui.discover import locate
+
+# The module-scoped daemon fixture: a module-level name makes it this module's fixture too.
+kvd = test_kvchat_tmux.kvd
 
 
 def request(kvd: Kvd, type_: str, **fields: Any) -> dict[str, Any]:

@@ -106,7 +106,8 @@ def kvchat_command() -> list[str]:
 class Pane:
     """kvchat in a detached tmux session on a private tmux server."""
 
-    def __init__(self, command: list[str], workdir: Path, *, options: str = "", size: tuple[int, int] = (100, 30)) -> None:
+    def __init__(self, command: list[str], workdir: Path, *, options: str = "",
+                 size: tuple[int, int] = (100, 30)) -> None:
         if shutil.which("tmux") is None:
             pytest.fail("tmux is not installed; `make test` installs it (scripts/sysdeps.sh), or: apt-get install tmux")
         self.socket = f"kvchat-test-{uuid.uuid4().hex[:12]}"

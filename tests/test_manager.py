@@ -60,7 +60,8 @@ def test_idle_caches_move_down_and_disk_keeps_them(model: Any, tmp_path: Path) -
 
 def test_many_turns_compact_into_one_segment(model: Any, tmp_path: Path) -> None:
     caches = SessionCaches(tmp_path, "fp", budgets(max_segments=3), clock=Clock())
-    cache, toks = None, []
+    cache: Any = None
+    toks: list[int] = []
     for turn in range(5):
         cache, toks = grow(model, cache, toks, [100 + turn] * 7)
         caches.checkin(A, cache, toks)

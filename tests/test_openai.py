@@ -10,10 +10,13 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import openai
 import pytest
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 from daemonproc import DaemonProcess
 
@@ -93,7 +96,8 @@ def test_completion_then_cached_second_turn_then_stream(daemon: DaemonProcess, f
     assert c1.usage.total_tokens == c1.usage.prompt_tokens + c1.usage.completion_tokens
 
     second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": "And why keep it?"}]
-    stream = api(daemon).chat.completions.create(model=MODEL, messages=second, stream=True,  # type: ignore[arg-type]
+    stream = api(daemon).chat.completions.create(model=MODEL, messages=cast("list[ChatCompletionMessageParam]", second),
+                                                 stream=True,
                                                  stream_options={"include_usage": True}, **GREEDY)
     assert stream.response.headers["x-kvd-session"] == sid  # the same conversation, continued
     chunks = list(stream)

@@ -176,7 +176,8 @@ async def test_a_pinned_session_is_continued_and_rewound_where_the_request_diffe
         first = d.store.messages(sid)
         convo = [{"role": m["role"], "content": m["content"]} for m in first]
         async with http(d, **{"X-Kvd-Session": sid}) as h:
-            r = await h.post("/v1/chat/completions", json={**HI, "messages": [*convo, {"role": "user", "content": "and now?"}]})
+            more = [*convo, {"role": "user", "content": "and now?"}]
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": more})
             assert r.status_code == 200 and r.headers["X-Kvd-Session"] == sid
             answer = r.json()["choices"][0]["message"]["content"]
             assert [m["content"] for m in d.store.messages(sid)] == [first[0]["content"], first[1]["content"],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -11,15 +11,15 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.utils import load
 
+from cachestore.segments import read_segment, write_segment
+from cachestore.snapshot import restore, snapshot
+from conftest import client, fed_tokens, running_daemon
 from daemon.quantized import (
     BatchQuantizedKVCache,
     KvdQuantizedKVCache,
     as_batchable,
     make_cache,
 )
-from cachestore.segments import read_segment, write_segment
-from cachestore.snapshot import restore, snapshot
-from conftest import client, fed_tokens, running_daemon
 
 MODELS = ["builtin:tiny", "builtin:tiny-swa"]
 BITS = [4, 8]
@@ -50,7 +50,7 @@ def by_hand(model: Any, prompt: list[int], bits: int, n: int = N) -> list[int]:
     tok, out = prompt[-1], []
     for _ in range(n):
         logits = model(mx.array([[tok]]), cache=cache)
-        tok = int(mx.argmax(logits[0, -1]).item())
+        tok = cast(int, mx.argmax(logits[0, -1]).item())
         out.append(tok)
     return out
 
@@ -124,11 +124,11 @@ def test_cancel_returns_quantized_cache(models: dict[str, Any], name: str) -> No
 def test_batch_cache_filter_extend_extract() -> None:
     """Rows survive filter/extend unchanged: extract returns exactly their tokens."""
     mx.random.seed(0)
-    rows = []
+    rows: list[KvdQuantizedKVCache] = []
     for n in (5, 9, 3):
-        c = KvdQuantizedKVCache(group_size=32, bits=4)
-        c.update_and_fetch(mx.random.normal((1, 2, n, 32)), mx.random.normal((1, 2, n, 32)))
-        rows.append(c)
+        row = KvdQuantizedKVCache(group_size=32, bits=4)
+        QuantizedKVCache.update_and_fetch(row, mx.random.normal((1, 2, n, 32)), mx.random.normal((1, 2, n, 32)))
+        rows.append(row)
     a = KvdQuantizedKVCache.merge(rows[:2])
     b = KvdQuantizedKVCache.merge(rows[2:])
     assert isinstance(a, BatchQuantizedKVCache)
@@ -137,6 +137,7 @@ def test_batch_cache_filter_extend_extract() -> None:
     for i, src in zip((0, 1), (rows[0], rows[2])):
         out = a.extract(i)
         assert out.offset == src.offset
+        assert out.keys is not None and out.values is not None and src.keys is not None and src.values is not None
         for x, y in zip((*out.keys, *out.values), (*src.keys, *src.values)):
             assert mx.array_equal(x, y[..., :src.offset, :])
     assert a.nbytes > 0 and a.size() == 5

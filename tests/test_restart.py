@@ -43,7 +43,7 @@ def test_kill_9_mid_stream_keeps_transcript_and_resumes(tmp_path: Path) -> None:
         _, first = c.chat(sid, "A first turn that completes.", max_tokens=20, temperature=0)
         c.send(type="chat.send", session=sid, text="Now a long answer, please.", max_tokens=4000,
                temperature=0)
-        streamed = []
+        streamed: list[str] = []
         while len(streamed) < 20:
             event = c.recv()
             if event["type"] == "chat.delta":

@@ -110,7 +110,7 @@ async def test_damaged_cache_file_is_dropped_and_session_rebuilt(tmp_path: Path,
 
 async def test_budgets_hold_while_many_sessions_cycle(tmp_path: Path) -> None:
     """The real model through small budgets: no tier ever holds more than its budget."""
-    budgets = {"resident_bytes": 600_000, "warm_bytes": 400_000, "disk_bytes": 1_500_000}
+    budgets: dict[str, Any] = {"resident_bytes": 600_000, "warm_bytes": 400_000, "disk_bytes": 1_500_000}
     async with running_daemon(tmp_path, **budgets) as d:
         async with client(d) as c:
             sids = [(await c.request("session.create"))["session"]["id"] for _ in range(6)]

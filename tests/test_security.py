@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.frames import Frame, Opcode
 
-from conftest import Client, client, raw_client, running_daemon
+from conftest import client, raw_client, running_daemon
 
 pytestmark = pytest.mark.anyio
 

@@ -33,9 +33,9 @@ from cachestore.errors import (
     UnsupportedFormat,
 )
 from cachestore.segments import SegmentFile, fingerprint, read_segment, write_segment
-from snapshots import assert_same, assert_same_layer  # noqa: F401
-from cachestore.snapshot import LayerSnapshot, Snapshot, layout, merge, restore, snapshot
+from cachestore.snapshot import Snapshot, layout, merge, restore, snapshot
 from daemon.builtin import ensure_builtin
+from snapshots import assert_same, assert_same_layer  # noqa: F401
 
 FP = fingerprint(
     model_id="builtin:tiny-swa", config={"a": 1}, dtype="float32", kv_bits=None, layout=["kv"]
@@ -384,7 +384,7 @@ def craft(
         **(meta or {}),
     }
     with open(path, "wb") as f:
-        mx.save_safetensors(f, tensors, metadata)  # type: ignore[arg-type]
+        mx.save_safetensors(f, tensors, metadata)
     return crc(path)
 
 

@@ -93,7 +93,7 @@ def test_detach_status_logs_stop(tmp_path: Path) -> None:
         assert "model builtin:tiny" in status.stdout
         assert "0 client(s) connected" in status.stdout  # not counting the status request itself
         # `kvd logs -f` printed the status request's connection as the daemon logged it.
-        while "connection open" not in (line := lines.get(timeout=TIMEOUT) or ""):
+        while "connection open" not in (lines.get(timeout=TIMEOUT) or ""):
             pass
     finally:
         follower.terminate()

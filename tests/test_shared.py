@@ -17,8 +17,8 @@ from mlx_lm.utils import load
 from rich.console import Console
 
 from cachestore.index import SegmentIndex
-from daemon.quantized import make_cache
 from conftest import client, fed_tokens, greedy_reference, running_daemon
+from daemon.quantized import make_cache
 from daemon.statuscmd import render_status
 
 pytestmark = pytest.mark.anyio
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.anyio
 BLOCK = 16
 SYSTEM = "You are a careful assistant who answers about caches. " * 3
 FIRST = "Tell me everything about caches. " * 3
-DISK_ONLY = {"resident_bytes": 0, "warm_bytes": 0}
+DISK_ONLY: dict[str, Any] = {"resident_bytes": 0, "warm_bytes": 0}
 
 
 def check_exact(tmp_path: Path, model: str, session: str, done: dict[str, Any], kv_bits: int = 0) -> None:
@@ -52,7 +52,7 @@ def _quantized_reference(model_dir: Path, prompt: list[int], n: int, bits: int) 
     logits = model(mx.array([prompt]), cache=cache)
     out = []
     for _ in range(n):
-        tok = int(mx.argmax(logits[0, -1]).item())
+        tok = int(mx.argmax(logits[0, -1]).item())  # type: ignore[arg-type]
         out.append(tok)
         logits = model(mx.array([[tok]]), cache=cache)
     return out
@@ -69,7 +69,7 @@ CASES = [("builtin:tiny", 0), ("builtin:tiny", 8), ("builtin:tiny-swa", 0)]
 @pytest.mark.parametrize("tiers", ["resident", "warm", "disk"])
 async def test_a_new_session_starting_like_another_reuses_its_prefix_exactly(
         tmp_path: Path, model: str, kv_bits: int, tiers: str) -> None:
-    budgets = {"resident": {}, "warm": {"resident_bytes": 0}, "disk": DISK_ONLY}[tiers]
+    budgets: dict[str, Any] = {"resident": {}, "warm": {"resident_bytes": 0}, "disk": DISK_ONLY}[tiers]
     async with running_daemon(tmp_path, model=model, kv_bits=kv_bits, block_tokens=BLOCK, **budgets) as d:
         async with client(d) as c:
             first = await _session(c)
@@ -148,7 +148,8 @@ async def test_a_branch_from_the_middle_of_a_conversation_through_the_api(tmp_pa
     assert sid != original  # the stored conversation goes on in its own session
     assert kvd["restored_from"] == "shared" and kvd["shared_tokens"] >= 2 * BLOCK
     assert r3.usage is not None
-    done = {"finish_reason": r3.choices[0].finish_reason, "usage": {"prompt_tokens": r3.usage.prompt_tokens, "completion_tokens": r3.usage.completion_tokens}}
+    done = {"finish_reason": r3.choices[0].finish_reason,
+            "usage": {"prompt_tokens": r3.usage.prompt_tokens, "completion_tokens": r3.usage.completion_tokens}}
     check_exact(tmp_path, "builtin:tiny", sid, done)
 
 

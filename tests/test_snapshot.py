@@ -25,7 +25,6 @@ from mlx_lm.models.cache import (
 )
 
 from cachestore.errors import CacheError, CannotSplit, SnapshotError
-from snapshots import assert_same, assert_same_layer  # noqa: F401
 from cachestore.snapshot import (
     LayerSnapshot,
     Snapshot,
@@ -38,6 +37,7 @@ from cachestore.snapshot import (
     trimmable,
     truncate,
 )
+from snapshots import assert_same, assert_same_layer  # noqa: F401
 
 N = 12  # greedy tokens compared after each restore
 WINDOW = 64  # builtin:tiny-swa's sliding window
@@ -154,7 +154,7 @@ def test_snapshot_holds_only_what_is_used(model: Any) -> None:
         if isinstance(live, RotatingKVCache):
             # After a 100-token prefill the live buffer holds all 100 entries;
             # the next step only ever sees the last window.
-            assert live.keys.shape[2] == 100
+            assert live.keys is not None and live.keys.shape[2] == 100
             assert layer.kind == "rotating" and layer.meta == {
                 "offset": 100,
                 "max_size": WINDOW,
@@ -275,7 +275,7 @@ def test_rotating_ring_wrapped_by_decoding(swa_model: Any) -> None:
     )
     ring = cache[0]
     assert isinstance(ring, RotatingKVCache)
-    assert ring.keys.shape[2] == WINDOW and 0 < ring._idx < WINDOW and ring.offset == 149
+    assert ring.keys is not None and ring.keys.shape[2] == WINDOW and 0 < ring._idx < WINDOW and ring.offset == 149
     snap = snapshot(cache)
     layer = snap.layers[0]
     assert layer.meta == {"offset": 149, "max_size": WINDOW, "keep": 0, "idx": WINDOW}
@@ -410,7 +410,8 @@ def test_caches_out_of_batch_generator(model: Any) -> None:
     for cache, fed in extracted:
         rotating = [c for c in cache if isinstance(c, RotatingKVCache)]
         if rotating and len(fed) == 96:
-            assert rotating[0].keys.shape[2] > WINDOW  # the max_size - 1 + S case
+            keys = rotating[0].keys
+            assert keys is not None and keys.shape[2] > WINDOW  # the max_size - 1 + S case
         snap = snapshot(cache)
         assert snap.end == len(fed)
         prompt = fed + MORE[:8]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -42,7 +43,8 @@ def test_status_line_says_why_the_answer_stopped(reason: str) -> None:
 @pytest.mark.parametrize(
     "cache, says",
     [
-        ({"restored_from": "resident", "restored_tokens": 512, "restore_ms": 0.04}, "cache: resident 512 tok in 0.0 ms"),
+        ({"restored_from": "resident", "restored_tokens": 512, "restore_ms": 0.04},
+         "cache: resident 512 tok in 0.0 ms"),
         ({"restored_from": "warm", "restored_tokens": 512, "restore_ms": 3.14}, "cache: warm 512 tok in 3.1 ms"),
         ({"restored_from": "shared", "restored_tokens": 2048, "shared_tokens": 2048, "restore_ms": 9.5},
          "cache: shared 2048 tok in 9.5 ms"),
@@ -293,7 +295,7 @@ def test_a_queued_turn_says_how_many_are_ahead_and_unknown_events_are_ignored() 
 
     console = capture_console()
     printer = render.answer_printer(console)
-    events = [
+    events: list[dict[str, Any]] = [
         {"type": "chat.queued", "id": "r1", "session": "s", "position": 2},
         {"type": "chat.start", "id": "r1", "message_index": 1},
         {"type": "chat.something_new", "id": "r1"},

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("message", nargs="?", metavar="MESSAGE",
                         help="ask this and print only the answer; `-` reads the message from stdin")
     where = parser.add_argument_group("daemon")
-    where.add_argument("--url", help=f"websocket URL (default: from <data-dir>/daemon.json, else {protocol.default_url()})")
+    where.add_argument("--url", help="websocket URL (default: from <data-dir>/daemon.json, "
+                       f"else {protocol.default_url()})")
     where.add_argument("--data-dir", type=Path, help="kvd's data directory (default: $KVD_DATA_DIR, "
                        "else $XDG_DATA_HOME/kvd, else ~/.local/share/kvd)")
     where.add_argument("--token-file", type=Path, help="token file (default: <data-dir>/token)")

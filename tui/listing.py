@@ -96,10 +96,15 @@ def find(sessions: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] |
             return f"{key!r} starts {len(matches)} session ids; give more of it"
     # The start of a title, as shown in the table (case and spacing ignored).
     wanted = " ".join(key.casefold().split())
-    titled = [s for s in sessions if one_line(str(s.get("title") or protocol.DEFAULT_TITLE), 200).casefold().startswith(wanted)]
-    exact = [s for s in titled if one_line(str(s.get("title") or protocol.DEFAULT_TITLE), 200).casefold() == wanted]
+    titled = [s for s in sessions if _folded_title(s).startswith(wanted)]
+    exact = [s for s in titled if _folded_title(s) == wanted]
     if len(titled) == 1 or len(exact) == 1:
         return (exact or titled)[0]
     if titled:
         return f"{key!r} starts {len(titled)} titles; give more of it, or the number"
     return f"{key!r} is not a session number, id or title; /sessions lists them"
+
+
+def _folded_title(session: Mapping[str, Any]) -> str:
+    """A session's title as the table shows it, case-folded for matching what the user typed."""
+    return one_line(str(session.get("title") or protocol.DEFAULT_TITLE), 200).casefold()

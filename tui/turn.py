@@ -121,7 +121,8 @@ class Turn:
         except StopWaiting:
             future.cancel()
             printer.finish()
-            render.print_note(self.console, "(stopped waiting; kvd may still be finishing this answer: /attach shows it)")
+            render.print_note(self.console,
+                              "(stopped waiting; kvd may still be finishing this answer: /attach shows it)")
             return None
         finally:
             printer.finish()
