@@ -17,7 +17,6 @@ from typing import Any
 import mlx.core as mx
 
 from .errors import CannotSplit, SnapshotError
-from .layers import LayerSnapshot
 from .kinds import (
     KINDS,
     cut_layer,
@@ -26,6 +25,7 @@ from .kinds import (
     restore_layer,
     splittable,
 )
+from .layers import LayerSnapshot
 
 __all__ = [
     "KINDS",
