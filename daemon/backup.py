@@ -4,9 +4,10 @@ The transcript is the one thing kvd cannot rebuild, and a deleted or damaged
 kvd.sqlite-wal takes its last commits with it. `VACUUM INTO` writes a
 consistent, compact copy through a connection of its own, so it can run on a
 worker thread while the daemon keeps writing (WAL: a reader blocks nobody).
-Written to a temp name, then renamed: a crash never leaves a half backup under a backup's name. One backup per UTC day (a new
-one replaces the day's earlier one), the newest BACKUPS_KEPT days kept: many
-restarts in one day cannot push out yesterday's copy.
+Written to a temp name, then renamed: a crash never leaves a half backup
+under a backup's name. One backup per UTC day (a new one replaces the day's
+earlier one), the newest BACKUPS_KEPT days kept: many restarts in one day
+cannot push out yesterday's copy.
 """
 
 from __future__ import annotations
