@@ -1,9 +1,9 @@
 """The cache index's schema migrations: numbered, append-only functions.
 
-Run by sqlite-utils' own runner, `sqlite_utils.migrations.Migrations`, as the
-session store's are (sessions/migrations.py): applied names are recorded in
-`_sqlite_migrations` under the set "kvd.cache", each migration in one
-transaction with the row that records it. Never edit or reorder a migration
+Registered with sqlite-utils' runner, `sqlite_utils.migrations.Migrations`,
+and run by protocol/migrate.py, as the session store's are
+(sessions/migrations.py): applied names are recorded in `_sqlite_migrations`
+under the set "kvd.cache". Never edit or reorder a migration
 that has shipped; append ``m00N_what_changed(db)``.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from protocol.migrate import LEGACY_TABLE, run_migrations
+
 MIGRATIONS = Migrations("kvd.cache")
-#: Where kvd recorded applied migrations before it used sqlite-utils' runner.
-LEGACY_TABLE = "_kvd_migrations"
 migration = MIGRATIONS()
 
 
@@ -25,16 +25,7 @@ def known(db: Database) -> bool:
 
 def migrate(db: Database) -> list[str]:
     """Apply the migrations `db` has not seen yet; return their names."""
-    if LEGACY_TABLE in db.table_names():  # recorded by kvd's own runner: carry the names over, once
-        with db.atomic():
-            MIGRATIONS.ensure_migrations_table(db)
-            db.execute(f"INSERT OR IGNORE INTO {MIGRATIONS.migrations_table} (migration_set, name, applied_at) "
-                       f"SELECT ?, name, datetime(applied_at, 'unixepoch') FROM {LEGACY_TABLE}", [MIGRATIONS.name])
-            db.execute(f"DROP TABLE {LEGACY_TABLE}")
-    pending = [m.name for m in MIGRATIONS.pending(db)]
-    if pending:
-        MIGRATIONS.apply(db)
-    return pending
+    return run_migrations(db, MIGRATIONS)
 
 
 @migration

@@ -1,11 +1,10 @@
 """Schema migrations: numbered, append-only functions, run by sqlite-utils' own runner.
 
-`sqlite_utils.migrations.Migrations` (the same runner the cache index uses,
-cachestore/migrations.py) records each applied function's name in
-`_sqlite_migrations` under the set "kvd.sessions", and runs each migration in
-one transaction together with the row that records it, so a crash
-mid-migration leaves no half-applied schema; a migration must therefore not
-change PRAGMAs (they are no-ops inside a transaction). Never edit or reorder
+`sqlite_utils.migrations.Migrations` records each applied function's name in
+`_sqlite_migrations` under the set "kvd.sessions"; protocol/migrate.py runs
+them (for the cache index too) under the write lock, as one transaction, so
+a crash mid-migration leaves no half-applied schema; a migration must
+therefore not change PRAGMAs (they are no-ops inside a transaction). Never edit or reorder
 a migration that has shipped: a user's database records it as applied and
 will not run it again. Change the schema by appending
 ``m00N_what_changed(db)``.
@@ -16,24 +15,15 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from protocol.migrate import run_migrations
+
 MIGRATIONS = Migrations("kvd.sessions")
-#: Where kvd recorded applied migrations before it used sqlite-utils' runner.
-LEGACY_TABLE = "_kvd_migrations"
 migration = MIGRATIONS()
 
 
 def migrate(db: Database) -> list[str]:
     """Apply the migrations `db` has not seen yet; return their names."""
-    if LEGACY_TABLE in db.table_names():  # recorded by kvd's own runner: carry the names over, once
-        with db.atomic():
-            MIGRATIONS.ensure_migrations_table(db)
-            db.execute(f"INSERT OR IGNORE INTO {MIGRATIONS.migrations_table} (migration_set, name, applied_at) "
-                       f"SELECT ?, name, datetime(applied_at, 'unixepoch') FROM {LEGACY_TABLE}", [MIGRATIONS.name])
-            db.execute(f"DROP TABLE {LEGACY_TABLE}")
-    pending = [m.name for m in MIGRATIONS.pending(db)]
-    if pending:
-        MIGRATIONS.apply(db)
-    return pending
+    return run_migrations(db, MIGRATIONS)
 
 
 @migration

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from protocol.migrate import LEGACY_TABLE
 from sessions import (
     Session,
     Store,
@@ -24,7 +25,7 @@ from sessions import (
     is_valid_session_id,
     new_session_id,
 )
-from sessions.migrations import LEGACY_TABLE, MIGRATIONS
+from sessions.migrations import MIGRATIONS
 
 REPO = Path(__file__).resolve().parent.parent
 MISSING = "0123456789abcdef"
