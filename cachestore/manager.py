@@ -519,6 +519,8 @@ class SessionCaches:
             self.index.touch(key, now)
             return
         replace = len(kept) + 1 > self.budgets.max_segments
+        if isinstance(cache, Snapshot) and not trimmable(cache) and pos != cache.start:
+            replace = True  # a snapshot of a window cannot be cut: it replaces the private segments
         if replace:
             pos = base  # compaction: one segment for everything after the blocks
         self._write(_Private(key, chain[-1] if chain else None), cut(pos), tokens, now,
