@@ -321,7 +321,7 @@ class SessionCaches:
                 n = min(common_prefix_len(row.tokens, wanted[end:limit]), limit - end)
                 if n > agree and row.fingerprint == self.fingerprint and row.start == end:
                     best, agree = row, n
-            if best is not None:
+            if best is not None and end + agree >= MIN_SHARED:  # a template's head alone: not worth a read
                 shared_pieces.append(best)
                 end += agree
         if end <= own.end:
