@@ -52,12 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from . import direct
-from .blocks import block_key, block_keys, root_key
-from .errors import CannotSplit, CorruptSegment, UnsupportedFormat
-from .index import SEGMENT_SUFFIX, BlockRow, SegmentIndex, SegmentRow, check_key
+from .blocks import block_keys, root_key
+from .errors import CannotSplit, CorruptSegment
+from .index import BlockRow, SegmentIndex, SegmentRow
 from .packing import pack, unpack
 from .prefix import common_prefix_len
-from .segments import read_header, read_segment, write_segment
+from .rebuild import rebuild_index
+from .segments import read_segment, write_segment
 from .snapshot import Snapshot, merge, restore, rewind, section, snapshot, trimmable, truncate
 from .tiers import Tier
 
@@ -144,7 +145,7 @@ class SessionCaches:
         self._clock = clock
         self.index = SegmentIndex(root)
         if self.index.lost is not None:
-            self._rebuild_index(self.index.lost)
+            rebuild_index(self.index, self.root, self.index.lost)
         if removed := self.index.sweep():
             log.info("removed %d cache file(s) left incomplete by a crash", removed)
         self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes,
@@ -159,83 +160,6 @@ class SessionCaches:
 
     def close(self) -> None:
         self.index.close()
-
-    def _rebuild_index(self, how: str) -> None:
-        """List again every block and segment file whose own header verifies; remove the rest.
-
-        Each file carries its range, fingerprint and token ids; a block's
-        name is its key and its parent's (the key is checked against the
-        ids), and a private segment's name its session (the directory) and
-        the last block of its chain, from which the chain is walked back.
-        What verifies is exactly what the lost index would have listed.
-        """
-        blocks = sorted(self.index.blocks.glob(f"*{SEGMENT_SUFFIX}"))
-        files = sorted(self.index.files.glob(f"*/*{SEGMENT_SUFFIX}"))
-        if not files and not blocks:
-            if how not in ("missing", "empty"):
-                log.warning("the cache index %s was %s; there were no cache files to rebuild it from",
-                            self.index.path, how)
-            return
-        dropped: list[str] = []
-        parents: dict[str, tuple[str, int, int]] = {}  # block -> (parent, start, end)
-        now = self._clock()
-        for path in blocks:
-            try:
-                block, _, parent = path.name[:-len(SEGMENT_SUFFIX)].partition("-")
-                h = read_header(path)
-                if path != self.index.block_path(block, parent) or block_key(parent, h.tokens) != block:
-                    raise UnsupportedFormat("its name is not the key of its token ids", path=path)
-            except (CorruptSegment, ValueError) as e:
-                dropped.append(str(e))
-                path.unlink(missing_ok=True)
-                continue
-            self.index.add_block(block, parent, h.start, h.end, path, h.nbytes, h.checksum, h.fingerprint,
-                                 h.tokens, path.stat().st_mtime)
-            parents[block] = (parent, h.start, h.end)
-        kept: set[str] = set()
-        count = 0
-        for path in files:
-            key = path.parent.name
-            try:
-                check_key(key)
-                h = read_header(path)
-                after = path.name[:-len(SEGMENT_SUFFIX)].split("-")[2:]
-                if path != self.index.path_for(key, h.start, h.end, after[0] if after else None):
-                    raise UnsupportedFormat(f"its name does not match its range [{h.start}, {h.end})", path=path)
-                chain = self._walk_back(after[0], parents) if after else []
-                if (chain[-1][1] if chain else 0) != h.start and after:
-                    raise UnsupportedFormat("the blocks before it are gone", path=path)
-            except (CorruptSegment, ValueError) as e:
-                dropped.append(str(e))
-                path.unlink(missing_ok=True)
-                continue
-            if key not in kept and chain:
-                self.index.set_chain(key, [b for b, _ in chain], now)
-            self.index.add(key, h.start, h.end, path, h.nbytes, h.checksum, h.fingerprint, h.tokens,
-                           path.stat().st_mtime)
-            kept.add(key)
-            count += 1
-        self.index.collect()
-        log.warning("the cache index %s was %s; rebuilt it from the cache files' own headers: "
-                    "%d file(s) of %d session(s) and %d block(s) kept%s", self.index.path, how, count,
-                    len(kept), self.index.sharing()["blocks"],
-                    f", {len(dropped)} that did not verify removed (first: {dropped[0]})" if dropped else "")
-
-    def _walk_back(self, last: str, parents: dict[str, tuple[str, int, int]]) -> list[tuple[str, int]]:
-        """The chain from the root to `last` through the rebuilt blocks, as [(block, end)]; ValueError if broken."""
-        chain: list[tuple[str, int, int]] = []  # walked backwards: (block, start, end)
-        at = last
-        while at != self.root:
-            if at not in parents or len(chain) > 1 << 20:
-                raise ValueError(f"block {at} of the chain is missing")
-            parent, start, end = parents[at]
-            if chain and end != chain[-1][1]:
-                raise ValueError(f"block {at} does not end where the next one starts")
-            chain.append((at, start, end))
-            at = parent
-        if chain and chain[-1][1] != 0:
-            raise ValueError(f"the chain of block {last} does not start at token 0")
-        return [(block, end) for block, _, end in reversed(chain)]
 
     # --- resume ---
 
@@ -399,7 +323,7 @@ class SessionCaches:
                 n = min(common_prefix_len(row.tokens, wanted[end:limit]), limit - end)
                 if n > agree and row.fingerprint == self.fingerprint and row.start == end:
                     best, agree = row, n
-            if best is not None:
+            if best is not None and end + agree >= MIN_SHARED:  # a template's head alone: not worth a read
                 shared_pieces.append(best)
                 end += agree
         if end <= own.end:
@@ -658,6 +582,8 @@ class SessionCaches:
             self.index.touch(key, now)
             return
         replace = len(kept) + 1 > self.budgets.max_segments
+        if isinstance(cache, Snapshot) and not trimmable(cache) and pos != cache.start:
+            replace = True  # a snapshot of a window cannot be cut: it replaces the private segments
         if replace:
             pos = base  # compaction: one segment for everything after the blocks
         self._write(_Private(key, chain[-1] if chain else None), cut(pos), tokens, now,

@@ -167,8 +167,9 @@ async def test_a_long_prefill_shows_progress(tmp_path: Path) -> None:
         assert progress, "a prefill of many chunks reports progress"
         assert progress[0] == (64, total)  # right after the first chunk, then at most four a second
         assert all(a[0] < b[0] for a, b in zip(progress, progress[1:])) and progress[-1][0] < total
-        screen = await kvchat(d, "--new", "--max-tokens", "2", script=[long + " again", "/quit"])
-    assert re.match(r"\(kvd is reading \d+ tokens of history…\)$", screen.after(f"you> {long} again")[0])
+        # Another beginning: the same text would start from the first session's cache (shared).
+        screen = await kvchat(d, "--new", "--max-tokens", "2", script=["Again: " + long, "/quit"])
+    assert re.match(r"\(kvd is reading \d+ tokens of history…\)$", screen.after(f"you> Again: {long}")[0])
 
 
 async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path) -> None:

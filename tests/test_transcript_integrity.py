@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
 import sys
@@ -48,9 +47,13 @@ def test_damage_inside_the_database_is_caught_by_quick_check(tmp_path: Path) -> 
         c.chat(sid, "hello", max_tokens=3, temperature=0)
     assert d.terminate() == 0
     db = tmp_path / "kvd.sqlite"
-    (page_size,) = sqlite3.connect(db).execute("PRAGMA page_size").fetchone()
-    with open(db, "r+b") as f:  # the last page: table data, not the schema Store() reads first
-        f.seek(-page_size + 8, os.SEEK_END)
+    conn = sqlite3.connect(db)
+    (page_size,) = conn.execute("PRAGMA page_size").fetchone()
+    # A page of table data, not the schema Store() reads first (nor a free page a dropped table left).
+    (page,) = conn.execute("SELECT MAX(pageno) FROM dbstat WHERE name = 'sessions'").fetchone()
+    conn.close()
+    with open(db, "r+b") as f:
+        f.seek((page - 1) * page_size + 8)
         f.write(b"\x7f" * (page_size - 16))
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--model", "builtin:tiny", "--port", "0",
                           "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
