@@ -5,9 +5,14 @@ Runs on the engine thread only (it holds live MLX caches). The policy:
 - After a turn, the session's live cache is *resident*, and the tokens the
   turn added are written *behind* it to disk as one new segment
   `[a, b)`, so page-out cost grows with the new tokens, not the history.
+  The engine thread only evaluates that segment's snapshot; the I/O worker
+  (ioworker.py) writes the file and indexes it, so no decode step waits on
+  disk. Each thread has its own connection to the index; every index write
+  after start-up runs on the worker, in the order the engine asked for it.
 - Resident over budget or idle: the least recently used cache is demoted to
   *warm*, a compact evaluated snapshot trimmed to its offset.
-- Warm over budget or idle: dropped; disk already holds it.
+- Warm over budget or idle: dropped once disk holds it (a snapshot whose
+  write is still queued is kept aside until the worker has written it).
 - Disk over budget: the least recently used sessions' segments are deleted.
 - Resume (`checkout`) restores the longest prefix of the wanted token ids it
   finds, resident first, then warm, then disk; the caller prefills the rest.
@@ -22,15 +27,20 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from .errors import CannotSplit, CorruptSegment, UnsupportedFormat
 from .index import SEGMENT_SUFFIX, SegmentIndex, SegmentRow, check_key
+from .ioworker import IOWorker
 from .packing import pack, unpack
 from .prefix import common_prefix_len
 from .segments import read_header, read_segment, write_segment
@@ -66,6 +76,15 @@ class Checkout:
     restore_ms: float
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """What a queued disk job will do to a session's chain: write [start, end), or drop from start (end None)."""
+
+    start: int
+    end: int | None
+    tokens: tuple[int, ...] = ()
+
+
 def cache_nbytes(cache: Cache) -> int:
     return sum(int(c.nbytes) for c in cache)
 
@@ -76,7 +95,9 @@ class SessionCaches:
         self.fingerprint = fingerprint
         self.budgets = budgets
         self._clock = clock
-        self.index = SegmentIndex(root)
+        self._root = root
+        self._indexes = threading.local()  # each thread's own connection to the index
+        self._indexes.index = SegmentIndex(root)
         if self.index.lost is not None:
             self._rebuild_index(self.index.lost)
         if removed := self.index.sweep():
@@ -89,9 +110,79 @@ class SessionCaches:
                            "evicted_full": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "bytes": 0}
         self._enforce_disk_budget(keep=None)
+        # Disk jobs queued or running, by session, as the engine must plan with them:
+        # until the worker reports a job finished, it counts as done.
+        self._io = IOWorker()
+        self._queued: dict[str, list[tuple[int, _Pending]]] = {}
+        self._tickets = 0
+        self._finished: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._awaiting_disk: dict[str, tuple[Snapshot, list[int]]] = {}  # left warm before disk held them
+
+    @property
+    def index(self) -> SegmentIndex:
+        """This thread's connection to the index (a SQLite connection stays on its thread)."""
+        index: SegmentIndex | None = getattr(self._indexes, "index", None)
+        if index is None:
+            index = self._indexes.index = SegmentIndex(self._root)
+        return index
 
     def close(self) -> None:
-        self.index.close()
+        """Finish every queued disk job, then close the index."""
+        self._io.submit(self._close_index)
+        self._io.close()
+        self._close_index()
+
+    def _close_index(self) -> None:
+        index = getattr(self._indexes, "index", None)
+        if index is not None:
+            index.close()
+            del self._indexes.index
+
+    # --- the I/O worker ---
+
+    def flush(self) -> None:
+        """Wait until disk holds everything asked of it so far (shutdown, tests, tools; never a turn)."""
+        self._io.flush()
+        self._settle()
+
+    def after_writes(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on the I/O worker once every disk job queued so far is done; it must not block."""
+        self._io.submit(fn)
+
+    def _submit(self, key: str, pending: _Pending | None, job: Callable[[], object]) -> None:
+        self._tickets += 1
+        ticket = self._tickets
+        if pending is not None:
+            self._queued.setdefault(key, []).append((ticket, pending))
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                self._finished.put((key, ticket))
+
+        self._io.submit(run)
+
+    def _settle(self) -> None:
+        """Take in what the worker finished (engine thread)."""
+        while True:
+            try:
+                key, ticket = self._finished.get(block=False)
+            except queue.Empty:
+                return
+            left = [q for q in self._queued.get(key, []) if q[0] != ticket]
+            if left:
+                self._queued[key] = left
+            else:
+                self._queued.pop(key, None)
+                self._awaiting_disk.pop(key, None)  # disk holds it now (or never will: the live cache is gone)
+
+    def _drop_later(self, key: str, start: int) -> None:
+        """Unlist and delete `key`'s segments from `start` on, in order with the writes queued before."""
+        if threading.current_thread() is self._io.thread:
+            self.index.drop_from(key, start)
+        else:
+            self._submit(key, _Pending(start, None), lambda: self.index.drop_from(key, start))
 
     def _rebuild_index(self, how: str) -> None:
         """List again every segment file whose own header verifies; remove the rest.
@@ -138,6 +229,7 @@ class SessionCaches:
         t0 = time.perf_counter()
         limit = len(wanted) - 1
         ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
+        self._settle()
 
         if (res := self.resident.take(key)) is not None:
             cache, toks = res
@@ -146,7 +238,8 @@ class SessionCaches:
                 self.warm.discard(key)
                 return Checkout(cache, n, "resident", ms())
             log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
-        if (w := self.warm.take(key)) is not None and (got := _from_warm(key, *w, wanted, limit)):
+        w = self.warm.take(key) or self._awaiting_disk.pop(key, None)
+        if w is not None and (got := _from_warm(key, *w, wanted, limit)):
             return Checkout(*got, "warm", ms())
         return self._from_disk(key, wanted, limit, ms)
 
@@ -171,7 +264,8 @@ class SessionCaches:
                     return Checkout(restore(truncate(snapshot(cache, 0), n)), n, "resident", ms())
                 except CannotSplit:
                     log.debug("resident cache of %s cannot be cut at %d", source, n)
-        if (w := self.warm.peek(source)) is not None and (got := _from_warm(source, *w, wanted, limit)):
+        w = self.warm.peek(source) or self._awaiting_disk.get(source)
+        if w is not None and (got := _from_warm(source, *w, wanted, limit)):
             return Checkout(*got, "warm", ms())
         return self._from_disk(source, wanted, limit, ms)
 
@@ -189,7 +283,8 @@ class SessionCaches:
             return None
         self.disk_stats["hits"] += 1
         self.disk_stats["page_ins"] += 1
-        self.index.touch(key, self._clock())
+        now = self._clock()
+        self._submit(key, None, lambda: self.index.touch(key, now))
         return merged
 
     def _read_chain(self, key: str, wanted: Sequence[int], limit: int) -> Snapshot | None:
@@ -207,7 +302,7 @@ class SessionCaches:
             except CorruptSegment as e:
                 log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
                 self.disk_stats["dropped_corrupt"] += 1
-                self.index.drop_from(key, row.start)
+                self._drop_later(key, row.start)
                 break
             self.disk_stats["bytes_read"] += row.nbytes
             if whole:
@@ -271,7 +366,7 @@ class SessionCaches:
             if row.fingerprint != self.fingerprint:
                 # Another model or layout wrote these: never loaded, never kept.
                 log.info("dropping cache of %s made by another model or layout", key)
-                self.index.drop_from(key, row.start)
+                self._drop_later(key, row.start)
                 return [r for r in chain if r.start < row.start]
         return chain
 
@@ -280,15 +375,8 @@ class SessionCaches:
     def checkin(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
         """Keep a session's live cache resident and write its new tokens behind it."""
         tokens = list(tokens)
-        try:
-            self._write_behind(key, cache, tokens)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("the disk holding the KV caches is full (%s); the cache of %s stays in "
-                            "memory only (after a restart it is rebuilt from the transcript)",
-                            e.strerror, key)
-            else:
-                log.warning("could not write the cache of %s to disk: %s", key, e)
+        self._settle()
+        self._write_behind(key, cache, tokens)
         self.warm.discard(key)
         now = self._clock()
         for cold, (c, toks) in self.resident.put(key, (cache, tokens), cache_nbytes(cache), now):
@@ -298,14 +386,31 @@ class SessionCaches:
         snap = snapshot(cache, 0)
         if self.budgets.warm_bits:
             snap = pack(snap, self.budgets.warm_bits)
-        for cold, _ in self.warm.put(key, (snap, tokens), snap.nbytes, now):
-            log.debug("warm snapshot of %s dropped; disk holds it", cold)
+        self._leave_warm(self.warm.put(key, (snap, tokens), snap.nbytes, now))
+
+    def _leave_warm(self, dropped: list[tuple[str, tuple[Snapshot, list[int]]]]) -> None:
+        for cold, entry in dropped:
+            if cold in self._queued:
+                self._awaiting_disk[cold] = entry  # until the worker has written it
+                log.debug("warm snapshot of %s kept aside until disk holds it", cold)
+            else:
+                log.debug("warm snapshot of %s dropped; disk holds it", cold)
 
     def _covered(self, key: str, tokens: Sequence[int]) -> tuple[list[SegmentRow], int]:
-        """The chain's leading segments that agree with `tokens`, and where they end."""
+        """The chain's leading segments that agree with `tokens`, and where they end.
+
+        On the engine thread, the chain as it will be once the disk jobs queued
+        so far are done; on the worker, as it is.
+        """
+        rows = self._valid_chain(key)
+        if threading.current_thread() is not self._io.thread:
+            for _, p in self._queued.get(key, []):
+                rows = [r for r in rows if r.start < p.start]
+                if p.end is not None:
+                    rows.append(SegmentRow(key, p.start, p.end, Path(), 0, "", self.fingerprint, p.tokens))
         kept: list[SegmentRow] = []
         pos = 0
-        for row in self._valid_chain(key):
+        for row in rows:
             if (row.start != pos or row.end > len(tokens)
                     or tuple(tokens[row.start:row.end]) != row.tokens):
                 break
@@ -314,25 +419,55 @@ class SessionCaches:
         return kept, pos
 
     def _write_behind(self, key: str, cache: Cache, tokens: list[int], *, evict: bool = True) -> None:
+        """Evaluate the snapshot of what disk lacks of `tokens` and queue its write (engine thread)."""
         kept, pos = self._covered(key, tokens)
-        chain_len = len(self.index.chain(key))
-        if chain_len > len(kept):
-            self.index.drop_from(key, pos)  # a rewind (regenerate, edit) left these behind
         now = self._clock()
         if pos == len(tokens):
-            self.index.touch(key, now)
+            self._submit(key, None, lambda: self._persist(key, None, tokens, now, evict=evict))
             return
         if len(kept) + 1 > self.budgets.max_segments:
             pos = 0  # compaction: one segment for the whole history, from the live cache
-        snap = snapshot(cache, pos)
-        self._write(key, snap, tokens, now, replace=pos == 0 and bool(kept), evict=evict)
+        self._queue_write(key, snapshot(cache, pos), tokens, now, evict=evict)
+
+    def _queue_write(self, key: str, snap: Snapshot, tokens: list[int], now: float, *, evict: bool) -> None:
+        mx.eval(snap.arrays())  # evaluated here, on the engine thread: the worker only writes bytes
+        self._submit(key, _Pending(snap.start, snap.end, tuple(tokens[snap.start:snap.end])),
+                     lambda: self._persist(key, snap, tokens, now, evict=evict))
+
+    def _persist(self, key: str, snap: Snapshot | None, tokens: list[int], now: float, *, evict: bool) -> None:
+        """Make disk hold `tokens` of `key`, given an evaluated snapshot of the part it lacks (I/O worker).
+
+        None: disk holds them all already. A snapshot that starts past where the
+        disk's chain agrees (an earlier write of this session failed) is not
+        written: nothing could reach it; the next turn writes from the gap.
+        """
+        kept, pos = self._covered(key, tokens)
+        if len(self.index.chain(key)) > len(kept):
+            self.index.drop_from(key, pos)  # a rewind (regenerate, edit) left these behind
+        if snap is None:
+            self.index.touch(key, now)
+            return
+        if snap.start > pos:
+            log.debug("not writing [%d, %d) of %s: disk holds only [0, %d)", snap.start, snap.end, key, pos)
+            return
+        if snap.start < pos:
+            self.index.drop_from(key, snap.start)  # compaction; may remove the (then empty) directory
+        try:
+            self._write(key, snap, tokens, now, evict=evict)
+        except OSError as e:
+            if not evict:  # paging everything out at shutdown
+                log.warning("could not page out %s: %s", key, e)
+            elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("the disk holding the KV caches is full (%s); the cache of %s stays in "
+                            "memory only (after a restart it is rebuilt from the transcript)",
+                            e.strerror, key)
+            else:
+                log.warning("could not write the cache of %s to disk: %s", key, e)
+            return
         self._enforce_disk_budget(keep=key)
 
-    def _write(self, key: str, snap: Snapshot, tokens: Sequence[int], now: float, *, replace: bool,
-               evict: bool = True) -> None:
+    def _write(self, key: str, snap: Snapshot, tokens: Sequence[int], now: float, *, evict: bool = True) -> None:
         path = self.index.path_for(key, snap.start, snap.end)
-        if replace:
-            self.index.drop_from(key, 0)  # may remove the (then empty) directory
         evicted: set[str] = set()
         while True:
             try:
@@ -395,20 +530,22 @@ class SessionCaches:
 
     def maintain(self) -> None:
         """Idle demotions: resident -> warm after resident_idle, warm dropped after warm_idle."""
+        self._settle()
         now = self._clock()
         for key, (cache, toks) in self.resident.idle(now, self.budgets.resident_idle):
             self._demote(key, cache, toks, now)
-        self.warm.idle(now, self.budgets.warm_idle)
+        self._leave_warm(self.warm.idle(now, self.budgets.warm_idle))
 
     def page_out_all(self) -> None:
-        """Make sure disk holds every session kept in memory (on shutdown)."""
+        """Make sure disk holds every session kept in memory (on shutdown): queue their writes, wait for them."""
+        self._settle()
         for key in self.resident:
             entry = self.resident.peek(key)
             if entry is not None:
                 try:
                     # No evictions for this: it must not push out caches used more recently.
                     self._write_behind(key, entry[0], entry[1], evict=False)
-                except OSError as e:
+                except Exception as e:
                     log.warning("could not page out %s: %s", key, e)
         for key in self.warm:
             w = self.warm.peek(key)
@@ -417,25 +554,27 @@ class SessionCaches:
             snap, toks = w
             _, pos = self._covered(key, toks)
             if pos < snap.end:
-                try:
-                    # A packed snapshot is saved at its rounded precision: the best there is.
-                    self._write(key, unpack(snap), toks, self._clock(), replace=True, evict=False)
-                except OSError as e:
-                    log.warning("could not page out %s: %s", key, e)
+                # A packed snapshot is saved at its rounded precision: the best there is.
+                self._queue_write(key, unpack(snap), toks, self._clock(), evict=False)
+        self.flush()
 
     def forget(self, key: str) -> None:
         self.resident.discard(key)
         self.warm.discard(key)
-        self.index.drop_from(key, 0)
+        self._awaiting_disk.pop(key, None)
+        self._drop_later(key, 0)  # after this session's queued writes, which it undoes
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
+        self._settle()
         where = {key: "disk" for key in self.index.keys()}
+        where.update({key: "warm" for key in self._awaiting_disk})
         where.update({key: "warm" for key in self.warm})
         where.update({key: "resident" for key in self.resident})
         return where
 
     def statistics(self) -> dict[str, Any]:
+        self._settle()
         sessions, segments = self.index.count()
         return {
             "resident": self.resident.statistics(),

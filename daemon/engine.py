@@ -58,6 +58,7 @@ class _Stop:
 @dataclass
 class _Status:
     reply: Callable[[dict[str, Any]], None]  # called on the engine thread
+    written: bool = False  # sent back by the I/O worker once the disk writes queued before it are done
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class Engine:
         self._inbox.put(_Forget(session_id))
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
-        """Ask for fresh statistics: answered between steps, after any finished turn is kept."""
+        """Ask for fresh statistics: answered between steps, once any finished turn is kept (on disk too)."""
         self._inbox.put(_Status(reply))
 
     def stop(self, timeout: float | None = None) -> None:
@@ -226,6 +227,11 @@ class Engine:
                 self.caches.forget(cmd.session_id)
                 self._publish_stats()
         elif isinstance(cmd, _Status):
+            if self.caches is not None and not cmd.written:
+                # Counted once disk holds what finished turns wrote, without waiting for it here.
+                again = _Status(cmd.reply, written=True)
+                self.caches.after_writes(lambda: self._inbox.put(again))
+                return
             self._publish_stats()
             cmd.reply(self.stats)
 

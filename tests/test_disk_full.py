@@ -91,6 +91,7 @@ def test_full_cache_disk_evicts_the_least_recently_used(model: Any, tmp_path: Pa
     for key in (A, B, C):
         clock.now += 1
         caches.checkin(key, *sessions[key])
+    caches.flush()
     assert [k for k, _ in caches.index.keys_by_use()] == [B, C]
     assert caches.statistics()["disk"]["evicted_full"] == 1
     assert any(f"removed the cache files of session {A}" in r.getMessage() and f"room for {C}" in r.getMessage()
@@ -99,6 +100,7 @@ def test_full_cache_disk_evicts_the_least_recently_used(model: Any, tmp_path: Pa
     capacity = 1000
     cache, toks = grow(model, None, [], list(range(50, 90)))
     caches.checkin("dddd", cache, toks)
+    caches.flush()
     assert "dddd" in caches.resident and caches.index.chain("dddd") == []
     assert any("(no other session's cache is left to remove); the cache of dddd stays in memory only"
                in r.getMessage() for r in caplog.records)
