@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import sqlite3
 import threading
 import time
@@ -40,7 +39,7 @@ import mlx.core as mx
 
 from .errors import CannotSplit, CorruptSegment, UnsupportedFormat
 from .index import SEGMENT_SUFFIX, SegmentIndex, SegmentRow, check_key
-from .ioworker import IOWorker
+from .ioworker import Change, IOWorker
 from .packing import pack, unpack
 from .prefix import common_prefix_len
 from .segments import read_header, read_segment, write_segment
@@ -76,15 +75,6 @@ class Checkout:
     restore_ms: float
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """What a queued disk job will do to a session's chain: write [start, end), or drop from start (end None)."""
-
-    start: int
-    end: int | None
-    tokens: tuple[int, ...] = ()
-
-
 def cache_nbytes(cache: Cache) -> int:
     return sum(int(c.nbytes) for c in cache)
 
@@ -110,13 +100,7 @@ class SessionCaches:
                            "evicted_full": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "bytes": 0}
         self._enforce_disk_budget(keep=None)
-        # Disk jobs queued or running, by session, as the engine must plan with them:
-        # until the worker reports a job finished, it counts as done.
-        self._io = IOWorker()
-        self._queued: dict[str, list[tuple[int, _Pending]]] = {}
-        self._tickets = 0
-        self._finished: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
-        self._awaiting_disk: dict[str, tuple[Snapshot, list[int]]] = {}  # left warm before disk held them
+        self._io: IOWorker[tuple[Snapshot, list[int]]] = IOWorker()
 
     @property
     def index(self) -> SegmentIndex:
@@ -143,46 +127,18 @@ class SessionCaches:
     def flush(self) -> None:
         """Wait until disk holds everything asked of it so far (shutdown, tests, tools; never a turn)."""
         self._io.flush()
-        self._settle()
+        self._io.settle()
 
     def after_writes(self, fn: Callable[[], None]) -> None:
         """Call `fn` on the I/O worker once every disk job queued so far is done; it must not block."""
         self._io.submit(fn)
 
-    def _submit(self, key: str, pending: _Pending | None, job: Callable[[], object]) -> None:
-        self._tickets += 1
-        ticket = self._tickets
-        if pending is not None:
-            self._queued.setdefault(key, []).append((ticket, pending))
-
-        def run() -> None:
-            try:
-                job()
-            finally:
-                self._finished.put((key, ticket))
-
-        self._io.submit(run)
-
-    def _settle(self) -> None:
-        """Take in what the worker finished (engine thread)."""
-        while True:
-            try:
-                key, ticket = self._finished.get(block=False)
-            except queue.Empty:
-                return
-            left = [q for q in self._queued.get(key, []) if q[0] != ticket]
-            if left:
-                self._queued[key] = left
-            else:
-                self._queued.pop(key, None)
-                self._awaiting_disk.pop(key, None)  # disk holds it now (or never will: the live cache is gone)
-
     def _drop_later(self, key: str, start: int) -> None:
         """Unlist and delete `key`'s segments from `start` on, in order with the writes queued before."""
-        if threading.current_thread() is self._io.thread:
+        if self._io.on_worker():
             self.index.drop_from(key, start)
         else:
-            self._submit(key, _Pending(start, None), lambda: self.index.drop_from(key, start))
+            self._io.submit(lambda: self.index.drop_from(key, start), key=key, change=Change(start, None))
 
     def _rebuild_index(self, how: str) -> None:
         """List again every segment file whose own header verifies; remove the rest.
@@ -229,7 +185,7 @@ class SessionCaches:
         t0 = time.perf_counter()
         limit = len(wanted) - 1
         ms = lambda: (time.perf_counter() - t0) * 1000  # noqa: E731
-        self._settle()
+        self._io.settle()
 
         if (res := self.resident.take(key)) is not None:
             cache, toks = res
@@ -238,7 +194,7 @@ class SessionCaches:
                 self.warm.discard(key)
                 return Checkout(cache, n, "resident", ms())
             log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
-        w = self.warm.take(key) or self._awaiting_disk.pop(key, None)
+        w = self.warm.take(key) or self._io.release(key)
         if w is not None and (got := _from_warm(key, *w, wanted, limit)):
             return Checkout(*got, "warm", ms())
         return self._from_disk(key, wanted, limit, ms)
@@ -264,7 +220,7 @@ class SessionCaches:
                     return Checkout(restore(truncate(snapshot(cache, 0), n)), n, "resident", ms())
                 except CannotSplit:
                     log.debug("resident cache of %s cannot be cut at %d", source, n)
-        w = self.warm.peek(source) or self._awaiting_disk.get(source)
+        w = self.warm.peek(source) or self._io.held(source)
         if w is not None and (got := _from_warm(source, *w, wanted, limit)):
             return Checkout(*got, "warm", ms())
         return self._from_disk(source, wanted, limit, ms)
@@ -284,7 +240,7 @@ class SessionCaches:
         self.disk_stats["hits"] += 1
         self.disk_stats["page_ins"] += 1
         now = self._clock()
-        self._submit(key, None, lambda: self.index.touch(key, now))
+        self._io.submit(lambda: self.index.touch(key, now))
         return merged
 
     def _read_chain(self, key: str, wanted: Sequence[int], limit: int) -> Snapshot | None:
@@ -375,7 +331,7 @@ class SessionCaches:
     def checkin(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
         """Keep a session's live cache resident and write its new tokens behind it."""
         tokens = list(tokens)
-        self._settle()
+        self._io.settle()
         self._write_behind(key, cache, tokens)
         self.warm.discard(key)
         now = self._clock()
@@ -390,8 +346,8 @@ class SessionCaches:
 
     def _leave_warm(self, dropped: list[tuple[str, tuple[Snapshot, list[int]]]]) -> None:
         for cold, entry in dropped:
-            if cold in self._queued:
-                self._awaiting_disk[cold] = entry  # until the worker has written it
+            if self._io.queued(cold):
+                self._io.hold(cold, entry)  # until the worker has written it
                 log.debug("warm snapshot of %s kept aside until disk holds it", cold)
             else:
                 log.debug("warm snapshot of %s dropped; disk holds it", cold)
@@ -403,11 +359,8 @@ class SessionCaches:
         so far are done; on the worker, as it is.
         """
         rows = self._valid_chain(key)
-        if threading.current_thread() is not self._io.thread:
-            for _, p in self._queued.get(key, []):
-                rows = [r for r in rows if r.start < p.start]
-                if p.end is not None:
-                    rows.append(SegmentRow(key, p.start, p.end, Path(), 0, "", self.fingerprint, p.tokens))
+        if not self._io.on_worker():
+            rows = self._io.planned(key, rows)
         kept: list[SegmentRow] = []
         pos = 0
         for row in rows:
@@ -423,7 +376,7 @@ class SessionCaches:
         kept, pos = self._covered(key, tokens)
         now = self._clock()
         if pos == len(tokens):
-            self._submit(key, None, lambda: self._persist(key, None, tokens, now, evict=evict))
+            self._io.submit(lambda: self._persist(key, None, tokens, now, evict=evict))
             return
         if len(kept) + 1 > self.budgets.max_segments:
             pos = 0  # compaction: one segment for the whole history, from the live cache
@@ -431,8 +384,8 @@ class SessionCaches:
 
     def _queue_write(self, key: str, snap: Snapshot, tokens: list[int], now: float, *, evict: bool) -> None:
         mx.eval(snap.arrays())  # evaluated here, on the engine thread: the worker only writes bytes
-        self._submit(key, _Pending(snap.start, snap.end, tuple(tokens[snap.start:snap.end])),
-                     lambda: self._persist(key, snap, tokens, now, evict=evict))
+        self._io.submit(lambda: self._persist(key, snap, tokens, now, evict=evict),
+                        key=key, change=Change(snap.start, snap.end, tuple(tokens[snap.start:snap.end])))
 
     def _persist(self, key: str, snap: Snapshot | None, tokens: list[int], now: float, *, evict: bool) -> None:
         """Make disk hold `tokens` of `key`, given an evaluated snapshot of the part it lacks (I/O worker).
@@ -530,7 +483,7 @@ class SessionCaches:
 
     def maintain(self) -> None:
         """Idle demotions: resident -> warm after resident_idle, warm dropped after warm_idle."""
-        self._settle()
+        self._io.settle()
         now = self._clock()
         for key, (cache, toks) in self.resident.idle(now, self.budgets.resident_idle):
             self._demote(key, cache, toks, now)
@@ -538,7 +491,7 @@ class SessionCaches:
 
     def page_out_all(self) -> None:
         """Make sure disk holds every session kept in memory (on shutdown): queue their writes, wait for them."""
-        self._settle()
+        self._io.settle()
         for key in self.resident:
             entry = self.resident.peek(key)
             if entry is not None:
@@ -561,20 +514,20 @@ class SessionCaches:
     def forget(self, key: str) -> None:
         self.resident.discard(key)
         self.warm.discard(key)
-        self._awaiting_disk.pop(key, None)
+        self._io.release(key)
         self._drop_later(key, 0)  # after this session's queued writes, which it undoes
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
-        self._settle()
+        self._io.settle()
         where = {key: "disk" for key in self.index.keys()}
-        where.update({key: "warm" for key in self._awaiting_disk})
+        where.update({key: "warm" for key in self._io.held_keys()})
         where.update({key: "warm" for key in self.warm})
         where.update({key: "resident" for key in self.resident})
         return where
 
     def statistics(self) -> dict[str, Any]:
-        self._settle()
+        self._io.settle()
         sessions, segments = self.index.count()
         return {
             "resident": self.resident.statistics(),

@@ -18,14 +18,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import Config
 from .jobs import Delta, Done, EngineEvent, Failed, GenerationJob, Progress, PromptTooLong, Queued, Started
-from .running import Running, TurnStatistics, fit_advice
+from .running import EngineStatistics, Running, fit_advice
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -59,15 +59,6 @@ class _Stop:
 class _Status:
     reply: Callable[[dict[str, Any]], None]  # called on the engine thread
     written: bool = False  # sent back by the I/O worker once the disk writes queued before it are done
-
-
-@dataclass(frozen=True)
-class EngineStatistics:
-    running: int
-    waiting: int
-    prefilling: int
-    decoding: int
-    turns: Mapping[str, TurnStatistics]  # the running turns, by session id
 
 
 class Engine:
