@@ -18,6 +18,7 @@ finished jobs through a queue.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +31,8 @@ from .index import SegmentRow
 log = logging.getLogger("kvd.cache")
 
 V = TypeVar("V")
+
+NICENESS = 10  # the worker's scheduling priority below the engine's: see IOWorker._run
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,12 @@ class IOWorker(Generic[V]):
             self.thread.join()
 
     def _run(self) -> None:
+        # Copying and checksumming a segment takes CPU too; on a machine with few cores the
+        # decode's BLAS threads must win it, and the write takes the cycles they leave.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        except (AttributeError, OSError):  # not Linux (per-thread niceness), or not allowed
+            pass
         while (job := self._jobs.get()) is not None:
             try:
                 job()

@@ -346,8 +346,8 @@ class SessionCaches:
 
     def _leave_warm(self, dropped: list[tuple[str, tuple[Snapshot, list[int]]]]) -> None:
         for cold, entry in dropped:
-            if self._io.queued(cold):
-                self._io.hold(cold, entry)  # until the worker has written it
+            if self._io.queued(cold) and entry[0].nbytes <= self.budgets.disk_bytes:
+                self._io.hold(cold, entry)  # until the worker has written it (a disk budget too small never will)
                 log.debug("warm snapshot of %s kept aside until disk holds it", cold)
             else:
                 log.debug("warm snapshot of %s dropped; disk holds it", cold)

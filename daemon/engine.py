@@ -431,7 +431,8 @@ class Engine:
         self._forget(sid)
         history = [*tokens, *unfed]
         act.job.emit(Done(reason, act.usage(self.max_context), history if tokens and changed else None))
-        # Behind the turn: the client has its answer; now keep the cache and page out its new tokens.
+        # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
+        # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
         if cache is not None and tokens and self.caches is not None:
             try:
                 self.caches.checkin(sid, cache, tokens)
