@@ -6,14 +6,17 @@ state the test controls, not a race it hopes to win.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from cachestore import SessionCaches
+from test_direct import greedy
 from test_manager import A, B, Clock, budgets, grow
 
 
@@ -124,3 +127,72 @@ def test_close_finishes_the_queued_writes(model: Any, tmp_path: Path) -> None:
     again = SessionCaches(tmp_path, "fp", budgets(), clock=Clock())
     assert {k for k, _ in again.index.keys_by_use()} == {A, B}
     again.close()
+
+
+def disk_ids(caches: SessionCaches, key: str) -> list[int]:
+    """The token ids the session's disk chain holds: its blocks, then its private segments."""
+    return [t for row in [*caches.index.blocks_of(key), *caches.index.chain(key)] for t in row.tokens]
+
+
+def test_turns_planned_while_the_worker_is_busy_reach_disk_whole(model: Any, tmp_path: Path,
+                                                                  gate: threading.Event,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Blocks completed, a tail appended, a rewind, a compaction: all planned before any was written."""
+    caplog.set_level(logging.DEBUG, logger="kvd.cache")
+    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8, max_segments=2), clock=Clock())
+    caches.after_writes(gate.wait)
+    cache, toks = grow(model, None, [], list(range(10, 30)))  # two blocks and a tail of 4
+    caches.checkin(A, cache, toks)
+    for more in ([40, 41, 42], [43], [44, 45], list(range(50, 62))):  # appends, a compaction, new blocks
+        cache, toks = grow(model, cache, toks, more)
+        caches.checkin(A, cache, toks)
+    got = caches.checkout(A, toks[:12] + [99])  # a rewind into the second block
+    assert got.source == "resident" and got.cache is not None
+    cache, toks = grow(model, got.cache, toks[:12], [70, 71, 72, 73, 74, 75])
+    caches.checkin(A, cache, toks)
+    assert disk_ids(caches, A) == []  # nothing written yet: the worker is still at the gate
+    gate.set()
+    caches.flush()
+    assert disk_ids(caches, A) == toks
+    assert not [r for r in caplog.records if "not writing the cache" in r.getMessage()]
+    caches.resident.discard(A)
+    caches.warm.discard(A)
+    out = caches.checkout(A, toks + [7])
+    assert out.source == "disk" and out.tokens == len(toks) and out.cache is not None
+    assert greedy(model, out.cache, [7]) == greedy(model, make_prompt_cache(model), toks + [7])
+    caches.close()
+
+
+def test_a_block_not_yet_written_is_not_found_by_another_session(model: Any, tmp_path: Path,
+                                                                  gate: threading.Event) -> None:
+    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8, resident_bytes=0, warm_bytes=0),
+                           clock=Clock())
+    caches.after_writes(gate.wait)
+    cache, toks = grow(model, None, [], list(range(10, 30)))
+    caches.checkin(A, cache, toks)  # blocks [0, 8) and [8, 16) queued
+    wanted = toks[:16] + [99, 98]
+    assert caches.checkout(B, wanted).source == "none"
+    gate.set()
+    caches.flush()
+    got = caches.checkout(B, wanted)
+    assert got.source == "shared" and got.tokens == 16 and got.cache is not None
+    assert greedy(model, got.cache, wanted[16:]) == greedy(model, make_prompt_cache(model), wanted)
+    caches.close()
+
+
+def test_the_live_cache_moving_on_does_not_change_what_is_written(model: Any, tmp_path: Path,
+                                                                   gate: threading.Event) -> None:
+    """The engine decodes into the live cache while the worker still holds the turn's evaluated pieces."""
+    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8), clock=Clock())
+    caches.after_writes(gate.wait)
+    cache, toks = grow(model, None, [], list(range(10, 30)))
+    caches.checkin(A, cache, toks)
+    got = caches.checkout(A, toks[:12] + [5])  # a rewind: the live buffers' positions 12.. are reused
+    assert got.source == "resident" and got.cache is not None
+    grow(model, got.cache, toks[:12], list(range(60, 70)))  # the regenerated turn overwrites them in place
+    gate.set()
+    caches.flush()
+    out = caches.checkout(A, toks + [5])
+    assert out.source == "disk" and out.tokens == len(toks) and out.cache is not None
+    assert greedy(model, out.cache, [5]) == greedy(model, make_prompt_cache(model), toks + [5])
+    caches.close()
