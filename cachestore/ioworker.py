@@ -15,11 +15,14 @@ only reports finished jobs through a queue, which the engine takes in with
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 
 log = logging.getLogger("kvd.cache")
+
+NICENESS = 10  # the worker's scheduling priority below the engine's: see IOWorker._run
 
 
 class IOWorker:
@@ -80,6 +83,12 @@ class IOWorker:
             self.thread.join()
 
     def _run(self) -> None:
+        # Copying and checksumming a file takes CPU too; on a machine with few cores the
+        # decode's BLAS threads must win it, and the write takes the cycles they leave.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        except (AttributeError, OSError):  # not Linux (per-thread niceness), or not allowed
+            pass
         while (job := self._jobs.get()) is not None:
             try:
                 job()

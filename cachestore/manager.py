@@ -502,9 +502,9 @@ class SessionCaches:
         else:
             log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
             start = row.start
+            held = self._promised.get(key)
+            self._promised[key] = _cut_promise(held if held is not None else self._writer.promise(key), start)
             self._later(lambda: self.index.drop_from(key, start), key)
-            if (held := self._promised.get(key)) is not None:
-                self._promised[key] = _cut_promise(held, start)
 
     def _read_plan(self, key: str, plan: _DiskPlan, *, use: bool = True) -> tuple[Snapshot, int] | None:
         """Read and merge a plan's files; a bad file ends it there (and is dropped with what follows)."""
@@ -726,7 +726,8 @@ class SessionCaches:
     def forget(self, key: str) -> None:
         """A deleted session: its caches go, and every block no other session lists."""
         self.resident.discard(key)
-        gone = self.warm.discard(key) or self._held.pop(key, None)
+        held = self._held.pop(key, None)
+        gone = self.warm.discard(key) or held
         if gone is not None and gone[0].start > 0:
             mine = set(block_keys(gone[1][:gone[0].start], self.block, self.root))
             for other in self.warm:

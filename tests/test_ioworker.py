@@ -196,3 +196,17 @@ def test_the_live_cache_moving_on_does_not_change_what_is_written(model: Any, tm
     assert out.source == "disk" and out.tokens == len(toks) and out.cache is not None
     assert greedy(model, out.cache, [5]) == greedy(model, make_prompt_cache(model), toks + [5])
     caches.close()
+
+
+def test_a_session_forgotten_while_its_blocks_are_queued_leaves_no_block(model: Any, tmp_path: Path,
+                                                                         gate: threading.Event) -> None:
+    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8), clock=Clock())
+    caches.after_writes(gate.wait)
+    cache, toks = grow(model, None, [], list(range(10, 40)))  # three blocks and a tail, queued
+    caches.checkin(A, cache, toks)
+    caches.forget(A)
+    gate.set()
+    caches.flush()
+    assert disk_ids(caches, A) == [] and caches.locations() == {}
+    assert not list((tmp_path / "blocks").rglob("*.safetensors")) and files(tmp_path, A) == []
+    caches.close()
