@@ -160,6 +160,7 @@ def test_prefetch_fills_resident_room_first_with_live_caches(model: Any, tmp_pat
         cache, toks = grow(model, None, [], list(range(10, 50)))
         caches.checkin(key, cache, toks)
         kept[key] = (cache, toks)
+    caches.flush()
     per_session = caches.index.keys_by_use()[0][1]
     caches.close()
 
