@@ -1,6 +1,11 @@
 """Every session's cache across the tiers: resident, warm, disk.
 
-Runs on the engine thread only (it holds live MLX caches). The policy:
+Runs on the engine thread (it holds live MLX caches), except the disk
+writes: the engine thread only evaluates what a turn writes, and the I/O
+worker (ioworker.py) runs writeback.py's half of the store, so no decode
+step waits on disk. Each thread has its own connection to the index; every
+index write after start-up runs on the worker, in the order the engine
+asked for it. The policy:
 
 - After a turn, the session's live cache is *resident*, and what the turn
   added is written *behind* it to disk: the whole blocks it completed (see
@@ -8,7 +13,8 @@ Runs on the engine thread only (it holds live MLX caches). The policy:
   tokens, not the history.
 - Resident over budget or idle: the least recently used cache is demoted to
   *warm*, a compact evaluated snapshot trimmed to its offset.
-- Warm over budget or idle: dropped; disk already holds it.
+- Warm over budget or idle: dropped; disk already holds it (while disk
+  writes are queued, the snapshot is kept aside until the worker is done).
 - Disk over budget: the least recently used sessions are forgotten on disk
   (their private files, and the blocks no other session lists).
 - Resume (`checkout`) restores the longest prefix of the wanted token ids
@@ -41,32 +47,35 @@ sessions then prefill from there: slower, never wrong.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from . import direct
 from .blocks import block_keys, root_key
 from .errors import CannotSplit, CorruptSegment
 from .index import BlockRow, SegmentIndex, SegmentRow
+from .ioworker import IOWorker
 from .packing import pack, unpack
 from .prefix import common_prefix_len
 from .rebuild import rebuild_index
-from .segments import read_segment, write_segment
+from .segments import read_segment
 from .snapshot import Snapshot, merge, restore, rewind, section, snapshot, trimmable, truncate
 from .tiers import Tier
+from .writeback import NOTHING, NOTHING_TO_EVICT, Pieces, Promise, Writeback, plan
+
+__all__ = ["NOTHING_TO_EVICT", "Budgets", "Checkout", "SessionCaches"]
 
 log = logging.getLogger("kvd.cache")
 
 Cache = list[Any]
 
-NOTHING_TO_EVICT = "no other session's cache is left to remove"
 PREFETCH_ROOM = 64  # tokens a prefetched live cache can take before it grows: a typical next message
 
 #: Fewer ids in common with another session's cache in memory are prefilled, not copied: a
@@ -106,23 +115,6 @@ def cache_nbytes(cache: Cache) -> int:
     return sum(int(c.nbytes) for c in cache)
 
 
-@dataclass(frozen=True)
-class _Block:
-    """Where `_write` puts a snapshot: a content-addressed block..."""
-
-    block: str
-    parent: str
-    key: str  # the session writing it (never evicted to make room for it)
-
-
-@dataclass(frozen=True)
-class _Private:
-    """... or one of a session's private segments (after its chain's last block, if any)."""
-
-    key: str
-    after: str | None
-
-
 Piece = BlockRow | SegmentRow
 
 
@@ -143,7 +135,9 @@ class SessionCaches:
         self.block = budgets.block_tokens
         self.root = root_key(fingerprint)
         self._clock = clock
-        self.index = SegmentIndex(root)
+        self._dir = root
+        self._indexes = threading.local()  # each thread's own connection to the index
+        self._indexes.index = SegmentIndex(root)
         if self.index.lost is not None:
             rebuild_index(self.index, self.root, self.index.lost)
         if removed := self.index.sweep():
@@ -156,10 +150,69 @@ class SessionCaches:
                            "evicted_full": 0, "blocks_written": 0, "blocks_reused": 0}
         self.shared_stats = {"restores": 0, "tokens": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
-        self._enforce_disk_budget(keep=None)
+        self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
+                                 block=self.block, disk_bytes=budgets.disk_bytes,
+                                 max_segments=budgets.max_segments, stats=self.disk_stats, clock=clock)
+        self._writer.enforce_disk_budget(keep=None)
+        self._io = IOWorker()
+        self._promised: dict[str, Promise] = {}  # disk chains as they will be once queued jobs are done
+        self._held: dict[str, tuple[Snapshot, list[int]]] = {}  # left warm while disk jobs were queued
+
+    @property
+    def index(self) -> SegmentIndex:
+        """This thread's connection to the index (a SQLite connection stays on its thread)."""
+        index: SegmentIndex | None = getattr(self._indexes, "index", None)
+        if index is None:
+            index = self._indexes.index = SegmentIndex(self._dir)
+        return index
 
     def close(self) -> None:
-        self.index.close()
+        """Finish every queued disk job, then close the index."""
+        self._io.submit(self._close_index)
+        self._io.close()
+        self._close_index()
+
+    def _close_index(self) -> None:
+        index = getattr(self._indexes, "index", None)
+        if index is not None:
+            index.close()
+            del self._indexes.index
+
+    # --- the I/O worker ---
+
+    def flush(self) -> None:
+        """Wait until disk holds everything asked of it so far (shutdown, tests, tools; never a turn)."""
+        self._io.flush()
+        self._settle()
+
+    def after_writes(self, fn: Callable[[], object]) -> None:
+        """Call `fn` on the I/O worker once every disk job queued so far is done; it must not block."""
+        self._io.submit(fn)
+
+    def _settle(self) -> None:
+        """Take in the worker's finished jobs (engine thread): what they wrote is in the index now."""
+        for key in self._io.settle():
+            self._promised.pop(key, None)
+        if self._held and self._io.idle():
+            self._held.clear()  # disk holds them now (or never will: they were not writable)
+
+    def _later(self, job: Callable[[], object], key: str | None = None) -> None:
+        """An index write asked for on the engine thread: run on the worker, after the jobs before it."""
+        if self._io.on_worker():
+            job()
+        else:
+            self._io.submit(job, key=key)
+
+    def _warm_peek(self, key: str) -> tuple[Snapshot, list[int]] | None:
+        return self.warm.peek(key) or self._held.get(key)
+
+    def _leave_warm(self, dropped: list[tuple[str, tuple[Snapshot, list[int]]]]) -> None:
+        for cold, entry in dropped:
+            if not self._io.idle():
+                self._held[cold] = entry  # until the worker has written what is queued
+                log.debug("warm snapshot of %s kept aside until disk holds it", cold)
+            else:
+                log.debug("warm snapshot of %s dropped; disk holds it", cold)
 
     # --- resume ---
 
@@ -177,6 +230,8 @@ class SessionCaches:
         def ms() -> float:
             return (time.perf_counter() - t0) * 1000
 
+        self._settle()
+
         own: Checkout | None = None
         if (res := self.resident.take(key)) is not None:
             cache, toks = res
@@ -186,7 +241,7 @@ class SessionCaches:
                 own = Checkout(cache, n, "resident", 0.0)
             else:
                 log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
-        own_warm = self.warm.peek(key) if own is None else None
+        own_warm = self._warm_peek(key) if own is None else None
         own_warm_n = self._usable_warm(own_warm, wanted, limit) if own_warm is not None else 0
 
         best_n = max(own.tokens if own else 0, own_warm_n)
@@ -208,7 +263,8 @@ class SessionCaches:
             live = self._restore_plan(key, plan, room=len(wanted) - plan.end)
             if live is not None:
                 cache, end, own_tokens = live
-                self.index.touch(key, self._clock())
+                now = self._clock()
+                self._later(lambda: self.index.touch(key, now))
                 shared = max(end - own_tokens, 0)
                 return self._counted(Checkout(cache, end, "shared" if shared else "disk", ms(), shared))
             plan = _DiskPlan([], 0, 0)
@@ -228,6 +284,7 @@ class SessionCaches:
         if own_warm is not None and own_warm_n > 0:
             copied = self._copy_warm(key, own_warm_n)
             self.warm.take(key)
+            self._held.pop(key, None)
             if copied is not None:
                 return Checkout(copied, own_warm_n, "warm", ms())
         self.disk_stats["misses"] += 1
@@ -248,7 +305,7 @@ class SessionCaches:
             return [tail]
         parts: list[Snapshot] = []
         for block in block_keys(toks[:tail.start], self.block, self.root):
-            entry = self.warm.peek(BLOCK_ENTRY + block)
+            entry = self._warm_peek(BLOCK_ENTRY + block)
             if entry is None:
                 return parts
             parts.append(entry[0])
@@ -266,7 +323,7 @@ class SessionCaches:
 
     def _copy_warm(self, key: str, n: int) -> Cache | None:
         """Live caches holding the first n ids of a warm entry; the entry stays as it is."""
-        value = self.warm.peek(key)
+        value = self._warm_peek(key)
         if value is None:
             return None
         parts = [p for p in self._warm_parts(value) if p.start < n]
@@ -353,7 +410,8 @@ class SessionCaches:
             return None
         if use:  # a prefetch is not a use
             blocks = [row.block for row in plan.pieces if row.start < got.tokens and isinstance(row, BlockRow)]
-            self.index.touch_blocks(blocks, self._clock())
+            now = self._clock()
+            self._later(lambda: self.index.touch_blocks(blocks, now))
             self.disk_stats["hits"] += 1
             self.disk_stats["page_ins"] += 1
         return got.cache, got.tokens, min(plan.own, got.tokens)
@@ -362,12 +420,17 @@ class SessionCaches:
         """A file failed verification: unlist it and what follows it (a block: in every chain)."""
         self.disk_stats["dropped_corrupt"] += 1
         if isinstance(row, BlockRow):
-            cut = self.index.drop_block(row.block)
-            log.warning("dropping cache block %s: %s; %d session(s) listed it and will prefill "
-                        "from token %d", row.path, e, len(cut), row.start)
+            block = row.block
+            log.warning("dropping cache block %s: %s; every session that lists it will prefill "
+                        "from token %d", row.path, e, row.start)
+            self._later(lambda: self.index.drop_block(block))
+            self._promised.clear()  # any chain may list it: plan from the index again
         else:
             log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
-            self.index.drop_from(key, row.start)
+            start = row.start
+            held = self._promised.get(key)
+            self._promised[key] = _cut_promise(held if held is not None else self._writer.promise(key), start)
+            self._later(lambda: self.index.drop_from(key, start), key)
 
     def _read_plan(self, key: str, plan: _DiskPlan, *, use: bool = True) -> tuple[Snapshot, int] | None:
         """Read and merge a plan's files; a bad file ends it there (and is dropped with what follows)."""
@@ -389,7 +452,8 @@ class SessionCaches:
             return None
         if use:  # a prefetch is not a use
             blocks = [row.block for row in plan.pieces[:len(pieces)] if isinstance(row, BlockRow)]
-            self.index.touch_blocks(blocks, self._clock())
+            now = self._clock()
+            self._later(lambda: self.index.touch_blocks(blocks, now))
             self.disk_stats["hits"] += 1
             self.disk_stats["page_ins"] += 1
         merged = merge(*pieces)
@@ -473,31 +537,23 @@ class SessionCaches:
         self.prefetch_stats["bytes"] += nbytes
 
     def _valid_chain(self, key: str) -> list[SegmentRow]:
-        """The session's private segments, once those another model or layout wrote are dropped."""
+        """The session's private segments, without those another model or layout wrote (dropped on the worker)."""
         chain = self.index.chain(key)
         for row in chain:
             if row.fingerprint != self.fingerprint:
-                # Another model or layout wrote these: never loaded, never kept.
-                log.info("dropping cache of %s made by another model or layout", key)
-                self.index.drop_from(key, row.start)
+                self._later(lambda: self._writer.valid_chain(key), key)
                 return [r for r in chain if r.start < row.start]
         return chain
 
     # --- after a turn ---
 
     def checkin(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
-        """Keep a session's live cache resident and write its new tokens behind it."""
+        """Keep a session's live cache resident and queue the writing of its new tokens behind it."""
         tokens = list(tokens)
-        try:
-            self._write_behind(key, cache, tokens)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("the disk holding the KV caches is full (%s); the cache of %s stays in "
-                            "memory only (after a restart it is rebuilt from the transcript)",
-                            e.strerror, key)
-            else:
-                log.warning("could not write the cache of %s to disk: %s", key, e)
+        self._settle()
+        self._write_behind(key, cache, tokens)
         self.warm.discard(key)
+        self._held.pop(key, None)
         now = self._clock()
         for cold, (c, toks) in self.resident.put(key, (cache, tokens), cache_nbytes(cache), now):
             self._demote(cold, c, toks, now)
@@ -508,7 +564,7 @@ class SessionCaches:
         snap = snapshot(cache, 0)
         keys = block_keys(tokens[:whole * self.block], self.block, self.root)
         for k, block in enumerate(keys):
-            held = self.warm.peek(BLOCK_ENTRY + block)
+            held = self._warm_peek(BLOCK_ENTRY + block)
             piece = held[0] if held is not None else self._packed(
                 section(snap, k * self.block, (k + 1) * self.block))
             self._warm_put(BLOCK_ENTRY + block, piece, tokens[k * self.block:(k + 1) * self.block], now)
@@ -519,183 +575,68 @@ class SessionCaches:
         return pack(snap, self.budgets.warm_bits) if self.budgets.warm_bits else snap
 
     def _warm_put(self, key: str, snap: Snapshot, tokens: list[int], now: float) -> None:
-        for cold, _ in self.warm.put(key, (snap, tokens), snap.nbytes, now):
-            log.debug("warm snapshot of %s dropped; disk holds it", cold)
+        self._held.pop(key, None)
+        self._leave_warm(self.warm.put(key, (snap, tokens), snap.nbytes, now))
 
     def _write_behind(self, key: str, cache: Cache | Snapshot, tokens: list[int], *,
                       evict: bool = True) -> None:
-        """Make the disk chain of `key` hold `tokens`, writing only what disk lacks.
+        """Evaluate what disk will lack of `tokens` and queue its writing (engine thread).
 
-        The whole blocks first (each one only if no session wrote it yet:
-        that is the sharing), then the chain that lists them, then the
-        private segments after them: appended to when they still agree,
-        rewritten as one when the chain moved or they reach max_segments.
         `cache` is a live cache, or a snapshot of all of `tokens` (page_out_all).
+        The plan is taken on the chain as it will be once the jobs queued
+        before are done; the worker checks it against the index as it is.
         """
         n = len(tokens)
-        now = self._clock()
-        memo: dict[int, Snapshot] = {}
-
-        def cut(start: int) -> Snapshot:
-            """The state of tokens [start, n): one copy, made once, sliced after."""
-            if not memo:
-                memo[start] = snapshot(cache, start) if isinstance(cache, list) else \
-                    (cache if start == 0 else section(cache, start, n))
-            (have,) = memo.values()
-            return have if have.start == start else section(have, start, n)
-
-        whole = (n - 1) // self.block
-        keys = block_keys(tokens[:whole * self.block], self.block, self.root)
-        listed = [b.block for b in self.index.blocks_of(key)]
-        same = common_prefix_len(listed, keys)
-        chain = keys[:same]
-        if whole > same and self._splittable(cache):
-            found = self.index.find_blocks(keys[same:])
-            for k in range(same, whole):
-                lo, hi = k * self.block, (k + 1) * self.block
-                row = found.get(keys[k])
-                if row is not None and row.fingerprint == self.fingerprint and row.tokens == tuple(tokens[lo:hi]):
-                    self.disk_stats["blocks_reused"] += 1
-                else:
-                    piece = section(cut(same * self.block), lo, hi)
-                    self._write(_Block(keys[k], chain[-1] if chain else self.root, key), piece, tokens, now,
-                                evict=evict)
-                    self.disk_stats["blocks_written"] += 1
-                chain.append(keys[k])
-        base = len(chain) * self.block
-        private = self._valid_chain(key)
-        if chain != listed:
-            # The private segments followed the old chain's last block: they go with it.
-            self.index.drop_segments(key, 0)
-            self.index.set_chain(key, chain, now)
-            private = []
-        kept: list[SegmentRow] = []
-        pos = base
-        for seg in private:
-            if seg.start != pos or seg.end > n or tuple(tokens[seg.start:seg.end]) != seg.tokens:
-                break
-            kept.append(seg)
-            pos = seg.end
-        if len(private) > len(kept):
-            self.index.drop_segments(key, pos)  # a rewind (regenerate, edit) left these behind
-        if pos == n:
-            self.index.touch(key, now)
-            return
-        replace = len(kept) + 1 > self.budgets.max_segments
-        if isinstance(cache, Snapshot) and not trimmable(cache) and pos != cache.start:
-            replace = True  # a snapshot of a window cannot be cut: it replaces the private segments
-        if replace:
-            pos = base  # compaction: one segment for everything after the blocks
-        self._write(_Private(key, chain[-1] if chain else None), cut(pos), tokens, now,
-                    replace=replace and bool(kept), evict=evict)
-        self._enforce_disk_budget(keep=key)
-
-    def _splittable(self, cache: Cache | Snapshot) -> bool:
-        if isinstance(cache, Snapshot):
-            return trimmable(cache)
-        return all(_cuttable(c) for c in cache)
-
-    def _write(self, target: _Block | _Private, snap: Snapshot, tokens: Sequence[int], now: float, *,
-               replace: bool = False, evict: bool = True) -> None:
-        """Persist one evaluated snapshot: the file made durable, then its index row.
-
-        The one place a cache file is written (a block or a private segment);
-        the arrays are already evaluated, so this may run off the engine thread.
-        """
-        ids = tokens[snap.start:snap.end]
-        if isinstance(target, _Block):
-            path = self.index.block_path(target.block, target.parent)
-            owner = target.key
-        else:
-            owner = target.key
-            path = self.index.path_for(target.key, snap.start, snap.end, target.after)
-            if replace:
-                self.index.drop_segments(target.key, snap.start)  # the segments this one replaces
-        evicted: set[str] = set()
-        while True:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                seg = write_segment(path, snap, fingerprint=self.fingerprint, tokens=ids)
-                break
-            except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                if not evict or not self._evict_for(owner, evicted):
-                    raise OSError(e.errno, NOTHING_TO_EVICT if evict else e.strerror) from None
-        _maybe_crash("after-write")
-        while True:
-            try:
-                if isinstance(target, _Block):
-                    self.index.add_block(target.block, target.parent, snap.start, snap.end, seg.path,
-                                         seg.nbytes, seg.checksum, self.fingerprint, ids, now)
-                else:
-                    self.index.add(target.key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,
-                                   self.fingerprint, ids, now)
-                break
-            except sqlite3.OperationalError as e:  # the index shares the full disk
-                if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
-                    seg.path.unlink(missing_ok=True)
-                    raise
-                if not evict or not self._evict_for(owner, evicted):
-                    seg.path.unlink(missing_ok=True)
-                    raise OSError(errno.ENOSPC, NOTHING_TO_EVICT if evict else str(e)) from None
-        self.disk_stats["page_outs"] += 1
-        self.disk_stats["bytes_written"] += seg.nbytes
-
-    def _evict_for(self, key: str, evicted: set[str]) -> bool:
-        """The cache's filesystem is full: remove the least recently used other session's files.
-
-        The same choice the byte budget makes, forced by the disk instead of
-        the config. False when no other session has files left to remove.
-        """
-        for victim, nbytes in self.index.keys_by_use():
-            if victim != key and nbytes > 0 and victim not in evicted:
-                evicted.add(victim)
-                self.index.evict(victim)
-                self.disk_stats["evicted_full"] += 1
-                log.warning("the disk holding the KV caches is full: removed the cache files of "
-                            "session %s (%d bytes, least recently used) to make room for %s",
-                            victim, nbytes, key)
-                return True
-        return False
-
-    def _enforce_disk_budget(self, keep: str | None) -> None:
-        """Forget least recently used sessions on disk until every byte (each block once) fits."""
-        if self.index.total_bytes() <= self.budgets.disk_bytes:
-            return
-        for key, _ in self.index.keys_by_use():
-            if key == keep:
-                continue
-            self.index.drop_from(key, 0)
-            if self.index.total_bytes() <= self.budgets.disk_bytes:
-                return
-        if keep is not None and self.index.total_bytes() > self.budgets.disk_bytes:
-            log.warning("the cache of %s alone exceeds the disk budget; not keeping it on disk", keep)
-            self.index.drop_from(keep, 0)
+        splittable = trimmable(cache) if isinstance(cache, Snapshot) else all(_cuttable(c) for c in cache)
+        held = self._promised.get(key)
+        if held is None:
+            held = self._writer.promise(key)
+        rewrite = isinstance(cache, Snapshot) and not splittable  # a window: written whole or not at all
+        blocks_from, private_from, after = plan(held, tokens, splittable=splittable, block=self.block,
+                                                max_segments=self.budgets.max_segments, rewrite=rewrite)
+        pieces: Pieces = {}
+        starts = [s for s in (blocks_from, private_from) if s is not None]
+        if starts:
+            lo = min(starts)
+            whole = snapshot(cache, lo) if isinstance(cache, list) else \
+                (cache if lo == cache.start else section(cache, lo, n))
+            spans = [(k, k + self.block) for k in range(blocks_from, after.base, self.block)] \
+                if blocks_from is not None else []
+            if private_from is not None:
+                spans.append((private_from, n))
+            pieces = {(a, b): whole if (a, b) == (whole.start, whole.end) else section(whole, a, b)
+                      for a, b in spans}
+            mx.eval([x for p in pieces.values() for x in p.arrays()])  # the worker only writes bytes
+        self._promised[key] = after
+        self._io.submit(lambda: self._writer.persist(key, pieces, tokens, splittable=splittable, evict=evict,
+                                                     rewrite=rewrite), key=key)
 
     # --- housekeeping ---
 
     def maintain(self) -> None:
         """Idle demotions: resident -> warm after resident_idle, warm dropped after warm_idle."""
+        self._settle()
         now = self._clock()
         for key, (cache, toks) in self.resident.idle(now, self.budgets.resident_idle):
             self._demote(key, cache, toks, now)
-        self.warm.idle(now, self.budgets.warm_idle)
+        self._leave_warm(self.warm.idle(now, self.budgets.warm_idle))
 
     def page_out_all(self) -> None:
         """Make sure disk holds every session kept in memory (on shutdown).
 
         No evictions for this: it must not push out caches used more recently.
+        The writes are queued like a turn's, then waited for.
         """
+        self.flush()
         for key in self.resident:
             entry = self.resident.peek(key)
             if entry is not None:
                 try:
                     self._write_behind(key, entry[0], entry[1], evict=False)
-                except OSError as e:
+                except Exception as e:
                     log.warning("could not page out %s: %s", key, e)
-        for key in self.warm:
-            w = self.warm.peek(key)
+        for key in [*self.warm, *self._held]:
+            w = self._warm_peek(key)
             if w is None or key.startswith(BLOCK_ENTRY):
                 continue
             parts = self._warm_parts(w)
@@ -705,13 +646,15 @@ class SessionCaches:
                 # A packed snapshot is saved at its rounded precision: the best there is.
                 snap = merge(*[unpack(p) for p in parts])
                 self._write_behind(key, snap, w[1][:snap.end], evict=False)
-            except (OSError, CannotSplit) as e:
+            except Exception as e:
                 log.warning("could not page out %s: %s", key, e)
+        self.flush()
 
     def forget(self, key: str) -> None:
         """A deleted session: its caches go, and every block no other session lists."""
         self.resident.discard(key)
-        gone = self.warm.discard(key)
+        held = self._held.pop(key, None)
+        gone = self.warm.discard(key) or held
         if gone is not None and gone[0].start > 0:
             mine = set(block_keys(gone[1][:gone[0].start], self.block, self.root))
             for other in self.warm:
@@ -720,12 +663,14 @@ class SessionCaches:
                     mine -= set(block_keys(entry[1][:entry[0].start], self.block, self.root))
             for block in mine:
                 self.warm.discard(BLOCK_ENTRY + block)
-        self.index.drop_from(key, 0)
+        self._later(lambda: self.index.drop_from(key, 0), key)  # after its queued writes, which it undoes
+        self._promised[key] = NOTHING
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
+        self._settle()
         where = {key: "disk" for key in self.index.keys()}
-        where.update({key: "warm" for key in self.warm if not key.startswith(BLOCK_ENTRY)})
+        where.update({key: "warm" for key in [*self._held, *self.warm] if not key.startswith(BLOCK_ENTRY)})
         where.update({key: "resident" for key in self.resident})
         return where
 
@@ -736,6 +681,7 @@ class SessionCaches:
                 "block_bytes": sum(e[0].nbytes for k in blocks if (e := self.warm.peek(k)) is not None)}
 
     def statistics(self) -> dict[str, Any]:
+        self._settle()
         sessions, segments = self.index.count()
         return {
             "resident": self.resident.statistics(),
@@ -788,7 +734,8 @@ def _copy(value: tuple[Cache | Snapshot, list[int]], n: int) -> Cache | None:
         return None
 
 
-def _maybe_crash(point: str) -> None:
-    """Fault injection for the crash tests: die like kill -9 at a named point."""
-    if os.environ.get("KVD_TEST_CRASH_AT") == point:
-        os.kill(os.getpid(), 9)
+def _cut_promise(held: Promise, start: int) -> Promise:
+    """A promised chain once its private segments from `start` on are dropped."""
+    ends = tuple(e for e in held.ends if e <= start)
+    end = ends[-1] if ends else held.base
+    return Promise(held.tokens[:end], held.base, ends)

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +27,7 @@ import protocol as p
 
 from .config import Config
 from .jobs import Delta, Done, Failed, GenerationJob, Progress, PromptTooLong, Queued, Started
-from .running import Running, TurnStatistics, fit_advice
+from .running import EngineStatistics, Running, fit_advice
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -59,15 +59,7 @@ class _Stop:
 @dataclass
 class _Status:
     reply: Callable[[dict[str, Any]], None]  # called on the engine thread
-
-
-@dataclass(frozen=True)
-class EngineStatistics:
-    running: int
-    waiting: int
-    prefilling: int
-    decoding: int
-    turns: Mapping[str, TurnStatistics]  # the running turns, by session id
+    written: bool = False  # sent back by the I/O worker once the disk writes queued before it are done
 
 
 class Engine:
@@ -109,7 +101,7 @@ class Engine:
         self._inbox.put(_Forget(session_id))
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
-        """Ask for fresh statistics: answered between steps, after any finished turn is kept."""
+        """Ask for fresh statistics: answered between steps, once any finished turn is kept (on disk too)."""
         self._inbox.put(_Status(reply))
 
     def stop(self, timeout: float | None = None) -> None:
@@ -228,6 +220,11 @@ class Engine:
                 self.caches.forget(cmd.session_id)
                 self._publish_stats()
         elif isinstance(cmd, _Status):
+            if self.caches is not None and not cmd.written:
+                # Counted once disk holds what finished turns wrote, without waiting for it here.
+                again = _Status(cmd.reply, written=True)
+                self.caches.after_writes(lambda: self._inbox.put(again))
+                return
             self._publish_stats()
             cmd.reply(self.stats)
 
@@ -434,7 +431,8 @@ class Engine:
         self._forget(sid)
         history = [*tokens, *unfed]
         act.job.emit(Done(reason, act.usage(self.max_context), history if tokens and changed else None))
-        # Behind the turn: the client has its answer; now keep the cache and page out its new tokens.
+        # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
+        # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
         if cache is not None and tokens and self.caches is not None:
             try:
                 self.caches.checkin(sid, cache, tokens)

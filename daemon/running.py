@@ -7,6 +7,7 @@ event and the TurnStatistics of `Engine.statistics()`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,15 @@ class TurnStatistics:
     prompt_tokens: int
     fed: int  # prompt tokens in the cache so far (restored ones included)
     generated: int  # answer tokens sampled so far
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    running: int
+    waiting: int
+    prefilling: int
+    decoding: int
+    turns: Mapping[str, TurnStatistics]  # the running turns, by session id
 
 
 @dataclass

@@ -43,6 +43,7 @@ def written(model: Any, root: Path) -> tuple[SessionCaches, list[int]]:
         mx.eval([c.state for c in cache])
         toks += more
         caches.checkin(KEY, cache, toks)
+    caches.flush()  # the I/O worker has written them
     caches.resident.discard(KEY)
     caches.warm.discard(KEY)
     return caches, toks
@@ -118,6 +119,7 @@ def test_a_flipped_byte_stops_the_chain_there(model: Any, tmp_path: Path) -> Non
     # Through the store: the bad segment and everything after it are dropped; the first serves.
     out = caches.checkout(KEY, toks + [1])
     assert out.source == "disk" and out.tokens == 40
+    caches.flush()  # the drop runs on the I/O worker
     assert [(r.start, r.end) for r in caches.index.chain(KEY)] == [(0, 40)]
     assert caches.statistics()["disk"]["dropped_corrupt"] == 1
     caches.close()

@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 
-import cachestore.manager as manager
+import cachestore.writeback as writeback
 from cachestore.manager import SessionCaches
-from cachestore.segments import write_segment
 from conftest import client, running_daemon
 from daemonproc import DaemonProcess
 from sessions import is_disk_full
@@ -70,7 +69,7 @@ def test_full_cache_disk_evicts_the_least_recently_used(model: Any, tmp_path: Pa
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     """A cache filesystem that holds two sessions' files (injected ENOSPC past that)."""
-    real_write = write_segment  # what manager calls, patched below
+    real_write = writeback.write_segment  # type: ignore[attr-defined]  # what the writer calls, patched below
     capacity = 0
 
     def write_on_small_disk(path: Path, *args: Any, **kwargs: Any) -> Any:
@@ -80,7 +79,7 @@ def test_full_cache_disk_evicts_the_least_recently_used(model: Any, tmp_path: Pa
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return seg
 
-    monkeypatch.setattr(manager, "write_segment", write_on_small_disk)
+    monkeypatch.setattr(writeback, "write_segment", write_on_small_disk)
     clock = Clock()
     caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
     sessions = {}
@@ -92,6 +91,7 @@ def test_full_cache_disk_evicts_the_least_recently_used(model: Any, tmp_path: Pa
     for key in (A, B, C):
         clock.now += 1
         caches.checkin(key, *sessions[key])
+    caches.flush()
     assert [k for k, _ in caches.index.keys_by_use()] == [B, C]
     assert caches.statistics()["disk"]["evicted_full"] == 1
     assert any(f"removed the cache files of session {A}" in r.getMessage() and f"room for {C}" in r.getMessage()
@@ -100,6 +100,7 @@ def test_full_cache_disk_evicts_the_least_recently_used(model: Any, tmp_path: Pa
     capacity = 1000
     cache, toks = grow(model, None, [], list(range(50, 90)))
     caches.checkin("dddd", cache, toks)
+    caches.flush()
     assert "dddd" in caches.resident and caches.index.chain("dddd") == []
     assert any("(no other session's cache is left to remove); the cache of dddd stays in memory only"
                in r.getMessage() for r in caplog.records)

@@ -46,6 +46,7 @@ def test_idle_caches_move_down_and_disk_keeps_them(model: Any, tmp_path: Path) -
     caches = SessionCaches(tmp_path, "fp", budgets(), clock=clock)
     cache, toks = grow(model, None, [], list(range(10, 50)))
     caches.checkin(A, cache, toks)
+    caches.flush()  # the I/O worker has written it
     assert A in caches.resident
     clock.now += 61
     caches.maintain()
@@ -68,6 +69,7 @@ def test_many_turns_compact_into_one_segment(model: Any, tmp_path: Path) -> None
         got = caches.checkout(A, toks + [1])
         assert got.source == "resident"
         cache = got.cache
+    caches.flush()
     chain = caches.index.chain(A)
     # Segments 1-3 were written per turn, turn 4 compacted them into one, turn 5 appended.
     assert [(r.start, r.end) for r in chain] == [(0, 28), (28, 35)]
@@ -85,6 +87,7 @@ def test_another_fingerprint_is_never_loaded(model: Any, tmp_path: Path) -> None
     second = SessionCaches(tmp_path, "model-two", budgets(), clock=Clock())
     got = second.checkout(A, toks + [1])
     assert got.source == "none" and got.cache is None
+    second.flush()
     assert second.index.chain(A) == []  # dropped, not kept around
     assert not list((tmp_path / "segments").rglob("*.safetensors"))
     second.close()
@@ -98,6 +101,7 @@ def test_disk_budget_evicts_least_recently_used_sessions(model: Any, tmp_path: P
         clock.now += 1
         cache, toks = grow(model, None, [], list(range(10, 40)))
         caches.checkin(key, cache, toks)
+        caches.flush()
         assert caches.index.total_bytes() <= 2 * one_session
     assert [k for k, _ in caches.index.keys_by_use()] == [B, C]
     caches.close()
@@ -114,6 +118,7 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
         cache, toks = grow(model, cache, toks, list(range(60, 70)))  # a second turn: a second segment
         caches.checkin(key, cache, toks)
         kept[key] = (cache, toks)
+    caches.flush()
     per_session = caches.index.keys_by_use()[0][1]
     caches.close()
 
@@ -156,6 +161,7 @@ def test_prefetch_fills_resident_room_first_with_live_caches(model: Any, tmp_pat
         cache, toks = grow(model, None, [], list(range(10, 50)))
         caches.checkin(key, cache, toks)
         kept[key] = (cache, toks)
+    caches.flush()
     per_session = caches.index.keys_by_use()[0][1]
     caches.close()
 
@@ -182,6 +188,7 @@ def test_prefetch_plans_nothing_that_does_not_fit(model: Any, tmp_path: Path) ->
     caches = SessionCaches(tmp_path, "fp", budgets())
     cache, toks = grow(model, None, [], list(range(10, 50)))
     caches.checkin(A, cache, toks)
+    caches.flush()
     nbytes = caches.index.total_bytes()
     caches.close()
     caches = SessionCaches(tmp_path, "fp", budgets(resident_bytes=nbytes - 1, warm_bytes=nbytes - 1))
@@ -210,6 +217,7 @@ def test_a_new_session_copies_a_shared_prefix_and_the_source_keeps_its_own(
     caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8), clock=clock)
     cache, toks = grow(model, None, [], list(range(10, 50)))
     caches.checkin(A, cache, toks)
+    caches.flush()
     if tier != "resident":
         clock.now += 61
         caches.maintain()  # resident -> warm

@@ -1,0 +1,120 @@
+"""The I/O worker: one thread that runs the cache store's disk jobs in the order they came.
+
+The engine thread evaluates a snapshot's arrays and hands them here, so a
+turn's writes (its blocks, its private tail, two fsyncs each, the index
+commits) and a compaction's rewrite never hold up a decode step. One thread,
+first in first out: a session's writes, drops and deletions reach disk in the
+order the engine decided them, which is what keeps a deleted or rewound
+session from getting a stale file indexed after the fact.
+
+The engine side counts each session's queued jobs (`pending`); the worker
+only reports finished jobs through a queue, which the engine takes in with
+`settle()` on its own thread, so that count is never shared between threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger("kvd.cache")
+
+NICENESS = 10  # the worker's scheduling priority below the engine's: see IOWorker._run
+
+
+class IOWorker:
+    def __init__(self, name: str = "kvd-io"):
+        self._jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._changed = threading.Condition()
+        self._submitted = 0
+        self._done = 0
+        self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._pending: dict[str, int] = {}  # engine side: queued jobs by session
+        # A daemon thread: a process that dies without close() must not hang on it
+        # (close() is what drains it on a clean stop).
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    # --- any thread ---
+
+    def on_worker(self) -> bool:
+        return threading.current_thread() is self.thread
+
+    def submit(self, job: Callable[[], object], *, key: str | None = None) -> None:
+        """Run `job` on the worker after every job submitted before it.
+
+        `key`: the session it writes for, counted in `pending` until it has run
+        (call from the engine thread only when giving a key).
+        """
+        if key is not None:
+            self._pending[key] = self._pending.get(key, 0) + 1
+            job = self._reporting(job, key)
+        with self._changed:
+            self._submitted += 1
+        self._jobs.put(job)
+
+    def _reporting(self, job: Callable[[], object], key: str) -> Callable[[], object]:
+        def run() -> None:
+            try:
+                job()
+            finally:
+                self._finished.put(key)
+
+        return run
+
+    def flush(self) -> None:
+        """Wait until every job submitted so far has run (shutdown, tests, tools; never a turn)."""
+        with self._changed:
+            target = self._submitted
+            self._changed.wait_for(lambda: self._done >= target)
+
+    def idle(self) -> bool:
+        """Whether every job submitted so far has run."""
+        with self._changed:
+            return self._done >= self._submitted
+
+    def close(self) -> None:
+        """Run what is queued, then end the thread."""
+        if self.thread.is_alive():
+            self._jobs.put(None)
+            self.thread.join()
+
+    def _run(self) -> None:
+        # Copying and checksumming a file takes CPU too; on a machine with few cores the
+        # decode's BLAS threads must win it, and the write takes the cycles they leave.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        except (AttributeError, OSError):  # not Linux (per-thread niceness), or not allowed
+            pass
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:
+                log.exception("a cache disk job failed")
+            finally:
+                with self._changed:
+                    self._done += 1
+                    self._changed.notify_all()
+
+    # --- the engine thread ---
+
+    def settle(self) -> set[str]:
+        """Take in what the worker finished; the sessions with nothing queued any more."""
+        done: set[str] = set()
+        while True:
+            try:
+                key = self._finished.get(block=False)
+            except queue.Empty:
+                return done
+            left = self._pending.get(key, 1) - 1
+            if left > 0:
+                self._pending[key] = left
+            else:
+                self._pending.pop(key, None)
+                done.add(key)
+
+    def pending(self, key: str) -> bool:
+        return key in self._pending

@@ -1,0 +1,313 @@
+"""The disk-writing half of the tiered store: what a turn writes behind it, on the I/O worker.
+
+`plan` (pure, on the engine thread) says from which token the files a turn
+needs start, given what disk will hold once the jobs queued before are done
+(a `Promise`), so the engine snapshots and evaluates only that much.
+`Writeback.persist` (on the I/O worker) then makes the session's disk chain
+hold the turn's tokens against the index as it really is: the whole blocks
+no session wrote yet, the chain listing them, the private tail appended to
+or compacted; each file durable before it is indexed; the disk budget and a
+full disk handled by forgetting least recently used sessions. Should disk
+no longer hold what the plan assumed (another session's write evicted this
+one's files, or an earlier write failed), the snapshot cannot reach back far
+enough: nothing is written, and the session's next turn writes from disk's
+real state.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .blocks import block_keys
+from .index import SegmentIndex, SegmentRow
+from .prefix import common_prefix_len
+from .segments import write_segment
+from .snapshot import Snapshot
+
+log = logging.getLogger("kvd.cache")
+
+NOTHING_TO_EVICT = "no other session's cache is left to remove"
+
+
+@dataclass(frozen=True)
+class Promise:
+    """A session's disk chain as it will be once its queued jobs are done."""
+
+    tokens: tuple[int, ...]  # the ids it holds, from 0
+    base: int  # of those, the ids in whole blocks
+    ends: tuple[int, ...]  # where the private segments after them end
+
+
+NOTHING = Promise((), 0, ())
+
+
+Pieces = dict[tuple[int, int], Snapshot]  # evaluated snapshots of [start, end), for the I/O worker
+
+
+def plan(held: Promise, tokens: Sequence[int], *, splittable: bool, block: int,
+         max_segments: int, rewrite: bool = False) -> tuple[int | None, int | None, Promise]:
+    """Where a turn's new blocks start and where its private tail starts (None: none), and disk's chain after.
+
+    The same decisions as `Writeback.write_behind`, taken on what disk will
+    hold rather than on the index: blocks from the first one that differs,
+    the private tail appended after the segments that still agree, or
+    rewritten from the last block when the chain moved or reaches max_segments
+    (or when `rewrite`: a snapshot of a window, which cannot be cut to follow them).
+    """
+    n = len(tokens)
+    same_ids = common_prefix_len(held.tokens, tokens)
+    whole = (n - 1) // block if splittable else 0
+    listed = held.base // block
+    same = min(listed, whole, same_ids // block)
+    blocks_from = same * block if whole > same else None
+    base = whole * block
+    kept: list[int] = []
+    if whole == listed and same == listed:
+        for end in held.ends:
+            if end > same_ids:
+                break
+            kept.append(end)
+    pos = kept[-1] if kept else base
+    if pos == n:
+        return blocks_from, None, Promise(tuple(tokens), base, tuple(kept))
+    if len(kept) + 1 > max_segments or (rewrite and pos != base):
+        pos, kept = base, []
+    return blocks_from, pos, Promise(tuple(tokens), base, (*kept, n))
+
+
+class Stale(Exception):
+    """Disk no longer holds what the engine planned with: the snapshot does not reach back far enough."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where `_write` puts a snapshot: a content-addressed block..."""
+
+    block: str
+    parent: str
+    key: str  # the session writing it (never evicted to make room for it)
+
+
+@dataclass(frozen=True)
+class Private:
+    """... or one of a session's private segments (after its chain's last block, if any)."""
+
+    key: str
+    after: str | None
+
+
+class Writeback:
+    def __init__(self, index: Callable[[], SegmentIndex], *, fingerprint: str, root: str, block: int,
+                 disk_bytes: int, max_segments: int, stats: dict[str, int], clock: Callable[[], float]):
+        self._index = index  # the calling thread's own connection
+        self.fingerprint = fingerprint
+        self.root = root
+        self.block = block
+        self.disk_bytes = disk_bytes
+        self.max_segments = max_segments
+        self.stats = stats
+        self._clock = clock
+
+    @property
+    def index(self) -> SegmentIndex:
+        return self._index()
+
+    def promise(self, key: str) -> Promise:
+        """What disk holds of `key` now, read from the index (the engine thread may call this)."""
+        toks: list[int] = []
+        blocks = self.index.blocks_of(key)
+        for row in blocks:
+            if row.start != len(toks):
+                break
+            toks.extend(row.tokens)
+        base = len(blocks) * self.block if len(toks) == len(blocks) * self.block else 0
+        toks = toks[:base]
+        ends: list[int] = []
+        for seg in self.index.chain(key):
+            if seg.start != len(toks) or seg.fingerprint != self.fingerprint:
+                break
+            toks.extend(seg.tokens)
+            ends.append(seg.end)
+        return Promise(tuple(toks), base, tuple(ends))
+
+    def persist(self, key: str, pieces: Pieces, tokens: list[int], *, splittable: bool,
+                evict: bool, rewrite: bool = False) -> None:
+        """Make disk hold `tokens` of `key` from the evaluated pieces the engine planned (I/O worker)."""
+        try:
+            self.write_behind(key, pieces, tokens, splittable=splittable, evict=evict, rewrite=rewrite)
+        except Stale as e:
+            log.debug("not writing the cache of %s: %s; its next turn writes from what disk holds", key, e)
+        except OSError as e:
+            if not evict:  # paging everything out at shutdown
+                log.warning("could not page out %s: %s", key, e)
+            elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("the disk holding the KV caches is full (%s); the cache of %s stays in "
+                            "memory only (after a restart it is rebuilt from the transcript)",
+                            e.strerror, key)
+            else:
+                log.warning("could not write the cache of %s to disk: %s", key, e)
+
+    def write_behind(self, key: str, pieces: Pieces, tokens: list[int], *, splittable: bool,
+                     evict: bool = True, rewrite: bool = False) -> None:
+        """Make the disk chain of `key` hold `tokens`, writing only what disk lacks.
+
+        The whole blocks first (each one only if no session wrote it yet:
+        that is the sharing), then the chain that lists them, then the
+        private segments after them: appended to when they still agree,
+        rewritten as one when the chain moved or they reach max_segments.
+        `pieces` hold the evaluated state of the files the engine planned.
+        """
+        n = len(tokens)
+        now = self._clock()
+
+        def cut(lo: int, hi: int) -> Snapshot:
+            if (lo, hi) not in pieces:
+                raise Stale(f"disk lacks [{lo}, {hi}), which the engine did not plan to write")
+            return pieces[lo, hi]
+
+        whole = (n - 1) // self.block if splittable else 0
+        keys = block_keys(tokens[:whole * self.block], self.block, self.root)
+        listed = [b.block for b in self.index.blocks_of(key)]
+        same = common_prefix_len(listed, keys)
+        chain = keys[:same]
+        if whole > same:
+            found = self.index.find_blocks(keys[same:])
+            for k in range(same, whole):
+                lo, hi = k * self.block, (k + 1) * self.block
+                row = found.get(keys[k])
+                if row is not None and row.fingerprint == self.fingerprint and row.tokens == tuple(tokens[lo:hi]):
+                    self.stats["blocks_reused"] += 1
+                else:
+                    piece = cut(lo, hi)
+                    self._write(Block(keys[k], chain[-1] if chain else self.root, key), piece, tokens, now,
+                                evict=evict)
+                    self.stats["blocks_written"] += 1
+                chain.append(keys[k])
+        base = len(chain) * self.block
+        private = self.valid_chain(key)
+        if chain != listed:
+            # The private segments followed the old chain's last block: they go with it.
+            self.index.drop_segments(key, 0)
+            self.index.set_chain(key, chain, now)
+            private = []
+        kept: list[SegmentRow] = []
+        pos = base
+        for seg in private:
+            if seg.start != pos or seg.end > n or tuple(tokens[seg.start:seg.end]) != seg.tokens:
+                break
+            kept.append(seg)
+            pos = seg.end
+        if len(private) > len(kept):
+            self.index.drop_segments(key, pos)  # a rewind (regenerate, edit) left these behind
+        if pos == n:
+            self.index.touch(key, now)
+            return
+        # A snapshot of a window cannot be cut: it replaces the private segments it would follow.
+        replace = len(kept) + 1 > self.max_segments or (rewrite and pos != base)
+        if replace:
+            pos = base  # compaction: one segment for everything after the blocks
+        self._write(Private(key, chain[-1] if chain else None), cut(pos, n), tokens, now,
+                    replace=replace and bool(kept), evict=evict)
+        self.enforce_disk_budget(keep=key)
+
+    def valid_chain(self, key: str) -> list[SegmentRow]:
+        """The session's private segments, once those another model or layout wrote are dropped.
+
+        Only the I/O worker (or start-up) drops them: elsewhere they are just left out.
+        """
+        chain = self.index.chain(key)
+        for row in chain:
+            if row.fingerprint != self.fingerprint:
+                # Another model or layout wrote these: never loaded, never kept.
+                log.info("dropping cache of %s made by another model or layout", key)
+                self.index.drop_from(key, row.start)
+                return [r for r in chain if r.start < row.start]
+        return chain
+
+    def _write(self, target: Block | Private, snap: Snapshot, tokens: Sequence[int], now: float, *,
+               replace: bool = False, evict: bool = True) -> None:
+        """Persist one evaluated snapshot: the file made durable, then its index row.
+
+        The one place a cache file is written (a block or a private segment),
+        on the I/O worker: the arrays were evaluated on the engine thread.
+        """
+        ids = tokens[snap.start:snap.end]
+        if isinstance(target, Block):
+            path = self.index.block_path(target.block, target.parent)
+        else:
+            path = self.index.path_for(target.key, snap.start, snap.end, target.after)
+            if replace:
+                self.index.drop_segments(target.key, snap.start)  # the segments this one replaces
+        owner = target.key
+        evicted: set[str] = set()
+        while True:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                seg = write_segment(path, snap, fingerprint=self.fingerprint, tokens=ids)
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if not evict or not self._evict_for(owner, evicted):
+                    raise OSError(e.errno, NOTHING_TO_EVICT if evict else e.strerror) from None
+        _maybe_crash("after-write")
+        while True:
+            try:
+                if isinstance(target, Block):
+                    self.index.add_block(target.block, target.parent, snap.start, snap.end, seg.path,
+                                         seg.nbytes, seg.checksum, self.fingerprint, ids, now)
+                else:
+                    self.index.add(target.key, snap.start, snap.end, seg.path, seg.nbytes, seg.checksum,
+                                   self.fingerprint, ids, now)
+                break
+            except sqlite3.OperationalError as e:  # the index shares the full disk
+                if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+                    seg.path.unlink(missing_ok=True)
+                    raise
+                if not evict or not self._evict_for(owner, evicted):
+                    seg.path.unlink(missing_ok=True)
+                    raise OSError(errno.ENOSPC, NOTHING_TO_EVICT if evict else str(e)) from None
+        self.stats["page_outs"] += 1
+        self.stats["bytes_written"] += seg.nbytes
+
+    def _evict_for(self, key: str, evicted: set[str]) -> bool:
+        """The cache's filesystem is full: remove the least recently used other session's files.
+
+        The same choice the byte budget makes, forced by the disk instead of
+        the config. False when no other session has files left to remove.
+        """
+        for victim, nbytes in self.index.keys_by_use():
+            if victim != key and nbytes > 0 and victim not in evicted:
+                evicted.add(victim)
+                self.index.evict(victim)
+                self.stats["evicted_full"] += 1
+                log.warning("the disk holding the KV caches is full: removed the cache files of "
+                            "session %s (%d bytes, least recently used) to make room for %s",
+                            victim, nbytes, key)
+                return True
+        return False
+
+    def enforce_disk_budget(self, keep: str | None) -> None:
+        """Forget least recently used sessions on disk until every byte (each block once) fits."""
+        if self.index.total_bytes() <= self.disk_bytes:
+            return
+        for key, _ in self.index.keys_by_use():
+            if key == keep:
+                continue
+            self.index.drop_from(key, 0)
+            if self.index.total_bytes() <= self.disk_bytes:
+                return
+        if keep is not None and self.index.total_bytes() > self.disk_bytes:
+            log.warning("the cache of %s alone exceeds the disk budget; not keeping it on disk", keep)
+            self.index.drop_from(keep, 0)
+
+
+def _maybe_crash(point: str) -> None:
+    """Fault injection for the crash tests: die like kill -9 at a named point."""
+    if os.environ.get("KVD_TEST_CRASH_AT") == point:
+        os.kill(os.getpid(), 9)
