@@ -150,6 +150,9 @@ async def test_daemon_kv_bits_resume_from_disk(tmp_path: Path) -> None:
             _, first = await c.chat(sid, "Tell me everything about caches. " * 3,
                                     max_tokens=12, temperature=0)
             assert first["type"] == "chat.done", first
+            # Answered once turn one's segment is written: until disk holds it, a cache
+            # with no room in memory is kept aside there (it would resume as "warm").
+            await c.request("status")
             _, done = await c.chat(sid, "And then?", max_tokens=12, temperature=0)
     assert done["type"] == "chat.done", done
     u = done["usage"]
