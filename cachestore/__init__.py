@@ -4,19 +4,34 @@ The engine makes a `SessionCaches` with `model_fingerprint(...)` and
 `Budgets`, then only checks caches out (`Checkout`) and back in. Everything
 else in the package (snapshot, segments, index, tiers, packing) is how that
 is done, and stays behind this door.
+
+Importing the package stays light (no MLX): the names that need MLX load on
+first use, on the engine thread. Importing MLX on the main thread of a `kvd
+serve` that then fails to listen made it abort at exit ("terminate called
+without an active exception") instead of exiting with its one-line error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .manager import Budgets, Checkout, SessionCaches
 from .prefix import common_prefix_len
-from .segments import fingerprint as _fingerprint
-from .snapshot import layout as _layout
+
+if TYPE_CHECKING:
+    from .manager import Budgets, Checkout, SessionCaches
 
 __all__ = ["Budgets", "Checkout", "SessionCaches", "common_prefix_len", "model_fingerprint"]
+
+_LAZY = frozenset({"Budgets", "Checkout", "SessionCaches"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module 'cachestore' has no attribute {name!r}")
 
 
 def model_fingerprint(*, model_id: str, config: dict[str, Any], dtype: str, kv_bits: int | None,
@@ -26,5 +41,7 @@ def model_fingerprint(*, model_id: str, config: dict[str, Any], dtype: str, kv_b
     `fresh_cache`: the model's own new, empty cache (the kind kvd feeds it), so
     a reader that has only the model computes the same layout as the writer.
     """
-    return _fingerprint(model_id=model_id, config=config, dtype=dtype, kv_bits=kv_bits,
-                        layout=_layout(fresh_cache))
+    from .segments import fingerprint
+    from .snapshot import layout
+
+    return fingerprint(model_id=model_id, config=config, dtype=dtype, kv_bits=kv_bits, layout=layout(fresh_cache))
