@@ -40,9 +40,9 @@ preload_blas()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from cachestore.manager import Budgets, SessionCaches  # noqa: E402
 from cachestore.segments import read_segment  # noqa: E402
 from cachestore.snapshot import merge, restore  # noqa: E402
+from cachestore.store import Budgets, SessionCaches  # noqa: E402
 
 KEY = "0123456789abcdef"
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M

@@ -36,9 +36,9 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from cachestore.manager import Budgets, SessionCaches  # noqa: E402
 from cachestore.segments import read_segment  # noqa: E402
 from cachestore.snapshot import restore  # noqa: E402
+from cachestore.store import Budgets, SessionCaches  # noqa: E402
 from daemon.prefill import Prefill  # noqa: E402
 from daemon.prefill import first_token as decode_first  # noqa: E402
 

@@ -155,7 +155,7 @@ def block_sizes(model_dir: str, root: Path, tokens: int, sizes: list[int], repea
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load as load_model
 
-    from cachestore.manager import Budgets, SessionCaches
+    from cachestore.store import Budgets, SessionCaches
 
     model = load_model(model_dir)[0]
     model.set_dtype(mx.float32)

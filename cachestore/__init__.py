@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .prefix import common_prefix_len
 
 if TYPE_CHECKING:
-    from .manager import Budgets, Checkout, SessionCaches
+    from .store import Budgets, Checkout, SessionCaches
 
 __all__ = ["Budgets", "Checkout", "SessionCaches", "common_prefix_len", "model_fingerprint"]
 
@@ -28,9 +28,9 @@ _LAZY = frozenset({"Budgets", "Checkout", "SessionCaches"})
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from . import manager
+        from . import store
 
-        return getattr(manager, name)
+        return getattr(store, name)
     raise AttributeError(f"module 'cachestore' has no attribute {name!r}")
 
 

@@ -1,6 +1,6 @@
 """The disk tier's index: which blocks and segment files exist, for which tokens.
 
-Two kinds of file (manager.py says why): content-addressed *blocks*, each
+Two kinds of file (store.py says why): content-addressed *blocks*, each
 stored once under ``blocks/`` and listed in any number of sessions'
 *chains*, and each session's private *segments* under ``segments/<key>/``
 (what follows its last whole block). A block's reference count is the number
@@ -15,7 +15,7 @@ crash and are deleted on open.
 The index is not the only record, though: each segment's header holds its
 range, fingerprint and token ids. An index that is missing, empty or not a
 database is therefore set aside (`lost` says how it was found) and rebuilt
-from the files by the owner (manager.py), not taken as "no segments".
+from the files by the owner (store.py), not taken as "no segments".
 """
 
 from __future__ import annotations

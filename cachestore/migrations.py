@@ -53,7 +53,7 @@ def m001_segments(db: Database) -> None:
 
 @migration
 def m002_blocks(db: Database) -> None:
-    # Content-addressed blocks (manager.py): stored once, listed by every
+    # Content-addressed blocks (store.py): stored once, listed by every
     # session whose chain passes through them.
     db.execute(
         """

@@ -2,7 +2,7 @@
 
 The engine's policy without the engine: no MLX, no threads, no clock of its
 own (the engine reports how long each chunk took), so it is tested with plain
-objects like cachestore/tiers.py is. The engine thread is its only caller.
+objects like cachestore/lru.py is. The engine thread is its only caller.
 
 - At most `max_running` turns run at once; the rest wait first come first
   served, and each waiting job learns its place again whenever it moves up.

@@ -86,8 +86,8 @@ def test_every_import_follows_the_arrows() -> None:
 @pytest.mark.parametrize("source, found", [
     ("import daemon.engine\n", "sessions -> daemon (daemon.engine)"),
     ("def f():\n    from protocol import DEFAULT_TITLE\n", "sessions -> protocol (protocol)"),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cachestore.manager import Checkout\n",
-     "sessions -> cachestore (cachestore.manager)"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cachestore.store import Checkout\n",
+     "sessions -> cachestore (cachestore.store)"),
     ("import importlib\ndef f():\n    return importlib.import_module('tui.render')\n", "sessions -> tui (tui.render)"),
 ])  # fmt: skip
 def test_a_wrong_arrow_is_found_wherever_the_import_is(tmp_path: Path, source: str, found: str) -> None:

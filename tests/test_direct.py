@@ -16,9 +16,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from cachestore.direct import STEP, Piece, read_direct
 from cachestore.errors import ChecksumMismatch, SegmentTruncated
-from cachestore.manager import Budgets, SessionCaches
 from cachestore.segments import read_segment
 from cachestore.snapshot import merge, restore
+from cachestore.store import Budgets, SessionCaches
 
 KEY = "abcd"
 TURNS = [list(range(10, 50)), list(range(60, 90)), list(range(100, 133))]  # 40 + 30 + 33 tokens

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 import cachestore.writeback as writeback
-from cachestore.manager import SessionCaches
+from cachestore.store import SessionCaches
 from conftest import client, running_daemon
 from daemonproc import DaemonProcess
 from sessions import is_disk_full
-from test_manager import Clock, budgets, grow
+from test_store_tiers import Clock, budgets, grow
 
 A, B, C = "aaaa", "bbbb", "cccc"
 

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from cachestore import SessionCaches
 from cachestore.index import BlockRow, SegmentRow
 from test_direct import greedy
-from test_manager import A, B, Clock, budgets, grow
+from test_store_tiers import A, B, Clock, budgets, grow
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cachestore.errors import SnapshotError
-from cachestore.manager import Budgets, SessionCaches
 from cachestore.packing import is_packed, pack, unpack
 from cachestore.snapshot import restore, snapshot
+from cachestore.store import Budgets, SessionCaches
 from conftest import client, running_daemon
 
 PROMPT = list(range(20, 120))  # 100 tokens: tiny-swa's 64-token window has wrapped

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cachestore.tiers import Tier
+from cachestore.lru import Tier
 
 
 def test_lru_order_and_budget() -> None:

@@ -62,12 +62,12 @@ from .blocks import block_keys, root_key
 from .errors import CannotSplit, CorruptSegment
 from .index import BlockRow, SegmentIndex, SegmentRow
 from .ioworker import IOWorker
+from .lru import Tier
 from .packing import pack, unpack
 from .prefix import common_prefix_len
 from .rebuild import rebuild_index
 from .segments import read_segment
 from .snapshot import Snapshot, merge, restore, rewind, section, snapshot, trimmable, truncate
-from .tiers import Tier
 from .writeback import NOTHING, NOTHING_TO_EVICT, Pieces, Promise, Writeback, plan
 
 __all__ = ["NOTHING_TO_EVICT", "Budgets", "Checkout", "SessionCaches"]

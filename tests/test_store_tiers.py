@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from cachestore.manager import Budgets, SessionCaches
+from cachestore.store import Budgets, SessionCaches
 
 A, B, C = "aaaa", "bbbb", "cccc"
 
