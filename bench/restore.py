@@ -5,7 +5,8 @@ Run: .venv/bin/python bench/restore.py [--lengths 1024 2048 4096] [--turn 256] [
 The KV shape is SmolLM2-135M-Instruct's (the default model: 30 layers, 3 KV
 heads of 64, float32; speed does not depend on the values, so they are
 random). A conversation of N tokens is written the way the daemon writes it,
-one segment per turn of `--turn` tokens, by kvd's own SessionCaches. Then a
+one segment per turn of `--turn` tokens, by kvd's own SessionCaches (so on
+disk: whole content-addressed blocks of `cache.block_tokens`, then the tail). Then a
 fresh SessionCaches (a restart) restores it, timed to evaluated arrays:
 
 - `kvd`: `SessionCaches.checkout` as the daemon calls it (cachestore/direct.py:
@@ -40,6 +41,7 @@ preload_blas()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
+from cachestore.index import BlockRow, SegmentRow  # noqa: E402
 from cachestore.segments import read_segment  # noqa: E402
 from cachestore.snapshot import merge, restore  # noqa: E402
 from cachestore.store import Budgets, SessionCaches  # noqa: E402
@@ -91,7 +93,7 @@ def run(n: int, turn: int, repeat: int, can_drop: bool) -> dict[str, Any]:
         root = Path(tmp)
         write(root, n, turn)
         store = SessionCaches(root, "bench", budgets())  # a restart: the session is only on disk
-        rows = store.index.chain(KEY)
+        rows: list[BlockRow | SegmentRow] = [*store.index.blocks_of(KEY), *store.index.chain(KEY)]  # blocks, then tail
         nbytes = sum(r.nbytes for r in rows)
         wanted = list(range(n)) + [n]
 
