@@ -45,6 +45,7 @@ from cachestore.index import BlockRow, SegmentRow  # noqa: E402
 from cachestore.segments import read_segment  # noqa: E402
 from cachestore.snapshot import merge, restore  # noqa: E402
 from cachestore.store import Budgets, SessionCaches  # noqa: E402
+from resume import drop_page_cache  # noqa: E402  # the same method as bench/resume.py
 
 KEY = "0123456789abcdef"
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
@@ -69,15 +70,6 @@ def write(root: Path, n: int, turn: int) -> None:
         tokens += list(range(a, a + k))
         caches.checkin(KEY, cache, tokens)
     caches.close()
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def timed(fn: Callable[[], Any], cold: bool) -> float:
