@@ -130,7 +130,7 @@ async def run(model: Path, root: Path, args: argparse.Namespace) -> dict[str, An
     disk = status.get("tiers", {}).get("disk", {})
     return {"gaps": len(gaps), "p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": max(gaps, default=0.0),
             "after_done_p99": pct(after, 99), "after_done_max": max(after, default=0.0),
-            "seconds": t1 - t0, "page_outs": disk.get("page_outs"), "bytes_written": disk.get("bytes_written"),
+            "seconds": t1 - t0, "writes": disk.get("writes"), "bytes_written": disk.get("bytes_written"),
             "load": os.getloadavg()}
 
 
@@ -148,7 +148,7 @@ def main() -> int:
     print(json.dumps(r))
     print(f"| {args.turns} turns, max_segments {args.max_segments} | {r['p50'] * 1000:.0f} ms "
           f"| {r['p99'] * 1000:.0f} ms | {r['max'] * 1000:.0f} ms | {r['after_done_p99'] * 1000:.0f} ms "
-          f"| {r['page_outs']} writes, {r['bytes_written'] / 1e6:.0f} MB | "
+          f"| {r['writes']} writes, {r['bytes_written'] / 1e6:.0f} MB | "
           f"{r['load'][0]:.1f} |")
     return 0
 

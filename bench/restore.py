@@ -91,7 +91,7 @@ def run(n: int, turn: int, repeat: int, can_drop: bool) -> dict[str, Any]:
 
         def kvd() -> None:
             got = store.checkout(KEY, wanted)  # not checked back in: the next one reads disk again
-            assert got.source == "disk" and got.tokens == n and got.cache is not None
+            assert got.restored_from == "disk" and got.tokens == n and got.cache is not None
             mx.eval([c.state for c in got.cache])
 
         def general() -> None:

@@ -114,7 +114,7 @@ def run(model: Any, n: int, new: int, kv_per_token: int) -> dict[str, Any]:
             caches.resident.budget, caches.warm.budget = budgets.resident_bytes, budgets.warm_bytes
             caches.checkin(KEY, current, history)  # only the first writes to disk
             got = caches.checkout(KEY, prompt)
-            assert got.source == tier and got.tokens == n, (tier, got.source, got.tokens)
+            assert got.restored_from == tier and got.tokens == n, (tier, got.restored_from, got.tokens)
             t, after = first_token(model, prompt, got.cache, got.tokens)
             out[tier] = got.restore_ms / 1000 + t
             out[f"{tier}_restore"] = got.restore_ms / 1000
@@ -126,7 +126,7 @@ def run(model: Any, n: int, new: int, kv_per_token: int) -> dict[str, Any]:
         cold = drop_page_cache()
         restarted = SessionCaches(root, "bench", make_budgets(resident=0, warm=0))
         got = restarted.checkout(KEY, prompt)
-        assert got.source == "disk" and got.tokens == n
+        assert got.restored_from == "disk" and got.tokens == n
         t, after = first_token(model, prompt, got.cache, got.tokens)
         out["restart"] = got.restore_ms / 1000 + t
         out["restart_restore"] = got.restore_ms / 1000
@@ -151,9 +151,9 @@ def run(model: Any, n: int, new: int, kv_per_token: int) -> dict[str, Any]:
         # A turn of `new` tokens plus a 64-token answer writes only its own tokens.
         turn = prompt + [rng.randrange(1000, 150000) for _ in range(64)]
         t, after = first_token(model, turn, live, n)  # `after` holds exactly `turn`
-        before = restarted.disk_stats["bytes_written"]
+        before = restarted.disk_stats.bytes_written
         restarted.checkin(KEY, after, turn)
-        out["turn_written"] = restarted.disk_stats["bytes_written"] - before
+        out["turn_written"] = restarted.disk_stats.bytes_written - before
         out["turn_kv"] = (len(turn) - n) * kv_per_token
         restarted.close()
     return out

@@ -181,7 +181,7 @@ def block_sizes(model_dir: str, root: Path, tokens: int, sizes: list[int], repea
             t0 = time.perf_counter()
             got = caches.checkout("bbbb", ids + [5])
             reads.append((time.perf_counter() - t0) * 1000)
-            assert got.source == "shared", got.source
+            assert got.restored_from == "shared", got.restored_from
             caches.close()
         print(f"  block_tokens {size:4}: {files:3} blocks, write {span(writes)}, shared restore {span(reads)}, "
               f"load {load():.1f}", flush=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
 V = TypeVar("V")
@@ -27,10 +27,25 @@ class Entry(Generic[V]):
 
 @dataclass
 class TierStats:
+    """What every tier counts, with one meaning for all three (resident, warm, disk)."""
+
     hits: int = 0
     misses: int = 0
-    page_ins: int = 0  # values promoted out of this tier
-    page_outs: int = 0  # values demoted out of this tier by budget or idleness
+    page_ins: int = 0  # values promoted out of this tier (for disk: sessions read back into memory)
+    page_outs: int = 0  # values this tier let go: demoted by budget or idleness (disk: dropped by its budget)
+
+
+@dataclass
+class DiskStats(TierStats):
+    """The disk tier's figures: the same TierStats, plus what only disk has."""
+
+    writes: int = 0  # files written (blocks and private segments)
+    bytes_written: int = 0
+    bytes_read: int = 0
+    dropped_corrupt: int = 0  # files that failed verification, dropped with what follows them
+    evicted_full: int = 0  # sessions whose files were removed because the filesystem was full
+    blocks_written: int = 0
+    blocks_reused: int = 0  # whole blocks a turn needed that disk already held (the sharing)
 
 
 class Tier(Generic[V]):
@@ -131,6 +146,4 @@ class Tier(Generic[V]):
         return out
 
     def statistics(self) -> dict[str, Any]:
-        return {"sessions": len(self._entries), "bytes": self.nbytes, "budget": self.budget,
-                "hits": self.stats.hits, "misses": self.stats.misses,
-                "page_ins": self.stats.page_ins, "page_outs": self.stats.page_outs}
+        return {"sessions": len(self._entries), "bytes": self.nbytes, "budget": self.budget, **asdict(self.stats)}

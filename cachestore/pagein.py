@@ -27,7 +27,7 @@ from . import direct
 from .blocks import block_keys
 from .errors import CannotSplit, CorruptSegment
 from .index import BlockRow, SegmentIndex, SegmentRow
-from .lru import Tier
+from .lru import DiskStats, Tier
 from .packing import pack
 from .prefix import MIN_SHARED, common_prefix_len
 from .segments import read_segment
@@ -55,7 +55,7 @@ class PageIn:
     """Reading session prefixes back from disk (engine thread; index writes are queued with `later`)."""
 
     def __init__(self, index: Callable[[], SegmentIndex], *, fingerprint: str, root: str, block: int,
-                 writer: Writeback, promised: dict[str, Promise], later: Later, stats: dict[str, int],
+                 writer: Writeback, promised: dict[str, Promise], later: Later, stats: DiskStats,
                  clock: Callable[[], float]) -> None:
         self._index = index
         self.fingerprint = fingerprint
@@ -135,7 +135,7 @@ class PageIn:
         if got is None:
             merged = self.read(key, plan, use=use)
             return (restore(merged[0]), merged[0].end, merged[1]) if merged is not None else None
-        self.stats["bytes_read"] += got.bytes_read
+        self.stats.bytes_read += got.bytes_read
         if got.bad is not None:
             part, e = got.bad
             self.drop_bad(key, plan.pieces[parts.index(part)], e)
@@ -145,13 +145,13 @@ class PageIn:
             blocks = [row.block for row in plan.pieces if row.start < got.tokens and isinstance(row, BlockRow)]
             now = self.clock()
             self._later(lambda: self.index.touch_blocks(blocks, now), None)
-            self.stats["hits"] += 1
-            self.stats["page_ins"] += 1
+            self.stats.hits += 1
+            self.stats.page_ins += 1
         return got.cache, got.tokens, min(plan.own, got.tokens)
 
     def drop_bad(self, key: str, row: Piece, e: CorruptSegment) -> None:
         """A file failed verification: unlist it and what follows it (a block: in every chain)."""
-        self.stats["dropped_corrupt"] += 1
+        self.stats.dropped_corrupt += 1
         if isinstance(row, BlockRow):
             block = row.block
             log.warning("dropping cache block %s: %s; every session that lists it will prefill "
@@ -174,7 +174,7 @@ class PageIn:
             except CorruptSegment as e:
                 self.drop_bad(key, row, e)
                 break
-            self.stats["bytes_read"] += row.nbytes
+            self.stats.bytes_read += row.nbytes
             if piece.end > plan.end:
                 try:
                     piece = truncate(piece, plan.end)
@@ -187,8 +187,8 @@ class PageIn:
             blocks = [row.block for row in plan.pieces[:len(pieces)] if isinstance(row, BlockRow)]
             now = self.clock()
             self._later(lambda: self.index.touch_blocks(blocks, now), None)
-            self.stats["hits"] += 1
-            self.stats["page_ins"] += 1
+            self.stats.hits += 1
+            self.stats.page_ins += 1
         merged = merge(*pieces)
         return merged, min(plan.own, merged.end)
 

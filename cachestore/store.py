@@ -52,7 +52,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from . import pagein
 from .blocks import root_key
 from .index import SegmentIndex
 from .ioworker import IOWorker
-from .lru import Tier
+from .lru import DiskStats, Tier
 from .packing import unpack
 from .pagein import PREFETCH_ROOM, PageIn
 from .prefix import MIN_SHARED, common_prefix_len
@@ -96,7 +96,7 @@ class Budgets:
 class Checkout:
     cache: Cache | None
     tokens: int  # how many leading ids of the wanted tokens `cache` holds
-    source: str  # "resident" | "warm" | "disk" | "shared" | "none"
+    restored_from: str  # "resident" | "warm" | "disk" | "shared" | "none": the wire's word for it too
     restore_ms: float
     shared_tokens: int = 0  # of `tokens`, those another session's cache or blocks supplied
 
@@ -121,9 +121,7 @@ class SessionCaches:
         self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes,
                                                                   budgets.resident_sessions)
         self.warm: Tier[tuple[Snapshot, list[int]]] = Tier("warm", budgets.warm_bytes)
-        self.disk_stats = {"hits": 0, "misses": 0, "page_ins": 0, "page_outs": 0,
-                           "bytes_written": 0, "bytes_read": 0, "dropped_corrupt": 0,
-                           "evicted_full": 0, "blocks_written": 0, "blocks_reused": 0}
+        self.disk_stats = DiskStats()
         self.shared_stats = {"restores": 0, "tokens": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
         self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
@@ -255,7 +253,7 @@ class SessionCaches:
             self._warm.held.pop(key, None)
             if copied is not None:
                 return Checkout(copied, own_warm_n, "warm", ms())
-        self.disk_stats["misses"] += 1
+        self.disk_stats.misses += 1
         return Checkout(None, 0, "none", ms())
 
     def _counted(self, out: Checkout) -> Checkout:
@@ -396,6 +394,6 @@ class SessionCaches:
                            "resident": self.prefetch_stats["resident"], "warm": self.prefetch_stats["warm"]},
             "disk": {"sessions": sessions, "segments": segments, "bytes": self.index.total_bytes(),
                      "budget": self.budgets.disk_bytes, "block_tokens": self.block,
-                     **self.index.sharing(), **self.disk_stats},
+                     **self.index.sharing(), **asdict(self.disk_stats)},
             "shared": dict(self.shared_stats),
         }

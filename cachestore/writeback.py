@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from .blocks import block_keys
 from .index import SegmentIndex, SegmentRow
+from .lru import DiskStats
 from .prefix import common_prefix_len
 from .segments import write_segment
 from .snapshot import Snapshot
@@ -103,7 +104,7 @@ class Private:
 
 class Writeback:
     def __init__(self, index: Callable[[], SegmentIndex], *, fingerprint: str, root: str, block: int,
-                 disk_bytes: int, max_segments: int, stats: dict[str, int], clock: Callable[[], float]):
+                 disk_bytes: int, max_segments: int, stats: DiskStats, clock: Callable[[], float]):
         self._index = index  # the calling thread's own connection
         self.fingerprint = fingerprint
         self.root = root
@@ -181,12 +182,12 @@ class Writeback:
                 lo, hi = k * self.block, (k + 1) * self.block
                 row = found.get(keys[k])
                 if row is not None and row.fingerprint == self.fingerprint and row.tokens == tuple(tokens[lo:hi]):
-                    self.stats["blocks_reused"] += 1
+                    self.stats.blocks_reused += 1
                 else:
                     piece = cut(lo, hi)
                     self._write(Block(keys[k], chain[-1] if chain else self.root, key), piece, tokens, now,
                                 evict=evict)
-                    self.stats["blocks_written"] += 1
+                    self.stats.blocks_written += 1
                 chain.append(keys[k])
         base = len(chain) * self.block
         private = self.valid_chain(key)
@@ -272,8 +273,8 @@ class Writeback:
                 if not evict or not self._evict_for(owner, evicted):
                     seg.path.unlink(missing_ok=True)
                     raise OSError(errno.ENOSPC, NOTHING_TO_EVICT if evict else str(e)) from None
-        self.stats["page_outs"] += 1
-        self.stats["bytes_written"] += seg.nbytes
+        self.stats.writes += 1
+        self.stats.bytes_written += seg.nbytes
 
     def _evict_for(self, key: str, evicted: set[str]) -> bool:
         """The cache's filesystem is full: remove the least recently used other session's files.
@@ -285,7 +286,8 @@ class Writeback:
             if victim != key and nbytes > 0 and victim not in evicted:
                 evicted.add(victim)
                 self.index.evict(victim)
-                self.stats["evicted_full"] += 1
+                self.stats.evicted_full += 1
+                self.stats.page_outs += 1
                 log.warning("the disk holding the KV caches is full: removed the cache files of "
                             "session %s (%d bytes, least recently used) to make room for %s",
                             victim, nbytes, key)
@@ -300,6 +302,7 @@ class Writeback:
             if key == keep:
                 continue
             self.index.drop_from(key, 0)
+            self.stats.page_outs += 1
             if self.index.total_bytes() <= self.disk_bytes:
                 return
         if keep is not None and self.index.total_bytes() > self.disk_bytes:

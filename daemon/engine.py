@@ -19,14 +19,26 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
 
 from .config import Config
-from .jobs import Delta, Done, Failed, GenerationJob, Progress, PromptTooLong, Queued, Started
+from .jobs import (
+    Cancel,
+    Delta,
+    Done,
+    Failed,
+    Forget,
+    GenerationJob,
+    Progress,
+    PromptTooLong,
+    Queued,
+    Started,
+    Status,
+    Stop,
+)
 from .running import EngineStatistics, Running, fit_advice
 from .scheduler import Scheduler
 
@@ -41,27 +53,6 @@ MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a second is enough to watch
 
 
-@dataclass
-class _Cancel:
-    session_id: str
-
-
-@dataclass
-class _Forget:
-    session_id: str
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-@dataclass
-class _Status:
-    reply: Callable[[dict[str, Any]], None]  # called on the engine thread
-    written: bool = False  # sent back by the I/O worker once the disk writes queued before it are done
-
-
 class Engine:
     """Owns the model; serves GenerationJobs through one BatchGenerator."""
 
@@ -72,7 +63,7 @@ class Engine:
         self.model_dir = model_dir
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[GenerationJob | _Cancel | _Forget | _Stop | _Status] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[GenerationJob | Cancel | Forget | Stop | Status] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         # Running turns (by session id) and the jobs past max_generations.
         self._turns: Scheduler[GenerationJob, Running] = Scheduler(
@@ -94,19 +85,19 @@ class Engine:
         self._inbox.put(job)
 
     def cancel(self, session_id: str) -> None:
-        self._inbox.put(_Cancel(session_id))
+        self._inbox.put(Cancel(session_id))
 
     def forget(self, session_id: str) -> None:
         """Drop a deleted session's cache from every tier (it must not be generating)."""
-        self._inbox.put(_Forget(session_id))
+        self._inbox.put(Forget(session_id))
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
         """Ask for fresh statistics: answered between steps, once any finished turn is kept (on disk too)."""
-        self._inbox.put(_Status(reply))
+        self._inbox.put(Status(reply))
 
     def stop(self, timeout: float | None = None) -> None:
         """Cancel whatever runs (each job gets its Done) and end the thread."""
-        self._inbox.put(_Stop())
+        self._inbox.put(Stop())
         self._thread.join(timeout)
 
     def statistics(self) -> EngineStatistics:
@@ -177,7 +168,7 @@ class Engine:
                     else:
                         self.caches.maintain()
                     self._publish_stats()
-            if isinstance(cmd, _Stop):
+            if isinstance(cmd, Stop):
                 for job in self._turns.waiting():
                     self._cancel(job.session_id)
                 for sid in list(self._turns.running):
@@ -204,25 +195,25 @@ class Engine:
                 cmd = self._inbox.get(block=False)
             except queue.Empty:
                 break
-            assert not isinstance(cmd, _Stop), "stop() is for a started engine"
+            assert not isinstance(cmd, Stop), "stop() is for a started engine"
             self._handle(cmd)
         self._admit_waiting()
         if self._turns.running:
             self._step()
 
-    def _handle(self, cmd: GenerationJob | _Cancel | _Forget | _Status) -> None:
+    def _handle(self, cmd: GenerationJob | Cancel | Forget | Status) -> None:
         if isinstance(cmd, GenerationJob):
             self._start(cmd)
-        elif isinstance(cmd, _Cancel):
+        elif isinstance(cmd, Cancel):
             self._cancel(cmd.session_id)
-        elif isinstance(cmd, _Forget):
+        elif isinstance(cmd, Forget):
             if self.caches is not None and cmd.session_id not in self._turns.running:
                 self.caches.forget(cmd.session_id)
                 self._publish_stats()
-        elif isinstance(cmd, _Status):
+        elif isinstance(cmd, Status):
             if self.caches is not None and not cmd.written:
                 # Counted once disk holds what finished turns wrote, without waiting for it here.
-                again = _Status(cmd.reply, written=True)
+                again = Status(cmd.reply, written=True)
                 self.caches.after_writes(lambda: self._inbox.put(again))
                 return
             self._publish_stats()
@@ -300,7 +291,7 @@ class Engine:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
         self._turns.start(job.session_id, Running(
             job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
-            restored_from=out.source, restore_ms=out.restore_ms, inserted=time.perf_counter(),
+            restored_from=out.restored_from, restore_ms=out.restore_ms, inserted=time.perf_counter(),
             sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
             prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size),
             shared_tokens=shared,
@@ -385,13 +376,7 @@ class Engine:
                 self._finish(act, r.finish_reason, r.prompt_cache, list(r.all_tokens))
 
     def _took(self, act: Running, token: int, now: float, *, shown: bool = True) -> None:
-        act.generated += 1
-        act.t_first = act.t_first or now
-        act.t_last = now
-        if shown and token not in self.tokenizer.eos_token_ids:  # a stop token is never shown
-            act.detokenizer.add_token(token)
-            if text := act.detokenizer.last_segment:
-                act.job.emit(Delta(text))
+        act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)  # a stop token never shows
 
     def _cancel(self, session_id: str) -> None:
         job = self._turns.withdraw(session_id)

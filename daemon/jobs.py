@@ -91,3 +91,27 @@ class Failed:
 
 
 EngineEvent = Queued | Started | Progress | Delta | Done | Failed
+
+
+# --- the engine's inbox, besides GenerationJobs ------------------------------
+
+
+@dataclass
+class Cancel:
+    session_id: str
+
+
+@dataclass
+class Forget:
+    session_id: str
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class Status:
+    reply: Callable[[dict[str, Any]], None]  # called on the engine thread
+    written: bool = False  # sent back by the I/O worker once the disk writes queued before it are done

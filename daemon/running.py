@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import protocol as p
 
-from .jobs import GenerationJob
+from .jobs import Delta, GenerationJob
 
 if TYPE_CHECKING:
     from .prefill import Prefill
@@ -62,6 +62,16 @@ class Running:
         """A job cancelled while it waited: what its Done event reports."""
         return cls(job=job, detokenizer=None, prompt=[], cached_len=0, restored_from=p.NO_CACHE,
                    restore_ms=0.0, inserted=job.arrived, sampler=None, prefill=None)
+
+    def took(self, token: int, now: float, *, shown: bool) -> None:
+        """One generated token: counted and timed; streamed as text if `shown` (not a stop token)."""
+        self.generated += 1
+        self.t_first = self.t_first or now
+        self.t_last = now
+        if shown:
+            self.detokenizer.add_token(token)
+            if text := self.detokenizer.last_segment:
+                self.job.emit(Delta(text))
 
     def statistics(self) -> TurnStatistics:
         pre = self.prefill

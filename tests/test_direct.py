@@ -89,7 +89,7 @@ def test_continuation_equals_a_fresh_prefill(model: Any, tmp_path: Path) -> None
     restarted = SessionCaches(tmp_path, "fp", budgets())
     nxt = [140, 141, 142]
     out = restarted.checkout(KEY, toks + nxt)
-    assert out.source == "disk" and out.tokens == len(toks) and out.cache is not None
+    assert out.restored_from == "disk" and out.tokens == len(toks) and out.cache is not None
     before = out.cache[0].keys.shape
     restored = greedy(model, out.cache, nxt)
     assert out.cache[0].keys.shape == before  # the first forward wrote into the room it was given
@@ -118,7 +118,7 @@ def test_a_flipped_byte_stops_the_chain_there(model: Any, tmp_path: Path) -> Non
     assert got.bad[0].start == 40 and isinstance(got.bad[1], ChecksumMismatch)
     # Through the store: the bad segment and everything after it are dropped; the first serves.
     out = caches.checkout(KEY, toks + [1])
-    assert out.source == "disk" and out.tokens == 40
+    assert out.restored_from == "disk" and out.tokens == 40
     caches.flush()  # the drop runs on the I/O worker
     assert [(r.start, r.end) for r in caches.index.chain(KEY)] == [(0, 40)]
     assert caches.statistics()["disk"]["dropped_corrupt"] == 1
@@ -147,7 +147,7 @@ def test_other_layouts_take_the_general_path(models: dict[str, Any], name: str, 
     caches, toks = written(models[name], tmp_path)
     assert read_direct(pieces(caches), fingerprint="fp") is None
     out = caches.checkout(KEY, toks + [1])  # still restored, by read_segment + merge
-    assert out.source == "disk" and out.tokens == len(toks)
+    assert out.restored_from == "disk" and out.tokens == len(toks)
     caches.close()
 
 

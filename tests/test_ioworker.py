@@ -58,13 +58,13 @@ def test_a_warm_snapshot_is_kept_until_disk_holds_it(model: Any, tmp_path: Path,
     assert A not in caches.resident and A not in caches.warm
     assert caches.locations() == {A: "warm"}
     got = caches.checkout(A, toks + [7])
-    assert got.source == "warm" and got.tokens == len(toks)  # not a prefill from nothing
+    assert got.restored_from == "warm" and got.tokens == len(toks)  # not a prefill from nothing
     caches.checkin(A, cache, toks)
     gate.set()
     caches.flush()
     assert caches.locations() == {A: "disk"}  # written: the copy in memory is let go
     got = caches.checkout(A, toks + [7])
-    assert got.source == "disk" and got.tokens == len(toks)
+    assert got.restored_from == "disk" and got.tokens == len(toks)
     caches.close()
 
 
@@ -95,7 +95,7 @@ def test_a_rewind_while_a_write_is_queued_indexes_only_the_new_history(model: An
     old, old_toks = grow(model, cache, toks, list(range(50, 60)))
     caches.checkin(A, old, old_toks)  # [20, 30) queued
     got = caches.checkout(A, toks + [99])  # regenerate: back to the first 20 tokens
-    assert got.source == "resident" and got.cache is not None
+    assert got.restored_from == "resident" and got.cache is not None
     new, new_toks = grow(model, got.cache, toks, list(range(70, 75)))
     caches.checkin(A, new, new_toks)  # [20, 25) of another history, planned on top of [0, 20)
     gate.set()
@@ -106,7 +106,7 @@ def test_a_rewind_while_a_write_is_queued_indexes_only_the_new_history(model: An
     assert len(files(tmp_path, A)) == 2
     caches.resident.discard(A)
     got = caches.checkout(A, new_toks + [7])
-    assert got.source == "disk" and got.tokens == len(new_toks)
+    assert got.restored_from == "disk" and got.tokens == len(new_toks)
     caches.close()
 
 
@@ -149,7 +149,7 @@ def test_turns_planned_while_the_worker_is_busy_reach_disk_whole(model: Any, tmp
         cache, toks = grow(model, cache, toks, more)
         caches.checkin(A, cache, toks)
     got = caches.checkout(A, toks[:12] + [99])  # a rewind into the second block
-    assert got.source == "resident" and got.cache is not None
+    assert got.restored_from == "resident" and got.cache is not None
     cache, toks = grow(model, got.cache, toks[:12], [70, 71, 72, 73, 74, 75])
     caches.checkin(A, cache, toks)
     assert disk_ids(caches, A) == []  # nothing written yet: the worker is still at the gate
@@ -160,7 +160,7 @@ def test_turns_planned_while_the_worker_is_busy_reach_disk_whole(model: Any, tmp
     caches.resident.discard(A)
     caches.warm.discard(A)
     out = caches.checkout(A, toks + [7])
-    assert out.source == "disk" and out.tokens == len(toks) and out.cache is not None
+    assert out.restored_from == "disk" and out.tokens == len(toks) and out.cache is not None
     assert greedy(model, out.cache, [7]) == greedy(model, make_prompt_cache(model), toks + [7])
     caches.close()
 
@@ -173,11 +173,11 @@ def test_a_block_not_yet_written_is_not_found_by_another_session(model: Any, tmp
     cache, toks = grow(model, None, [], list(range(10, 30)))
     caches.checkin(A, cache, toks)  # blocks [0, 8) and [8, 16) queued
     wanted = toks[:16] + [99, 98]
-    assert caches.checkout(B, wanted).source == "none"
+    assert caches.checkout(B, wanted).restored_from == "none"
     gate.set()
     caches.flush()
     got = caches.checkout(B, wanted)
-    assert got.source == "shared" and got.tokens == 16 and got.cache is not None
+    assert got.restored_from == "shared" and got.tokens == 16 and got.cache is not None
     assert greedy(model, got.cache, wanted[16:]) == greedy(model, make_prompt_cache(model), wanted)
     caches.close()
 
@@ -190,12 +190,12 @@ def test_the_live_cache_moving_on_does_not_change_what_is_written(model: Any, tm
     cache, toks = grow(model, None, [], list(range(10, 30)))
     caches.checkin(A, cache, toks)
     got = caches.checkout(A, toks[:12] + [5])  # a rewind: the live buffers' positions 12.. are reused
-    assert got.source == "resident" and got.cache is not None
+    assert got.restored_from == "resident" and got.cache is not None
     grow(model, got.cache, toks[:12], list(range(60, 70)))  # the regenerated turn overwrites them in place
     gate.set()
     caches.flush()
     out = caches.checkout(A, toks + [5])
-    assert out.source == "disk" and out.tokens == len(toks) and out.cache is not None
+    assert out.restored_from == "disk" and out.tokens == len(toks) and out.cache is not None
     assert greedy(model, out.cache, [5]) == greedy(model, make_prompt_cache(model), toks + [5])
     caches.close()
 

@@ -68,7 +68,7 @@ def test_warm_tier_holds_packed_snapshots(models: dict[str, Any], tmp_path: Path
     caches.checkin("aaaa", cache, PROMPT)
     assert caches.warm.nbytes <= 0.32 * exact_bytes
     got = caches.checkout("aaaa", PROMPT + [7])
-    assert got.source == "warm" and got.tokens == len(PROMPT)
+    assert got.restored_from == "warm" and got.tokens == len(PROMPT)
     assert got.cache is not None and all(type(c).__name__ == "KVCache" for c in got.cache)
     caches.close()
 

@@ -55,7 +55,7 @@ def test_idle_caches_move_down_and_disk_keeps_them(model: Any, tmp_path: Path) -
     caches.maintain()
     assert A not in caches.warm
     got = caches.checkout(A, toks + [7])
-    assert got.source == "disk" and got.tokens == len(toks)
+    assert got.restored_from == "disk" and got.tokens == len(toks)
     caches.close()
 
 
@@ -67,7 +67,7 @@ def test_many_turns_compact_into_one_segment(model: Any, tmp_path: Path) -> None
         cache, toks = grow(model, cache, toks, [100 + turn] * 7)
         caches.checkin(A, cache, toks)
         got = caches.checkout(A, toks + [1])
-        assert got.source == "resident"
+        assert got.restored_from == "resident"
         cache = got.cache
     caches.flush()
     chain = caches.index.chain(A)
@@ -75,7 +75,7 @@ def test_many_turns_compact_into_one_segment(model: Any, tmp_path: Path) -> None
     assert [(r.start, r.end) for r in chain] == [(0, 28), (28, 35)]
     caches.resident.discard(A)
     got = caches.checkout(A, toks + [1])
-    assert got.source == "disk" and got.tokens == len(toks)
+    assert got.restored_from == "disk" and got.tokens == len(toks)
     caches.close()
 
 
@@ -86,7 +86,7 @@ def test_another_fingerprint_is_never_loaded(model: Any, tmp_path: Path) -> None
     first.close()
     second = SessionCaches(tmp_path, "model-two", budgets(), clock=Clock())
     got = second.checkout(A, toks + [1])
-    assert got.source == "none" and got.cache is None
+    assert got.restored_from == "none" and got.cache is None
     second.flush()
     assert second.index.chain(A) == []  # dropped, not kept around
     assert not list((tmp_path / "segments").rglob("*.safetensors"))
@@ -137,12 +137,12 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
 
     cache, toks = kept[C]
     got = caches.checkout(C, toks + [7])
-    assert got.source == "warm" and got.tokens == len(toks)
+    assert got.restored_from == "warm" and got.tokens == len(toks)
     assert got.cache is not None
     for restored, live in zip(got.cache, cache):
         assert mx.array_equal(restored.keys[..., :len(toks), :], live.keys[..., :len(toks), :])
         assert mx.array_equal(restored.values[..., :len(toks), :], live.values[..., :len(toks), :])
-    assert caches.checkout(A, kept[A][1] + [7]).source == "disk"
+    assert caches.checkout(A, kept[A][1] + [7]).restored_from == "disk"
     caches.close()
 
 
@@ -175,7 +175,7 @@ def test_prefetch_fills_resident_room_first_with_live_caches(model: Any, tmp_pat
     for key, tier in ((C, "resident"), (B, "warm")):
         live, toks = kept[key]
         got = caches.checkout(key, toks + [7, 8])
-        assert got.source == tier and got.tokens == len(toks) and got.cache is not None
+        assert got.restored_from == tier and got.tokens == len(toks) and got.cache is not None
         shape = got.cache[0].keys.shape
         nxt = model(mx.array([[7, 8]]), cache=got.cache)
         ref = model(mx.array([[7, 8]]), cache=live)
@@ -229,13 +229,13 @@ def test_a_new_session_copies_a_shared_prefix_and_the_source_keeps_its_own(
         caches.checkin(A, cache, toks)  # back where it was, resident
     branch = toks[:30] + [3, 4, 5]
     got = caches.checkout(B, branch)
-    assert got.source == "shared" and got.tokens == got.shared_tokens == shared and got.cache is not None
+    assert got.restored_from == "shared" and got.tokens == got.shared_tokens == shared and got.cache is not None
     # The copy is fed the branch's own tokens: the source must not see them.
     model(mx.array([branch[shared:]]), cache=got.cache)
     mx.eval([c.state for c in got.cache])
     assert got.cache[0].offset == 33
     again = caches.checkout(A, toks + [7])
-    assert again.source == tier and again.tokens == len(toks)
+    assert again.restored_from == tier and again.tokens == len(toks)
     assert again.cache is not None and again.cache[0].offset == len(toks)
     if kept is not None:
         assert all(mx.array_equal(x, y).item() for x, y in zip(kept, _state(again.cache)))
@@ -263,7 +263,7 @@ def test_warm_holds_a_shared_prefix_once(model: Any, tmp_path: Path, warm_bits: 
             assert caches.statistics()["warm"]["blocks"] == 4 and caches.statistics()["warm"]["sessions"] == 6
             for key, (state, toks) in kept.items():
                 got = caches.checkout(key, toks + [7])
-                assert got.source == "warm" and got.tokens == len(toks) and got.cache is not None
+                assert got.restored_from == "warm" and got.tokens == len(toks) and got.cache is not None
                 if not warm_bits:
                     assert all(mx.array_equal(x, y).item() for x, y in zip(state, _held(got.cache)))
             caches.forget("0000")
