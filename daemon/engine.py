@@ -31,15 +31,15 @@ from .jobs import (
     Done,
     Failed,
     Forget,
-    GenerationJob,
     Progress,
     PromptTooLong,
     Queued,
     Started,
     Status,
     Stop,
+    TurnJob,
 )
-from .running import EngineStatistics, Running, fit_advice
+from .running import EngineStatistics, RunningTurn, fit_advice
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a
 
 
 class Engine:
-    """Owns the model; serves GenerationJobs through one BatchGenerator."""
+    """Owns the model; serves TurnJobs through one BatchGenerator."""
 
     def __init__(self, config: Config, model_dir: Path | None = None):
         """`model_dir`: the model already prepared (daemon/models.py) by `kvd serve` before it
@@ -63,10 +63,10 @@ class Engine:
         self.model_dir = model_dir
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[GenerationJob | Cancel | Forget | Stop | Status] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[TurnJob | Cancel | Forget | Stop | Status] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         # Running turns (by session id) and the jobs past max_generations.
-        self._turns: Scheduler[GenerationJob, Running] = Scheduler(
+        self._turns: Scheduler[TurnJob, RunningTurn] = Scheduler(
             max_running=config.max_generations, prefill_step=config.prefill_step_size,
             prefill_slice=config.prefill_slice)
         self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
@@ -81,7 +81,7 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: GenerationJob) -> None:
+    def submit(self, job: TurnJob) -> None:
         self._inbox.put(job)
 
     def cancel(self, session_id: str) -> None:
@@ -201,8 +201,8 @@ class Engine:
         if self._turns.running:
             self._step()
 
-    def _handle(self, cmd: GenerationJob | Cancel | Forget | Status) -> None:
-        if isinstance(cmd, GenerationJob):
+    def _handle(self, cmd: TurnJob | Cancel | Forget | Status) -> None:
+        if isinstance(cmd, TurnJob):
             self._start(cmd)
         elif isinstance(cmd, Cancel):
             self._cancel(cmd.session_id)
@@ -239,7 +239,7 @@ class Engine:
             log.info("prefetched %d session(s) into memory (%d resident, %d warm; %d bytes)",
                      s["sessions"], s["resident"], s["warm"], s["bytes"])
 
-    def _start(self, job: GenerationJob) -> None:
+    def _start(self, job: TurnJob) -> None:
         if self.load_error is not None:
             job.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             return
@@ -258,7 +258,7 @@ class Engine:
         for job, position in self._turns.moved():
             job.emit(Queued(position))
 
-    def _admit(self, job: GenerationJob) -> None:
+    def _admit(self, job: TurnJob) -> None:
         try:
             self._insert(job)
         except PromptTooLong as e:
@@ -267,7 +267,7 @@ class Engine:
             log.exception("starting generation for %s failed", job.session_id)
             job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
 
-    def _insert(self, job: GenerationJob) -> None:
+    def _insert(self, job: TurnJob) -> None:
         from mlx_lm.sample_utils import make_sampler
 
         from .prefill import Prefill
@@ -289,7 +289,7 @@ class Engine:
         cache, cached, shared = out.cache, out.tokens, out.shared_tokens
         if cache is None or cached == 0:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
-        self._turns.start(job.session_id, Running(
+        self._turns.start(job.session_id, RunningTurn(
             job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
             restored_from=out.restored_from, restore_ms=out.restore_ms, inserted=time.perf_counter(),
             sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
@@ -375,13 +375,13 @@ class Engine:
             if r.finish_reason is not None:
                 self._finish(act, r.finish_reason, r.prompt_cache, list(r.all_tokens))
 
-    def _took(self, act: Running, token: int, now: float, *, shown: bool = True) -> None:
+    def _took(self, act: RunningTurn, token: int, now: float, *, shown: bool = True) -> None:
         act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)  # a stop token never shows
 
     def _cancel(self, session_id: str) -> None:
         job = self._turns.withdraw(session_id)
         if job is not None:
-            job.emit(Done("cancelled", Running.never_started(job).usage(self.max_context), None))
+            job.emit(Done("cancelled", RunningTurn.never_started(job).usage(self.max_context), None))
             return
         act = self._turns.running.get(session_id)
         if act is None:
@@ -400,7 +400,7 @@ class Engine:
         unfed = [act.first] if act.first is not None and len(tokens) == len(act.prompt) else []
         self._finish(act, "cancelled", cache, tokens, unfed=unfed)
 
-    def _finish(self, act: Running, reason: str, cache: list[Any] | None, tokens: list[int],
+    def _finish(self, act: RunningTurn, reason: str, cache: list[Any] | None, tokens: list[int],
                 *, changed: bool = True, unfed: Sequence[int] = ()) -> None:
         """Send the end of the answer, then keep the cache (which holds `tokens`).
 

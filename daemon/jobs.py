@@ -1,6 +1,6 @@
 """What goes into the engine and what comes out of it: the types the turn core shares with the engine.
 
-A turn core (turns.py) submits a GenerationJob; the engine thread answers
+A turn core (turns.py) submits a TurnJob; the engine thread answers
 through the job's `emit` with EngineEvents, in this order: `Queued` (only
 past max_generations, again whenever its place moves up), `Started`,
 `Progress` (long prefills), `Delta`s, then exactly one `Done` or `Failed`.
@@ -34,7 +34,7 @@ class Prompt(Protocol):
 
 
 @dataclass
-class GenerationJob:
+class TurnJob:
     session_id: str
     prompt: Prompt
     max_tokens: int
@@ -93,7 +93,7 @@ class Failed:
 EngineEvent = Queued | Started | Progress | Delta | Done | Failed
 
 
-# --- the engine's inbox, besides GenerationJobs ------------------------------
+# --- the engine's inbox, besides TurnJobs ------------------------------
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import protocol as p
 
-from .jobs import Delta, GenerationJob
+from .jobs import Delta, TurnJob
 
 if TYPE_CHECKING:
     from .prefill import Prefill
@@ -39,8 +39,8 @@ class EngineStatistics:
 
 
 @dataclass
-class Running:
-    job: GenerationJob
+class RunningTurn:
+    job: TurnJob
     detokenizer: Any
     prompt: list[int]
     cached_len: int
@@ -58,7 +58,7 @@ class Running:
     shared_tokens: int = 0  # of cached_len, those another session's cache or shared disk blocks supplied
 
     @classmethod
-    def never_started(cls, job: GenerationJob) -> Running:
+    def never_started(cls, job: TurnJob) -> RunningTurn:
         """A job cancelled while it waited: what its Done event reports."""
         return cls(job=job, detokenizer=None, prompt=[], cached_len=0, restored_from=p.NO_CACHE,
                    restore_ms=0.0, inserted=job.arrived, sampler=None, prefill=None)

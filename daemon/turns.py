@@ -41,7 +41,7 @@ from sessions import Message, Store, is_disk_full
 
 from .config import Config
 from .engine import Engine
-from .jobs import Delta, Done, EngineEvent, Failed, GenerationJob, Progress, Prompt, Queued, Started
+from .jobs import Delta, Done, EngineEvent, Failed, Progress, Prompt, Queued, Started, TurnJob
 from .prompt import prompt_tokens
 from .sampling import resolve
 
@@ -273,7 +273,7 @@ class Turns:
 
         self.tg.start_soon(self._pump, turn, receive)
         turn.publish({"type": p.CHAT_START, "message_index": index})
-        self.engine.submit(GenerationJob(
+        self.engine.submit(TurnJob(
             session_id=session_id, prompt=prompt, seed=seed,
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, emit=emit,
         ))

@@ -15,7 +15,7 @@ import pytest
 from conftest import greedy_reference
 from daemon.config import load_config
 from daemon.engine import Engine
-from daemon.jobs import Delta, Done, EngineEvent, GenerationJob, Started
+from daemon.jobs import Delta, Done, EngineEvent, Started, TurnJob
 from daemon.scheduler import MIN_CHUNK
 from daemon.turns import Continuation
 
@@ -32,10 +32,10 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
     e.caches.close()
 
 
-def job(session: str, text: str, events: list[EngineEvent], **fields: Any) -> GenerationJob:
+def job(session: str, text: str, events: list[EngineEvent], **fields: Any) -> TurnJob:
     fields.setdefault("max_tokens", 32)
     prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-    return GenerationJob(session_id=session, prompt=prompt, temperature=0.0, top_p=1.0,
+    return TurnJob(session_id=session, prompt=prompt, temperature=0.0, top_p=1.0,
                          emit=events.append, **fields)
 
 
@@ -108,7 +108,7 @@ def assert_next_turn_starts_from(engine: Engine, sid: str, text: str, events: li
     prompt = Continuation(messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
                                     {"role": "user", "content": "And then?"}],
                           system=None, fed=end.tokens, fed_covers=2)
-    engine.submit(GenerationJob(session_id=sid, prompt=prompt, max_tokens=2, temperature=0.0, top_p=1.0,
+    engine.submit(TurnJob(session_id=sid, prompt=prompt, max_tokens=2, temperature=0.0, top_p=1.0,
                                 emit=nxt.append))
     run_to_end(engine)
     started = nxt[0]
