@@ -140,7 +140,7 @@ class Kvd:
 
     def settle(self) -> None:
         """Return once the last turn's cache is kept: status is answered between engine steps,
-        after a finished turn's disk write (which runs on the engine thread, behind the answer)."""
+        after the disk writes queued before it (the I/O worker writes behind the answer)."""
         with self.d.client() as c:
             c.request("status")
 

@@ -233,7 +233,6 @@ class SessionCaches:
                 self._later(lambda: self.index.touch(key, now))
                 shared = max(end - own_tokens, 0)
                 return self._counted(Checkout(cache, end, "shared" if shared else "disk", ms(), shared))
-            plan = pagein.DiskPlan([], 0, 0)
         if other is not None:
             tier_name, other_key, n = other
             if tier_name == "resident":
