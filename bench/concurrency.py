@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daemon.blas import preload_blas  # noqa: E402
+from daemon.service.blas import preload_blas  # noqa: E402
 from shapes import QWEN25_05B  # noqa: E402
 
 BLAS = preload_blas()
@@ -45,10 +45,10 @@ import anyio  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 
-from daemon.builtin import ensure_builtin  # noqa: E402
 from daemon.cli import ensure_token  # noqa: E402
 from daemon.config import load_config  # noqa: E402
-from daemon.engine import Engine  # noqa: E402
+from daemon.engine.thread import Engine  # noqa: E402
+from daemon.models.builtin import ensure_builtin  # noqa: E402
 from daemon.server import Daemon  # noqa: E402
 from sessions import Store  # noqa: E402
 

@@ -5,7 +5,7 @@ Run: .venv/bin/python bench/fairness.py [--sessions 200] [--flood 300] [--unfair
 An in-process daemon (builtin:tiny, port 0) with --sessions stored sessions;
 client A sends --flood `session.list` requests in one burst, client B then
 sends a ping and times its pong. --unfair turns the per-request yield in
-daemon/connection.py off, which is how kvd behaved before it: B waits for A's
+daemon/doors/connection.py off, which is how kvd behaved before it: B waits for A's
 whole burst.
 """
 

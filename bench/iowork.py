@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daemon.blas import preload_blas  # noqa: E402
+from daemon.service.blas import preload_blas  # noqa: E402
 
 BLAS = preload_blas()
 
@@ -44,8 +44,8 @@ from websockets.asyncio.client import connect  # noqa: E402
 from concurrency import Stream, pct  # noqa: E402
 from daemon.cli import ensure_token  # noqa: E402
 from daemon.config import load_config  # noqa: E402
-from daemon.engine import Engine  # noqa: E402
-from daemon.models import DEFAULT_MODEL, prepare_model  # noqa: E402
+from daemon.engine.thread import Engine  # noqa: E402
+from daemon.models.sources import DEFAULT_MODEL, prepare_model  # noqa: E402
 from daemon.server import Daemon  # noqa: E402
 from sessions import Store  # noqa: E402
 

@@ -9,7 +9,7 @@ $KVD_BENCH_DIR, default a temp dir) and measures on it.
 
 Both servers are real processes on this machine, spoken to with the official
 `openai` client, streaming, greedy: `kvd serve` and `mlx_lm.server`, the
-latter with OpenBLAS preloaded exactly as kvd does (daemon/blas.py), the
+latter with OpenBLAS preloaded exactly as kvd does (daemon/service/blas.py), the
 same model directory and the same prefill chunk (512). For each length N a
 conversation of about N tokens is built (a system prompt and turns of
 words); then, for each server:
@@ -92,7 +92,8 @@ class MlxServer:
         with socket.socket() as probe:  # a free port now: a server left over elsewhere must not answer for it
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        code = ("import sys; from daemon.blas import preload_blas; print(preload_blas().reason, file=sys.stderr); "
+        code = ("import sys; from daemon.service.blas import preload_blas; "
+                "print(preload_blas().reason, file=sys.stderr); "
                 "from mlx_lm.server import main; main()")
         self.base_url = f"http://127.0.0.1:{port}/v1"
         self.proc = subprocess.Popen(

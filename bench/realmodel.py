@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from daemon.blas import preload_blas  # noqa: E402
+from daemon.service.blas import preload_blas  # noqa: E402
 
 BLAS = preload_blas()
 
 import daemonproc  # noqa: E402
-from daemon.models import DEFAULT_MODEL, prepare_model  # noqa: E402
+from daemon.models.sources import DEFAULT_MODEL, prepare_model  # noqa: E402
 from daemonproc import DaemonProcess, SyncClient  # noqa: E402
 
 daemonproc.EVENT_TIMEOUT = 900.0  # a 2k-token prefill on a busy 2-core machine takes minutes
@@ -88,7 +88,7 @@ def chat_timed(c: SyncClient, session: str, text: str, **fields: Any) -> tuple[s
 def fed(db: Path, session: str) -> list[int]:
     import sqlite3
 
-    from protocol.tokenids import unpack_tokens
+    from common.tokenids import unpack_tokens
 
     con = sqlite3.connect(db)
     try:

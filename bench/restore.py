@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daemon.blas import preload_blas  # noqa: E402
+from daemon.service.blas import preload_blas  # noqa: E402
 
 preload_blas()
 

@@ -5,7 +5,7 @@ Run: .venv/bin/python bench/resume.py [--lengths 1024 4096] [--new 32]
 A Qwen2.5-0.5B-shaped model (24 layers, 14 heads, 2 KV heads, hidden 896,
 float32, random weights: speed does not depend on the values), served the way
 the daemon serves it: kvd's own cachestore (SessionCaches) for the tiers and
-the disk format, and the engine's own prefill (daemon/prefill.py: chunks of
+the disk format, and the engine's own prefill (daemon/engine/prefill.py: chunks of
 512, the first token sampled from the last chunk's logits).
 
 For each conversation length it prints the time to first token of the next
@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daemon.blas import preload_blas  # noqa: E402
+from daemon.service.blas import preload_blas  # noqa: E402
 from shapes import QWEN25_05B  # noqa: E402
 
 BLAS = preload_blas()
@@ -39,8 +39,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from cachestore.segments import read_segment  # noqa: E402
 from cachestore.snapshot import restore  # noqa: E402
 from cachestore.store import Budgets, SessionCaches  # noqa: E402
-from daemon.prefill import Prefill  # noqa: E402
-from daemon.prefill import first_token as decode_first  # noqa: E402
+from daemon.engine.prefill import Prefill  # noqa: E402
+from daemon.engine.prefill import first_token as decode_first  # noqa: E402
 
 KEY = "0123456789abcdef"
 PREFILL_STEP = 512  # config.toml's default prefill_step_size

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sqlite_utils import Database
 
-from protocol.tokenids import pack_tokens, unpack_tokens
+from common.tokenids import pack_tokens, unpack_tokens
 
 from .blocks import BLOCK_RE
 from .migrations import known, migrate

@@ -1,7 +1,7 @@
 """The cache index's schema migrations: numbered, append-only functions.
 
 Registered with sqlite-utils' runner, `sqlite_utils.migrations.Migrations`,
-and run by protocol/migrate.py, as the session store's are
+and run by common/migrate.py, as the session store's are
 (sessions/migrations.py): applied names are recorded in `_sqlite_migrations`
 under the set "kvd.cache". Never edit or reorder a migration
 that has shipped; append ``m00N_what_changed(db)``.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-from protocol.migrate import LEGACY_TABLE, run_migrations
+from common.migrate import LEGACY_TABLE, run_migrations
 
 MIGRATIONS = Migrations("kvd.cache")
 migration = MIGRATIONS()

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from protocol.tokenids import pack_tokens, unpack_tokens
+from common.tokenids import pack_tokens, unpack_tokens
 
 __all__ = [
     "CHECKSUM",

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-import protocol.durable as durable
+import common.durable as durable
 
 from . import segformat as fmt
 from .snapshot import LayerSnapshot, Snapshot

@@ -1,7 +1,7 @@
 """`kvd`: the daemon's command line.
 
 Nothing here imports mlx at module level: OpenBLAS must be interposed before
-`mlx.core` is first imported (daemon/blas.py), and that happens in `serve`.
+`mlx.core` is first imported (daemon/service/blas.py), and that happens in `serve`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from protocol import TOKEN_FILE, default_data_dir, durable
+from common import durable
+from protocol import TOKEN_FILE, default_data_dir
 
-from . import __version__, backup, preflight
+from . import __version__
 from .config import Config, ConfigError, load_config
-from .control import (
+from .service import backup, preflight
+from .service.control import (
     DETACHED_FLAG,
     detach,
     leave_terminal,
@@ -32,9 +34,9 @@ from .control import (
     stop,
     write_daemon_file,
 )
-from .lockfile import AlreadyRunning, DataDirLock
-from .logfile import setup_logging
-from .preflight import StartError
+from .service.lockfile import AlreadyRunning, DataDirLock
+from .service.logfile import setup_logging
+from .service.preflight import StartError
 
 if TYPE_CHECKING:
     from .server import Daemon
@@ -145,7 +147,7 @@ def _find(e: BaseException, kind: type[E]) -> E | None:
 
 
 def _serve_locked(config: Config, *, detached: bool) -> int:
-    from .blas import preload_blas
+    from .service.blas import preload_blas
 
     if config.host not in LOOPBACK:
         log.warning("listening on %s, not loopback: anyone who can reach this address and holds the "
@@ -153,9 +155,9 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     blas = preload_blas(config.blas)
     log.info("%s", blas.reason)
 
-    from .engine import Engine
+    from .engine.thread import Engine
     from .server import Daemon
-    from .startup import prepare
+    from .service.startup import prepare
 
     token = ensure_token(config.data_dir)
     model_dir = prepare(config)  # before listening: a model that cannot load stops kvd here
@@ -196,7 +198,7 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
 
 async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool) -> bool:
     """Serve until SIGTERM/SIGINT (False) or until the model fails to load after all (True)."""
-    from .startup import load_failure
+    from .service.startup import load_failure
 
     failed = False
     # The signal handler is in place before the port opens: a SIGTERM right after
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(config, verbose=args.verbose, detached=args.detached_child)
     setup_logging(verbose=False, log_file=None)
     if args.command == "status":
-        from .statuscmd import main as status_main
+        from .service.status import main as status_main
 
         return status_main(data_dir, args.url, args.json)
     if args.command == "stop":
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return logs(args.log_file or Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log"),
                     args.lines, args.follow)
     if args.command == "service":
-        from .service import install, service_file
+        from .service.unit import install, service_file
 
         data_dir = data_dir.expanduser().resolve()
         sf = service_file(data_dir, data_dir / "kvd.log", args.config)

@@ -29,14 +29,14 @@ import protocol as p
 from sessions import Store
 
 from . import __version__
-from .asgi import abort_transport
 from .config import Config
-from .connection import ConnectionStatistics
-from .engine import Engine
-from .loading import LoadingWatch
-from .openai_api import OpenAIDoor
+from .doors.asgi import abort_transport
+from .doors.connection import ConnectionStatistics
+from .doors.loading import LoadingWatch
+from .doors.openai_api import OpenAIDoor
+from .doors.websocket import WebSocketDoor
+from .engine.thread import Engine
 from .turns import Turns
-from .websocket import WebSocketDoor
 
 log = logging.getLogger("kvd.server")
 

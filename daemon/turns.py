@@ -40,10 +40,10 @@ from protocol.requests import RequestError, RequestId
 from sessions import Message, Store, is_disk_full
 
 from .config import Config
-from .engine import Engine
-from .jobs import Delta, Done, EngineEvent, Failed, Progress, Prompt, Queued, Started, TurnJob
+from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Prompt, Queued, Started, TurnJob
+from .engine.sampling import resolve
+from .engine.thread import Engine
 from .prompt import prompt_tokens
-from .sampling import resolve
 
 log = logging.getLogger("kvd.turns")
 

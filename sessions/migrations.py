@@ -1,7 +1,7 @@
 """Schema migrations: numbered, append-only functions, run by sqlite-utils' own runner.
 
 `sqlite_utils.migrations.Migrations` records each applied function's name in
-`_sqlite_migrations` under the set "kvd.sessions"; protocol/migrate.py runs
+`_sqlite_migrations` under the set "kvd.sessions"; common/migrate.py runs
 them (for the cache index too) under the write lock, as one transaction, so
 a crash mid-migration leaves no half-applied schema; a migration must
 therefore not change PRAGMAs (they are no-ops inside a transaction). Never edit or reorder
@@ -15,7 +15,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-from protocol.migrate import run_migrations
+from common.migrate import run_migrations
 
 MIGRATIONS = Migrations("kvd.sessions")
 migration = MIGRATIONS()

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypedDict, cast
 
 from sqlite_utils import Database
 
-from protocol.tokenids import pack_tokens, unpack_tokens
+from common.tokenids import pack_tokens, unpack_tokens
 
 from .errors import UnknownMessage, UnknownSession
 from .ids import new_session_id
@@ -354,7 +354,7 @@ class Store:
     def continuable(self, system: str | None, role: str, content: str, *, limit: int = 8) -> list[str]:
         """Sessions with this system prompt whose first message is (role, content), most recent first.
 
-        The candidates a stateless request may continue (daemon/stateless.py
+        The candidates a stateless request may continue (daemon/doors/placement.py
         compares their transcripts). Only which session a request continues
         depends on this; where its cache comes from does not (cachestore
         finds the longest prefix any session holds).

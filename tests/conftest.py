@@ -6,7 +6,7 @@ OpenBLAS is interposed here, before anything imports mlx.core, exactly as
 
 from __future__ import annotations
 
-from daemon.blas import preload_blas
+from daemon.service.blas import preload_blas
 
 preload_blas()
 
@@ -27,7 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 
 from daemon.cli import ensure_token  # noqa: E402
 from daemon.config import Config, load_config  # noqa: E402
-from daemon.engine import Engine  # noqa: E402
+from daemon.engine.thread import Engine  # noqa: E402
 from daemon.server import Daemon  # noqa: E402
 from sessions import Store  # noqa: E402
 
@@ -143,7 +143,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    from daemon.builtin import BUILTIN_NAMES, ensure_builtin
+    from daemon.models.builtin import BUILTIN_NAMES, ensure_builtin
 
     root = tmp_path_factory.mktemp("models")
     out = {}
@@ -168,7 +168,7 @@ def greedy_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 def fed_tokens(db_path: Path, session: str) -> list[int]:
     import sqlite3
 
-    from protocol.tokenids import unpack_tokens
+    from common.tokenids import unpack_tokens
 
     db = sqlite3.connect(db_path)
     try:

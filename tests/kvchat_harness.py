@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.text import Text
 
 from conftest import RunningDaemon
-from daemon.connection import Connection
-from daemon.control import write_daemon_file
+from daemon.doors.connection import Connection
+from daemon.service.control import write_daemon_file
 from tui.cli import build_parser, run
 
 Step = str | Callable[[], str]

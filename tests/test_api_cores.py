@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from daemon.config import load_config
-from daemon.guards import host_allowed, host_name
-from daemon.stateless import divergence, title_for
+from daemon.doors.guards import host_allowed, host_name
+from daemon.doors.placement import divergence, title_for
 from daemon.turns import StopScan
 from sessions import Store
 

@@ -1,15 +1,19 @@
 """The package arrows of the design, checked by reading every import.
 
-    daemon -> sessions, cachestore, protocol
-    tui    -> protocol
-    sessions, cachestore -> protocol.durable, .migrate, .tokenids (nothing else of kvd)
-    protocol -> no other kvd package
+    daemon     -> sessions, cachestore, protocol, common
+    tui        -> protocol, common
+    sessions   -> common
+    cachestore -> common
+    protocol   -> common
+    common     -> no other kvd package
 
-protocol/ is the one leaf every package may reach, so the helpers more than
-one package needs live there, stdlib-only: the durable write (temp file,
-fsync, rename, directory fsync), the token-id blob codec and the migration
-runner both SQLite files use. The stores may import those three modules and
-nothing else of it.
+common/ is the one leaf every package may reach: the facts and helpers more
+than one package needs (the durable write, the token-id blob codec, the
+migration runner, ids, limits, tier names), stdlib-only.
+
+Inside daemon/ the subpackages form a stack whose arrows all point down:
+
+    cli > server > doors > turns > prompt > service > engine > models > config
 
 Read from the source with `ast`, not from `sys.modules` after an import, so
 an import inside a function, under `if TYPE_CHECKING:` or behind a branch
@@ -27,18 +31,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED: dict[str, frozenset[str]] = {
-    "daemon": frozenset({"sessions", "cachestore", "protocol"}),
-    "tui": frozenset({"protocol"}),
-    "sessions": frozenset(),
-    "cachestore": frozenset(),
-    "protocol": frozenset(),
-}
-# Single modules a package may import from a package it may not otherwise reach.
-ALLOWED_MODULES: dict[str, frozenset[str]] = {
-    "sessions": frozenset({"protocol.durable", "protocol.migrate", "protocol.tokenids"}),
-    "cachestore": frozenset({"protocol.durable", "protocol.migrate", "protocol.tokenids"}),
+    "daemon": frozenset({"sessions", "cachestore", "protocol", "common"}),
+    "tui": frozenset({"protocol", "common"}),
+    "sessions": frozenset({"common"}),
+    "cachestore": frozenset({"common"}),
+    "protocol": frozenset({"common"}),
+    "common": frozenset(),
 }
 PACKAGES = frozenset(ALLOWED)
+# daemon/'s stack, top to bottom: a module may import only from its own unit or one below it.
+DAEMON_LAYERS = ("cli", "server", "doors", "turns", "prompt", "service", "engine", "models", "config")
 
 
 def imported(tree: ast.AST, module: str) -> Iterator[tuple[int, str]]:
@@ -72,9 +74,29 @@ def wrong_arrows(root: Path) -> list[str]:
             tree = ast.parse(path.read_text(), filename=str(path))
             for line, name in imported(tree, module):
                 target = name.split(".")[0]
-                if (target in PACKAGES and target != package and target not in allowed
-                        and name not in ALLOWED_MODULES.get(package, frozenset())):
+                if target in PACKAGES and target != package and target not in allowed:
                     wrong.append(f"{relative}:{line}: {package} -> {target} ({name})")
+    return wrong
+
+
+def _daemon_unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "daemon" and len(parts) > 1 and parts[1] in DAEMON_LAYERS else None
+
+
+def upward_arrows(root: Path) -> list[str]:
+    """Each import inside daemon/ that runs up its stack, as `file:line: a -> b`."""
+    wrong = []
+    for path in sorted((root / "daemon").rglob("*.py")):
+        relative = path.relative_to(root)
+        module = ".".join(relative.with_suffix("").parts)
+        source = _daemon_unit(module)
+        if source is None:
+            continue
+        for line, name in imported(ast.parse(path.read_text(), filename=str(path)), module):
+            target = _daemon_unit(name)
+            if target is not None and DAEMON_LAYERS.index(target) < DAEMON_LAYERS.index(source):
+                wrong.append(f"{relative}:{line}: {source} -> {target} ({name})")
     return wrong
 
 
@@ -83,9 +105,23 @@ def test_every_import_follows_the_arrows() -> None:
     assert wrong_arrows(ROOT) == []
 
 
+def test_daemon_subpackages_form_a_stack() -> None:
+    assert all((ROOT / "daemon" / unit).is_dir() or (ROOT / "daemon" / f"{unit}.py").is_file()
+               for unit in DAEMON_LAYERS)
+    assert upward_arrows(ROOT) == []
+
+
+def test_an_upward_arrow_is_found(tmp_path: Path) -> None:
+    (tmp_path / "daemon" / "engine").mkdir(parents=True)
+    (tmp_path / "daemon" / "engine" / "thread.py").write_text(
+        "from ..config import Config\nfrom .jobs import Job\ndef f():\n    from ..doors.websocket import serve\n")
+    assert [w.split(": ", 1)[1] for w in upward_arrows(tmp_path)] == ["engine -> doors (daemon.doors.websocket)"]
+
+
 @pytest.mark.parametrize("source, found", [
-    ("import daemon.engine\n", "sessions -> daemon (daemon.engine)"),
+    ("import daemon.engine.thread\n", "sessions -> daemon (daemon.engine.thread)"),
     ("def f():\n    from protocol import DEFAULT_TITLE\n", "sessions -> protocol (protocol)"),
+    ("import common.durable\nimport protocol.wire\n", "sessions -> protocol (protocol.wire)"),
     ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cachestore.store import Checkout\n",
      "sessions -> cachestore (cachestore.store)"),
     ("import importlib\ndef f():\n    return importlib.import_module('tui.render')\n", "sessions -> tui (tui.render)"),

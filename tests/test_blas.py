@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.blas import BlasResult, find_openblas, preload_blas
+from daemon.service.blas import BlasResult, find_openblas, preload_blas
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_preload_then_import_binds_mlx_to_openblas() -> None:
     # libmlx's BLAS symbols resolved to: proof without timing anything.
     code = (
         "import json\n"
-        "from daemon.blas import preload_blas\n"
+        "from daemon.service.blas import preload_blas\n"
         "r = preload_blas()\n"
         "again = preload_blas()\n"
         + _MATMUL
@@ -88,7 +88,7 @@ def test_too_late_after_mlx_import() -> None:
     code = (
         "import json\n"
         "import mlx.core\n"
-        "from daemon.blas import preload_blas\n"
+        "from daemon.service.blas import preload_blas\n"
         "r = preload_blas()\n"
         + _MATMUL
         + "print(json.dumps({'loaded': r.loaded, 'reason': r.reason, 'ok': ok}))\n"
@@ -109,7 +109,7 @@ def test_too_late_after_mlx_import() -> None:
 def test_disabled(env: dict[str, str], call: str, needle: str) -> None:
     code = (
         "import json, sys\n"
-        "from daemon.blas import preload_blas\n"
+        "from daemon.service.blas import preload_blas\n"
         f"r = {call}\n"
         "maps = open('/proc/self/maps').read()\n"
         "print(json.dumps({'loaded': r.loaded, 'reason': r.reason,"

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from daemon.builtin import (
+from daemon.models.builtin import (
     BUILTIN_NAMES,
     BUILTIN_VERSION,
     ensure_builtin,
     is_builtin,
 )
-from daemon.builtintok import CHAT_TEMPLATE
+from daemon.models.builtintok import CHAT_TEMPLATE
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from cachestore.segformat import decode_tokens, encode_tokens
-from protocol import durable
-from protocol.tokenids import pack_tokens, unpack_tokens
+from common import durable
+from common.tokenids import pack_tokens, unpack_tokens
 
 
 def test_write_atomic_replaces_and_leaves_no_temp(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ async def test_two_turns_stream_cache_and_transcript(tmp_path: Path, model: str)
     assert rows[1][2] == text1 and rows[3][2] == text2
     assert rows[3][4] == done2["finish_reason"]
 
-    from protocol.tokenids import unpack_tokens
+    from common.tokenids import unpack_tokens
     (blob,) = db.execute("SELECT tokens FROM session_tokens WHERE session_id = ?", [sid]).fetchone()
     tokens = unpack_tokens(blob)
     assert len(tokens) == u2["prompt_tokens"] + u2["completion_tokens"]

@@ -14,9 +14,9 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import load_config
-from daemon.engine import Engine
-from daemon.jobs import Delta, Done, EngineEvent, Started, TurnJob
-from daemon.scheduler import MIN_CHUNK
+from daemon.engine.jobs import Delta, Done, EngineEvent, Started, TurnJob
+from daemon.engine.scheduler import MIN_CHUNK
+from daemon.engine.thread import Engine
 from daemon.turns import Continuation
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6

@@ -18,15 +18,15 @@ import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from daemon.gguf import read_weights
-from daemon.ggufinfo import read_info
-from daemon.gguftok import build_tokenizer
-from daemon.models import ModelError, prepare_model
+from daemon.models.gguf import read_weights
+from daemon.models.ggufinfo import read_info
+from daemon.models.gguftok import build_tokenizer
+from daemon.models.sources import ModelError, prepare_model
 from ggufmake import HEADS, KV_HEADS, llama_permute, original_weights, write_llama
 
 ENCODINGS = ["F32", "F16", "Q4_0", "Q4_1", "Q8_0"]
 
-# GGUF name -> mlx-lm name, written out by hand (not taken from daemon/gguf.py).
+# GGUF name -> mlx-lm name, written out by hand (not taken from daemon/models/gguf.py).
 LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",

@@ -86,7 +86,7 @@ def test_an_index_from_kvds_own_migration_runner_carries_over(tmp_path: Path) ->
 
     from cachestore.index import SegmentIndex
     from cachestore.migrations import m001_segments
-    from protocol.migrate import LEGACY_TABLE
+    from common.migrate import LEGACY_TABLE
 
     (tmp_path / "segments").mkdir()
     db = Database(tmp_path / "index.sqlite")

@@ -328,7 +328,7 @@ async def test_one_shot_in_process(tmp_path: Path) -> None:
     import anyio.to_thread
     from rich.console import Console
 
-    from daemon.control import write_daemon_file
+    from daemon.service.control import write_daemon_file
     from tui.cli import build_parser
     from tui.oneshot import answer_one
 

@@ -14,7 +14,7 @@ from mlx_lm.utils import load
 from cachestore.segments import read_segment, write_segment
 from cachestore.snapshot import restore, snapshot
 from conftest import client, fed_tokens, running_daemon
-from daemon.quantized import (
+from daemon.engine.quantized import (
     BatchQuantizedKVCache,
     KvdQuantizedKVCache,
     as_batchable,

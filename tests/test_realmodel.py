@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from conftest import fed_tokens, greedy_reference
-from daemon.gguf import read_weights
-from daemon.models import DEFAULT_MODEL, prepare_model
-from daemon.smollm2 import GGUF_NAME
+from daemon.models.gguf import read_weights
+from daemon.models.smollm2 import GGUF_NAME
+from daemon.models.sources import DEFAULT_MODEL, prepare_model
 from daemonproc import DaemonProcess
 from ggufmake import byte_symbols
 from test_gguf import assert_equal_to_reference

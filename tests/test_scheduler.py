@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daemon.scheduler import MIN_CHUNK, Scheduler, SchedulerStatistics
+from daemon.engine.scheduler import MIN_CHUNK, Scheduler, SchedulerStatistics
 
 
 def make(max_running: int = 2, step: int = 512, slice_: float = 0.1) -> Scheduler[str, str]:

@@ -34,7 +34,7 @@ from cachestore.errors import (
 )
 from cachestore.segments import SegmentFile, fingerprint, read_segment, write_segment
 from cachestore.snapshot import Snapshot, layout, merge, restore, snapshot
-from daemon.builtin import ensure_builtin
+from daemon.models.builtin import ensure_builtin
 from snapshots import assert_same, assert_same_layer  # noqa: F401
 
 FP = fingerprint(
@@ -258,7 +258,7 @@ def test_failed_write_leaves_nothing(
 
 CRASH = """
 import os, sys
-from daemon.blas import preload_blas
+from daemon.service.blas import preload_blas
 preload_blas()
 import mlx.core as mx
 from cachestore import segments

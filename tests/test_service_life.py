@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 
 from conftest import fed_tokens
-from daemon.lockfile import is_locked
-from daemon.service import LAUNCHD_LABEL, launchd_plist, service_file, systemd_unit
+from daemon.service.lockfile import is_locked
+from daemon.service.unit import LAUNCHD_LABEL, launchd_plist, service_file, systemd_unit
 from daemonproc import DaemonProcess
 
 KVD = [sys.executable, "-m", "daemon.cli"]

@@ -103,7 +103,7 @@ async def test_session_params_are_the_turns_defaults(tmp_path: Path) -> None:
 
 def test_request_then_session_then_config() -> None:
     from daemon.config import Config
-    from daemon.sampling import Sampling, merge, resolve
+    from daemon.engine.sampling import Sampling, merge, resolve
 
     config = Config(max_tokens=512, temperature=0.7, top_p=1.0, max_tokens_limit=1024)
     session = {"temperature": 0.1, "max_tokens": 2000}  # set before the limit was lowered

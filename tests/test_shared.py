@@ -18,8 +18,8 @@ from rich.console import Console
 
 from cachestore.index import SegmentIndex
 from conftest import client, fed_tokens, greedy_reference, running_daemon
-from daemon.quantized import make_cache
-from daemon.statuscmd import render_status
+from daemon.engine.quantized import make_cache
+from daemon.service.status import render_status
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.smollm2 import WHEEL_NAME
+from daemon.models.smollm2 import WHEEL_NAME
 from daemonproc import DaemonProcess
 from ggufmake import write_llama
 
@@ -92,7 +92,7 @@ def test_the_default_model_cannot_be_fetched(tmp_path: Path) -> None:
 
 def test_weights_that_fail_to_load_stop_a_listening_kvd(tmp_path: Path) -> None:
     """What only loading can find out (weights that do not match their config) ends kvd too."""
-    from daemon.builtin import ensure_builtin
+    from daemon.models.builtin import ensure_builtin
 
     model = ensure_builtin("builtin:tiny", tmp_path / "models")
     weights = model / "model.safetensors"

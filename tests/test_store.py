@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from protocol.migrate import LEGACY_TABLE
+from common.migrate import LEGACY_TABLE
 from sessions import (
     Session,
     Store,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from daemon.backup import BACKUPS_KEPT, back_up, backups, due
+from daemon.service.backup import BACKUPS_KEPT, back_up, backups, due
 from daemonproc import DaemonProcess
 from sessions import Store
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import protocol
-from protocol import durable
+from common import durable
 
 from .sanitize import sanitize
 

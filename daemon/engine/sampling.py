@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import Config
+from ..config import Config
 
 
 @dataclass(frozen=True)

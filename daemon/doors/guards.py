@@ -21,7 +21,7 @@ import ipaddress
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from .config import Config
+from ..config import Config
 
 LOOPBACK_NAMES = ("localhost",)
 

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol import durable
+from common import durable
 
 SYSTEMD_UNIT = "kvd.service"
 LAUNCHD_LABEL = "dev.kvd.daemon"

@@ -34,7 +34,7 @@ from protocol import DEFAULT_TITLE
 from protocol.requests import RequestError
 from sessions import Message, Store
 
-from .turns import Turns
+from ..turns import Turns
 
 TITLE_CHARS = 60
 

@@ -3,7 +3,7 @@
 A model that cannot be loaded must stop kvd with one line and a non-zero
 exit, not leave a listening daemon that answers every message with an error.
 Two moments catch it: :func:`prepare` runs before kvd listens (a missing
-path, a bad or unsupported file, a failed fetch: everything daemon/models.py
+path, a bad or unsupported file, a failed fetch: everything daemon/models/sources.py
 can tell without loading weights), and :func:`load_failure` tells `kvd serve` (cli.py) to end the
 daemon when the engine thread's load fails after all (weights that do not
 match their config, say), once every waiting client has been told.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import anyio
 
-from .config import Config
-from .engine import Engine
+from ..config import Config
+from ..engine.thread import Engine
 
 log = logging.getLogger("kvd")
 
@@ -27,7 +27,7 @@ POLL_INTERVAL = 0.2  # seconds between looks at engine.ready (a threading.Event)
 
 def prepare(config: Config) -> Path | None:
     """The model's directory, fetched and converted if needed; None after printing why not."""
-    from .models import ModelError, prepare_model, progress_bar
+    from ..models.sources import ModelError, prepare_model, progress_bar
 
     try:
         with progress_bar() as progress:

@@ -37,15 +37,15 @@ from protocol.requests import (
 )
 from sessions import KEEP, Session, Store, is_disk_full
 
-from . import __version__
+from .. import __version__
+from ..config import Config
+from ..engine.sampling import merge
+from ..engine.thread import Engine
+from ..turns import DISK_FULL_MESSAGE, Turns
 from .asgi import abort_transport, headers_of
-from .config import Config
 from .connection import Connection
-from .engine import Engine
 from .guards import check
 from .loading import LoadingWatch
-from .sampling import merge
-from .turns import DISK_FULL_MESSAGE, Turns
 
 log = logging.getLogger("kvd.server")
 

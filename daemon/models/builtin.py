@@ -126,7 +126,7 @@ def is_builtin(name: str) -> bool:
 def ensure_builtin(name: str, models_dir: Path) -> Path:
     """Return ``models_dir/<short name>``, writing the model first if needed.
 
-    Published atomically (daemon/modeldir.py), so a crash never leaves a
+    Published atomically (daemon/models/modeldir.py), so a crash never leaves a
     half-written model where the loader would find it. A dir that is
     incomplete or of another :data:`BUILTIN_VERSION` is replaced.
     """

@@ -17,7 +17,7 @@ import anyio
 
 import protocol as p
 
-from .engine import Engine
+from ..engine.thread import Engine
 
 POLL_INTERVAL = 0.2  # seconds between looks at engine.ready
 ANNOUNCE_INTERVAL = 1.0  # seconds between `loading` events

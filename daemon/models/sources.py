@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from protocol import durable
+from common import durable
 
 from . import gguf as gguf_convert
 from .builtin import BUILTIN_NAMES, ensure_builtin, is_builtin
@@ -46,7 +46,7 @@ ALL_BUILTINS = (DEFAULT_MODEL, *BUILTIN_NAMES)
 KINDS = (f"{', '.join(ALL_BUILTINS)}, a .gguf file, a local mlx-lm model directory "
          "or a Hugging Face repo id such as HuggingFaceTB/SmolLM2-135M-Instruct")
 
-#: (stage, done, total) as in daemon/smollm2.py, plus "convert" counted in tensors.
+#: (stage, done, total) as in daemon/models/smollm2.py, plus "convert" counted in tensors.
 Progress = Callable[[str, int, int], None]
 
 

@@ -36,15 +36,15 @@ import protocol as p
 from protocol.requests import RequestError
 from sessions import Store, is_valid_session_id
 
+from ..config import Config
+from ..engine.thread import Engine
+from ..prompt import render
+from ..turns import Tokens, Turn, Turns
 from .asgi import headers_of
-from .config import Config
-from .engine import Engine
 from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError, ChatRequest, parse, stops
-from .prompt import render
-from .stateless import place
-from .turns import Tokens, Turn, Turns
+from .placement import place
 
 log = logging.getLogger("kvd.api")
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import protocol as p
 
-from .config import Config
+from ..config import Config
 from .jobs import (
     Cancel,
     Delta,
@@ -57,7 +57,7 @@ class Engine:
     """Owns the model; serves TurnJobs through one BatchGenerator."""
 
     def __init__(self, config: Config, model_dir: Path | None = None):
-        """`model_dir`: the model already prepared (daemon/models.py) by `kvd serve` before it
+        """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
         listened; None prepares it on the engine thread."""
         self.config = config
         self.model_dir = model_dir
@@ -113,8 +113,8 @@ class Engine:
         """Load the model, open the caches and warm up: the first thing the engine thread does."""
         from cachestore import Budgets, SessionCaches, model_fingerprint
 
+        from ..models.sources import prepare_model
         from .modelload import load_model, warm_up
-        from .models import prepare_model
         from .quantized import make_cache
 
         c = self.config

@@ -17,7 +17,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from protocol import durable
+from common import durable
 
 log = logging.getLogger("kvd")
 

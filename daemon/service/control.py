@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol import DAEMON_FILE, durable
+from common import durable
+from protocol import DAEMON_FILE
 
-from . import __version__
+from .. import __version__
 from .lockfile import holder_pid, is_locked
 from .logfile import follow, tail
 

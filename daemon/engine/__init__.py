@@ -1,0 +1,5 @@
+"""The engine: one thread that owns the model and every MLX array.
+
+thread (the engine loop), jobs (its inbox), scheduler (admission and prefill order, pure), prefill and running
+(a turn's prefill and decode), sampling, quantized (kv_bits caches), modelload (the model onto this thread).
+"""
