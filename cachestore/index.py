@@ -30,6 +30,7 @@ from pathlib import Path
 
 from sqlite_utils import Database
 
+from common.diskfull import is_disk_full
 from common.tokenids import pack_tokens, unpack_tokens
 
 from .blocks import BLOCK_RE
@@ -320,7 +321,7 @@ class SegmentIndex:
         try:
             self.drop_from(key, 0)
         except sqlite3.OperationalError as e:
-            if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+            if not is_disk_full(e):
                 raise
             if self.db.in_transaction:
                 self.db.execute("ROLLBACK")

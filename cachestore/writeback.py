@@ -23,6 +23,8 @@ import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from common.diskfull import is_disk_full
+
 from .blocks import block_keys
 from .index import SegmentIndex, SegmentRow
 from .lru import DiskStats
@@ -146,7 +148,7 @@ class Writeback:
         except OSError as e:
             if not evict:  # paging everything out at shutdown
                 log.warning("could not page out %s: %s", key, e)
-            elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+            elif is_disk_full(e):
                 log.warning("the disk holding the KV caches is full (%s); the cache of %s stays in "
                             "memory only (after a restart it is rebuilt from the transcript)",
                             e.strerror, key)
@@ -252,7 +254,7 @@ class Writeback:
                 seg = write_segment(path, snap, fingerprint=self.fingerprint, tokens=ids)
                 break
             except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                if not is_disk_full(e):
                     raise
                 if not evict or not self._evict_for(owner, evicted):
                     raise OSError(e.errno, NOTHING_TO_EVICT if evict else e.strerror) from None
@@ -267,7 +269,7 @@ class Writeback:
                                    self.fingerprint, ids, now)
                 break
             except sqlite3.OperationalError as e:  # the index shares the full disk
-                if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+                if not is_disk_full(e):
                     seg.path.unlink(missing_ok=True)
                     raise
                 if not evict or not self._evict_for(owner, evicted):

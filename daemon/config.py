@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.limits import TEMPERATURE, TOP_P
 from protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
 from protocol.requests import Limits
 
@@ -182,10 +183,9 @@ def _check(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{dotted} must be a number")
         value = float(value)
-        if name == "temperature" and not 0 <= value <= 2:
-            raise ConfigError(f"{dotted} must be between 0 and 2")
-        if name == "top_p" and not 0 < value <= 1:
-            raise ConfigError(f"{dotted} must be in (0, 1]")
+        ranged = {"temperature": TEMPERATURE, "top_p": TOP_P}.get(name)
+        if ranged is not None and value not in ranged:
+            raise ConfigError(f"{dotted} must be in {ranged.describe()}")
         if name in ("send_timeout", "resident_idle", "warm_idle", "prefill_slice") and value <= 0:
             raise ConfigError(f"{dotted} must be positive")
         return value

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
+
+# Facts the wire shares with every package (re-exported: the wire speaks them).
+from common.ids import SESSION_ID_RE as SESSION_ID_RE
+from common.tiers import NO_CACHE as NO_CACHE
+from common.tiers import SHARED as SHARED
+from common.tiers import TIERS as TIERS
 
 PROTOCOL_VERSION = 1
 PATH = "/v1"
@@ -64,19 +69,7 @@ BUSY = "busy"
 DISK_FULL = "disk_full"
 INTERNAL = "internal"
 
-# A session id on the wire: 16 lowercase hex characters (docs/protocol.md).
-# The daemon mints ids to this format (sessions/ids.py states it for the
-# store, which imports nothing of kvd; tests/test_arrows.py checks both agree).
-SESSION_ID_RE = re.compile(r"[0-9a-f]{16}")
 
-# The cache tiers, fastest first: the values of a session's "cache", of
-# "usage.restored_from" and of status "locations", with NO_CACHE when only the
-# transcript is left (docs/protocol.md).
-TIERS = ("resident", "warm", "disk")
-NO_CACHE = "none"
-# "usage.restored_from" only: the prefix came from another session's cache
-# (in memory, or content-addressed blocks on disk); "shared_tokens" says how much.
-SHARED = "shared"
 
 # The title of a session created without one.
 DEFAULT_TITLE = "New chat"

@@ -8,13 +8,13 @@ nothing of the daemon.
 
 from __future__ import annotations
 
-import enum
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import protocol as p
+from common.keep import KEEP, Keep
+from common.limits import TEMPERATURE, TOP_P, Range
 
 RequestId = str | int | None
 
@@ -25,15 +25,6 @@ class Limits:
 
     max_text_chars: int  # a message's or a system prompt's characters
     max_tokens_limit: int  # the most a request's max_tokens may be
-
-
-class Keep(enum.Enum):
-    """A session.update field the request left out: leave it as it is (null would clear it)."""
-
-    KEEP = enum.auto()
-
-
-KEEP = Keep.KEEP
 
 
 class RequestError(Exception):
@@ -181,16 +172,13 @@ def _session(msg: dict[str, Any], rid: RequestId) -> str:
     return sid
 
 
-def _number(msg: dict[str, Any], rid: RequestId, name: str,
-            low: float, high: float, *, low_open: bool = False, label: str = "") -> float | None:
+def _number(msg: dict[str, Any], rid: RequestId, name: str, allowed: Range, *, label: str = "") -> float | None:
     value = _field(msg, rid, name, (int, float), required=False)
     if value is None:
         return None
-    value = float(value)
-    if math.isnan(value) or value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise RequestError(p.BAD_REQUEST, f"{label or repr(name)} must be in {bracket}{low:g}, {high:g}]", rid)
-    return value
+    if value not in allowed:
+        raise RequestError(p.BAD_REQUEST, f"{label or repr(name)} must be in {allowed.describe()}", rid)
+    return float(value)
 
 
 def _max_tokens(msg: dict[str, Any], rid: RequestId, limits: Limits, *, label: str = "") -> int | None:
@@ -201,11 +189,11 @@ def _max_tokens(msg: dict[str, Any], rid: RequestId, limits: Limits, *, label: s
 
 
 def _temperature(msg: dict[str, Any], rid: RequestId, *, label: str = "") -> float | None:
-    return _number(msg, rid, "temperature", 0.0, 2.0, label=label)
+    return _number(msg, rid, "temperature", TEMPERATURE, label=label)
 
 
 def _top_p(msg: dict[str, Any], rid: RequestId, *, label: str = "") -> float | None:
-    return _number(msg, rid, "top_p", 0.0, 1.0, low_open=True, label=label)
+    return _number(msg, rid, "top_p", TOP_P, label=label)
 
 
 def _params(msg: dict[str, Any], rid: RequestId, limits: Limits) -> dict[str, float | int | None] | Keep:

@@ -5,9 +5,12 @@ Knows nothing of MLX: the daemon feeds it text and token ids.
 
 from __future__ import annotations
 
-from .errors import UnknownMessage, UnknownSession, is_disk_full
-from .ids import is_valid_session_id, new_session_id
-from .store import KEEP, Keep, Message, Session, Store
+from common.diskfull import is_disk_full
+from common.ids import is_valid_session_id, new_session_id
+from common.keep import KEEP, Keep
+
+from .errors import UnknownMessage, UnknownSession
+from .store import Message, Session, Store
 
 __all__ = [
     "KEEP",

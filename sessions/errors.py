@@ -12,20 +12,10 @@ Bad arguments (a role, status or token id out of range) are plain
 ``ValueError``: they are bugs in the caller, not states of the store.
 
 A full disk stays SQLite's own ``sqlite3.OperationalError`` (the statement
-was rolled back, nothing half-written); :func:`is_disk_full` tells it apart.
+was rolled back, nothing half-written); ``common.diskfull.is_disk_full`` tells it apart.
 """
 
 from __future__ import annotations
-
-import sqlite3
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """Whether a store call failed because the disk (or the database's page limit) is full."""
-    if not isinstance(e, sqlite3.DatabaseError):
-        return False
-    code = getattr(e, "sqlite_errorcode", None)
-    return code == sqlite3.SQLITE_FULL or (code is None and "disk is full" in str(e))
 
 
 class UnknownSession(KeyError):

@@ -20,7 +20,6 @@ call is a handful of indexed statements.
 
 from __future__ import annotations
 
-import enum
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,10 +28,11 @@ from typing import Any, Literal, TypedDict, cast
 
 from sqlite_utils import Database
 
+from common.ids import new_session_id
+from common.keep import KEEP, Keep
 from common.tokenids import pack_tokens, unpack_tokens
 
 from .errors import UnknownMessage, UnknownSession
-from .ids import new_session_id
 from .migrations import migrate
 
 Role = Literal["user", "assistant"]
@@ -42,15 +42,6 @@ STATUSES: tuple[str, ...] = ("complete", "streaming", "cancelled", "error")
 
 LAST_MESSAGE_CHARS = 200
 BUSY_TIMEOUT_MS = 5000
-
-
-class Keep(enum.Enum):
-    """`update_session`'s default: leave this field as it is (None would clear it)."""
-
-    KEEP = enum.auto()
-
-
-KEEP = Keep.KEEP
 
 
 class Session(TypedDict):

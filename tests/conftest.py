@@ -39,6 +39,41 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+# The suite's tiers, one table: every test module is in exactly one. `make check` runs the unit tier
+# (no daemon, no process, no model: the inner loop); `make test` runs them all.
+#   unit        - objects in this process: stores, caches, parsers, policies (MLX arrays allowed)
+#   integration - a real daemon in this process (builtin:tiny) with real websocket/HTTP clients
+#   e2e         - real `kvd serve` processes, tmux, the real model, kill -9, the BLAS probe
+TIERS: dict[str, frozenset[str]] = {
+    "unit": frozenset({
+        "test_api_cores", "test_arrows", "test_builtin", "test_config", "test_direct", "test_durable",
+        "test_gguf", "test_ioworker", "test_lru", "test_scheduler", "test_segment_compat", "test_segments",
+        "test_snapshot", "test_store", "test_store_tiers", "test_tui_render", "test_wire",
+    }),
+    "integration": frozenset({
+        "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",
+        "test_kvchat_commands", "test_kvchat_daily", "test_loading", "test_openai_http", "test_packing",
+        "test_quantized", "test_resume", "test_security", "test_session_requests", "test_shared",
+    }),
+    "e2e": frozenset({
+        "test_answer_stream", "test_blas", "test_disk_full", "test_index_rebuild", "test_kill9",
+        "test_kvchat_daily_tmux", "test_kvchat_tmux", "test_openai", "test_realmodel", "test_restart",
+        "test_service_life", "test_start_failures", "test_startup", "test_transcript_integrity",
+    }),
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its module's tier; a module in no tier is an error, not a silent default."""
+    for item in items:
+        module = item.path.stem
+        tiers = [tier for tier, modules in TIERS.items() if module in modules]
+        if len(tiers) != 1:
+            raise pytest.UsageError(f"tests/{module}.py is in {len(tiers)} tiers: list it in exactly one "
+                                    "of TIERS in tests/conftest.py")
+        item.add_marker(getattr(pytest.mark, tiers[0]))
+
+
 @dataclass
 class RunningDaemon:
     url: str

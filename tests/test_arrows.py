@@ -141,12 +141,3 @@ def test_relative_imports_stay_in_their_package(tmp_path: Path) -> None:
     (tmp_path / "tui" / "deep" / "mod.py").write_text("from .. import render\nfrom ..render import x\n")
     tree = ast.parse((tmp_path / "tui" / "deep" / "mod.py").read_text())
     assert [name for _, name in imported(tree, "tui.deep.mod")] == ["tui", "tui.render"]
-
-
-def test_the_session_id_format_is_the_same_on_both_sides() -> None:
-    """The wire states the format (protocol) and so does the store (sessions): neither may import the other."""
-    import protocol
-    from sessions import ids
-
-    assert ids.SESSION_ID_RE.pattern == protocol.SESSION_ID_RE.pattern
-    assert protocol.SESSION_ID_RE.fullmatch(ids.new_session_id())

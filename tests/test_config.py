@@ -30,7 +30,7 @@ def test_flags_override_file(tmp_path: Path) -> None:
         ("[server]\nprot = 1\n", "unknown key server.prot"),
         ("[server]\nport = 70000\n", "server.port must be 0-65535"),
         ('[server]\nport = "80"\n', "server.port must be an integer"),
-        ("[generation]\ntemperature = 3\n", "generation.temperature must be between 0 and 2"),
+        ("[generation]\ntemperature = 3\n", "generation.temperature must be in [0, 2]"),
         ("[generation]\ntop_p = 0\n", "generation.top_p must be in (0, 1]"),
         ("[limits]\nmax_text_chars = -1\n", "limits.max_text_chars must be positive"),
         ('blas = "fast"\n', 'blas must be "auto" or "off"'),

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common.limits import TEMPERATURE, TOP_P
+
 from ..config import Config
 
 MAX_STOPS = 4  # as OpenAI
@@ -76,8 +78,8 @@ class ChatRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=TEMPERATURE.low, le=TEMPERATURE.high)
+    top_p: float | None = Field(default=None, gt=TOP_P.low, le=TOP_P.high)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -119,6 +121,10 @@ def parse(body: Any, config: Config) -> ChatRequest:
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOPS:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_STOPS} stop sequences", param="stop")
     for i, m in enumerate(req.messages):
+        if len(m.text()) > config.max_text_chars:  # the same bound as the websocket door's
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] is longer than {config.max_text_chars} characters "
+                           "(limits.max_text_chars in kvd's config.toml)", param=f"messages[{i}].content",
+                           code="string_above_max_length")
         if m.role == "system" and i > 0:
             raise ApiError(HTTPStatus.BAD_REQUEST, "kvd takes one system message, first in messages; "
                            f"messages[{i}] is a system message after the conversation began",

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 import protocol as p
-from protocol import requests, wire
+from protocol import wire
 from protocol.requests import (
     ChatAttach,
     ChatCancel,
@@ -35,7 +35,7 @@ from protocol.requests import (
     Status,
     parse_request,
 )
-from sessions import KEEP, Session, Store, is_disk_full
+from sessions import KEEP, Keep, Session, Store, is_disk_full
 
 from .. import __version__
 from ..config import Config
@@ -182,12 +182,12 @@ class WebSocketDoor:
 
     def _session_update(self, conn: Connection, req: SessionUpdate) -> None:
         session = self.turns.session(req.session, req.id)
-        params = KEEP if isinstance(req.params, requests.Keep) else merge(session["params"], req.params)
-        system = KEEP if isinstance(req.system, requests.Keep) else req.system
+        params = KEEP if isinstance(req.params, Keep) else merge(session["params"], req.params)
+        system = req.system  # one Keep (common/keep.py) on the wire and in the store
         new_system = system is not KEEP and system != session["system"]
         if new_system:
             self.turns.check_idle(req.session, req.id)  # the running turn would keep the old prompt's ids
-        self.store.update_session(req.session, title=KEEP if isinstance(req.title, requests.Keep) else req.title,
+        self.store.update_session(req.session, title=req.title,
                                   system=system, params=params)
         if new_system:
             self.turns.system_changed(req.session, session["message_count"])

@@ -23,6 +23,7 @@ import sqlite3
 import stat
 from pathlib import Path
 
+from common.diskfull import is_disk_full
 from sessions import Store
 
 log = logging.getLogger("kvd")
@@ -84,7 +85,7 @@ def probe_writable(directory: Path, what: str) -> None:
             os.close(fd)
     except OSError as e:
         probe.unlink(missing_ok=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_disk_full(e):
             raise StartError(disk_full_line(directory)) from None
         if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise StartError(f"{what} {directory} is read-only ({_why(e)}); kvd must write its "
@@ -134,7 +135,7 @@ def open_store(db_path: Path, backups: Path) -> Store:
     try:
         store = Store(db_path)
     except sqlite3.DatabaseError as e:
-        if _is_full(e):
+        if is_disk_full(e):
             raise StartError(disk_full_line(db_path.parent)) from None
         raise StartError(f"{db_path} is not a kvd database or is damaged ({e}); {restore}") from None
     try:
@@ -158,10 +159,6 @@ def restore_hint(db_path: Path, backups: Path) -> str:
                 f"sessions (see {WHEN_WRONG})")
     return (f"restore the newest backup: cp {newest} {db_path} && rm -f {db_path}-wal {db_path}-shm "
             f"(see {WHEN_WRONG})")
-
-
-def _is_full(e: sqlite3.DatabaseError) -> bool:
-    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e)
 
 
 def check_cache_dir(cache_dir: Path) -> None:

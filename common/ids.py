@@ -1,10 +1,8 @@
-"""Session ids: 16 lowercase hex characters.
+"""Session ids: 16 lowercase hex characters, minted by the store and checked at every door.
 
 Ids end up in file names (cache segments), so the daemon checks every id a
-client sends with `is_valid_session_id` before it touches a path. The same
-format is the wire's (`protocol.SESSION_ID_RE`, which kvchat checks too);
-sessions imports no other kvd package, so the rule is stated here for the
-store and tests/test_arrows.py checks the two agree.
+client sends with :func:`is_valid_session_id` before it touches a path; the
+wire (docs/protocol.md) and kvchat use the same pattern.
 """
 
 from __future__ import annotations
