@@ -12,8 +12,14 @@ template that trims whitespace.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any
+import copy
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+T = TypeVar("T")
 
 _SENTINEL = "\x00kvd-sentinel\x00"
 
@@ -72,3 +78,33 @@ def prompt_tokens(tokenizer: Any, messages: Sequence[dict[str, str]], system: st
         if rest is not None:
             return list(fed) + list(tokenizer.encode(rest, add_special_tokens=False)), True
     return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False)), False
+
+
+def conversation_ids(tokenizer: Any, messages: Sequence[dict[str, str]], system: str | None) -> list[int]:
+    """The whole conversation as a fresh session would feed it."""
+    return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False))
+
+
+class Tokenizing:
+    """The turn core's tokenizer stage: every template render and every encode of a turn happens here.
+
+    Off the event loop (a long conversation takes milliseconds to render and
+    tokenize) and off the engine thread (where it would stall every decoding
+    stream), on a tokenizer of its own: the engine keeps the one it loaded
+    for detokenizing, and a Hugging Face fast tokenizer used from two threads
+    at once can fail ("Already borrowed"). One call runs at a time.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._source = tokenizer
+        self._own: Any = None
+        self._limiter = anyio.CapacityLimiter(1)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(tokenizer, *args)` on a worker thread, with the stage's own tokenizer."""
+        return await anyio.to_thread.run_sync(self._call, fn, args, limiter=self._limiter)
+
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        if self._own is None:  # copied on first use, on the worker (a large vocabulary takes a moment)
+            self._own = copy.deepcopy(self._source)
+        return fn(self._own, *args)

@@ -40,10 +40,10 @@ from protocol.requests import RequestError, RequestId
 from sessions import Message, Store, is_disk_full
 
 from .config import Config
-from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Prompt, Queued, Started, TurnJob
+from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
 from .engine.sampling import resolve
 from .engine.thread import Engine
-from .prompt import prompt_tokens
+from .prompt import Tokenizing, prompt_tokens
 
 log = logging.getLogger("kvd.turns")
 
@@ -59,6 +59,19 @@ class Listener(Protocol):
 
 
 # --- how a turn's prompt ids are made ---------------------------------------
+
+
+class Prompt(Protocol):
+    """How a turn's prompt ids are made: run by the tokenizer stage, never on the engine thread."""
+
+    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the session's fed ids were rebuilt rather than appended to."""
+        ...
+
+    @property
+    def fed_before(self) -> int:
+        """How many ids the session had fed in earlier turns (what a re-read is counted against)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,7 @@ class Turn:
     deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
     stop: StopScan | None = None
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
+    cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
 
     def publish(self, event: dict[str, Any]) -> None:
         event = {"id": self.request_id, "session": self.session_id, **event}
@@ -174,6 +188,14 @@ class Turns:
         self.engine = engine
         self.active: dict[str, Turn] = {}
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
+        self._tokenizing: Tokenizing | None = None
+
+    @property
+    def tokenizing(self) -> Tokenizing:
+        """The tokenizer stage (the model must be loaded: the stage copies its tokenizer)."""
+        if self._tokenizing is None:
+            self._tokenizing = Tokenizing(self.engine.tokenizer)
+        return self._tokenizing
 
     # --- checks ---
 
@@ -271,17 +293,35 @@ class Turns:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
 
+        job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
+                      max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                      emit=emit)
+        self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)
         turn.publish({"type": p.CHAT_START, "message_index": index})
-        self.engine.submit(TurnJob(
-            session_id=session_id, prompt=prompt, seed=seed,
-            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, emit=emit,
-        ))
         return turn
+
+    async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
+        """Make the turn's ids in the tokenizer stage, then hand the job to the engine."""
+        try:
+            if isinstance(prompt, Tokens):
+                job.tokens, job.retokenized = list(prompt.tokens), True
+            else:
+                job.tokens, job.retokenized = await self.tokenizing.run(prompt.ids)
+        except Exception as e:
+            log.exception("tokenizing the prompt of session %s failed", turn.session_id)
+            events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
+            return
+        self.engine.submit(job)
+        if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
+            self.engine.cancel(turn.session_id)
 
     def cancel(self, session_id: str, turn: Turn | None = None) -> None:
         """Stop the session's answer (only if it is still `turn`, when given); what was generated is kept."""
         if turn is None or self.active.get(session_id) is turn:
+            current = self.active.get(session_id)
+            if current is not None:
+                current.cancelled = True
             self.engine.cancel(session_id)
 
     async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:

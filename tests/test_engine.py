@@ -32,11 +32,18 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
     e.caches.close()
 
 
-def job(session: str, text: str, events: list[EngineEvent], **fields: Any) -> TurnJob:
+def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> TurnJob:
+    """A first turn's job, its ids made as the turn core's tokenizer stage makes them."""
     fields.setdefault("max_tokens", 32)
     prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-    return TurnJob(session_id=session, prompt=prompt, temperature=0.0, top_p=1.0,
-                         emit=events.append, **fields)
+    return submitted(engine, session, prompt, events, **fields)
+
+
+def submitted(engine: Engine, session: str, prompt: Continuation, events: list[EngineEvent],
+              **fields: Any) -> TurnJob:
+    tokens, retokenized = prompt.ids(engine.tokenizer)
+    return TurnJob(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
+                   temperature=0.0, top_p=1.0, emit=events.append, **fields)
 
 
 def done(events: list[EngineEvent]) -> Done:
@@ -60,7 +67,7 @@ def fed(engine: Engine, sid: str) -> int:
 
 def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
     events: list[EngineEvent] = []
-    engine.submit(job("a" * 16, LONG, events))
+    engine.submit(job(engine, "a" * 16, LONG, events))
     engine.step()  # starts the turn and feeds its first chunk
     started = events[0]
     assert isinstance(started, Started) and started.prompt_tokens > 4 * STEP
@@ -76,7 +83,7 @@ def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
 def test_first_token_path_is_exact(engine: Engine, tmp_path: Path) -> None:
     """The first token comes from the last chunk's logits; the whole answer equals mlx-lm's own."""
     events: list[EngineEvent] = []
-    engine.submit(job("b" * 16, LONG, events, max_tokens=24))
+    engine.submit(job(engine, "b" * 16, LONG, events, max_tokens=24))
     run_to_end(engine)
     end = done(events)
     assert end.tokens is not None
@@ -88,7 +95,7 @@ def test_first_token_path_is_exact(engine: Engine, tmp_path: Path) -> None:
 
 def test_one_token_answer_is_not_fed(engine: Engine) -> None:
     events: list[EngineEvent] = []
-    engine.submit(job("c" * 16, "Hello there.", events, max_tokens=1))
+    engine.submit(job(engine, "c" * 16, "Hello there.", events, max_tokens=1))
     run_to_end(engine)
     end = done(events)
     assert end.finish_reason == "length" and end.usage["completion_tokens"] == 1
@@ -108,8 +115,7 @@ def assert_next_turn_starts_from(engine: Engine, sid: str, text: str, events: li
     prompt = Continuation(messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
                                     {"role": "user", "content": "And then?"}],
                           system=None, fed=end.tokens, fed_covers=2)
-    engine.submit(TurnJob(session_id=sid, prompt=prompt, max_tokens=2, temperature=0.0, top_p=1.0,
-                                emit=nxt.append))
+    engine.submit(submitted(engine, sid, prompt, nxt, max_tokens=2))
     run_to_end(engine)
     started = nxt[0]
     assert isinstance(started, Started) and not started.retokenized
@@ -123,7 +129,7 @@ def test_cancel_before_the_first_token_is_fed_keeps_it_in_the_history(engine: En
     """A cancel between the prefill's first token and the decode step that feeds it."""
     sid = "f" * 16
     events: list[EngineEvent] = []
-    engine.submit(job(sid, "Hello there.", events))
+    engine.submit(job(engine, sid, "Hello there.", events))
     while not any(isinstance(e, Delta) for e in events):
         engine.step()  # the prompt is fed and the first token shown; no decode step has run
     engine.cancel(sid)
@@ -137,7 +143,7 @@ def test_cancel_before_the_first_token_is_fed_keeps_it_in_the_history(engine: En
 def test_cancel_mid_prefill_keeps_what_was_fed(engine: Engine) -> None:
     sid = "d" * 16
     events: list[EngineEvent] = []
-    engine.submit(job(sid, LONG, events))
+    engine.submit(job(engine, sid, LONG, events))
     for _ in range(3):
         engine.step()
     engine.cancel(sid)
@@ -148,7 +154,7 @@ def test_cancel_mid_prefill_keeps_what_was_fed(engine: Engine) -> None:
     assert not any(isinstance(e, Delta) for e in events)
     # The three chunks fed are kept: a retry restores them and prefills only the rest.
     retry: list[EngineEvent] = []
-    engine.submit(job(sid, LONG, retry))
+    engine.submit(job(engine, sid, LONG, retry))
     engine.step()
     again = retry[0]
     assert isinstance(again, Started) and again.cached_tokens == 3 * STEP
@@ -157,12 +163,12 @@ def test_cancel_mid_prefill_keeps_what_was_fed(engine: Engine) -> None:
 def test_a_prefill_never_freezes_the_batch(engine: Engine) -> None:
     """While B's long prompt is fed, A gets a token at every step."""
     a_events: list[EngineEvent] = []
-    engine.submit(job("e" * 16, "Hi.", a_events, max_tokens=200))
+    engine.submit(job(engine, "e" * 16, "Hi.", a_events, max_tokens=200))
     engine.step()
     while generated(engine, "e" * 16) < 2:  # A is in the batch and decoding
         engine.step()
     b_events: list[EngineEvent] = []
-    engine.submit(job("f" * 16, LONG, b_events))
+    engine.submit(job(engine, "f" * 16, LONG, b_events))
     steps = 0
     while not any(isinstance(e, Delta) for e in b_events):
         before = generated(engine, "e" * 16)
@@ -180,17 +186,17 @@ def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -
     e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny", prefill_step_size=64, prefill_slice=1e-6))
     e.load()
     alone: list[EngineEvent] = []
-    e.submit(job("1" * 16, LONG, alone))
+    e.submit(job(e, "1" * 16, LONG, alone))
     e.step()  # starts the turn and feeds its first chunk
     assert fed(e, "1" * 16) == 64  # nobody else is decoding: a whole step
     run_to_end(e)
     a_events: list[EngineEvent] = []
-    e.submit(job("2" * 16, "Hi.", a_events, max_tokens=200))
+    e.submit(job(e, "2" * 16, "Hi.", a_events, max_tokens=200))
     e.step()
     while generated(e, "2" * 16) < 2:
         e.step()
     # Another prompt: the same one would start from session 1's cache (shared), with nothing to slice.
-    e.submit(job("3" * 16, "Something else. " + LONG, []))
+    e.submit(job(e, "3" * 16, "Something else. " + LONG, []))
     e.step()
     assert e.statistics().turns["3" * 16].phase == "prefill"
     seen = [fed(e, "3" * 16)]

@@ -133,13 +133,27 @@ async def test_bad_bodies_are_clear_errors_and_lose_nothing(tmp_path: Path) -> N
 
 
 async def test_a_conversation_too_long_for_the_model_is_a_400_and_is_not_kept(tmp_path: Path) -> None:
-    async with running_daemon(tmp_path, max_message_bytes=1 << 22) as d:
+    async with running_daemon(tmp_path, max_message_bytes=1 << 22, max_text_chars=1 << 20) as d:
         async with http(d) as h:
             long = {**HI, "messages": [{"role": "user", "content": "word " * 40000}]}
             for stream in (False, True):
                 r = await h.post("/v1/chat/completions", json={**long, "stream": stream})
                 assert_error(r, 400, says="context")
                 assert r.json()["error"]["code"] == "context_length_exceeded"
+        await still_serving(d)
+
+
+async def test_a_message_longer_than_max_text_chars_is_refused_as_on_the_websocket(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path, max_text_chars=100) as d:
+        async with http(d) as h:
+            for messages in ([{"role": "user", "content": "x" * 101}],
+                             [{"role": "system", "content": "s" * 101}, {"role": "user", "content": "hi"}]):
+                r = await h.post("/v1/chat/completions", json={**HI, "messages": messages})
+                assert_error(r, 400, says="longer than 100 characters")
+                assert r.json()["error"]["code"] == "string_above_max_length"
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": [{"role": "user", "content": "x" * 100}],
+                                                            "max_tokens": 1})
+            assert r.status_code == 200
         await still_serving(d)
 
 
@@ -205,3 +219,33 @@ async def test_a_pinned_session_is_continued_and_rewound_where_the_request_diffe
             assert d.store.messages(sid)[-1]["status"] == "cancelled"
             assert (await h.post("/v1/chat/completions", json=HI)).status_code == 200
         assert [s["id"] for s in d.store.list_sessions()] == [sid]  # nothing else was created
+
+
+async def test_both_doors_tokenize_at_once_and_every_prompt_is_exact(tmp_path: Path) -> None:
+    """Long prompts through the websocket and the HTTP door together: one tokenizer stage, no garbled ids."""
+    from daemon.prompt import conversation_ids
+
+    texts = [f"{i} " + " ".join(f"word{i * 7 + j}" for j in range(150)) for i in range(8)]
+    counts: dict[str, int] = {}
+    async with running_daemon(tmp_path, max_text_chars=1 << 16, max_generations=8, prefill_step_size=4096) as d:
+
+        async def over_websocket(text: str) -> None:
+            async with client(d) as c:
+                sid = (await c.request("session.create"))["session"]["id"]
+                _, done = await c.chat(sid, text, max_tokens=1)
+                assert done["type"] == "chat.done", done
+                counts[text] = done["usage"]["prompt_tokens"]
+
+        async def over_http(text: str) -> None:
+            async with http(d) as h:
+                r = await h.post("/v1/chat/completions",
+                                 json={**HI, "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
+            assert r.status_code == 200, r.text
+            counts[text] = r.json()["usage"]["prompt_tokens"]
+
+        async with anyio.create_task_group() as tg:
+            for i, text in enumerate(texts):
+                tg.start_soon(over_websocket if i % 2 else over_http, text)
+        tokenizer = d.daemon.engine.tokenizer
+        for text in texts:  # one at a time, after the fact: what each prompt must have been
+            assert counts[text] == len(conversation_ids(tokenizer, [{"role": "user", "content": text}], None))

@@ -38,7 +38,7 @@ from sessions import Store, is_valid_session_id
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..prompt import render
+from ..prompt import conversation_ids
 from ..turns import Tokens, Turn, Turns
 from .asgi import headers_of
 from .guards import check
@@ -141,7 +141,8 @@ class OpenAIDoor:
                                "(16 lowercase hex characters)", param=SESSION_HEADER)
             system = req.messages[0].text() if req.messages[0].role == "system" else None
             convo: list[tuple[str, str]] = [(m.role, m.text()) for m in req.messages if m.role != "system"]
-            ids = await anyio.to_thread.run_sync(self._tokenize, system, convo)
+            ids = await self.turns.tokenizing.run(conversation_ids, [{"role": r, "content": c} for r, c in convo],
+                                                  system)
             placement = place(self.store, self.turns, system, convo, pinned)
             headers[SESSION_HEADER] = placement.session_id
             events = _Events()
@@ -185,11 +186,6 @@ class OpenAIDoor:
                            "kvd's log has the details, fix the model setting and restart kvd",
                            code="model_not_loaded")
 
-    def _tokenize(self, system: str | None, convo: list[tuple[str, str]]) -> list[int]:
-        """The whole conversation as a fresh daemon would feed it (worker thread: no MLX here)."""
-        tokenizer = self.engine.tokenizer
-        messages = [{"role": role, "content": content} for role, content in convo]
-        return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False))
 
 
 def usage_of(u: dict[str, Any]) -> dict[str, Any]:

@@ -12,36 +12,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 # --- jobs in ---------------------------------------------------------------
 
 
-class Prompt(Protocol):
-    """How a turn's prompt ids are made; the turn core (turns.py) owns the rule."""
-
-    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
-        """The prompt's token ids, and whether the session's fed ids were rebuilt rather than appended to.
-
-        Called on the engine thread, where the tokenizer lives.
-        """
-        ...
-
-    @property
-    def fed_before(self) -> int:
-        """How many ids the session had fed in earlier turns (what a re-read is counted against)."""
-        ...
-
-
 @dataclass
 class TurnJob:
+    """A turn's prompt as token ids, made by the turn core's tokenizer stage: the engine never tokenizes."""
+
     session_id: str
-    prompt: Prompt
+    tokens: list[int]
     max_tokens: int
     temperature: float
     top_p: float
     emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
     seed: int | None = None  # seeds MLX's sampler when the turn starts
+    retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
+    fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
     arrived: float = field(default_factory=time.perf_counter)
 
 

@@ -100,7 +100,7 @@ class RunningTurn:
             "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,
             # Tokens fed in an earlier turn that had to be fed again (a new system prompt, an edit
             # before the cache's end, a lost cache): what a status line should own up to.
-            "reread_tokens": max(min(self.job.prompt.fed_before, len(self.prompt)) - self.cached_len, 0),
+            "reread_tokens": max(min(self.job.fed_before, len(self.prompt)) - self.cached_len, 0),
             "context_tokens": len(self.prompt) + self.generated if self.prompt else 0,
             "context_window": context_window,
         }

@@ -273,7 +273,7 @@ class Engine:
         from .prefill import Prefill
         from .quantized import make_cache
 
-        tokens, retokenized = job.prompt.ids(self.tokenizer)
+        tokens, retokenized = job.tokens, job.retokenized
         if self.max_context and len(tokens) + job.max_tokens > self.max_context:
             raise PromptTooLong(
                 f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
