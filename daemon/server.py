@@ -14,10 +14,12 @@ The asyncio side never calls MLX: turns are handed to the engine thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -42,6 +44,23 @@ log = logging.getLogger("kvd.server")
 
 STATUS_TIMEOUT = 5.0  # a busy engine answers status between steps; past this, the last figures
 GRACEFUL_SHUTDOWN = 10  # seconds uvicorn waits for open HTTP responses when kvd stops
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's own `serve()`, minus its signal handlers (`kvd serve` owns SIGTERM and SIGINT), and
+    an event for when it listens."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = anyio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.listening.set()
 
 
 class Daemon:
@@ -86,43 +105,45 @@ class Daemon:
             # it); websockets alone meet max_connections first, with kvd's own 503 that names it.
             limit_concurrency=2 * self.config.max_connections,
         )
-        config.load()
-        # uvicorn's serve() without its signal handlers (`kvd serve` owns SIGTERM and SIGINT):
-        # the same three steps, startup, main loop, shutdown.
-        server = uvicorn.Server(config)
-        server.lifespan = config.lifespan_class(config)
-        await server.startup(sockets=[sock])
-        try:
-            async with anyio.create_task_group() as tg:
-                self.turns.tg = tg
-                loading = anyio.CancelScope()
+        server = _Server(config)
+        async with anyio.create_task_group() as tg:
+            self.turns.tg = tg
+            loading = anyio.CancelScope()
 
-                async def watch_loading() -> None:
-                    with loading:
-                        await self._loading.run(self.websocket.broadcast)
+            async def watch_loading() -> None:
+                with loading:
+                    await self._loading.run(self.websocket.broadcast)
 
-                tg.start_soon(watch_loading)
-                tg.start_soon(server.main_loop)
-                self.url = p.default_url(self.config.host, sock.getsockname()[1])
-                task_status.started(self.url)
-                await self._stopping.wait()
-                if cut := len(self.turns.active):
-                    # Cut, not finished: a stop must not wait for max_tokens of every answer.
-                    # Each is kept as 'cancelled' with its text and its cache, so it resumes.
-                    log.info("shutting down: cutting %d answer(s) short (kept as 'cancelled'; "
-                             "chat.regenerate or a new message resumes from the cache), "
-                             "paging caches out", cut)
-                else:
-                    log.info("shutting down: paging caches out")
-                loading.cancel()
-                for listener in server.servers:
-                    listener.close()  # no new clients: one could attach to an answer about to be cut
-                await self.websocket.close_all()
-                await anyio.to_thread.run_sync(self.engine.stop)  # every running turn ends, cancelled
-                server.should_exit = True
-                # Leaving the task group waits for every turn to commit its answer.
-        finally:
-            await server.shutdown(sockets=[sock])
+            async def serve() -> None:
+                try:
+                    await server.serve([sock])
+                finally:
+                    server.listening.set()  # also when it never started: run() must not wait forever
+
+            tg.start_soon(serve)
+            await server.listening.wait()
+            if not server.started:
+                raise RuntimeError("the HTTP server did not start; its log lines say why")
+            tg.start_soon(watch_loading)
+            self.url = p.default_url(self.config.host, sock.getsockname()[1])
+            task_status.started(self.url)
+            await self._stopping.wait()
+            if cut := len(self.turns.active):
+                # Cut, not finished: a stop must not wait for max_tokens of every answer.
+                # Each is kept as 'cancelled' with its text and its cache, so it resumes.
+                log.info("shutting down: cutting %d answer(s) short (kept as 'cancelled'; "
+                         "chat.regenerate or a new message resumes from the cache), "
+                         "paging caches out", cut)
+            else:
+                log.info("shutting down: paging caches out")
+            loading.cancel()
+            for listener in server.servers:
+                listener.close()  # no new clients: one could attach to an answer about to be cut
+            await self.websocket.close_all()
+            await anyio.to_thread.run_sync(self.engine.stop)  # every running turn ends, cancelled
+            server.should_exit = True
+            # Leaving the task group waits for every turn to commit its answer and for uvicorn's
+            # own shutdown (open HTTP responses get GRACEFUL_SHUTDOWN seconds).
 
     def shutdown(self) -> None:
         self._stopping.set()
