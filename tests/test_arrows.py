@@ -141,3 +141,67 @@ def test_relative_imports_stay_in_their_package(tmp_path: Path) -> None:
     (tmp_path / "tui" / "deep" / "mod.py").write_text("from .. import render\nfrom ..render import x\n")
     tree = ast.parse((tmp_path / "tui" / "deep" / "mod.py").read_text())
     assert [name for _, name in imported(tree, "tui.deep.mod")] == ["tui", "tui.render"]
+
+
+def import_cycles(root: Path, package: str) -> list[list[str]]:
+    """Each set of `package`'s modules that import one another in a ring (imports in functions count)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((root / package).rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        tree = ast.parse(path.read_text())
+        names = {name for _, name in imported(tree, module)}
+        # `from . import commands` names the module tui.commands, not only the package tui
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = next(n for ln, n in imported(node, module))
+                names |= {f"{base}.{alias.name}" for alias in node.names}
+        graph[module.removesuffix(".__init__")] = names
+
+    def known(name: str) -> str:
+        while name and name not in graph:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges = {m: {known(n) for n in names if known(n) and known(n) != m} for m, names in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    rings: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            ring = []
+            while True:
+                w = stack.pop()
+                ring.append(w)
+                if w == v:
+                    break
+            if len(ring) > 1:
+                rings.append(sorted(ring))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return rings
+
+
+@pytest.mark.parametrize("package", ["daemon", "sessions", "tui", "protocol", "common"])
+def test_no_import_cycles_inside_a_package(package: str) -> None:
+    assert import_cycles(ROOT, package) == []
+
+
+def test_an_import_cycle_is_found(tmp_path: Path) -> None:
+    (tmp_path / "tui").mkdir()
+    (tmp_path / "tui" / "__init__.py").write_text("")
+    (tmp_path / "tui" / "repl.py").write_text("from . import commands\n")
+    (tmp_path / "tui" / "commands.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                  "    from .repl import Chat\n")
+    assert import_cycles(tmp_path, "tui") == [["tui.commands", "tui.repl"]]

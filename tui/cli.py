@@ -21,13 +21,14 @@ from rich.console import Console
 import protocol
 
 from . import commands, render
+from .chatview import ChatOptions
 from .errors import KvchatError
 from .history import HISTORY_FILE, History
 from .interrupts import Interrupts
 from .lineinput import Input, enable_line_editing, quiet_terminal
 from .link import Link
 from .loop_thread import LoopThread
-from .repl import Chat, ChatOptions
+from .repl import Chat
 
 try:
     import termios

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
@@ -18,9 +18,7 @@ from rich.text import Text
 import protocol
 
 from . import clipboard, compact, export, listing, render
-
-if TYPE_CHECKING:
-    from .repl import Chat
+from .chatview import ChatView
 
 
 class UsageError(Exception):
@@ -31,15 +29,15 @@ class UsageError(Exception):
 class Command:
     usage: str
     help: str
-    run: Callable[[Chat, str], bool | None]  # True: leave kvchat
+    run: Callable[[ChatView, str], bool | None]  # True: leave kvchat
 
 
 COMMANDS: dict[str, Command] = {}
 
 
-def command(name: str, usage: str, help: str) -> Callable[[Callable[[Chat, str], bool | None]],
-                                                          Callable[[Chat, str], bool | None]]:
-    def register(fn: Callable[[Chat, str], bool | None]) -> Callable[[Chat, str], bool | None]:
+def command(name: str, usage: str, help: str) -> Callable[[Callable[[ChatView, str], bool | None]],
+                                                          Callable[[ChatView, str], bool | None]]:
+    def register(fn: Callable[[ChatView, str], bool | None]) -> Callable[[ChatView, str], bool | None]:
         COMMANDS[name] = Command(usage, help, fn)
         return fn
 
@@ -54,7 +52,7 @@ def is_command(text: str) -> bool:
     return "\n" not in text or text.split(None, 1)[0].lower() in COMMANDS
 
 
-def dispatch(chat: Chat, text: str) -> bool:
+def dispatch(chat: ChatView, text: str) -> bool:
     """Run one /command line; True means leave."""
     head, _, args = text.partition(" ")
     if "\n" in head:
@@ -73,13 +71,13 @@ def dispatch(chat: Chat, text: str) -> bool:
         return False
 
 
-def _update(chat: Chat, **fields: Any) -> dict[str, Any]:
+def _update(chat: ChatView, **fields: Any) -> dict[str, Any]:
     session: dict[str, Any] = chat.request(protocol.SESSION_UPDATE, session=chat.session_id, **fields)["session"]
     chat.session = session
     return session
 
 
-def _target(chat: Chat, key: str) -> dict[str, Any]:
+def _target(chat: ChatView, key: str) -> dict[str, Any]:
     """The session a /switch or /delete argument names."""
     found = listing.find(chat.listed or chat.list_sessions(), key)
     if isinstance(found, str):
@@ -99,7 +97,7 @@ starts with "/". Up/Down recall earlier lines, also from earlier runs."""
 
 
 @command("/help", "/help", "this list")
-def _help(chat: Chat, args: str) -> None:
+def _help(chat: ChatView, args: str) -> None:
     unique = list({id(c): c for c in COMMANDS.values()}.values())  # /exit and /bye are /quit
     table = Table(box=None, show_header=False, padding=(0, 2, 0, 0), pad_edge=False)
     table.add_column(no_wrap=True, width=max(len(c.usage) for c in unique))
@@ -111,7 +109,7 @@ def _help(chat: Chat, args: str) -> None:
 
 
 @command("/sessions", "/sessions", "list sessions (numbers are what /switch and /delete take)")
-def _sessions(chat: Chat, args: str) -> None:
+def _sessions(chat: ChatView, args: str) -> None:
     sessions = chat.list_sessions()
     current = chat.session.get("id")
     chat.console.print(listing.sessions_table(sessions, width=chat.console.width, current=current), soft_wrap=True)
@@ -120,12 +118,12 @@ def _sessions(chat: Chat, args: str) -> None:
 
 
 @command("/new", "/new [title]", "start a new session")
-def _new(chat: Chat, args: str) -> None:
+def _new(chat: ChatView, args: str) -> None:
     chat.create(title=args or None)
 
 
 @command("/switch", "/switch N|id", "open another session")
-def _switch(chat: Chat, args: str) -> None:
+def _switch(chat: ChatView, args: str) -> None:
     if not args:
         raise UsageError("say which session: a number from /sessions, or an id")
     target = _target(chat, args)
@@ -136,7 +134,7 @@ def _switch(chat: Chat, args: str) -> None:
 
 
 @command("/rename", "/rename title", "rename this session")
-def _rename(chat: Chat, args: str) -> None:
+def _rename(chat: ChatView, args: str) -> None:
     if not args:
         raise UsageError("give the new title")
     session = _update(chat, title=args)
@@ -144,7 +142,7 @@ def _rename(chat: Chat, args: str) -> None:
 
 
 @command("/delete", "/delete [N|id]", "delete a session (this one if none is named), after asking")
-def _delete(chat: Chat, args: str) -> None:
+def _delete(chat: ChatView, args: str) -> None:
     target = _target(chat, args) if args else chat.session
     title = render.sanitize(str(target.get("title") or target["id"]))
     try:
@@ -166,7 +164,7 @@ def _delete(chat: Chat, args: str) -> None:
 
 
 @command("/export", "/export [path]", "write this session to a Markdown file")
-def _export(chat: Chat, args: str) -> None:
+def _export(chat: ChatView, args: str) -> None:
     got = chat.request(protocol.SESSION_GET, session=chat.session_id)
     path = Path(args).expanduser() if args else export.default_path(got["session"])
     if path.is_dir():
@@ -184,7 +182,7 @@ def _export(chat: Chat, args: str) -> None:
     render.print_note(chat.console, f"exported {count} message{'' if count == 1 else 's'} to {path}")
 
 
-def _yes(chat: Chat, question: str) -> bool:
+def _yes(chat: ChatView, question: str) -> bool:
     try:
         return chat.input.ask(question).strip().lower() in ("y", "yes")
     except EOFError:
@@ -192,7 +190,7 @@ def _yes(chat: Chat, question: str) -> bool:
 
 
 @command("/system", "/system [text | -]", "show the system prompt, set it, or clear it with -")
-def _system(chat: Chat, args: str) -> None:
+def _system(chat: ChatView, args: str) -> None:
     if not args:
         current = chat.session.get("system")
         if current:
@@ -220,7 +218,7 @@ def _param_value(key: str, raw: str) -> float | int | None:
 
 @command("/params", "/params [key=value…]",
          "show or set this session's temperature, top_p, max_tokens (key=- goes back to kvd's default)")
-def _params(chat: Chat, args: str) -> None:
+def _params(chat: ChatView, args: str) -> None:
     if not args:
         params = chat.session.get("params") or {}
         shown = render.format_params(params) if params else "none set"
@@ -238,7 +236,7 @@ def _params(chat: Chat, args: str) -> None:
     render.print_note(chat.console, "session params: " + (render.format_params(params) if params else "none set"))
 
 
-def in_effect(chat: Chat) -> str:
+def in_effect(chat: ChatView) -> str:
     """Each param's value for the next answer and where it comes from: this run's flag, the
     session's params, or kvd's default (from hello; a daemon too old to say is "kvd's default")."""
     flags = chat.options.fields()
@@ -265,7 +263,7 @@ OLLAMA_PARAMS = {"num_predict": "max_tokens"}
 
 @command("/set", "/set system|parameter …",
          "ollama's spelling: /set system TEXT, /set parameter temperature 0.2 (num_predict is max_tokens)")
-def _set(chat: Chat, args: str) -> None:
+def _set(chat: ChatView, args: str) -> None:
     what, _, rest = args.partition(" ")
     rest = rest.strip()
     if what == "system" and rest:
@@ -282,13 +280,13 @@ def _set(chat: Chat, args: str) -> None:
 
 
 @command("/regen", "/regen", "write the last answer again")
-def _regen(chat: Chat, args: str) -> None:
+def _regen(chat: ChatView, args: str) -> None:
     render.print_note(chat.console, "(a new answer to your last message)")
     chat.turn(protocol.CHAT_REGENERATE)
 
 
 @command("/edit", "/edit [N]", "change your Nth message (/edit alone lists them) and answer it again")
-def _edit(chat: Chat, args: str) -> None:
+def _edit(chat: ChatView, args: str) -> None:
     messages = chat.request(protocol.SESSION_GET, session=chat.session_id).get("messages") or []
     yours = [m for m in messages if m.get("role") == "user"]
     if not yours:
@@ -319,19 +317,19 @@ def _edit(chat: Chat, args: str) -> None:
 
 
 @command("/attach", "/attach", "show the answer this session is writing (e.g. asked for in another window)")
-def _attach(chat: Chat, args: str) -> None:
+def _attach(chat: ChatView, args: str) -> None:
     chat.turn(protocol.CHAT_ATTACH)
 
 
 @command("/editor", "/editor [text]", "write the message in $VISUAL/$EDITOR (Ctrl-O at the prompt too), then send it")
-def _editor(chat: Chat, args: str) -> None:
+def _editor(chat: ChatView, args: str) -> None:
     text = chat.input.compose(args)
     if text.strip():
         chat.send(text)
 
 
 @command("/copy", "/copy [code]", "put the last answer (or its last code block) on the clipboard")
-def _copy(chat: Chat, args: str) -> None:
+def _copy(chat: ChatView, args: str) -> None:
     if args not in ("", "code"):
         raise UsageError("/copy copies the last answer, /copy code its last code block")
     messages = chat.request(protocol.SESSION_GET, session=chat.session_id).get("messages") or []
@@ -352,18 +350,18 @@ def _copy(chat: Chat, args: str) -> None:
 
 @command("/compact", "/compact", "go on in a new session that carries the system prompt and the last "
          "turns fitting in half the context")
-def _compact(chat: Chat, args: str) -> None:
+def _compact(chat: ChatView, args: str) -> None:
     compact.run(chat)
 
 
 @command("/clear", "/clear", "clear the screen (the session stays; /new starts another)")
-def _clear(chat: Chat, args: str) -> None:
+def _clear(chat: ChatView, args: str) -> None:
     chat.console.clear()
     render.print_header(chat.console, chat.session, chat.link.client.hello)
 
 
 @command("/quit", "/quit, /exit, /bye", "leave (Ctrl-D at an empty prompt too)")
-def _quit(chat: Chat, args: str) -> bool:
+def _quit(chat: ChatView, args: str) -> bool:
     return True
 
 

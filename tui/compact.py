@@ -16,15 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import protocol
 
 from . import render
+from .chatview import ChatView
 from .errors import ServerError
-
-if TYPE_CHECKING:
-    from .repl import Chat
 
 TITLE_SUFFIX = " (compacted)"
 MAX_TITLE = 200
@@ -86,7 +84,7 @@ def system_prompt(system: str | None, title: str, kept: Sequence[Turn]) -> str |
     return "\n\n".join(parts) or None
 
 
-def run(chat: Chat) -> None:
+def run(chat: ChatView) -> None:
     got = chat.request(protocol.SESSION_GET, session=chat.session_id)
     old, messages = got["session"], got.get("messages") or []
     title = str(old.get("title") or protocol.DEFAULT_TITLE)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from rich.text import Text
 import protocol
 
 from . import commands, listing, render
+from .chatview import ChatOptions
 from .client import Client
 from .errors import KvchatError, ServerError
 from .interrupts import Interrupts
@@ -36,17 +36,6 @@ FULL_HINT = ("the session is full. /params max_tokens=N lowers the answer's room
              "that fit in half the context")
 
 
-@dataclass(frozen=True)
-class ChatOptions:
-    """Generation settings from kvchat's flags: sent with every turn, over the session's params."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-
-    def fields(self) -> dict[str, Any]:
-        return {k: v for k, v in (("max_tokens", self.max_tokens), ("temperature", self.temperature)) if v is not None}
-
-
 class Chat:
     """One terminal's conversation with kvd, across the sessions it switches between."""
 
@@ -57,14 +46,14 @@ class Chat:
         link: Link,
         interrupts: Interrupts,
         input: Input,
-        options: ChatOptions = ChatOptions(),
+        options: ChatOptions | None = None,
     ) -> None:
         self.console = console
         self.net = net
         self.link = link
         self.interrupts = interrupts
         self.input = input
-        self.options = options
+        self.options = options or ChatOptions()
         self.session: dict[str, Any] = {}
         self.listed: list[dict[str, Any]] = []  # the rows of the last sessions table shown
         self.last_index = -1  # the open session's last message
