@@ -16,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .layout import cached_session_ids, check_usable
 from .prefix import common_prefix_len
 
 if TYPE_CHECKING:
     from .store import Budgets, Checkout, SessionCaches
 
-__all__ = ["Budgets", "Checkout", "SessionCaches", "common_prefix_len", "model_fingerprint"]
+__all__ = ["Budgets", "Checkout", "SessionCaches", "cached_session_ids", "check_usable", "common_prefix_len",
+           "model_fingerprint"]
 
 _LAZY = frozenset({"Budgets", "Checkout", "SessionCaches"})
 

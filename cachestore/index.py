@@ -34,6 +34,7 @@ from common.diskfull import is_disk_full
 from common.tokenids import pack_tokens, unpack_tokens
 
 from .blocks import BLOCK_RE
+from .layout import BLOCKS, INDEX, SEGMENTS
 from .migrations import known, migrate
 
 KEY_RE = re.compile(r"[0-9a-f]{1,64}")
@@ -75,11 +76,11 @@ def check_key(key: str) -> str:
 class SegmentIndex:
     def __init__(self, root: Path):
         self.root = root
-        self.files = root / "segments"
+        self.files = root / SEGMENTS
         self.files.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.blocks = root / "blocks"
+        self.blocks = root / BLOCKS
         self.blocks.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.path = root / "index.sqlite"
+        self.path = root / INDEX
         # How the index was found, when it could not be used as it was: None (fine),
         # "missing", "empty", or "damaged (<why>), set aside as <name>".
         self.lost: str | None = None

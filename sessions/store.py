@@ -21,6 +21,7 @@ call is a handful of indexed statements.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -357,6 +358,18 @@ class Store:
         return [row[0] for row in rows]
 
     # Internals
+
+    def session_ids(self) -> set[str]:
+        """Every session's id (a start compares them with what the cache holds)."""
+        return {row[0] for row in self.db.execute("SELECT id FROM sessions")}
+
+    def damage(self) -> list[str]:
+        """What SQLite's quick_check finds wrong with the database; empty when it is sound."""
+        try:
+            result = [str(r[0]) for r in self.db.execute("PRAGMA quick_check").fetchall()]
+        except sqlite3.DatabaseError as e:
+            return [str(e)]
+        return [] if result == ["ok"] else result
 
     def _require_session(self, session_id: str) -> None:
         row = self.db.execute(

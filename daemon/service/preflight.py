@@ -23,6 +23,7 @@ import sqlite3
 import stat
 from pathlib import Path
 
+from cachestore import cached_session_ids, check_usable
 from common.diskfull import is_disk_full
 from sessions import Store
 
@@ -138,13 +139,9 @@ def open_store(db_path: Path, backups: Path) -> Store:
         if is_disk_full(e):
             raise StartError(disk_full_line(db_path.parent)) from None
         raise StartError(f"{db_path} is not a kvd database or is damaged ({e}); {restore}") from None
-    try:
-        result = [r[0] for r in store.db.execute("PRAGMA quick_check").fetchall()]
-    except sqlite3.DatabaseError as e:
-        result = [str(e)]
-    if result != ["ok"]:
+    if damage := store.damage():
         store.close()
-        found = " ".join(" ".join(result).split())[:200]  # one line, whatever SQLite reports
+        found = " ".join(" ".join(damage).split())[:200]  # one line, whatever SQLite reports
         raise StartError(f"{db_path} is damaged (SQLite quick_check: {found}); {restore}")
     return store
 
@@ -163,15 +160,8 @@ def restore_hint(db_path: Path, backups: Path) -> str:
 
 def check_cache_dir(cache_dir: Path) -> None:
     """The cache directory is kvd's to write: a problem there is named as a cache problem."""
-    segments = cache_dir / "segments"
     try:
-        segments.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for p in (cache_dir / "index.sqlite", cache_dir / "index.sqlite-wal", cache_dir / "index.sqlite-shm"):
-            if p.exists():
-                os.close(os.open(p, os.O_RDWR))
-        for d in [segments, *(p for p in segments.iterdir() if p.is_dir())]:
-            if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
-                raise PermissionError(errno.EACCES, "Permission denied", str(d))
+        segments = check_usable(cache_dir)
     except OSError as e:
         where = e.filename or cache_dir
         raise StartError(f"cannot use the KV cache directory {cache_dir} ({where}: {_why(e)}); "
@@ -188,11 +178,5 @@ def sessions_without_transcript(store: Store, cache_dir: Path) -> list[str]:
     means the transcript lost it (a deleted or damaged kvd.sqlite-wal), or a
     crash fell between deleting a session and deleting its cache.
     """
-    segments = cache_dir / "segments"
-    if not segments.is_dir():
-        return []
-    cached = {p.name for p in segments.iterdir() if p.is_dir()}
-    if not cached:
-        return []
-    known = {r[0] for r in store.db.execute("SELECT id FROM sessions")}
-    return sorted(cached - known)
+    cached = cached_session_ids(cache_dir)
+    return sorted(cached - store.session_ids()) if cached else []
