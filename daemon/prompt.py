@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -108,3 +109,52 @@ class Tokenizing:
         if self._own is None:  # copied on first use, on the worker (a large vocabulary takes a moment)
             self._own = copy.deepcopy(self._source)
         return fn(self._own, *args)
+
+
+# --- how a turn's prompt ids are made (the turn core's rule, run by the tokenizer stage) ---
+
+
+class Prompt(Protocol):
+    """How a turn's prompt ids are made: run by the tokenizer stage, never on the engine thread."""
+
+    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the session's fed ids were rebuilt rather than appended to."""
+        ...
+
+    @property
+    def fed_before(self) -> int:
+        """How many ids the session had fed in earlier turns (what a re-read is counted against)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The transcript as it stands, appended to the session's fed ids where the rule allows."""
+
+    messages: list[dict[str, str]]
+    system: str | None
+    fed: list[int]
+    fed_covers: int  # how many leading `messages` the fed ids stand for
+
+    @property
+    def fed_before(self) -> int:
+        return len(self.fed)
+
+    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
+        tokens, appended = prompt_tokens(tokenizer, self.messages, self.system, self.fed,
+                                         fed_covers=self.fed_covers)
+        return tokens, bool(self.fed) and not appended
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Ids already made by the caller (a stateless request tokenized whole to find its session).
+
+    They replace the session's fed ids: the old answer boundaries no longer apply.
+    """
+
+    tokens: list[int]
+    fed_before: int = 0  # a stateless request's earlier turns were fed by whatever it matched
+
+    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
+        return list(self.tokens), True

@@ -43,7 +43,7 @@ from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
 from .engine.sampling import resolve
 from .engine.thread import Engine
-from .prompt import Tokenizing, prompt_tokens
+from .prompt import Continuation, Prompt, Tokenizing, Tokens
 
 log = logging.getLogger("kvd.turns")
 
@@ -56,55 +56,6 @@ class Listener(Protocol):
     """Whoever wants a turn's events (a websocket connection, an HTTP response); must not block."""
 
     def publish(self, event: dict[str, Any]) -> None: ...
-
-
-# --- how a turn's prompt ids are made ---------------------------------------
-
-
-class Prompt(Protocol):
-    """How a turn's prompt ids are made: run by the tokenizer stage, never on the engine thread."""
-
-    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
-        """The prompt's token ids, and whether the session's fed ids were rebuilt rather than appended to."""
-        ...
-
-    @property
-    def fed_before(self) -> int:
-        """How many ids the session had fed in earlier turns (what a re-read is counted against)."""
-        ...
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """The transcript as it stands, appended to the session's fed ids where the rule allows."""
-
-    messages: list[dict[str, str]]
-    system: str | None
-    fed: list[int]
-    fed_covers: int  # how many leading `messages` the fed ids stand for
-
-    @property
-    def fed_before(self) -> int:
-        return len(self.fed)
-
-    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
-        tokens, appended = prompt_tokens(tokenizer, self.messages, self.system, self.fed,
-                                         fed_covers=self.fed_covers)
-        return tokens, bool(self.fed) and not appended
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """Ids already made by the caller (a stateless request tokenized whole to find its session).
-
-    They replace the session's fed ids: the old answer boundaries no longer apply.
-    """
-
-    tokens: list[int]
-    fed_before: int = 0  # a stateless request's earlier turns were fed by whatever it matched
-
-    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
-        return list(self.tokens), True
 
 
 # --- stop sequences -------------------------------------------------------
@@ -258,6 +209,50 @@ class Turns:
             return None
         self.store.set_tokens(turn.session_id, tokens, covers=turn.message_index + 1 if exact else 0)
         return len(tokens) if exact else None
+
+    # --- what a client asks for: a new message, an answer again, an edited message ---
+
+    def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
+             **sampling: Any) -> Turn:
+        """Commit the user's message, then answer it; a full disk stores neither."""
+        self.check_idle(session_id, rid)
+        first_new = self.store.append_message(session_id, "user", text)  # committed before anything is generated
+        try:
+            return self.start(listener, rid, session_id, first_new, **sampling)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            try:  # so that "not saved" stays true
+                self.store.truncate_messages(session_id, first_new)
+            except Exception:
+                raise RequestError(p.DISK_FULL, "the disk holding kvd's data directory is full: your "
+                                   "message was saved but no answer could be started; free some space "
+                                   "and send chat.regenerate", rid) from None
+            raise
+
+    def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str, **sampling: Any) -> Turn:
+        """Answer the last message again: the old answer and its fed ids go, the cache is rewound."""
+        self.check_idle(session_id, rid)
+        messages = self.store.messages(session_id)
+        if not messages or messages[-1]["role"] != "assistant":
+            raise RequestError(p.BAD_REQUEST, "the session's last message is not an answer; "
+                               "there is nothing to regenerate", rid)
+        last = messages[-1]["index"]
+        self.rewind(session_id, last, messages)
+        return self.start(listener, rid, session_id, last, **sampling)
+
+    def edit(self, listener: Listener | None, rid: RequestId, session_id: str, index: int, text: str,
+             **sampling: Any) -> Turn:
+        """Replace user message `index` (and everything after it) with `text`, and answer it."""
+        self.check_idle(session_id, rid)
+        messages = self.store.messages(session_id)
+        target = next((m for m in messages if m["index"] == index), None)
+        if target is None or target["role"] != "user":
+            raise RequestError(p.BAD_REQUEST, f"message {index} is not a user message "
+                               "of this session; session.get lists them", rid)
+        self.rewind(session_id, index, messages)
+        first_new = self.store.append_message(session_id, "user", text)
+        return self.start(listener, rid, session_id, first_new, **sampling)
 
     # --- a turn's life ---
 

@@ -17,7 +17,7 @@ from daemon.config import load_config
 from daemon.engine.jobs import Delta, Done, EngineEvent, Started, TurnJob
 from daemon.engine.scheduler import MIN_CHUNK
 from daemon.engine.thread import Engine
-from daemon.turns import Continuation
+from daemon.prompt import Continuation
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
 STEP = 16

@@ -38,8 +38,8 @@ from sessions import Store, is_valid_session_id
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..prompt import conversation_ids
-from ..turns import Tokens, Turn, Turns
+from ..prompt import Tokens, conversation_ids
+from ..turns import Turn, Turns
 from .asgi import headers_of
 from .guards import check
 from .loading import LoadingWatch

@@ -148,14 +148,11 @@ class WebSocketDoor:
             elif isinstance(req, ChatAttach):
                 self._chat_attach(conn, req)
             elif isinstance(req, ChatSend):
-                self.turns.check_idle(req.session, req.id)
-                # The user's message is committed before anything is generated.
-                first_new = self.store.append_message(req.session, "user", req.text)
-                self._send(conn, req, first_new)
+                self.turns.send(conn, req.id, req.session, req.text, **_sampling(req))
             elif isinstance(req, ChatRegenerate):
-                self._chat_regenerate(conn, req)
+                self.turns.regenerate(conn, req.id, req.session, **_sampling(req))
             elif isinstance(req, ChatEdit):
-                self._chat_edit(conn, req)
+                self.turns.edit(conn, req.id, req.session, req.message_index, req.text, **_sampling(req))
             elif isinstance(req, ChatCancel):
                 self.turns.session(req.session, rid)
                 self.turns.cancel(req.session)
@@ -194,45 +191,6 @@ class WebSocketDoor:
         conn.publish({"type": p.SESSION, "id": req.id,
                       "session": self._session_object(self.turns.session(req.session, req.id))})
 
-    def _chat_regenerate(self, conn: Connection, req: ChatRegenerate) -> None:
-        self.turns.check_idle(req.session, req.id)
-        messages = self.store.messages(req.session)
-        if not messages or messages[-1]["role"] != "assistant":
-            raise RequestError(p.BAD_REQUEST, "the session's last message is not an answer; "
-                               "there is nothing to regenerate", req.id)
-        last = messages[-1]["index"]
-        self.turns.rewind(req.session, last, messages)
-        self._start(conn, req, last)
-
-    def _chat_edit(self, conn: Connection, req: ChatEdit) -> None:
-        self.turns.check_idle(req.session, req.id)
-        messages = self.store.messages(req.session)
-        target = next((m for m in messages if m["index"] == req.message_index), None)
-        if target is None or target["role"] != "user":
-            raise RequestError(p.BAD_REQUEST, f"message {req.message_index} is not a user message "
-                               "of this session; session.get lists them", req.id)
-        self.turns.rewind(req.session, req.message_index, messages)
-        first_new = self.store.append_message(req.session, "user", req.text)
-        self._start(conn, req, first_new)
-
-    def _start(self, conn: Connection, req: ChatSend | ChatRegenerate | ChatEdit, first_new: int) -> None:
-        self.turns.start(conn, req.id, req.session, first_new, max_tokens=req.max_tokens,
-                         temperature=req.temperature, top_p=req.top_p)
-
-    def _send(self, conn: Connection, req: ChatSend, first_new: int) -> None:
-        try:
-            self._start(conn, req, first_new)
-        except Exception as e:
-            if not is_disk_full(e):
-                raise
-            try:  # so that "not saved" stays true
-                self.store.truncate_messages(req.session, first_new)
-            except Exception:
-                raise RequestError(p.DISK_FULL, "the disk holding kvd's data directory is full: your "
-                                   "message was saved but no answer could be started; free some space "
-                                   "and send chat.regenerate", req.id) from None
-            raise
-
     async def _reply_status(self, conn: Connection, rid: Any) -> None:
         conn.publish({"type": p.STATUS, "id": rid, **await self._status()})
 
@@ -247,3 +205,7 @@ class WebSocketDoor:
         conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session, "generating": True,
                       "request": turn.request_id, "message_index": turn.message_index})
         turn.attach(conn, req.after_seq)
+
+
+def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> dict[str, Any]:
+    return {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p}
