@@ -15,7 +15,7 @@ $(BIN)/kvd: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# OpenBLAS from PyPI (cmeel-openblas) needs libgfortran; tmux drives kvchat in tests.
+# The system OpenBLAS kvd puts under MLX (and libgfortran for the cmeel wheel); tmux drives kvchat in tests.
 sysdeps:
 	@./scripts/sysdeps.sh
 

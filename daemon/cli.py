@@ -152,8 +152,10 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     if config.host not in LOOPBACK:
         log.warning("listening on %s, not loopback: anyone who can reach this address and holds the "
                     "token can read every conversation; the token is then the only guard", config.host)
-    blas = preload_blas(config.blas)
-    log.info("%s", blas.reason)
+    blas = preload_blas(config.blas, threads=config.blas_threads)
+    for line in blas.rejected:
+        log.warning("BLAS: %s", line)
+    (log.info if blas.loaded or "disabled" in blas.reason else log.warning)("%s", blas.reason)
 
     from .engine.thread import Engine
     from .server import Daemon
@@ -177,6 +179,7 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
             log.warning("%d answer(s) were cut off by a crash; they are kept, marked 'error'", n)
         engine = Engine(config, model_dir)
         daemon = Daemon(config, store, engine, token)
+        daemon.blas = blas.reason
         try:
             daemon.bind()
         except OSError as e:

@@ -30,7 +30,8 @@ class ConfigError(Exception):
 class Config:
     # Model
     model: str = "builtin:smollm2"
-    blas: str = "auto"
+    blas: str = "auto"  # "auto", "off" or a library's path (daemon/service/blas.py)
+    blas_threads: int = 0  # 0: the CPUs this process may use
     # Where kvd keeps its database, token, caches and built-in models
     data_dir: Path = field(default_factory=default_data_dir)
     log_file: Path | None = None  # None: <data_dir>/kvd.log
@@ -95,6 +96,7 @@ class Config:
 _LAYOUT: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"),
     "blas": (None, "blas"),
+    "blas_threads": (None, "blas_threads"),
     "data_dir": (None, "data_dir"),
     "log_file": (None, "log_file"),
     "host": ("server", "host"),
@@ -158,8 +160,8 @@ def _check(name: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{dotted} must be a list of strings")
         return tuple(value)
-    if name == "blas" and value not in ("auto", "off"):
-        raise ConfigError(f'{dotted} must be "auto" or "off"')
+    if name == "blas" and (not isinstance(value, str) or not value):
+        raise ConfigError(f'{dotted} must be "auto", "off" or the path of a BLAS library')
     if isinstance(default, bool) or isinstance(default, str):
         if not isinstance(value, type(default)):
             raise ConfigError(f"{dotted} must be a {type(default).__name__}")
@@ -173,6 +175,9 @@ def _check(name: str, value: Any) -> Any:
         elif name in ("kv_bits", "warm_bits"):
             if value not in (0, 4, 8):
                 raise ConfigError(f"{dotted} must be 0 (off), 4 or 8")
+        elif name == "blas_threads":
+            if value < 0:
+                raise ConfigError(f"{dotted} must be >= 0 (0: the CPUs kvd may use)")
         elif (name.endswith("_bytes") and table == "cache") or name == "max_resident_sessions":
             if value < 0:
                 raise ConfigError(f"{dotted} must be >= 0 (0 turns the tier off)")

@@ -76,6 +76,7 @@ class Daemon:
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
         self.url: str | None = None
+        self.blas: str | None = None  # the start line's BLAS choice, for `kvd status`
 
     # --- lifecycle ---
 
@@ -185,4 +186,4 @@ class Daemon:
                 "waiting": stats.get("waiting", 0),
                 "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
                 "locations": stats.get("locations", {}),
-                "warm_up_ms": stats.get("warm_up_ms")}
+                "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas}

@@ -1,8 +1,10 @@
-"""OpenBLAS interposition, checked in fresh subprocesses.
+"""The BLAS under MLX: every candidate probed in a child process; a library that crashes costs only the probe.
 
-Each check runs in its own interpreter: whether the trick works depends on
-whether ``mlx.core`` was imported first, and pytest may already have imported
-it here through another test module.
+Real libraries only: two fakes compiled here with `cc` (one whose sgemm raises
+SIGILL, one that returns wrong numbers), the system's OpenBLAS (installed by
+scripts/sysdeps.sh), and none at all. Which core a single-CPU build may run on
+is a pure function, tested with both flag sets, so nothing here depends on the
+CPU it runs on.
 """
 
 from __future__ import annotations
@@ -15,118 +17,201 @@ from pathlib import Path
 
 import pytest
 
-from daemon.service.blas import BlasResult, find_openblas, preload_blas
+from daemon.service.blas import Candidate, Verdict, choose, probe, run_probe, system_libraries
+from daemon.service.blasprobe import core_misfit
+from daemonproc import DaemonProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="OpenBLAS interposition is Linux-only"
-)
-
-_MATMUL = """
-import numpy as np
-import mlx.core as mx
-rng = np.random.default_rng(0)
-a = rng.standard_normal((256, 192), dtype=np.float32)
-b = rng.standard_normal((192, 128), dtype=np.float32)
-c = np.array(mx.array(a) @ mx.array(b))
-ok = bool(np.allclose(c, a @ b, rtol=1e-4, atol=1e-3))
+_HEAD = """
+#include <signal.h>
+const char *openblas_get_config(void) { return "OpenBLAS 9.9.9 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64"; }
+const char *openblas_get_corename(void) { return "Haswell"; }
+void openblas_set_num_threads(int n) { (void)n; }
+int openblas_get_num_threads(void) { return 1; }
 """
+FAKES = {
+    # What a build for a CPU family this machine is not runs into: an illegal instruction.
+    "sigill": _HEAD + """
+void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const float *a, int lda,
+                 const float *b, int ldb, float be, float *c, int ldc) { raise(SIGILL); }
+void sgemm_(void) { raise(SIGILL); }
+""",
+    "wrong": _HEAD + """
+void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const float *a, int lda,
+                 const float *b, int ldb, float be, float *c, int ldc) {
+    for (int i = 0; i < m; i++) for (int j = 0; j < n; j++) c[i * ldc + j] = 1.0f;
+}
+void sgemm_(void) {}
+""",
+}
 
 
-def _run(code: str, env: dict[str, str] | None = None) -> tuple[dict[str, object], str]:
-    """Run ``code`` in a fresh interpreter; it must print one JSON line last."""
-    full_env = {k: v for k, v in os.environ.items() if k != "KVD_BLAS"}
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+@pytest.fixture(scope="module")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    d = tmp_path_factory.mktemp("fakeblas")
+    for name, source in FAKES.items():
+        (d / f"{name}.c").write_text(source)
+        lib = d / f"lib{name}blas.so.0"
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(d / f"{name}.c")], check=True)
+        out[name] = lib
+    return out
 
 
-def test_find_openblas_prefers_soname() -> None:
-    path = find_openblas()
-    assert path is not None, "cmeel-openblas is a Linux dependency of kvd"
-    assert path.name == "libopenblas.so.0"
-    assert path.parent.parts[-2:] == ("cmeel.prefix", "lib")
+def system_openblas() -> Path:
+    found = system_libraries()
+    assert found, "no system OpenBLAS: scripts/sysdeps.sh installs libopenblas0-pthread"
+    return found[0]
 
 
-def test_preload_then_import_binds_mlx_to_openblas() -> None:
-    # LD_DEBUG=bindings makes the dynamic linker report which library each of
-    # libmlx's BLAS symbols resolved to: proof without timing anything.
-    code = (
-        "import json\n"
-        "from daemon.service.blas import preload_blas\n"
-        "r = preload_blas()\n"
-        "again = preload_blas()\n"
-        + _MATMUL
-        + "print(json.dumps({'loaded': r.loaded, 'path': r.path, 'reason': r.reason,"
-        " 'same': again == r, 'ok': ok}))\n"
-    )
-    out, stderr = _run(code, env={"LD_DEBUG": "bindings"})
-    assert out["loaded"] is True
-    assert out["same"] is True
-    assert out["ok"] is True
-    assert str(out["path"]).endswith("libopenblas.so.0")
-    assert "OpenBLAS interposed" in str(out["reason"])
-    sgemm = [
-        line
-        for line in stderr.splitlines()
-        if "libmlx" in line and "`cblas_sgemm'" in line
-    ]
+@pytest.mark.parametrize("config, core, flags, misfit", [
+    ("OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4", "SKYLAKEX", {"avx2", "fma"},
+     "built for SKYLAKEX (AVX-512); this CPU has no avx512f"),
+    ("OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4", "SKYLAKEX", {"avx2", "fma", "avx512f", "avx512bw",
+                                                                         "avx512vl"}, None),
+    ("OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY SkylakeX MAX_THREADS=64", "SkylakeX", {"sse2"}, None),
+    ("OpenBLAS 0.3.26 HASWELL MAX_THREADS=8", "Haswell", {"avx"}, "built for Haswell (AVX2); this CPU has no avx2"),
+    ("OpenBLAS 0.3.26 HASWELL MAX_THREADS=8", "Haswell", {"avx", "avx2", "fma"}, None),
+    ("OpenBLAS 0.3.26 PRESCOTT MAX_THREADS=8", "Prescott", set(), None),
+])  # fmt: skip
+def test_a_single_core_build_fits_only_cpus_with_its_instructions(config: str, core: str, flags: set[str],
+                                                                   misfit: str | None) -> None:
+    assert core_misfit(config, core, flags) == misfit
+
+
+def test_a_library_that_raises_sigill_is_rejected_and_the_caller_lives(fakes: dict[str, Path]) -> None:
+    verdict = run_probe(fakes["sigill"], {"avx2", "fma"})
+    assert verdict == Verdict(False, "its sgemm died with SIGILL (an instruction this CPU does not have)")
+
+
+def test_a_library_that_computes_wrong_numbers_is_rejected(fakes: dict[str, Path]) -> None:
+    verdict = run_probe(fakes["wrong"], {"avx2", "fma"})
+    assert not verdict.ok
+    assert verdict.why.startswith("its sgemm computed wrong numbers (relative error")
+    assert (verdict.version, verdict.core, verdict.max_threads) == ("9.9.9", "Haswell", 64)
+
+
+def test_a_missing_library_is_rejected(tmp_path: Path) -> None:
+    assert run_probe(tmp_path / "libopenblas.so.0", set()) == Verdict(False, "no such file")
+
+
+def test_the_first_library_that_passes_is_chosen(fakes: dict[str, Path], tmp_path: Path) -> None:
+    system = system_openblas()
+    cands = [Candidate(fakes["sigill"], "config"), Candidate(fakes["wrong"], "system"), Candidate(system, "system")]
+    chosen, verdict, rejected = choose(cands, cache=tmp_path / "verdicts.json")
+    assert chosen == cands[2]
+    assert verdict is not None and verdict.ok and verdict.version and verdict.core
+    assert [r.split(":", 1)[0] for r in rejected] == [f"rejected config {fakes['sigill']}",
+                                                      f"rejected system {fakes['wrong']}"]
+    assert "SIGILL" in rejected[0] and "wrong numbers" in rejected[1]
+
+
+def test_no_library_at_all_leaves_the_reference_blas_and_says_what_fixes_it() -> None:
+    chosen, verdict, rejected = choose([])
+    assert (chosen, verdict, rejected) == (None, None, [])
+    code = ("import json, daemon.service.blas as b\n"
+            "b.candidates = lambda mode: []\n"
+            "r = b.preload_blas()\n"
+            "import mlx.core as mx\n"
+            "x = mx.ones((64, 64))\n"
+            "print(json.dumps({'loaded': r.loaded, 'reason': r.reason, 'sum': (x @ x).sum().item()}))\n")
+    out = _run(code)
+    assert out["loaded"] is False and out["sum"] == 64.0**3
+    assert str(out["reason"]).startswith("BLAS: reference, about 40x slower")
+    assert "apt-get install libopenblas0-pthread" in str(out["reason"])
+
+
+def test_a_verdict_is_cached_for_the_library_and_the_cpu(fakes: dict[str, Path], tmp_path: Path) -> None:
+    cache = tmp_path / "verdicts.json"
+    first = probe(fakes["wrong"], flags={"avx2"}, cache=cache)
+    (key, stored), = json.loads(cache.read_text()).items()
+    assert stored["why"] == first.why
+    # What the cache says is what a later start believes, without probing again...
+    cache.write_text(json.dumps({key: {**stored, "why": "from the cache"}}))
+    assert probe(fakes["wrong"], flags={"avx2"}, cache=cache).why == "from the cache"
+    # ...for that CPU and that file only.
+    assert probe(fakes["wrong"], flags={"avx2", "fma"}, cache=cache).why == first.why
+    os.utime(fakes["wrong"], ns=(1, 1))
+    assert probe(fakes["wrong"], flags={"avx2"}, cache=cache).why == first.why
+
+
+def _run(code: str, env: dict[str, str] | None = None) -> dict[str, object]:
+    """Run `code` in a fresh interpreter (whether MLX is bound depends on what was imported first)."""
+    full = {k: v for k, v in os.environ.items() if k not in ("KVD_BLAS", "LD_PRELOAD")}
+    full.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["stderr"] = proc.stderr
+    return out
+
+
+def test_the_system_openblas_is_what_mlx_binds(tmp_path: Path) -> None:
+    # LD_DEBUG=bindings has the dynamic linker report where each of libmlx's BLAS symbols went.
+    code = ("import json\n"
+            "from pathlib import Path\n"
+            "from daemon.service.blas import preload_blas\n"
+            f"r = preload_blas(cache=Path({str(tmp_path / 'v.json')!r}))\n"
+            "import numpy as np, mlx.core as mx\n"
+            "a = np.random.default_rng(0).standard_normal((256, 192), dtype=np.float32)\n"
+            "ok = bool(np.allclose(np.array(mx.array(a) @ mx.array(a.T)), a @ a.T, rtol=1e-4, atol=1e-3))\n"
+            "print(json.dumps({'loaded': r.loaded, 'path': r.path, 'reason': r.reason, 'threads': r.threads,"
+            " 'again': preload_blas() == r, 'ok': ok}))\n")
+    out = _run(code, env={"LD_DEBUG": "bindings"})
+    assert out["loaded"] is True and out["again"] is True and out["ok"] is True
+    assert Path(str(out["path"])).resolve() == system_openblas().resolve()
+    assert str(out["reason"]).startswith("BLAS: OpenBLAS ") and ", core " in str(out["reason"])
+    assert out["threads"] == len(os.sched_getaffinity(0))
+    sgemm = [line for line in str(out["stderr"]).splitlines() if "libmlx" in line and "`cblas_sgemm'" in line]
     assert sgemm, "libmlx never bound cblas_sgemm"
     assert all("libopenblas" in line for line in sgemm)
 
 
-def test_too_late_after_mlx_import() -> None:
-    code = (
-        "import json\n"
-        "import mlx.core\n"
-        "from daemon.service.blas import preload_blas\n"
-        "r = preload_blas()\n"
-        + _MATMUL
-        + "print(json.dumps({'loaded': r.loaded, 'reason': r.reason, 'ok': ok}))\n"
-    )
-    out, _ = _run(code)
-    assert out["loaded"] is False
-    assert "mlx.core was imported before" in str(out["reason"])
-    assert out["ok"] is True
+@pytest.mark.parametrize(("env", "config", "needle"), [
+    ({"KVD_BLAS": "off"}, "", "disabled by KVD_BLAS=off"),
+    ({}, 'blas = "off"\n', 'disabled by blas = "off"'),
+])  # fmt: skip
+def test_off_loads_nothing_and_kvd_still_answers(tmp_path: Path, env: dict[str, str], config: str,
+                                                 needle: str) -> None:
+    d = _daemon(tmp_path, config, env)
+    try:
+        assert any(needle in line for line in d.log)
+        assert "libopenblas" not in Path(f"/proc/{d.proc.pid}/maps").read_text()
+        _answers(d)
+    finally:
+        d.terminate()
 
 
-@pytest.mark.parametrize(
-    ("env", "call", "needle"),
-    [
-        ({"KVD_BLAS": "off"}, "preload_blas()", "KVD_BLAS=off"),
-        ({}, "preload_blas('off')", 'blas = "off"'),
-    ],
-)
-def test_disabled(env: dict[str, str], call: str, needle: str) -> None:
-    code = (
-        "import json, sys\n"
-        "from daemon.service.blas import preload_blas\n"
-        f"r = {call}\n"
-        "maps = open('/proc/self/maps').read()\n"
-        "print(json.dumps({'loaded': r.loaded, 'reason': r.reason,"
-        " 'mapped': 'libopenblas' in maps, 'mlx': 'mlx.core' in sys.modules}))\n"
-    )
-    out, _ = _run(code, env=env)
-    assert out == {"loaded": False, "reason": out["reason"], "mapped": False, "mlx": False}
-    assert needle in str(out["reason"])
+@pytest.mark.parametrize("fake", ["sigill", "wrong"])
+def test_kvd_serve_rejects_a_bad_library_with_one_line_and_answers(tmp_path: Path, fakes: dict[str, Path],
+                                                                   fake: str) -> None:
+    d = _daemon(tmp_path, f'blas = "{fakes[fake]}"\n', {})
+    try:
+        rejected = [line for line in d.log if f"rejected config {fakes[fake]}" in line]
+        assert len(rejected) == 1, d.log
+        assert ("SIGILL" if fake == "sigill" else "wrong numbers") in rejected[0]
+        chosen = next(line for line in d.log if "BLAS: OpenBLAS" in line)
+        assert "system" in chosen and "core" in chosen and "threads" in chosen
+        assert "Traceback" not in "".join(d.log)
+        _answers(d)
+        with d.client() as c:
+            status = c.request("status")
+        assert status["blas"].startswith("BLAS: OpenBLAS")
+    finally:
+        d.terminate()
 
 
-def test_bad_mode_is_rejected() -> None:
-    # Raises before anything is loaded, so it is safe in-process.
-    with pytest.raises(ValueError, match="auto"):
-        preload_blas("fast")
+def _daemon(tmp_path: Path, config: str, env: dict[str, str]) -> DaemonProcess:
+    toml = tmp_path / "kvd.toml"
+    toml.write_text(config + "[cache]\nprefetch = false\n")
+    clean = {"LD_PRELOAD": "", "XDG_CACHE_HOME": str(tmp_path / "cache"), **env}
+    return DaemonProcess(tmp_path / "data", "--config", str(toml), env=clean)
 
 
-def test_result_is_frozen() -> None:
-    r = BlasResult(loaded=False, path=None, reason="x")
-    with pytest.raises(AttributeError):
-        r.loaded = True  # type: ignore[misc]
+def _answers(d: DaemonProcess) -> None:
+    with d.client() as c:
+        sid = c.request("session.create")["session"]["id"]
+        text, done = c.chat(sid, "What is the capital of France?", max_tokens=4, temperature=0)
+    assert done["type"] == "chat.done" and done["usage"]["completion_tokens"] >= 1

@@ -58,6 +58,8 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
                   f"{'ready' if status['ready'] else 'loading'} · "
                   f"{others} client(s) connected · {status['generating']} generating"
                   f"{f' · {w} waiting' if (w := status.get('waiting')) else ''}", soft_wrap=True)
+    if blas := status.get("blas"):
+        console.print(blas, soft_wrap=True)
     table = Table(show_edge=False)
     for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
         table.add_column(col, justify="left" if col == "tier" else "right")
