@@ -181,35 +181,52 @@ async def test_stop_sequences_end_the_answer_and_the_kept_text(tmp_path: Path) -
                 assert (kept["content"], kept["finish_reason"], kept["status"]) == (cut, "stop", "complete")
 
 
-async def test_a_pinned_session_is_continued_and_rewound_where_the_request_differs(tmp_path: Path) -> None:
+async def test_a_pinned_session_is_continued_and_rewound_only_when_asked(tmp_path: Path) -> None:
     async with running_daemon(tmp_path) as d:
         async with client(d) as c:
-            sid = (await c.request("session.create", title="From kvchat"))["session"]["id"]
-            _, done = await c.chat(sid, "hello from kvchat", max_tokens=4, temperature=0)
-            assert done["type"] == "chat.done"
-        first = d.store.messages(sid)
-        convo = [{"role": m["role"], "content": m["content"]} for m in first]
+            sid = (await c.request("session.create", title="From kvchat", system="Be brief."))["session"]["id"]
+            for text in ("hello from kvchat", "and a second turn"):
+                _, done = await c.chat(sid, text, max_tokens=4, temperature=0)
+                assert done["type"] == "chat.done"
         async with http(d, **{"X-Kvd-Session": sid}) as h:
-            more = [*convo, {"role": "user", "content": "and now?"}]
+            # What a client must send to continue it: the session's transcript, read-only.
+            held = (await h.get(f"/v1/kvd/sessions/{sid}")).json()
+            stored = [{"role": "system", "content": "Be brief."}] + [
+                {"role": m["role"], "content": m["content"]} for m in d.store.messages(sid)]
+            assert held["id"] == sid and held["messages"] == stored
+            assert_error(await h.get("/v1/kvd/sessions/0123456789abcdef"), 404, says="no session")
+            more = [*held["messages"], {"role": "user", "content": "and now?"}]
             r = await h.post("/v1/chat/completions", json={**HI, "messages": more})
             assert r.status_code == 200 and r.headers["X-Kvd-Session"] == sid
             answer = r.json()["choices"][0]["message"]["content"]
-            assert [m["content"] for m in d.store.messages(sid)] == [first[0]["content"], first[1]["content"],
-                                                                     "and now?", answer]
-            # The client edits its first message: the pinned session is rewound there, as /edit does.
-            r = await h.post("/v1/chat/completions", json={**HI, "messages": [{"role": "user", "content": "edited"}]})
+            assert [m["content"] for m in d.store.messages(sid)] == [m["content"] for m in more[1:]] + [answer]
+            before = d.store.messages(sid)
+            # A pinned request that would erase stored messages is refused, naming where it differs,
+            # and nothing is touched: a single new message, an edited one, another system prompt.
+            for messages, where in (([{"role": "user", "content": "hi"}], "messages[0]"),
+                                    ([*more[:2], {"role": "user", "content": "edited"}], "messages[2]"),
+                                    ([{"role": "system", "content": "Be long."}, *more[1:]], "messages[0]")):
+                r = await h.post("/v1/chat/completions", json={**HI, "messages": messages})
+                assert_error(r, 409, says="X-Kvd-Rewind: true", param=where)
+                assert r.json()["error"]["code"] == "session_diverged"
+                assert d.store.messages(sid) == before
+            # Asked to, the pinned session is rewound there, as /edit does.
+            rewind = {"X-Kvd-Rewind": "true"}
+            brief_edit = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "edited"}]
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": brief_edit}, headers=rewind)
             assert r.status_code == 200
             edited = r.json()["choices"][0]["message"]["content"]
             assert [(m["role"], m["content"]) for m in d.store.messages(sid)] == [("user", "edited"),
                                                                                    ("assistant", edited)]
             # Busy: another request on the same pinned session while one is answering.
-            long = {**HI, "max_tokens": 4000, "stream": True, "messages": [{"role": "user", "content": "go on"}]}
-            async with h.stream("POST", "/v1/chat/completions", json=long) as streaming:
+            long = {**HI, "max_tokens": 4000, "stream": True,
+                    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "go on"}]}
+            async with h.stream("POST", "/v1/chat/completions", json=long, headers=rewind) as streaming:
                 assert streaming.status_code == 200
                 async for line in streaming.aiter_lines():
                     if '"content":"' in line.replace(" ", "") and '"content":""' not in line.replace(" ", ""):
                         break  # under way
-                r = await h.post("/v1/chat/completions", json=HI)
+                r = await h.post("/v1/chat/completions", json=HI, headers=rewind)
                 assert_error(r, 409, says="answering another request")
             # Leaving the stream early cancelled that answer; the session is usable again.
             turn = d.daemon.turns.active.get(sid)
@@ -217,7 +234,7 @@ async def test_a_pinned_session_is_continued_and_rewound_where_the_request_diffe
                 with anyio.fail_after(60):
                     await turn.finished.wait()
             assert d.store.messages(sid)[-1]["status"] == "cancelled"
-            assert (await h.post("/v1/chat/completions", json=HI)).status_code == 200
+            assert (await h.post("/v1/chat/completions", json=HI, headers=rewind)).status_code == 200
         assert [s["id"] for s in d.store.list_sessions()] == [sid]  # nothing else was created
 
 

@@ -44,11 +44,12 @@ from .asgi import headers_of
 from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError, ChatRequest, parse, stops
-from .placement import place
+from .placement import Diverged, place
 
 log = logging.getLogger("kvd.api")
 
 SESSION_HEADER = "X-Kvd-Session"
+REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
 LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
 DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
 
@@ -96,7 +97,8 @@ class OpenAIDoor:
         self._created = int(time.time())
         self._router = Starlette(
             routes=[Route("/v1/models", self.models, methods=["GET"]),
-                    Route("/v1/chat/completions", self.chat, methods=["POST"])],
+                    Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                    Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])],
             exception_handlers={HTTPException: self._http_error},
         )
 
@@ -125,6 +127,22 @@ class OpenAIDoor:
         return JSONResponse({"object": "list", "data": [
             {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "kvd"}]})
 
+    # --- GET /v1/kvd/sessions/{id}: a session's transcript, read-only ---
+
+    async def transcript(self, request: Request) -> Response:
+        """What a pinned client must send to continue a session: its system prompt and messages, in order."""
+        session_id = request.path_params["session_id"]
+        session = self.store.get_session(session_id) if is_valid_session_id(session_id) else None
+        if session is None:
+            return error_response(ApiError(HTTPStatus.NOT_FOUND, f"no session {session_id!r}",
+                                           code="session_not_found"))
+        said = [m for m in self.store.messages(session_id) if m["content"]]
+        messages = ([{"role": "system", "content": session["system"]}] if session["system"] is not None else [])
+        messages += [{"role": m["role"], "content": m["content"]} for m in said]
+        return JSONResponse({"object": "kvd.session", "id": session_id, "title": session["title"],
+                             "created": session["created_at"], "updated": session["updated_at"],
+                             "messages": messages})
+
     # --- POST /v1/chat/completions ---
 
     async def chat(self, request: Request) -> Response:
@@ -143,7 +161,12 @@ class OpenAIDoor:
             convo: list[tuple[str, str]] = [(m.role, m.text()) for m in req.messages if m.role != "system"]
             ids = await self.turns.tokenizing.run(conversation_ids, [{"role": r, "content": c} for r, c in convo],
                                                   system)
-            placement = place(self.store, self.turns, system, convo, pinned)
+            rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
+            try:
+                placement = place(self.store, self.turns, system, convo, pinned, rewind=rewind)
+            except Diverged as e:
+                raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
+                               code="session_diverged") from None
             headers[SESSION_HEADER] = placement.session_id
             events = _Events()
             rid = f"chatcmpl-{secrets.token_hex(12)}"

@@ -19,8 +19,11 @@ that shares a long system prompt or a branched conversation's beginning
 starts from it, also after a restart.
 
 A client may pin its session (the `X-Kvd-Session` header): then the request
-continues that session, rewinding it where the request's messages differ
-(that is how a pinned client edits or regenerates).
+continues that session. A pinned request whose messages differ from what the
+session holds (another system prompt, an edited or missing message) would
+erase the stored messages from there on, so it is refused (`Diverged`, a 409)
+unless the client asks for it (`X-Kvd-Rewind: true`): that is how a pinned
+client edits or regenerates, on purpose.
 """
 
 from __future__ import annotations
@@ -39,6 +42,19 @@ from ..turns import Turns
 TITLE_CHARS = 60
 
 Kind = Literal["continued", "new", "pinned"]
+
+
+class Diverged(Exception):
+    """A pinned request differs from its session's transcript, and the client did not ask to rewind."""
+
+    def __init__(self, session_id: str, index: int, what: str):
+        super().__init__(f"the request differs from session {session_id} at {what}; that session holds "
+                         f"more or other messages from there on. Send the header X-Kvd-Rewind: true to "
+                         "rewind it to this request (its later messages are deleted), or leave out "
+                         "X-Kvd-Session to continue in a new session (GET /v1/kvd/sessions/"
+                         f"{session_id} shows what it holds)")
+        self.session_id = session_id
+        self.index = index
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,7 @@ def title_for(messages: Sequence[tuple[str, str]]) -> str:
 
 
 def place(store: Store, turns: Turns, system: str | None,
-          messages: Sequence[tuple[str, str]], pinned: str | None = None) -> Placement:
+          messages: Sequence[tuple[str, str]], pinned: str | None = None, *, rewind: bool = False) -> Placement:
     """Decide where the request's turn goes and commit its messages there.
 
     `messages` are (role, content) pairs, user and assistant only; `system`
@@ -80,7 +96,7 @@ def place(store: Store, turns: Turns, system: str | None,
     can start a turn between the decision and the caller's `turns.start`.
     """
     if pinned is not None:
-        return _pinned(store, turns, system, messages, pinned)
+        return _pinned(store, turns, system, messages, pinned, rewind=rewind)
     if messages:
         role, content = messages[0]
         for sid in store.continuable(system, role, content):
@@ -109,7 +125,7 @@ def _append(store: Store, session_id: str, messages: Sequence[tuple[str, str]]) 
 
 
 def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[tuple[str, str]],
-            session_id: str) -> Placement:
+            session_id: str, *, rewind: bool) -> Placement:
     session = store.get_session(session_id)
     if session is None:
         raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r} (deleted?); "
@@ -117,11 +133,20 @@ def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[t
     if session_id in turns.active:
         raise RequestError(p.BUSY, f"session {session_id} is answering another request; "
                            "wait for it to finish or cancel it")
+    stored = _said(store.messages(session_id))
+    agree = divergence([(m["role"], m["content"]) for m in stored], messages)
+    if not rewind:
+        offset = 1 if system is not None else 0  # the request's messages[] count its system message
+        if session["system"] != system:
+            raise Diverged(session_id, 0, "its system prompt (messages[0])" if system is not None
+                           else "its system prompt (the session has one; the request has none)")
+        if agree < len(stored):
+            raise Diverged(session_id, agree + offset, f"messages[{agree + offset}]" if agree < len(messages)
+                           else f"the end of its messages (the session holds {len(stored)}, the request "
+                           f"{len(messages)})")
     if session["system"] != system:
         store.update_session(session_id, system=system)
         turns.system_changed(session_id, session["message_count"])
-    stored = _said(store.messages(session_id))
-    agree = divergence([(m["role"], m["content"]) for m in stored], messages)
     if agree < len(stored):
         # The request says something else from here on: the pinned session is rewound, like chat.edit.
         turns.rewind(session_id, stored[agree]["index"])
