@@ -206,3 +206,23 @@ def test_three_stateless_turns_across_a_restart(tmp_path: Path, fresh: DaemonPro
 def _session_ids(d: DaemonProcess) -> list[str]:
     with d.client() as c:
         return [s["id"] for s in c.request("session.list")["sessions"]]
+
+
+def test_an_answer_cut_by_kvd_stop_says_cancelled_and_a_whole_one_logs_no_hang_up(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "kvd", "--model", MODEL)
+    try:
+        text, completion, _ = ask(d, [{"role": "user", "content": "hello"}])
+        assert completion.choices[0].finish_reason in ("stop", "length")
+        assert not any("hung up" in line for line in d.log), d.log  # the client left after a whole answer
+        stream = api(d).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on"}],
+                                                 stream=True, temperature=0, max_tokens=4000)
+        reasons: list[str] = []
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and not reasons:
+                reasons.append("under way")
+                d.proc.terminate()  # kvd stop: SIGTERM cuts the answer short and keeps it
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reasons.append(chunk.choices[0].finish_reason)
+        assert reasons == ["under way", "cancelled"]
+    finally:
+        assert d.terminate() == 0

@@ -218,9 +218,9 @@ def usage_of(u: dict[str, Any]) -> dict[str, Any]:
 
 
 def finish_reason_of(reason: str) -> str:
-    # OpenAI knows stop and length; an answer cancelled under a client (kvd stopping,
-    # chat.cancel from kvchat) ended early without running out of tokens.
-    return "length" if reason == "length" else "stop"
+    # OpenAI's stop and length; an answer cut short (kvd stopping, chat.cancel from kvchat on the same
+    # session) says "cancelled", so a client never takes a cut answer for a finished one.
+    return reason if reason in ("length", "cancelled") else "stop"
 
 
 class _Answer(Response):
@@ -239,11 +239,14 @@ class _Answer(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
         turns, turn = self.door.turns, self.turn
+        answered = False  # the whole answer was sent: a disconnect after it is the client leaving, not hanging up
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
                 while (await receive())["type"] != "http.disconnect":
                     pass
+                if answered or turn.finished.is_set():
+                    return
                 log.info("client of %s hung up; cancelling its answer", turn.session_id)
                 turns.cancel(turn.session_id, turn)
                 tg.cancel_scope.cancel()
@@ -265,6 +268,7 @@ class _Answer(Response):
                         await self._stream(bounded)
                     else:
                         await self._whole(bounded)
+                answered = True
             except OSError:  # the client went away under a send
                 turns.cancel(turn.session_id, turn)
             tg.cancel_scope.cancel()
