@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 
 from common import durable
-from protocol import TOKEN_FILE, default_data_dir
+from protocol import TOKEN_FILE, api_url, default_data_dir, default_url
 
 from . import __version__
 from .config import Config, ConfigError, load_config
@@ -49,8 +49,10 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvd", description="kvd: a local chat daemon for MLX models "
-                                     "that keeps every conversation's KV cache.")
+    parser = argparse.ArgumentParser(
+        prog="kvd", description="kvd: a local chat daemon for MLX models that keeps every conversation's KV "
+        f"cache. kvchat connects to {default_url()}; OpenAI clients to {api_url(default_url())} with the "
+        f"token in the data directory ({default_data_dir() / TOKEN_FILE} by default) as the API key.")
     parser.add_argument("--version", action="version", version=f"kvd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the daemon")
@@ -212,6 +214,7 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
             daemon_file = write_daemon_file(config.data_dir, url, config.log_path)
             log.info("listening on %s (pid %d, model %s, data %s, log %s)", url, os.getpid(), config.model,
                      config.data_dir, config.log_path)
+            log.info("OpenAI API at %s (API key: the token in %s)", api_url(url), config.data_dir / TOKEN_FILE)
             if detached:
                 leave_terminal()
             backups = anyio.CancelScope()

@@ -90,6 +90,11 @@ def default_url(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> str:
     return f"ws://{host}:{port}{PATH}"
 
 
+def api_url(ws_url: str) -> str:
+    """The OpenAI-compatible API's base URL on the same port: ws://h:p/v1 -> http://h:p/v1."""
+    return "http" + ws_url.removeprefix("ws") if ws_url.startswith("ws") else ws_url
+
+
 def read_daemon_url(data_dir: Path) -> str | None:
     """The URL a running daemon wrote to its data directory, if any."""
     try:

@@ -116,6 +116,11 @@ def test_kvd_status_command(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         for word in ("resident", "warm", "disk", "budget", "page-outs"):
             assert word in out.stdout
+        # Where the daemon is, for both kinds of client, and which BLAS it runs on.
+        api = d.base_url
+        assert f"OpenAI API at {api} · API key: the token in {tmp_path / 'token'}" in out.stdout
+        assert any(f"OpenAI API at {api} (API key: the token in {tmp_path / 'token'})" in line for line in d.log)
+        assert "BLAS: " in out.stdout
         raw = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--json", "--data-dir",
                               str(tmp_path)], capture_output=True, text=True, timeout=60)
         tiers = json.loads(raw.stdout)["tiers"]

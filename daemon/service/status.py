@@ -12,6 +12,7 @@ from rich.table import Table
 from websockets.exceptions import WebSocketException
 
 import protocol as p
+from protocol import TOKEN_FILE, api_url
 
 
 def _human(n: int) -> str:
@@ -54,6 +55,9 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     if "pid" in status:
         console.print(f"pid {status['pid']} · {url or '?'} · up {_duration(status['uptime'])} · "
                       f"log {status['log_file']}", soft_wrap=True)
+        if url:
+            token = Path(status["data_dir"]) / TOKEN_FILE if status.get("data_dir") else TOKEN_FILE
+            console.print(f"OpenAI API at {api_url(url)} · API key: the token in {token}", soft_wrap=True)
     console.print(f"{status['server']} · model {status['model']} · "
                   f"{'ready' if status['ready'] else 'loading'} · "
                   f"{others} client(s) connected · {status['generating']} generating"
