@@ -111,6 +111,7 @@ class Turn:
     stop: StopScan | None = None
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
+    door: str = "websocket"  # which front door asked for it (the log's turn line says)
 
     def publish(self, event: dict[str, Any]) -> None:
         event = {"id": self.request_id, "session": self.session_id, **event}
@@ -259,7 +260,7 @@ class Turns:
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
               max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
               prompt: Prompt | None = None, stop: Sequence[str] = (),
-              seed: int | None = None) -> Turn:
+              seed: int | None = None, door: str = "websocket") -> Turn:
         """Generate an answer to the transcript as it stands (its new messages are committed).
 
         `prompt` defaults to the transcript under the fed-token rule. The
@@ -274,7 +275,7 @@ class Turns:
         if prompt is None:
             prompt = self._continuation(session_id, index, session["system"])
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None)
+                    stop=StopScan(stop) if stop else None, door=door)
         self.active[session_id] = turn
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
         loop = asyncio.get_running_loop()
@@ -396,6 +397,10 @@ class Turns:
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
+        u = ev.usage
+        log.info("turn in session %s (%s): cache %s, %s tok restored, %s prefilled, TTFT %s ms, %s tok, %s",
+                 turn.session_id, turn.door, u.get("restored_from"), u.get("cached_tokens"),
+                 u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
         fed_end = self._record(turn, ev.tokens, exact=not stopped)
         self.store.update_message(turn.session_id, turn.message_index, content=turn.text,
                                   status=status, finish_reason=reason, usage=ev.usage, fed_end=fed_end)

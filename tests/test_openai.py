@@ -214,6 +214,8 @@ def test_an_answer_cut_by_kvd_stop_says_cancelled_and_a_whole_one_logs_no_hang_u
         text, completion, _ = ask(d, [{"role": "user", "content": "hello"}])
         assert completion.choices[0].finish_reason in ("stop", "length")
         assert not any("hung up" in line for line in d.log), d.log  # the client left after a whole answer
+        turn = next(line for line in d.log if "turn in session" in line)
+        assert "(api, new session): cache none, 0 tok restored" in turn and "TTFT" in turn, turn
         stream = api(d).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on"}],
                                                  stream=True, temperature=0, max_tokens=4000)
         reasons: list[str] = []

@@ -174,8 +174,8 @@ class OpenAIDoor:
                 events, rid, placement.session_id, placement.first_new,
                 max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                 top_p=req.top_p, prompt=Tokens(ids), stop=stops(req), seed=req.seed,
+                door=f"api, {placement.kind} session",
             )
-            log.info("API turn in session %s (%s, %d prompt tokens)", placement.session_id, placement.kind, len(ids))
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
