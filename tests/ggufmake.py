@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 HIDDEN = 64
@@ -21,6 +21,9 @@ KV_HEADS = 2
 FFN = 128
 LAYERS = 2
 HEAD_DIM = HIDDEN // HEADS
+
+# Encodings gguf-py's writer can make from floats; the rest are written as random blocks.
+QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -56,8 +59,9 @@ def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def original_weights(seed: int = 0) -> dict[str, np.ndarray]:
+def original_weights(seed: int = 0, *, hidden: int = HIDDEN, ffn: int = FFN) -> dict[str, np.ndarray]:
     """GGUF-named float32 weights before llama.cpp's permutation, as a Hugging Face model has them."""
+    HIDDEN, FFN, HEAD_DIM = hidden, ffn, hidden // HEADS  # noqa: N806 (the module's names, resized)
     rng = np.random.default_rng(seed)
     n_vocab = len(vocabulary()[0])
 
@@ -80,21 +84,28 @@ def original_weights(seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-def write_llama(path: Path, encoding: str, *, arch: str = "llama", seed: int = 0) -> Path:
-    """A llama GGUF file whose 2-D weights are all in `encoding` (norms stay F32)."""
+def write_llama(path: Path, encoding: str, *, arch: str = "llama", seed: int = 0, hidden: int = HIDDEN,
+                ffn: int = FFN) -> Path:
+    """A llama GGUF file whose 2-D weights are all in `encoding` (norms stay F32).
+
+    Encodings gguf-py cannot quantize (the K-quants, the IQ types) get random
+    blocks of the right size: the test compares kvd's reading of them with
+    gguf-py's own, whatever the values. K-quants need rows of 256: hidden=256.
+    """
     qtype = GGMLQuantizationType[encoding]
+    rng = np.random.default_rng(seed + 1)
     tokens, merges, types = vocabulary()
     w = GGUFWriter(str(path), arch)
     w.add_name("kvd test llama")
     w.add_context_length(2048)
-    w.add_embedding_length(HIDDEN)
+    w.add_embedding_length(hidden)
     w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
+    w.add_feed_forward_length(ffn)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(hidden // HEADS)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
     w.add_token_list(tokens)
@@ -105,7 +116,7 @@ def write_llama(path: Path, encoding: str, *, arch: str = "llama", seed: int = 0
     w.add_pad_token_id(0)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
-    for name, value in original_weights(seed).items():
+    for name, value in original_weights(seed, hidden=hidden, ffn=ffn).items():
         if name.endswith("attn_q.weight"):
             value = llama_permute(value, HEADS)
         elif name.endswith("attn_k.weight"):
@@ -114,8 +125,14 @@ def write_llama(path: Path, encoding: str, *, arch: str = "llama", seed: int = 0
             w.add_tensor(name, value)
         elif qtype == GGMLQuantizationType.F16:
             w.add_tensor(name, value.astype(np.float16))
-        else:
+        elif encoding in QUANTIZABLE:
             w.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
+        else:
+            block, size = GGML_QUANT_SIZES[qtype]
+            rows, cols = value.shape
+            # Bit 6 cleared in every byte: no float16 field (a scale) can be inf or NaN.
+            raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8) & 0xBF
+            w.add_tensor(name, raw, raw_shape=(rows, cols // block * size), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,10 +1,12 @@
 """GGUF files as a model source, checked against gguf-py (the GGML project's own reader).
 
-kvd reads tensors with MLX's GGUF reader and converts them itself (dequantize,
-undo llama.cpp's rope permutation, rename); gguf-py dequantizes the same
-tensors independently, in numpy. Every converted weight must equal it, for
-every encoding kvd supports: the small files here cover each one, and
-test_realmodel.py runs the same comparison over the real default model's file.
+On the CPU kvd dequantizes every tensor with gguf-py and converts it itself
+(undo llama.cpp's rope permutation, rename); the reference here reads the
+same tensors independently, un-permuting row by row. Every converted weight
+must equal it, for every encoding gguf-py reads: the small files here cover
+each one, and test_realmodel.py runs the same comparison over the real
+default model's file. Metal's mode (MLX's own reader, weights kept
+quantized) is checked against the float32 mode.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from daemon.models.gguftok import build_tokenizer
 from daemon.models.sources import ModelError, prepare_model
 from ggufmake import HEADS, KV_HEADS, llama_permute, original_weights, write_llama
 
-ENCODINGS = ["F32", "F16", "Q4_0", "Q4_1", "Q8_0"]
+ENCODINGS = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+# Rows of 256 values: the K-quants' and IQ types' block size.
+WIDE = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+        "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4"]
 
 # GGUF name -> mlx-lm name, written out by hand (not taken from daemon/models/gguf.py).
 LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -71,19 +76,32 @@ def assert_equal_to_reference(path: Path, heads: int, kv_heads: int) -> int:
         got = np.array(ours[name])
         assert got.dtype == np.float32 and got.shape == want.shape, name
         assert np.array_equal(got, want), f"{name}: max diff {np.abs(got - want).max()}"
+        assert np.isfinite(got).all(), name
     return len(ref)
 
 
 @pytest.fixture(scope="module")
 def small_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf")
-    return {e: write_llama(root / f"llama-{e}.gguf", e) for e in ENCODINGS}
+    files = {e: write_llama(root / f"llama-{e}.gguf", e) for e in ENCODINGS}
+    files |= {e: write_llama(root / f"llama-{e}.gguf", e, hidden=256, ffn=256) for e in WIDE}
+    return files
 
 
-@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("encoding", ENCODINGS + WIDE)
 def test_every_converted_weight_equals_gguf_py(small_files: dict[str, Path], encoding: str) -> None:
     n = assert_equal_to_reference(small_files[encoding], HEADS, KV_HEADS)
     assert n == 3 + 9 * 2
+
+
+def test_a_k_quant_file_converts_and_loads_in_mlx_lm(small_files: dict[str, Path], tmp_path: Path) -> None:
+    from mlx_lm import load
+
+    converted = prepare_model(str(small_files["Q4_K"]), tmp_path / "models", mode="float32")
+    loaded = load(str(converted))
+    model, tokenizer = loaded[0], loaded[1]
+    logits = model(mx.array([tokenizer.encode("the then")]))
+    assert logits.shape[-1] == len(tokenizer.get_vocab()) and bool(mx.isfinite(logits).all())
 
 
 def test_unpermuted_f32_weights_are_the_original_ones(small_files: dict[str, Path]) -> None:
@@ -140,8 +158,6 @@ def test_header_reader_agrees_with_gguf_py(small_files: dict[str, Path]) -> None
 @pytest.mark.parametrize(("make", "found"), [
     (lambda p: write_llama(p, "F32", arch="gpt2"),
      "is a 'gpt2' model; kvd converts GGUF files of architecture llama only"),
-    (lambda p: write_llama(p, "Q5_0"),
-     "tensor token_embd.weight is encoded as Q5_0; kvd converts GGUF tensors in F32, F16, Q4_0, Q4_1, Q8_0 only"),
     (lambda p: p.write_bytes(write_llama(p, "Q8_0").read_bytes()[:-1000]) and p, "is truncated"),
     (lambda p: p.write_bytes(b"PK\x03\x04 not a gguf") and p, "is not a GGUF file"),
 ])
@@ -152,6 +168,14 @@ def test_files_kvd_cannot_convert_are_refused_naming_what_was_found(tmp_path: Pa
         prepare_model(str(path), tmp_path / "models")
     assert not (tmp_path / "models" / "gguf").exists() or not any(
         p.name.endswith("-float32") for p in (tmp_path / "models" / "gguf").iterdir())
+
+
+@pytest.mark.parametrize(("mode", "encoding"), [("float32", "Q8_1"), ("quantized", "Q5_0")])
+def test_an_encoding_the_mode_cannot_read_is_refused_naming_it(tmp_path: Path, mode: str, encoding: str) -> None:
+    path = write_llama(tmp_path / "model.gguf", encoding)
+    with pytest.raises(ModelError, match=f"tensor token_embd.weight is encoded as {encoding}; kvd converts "
+                                         "GGUF tensors in F32, F16, "):
+        prepare_model(str(path), tmp_path / "models", mode=mode)
 
 
 def test_small_vocabulary_tokenizer(small_files: dict[str, Path]) -> None:

@@ -94,7 +94,7 @@ def reference_encode(text: str, meta: dict[str, Any]) -> list[int]:
     tokens = list(meta["tokenizer.ggml.tokens"])
     ids = {t: i for i, t in enumerate(tokens)}
     ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(meta["tokenizer.ggml.merges"])}
-    specials = [t for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"].tolist()) if kind == 3]
+    specials = [t for t, kind in zip(tokens, list(meta["tokenizer.ggml.token_type"])) if kind == 3]
     symbols = dict(enumerate(byte_symbols()))
     gpt2 = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
     out: list[int] = []

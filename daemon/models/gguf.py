@@ -2,10 +2,16 @@
 
 People already have GGUF files (llama.cpp's format); mlx-lm loads its own
 directory layout. This module checks a GGUF file against what it can
-convert (architecture ``llama``; tensors in F32, F16, Q4_0, Q4_1 or Q8_0;
-a byte-level BPE vocabulary), reads its tensors with MLX's own GGUF reader
-and writes config.json, model.safetensors and the tokenizer files
+convert (architecture ``llama``; a byte-level BPE vocabulary), reads its
+tensors and writes config.json, model.safetensors and the tokenizer files
 (daemon/models/gguftok.py) into a new directory.
+
+On the CPU ("float32" mode) every tensor is read and dequantized by gguf-py,
+the GGML project's own reader (`gguf.quants.dequantize`), so every encoding
+it knows converts: F32, F16, BF16, Q4_0 to Q8_0, the K-quants (Q2_K to
+Q6_K, what Ollama's default tags and most GGUF repositories ship) and the IQ
+types. With Metal ("quantized" mode) MLX's own GGUF reader keeps F32, F16,
+Q4_0, Q4_1 and Q8_0 tensors quantized as MLX affine triples.
 
 Measured facts this rests on:
 
@@ -37,12 +43,22 @@ from .ggufinfo import TYPE_NAMES, GGMLType, GGUFInfo
 __all__ = ["CONVERTER_VERSION", "MODES", "UnsupportedGGUF", "check_supported", "convert"]
 
 #: Bump when the files written change; converted dirs of another version are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: float32 weights dequantized by gguf-py
 MODES = ("float32", "quantized")
 GROUP_SIZE = 32
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-SUPPORTED_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
+# What MLX's GGUF reader loads (the "quantized" mode's path).
+MLX_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
+
+
+def dequantizable() -> frozenset[int]:
+    """The GGML type codes gguf-py can read as float32 (the "float32" mode's path)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    return frozenset({GGMLQuantizationType.F32.value, GGMLQuantizationType.F16.value,
+                      *(t.value for t in _type_traits)})
 
 # GGUF tensor name (after "blk.N.") -> mlx-lm's llama name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -63,20 +79,24 @@ class UnsupportedGGUF(Exception):
     """The file is a GGUF file this converter does not handle; the message names what and why."""
 
 
-def _supported_types() -> str:
-    return ", ".join(TYPE_NAMES[t] for t in SUPPORTED_TYPES)
+def _supported_types(mode: str) -> str:
+    if mode == "quantized":
+        return ", ".join(TYPE_NAMES[t] for t in MLX_TYPES)
+    from gguf import GGMLQuantizationType
+
+    return ", ".join(GGMLQuantizationType(t).name for t in sorted(dequantizable()))
 
 
-def check_supported(info: GGUFInfo, path: Path) -> None:
+def check_supported(info: GGUFInfo, path: Path, mode: str = "float32") -> None:
     """Refuse, naming what was found, anything :func:`convert` cannot turn into a working model."""
     arch = info.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedGGUF(f"{path.name} is a {arch!r} model; kvd converts GGUF files of "
                               f"architecture {', '.join(SUPPORTED_ARCHITECTURES)} only")
     for t in info.tensors:
-        if t.type not in SUPPORTED_TYPES:
+        if t.type not in (MLX_TYPES if mode == "quantized" else dequantizable()):
             raise UnsupportedGGUF(f"{path.name}: tensor {t.name} is encoded as {t.type_name}; kvd "
-                                  f"converts GGUF tensors in {_supported_types()} only")
+                                  f"converts GGUF tensors in {_supported_types(mode)} only")
         if _mlx_name(t.name) is None:
             raise UnsupportedGGUF(f"{path.name}: tensor {t.name} has no place in mlx-lm's llama model "
                                   "(kvd converts plain llama-family GGUF files)")
@@ -167,6 +187,8 @@ def read_weights(path: Path, mode: str, on_tensor: Callable[[], None] | None = N
     """
     import mlx.core as mx
 
+    if mode == "float32":
+        return _read_dequantized(path, on_tensor)
     loaded: Any = mx.load(str(path), return_metadata=True)
     raw: dict[str, Any] = loaded[0]
     meta: dict[str, Any] = loaded[1]
@@ -203,6 +225,47 @@ def read_weights(path: Path, mode: str, on_tensor: Callable[[], None] | None = N
         if on_tensor is not None:
             on_tensor()
     return weights, quant, meta
+
+
+def metadata(reader: Any) -> dict[str, Any]:
+    """gguf-py's fields as plain values: strings, numbers, lists of either."""
+    from gguf import GGUFValueType
+
+    meta: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue  # the header's own counts
+        value = field.contents()
+        if field.types and field.types[0] == GGUFValueType.ARRAY and not isinstance(value, list):
+            value = list(value)
+        meta[name] = value
+    return meta
+
+
+def _read_dequantized(path: Path, on_tensor: Callable[[], None] | None
+                      ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Every tensor through gguf-py: dequantized to float32 by the library, un-permuted, renamed."""
+    import mlx.core as mx
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    meta = metadata(reader)
+    heads = _int(meta, "llama.attention.head_count")
+    kv_heads = _int(meta, "llama.attention.head_count_kv", heads)
+    weights: dict[str, Any] = {}
+    for t in reader.tensors:
+        name = _mlx_name(t.name)
+        assert name is not None  # check_supported refused the file otherwise
+        w = mx.array(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        base = t.name[: -len(".weight")]
+        rows_heads = heads if base.endswith("attn_q") else kv_heads if base.endswith("attn_k") else 0
+        weights[name] = unpermute(w, rows_heads) if rows_heads else w
+        mx.eval(weights[name])
+        if on_tensor is not None:
+            on_tensor()
+    return weights, {}, meta
 
 
 def convert(path: Path, out: Path, *, mode: str, sha256: str,

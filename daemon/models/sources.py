@@ -136,14 +136,14 @@ def default_mode() -> str:
 def _converted(source: Path, models_dir: Path, mode: str | None, progress: Progress,
                known_sha: str | None = None) -> Path:
     """The converted dir of the GGUF file `source`, converting it first if needed."""
+    mode = mode or default_mode()
     try:
         info = read_info(source)
-        gguf_convert.check_supported(info, source)
+        gguf_convert.check_supported(info, source, mode)
     except (GGUFError, gguf_convert.UnsupportedGGUF) as e:
         raise ModelError(str(e)) from None
     except OSError as e:
         raise ModelError(f"cannot read {source} ({e.strerror})") from None
-    mode = mode or default_mode()
     sha = known_sha or _checksum(source, models_dir / "gguf" / "checksums", progress)
     dest = _converted_dir(models_dir, sha, mode)
 
