@@ -1,0 +1,133 @@
+"""Drafts for speculative decoding: guesses for a session's next tokens, and how many to guess.
+
+No MLX here: a drafter sees token ids and proposes ids; the verifier
+(speculate.py) decides what is kept. Exactness never depends on a draft, only
+speed does, so a drafter may be as cheap and as wrong as it likes.
+
+`PromptLookup` is prompt-lookup decoding (llama.cpp's lookup decoding, vLLM's
+n-gram speculator): the longest recent n-gram ending the session's ids (the
+fed ids plus the answer so far) that occurred earlier is looked up, and the
+tokens that followed it then are proposed. Chat answers repeat their context
+(edited code, quoted text, a regenerated answer), and there it needs no draft
+model at all. A draft model of the same vocabulary would be another `Drafter`.
+
+`DraftBudget` sizes a session's drafts from its recent acceptance (k grows
+while drafts are taken whole, shrinks when they are cut short) and turns
+drafting off for a while when it does not pay, so an answer that does not
+repeat its context decodes as it would without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+MIN_NGRAM = 2  # a single repeated token ("the", a newline) predicts too little to be worth a wider forward
+MAX_NGRAM = 4
+MAX_K = 8  # draft tokens per step at most: past that the forward stops being memory-bound on CPU
+START_K = 4
+WINDOW = 24  # drafted tokens over which the acceptance rate is judged
+MIN_RATE = 0.3  # below this acceptance a draft costs more compute than it saves
+PAUSE_STEPS = 16  # decode steps without drafting after a window below MIN_RATE; doubles each time
+
+
+class Drafter(Protocol):
+    """Proposes up to `k` tokens to follow a session's ids."""
+
+    def extend(self, ids: Sequence[int]) -> None:
+        """The session's ids grew by `ids` (fed or generated, in order)."""
+        ...
+
+    def propose(self, k: int, after: Sequence[int] = ()) -> list[int]:
+        """Up to `k` guesses for the tokens after the ids so far and then `after` (maybe none).
+
+        `after`: tokens already chosen but not yet fed (the pending sampled token).
+        """
+        ...
+
+
+class PromptLookup:
+    """Prompt-lookup drafting over one session's ids, indexed as they grow.
+
+    For every n in [MIN_NGRAM, MAX_NGRAM] the index maps each n-gram to where
+    it last ended, so a proposal is a few dict lookups, not a scan of the
+    history (a 4k-token conversation would cost milliseconds a step).
+    """
+
+    def __init__(self, ids: Sequence[int] = (), *, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.ids: list[int] = []
+        # _last[n][gram] = the end (exclusive) of gram's latest occurrence; _prev the one before it
+        self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._prev: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.extend(ids)
+
+    def extend(self, ids: Sequence[int]) -> None:
+        for t in ids:
+            self.ids.append(t)
+            end = len(self.ids)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                gram = tuple(self.ids[end - n:end])
+                last = self._last[n]
+                if gram in last:
+                    self._prev[n][gram] = last[gram]
+                last[gram] = end
+
+    def propose(self, k: int, after: Sequence[int] = ()) -> list[int]:
+        if k <= 0:
+            return []
+        ids = self.ids
+        whole = [*ids, *after] if after else ids
+        end = len(whole)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            gram = tuple(whole[end - n:])
+            # Without `after` the suffix is indexed and is its own latest occurrence: the match is the
+            # one before it. With `after` the suffix is not indexed: the latest occurrence is the match.
+            at = (self._last if after else self._prev)[n].get(gram)
+            if at is not None and at < end:
+                return whole[at:min(at + k, end)]
+        return []
+
+
+@dataclass
+class DraftBudget:
+    """How many tokens a session drafts next, from how its recent drafts fared."""
+
+    k: int = START_K
+    max_k: int = MAX_K
+    drafted: int = 0  # over the whole turn: the wire's drafted_tokens
+    accepted: int = 0  # the wire's accepted_tokens
+    _window_drafted: int = 0
+    _window_accepted: int = 0
+    _paused: int = 0  # decode steps left without drafting
+    _pause_len: int = PAUSE_STEPS
+
+    def wanted(self) -> int:
+        """Tokens to draft this step (0: decode plainly); counts a paused step down."""
+        if self._paused > 0:
+            self._paused -= 1
+            return 0
+        return self.k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verified draft: `accepted` of its `drafted` tokens were kept."""
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self._window_drafted += drafted
+        self._window_accepted += accepted
+        if accepted == drafted:
+            self.k = min(self.k * 2, self.max_k)
+        elif accepted < drafted // 2:
+            self.k = max(self.k // 2, 1)
+        if self._window_drafted >= WINDOW:
+            if self._window_accepted < MIN_RATE * self._window_drafted:
+                self._paused = self._pause_len
+                self._pause_len *= 2
+            else:
+                self._pause_len = PAUSE_STEPS
+            self._window_drafted = self._window_accepted = 0
