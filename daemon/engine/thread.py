@@ -39,6 +39,7 @@ from .jobs import (
     Stop,
     TurnJob,
 )
+from .draft import Answers
 from .running import EngineStatistics, RunningTurn, fit_advice
 from .scheduler import Scheduler
 
@@ -73,6 +74,7 @@ class Engine:
             prefill_slice=config.prefill_slice)
         self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
         self._speculating: dict[int, Speculation] = {}  # of those, the ones that may draft (by uid)
+        self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
@@ -356,11 +358,13 @@ class Engine:
         act.uid = uid
         self._by_uid[uid] = session_id
         if self.config.speculate == "auto":
+            from .draft import PromptLookup
             from .speculate import Speculation, speculable
             from .verify import Target
 
             if speculable(prefill.cache):
-                act.spec = self._speculating[uid] = Speculation(Target(job.temperature, job.top_p))
+                act.spec = self._speculating[uid] = Speculation(
+                    Target(job.temperature, job.top_p), PromptLookup(prior=self._answers.get(session_id)))
         self._turns.decode(session_id)
 
     def _decode(self) -> None:
@@ -429,6 +433,8 @@ class Engine:
         sid = act.job.session_id
         self._forget(sid)
         history = [*tokens, *unfed]
+        if changed and len(history) > len(act.prompt):
+            self._answers.keep(sid, history[len(act.prompt):])
         act.job.emit(Done(reason, act.usage(self.max_context), history if tokens and changed else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
         # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).

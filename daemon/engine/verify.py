@@ -68,11 +68,11 @@ def verify(logprobs: mx.array, drafts: Sequence[Sequence[int]], targets: Sequenc
         else:
             lazy.append(_sampled_parts(logprobs[i, :len(d) + 1], d, t))
     mx.eval(greedy, [x for x in lazy if x is not None])
-    g: list[list[int]] = greedy.tolist()
+    g: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
     out: list[Verdict] = []
     for i, (d, parts) in enumerate(zip(drafts, lazy)):
         if not d:
-            out.append(Verdict(0, int(parts.item())))
+            out.append(Verdict(0, _int(parts)))
         elif parts is None:
             a = _greedy_prefix(g[i], d)
             out.append(Verdict(a, g[i][a]))
@@ -104,9 +104,14 @@ def _sampled_parts(logprobs: mx.array, draft: Sequence[int], target: Target) -> 
 
 
 def _accept_sampled(p_draft: mx.array, u: mx.array, residual: mx.array, bonus: mx.array) -> Verdict:
-    p: list[float] = p_draft.tolist()
-    r: list[float] = u.tolist()
+    p: list[float] = p_draft.tolist()  # type: ignore[assignment]
+    r: list[float] = u.tolist()  # type: ignore[assignment]
     for j, (pj, rj) in enumerate(zip(p, r)):
         if rj >= pj:  # rejected with probability 1 - p(d)
-            return Verdict(j, int(residual[j].item()))
-    return Verdict(len(p), int(bonus.item()))
+            return Verdict(j, _int(residual[j]))
+    return Verdict(len(p), _int(bonus))
+
+
+def _int(a: mx.array) -> int:
+    value: Any = a.item()
+    return int(value)

@@ -161,7 +161,8 @@ def _step(batch: Any, rows: Mapping[int, Speculation]) -> list[Any] | None:
                 break
         emitted.append(toks)
         finish.append(reason)
-        if (spec := rows.get(batch.uids[i])) is not None and drafts[i]:
+        if (taken := rows.get(batch.uids[i])) is not None and drafts[i]:
+            spec = taken
             spec.budget.record(len(drafts[i]), len(toks) - 1)
             spec.steps += 1
             spec.k_sum += len(drafts[i])
@@ -217,19 +218,26 @@ def rollback(cache: Sequence[Any], *, fed: int, keep: Sequence[int]) -> None:
     for c in cache:
         if cut:
             c.trim(cut)
-        if isinstance(c, BatchRotatingKVCache):
-            # Temporal order after a multi-token forward: drop the trimmed tail for good,
-            # so a later in-place write never mistakes it for part of the window.
-            c.keys = c.keys[..., :c._idx, :]
-            c.values = c.values[..., :c._idx, :]
-        if not rolled:
-            continue
-        if isinstance(c, BatchQuantizedKVCache):
-            assert c.keys is not None and c.values is not None
-            c.keys = tuple(dynamic_roll(x, shift, axis=2) for x in c.keys)  # type: ignore[assignment]
-            c.values = tuple(dynamic_roll(x, shift, axis=2) for x in c.values)  # type: ignore[assignment]
-        else:
-            c.keys = dynamic_roll(c.keys, shift, axis=2)
-            c.values = dynamic_roll(c.values, shift, axis=2)
-        c.left_padding = c.left_padding + shift[:, 0]
-        c.offset = c.offset - shift[:, 0]
+        if type(c) is BatchRotatingKVCache:
+            _drop_tail(c)
+        if rolled:
+            _roll(c, shift)
+
+
+def _drop_tail(c: Any) -> None:
+    """A rotating layer is in temporal order after a multi-token forward: cut the trimmed tail for good,
+    so a later in-place write never mistakes it for part of the window."""
+    c.keys = c.keys[..., :c._idx, :]
+    c.values = c.values[..., :c._idx, :]
+
+
+def _roll(c: Any, shift: mx.array) -> None:
+    """Row i's last shift[i] positions become its leftmost padding (mlx-lm's `finalize` does the same)."""
+    if isinstance(c.keys, tuple):  # kvd's BatchQuantizedKVCache: (packed, scales, biases)
+        c.keys = tuple(dynamic_roll(x, shift, axis=2) for x in c.keys)
+        c.values = tuple(dynamic_roll(x, shift, axis=2) for x in c.values)
+    else:
+        c.keys = dynamic_roll(c.keys, shift, axis=2)
+        c.values = dynamic_roll(c.values, shift, axis=2)
+    c.left_padding = c.left_padding + shift[:, 0]
+    c.offset = c.offset - shift[:, 0]

@@ -47,23 +47,14 @@ class Drafter(Protocol):
         ...
 
 
-class PromptLookup:
-    """Prompt-lookup drafting over one session's ids, indexed as they grow.
+class _Ngrams:
+    """Where each n-gram of a growing id list last ended (and where it ended the time before)."""
 
-    For every n in [MIN_NGRAM, MAX_NGRAM] the index maps each n-gram to where
-    it last ended, so a proposal is a few dict lookups, not a scan of the
-    history (a 4k-token conversation would cost milliseconds a step).
-    """
-
-    def __init__(self, ids: Sequence[int] = (), *, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+    def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.ids: list[int] = []
-        # _last[n][gram] = the end (exclusive) of gram's latest occurrence; _prev the one before it
-        self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
-        self._prev: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
-        self.extend(ids)
+        self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.prev: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
 
     def extend(self, ids: Sequence[int]) -> None:
         for t in ids:
@@ -71,24 +62,55 @@ class PromptLookup:
             end = len(self.ids)
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 gram = tuple(self.ids[end - n:end])
-                last = self._last[n]
+                last = self.last[n]
                 if gram in last:
-                    self._prev[n][gram] = last[gram]
+                    self.prev[n][gram] = last[gram]
                 last[gram] = end
+
+
+class PromptLookup:
+    """Prompt-lookup drafting over one session's ids, indexed as they grow.
+
+    For every n in [MIN_NGRAM, MAX_NGRAM] the index maps each n-gram to where
+    it last ended, so a proposal is a few dict lookups, not a scan of the
+    history (a 4k-token conversation would cost milliseconds a step).
+    `prior`: ids the session held before this turn but no longer does (the
+    answer a regenerate replaces), looked up when the ids themselves have no match.
+    """
+
+    def __init__(self, ids: Sequence[int] = (), *, prior: Sequence[int] = (),
+                 min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._own = _Ngrams(min_n, max_n)
+        self._prior = _Ngrams(min_n, max_n)
+        self._prior.extend(prior)
+        self.extend(ids)
+
+    @property
+    def ids(self) -> list[int]:
+        return self._own.ids
+
+    def extend(self, ids: Sequence[int]) -> None:
+        self._own.extend(ids)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> list[int]:
         if k <= 0:
             return []
-        ids = self.ids
-        whole = [*ids, *after] if after else ids
+        own = self._own
+        whole = [*own.ids, *after] if after else own.ids
         end = len(whole)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             gram = tuple(whole[end - n:])
             # Without `after` the suffix is indexed and is its own latest occurrence: the match is the
             # one before it. With `after` the suffix is not indexed: the latest occurrence is the match.
-            at = (self._last if after else self._prev)[n].get(gram)
+            at = (own.last if after else own.prev)[n].get(gram)
             if at is not None and at < end:
                 return whole[at:min(at + k, end)]
+            at = self._prior.last[n].get(gram)
+            if at is not None:
+                return self._prior.ids[at:at + k]
         return []
 
 
@@ -131,3 +153,28 @@ class DraftBudget:
             else:
                 self._pause_len = PAUSE_STEPS
             self._window_drafted = self._window_accepted = 0
+
+
+PRIOR_SESSIONS = 64  # sessions whose last answer the engine remembers for a regenerate's drafts
+
+
+class Answers:
+    """The last answer of recent sessions (ids), for drafting the answer that replaces it.
+
+    In memory only, bounded, least recently finished dropped first: a hint for
+    the drafter, never state anything depends on.
+    """
+
+    def __init__(self, size: int = PRIOR_SESSIONS):
+        self.size = size
+        self._ids: dict[str, list[int]] = {}
+
+    def keep(self, session_id: str, ids: Sequence[int]) -> None:
+        self._ids.pop(session_id, None)
+        if ids:
+            self._ids[session_id] = list(ids)
+        while len(self._ids) > self.size:
+            del self._ids[next(iter(self._ids))]
+
+    def get(self, session_id: str) -> list[int]:
+        return self._ids.get(session_id, [])
