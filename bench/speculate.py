@@ -226,7 +226,7 @@ def main() -> None:
                 print(row("4 sessions at once (aggregate)", result["off"][0], result["auto"][0],
                           result["off"][1], result["auto"][1], ks), flush=True)
                 continue
-            dones = {}
+            single: dict[str, Done] = {}
             for mode in ("off", "auto"):
                 with_speculation(engine, mode)
                 session = new_session_id()
@@ -234,8 +234,8 @@ def main() -> None:
                     with_speculation(engine, "off")
                     run(engine, [Turn(engine, session, TASKS[name], n)])  # the answer to regenerate
                     with_speculation(engine, mode)
-                (dones[mode],) = run(engine, [Turn(engine, session, TASKS[name], n)])
-            off, on = dones["off"], dones["auto"]
+                (single[mode],) = run(engine, [Turn(engine, session, TASKS[name], n)])
+            off, on = single["off"], single["auto"]
             print(row(name, [off], [on], off.usage["decode_tps"], on.usage["decode_tps"], ks), flush=True)
         assert engine.caches is not None
         engine.caches.close()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 
 from ..config import Config
+from .draft import Answers
 from .jobs import (
     Cancel,
     Delta,
@@ -39,7 +40,6 @@ from .jobs import (
     Stop,
     TurnJob,
 )
-from .draft import Answers
 from .running import EngineStatistics, RunningTurn, fit_advice
 from .scheduler import Scheduler
 
