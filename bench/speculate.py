@@ -211,6 +211,7 @@ def main() -> None:
         print(f"\n{DEFAULT_MODEL}, greedy, max_tokens {n}; tok/s = decode_tps (after the first token)\n")
         print("| task | tokens | off tok/s | on tok/s | speedup | accepted/drafted | rate | mean k | same answer |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        notes: list[str] = []
         for name in args.tasks.split(","):
             ks.clear()
             if name == "concurrent":
@@ -225,6 +226,9 @@ def main() -> None:
                     result[mode] = (dones, tps)
                 print(row("4 sessions at once (aggregate)", result["off"][0], result["auto"][0],
                           result["off"][1], result["auto"][1], ks), flush=True)
+                each = {m: [d.usage["decode_tps"] for d in result[m][0]] for m in result}
+                notes.append("4 sessions, each session's tok/s off -> on: " + ", ".join(
+                    f"{t} {a} -> {b}" for t, a, b in zip(CONCURRENT, each["off"], each["auto"])))
                 continue
             single: dict[str, Done] = {}
             for mode in ("off", "auto"):
@@ -237,6 +241,8 @@ def main() -> None:
                 (single[mode],) = run(engine, [Turn(engine, session, TASKS[name], n)])
             off, on = single["off"], single["auto"]
             print(row(name, [off], [on], off.usage["decode_tps"], on.usage["decode_tps"], ks), flush=True)
+        for note in notes:
+            print(f"\n{note}")
         assert engine.caches is not None
         engine.caches.close()
     print(f"\nafter: {uptime()}")

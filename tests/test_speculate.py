@@ -12,7 +12,7 @@ from mlx_lm.generate import BatchGenerator
 
 from cachestore.snapshot import restore, snapshot
 from daemon.engine import speculate
-from daemon.engine.draft import WINDOW, Answers, DraftBudget, PromptLookup
+from daemon.engine.draft import MISS_PAUSE, PAUSE_STEPS, WINDOW, Answers, DraftBudget, PromptLookup
 from daemon.engine.quantized import as_batchable, make_cache
 from daemon.engine.speculate import Speculation
 from daemon.engine.verify import Target, target_logits, verify
@@ -21,21 +21,25 @@ from daemon.engine.verify import Target, target_logits, verify
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_latest_match() -> None:
-    d = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 8, 3, 4])
-    # "3 4" ended earlier at 4 (then 5) and at 9 (then 6): the latest wins. "2 3 4"? not a suffix.
+    d = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 8, 3, 4], min_n=2)
+    # "3 4" ended earlier at 4 (then 5) and at 9 (then 6): the latest wins. "8 3 4"? never before.
     assert d.propose(3) == [6, 7, 8]
     d.extend([6])
     assert d.propose(2) == [7, 8]  # "3 4 6" is the longer match
     assert d.propose(0) == []
     assert PromptLookup([1, 2, 3]).propose(4) == []  # nothing repeats
+    assert PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 4]).propose(2) == [5, 9]  # the default: 3 tokens at least
 
 
 def test_prompt_lookup_with_a_pending_token_and_a_prior_answer() -> None:
-    d = PromptLookup([5, 6, 7, 8, 1, 5])
-    assert d.propose(2, after=[6]) == [7, 8]  # the pending 6 completes "5 6"
-    assert d.ids == [5, 6, 7, 8, 1, 5]  # proposing never feeds it
-    regen = PromptLookup([40, 41], prior=[41, 42, 43, 44])
-    assert regen.propose(3, after=[42]) == [43, 44]  # only the replaced answer has "41 42"
+    d = PromptLookup([5, 6, 7, 8, 1, 5, 6])
+    assert d.may_propose()  # "5 6" came before: the pending token may complete a 3-gram
+    assert d.propose(2, after=[7]) == [8, 1]
+    assert d.propose(2, after=[9]) == []
+    assert d.ids == [5, 6, 7, 8, 1, 5, 6]  # proposing never feeds it
+    assert not PromptLookup([5, 6, 7, 8]).may_propose()  # no way to match: the step is not held up
+    regen = PromptLookup([39, 40, 41], prior=[40, 41, 42, 43, 44])
+    assert regen.may_propose() and regen.propose(3, after=[42]) == [43, 44]  # only the old answer has it
 
 
 def test_draft_budget_grows_shrinks_and_pauses() -> None:
@@ -44,11 +48,13 @@ def test_draft_budget_grows_shrinks_and_pauses() -> None:
     b.record(k, k)
     assert b.wanted() == 2 * k
     b.record(8, 1)
-    assert b.wanted() == 4
+    assert b.wanted() == k
+    b.record(2, 0)  # refused whole: a short pause
+    assert [b.wanted() for _ in range(MISS_PAUSE + 1)] == [0] * MISS_PAUSE + [1]
     for _ in range(WINDOW):  # a window of drafts the model mostly refuses: drafting stops for a while
         b.record(1, 0)
-    assert b.wanted() == 0
-    assert b.drafted == k + 8 + WINDOW and b.accepted == k + 1
+    assert all(b.wanted() == 0 for _ in range(PAUSE_STEPS))
+    assert b.drafted == k + 8 + 2 + WINDOW and b.accepted == k + 1
 
 
 def test_answers_remember_recent_sessions_only() -> None:
@@ -113,7 +119,7 @@ def test_after_a_speculative_turn_the_next_turn_equals_a_fresh_prefill(models: d
                                                                        bits: int | None) -> None:
     """The cache a speculative turn leaves, kept (live or snapshot, as the tiers keep it), continues exactly."""
     model = models[name]
-    _, ends, specs = decode(model, PROMPTS, spec=True, bits=bits, n=40)
+    _, ends, specs = decode(model, PROMPTS, spec=True, bits=bits)
     assert all(s.budget.drafted > 0 for s in specs)
     suffix = [31, 32, 33, 34, 35]
     for cache, ids in ends:

@@ -23,14 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-MIN_NGRAM = 2  # a single repeated token ("the", a newline) predicts too little to be worth a wider forward
+MIN_NGRAM = 3  # a repeated pair ("of the") predicts too little: in open chat such drafts were mostly refused
 MAX_NGRAM = 4
 # Draft tokens per step at most: on the loaded 2-core CPU a 9-token forward cost 1.7x a 1-token one, 5 tokens 1.13x.
 MAX_K = 6
-START_K = 4
+START_K = 2
 WINDOW = 24  # drafted tokens over which the acceptance rate is judged
 MIN_RATE = 0.3  # below this acceptance a draft costs more compute than it saves
 PAUSE_STEPS = 16  # decode steps without drafting after a window below MIN_RATE; doubles each time
+MISS_PAUSE = 2  # decode steps without drafting after a draft refused whole
 
 
 class Drafter(Protocol):
@@ -44,6 +45,14 @@ class Drafter(Protocol):
         """Up to `k` guesses for the tokens after the ids so far and then `after` (maybe none).
 
         `after`: tokens already chosen but not yet fed (the pending sampled token).
+        """
+        ...
+
+    def may_propose(self) -> bool:
+        """Whether `propose(k, after=[t])` can return anything for some token t.
+
+        Cheap, and asked before the pending token is known: knowing it costs the
+        decode loop its overlap of one step's bookkeeping with the next step's compute.
         """
         ...
 
@@ -84,8 +93,9 @@ class PromptLookup:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
-        self._own = _Ngrams(min_n, max_n)
-        self._prior = _Ngrams(min_n, max_n)
+        # Grams one shorter than min_n are indexed too: `may_propose` looks them up.
+        self._own = _Ngrams(max(min_n - 1, 1), max_n)
+        self._prior = _Ngrams(max(min_n - 1, 1), max_n)
         self._prior.extend(prior)
         self.extend(ids)
 
@@ -95,6 +105,17 @@ class PromptLookup:
 
     def extend(self, ids: Sequence[int]) -> None:
         self._own.extend(ids)
+
+    def may_propose(self) -> bool:
+        # A match of n >= min_n tokens ending in the pending token needs the last min_n - 1 ids seen before.
+        n = self.min_n - 1
+        if n == 0:
+            return bool(self.ids)
+        ids = self._own.ids
+        if len(ids) < n:
+            return False
+        gram = tuple(ids[len(ids) - n:])
+        return gram in self._own.prev[n] or gram in self._prior.last[n]
 
     def propose(self, k: int, after: Sequence[int] = ()) -> list[int]:
         if k <= 0:
@@ -147,6 +168,8 @@ class DraftBudget:
             self.k = min(self.k * 2, self.max_k)
         elif accepted < drafted // 2:
             self.k = max(self.k // 2, 1)
+        if accepted == 0:
+            self._paused = max(self._paused, MISS_PAUSE)
         if self._window_drafted >= WINDOW:
             if self._window_accepted < MIN_RATE * self._window_drafted:
                 self._paused = self._pause_len

@@ -117,7 +117,12 @@ def step(generator: Any, rows: Mapping[int, Speculation]) -> list[Any] | None:
 
 def _step(batch: Any, rows: Mapping[int, Speculation]) -> list[Any] | None:
     n = len(batch.uids)
-    wanted = {i: rows[u].budget.wanted() for i, u in enumerate(batch.uids) if u in rows}
+    wanted: dict[int, int] = {}
+    for i, u in enumerate(batch.uids):
+        if (spec := rows.get(u)) is not None and (k := spec.budget.wanted()) > 0:
+            spec.sync(batch.tokens[i])
+            if spec.drafter.may_propose():
+                wanted[i] = k
     k_max = width(n, max(wanted.values(), default=0))
     if k_max == 0:
         return None
@@ -129,7 +134,6 @@ def _step(batch: Any, rows: Mapping[int, Speculation]) -> list[Any] | None:
         room = batch.max_tokens[i] - batch._num_tokens[i] - 1  # tokens this sequence may still take
         k = min(k, k_max, room)
         if k > 0:
-            spec.sync(batch.tokens[i])
             drafts[i] = spec.drafter.propose(k, after=[pending[i]])
     K = max(len(d) for d in drafts)
     if K == 0:
