@@ -49,7 +49,7 @@ from daemon.engine import speculate  # noqa: E402
 from daemon.engine.jobs import Delta, Done, EngineEvent, Failed, TurnJob  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
 from daemon.models.sources import DEFAULT_MODEL, prepare_model  # noqa: E402
-from daemon.turns import Continuation  # noqa: E402
+from daemon.prompt import Continuation  # noqa: E402
 
 FUNCTION = '''def summarize_orders(orders, customers, tax_rate, discount_codes):
     """Build a per-customer summary of the given orders."""
@@ -142,7 +142,9 @@ class Turn:
         self.first_delta: float | None = None
         self.ended: float | None = None
         prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-        engine.submit(TurnJob(session_id=session, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+        tokens, retokenized = prompt.ids(engine.tokenizer)  # as the turn core's tokenizer stage does
+        engine.submit(TurnJob(session_id=session, tokens=tokens, retokenized=retokenized,
+                              fed_before=prompt.fed_before, max_tokens=max_tokens, temperature=0.0,
                               top_p=1.0, emit=self.emit))
 
     def emit(self, e: EngineEvent) -> None:

@@ -100,7 +100,7 @@ def test_speculation_changes_no_token_and_can_be_turned_off(engine: Engine, tmp_
     for mode in ("auto", "off"):
         engine.config = replace(engine.config, speculate=mode)
         events: list[EngineEvent] = []
-        engine.submit(job(("c" if mode == "auto" else "d") * 16, LONG, events, max_tokens=48))
+        engine.submit(job(engine, ("c" if mode == "auto" else "d") * 16, LONG, events, max_tokens=48))
         run_to_end(engine)
         end = done(events)
         assert end.tokens is not None
