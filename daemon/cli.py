@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--data-dir", type=Path, help="where the database, token and caches live")
     s.add_argument("--log-file", type=Path, help="the log file (default: kvd.log in the data directory)")
+    s.add_argument("--speculate", choices=["auto", "off"],
+                   help="speculative decoding (default auto: where the answer repeats the context)")
     s.add_argument("--detach", action="store_true", help="run in the background; return once it listens")
     s.add_argument(DETACHED_FLAG, action="store_true", help=argparse.SUPPRESS)
     s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             config = load_config(args.config, model=args.model, port=args.port, host=args.host,
-                                 data_dir=args.data_dir, log_file=args.log_file)
+                                 data_dir=args.data_dir, log_file=args.log_file, speculate=args.speculate)
         except ConfigError as e:
             print(f"kvd: error: {e}", file=sys.stderr)
             return 2

@@ -46,6 +46,8 @@ class Config:
     top_p: float = 1.0
     prefill_step_size: int = 512
     prefill_slice: float = 0.5
+    # Decode: "auto" speculates (prompt-lookup drafts, verified exactly) where it pays; "off" never
+    speculate: str = "auto"
     # Cache tiers: byte budgets (hard limits) and idle times
     resident_bytes: int = 4 << 30
     warm_bytes: int = 2 << 30
@@ -108,6 +110,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "top_p": ("generation", "top_p"),
     "prefill_step_size": ("generation", "prefill_step_size"),
     "prefill_slice": ("generation", "prefill_slice"),
+    "speculate": ("decode", "speculate"),
     "resident_bytes": ("cache", "resident_bytes"),
     "warm_bytes": ("cache", "warm_bytes"),
     "disk_bytes": ("cache", "disk_bytes"),
@@ -162,6 +165,8 @@ def _check(name: str, value: Any) -> Any:
         return tuple(value)
     if name == "blas" and (not isinstance(value, str) or not value):
         raise ConfigError(f'{dotted} must be "auto", "off" or the path of a BLAS library')
+    if name == "speculate" and value not in ("auto", "off"):
+        raise ConfigError(f'{dotted} must be "auto" or "off"')
     if isinstance(default, bool) or isinstance(default, str):
         if not isinstance(value, type(default)):
             raise ConfigError(f"{dotted} must be a {type(default).__name__}")

@@ -14,6 +14,13 @@ def test_config_toml_documents_the_defaults() -> None:
     assert load_config(ROOT / "config.toml") == Config()
 
 
+def test_speculation_is_on_unless_turned_off(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[decode]\nspeculate = "off"\n')
+    assert Config().speculate == "auto" and load_config(path).speculate == "off"
+    assert load_config(None, speculate="off").speculate == "off"  # kvd serve --speculate off
+
+
 def test_flags_override_file(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('model = "builtin:tiny-swa"\n[server]\nport = 9000\n')
@@ -35,6 +42,7 @@ def test_flags_override_file(tmp_path: Path) -> None:
         ("[limits]\nmax_text_chars = -1\n", "limits.max_text_chars must be positive"),
         ('blas = ""\n', 'blas must be "auto", "off" or the path of a BLAS library'),
         ('blas_threads = -1\n', 'blas_threads must be >= 0'),
+        ('[decode]\nspeculate = "on"\n', 'decode.speculate must be "auto" or "off"'),
         ("[generation]\nmax_tokens = 5000\n", "must not exceed limits.max_tokens_limit"),
         ("model = \n", "Invalid value"),
     ],

@@ -7,6 +7,7 @@ These tests drive one Engine on the test thread (no engine thread is started:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,21 @@ def test_first_token_path_is_exact(engine: Engine, tmp_path: Path) -> None:
     answer = end.tokens[prompt_len:]
     assert len(answer) == 24 or (answer and answer[-1] in engine.tokenizer.eos_token_ids)
     assert answer == greedy_reference(tmp_path / "models" / "tiny", end.tokens[:prompt_len], len(answer))
+
+
+def test_speculation_changes_no_token_and_can_be_turned_off(engine: Engine, tmp_path: Path) -> None:
+    """The tiny model's greedy answer loops, so prompt lookup drafts it; off, nothing is drafted."""
+    answers = {}
+    for mode in ("auto", "off"):
+        engine.config = replace(engine.config, speculate=mode)
+        events: list[EngineEvent] = []
+        engine.submit(job(engine, ("c" if mode == "auto" else "d") * 16, LONG, events, max_tokens=48))
+        run_to_end(engine)
+        end = done(events)
+        assert end.tokens is not None
+        answers[mode] = (end.tokens, end.usage["drafted_tokens"], end.usage["accepted_tokens"])
+    (on, drafted, accepted), (off, none, _) = answers["auto"], answers["off"]
+    assert on == off and drafted >= accepted > 0 and none == 0
 
 
 def test_one_token_answer_is_not_fed(engine: Engine) -> None:

@@ -62,11 +62,12 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """A second daemon, for reference answers: it keeps no cache in any tier, so it prefills every request whole."""
+    """A second daemon, for reference answers: it keeps no cache in any tier, so it prefills every request whole,
+    and it never speculates, so the answers it gives are plain decoding's."""
     root = tmp_path_factory.mktemp("fresh")
     config = root / "nocache.toml"
     config.write_text("[cache]\nresident_bytes = 0\nwarm_bytes = 0\ndisk_bytes = 0\n")
-    d = DaemonProcess(root / "data", "--model", MODEL, "--config", str(config))
+    d = DaemonProcess(root / "data", "--model", MODEL, "--config", str(config), "--speculate", "off")
     with d.client():
         pass
     yield d
@@ -94,6 +95,8 @@ def test_completion_then_cached_second_turn_then_stream(daemon: DaemonProcess, f
     assert c1.choices[0].finish_reason in ("stop", "length")
     assert c1.usage.prompt_tokens > 0 and c1.usage.completion_tokens > 0
     assert c1.usage.total_tokens == c1.usage.prompt_tokens + c1.usage.completion_tokens
+    kvd = c1.model_extra["kvd"] if c1.model_extra else {}
+    assert kvd["drafted_tokens"] >= kvd["accepted_tokens"] >= 0
 
     second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": "And why keep it?"}]
     stream = api(daemon).chat.completions.create(model=MODEL, messages=cast("list[ChatCompletionMessageParam]", second),

@@ -25,6 +25,8 @@ from daemonproc import DaemonProcess
 from ggufmake import byte_symbols
 from test_gguf import assert_equal_to_reference
 
+SENTENCE = "The river town kept its records in a stone house by the bridge, and the clerks copied them."
+
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -53,9 +55,12 @@ def test_smollm2_answers_and_resumes_after_a_restart_exactly(smollm2: Path, tmp_
         assert c.request("ping")["type"] == "pong"
         sid = c.request("session.create")["session"]["id"]
         answer, first = c.chat(sid, "What is the capital of France?", max_tokens=24, temperature=0)
+        # An answer that repeats its context: speculative decoding drafts it from the prompt.
+        _, again = c.chat(sid, f"Repeat this sentence exactly: {SENTENCE}", max_tokens=24, temperature=0)
     assert d.terminate() == 0
     assert first["type"] == "chat.done", first
     assert "Paris" in answer, answer
+    assert again["usage"]["accepted_tokens"] > 0, again
 
     d = DaemonProcess(data, "--model", DEFAULT_MODEL)
     try:
@@ -65,9 +70,13 @@ def test_smollm2_answers_and_resumes_after_a_restart_exactly(smollm2: Path, tmp_
         d.terminate()
     u = done["usage"]
     assert u["restored_from"] == "disk"
-    assert u["restored_tokens"] == first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
-    # The continuation after restoring from disk equals a fresh full prefill's.
+    assert u["restored_tokens"] == again["usage"]["prompt_tokens"] + again["usage"]["completion_tokens"]
+    # The continuation after restoring from disk equals a fresh full prefill's; so does the speculated answer.
     tokens = fed_tokens(data / "kvd.sqlite", sid)
+    a = again["usage"]
+    p2 = a["prompt_tokens"]
+    assert tokens[p2:p2 + a["completion_tokens"]] == greedy_reference(converted(smollm2), tokens[:p2],
+                                                                      a["completion_tokens"])
     prompt = tokens[: u["prompt_tokens"]]
     assert tokens[u["prompt_tokens"]:] == greedy_reference(converted(smollm2), prompt, u["completion_tokens"])
 

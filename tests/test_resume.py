@@ -192,3 +192,48 @@ async def test_regenerate_and_edit_refuse_what_makes_no_sense(tmp_path: Path) ->
             e = await c.request("chat.edit", session=sid, message_index=-1, text="x")
             assert e["code"] == "bad_request"
             assert len((await c.request("session.get", session=sid))["messages"]) == 2
+
+
+# Random weights soon loop, so a greedy answer repeats its own context: prompt lookup drafts.
+SPECULATED = [("builtin:tiny", 0), ("builtin:tiny", 8), ("builtin:tiny-swa", 0)]
+
+
+def greedy_kv(model_dir: Path, prompt: list[int], n: int, kv_bits: int) -> list[int]:
+    """A fresh prefill's greedy continuation: mlx-lm's own, or with kvd's quantized cache for kv_bits."""
+    if not kv_bits:
+        return greedy_reference(model_dir, prompt, n)
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    from daemon.engine.quantized import make_cache
+    from test_quantized import run
+
+    model = load(str(model_dir))[0]
+    model.set_dtype(mx.float32)
+    (ref,), _ = run(model, [prompt], caches=[make_cache(model, kv_bits)], n=n)
+    return ref
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize(("model", "kv_bits"), SPECULATED)
+async def test_a_speculative_turn_is_exact_and_resumes_exactly_from_each_tier(
+        tmp_path: Path, model: str, kv_bits: int, tier: str) -> None:
+    async with running_daemon(tmp_path, model=model, kv_bits=kv_bits, **TIERS[tier]) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            _, first = await c.chat(sid, FIRST, max_tokens=64, temperature=0)
+            await c.request("status")  # turn one is on disk
+            _, done = await c.chat(sid, "And then?", max_tokens=32, temperature=0)
+    u1, u2 = first["usage"], done["usage"]
+    assert u1["drafted_tokens"] > 0 and 0 < u1["accepted_tokens"] <= u1["drafted_tokens"]
+    assert u2["restored_from"] == tier
+    assert u2["cached_tokens"] == u1["prompt_tokens"] + u1["completion_tokens"]
+    tokens = fed_tokens(tmp_path / "kvd.sqlite", sid)
+    model_dir = tmp_path / "models" / model.split(":", 1)[1]
+    p1, p2 = u1["prompt_tokens"], u2["prompt_tokens"]
+    # Turn one (speculated) is plain greedy decoding's answer; turn two, from the cache it left, a fresh prefill's.
+    assert tokens[p1:p1 + u1["completion_tokens"]] == greedy_kv(model_dir, tokens[:p1], u1["completion_tokens"],
+                                                                kv_bits)
+    assert tokens[p2:] == greedy_kv(model_dir, tokens[:p2], u2["completion_tokens"], kv_bits)
+    if model == "builtin:tiny-swa":
+        assert p1 + u1["completion_tokens"] > 64  # the window wrapped during the speculative turn

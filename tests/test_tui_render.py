@@ -56,6 +56,13 @@ def test_status_line_says_where_the_cache_came_from(cache: dict[str, object], sa
     assert render.status_line({"completion_tokens": 3, **cache}) == f"3 tokens · {says}"
 
 
+def test_status_line_shows_the_acceptance_when_speculation_ran() -> None:
+    ran = {**USAGE, "drafted_tokens": 52, "accepted_tokens": 41}
+    assert render.status_line(ran) == (
+        "12 tokens · TTFT 35 ms · 210.4 tok/s · draft 41/52 kept · cache: disk 28 tok in 86 ms")
+    assert "draft" not in render.status_line({**USAGE, "drafted_tokens": 0, "accepted_tokens": 0})
+
+
 def test_status_line_one_token_and_missing_fields() -> None:
     assert render.status_line({"completion_tokens": 1}) == "1 token"
     assert render.status_line({}, "cancelled") == "(cancelled)"

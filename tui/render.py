@@ -91,8 +91,16 @@ def context_part(usage: Mapping[str, Any]) -> str | None:
     return f"{used}/{window} ctx" if isinstance(window, int) else f"{used} ctx"
 
 
+def draft_part(usage: Mapping[str, Any]) -> str | None:
+    """``draft 41/52 kept``: speculative decoding's guesses and how many the model kept; None if none ran."""
+    drafted, accepted = usage.get("drafted_tokens"), usage.get("accepted_tokens")
+    if not isinstance(drafted, int) or not isinstance(accepted, int) or drafted <= 0:
+        return None
+    return f"draft {accepted}/{drafted} kept"
+
+
 def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> str:
-    """``12 tokens · TTFT 35 ms · 210.4 tok/s · cache: disk 28 tok in 3.1 ms · 52/8192 ctx``.
+    """``12 tokens · TTFT 35 ms · 210.4 tok/s · draft 9/12 kept · cache: disk 28 tok in 3.1 ms · 52/8192 ctx``.
 
     Parts the daemon left out are omitted; ``re-read N tok`` says when history
     was fed again (a new system prompt, an edit), since the restored count
@@ -108,6 +116,8 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
     tps = usage.get("decode_tps")
     if isinstance(tps, (int, float)):
         parts.append(f"{tps:.1f} tok/s")
+    if (drafts := draft_part(usage)) is not None:
+        parts.append(drafts)
     if (cache := cache_part(usage)) is not None:
         parts.append(cache)
     reread = usage.get("reread_tokens")

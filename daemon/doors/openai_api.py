@@ -277,7 +277,8 @@ class _Answer(Response):
         u = done.get("usage") or {}
         return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
                 "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
-                "prefill_tokens": u.get("prefill_tokens")}
+                "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
+                "accepted_tokens": u.get("accepted_tokens")}
 
     async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]

@@ -17,6 +17,7 @@ from .jobs import Delta, TurnJob
 
 if TYPE_CHECKING:
     from .prefill import Prefill
+    from .speculate import Speculation
 
 MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggesting
 
@@ -56,6 +57,7 @@ class RunningTurn:
     t_first: float | None = None
     t_last: float | None = None
     shared_tokens: int = 0  # of cached_len, those another session's cache or shared disk blocks supplied
+    spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
 
     @classmethod
     def never_started(cls, job: TurnJob) -> RunningTurn:
@@ -103,6 +105,8 @@ class RunningTurn:
             "reread_tokens": max(min(self.job.fed_before, len(self.prompt)) - self.cached_len, 0),
             "context_tokens": len(self.prompt) + self.generated if self.prompt else 0,
             "context_window": context_window,
+            # Speculative decoding: tokens guessed, and those of them the model kept (0 and 0: none ran).
+            **(self.spec.usage() if self.spec is not None else {"drafted_tokens": 0, "accepted_tokens": 0}),
         }
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 
 from ..config import Config
+from .draft import Answers
 from .jobs import (
     Cancel,
     Delta,
@@ -44,6 +45,8 @@ from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from cachestore import SessionCaches
+
+    from .speculate import Speculation
 
 
 log = logging.getLogger("kvd.engine")
@@ -70,6 +73,8 @@ class Engine:
             max_running=config.max_generations, prefill_step=config.prefill_step_size,
             prefill_slice=config.prefill_slice)
         self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
+        self._speculating: dict[int, Speculation] = {}  # of those, the ones that may draft (by uid)
+        self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
@@ -352,11 +357,24 @@ class Engine:
         )
         act.uid = uid
         self._by_uid[uid] = session_id
+        if self.config.speculate == "auto":
+            from .draft import PromptLookup
+            from .speculate import Speculation, speculable
+            from .verify import Target
+
+            if speculable(prefill.cache):
+                act.spec = self._speculating[uid] = Speculation(
+                    Target(job.temperature, job.top_p), PromptLookup(prior=self._answers.get(session_id)))
         self._turns.decode(session_id)
 
     def _decode(self) -> None:
+        from . import speculate
+
         try:
-            _, responses = self.generator.next()
+            # A step that verifies drafts where some session has one; a plain step otherwise.
+            responses = speculate.step(self.generator, self._speculating) if self._speculating else None
+            if responses is None:
+                _, responses = self.generator.next()
         except Exception as e:
             # The batch is in an unknown state: fail everyone in it, start afresh.
             log.exception("generation step failed")
@@ -415,6 +433,8 @@ class Engine:
         sid = act.job.session_id
         self._forget(sid)
         history = [*tokens, *unfed]
+        if changed and len(history) > len(act.prompt):
+            self._answers.keep(sid, history[len(act.prompt):])
         act.job.emit(Done(reason, act.usage(self.max_context), history if tokens and changed else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
         # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
@@ -429,6 +449,7 @@ class Engine:
         act = self._turns.end(session_id)
         if act is not None and act.uid is not None:
             self._by_uid.pop(act.uid, None)
+            self._speculating.pop(act.uid, None)
 
     def _publish_stats(self) -> None:
         caches = self.caches.statistics() if self.caches is not None else {}
