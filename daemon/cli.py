@@ -25,6 +25,7 @@ from . import __version__
 from .config import Config, ConfigError, load_config
 from .service import backup, preflight
 from .service.control import (
+    ANSWERING_MARK,
     DETACHED_FLAG,
     detach,
     leave_terminal,
@@ -203,6 +204,16 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     return 1 if failed else 0
 
 
+async def _announce_ready(daemon: Daemon, detached: bool) -> None:
+    """Say when the model is loaded; a detached daemon keeps its start-up pipe until then (`--detach` waits)."""
+    while not daemon.engine.ready.is_set():
+        await anyio.sleep(0.05)  # a threading.Event, set by the engine thread
+    if daemon.engine.load_error is None:
+        log.info("%s", ANSWERING_MARK.removeprefix("kvd: "))
+        if detached:
+            leave_terminal()
+
+
 async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool) -> bool:
     """Serve until SIGTERM/SIGINT (False) or until the model fails to load after all (True)."""
     from .service.startup import load_failure
@@ -217,8 +228,7 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
             log.info("listening on %s (pid %d, model %s, data %s, log %s)", url, os.getpid(), config.model,
                      config.data_dir, config.log_path)
             log.info("OpenAI API at %s (API key: the token in %s)", api_url(url), config.data_dir / TOKEN_FILE)
-            if detached:
-                leave_terminal()
+            tg.start_soon(_announce_ready, daemon, detached)
             backups = anyio.CancelScope()
             if backups_on:
                 tg.start_soon(_daily_backups, config, backups)

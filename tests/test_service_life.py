@@ -78,7 +78,7 @@ def test_detach_status_logs_stop(tmp_path: Path) -> None:
     assert started.returncode == 0, started.stderr
     info = json.loads((tmp_path / "daemon.json").read_text())
     pid, url = info["pid"], info["url"]
-    assert f"kvd: started (pid {pid}) on {url}" in started.stderr
+    assert f"kvd: started (pid {pid}) on {url}, ready to answer" in started.stderr
     assert is_locked(tmp_path)
     follower = subprocess.Popen([*KVD, "logs", "-f", "-n", "100", "--data-dir", str(tmp_path)],
                                 stdout=subprocess.PIPE, text=True)
@@ -118,6 +118,23 @@ def test_detach_reports_a_start_failure(tmp_path: Path) -> None:
         assert f"kvd is already running (pid {d.proc.pid}, {d.url})" in out.stderr
     finally:
         d.terminate()
+
+
+def test_detach_waits_for_the_model_and_reports_a_load_that_fails_after_listening(tmp_path: Path) -> None:
+    """`--detach` returns once the model is loaded; weights that only fail to load after kvd listens
+    are reported by the command itself, with a non-zero exit, not found later in a log."""
+    from daemon.models.builtin import ensure_builtin
+
+    model = ensure_builtin("builtin:tiny", tmp_path / "models")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    out = kvd("serve", "--detach", "--model", str(model), "--port", "0", "--data-dir", str(tmp_path / "kvd"))
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.splitlines()
+    assert any(line.startswith("kvd: error: the model failed to load: ") for line in lines), lines
+    assert lines[-1].startswith("kvd: the daemon exited (1) before it could answer; its log: ")
+    assert "started" not in out.stderr and "Traceback" not in out.stderr
+    assert not is_locked(tmp_path / "kvd")
 
 
 def test_systemd_unit_content(tmp_path: Path) -> None:
@@ -185,3 +202,17 @@ def test_shutdown_cuts_answers_as_it_says_and_they_resume(tmp_path: Path) -> Non
     # Everything fed before the stop, the cut answer included, came back from disk.
     assert done["usage"]["restored_from"] == "disk"
     assert done["usage"]["restored_tokens"] == len(fed) > cut["usage"]["prompt_tokens"]
+
+
+def test_status_after_kill_9_says_the_pid_is_gone_and_shows_the_log(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    pid = d.proc.pid
+    assert d.kill() != 0  # kill -9: daemon.json is left behind, naming a pid that is gone
+    assert json.loads((tmp_path / "daemon.json").read_text())["pid"] == pid
+    out = kvd("status", "--data-dir", str(tmp_path))
+    assert out.returncode == 1
+    lines = out.stderr.splitlines()
+    assert lines[0] == (f"kvd status: kvd is not running: its pid {pid} (from {tmp_path / 'daemon.json'}) "
+                        f"is gone (start it with: kvd serve --data-dir {tmp_path})")
+    assert lines[1] == f"kvd status: the last lines of {tmp_path / 'kvd.log'}:"
+    assert any("listening on" in line for line in lines[2:]) and len(lines) <= 2 + 10

@@ -25,6 +25,7 @@ from .lockfile import holder_pid, is_locked
 from .logfile import follow, tail
 
 READY_MARK = "kvd: listening on "
+ANSWERING_MARK = "kvd: ready to answer"  # the model loaded and warmed up (a detached start waits for it)
 DETACHED_FLAG = "--detached-child"
 
 
@@ -55,25 +56,30 @@ def running_line(data_dir: Path) -> str:
 
 
 def detach(argv: list[str], log_file: Path) -> int:
-    """Start `kvd serve` in its own session and return once it listens (or has failed).
+    """Start `kvd serve` in its own session and return once it can answer (or has failed).
 
     The child writes its start-up lines to a pipe read here, so a failure
-    that stops it at start is shown exactly as in the foreground; once it
-    listens it stops writing to the pipe and logs only to its file.
+    that stops it at start, also one that only loading the model reveals
+    after it listens, is shown exactly as in the foreground, with a non-zero
+    exit; once its model is loaded it stops writing to the pipe and logs only
+    to its file.
     """
     child = subprocess.Popen([sys.executable, "-m", "daemon.cli", *argv, DETACHED_FLAG],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, start_new_session=True)
     assert child.stderr is not None
+    url = "?"
     for line in child.stderr:
         if READY_MARK in line:
             url = line.split(READY_MARK, 1)[1].split()[0]
+        if ANSWERING_MARK in line:
             child.stderr.close()
-            print(f"kvd: started (pid {child.pid}) on {url}\n"
+            print(f"kvd: started (pid {child.pid}) on {url}, ready to answer\n"
                   f"kvd: logs: {log_file} (kvd logs -f); stop it with: kvd stop", file=sys.stderr)
             return 0
         sys.stderr.write(line)
     code = child.wait()
+    print(f"kvd: the daemon exited ({code}) before it could answer; its log: {log_file}", file=sys.stderr)
     return code or 1
 
 

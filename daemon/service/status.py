@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ from websockets.exceptions import WebSocketException
 
 import protocol as p
 from protocol import TOKEN_FILE, api_url
+
+from .control import read_daemon_file
+from .logfile import tail
 
 
 def _human(n: int) -> str:
@@ -89,18 +93,32 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
                       f"({pre['resident']} resident, {pre['warm']} warm), {_human(pre['bytes'])}")
 
 
+LAST_LINES = 10  # of the log, shown when the daemon is not there
+
+
+def _gone(data_dir: Path, why: str) -> int:
+    """Not running: say so, and show how the last run ended (the end of its log)."""
+    print(f"kvd status: {why} (start it with: kvd serve --data-dir {data_dir})", file=sys.stderr)
+    log_file = Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log")
+    if log_file.exists():
+        print(f"kvd status: the last lines of {log_file}:", file=sys.stderr)
+        sys.stderr.writelines("  " + line for line in tail(log_file, LAST_LINES))
+    return 1
+
+
 def main(data_dir: Path, url: str | None, as_json: bool) -> int:
+    info = read_daemon_file(data_dir)
+    pid = info.get("pid")
+    if url is None and isinstance(pid, int) and not _alive(pid):
+        return _gone(data_dir, f"kvd is not running: its pid {pid} (from {data_dir / p.DAEMON_FILE}) is gone")
     url = url or p.read_daemon_url(data_dir)
     if url is None:
-        print(f"kvd status: no running daemon found in {data_dir} (start one with: kvd serve)",
-              file=sys.stderr)
-        return 1
+        return _gone(data_dir, f"no running daemon found in {data_dir}")
     try:
         token = (data_dir / p.TOKEN_FILE).read_text().strip()
         status = fetch_status(url, token)
     except OSError as e:
-        print(f"kvd status: cannot reach kvd at {url}: {e} (start it with: kvd serve)", file=sys.stderr)
-        return 1
+        return _gone(data_dir, f"cannot reach kvd at {url}: {e}")
     except (RuntimeError, WebSocketException) as e:
         print(f"kvd status: {e}", file=sys.stderr)
         return 1
@@ -110,3 +128,13 @@ def main(data_dir: Path, url: str | None, as_json: bool) -> int:
         console = Console()
         render_status(status, Console(width=max(console.width, 100)), url)
     return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
