@@ -216,6 +216,22 @@ def test_script_errors_go_to_stderr_with_a_non_zero_exit(kvd: Kvd) -> None:
     assert (both.returncode, both.stdout) == (2, "")
     assert both.stderr == ("error: --system and --title set up a new session; with --session or --last, change the "
                            "session's system prompt in kvchat with /system\n")
+    # Out of range is unusable input, whichever side checks it: kvchat (0) or the daemon's limit (999999).
+    for n in ("0", "999999"):
+        assert kvchat(kvd, "--max-tokens", n, "hi").returncode == 2, n
+    # --json: the failure as JSON on stdout too, for the script that parses it.
+    failed = kvchat(kvd, "--json", "--session", "0" * 16, "hi")
+    assert failed.returncode == 1
+    assert json.loads(failed.stdout) == {"error": {"message": "no such session; `kvchat` lists them, `--last` "
+                                                              "continues the most recent", "code": "unknown_session"},
+                                         "exit_status": 1}
+    refused = json.loads(kvchat(kvd, "--json", "--max-tokens", "999999", "hi").stdout)
+    assert refused["error"]["code"] == "bad_request" and refused["exit_status"] == 2
+
+
+def test_kvchat_version() -> None:
+    version = subprocess.run([*kvchat_command(), "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("kvchat ")
 
 
 def test_help_names_every_default_data_dir() -> None:

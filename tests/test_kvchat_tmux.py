@@ -466,3 +466,12 @@ def test_client_routes_events_by_request_id(kvd: Kvd) -> None:
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
+
+
+def test_no_daemon_json_names_no_port(tmp_path: Path) -> None:
+    """With no daemon.json kvchat's URL is a guess: the message names the data directory, not a port."""
+    result = subprocess.run([*kvchat_command(), "--data-dir", str(tmp_path), "hi"], stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr == (f"error: kvd is not running for {tmp_path} (it has no daemon.json); start it with "
+                             f"`kvd serve --data-dir {tmp_path}` (or `make serve` in its source tree)\n")

@@ -59,10 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen = parser.add_argument_group("generation (for this run; /params sets a session's own)")
     gen.add_argument("--max-tokens", type=_positive_int, metavar="N", help="longest answer, in tokens")
     gen.add_argument("--temperature", type=_temperature, metavar="T", help="0 (greedy) to 2")
+    parser.add_argument("--version", action="version", version=f"kvchat {_version()}")
     script = parser.add_argument_group("scripts (with MESSAGE or -)")
     script.add_argument("--json", action="store_true",
                         help="print one JSON object: answer, finish_reason, usage, session")
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvd")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+import protocol
+
 
 class KvchatError(Exception):
     """An error the user should read; its text says what to do."""
@@ -31,8 +33,13 @@ def start_command(data_dir: Path | None = None) -> str:
 
 class NoDaemon(KvchatError):
     def __init__(self, url: str, data_dir: Path | None = None) -> None:
-        super().__init__(f"kvd is not running at {url}; start it with `{start_command(data_dir)}` "
-                         "(or `make serve` in its source tree)")
+        where = protocol.default_data_dir() if data_dir is None else data_dir
+        if protocol.read_daemon_url(where) is None and url == protocol.default_url():
+            # No daemon.json: the URL is kvchat's guess, not where a kvd was; naming its port would mislead.
+            said = f"kvd is not running for {where} (it has no {protocol.DAEMON_FILE})"
+        else:
+            said = f"kvd is not running at {url}"
+        super().__init__(f"{said}; start it with `{start_command(data_dir)}` (or `make serve` in its source tree)")
         self.url = url
 
 

@@ -40,17 +40,31 @@ class UsageProblem(Exception):
     """The flags or the input cannot be used (exit 2)."""
 
 
+# What the daemon refuses as unusable input exits 2, like kvchat's own checks of the flags: whether a
+# value is out of range is for the daemon to say (its limits are its config), not for the exit code.
+UNUSABLE = frozenset({"bad_request"})
+
+
 def answer_one(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, errors: Console) -> int:
     try:
         return asyncio.run(_answer(args, lambda: _message(args, stdin), stdout))
     except UsageProblem as exc:
-        render.print_error(errors, str(exc))
-        return 2
+        return _failed(args, stdout, errors, str(exc), "usage", 2)
+    except ServerError as exc:
+        return _failed(args, stdout, errors, _explained(exc), exc.code, 2 if exc.code in UNUSABLE else 1)
     except KvchatError as exc:
-        render.print_error(errors, _explained(exc))
-        return 1
+        return _failed(args, stdout, errors, _explained(exc), "kvchat", 1)
     except KeyboardInterrupt:
         return 130
+
+
+def _failed(args: argparse.Namespace, stdout: TextIO, errors: Console, message: str, code: str, status: int) -> int:
+    """One line on stderr; with --json also one JSON object on stdout, so a script reads the failure too."""
+    render.print_error(errors, message)
+    if args.json:
+        stdout.write(json.dumps({"error": {"message": message, "code": code}, "exit_status": status}) + "\n")
+        stdout.flush()
+    return status
 
 
 def _message(args: argparse.Namespace, stdin: TextIO) -> str:
