@@ -260,7 +260,7 @@ class Turns:
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
               max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
               prompt: Prompt | None = None, stop: Sequence[str] = (),
-              seed: int | None = None, door: str = "websocket") -> Turn:
+              seed: int | None = None, door: str = "websocket", history: bool | None = None) -> Turn:
         """Generate an answer to the transcript as it stands (its new messages are committed).
 
         `prompt` defaults to the transcript under the fed-token rule. The
@@ -290,6 +290,7 @@ class Turns:
                 pass
 
         job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
+                      history=first_new > 1 if history is None else history,
                       max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                       emit=emit)
         self.tg.start_soon(self._submit, turn, prompt, job, send)

@@ -172,6 +172,20 @@ async def test_a_long_prefill_shows_progress(tmp_path: Path) -> None:
     assert re.match(r"\(kvd is reading \d+ tokens of history…\)$", screen.after(f"you> Again: {long}")[0])
 
 
+async def test_a_first_message_too_long_says_to_shorten_it_not_to_compact(tmp_path: Path) -> None:
+    long = " ".join(["the sea and the sky"] * 600)  # some 4,200 tokens: with max_tokens 4096, past 8192
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", "--max-tokens", "4096", script=[long, "/quit"])
+        sessions = d.store.list_sessions()
+    after = screen.after(f"you> {long}")
+    error = next(line for line in after if line.startswith("error: "))
+    assert error.endswith("; lower max_tokens to " + error.split("lower max_tokens to ")[1].split()[0]
+                          + " or less, or send a shorter message"), error
+    assert any(line.startswith("the message itself does not fit") for line in after), after
+    assert not any("/compact" in line for line in after), after
+    assert all(s["message_count"] == 0 for s in sessions)  # the refused message was taken back
+
+
 async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path) -> None:
     long = " ".join(["the sea and the sky"] * 600)  # some 4,200 tokens: with max_tokens 4096, past 8192
     async with running_daemon(tmp_path, model=MODEL) as d:

@@ -34,6 +34,9 @@ PICK = "number or title, Enter for a new chat: "
 FULL_HINT = ("the session is full. /params max_tokens=N lowers the answer's room if that is enough; "
              "/compact goes on in a new session that carries the system prompt and the last turns "
              "that fit in half the context")
+# A message that does not fit on its own: no earlier turn to leave behind, so /compact cannot help.
+TOO_LONG_HINT = ("the message itself does not fit with the answer's room: send a shorter one (or a part of it "
+                 "at a time), or lower /params max_tokens=N if a short answer is enough")
 
 
 class Chat:
@@ -98,7 +101,7 @@ class Chat:
                         continue
                     if exc.code == protocol.TOO_LARGE and "context" in exc.message:
                         render.print_error(self.console, exc.message)
-                        render.print_note(self.console, FULL_HINT)
+                        render.print_note(self.console, FULL_HINT if self.has_turns() else TOO_LONG_HINT)
                         continue
                     busy = ("this session is answering right now (in another window?); /attach to watch it, "
                             "Ctrl-C there stops it; or wait for it to finish")
@@ -282,6 +285,11 @@ class Chat:
             self.create()
             return True
         return self.pick(sessions)
+
+    def has_turns(self) -> bool:
+        """Whether the open session holds an answer: something /compact could carry or leave behind."""
+        got = self.request(protocol.SESSION_GET, session=self.session_id)
+        return any(m.get("role") == "assistant" and m.get("content") for m in got.get("messages") or [])
 
     def forget_current(self) -> None:
         """The open session was deleted."""

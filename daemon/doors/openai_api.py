@@ -174,7 +174,7 @@ class OpenAIDoor:
                 events, rid, placement.session_id, placement.first_new,
                 max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                 top_p=req.top_p, prompt=Tokens(ids), stop=stops(req), seed=req.seed,
-                door=f"api, {placement.kind} session",
+                door=f"api, {placement.kind} session", history=len(convo) > 1,
             )
         except ApiError as e:
             return error_response(e, headers)

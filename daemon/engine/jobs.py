@@ -30,6 +30,7 @@ class TurnJob:
     seed: int | None = None  # seeds MLX's sampler when the turn starts
     retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
     fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
+    history: bool = True  # earlier turns come before this one's messages (what a too-long error advises)
     arrived: float = field(default_factory=time.perf_counter)
 
 

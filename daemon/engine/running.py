@@ -110,10 +110,14 @@ class RunningTurn:
         }
 
 
-def fit_advice(prompt: int, context: int) -> str:
-    """What to do about a conversation that no longer fits, in the error a client shows."""
+def fit_advice(prompt: int, context: int, *, history: bool = True) -> str:
+    """What to do about a conversation that no longer fits, in the error a client shows.
+
+    Without `history` (the first message alone does not fit) there is nothing to leave behind.
+    """
     room = context - prompt
-    new = "start a new session carrying less of the history (kvchat: /compact)"
+    new = ("start a new session carrying less of the history (kvchat: /compact)" if history
+           else "send a shorter message")
     if room >= MIN_ANSWER:
         return f"lower max_tokens to {room} or less, or {new}"
     return new

@@ -283,7 +283,7 @@ class Engine:
             raise PromptTooLong(
                 f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
                 f"exceeds the model's context of {self.max_context} tokens; "
-                + fit_advice(len(tokens), self.max_context)
+                + fit_advice(len(tokens), self.max_context, history=job.history)
             )
         assert self.caches is not None
         out = self.caches.checkout(job.session_id, tokens)
