@@ -90,14 +90,17 @@ BAD: list[tuple[Any, int, str, str | None]] = [
     ({}, 400, "messages", "messages"),
     ({"messages": []}, 400, "at least 1", "messages"),
     ({"messages": "hi"}, 400, "valid list", "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "'system', 'user' or 'assistant'", "messages[0].role"),
-    ({"messages": [{"role": "user"}]}, 400, "Field required", "messages[0].content"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "'system', 'developer', 'user' or 'assistant'",
+     "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, 400, "content is null; only an assistant's may be", "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "'text'", None),
     ({"messages": [{"role": "system", "content": "only a system prompt"}]}, 400, "no user or assistant", "messages"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}, 400,
-     "one system message", "messages[1].role"),
+     "only before the conversation", "messages[1].role"),
+    ({**HI, "model": "gpt-4o"}, 404, "kvd serves the model 'builtin:tiny', not 'gpt-4o'", "model"),
+    ({**HI, "response_format": {"type": "json_object"}}, 400, "leave response_format out", "response_format"),
     ({**HI, "max_tokens": "5"}, 400, "valid integer", "max_tokens"),
     ({**HI, "max_tokens": True}, 400, "valid integer", "max_tokens"),
     ({**HI, "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
@@ -266,3 +269,22 @@ async def test_both_doors_tokenize_at_once_and_every_prompt_is_exact(tmp_path: P
         tokenizer = d.daemon.engine.tokenizer
         for text in texts:  # one at a time, after the fact: what each prompt must have been
             assert counts[text] == len(conversation_ids(tokenizer, [{"role": "user", "content": text}], None))
+
+
+
+async def test_what_clients_send_is_understood(tmp_path: Path) -> None:
+    """The developer role, several leading instructions, an assistant's null content, the model by id."""
+    async with running_daemon(tmp_path) as d:
+        async with http(d) as h:
+            messages = [{"role": "developer", "content": "Be brief."}, {"role": "system", "content": "Be kind."},
+                        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                        {"role": "user", "content": "and?"}]
+            r = await h.post("/v1/chat/completions", json={**HI, "messages": messages,
+                                                           "response_format": {"type": "text"}})
+            assert r.status_code == 200, r.text
+            session = d.store.get_session(r.headers["X-Kvd-Session"])
+            assert session is not None and session["system"] == "Be brief.\n\nBe kind."
+            assert [m["content"] for m in d.store.messages(session["id"])][:3] == ["hi", "", "and?"]
+            model = (await h.get("/v1/models/builtin:tiny")).json()
+            assert model["id"] == "builtin:tiny" and model["object"] == "model"
+            assert_error(await h.get("/v1/models/gpt-4o"), 404, says="not 'gpt-4o'")

@@ -43,7 +43,7 @@ from ..turns import Turn, Turns
 from .asgi import headers_of
 from .guards import check
 from .loading import LoadingWatch
-from .openai_schema import ApiError, ChatRequest, parse, stops
+from .openai_schema import ApiError, ChatRequest, instructions, parse, served_names, stops
 from .placement import Diverged, place
 
 log = logging.getLogger("kvd.api")
@@ -97,6 +97,7 @@ class OpenAIDoor:
         self._created = int(time.time())
         self._router = Starlette(
             routes=[Route("/v1/models", self.models, methods=["GET"]),
+                    Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                     Route("/v1/chat/completions", self.chat, methods=["POST"]),
                     Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])],
             exception_handlers={HTTPException: self._http_error},
@@ -123,9 +124,18 @@ class OpenAIDoor:
 
     # --- GET /v1/models ---
 
+    def _model_object(self) -> dict[str, Any]:
+        return {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "kvd"}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "kvd"}]})
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: Request) -> Response:
+        asked = request.path_params["model_id"]
+        if asked not in served_names(self.config.model):
+            return error_response(ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {self.config.model!r}, "
+                                           f"not {asked!r}", code="model_not_found"))
+        return JSONResponse(self._model_object())
 
     # --- GET /v1/kvd/sessions/{id}: a session's transcript, read-only ---
 
@@ -157,8 +167,8 @@ class OpenAIDoor:
             if pinned is not None and not is_valid_session_id(pinned):
                 raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
                                "(16 lowercase hex characters)", param=SESSION_HEADER)
-            system = req.messages[0].text() if req.messages[0].role == "system" else None
-            convo: list[tuple[str, str]] = [(m.role, m.text()) for m in req.messages if m.role != "system"]
+            system = instructions(req)
+            convo: list[tuple[str, str]] = [(m.role, m.text()) for m in req.messages if not m.instructs]
             ids = await self.turns.tokenizing.run(conversation_ids, [{"role": r, "content": c} for r, c in convo],
                                                   system)
             rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"

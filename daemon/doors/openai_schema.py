@@ -59,14 +59,25 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    # "developer" is OpenAI's newer name for a system message, and is one here.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None  # an assistant's may be null (as clients send it back)
     name: str | None = None  # accepted and ignored: the chat template has no place for it
 
+    @property
+    def instructs(self) -> bool:
+        return self.role in ("system", "developer")
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: str
 
 
 class StreamOptions(_Strict):
@@ -74,7 +85,7 @@ class StreamOptions(_Strict):
 
 
 class ChatRequest(_Strict):
-    model: str | None = None  # accepted whatever it names: kvd serves the one model it loaded
+    model: str | None = None  # the served model's name (or left out); see served_names
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -87,6 +98,7 @@ class ChatRequest(_Strict):
     n: int | None = None
     logprobs: bool | None = None
     tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 def parse(body: Any, config: Config) -> ChatRequest:
@@ -113,6 +125,13 @@ def parse(body: Any, config: Config) -> ChatRequest:
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd does not return logprobs; leave logprobs out", param="logprobs")
     if req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd does not call tools; leave tools out", param="tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"kvd does not constrain its output to "
+                       f"{req.response_format.type!r}; leave response_format out (or send {{\"type\": \"text\"}})",
+                       param="response_format")
+    if req.model is not None and req.model not in served_names(config.model):
+        raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {req.model!r}; "
+                       "GET /v1/models names it (or leave model out)", param="model", code="model_not_found")
     limit = req.max_completion_tokens or req.max_tokens
     if limit is not None and limit > config.max_tokens_limit:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"max_tokens may be at most {config.max_tokens_limit} "
@@ -121,18 +140,39 @@ def parse(body: Any, config: Config) -> ChatRequest:
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOPS:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_STOPS} stop sequences", param="stop")
     for i, m in enumerate(req.messages):
+        if m.content is None and m.role != "assistant":
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content is null; only an assistant's may be",
+                           param=f"messages[{i}].content")
         if len(m.text()) > config.max_text_chars:  # the same bound as the websocket door's
             raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] is longer than {config.max_text_chars} characters "
                            "(limits.max_text_chars in kvd's config.toml)", param=f"messages[{i}].content",
                            code="string_above_max_length")
-        if m.role == "system" and i > 0:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "kvd takes one system message, first in messages; "
-                           f"messages[{i}] is a system message after the conversation began",
-                           param=f"messages[{i}].role")
-    if all(m.role == "system" for m in req.messages):
+        if m.instructs and i > 0 and not req.messages[i - 1].instructs:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "kvd takes system (or developer) messages only before the "
+                           f"conversation; messages[{i}] is one after it began", param=f"messages[{i}].role")
+    if all(m.instructs for m in req.messages):
         raise ApiError(HTTPStatus.BAD_REQUEST, "messages has no user or assistant message to answer",
                        param="messages")
     return req
+
+
+def served_names(model: str) -> set[str]:
+    """The names a request may give the served model: the setting itself, and a path's file or folder name."""
+    names = {model}
+    if "/" in model or model.endswith(".gguf"):
+        tail = model.rstrip("/").rsplit("/", 1)[-1]
+        names |= {tail, tail.removesuffix(".gguf")}
+    return names
+
+
+def instructions(req: ChatRequest) -> str | None:
+    """The leading system and developer messages, joined in order (None when there are none)."""
+    lead = []
+    for m in req.messages:
+        if not m.instructs:
+            break
+        lead.append(m.text())
+    return "\n\n".join(lead) if lead else None
 
 
 def stops(req: ChatRequest) -> list[str]:
