@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from common import durable
+from common import durable, origins
 from protocol import TOKEN_FILE, api_url, default_data_dir, default_url
 
 from . import __version__
@@ -81,6 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("--log-file", type=Path, help="the log file, if not the default")
     lg.add_argument("-n", "--lines", type=int, default=50, help="lines to show (default 50)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    ss = sub.add_parser("sessions", help="tidy the session list (through the running daemon)")
+    ssp = ss.add_subparsers(dest="sessions_command", required=True)
+    pr = ssp.add_parser("prune", help="delete sessions: a dry run that lists them unless --yes")
+    pr.add_argument("--data-dir", type=Path, help="the daemon's data directory")
+    pr.add_argument("--empty", action="store_true", help="sessions with no messages")
+    pr.add_argument("--older-than", type=float, metavar="DAYS", help="sessions not used for DAYS days")
+    pr.add_argument("--from", dest="origin", choices=origins.KINDS, default="any",
+                    help="sessions made by kvchat, api (OpenAI clients), ws (other websocket clients); default any")
+    pr.add_argument("--yes", action="store_true", help="delete them (without it: only list them)")
     sv = sub.add_parser("service", help="run kvd at login (systemd user unit or launchd agent)")
     sv.add_argument("action", choices=["install"], help="write the unit file")
     sv.add_argument("--data-dir", type=Path, help="the data directory the service uses")
@@ -293,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         return status_main(data_dir, args.url, args.json)
     if args.command == "stop":
         return stop(data_dir, args.timeout)
+    if args.command == "sessions":
+        from .service.prune import main as prune_main
+
+        return prune_main(data_dir, empty=args.empty, older_than=args.older_than, origin=args.origin,
+                          yes=args.yes)
     if args.command == "logs":
         return logs(args.log_file or Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log"),
                     args.lines, args.follow)

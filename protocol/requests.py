@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import protocol as p
+from common import origins
 from common.keep import KEEP, Keep
 from common.limits import TEMPERATURE, TOP_P, Range
 
@@ -50,6 +51,7 @@ class SessionCreate:
     id: RequestId
     title: str  # DEFAULT_TITLE when the request has none
     system: str | None
+    origin: str  # who asks: "kvchat", "kvchat one-shot"; "websocket" when the client does not say
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ Request = (SessionCreate | SessionList | SessionGet | SessionUpdate | SessionDel
            | ChatRegenerate | ChatEdit | ChatCancel | ChatAttach | Ping | Status)
 
 MAX_TITLE_CHARS = 200
+MAX_ORIGIN_CHARS = 200
 
 
 def _request_id(value: Any) -> RequestId:
@@ -226,6 +229,13 @@ def _title(msg: dict[str, Any], rid: RequestId) -> str | None:
     return title
 
 
+def _origin(msg: dict[str, Any], rid: RequestId) -> str:
+    origin: str | None = _field(msg, rid, "origin", str, required=False)
+    if origin is not None and not 1 <= len(origin) <= MAX_ORIGIN_CHARS:
+        raise RequestError(p.BAD_REQUEST, f"'origin' must be 1-{MAX_ORIGIN_CHARS} characters", rid)
+    return origin or origins.WEBSOCKET
+
+
 def _system(msg: dict[str, Any], rid: RequestId, limits: Limits) -> str | None:
     system: str | None = _field(msg, rid, "system", str, required=False)
     if system is not None and len(system) > limits.max_text_chars:
@@ -301,7 +311,8 @@ def parse_request(raw: str | bytes, limits: Limits) -> Request:
     if kind == p.SESSION_LIST:
         return SessionList(rid)
     if kind == p.SESSION_CREATE:
-        return SessionCreate(rid, _title(msg, rid) or p.DEFAULT_TITLE, _system(msg, rid, limits))
+        return SessionCreate(rid, _title(msg, rid) or p.DEFAULT_TITLE, _system(msg, rid, limits),
+                             _origin(msg, rid))
     if kind == p.SESSION_GET:
         return SessionGet(rid, _session(msg, rid))
     if kind == p.SESSION_UPDATE:

@@ -109,3 +109,10 @@ def m004_drop_fed_blocks(db: Database) -> None:
     # (Store.continuable); where its cache comes from, by cachestore's blocks.
     db.execute("DROP INDEX IF EXISTS fed_blocks_key")
     db.execute("DROP TABLE IF EXISTS fed_blocks")
+
+
+@migration
+def m005_session_origin(db: Database) -> None:
+    # Who made the session: "kvchat", "kvchat one-shot", "api (<User-Agent>)", "websocket" (a client
+    # that did not say); NULL for sessions made before origins were kept.
+    db.execute("ALTER TABLE sessions ADD COLUMN origin TEXT")

@@ -57,6 +57,7 @@ class Session(TypedDict):
     last_message: str | None
     tokens: int
     params: dict[str, Any]
+    origin: str | None  # who made it: "kvchat", "kvchat one-shot", "api (<User-Agent>)", "websocket"
 
 
 class Message(TypedDict):
@@ -82,12 +83,13 @@ SELECT s.id, s.title, s.system, s.created_at, s.updated_at,
         WHERE m.session_id = s.id ORDER BY m.idx DESC LIMIT 1),
     coalesce((SELECT length(t.tokens) / 4 FROM session_tokens t
         WHERE t.session_id = s.id), 0),
-    s.params
+    s.params,
+    s.origin
 FROM sessions s
 """
 _SESSION_KEYS = (
     "id", "title", "system", "created_at", "updated_at",
-    "message_count", "last_message", "tokens", "params",
+    "message_count", "last_message", "tokens", "params", "origin",
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
@@ -133,20 +135,20 @@ class Store:
     # Sessions
 
     def create_session(
-        self, *, title: str, system: str | None = None
+        self, *, title: str, system: str | None = None, origin: str | None = None
     ) -> Session:
         """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE)."""
         now = self._clock()
         session_id = new_session_id()
         self.db.execute(
-            "INSERT INTO sessions (id, title, system, created_at, updated_at) "
-            "VALUES (?, ?, ?, ?, ?)",
-            [session_id, title, system, now, now],
+            "INSERT INTO sessions (id, title, system, created_at, updated_at, origin) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            [session_id, title, system, now, now, origin],
         )
         return Session(
             id=session_id, title=title, system=system, created_at=now,
             updated_at=now, message_count=0, last_message=None, tokens=0,
-            params={},
+            params={}, origin=origin,
         )  # fmt: skip
 
     def get_session(self, session_id: str) -> Session | None:

@@ -366,3 +366,27 @@ async def test_one_shot_in_process(tmp_path: Path) -> None:
         assert (code, err, out) == (0, "", messages[3]["content"] + "\n")
         code, out, err = await anyio.to_thread.run_sync(lambda: one("   "))
         assert (code, out, err) == (2, "", "error: nothing to send: the message is empty\n")
+
+
+async def test_sessions_say_who_made_them_and_last_resumes_kvchat_s_own(tmp_path: Path) -> None:
+    import httpx
+
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        await kvchat(d, "--new", "--max-tokens", "2", script=["from kvchat", "/quit"])
+        base = d.url.replace("ws://", "http://").removesuffix("/v1")
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {d.token}",
+                                                             "User-Agent": "some-agent/1.0"}) as h:
+            r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "from the api"}],
+                                                           "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+        listed = d.store.list_sessions()
+        assert [(s["title"], s["origin"]) for s in listed] == [("from the api", "api (some-agent/1.0)"),
+                                                               ("from kvchat", "kvchat")]
+        # The API session is the most recent, but --last resumes kvchat's own; --from any takes it.
+        mine = await kvchat(d, "--last", script=["/quit"])
+        anyone = await kvchat(d, "--last", "--from", "any", script=["/quit"])
+        picker = await kvchat(d, "--from", "api", script=[""])
+    assert mine.lines[0] == "from kvchat" and anyone.lines[0] == "from the api"
+    rows = [line for line in picker.lines if line.lstrip().startswith("1 ")]
+    assert len(rows) == 1 and "from the api" in rows[0] and " api " in rows[0]
+    assert not any("from kvchat" in line for line in picker.lines)

@@ -216,3 +216,31 @@ def test_status_after_kill_9_says_the_pid_is_gone_and_shows_the_log(tmp_path: Pa
                         f"is gone (start it with: kvd serve --data-dir {tmp_path})")
     assert lines[1] == f"kvd status: the last lines of {tmp_path / 'kvd.log'}:"
     assert any("listening on" in line for line in lines[2:]) and len(lines) <= 2 + 10
+
+
+def test_sessions_prune_lists_first_then_deletes_through_the_daemon(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    try:
+        with d.client() as c:
+            kept = c.request("session.create", title="kept", origin="kvchat")["session"]["id"]
+            c.chat(kept, "hi", max_tokens=2, temperature=0)
+            empty = [c.request("session.create", title=f"empty {i}", origin="kvchat")["session"]["id"]
+                     for i in range(2)]
+            api_empty = c.request("session.create", title="api", origin="api (x/1)")["session"]["id"]
+        refused = kvd("sessions", "prune", "--data-dir", str(tmp_path))
+        assert refused.returncode == 2 and "--empty, --older-than DAYS and/or --from ORIGIN" in refused.stderr
+        dry = kvd("sessions", "prune", "--empty", "--from", "kvchat", "--data-dir", str(tmp_path))
+        assert dry.returncode == 0, dry.stderr
+        assert sorted(line.split()[0] for line in dry.stdout.splitlines()) == sorted(empty)
+        assert "2 of 4 session(s) would be deleted; run again with --yes" in dry.stderr
+        with d.client() as c:
+            assert len(c.request("session.list")["sessions"]) == 4  # a dry run deletes nothing
+        done = kvd("sessions", "prune", "--empty", "--yes", "--data-dir", str(tmp_path))
+        assert done.returncode == 0 and "deleted 3 of 4 session(s)" in done.stderr
+        with d.client() as c:
+            assert [s["id"] for s in c.request("session.list")["sessions"]] == [kept]
+        assert api_empty in done.stdout.split()  # without --from: every empty session, the API's too
+    finally:
+        d.terminate()
+    gone = kvd("sessions", "prune", "--empty", "--data-dir", str(tmp_path))
+    assert gone.returncode == 1 and "kvd is not running" in gone.stderr

@@ -94,8 +94,11 @@ def test_create_and_get_session(store: Store) -> None:
         "last_message": None,
         "tokens": 0,
         "params": {},
+        "origin": None,
     }
     assert store.get_session(created["id"]) == created
+    api = store.create_session(title="From a client", origin="api (curl/8.5)")
+    assert store.get_session(api["id"]) == api and api["origin"] == "api (curl/8.5)"
 
     other = store.create_session(title="Plans", system="Be brief.")
     got = get(store, other["id"])
@@ -389,7 +392,8 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
         assert store.get_session(s["id"]) is not None
     names = [r[0] for r in raw_query(db_path, "SELECT name FROM _sqlite_migrations "
                                                "WHERE migration_set = 'kvd.sessions' ORDER BY id")]
-    assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks"]
+    assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks",
+                     "m005_session_origin"]
 
 
 def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
@@ -409,13 +413,13 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
     db.execute("INSERT INTO sessions (id, title, system, created_at, updated_at) "
                "VALUES (?, 'old', NULL, 1, 1)", [MISSING])
     db.conn.commit()
-    assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks"]
+    assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks", "m005_session_origin"]
     assert LEGACY_TABLE not in db.table_names() and MIGRATIONS.pending(db) == []
     assert migrate(db) == []
     db.close()
     with Store(db_path) as store:
         old = get(store, MISSING)
-        assert (old["title"], old["params"]) == ("old", {})
+        assert (old["title"], old["params"], old["origin"]) == ("old", {}, None)
         store.update_session(MISSING, params={"top_p": 0.9})
         assert get(store, MISSING)["params"] == {"top_p": 0.9}
 

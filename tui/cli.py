@@ -20,7 +20,7 @@ from rich.console import Console
 
 import protocol
 
-from . import commands, render
+from . import commands, listing, render
 from .chatview import ChatOptions
 from .errors import KvchatError
 from .history import HISTORY_FILE, History
@@ -51,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--token-file", type=Path, help="token file (default: <data-dir>/token)")
     which = parser.add_argument_group("session").add_mutually_exclusive_group()
     which.add_argument("--session", metavar="ID", help="resume the session with this id")
-    which.add_argument("--last", action="store_true", help="resume the most recently used session")
+    which.add_argument("--last", action="store_true",
+                       help="resume the most recently used kvchat session (--from any: of any client)")
     which.add_argument("--new", action="store_true", help="start a new session without the list")
+    parser.add_argument("--from", dest="origin", choices=listing.ORIGINS, metavar="ORIGIN",
+                        help="only sessions made by: kvchat, api (OpenAI clients), ws (other websocket "
+                             "clients) or any (default: any for the list, kvchat for --last)")
     new = parser.add_argument_group("new session")
     new.add_argument("--title", help="title of the new session")
     new.add_argument("--system", help="system prompt of the new session")
@@ -121,7 +125,7 @@ def run(
                 try:
                     # A title or system prompt asks for a new session: no list to pick from.
                     new = args.new or (not args.session and not args.last and (args.title or args.system))
-                    if not chat.open(session_id=args.session, last=args.last, new=bool(new),
+                    if not chat.open(session_id=args.session, last=args.last, new=bool(new), origin=args.origin,
                                      title=args.title, system=args.system):
                         return 0
                 except KvchatError as exc:

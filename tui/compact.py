@@ -23,6 +23,7 @@ import protocol
 from . import render
 from .chatview import ChatView
 from .errors import ServerError
+from .listing import ORIGIN
 
 TITLE_SUFFIX = " (compacted)"
 MAX_TITLE = 200
@@ -95,7 +96,8 @@ def run(chat: ChatView) -> None:
         try:
             fields = {"title": (title[: MAX_TITLE - len(TITLE_SUFFIX)] + TITLE_SUFFIX),
                       "system": system_prompt(old.get("system"), title, kept)}
-            session = chat.request(protocol.SESSION_CREATE, **{k: v for k, v in fields.items() if v})["session"]
+            session = chat.request(protocol.SESSION_CREATE, origin=ORIGIN,
+                                   **{k: v for k, v in fields.items() if v})["session"]
             break
         except ServerError as exc:
             if exc.code != protocol.TOO_LARGE or not kept:

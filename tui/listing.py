@@ -10,8 +10,15 @@ from rich.table import Table
 from rich.text import Text
 
 import protocol
+from common import origins
 
 from .sanitize import sanitize
+
+# Who made a session (docs/protocol.md, the session object's `origin`): kvchat says which of its two it is.
+ORIGIN = origins.KVCHAT
+ONE_SHOT = origins.ONE_SHOT
+ORIGINS = origins.KINDS
+made_by = origins.made_by
 
 SHOWN = 30  # rows in the table; older sessions are reachable by id
 PREVIEW_CHARS = 80
@@ -40,6 +47,17 @@ def one_line(text: str | None, limit: int = PREVIEW_CHARS) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
+def origin_label(origin: object) -> str:
+    """The list's short word for who made a session: kvchat, one-shot, api, ws (another websocket client)."""
+    if not isinstance(origin, str) or not origin:
+        return ""
+    if origin == ONE_SHOT:
+        return "one-shot"
+    if origin.startswith("api"):
+        return "api"
+    return "ws" if origin == origins.WEBSOCKET else origin.split()[0][:8]
+
+
 def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current: str | None = None,
                    now: float | None = None) -> Table:
     """Numbered rows, most recently used first; the number is what /switch and /delete take."""
@@ -53,6 +71,7 @@ def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current
             one_line(s.get("last_message")) or "—",
             str(s.get("tokens", 0)),
             str(s.get("cache", protocol.NO_CACHE)),
+            origin_label(s.get("origin")),
             relative_time(float(updated), now) if isinstance(updated, (int, float)) else "?",
         ))
     table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
@@ -61,17 +80,18 @@ def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current
         return max([len(header), *(len(row[i]) for row in rows)])
 
     # Rich squeezes every no_wrap column alike; the numbers must not be, so widths are set here.
-    fixed = [widest(0, "#"), widest(3, "tokens"), widest(4, "cache"), widest(5, "last used")]
-    room = max(width - sum(fixed) - 2 * 5, 16)  # 2 cells between each of the 6 columns
+    fixed = [widest(0, "#"), widest(3, "tokens"), widest(4, "cache"), widest(5, "from"), widest(6, "last used")]
+    room = max(width - sum(fixed) - 2 * 6, 16)  # 2 cells between each of the 7 columns
     title_width = min(widest(1, "title"), TITLE_WIDTH, max(8, room // 3))
     table.add_column("#", justify="right", no_wrap=True, width=fixed[0])
     table.add_column("title", no_wrap=True, overflow="ellipsis", width=title_width)
     table.add_column("last message", no_wrap=True, overflow="ellipsis", width=max(room - title_width, 8))
     table.add_column("tokens", justify="right", no_wrap=True, width=fixed[1])
     table.add_column("cache", no_wrap=True, width=fixed[2])
-    table.add_column("last used", no_wrap=True, width=fixed[3])
-    for number, title, last, tokens, cache, used in rows:
-        table.add_row(number, Text(title), Text(last, style="dim"), tokens, cache, used)
+    table.add_column("from", no_wrap=True, width=fixed[3])
+    table.add_column("last used", no_wrap=True, width=fixed[4])
+    for number, title, last, tokens, cache, origin, used in rows:
+        table.add_row(number, Text(title), Text(last, style="dim"), tokens, cache, origin, used)
     return table
 
 

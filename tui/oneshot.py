@@ -31,6 +31,7 @@ from . import listing, render
 from .client import Client
 from .errors import KvchatError, ServerError
 from .link import Link
+from .listing import ONE_SHOT
 from .sanitize import StreamSanitizer
 
 TITLE_CHARS = 50
@@ -134,12 +135,13 @@ async def _session(client: Client, args: argparse.Namespace, text: str) -> str:
         await client.request(protocol.SESSION_GET, session=args.session)  # unknown_session if it is not there
         return str(args.session)
     if args.last:
-        sessions = (await client.request(protocol.SESSION_LIST)).get("sessions") or []
+        listed = (await client.request(protocol.SESSION_LIST)).get("sessions") or []
+        sessions = listing.made_by(listed, args.origin or "kvchat")
         if sessions:
             return str(sessions[0]["id"])
     title = args.title or listing.one_line(text, TITLE_CHARS) or None
     fields = {k: v for k, v in (("title", title), ("system", args.system)) if v}
-    return str((await client.request(protocol.SESSION_CREATE, **fields))["session"]["id"])
+    return str((await client.request(protocol.SESSION_CREATE, origin=ONE_SHOT, **fields))["session"]["id"])
 
 
 async def _stream(client: Client, session: str, fields: dict[str, Any], stdout: TextIO,

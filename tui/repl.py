@@ -25,6 +25,7 @@ from .errors import KvchatError, ServerError
 from .interrupts import Interrupts
 from .lineinput import Input
 from .link import Link
+from .listing import ORIGIN
 from .loop_thread import LoopThread
 from .turn import RECONNECTED, RECONNECTING, Turn
 
@@ -175,7 +176,7 @@ class Chat:
     # -- sessions ------------------------------------------------------------------
 
     def open(self, *, session_id: str | None = None, last: bool = False, new: bool = False,
-             title: str | None = None, system: str | None = None) -> bool:
+             title: str | None = None, system: str | None = None, origin: str | None = None) -> bool:
         """Choose the session to start in; False if the user left at the picker."""
         if session_id is not None:
             if not protocol.SESSION_ID_RE.fullmatch(session_id):
@@ -191,7 +192,7 @@ class Chat:
         if new:
             self.create(title=title, system=system)
             return True
-        sessions = self.list_sessions()
+        sessions = listing.made_by(self.list_sessions(), origin or ("kvchat" if last else "any"))
         if last:
             if sessions:
                 self.switch(sessions[0]["id"])
@@ -236,7 +237,7 @@ class Chat:
 
     def create(self, *, title: str | None = None, system: str | None = None) -> None:
         fields = {k: v for k, v in (("title", title), ("system", system)) if v is not None}
-        session = self.request(protocol.SESSION_CREATE, **fields)["session"]
+        session = self.request(protocol.SESSION_CREATE, origin=ORIGIN, **fields)["session"]
         if self.session:
             self.leave()
         self._created.add(session["id"])

@@ -62,6 +62,12 @@ _STATUS = {
 }
 
 
+def api_origin(user_agent: str | None) -> str:
+    """A session's origin for the list: "api (<the client's User-Agent>)", cut to a readable length."""
+    agent = " ".join((user_agent or "").split())[:80]
+    return f"api ({agent})" if agent else "api"
+
+
 def api_error(code: str, message: str) -> ApiError:
     status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
     return ApiError(status, message, code=api_code)
@@ -173,7 +179,8 @@ class OpenAIDoor:
                                                   system)
             rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
             try:
-                placement = place(self.store, self.turns, system, convo, pinned, rewind=rewind)
+                placement = place(self.store, self.turns, system, convo, pinned, rewind=rewind,
+                                  origin=api_origin(request.headers.get("user-agent")))
             except Diverged as e:
                 raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                                code="session_diverged") from None

@@ -88,7 +88,8 @@ def title_for(messages: Sequence[tuple[str, str]]) -> str:
 
 
 def place(store: Store, turns: Turns, system: str | None,
-          messages: Sequence[tuple[str, str]], pinned: str | None = None, *, rewind: bool = False) -> Placement:
+          messages: Sequence[tuple[str, str]], pinned: str | None = None, *, rewind: bool = False,
+          origin: str = "api") -> Placement:
     """Decide where the request's turn goes and commit its messages there.
 
     `messages` are (role, content) pairs, user and assistant only; `system`
@@ -104,11 +105,11 @@ def place(store: Store, turns: Turns, system: str | None,
             if sid not in turns.active and len(messages) > len(said) and divergence(said, messages) == len(said):
                 first_new = _append(store, sid, messages[len(said):])
                 return Placement(sid, first_new, "continued")
-    return _new(store, system, messages)
+    return _new(store, system, messages, origin)
 
 
-def _new(store: Store, system: str | None, messages: Sequence[tuple[str, str]]) -> Placement:
-    session = store.create_session(title=title_for(messages), system=system)
+def _new(store: Store, system: str | None, messages: Sequence[tuple[str, str]], origin: str) -> Placement:
+    session = store.create_session(title=title_for(messages), system=system, origin=origin)
     first_new = _append(store, session["id"], messages)
     return Placement(session["id"], first_new, "new")
 

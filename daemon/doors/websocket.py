@@ -129,7 +129,7 @@ class WebSocketDoor:
             elif isinstance(req, Status):
                 conn.start_slow(rid, lambda: self._reply_status(conn, rid))
             elif isinstance(req, SessionCreate):
-                session = self.store.create_session(title=req.title, system=req.system)
+                session = self.store.create_session(title=req.title, system=req.system, origin=req.origin)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
             elif isinstance(req, SessionList):
                 conn.publish({"type": p.SESSIONS, "id": rid,

@@ -1,0 +1,31 @@
+"""Who made a session: the session's `origin`, and the kinds a list or a prune filters by.
+
+kvchat says "kvchat" (a chat) or "kvchat one-shot"; the OpenAI door records
+"api (<User-Agent>)"; another websocket client that does not say is
+"websocket". Sessions from before origins were kept have none and count as
+kvchat's (it was the only client then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+KVCHAT = "kvchat"
+ONE_SHOT = "kvchat one-shot"
+WEBSOCKET = "websocket"
+KINDS = ("kvchat", "api", "ws", "any")  # what --from takes
+
+S = TypeVar("S", bound=Mapping[str, Any])
+
+
+def kind(origin: object) -> str:
+    """kvchat, api or ws."""
+    if origin is None or str(origin).startswith(KVCHAT):
+        return "kvchat"
+    return "api" if str(origin).startswith("api") else "ws"
+
+
+def made_by(sessions: Sequence[S], which: str) -> list[S]:
+    """The sessions of one kind ("any": all of them), in their order."""
+    return list(sessions) if which == "any" else [s for s in sessions if kind(s.get("origin")) == which]
