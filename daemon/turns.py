@@ -300,6 +300,11 @@ class Turns:
 
     async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
         """Make the turn's ids in the tokenizer stage, then hand the job to the engine."""
+        while not self.engine.ready.is_set():  # the tokenizer comes with the model
+            await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
+        if self.engine.load_error is not None:
+            self.engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
+            return
         try:
             if isinstance(prompt, Tokens):
                 job.tokens, job.retokenized = list(prompt.tokens), True
