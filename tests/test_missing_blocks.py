@@ -83,10 +83,8 @@ def test_an_eviction_that_unlinked_but_never_unlisted_leaves_a_startable_cache(t
     shared = sum(1 for x, y in zip(mine, theirs, strict=False) if x.block == y.block)
     assert 1 <= shared < len(mine)
     # What evict() deletes before it unlists: the session's segments and the blocks only it lists.
-    for row in index.chain(second):
-        row.path.unlink()
-    for row in mine[shared:]:
-        row.path.unlink()
+    for path in [row.path for row in index.chain(second)] + [row.path for row in mine[shared:]]:
+        path.unlink()
     index.close()
 
     a, b, log = _resume_both(tmp_path, first, second)
