@@ -171,6 +171,7 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     if model_dir is None:
         return 1
     store = preflight.open_store(config.db_path, config.backups_dir)
+    served = False  # "stopped" only after serving: a start that failed ends with its error line alone
     try:
         preflight.check_cache_dir(config.cache_dir)
         if lost := preflight.sessions_without_transcript(store, config.cache_dir):
@@ -195,12 +196,14 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
                                  "one)") from None
             raise StartError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
         engine.start()
+        served = True
         failed = anyio.run(_main, config, daemon, detached, not lost)
         if not lost and not failed:
             _back_up(config, "at shutdown")
     finally:
         store.close()
-        log.info("stopped")
+        if served:
+            log.info("stopped")
     return 1 if failed else 0
 
 
