@@ -108,6 +108,10 @@ def parse(body: Any, config: Config) -> ChatRequest:
     """A request body (already JSON-decoded) as a ChatRequest, or the ApiError that says what to fix."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
+        # Before validating each one: pydantic holds the GIL throughout, and every client waits.
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
+                       f"(got {len(body['messages'])})", param="messages")
     try:
         req = ChatRequest.model_validate(body)
     except ValidationError as e:
