@@ -396,3 +396,30 @@ def _check_parent(parent: str) -> str:
     if not isinstance(parent, str) or not BLOCK_RE.fullmatch(parent):
         raise ValueError(f"invalid block parent {parent!r}")
     return parent
+
+
+def disk_ids(root: Path) -> dict[str, tuple[int, ...]]:
+    """Each session's token ids as its disk chain holds them (its blocks, then its segments).
+
+    Read only, through a connection of its own, before anything else opens
+    the index: a fact for the transcript's check at start (which turns a
+    lost WAL took), never a reason to fail. An index that cannot be read
+    gives no facts.
+    """
+    path = root / "index.sqlite"
+    if not path.is_file():
+        return {}
+    found: dict[str, list[int]] = {}
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            for key, blob in db.execute("SELECT c.key, b.tokens FROM chains c JOIN blocks b ON b.block = c.block "
+                                        "ORDER BY c.key, c.n"):
+                found.setdefault(key, []).extend(unpack_tokens(blob))
+            for key, blob in db.execute("SELECT key, tokens FROM segments ORDER BY key, start"):
+                found.setdefault(key, []).extend(unpack_tokens(blob))
+        finally:
+            db.close()
+    except (sqlite3.Error, ValueError):
+        return {}
+    return {key: tuple(ids) for key, ids in found.items()}

@@ -15,6 +15,7 @@ the model) is a real HTTP error, not a broken stream.
 from __future__ import annotations
 
 import json
+import json.scanner
 import logging
 import math
 import secrets
@@ -53,6 +54,7 @@ log = logging.getLogger("kvd.api")
 SESSION_HEADER = "X-Kvd-Session"
 REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
 LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
+C_PARSE_BYTES = 64 << 10  # bodies up to this are parsed by the C parser (a stall of a millisecond or so)
 DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
 
 # The turn core's error codes, as HTTP statuses and OpenAI error codes.
@@ -74,15 +76,36 @@ def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONRe
 
 
 def _decode(body: bytes, config: Config) -> ChatRequest:
-    """The body as a validated request (a worker thread: its cost grows with the body's size)."""
+    """The body as a validated request (a worker thread: its cost grows with the body's size).
+
+    The C parser holds the GIL from start to end, and the event loop waits
+    for it even from here (a 1 MiB body of small objects: tens of ms); so a
+    large body goes through the standard library's Python scanner instead,
+    slower but handing the GIL back every few milliseconds. Its objects are
+    freed here too, not on the loop, when the request is refused.
+    """
     try:
-        decoded = json.loads(body)
+        decoded = json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
     except RecursionError:
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply; a chat request "
                        "is at most a few levels deep") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
-    return parse(decoded, config)
+    try:
+        return parse(decoded, config)
+    except ApiError as e:
+        refused = e
+    del decoded
+    raise refused.with_traceback(None)
+
+
+def _cooperative_decoder() -> json.JSONDecoder:
+    decoder = json.JSONDecoder()
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+    return decoder
+
+
+_COOPERATIVE = _cooperative_decoder()
 
 
 class _Events:

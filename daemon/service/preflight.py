@@ -147,15 +147,67 @@ def open_store(db_path: Path, backups: Path) -> Store:
 
 
 def restore_hint(db_path: Path, backups: Path) -> str:
-    """How to get the transcripts back: the newest backup, or how to start afresh."""
-    from .backup import newest_backup
+    """How to get the transcripts back: the newest backup holding at least what the database still has.
 
-    newest = newest_backup(backups)
-    if newest is None:
+    A backup that holds less (fewer sessions or messages: the one taken at
+    the first start holds none) would lose more than the damage did, so it
+    is never suggested; then the advice is to keep the database.
+    """
+    from .backup import backups as all_backups
+
+    found = all_backups(backups)
+    if not found:
         return (f"there is no backup in {backups}; move {db_path.name} aside to start with no "
                 f"sessions (see {WHEN_WRONG})")
-    return (f"restore the newest backup: cp {newest} {db_path} && rm -f {db_path}-wal {db_path}-shm "
-            f"(see {WHEN_WRONG})")
+    have = _holds(db_path)
+    for candidate in reversed(found):
+        held = _holds(candidate)
+        if held is not None and (have is None or (held[0] >= have[0] and held[1] >= have[1])):
+            return (f"restore the newest backup that holds as much: cp {candidate} {db_path} && "
+                    f"rm -f {db_path}-wal {db_path}-shm (see {WHEN_WRONG})")
+    assert have is not None
+    return (f"every backup in {backups} holds less than {db_path.name} still does ({have[0]} session(s), "
+            f"{have[1]} message(s)), so keep it: restoring one would lose more (see {WHEN_WRONG})")
+
+
+def _holds(path: Path) -> tuple[int, int] | None:
+    """(sessions, messages) in a transcript database, or None if it cannot be read."""
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return (int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]),
+                    int(db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]))
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+
+
+def partial_losses(store: Store, cache_dir: Path) -> list[str]:
+    """Sessions whose transcript ends before what their KV cache on disk was fed.
+
+    Turns only ever append to a session's fed ids, and its cache is written
+    from them after each turn; so a cache whose ids run past the stored fed
+    ids, which are a prefix of them, means the transcript lost its last
+    turns (a deleted or damaged kvd.sqlite-wal). An answer a crash left
+    'streaming' explains a longer cache too (its ids were never committed),
+    so such a session is not named. Call before recover_interrupted.
+    """
+    from cachestore import disk_ids
+
+    cached = disk_ids(cache_dir)
+    if not cached:
+        return []
+    cut = {r[0] for r in store.db.execute("SELECT DISTINCT session_id FROM messages WHERE status = 'streaming'")}
+    lost = []
+    for (sid,) in store.db.execute("SELECT id FROM sessions ORDER BY id").fetchall():
+        ids = cached.get(sid)
+        if ids is None or sid in cut:
+            continue
+        fed, _ = store.fed(sid)
+        if len(ids) > len(fed) and list(ids[:len(fed)]) == fed:
+            lost.append(f"{sid} ({len(ids) - len(fed)} token(s) of its last turns)")
+    return lost
 
 
 def check_cache_dir(cache_dir: Path) -> None:
