@@ -40,6 +40,8 @@ from .service.logfile import setup_logging
 from .service.preflight import StartError
 
 if TYPE_CHECKING:
+    from sessions import Store
+
     from .server import Daemon
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -47,6 +49,7 @@ if sys.version_info < (3, 11):
 log = logging.getLogger("kvd")
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+BACKUP_CHECK_EVERY = 60.0  # seconds between looks at whether a backup is due
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -242,7 +245,7 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
             tg.start_soon(_announce_ready, daemon, detached)
             backups = anyio.CancelScope()
             if backups_on:
-                tg.start_soon(_daily_backups, config, backups)
+                tg.start_soon(_scheduled_backups, config, daemon.store, backups)
             async with anyio.create_task_group() as until:
 
                 async def on_signal() -> None:
@@ -266,12 +269,14 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
     return failed
 
 
-async def _daily_backups(config: Config, scope: anyio.CancelScope) -> None:
+async def _scheduled_backups(config: Config, store: Store, scope: anyio.CancelScope) -> None:
+    """Back up daily and after every backup.AFTER_MESSAGES new messages, while kvd runs."""
     with scope:
         while True:
-            if backup.due(config.backups_dir):
-                await anyio.to_thread.run_sync(_back_up, config, "daily")
-            await anyio.sleep(3600)
+            messages = int(store.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0])
+            if (why := await anyio.to_thread.run_sync(backup.wanted, messages, config.backups_dir)) is not None:
+                await anyio.to_thread.run_sync(_back_up, config, why)
+            await anyio.sleep(BACKUP_CHECK_EVERY)
 
 
 def _back_up(config: Config, when: str) -> None:

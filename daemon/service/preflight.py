@@ -154,6 +154,7 @@ def restore_hint(db_path: Path, backups: Path) -> str:
     is never suggested; then the advice is to keep the database.
     """
     from .backup import backups as all_backups
+    from .backup import held as _holds
 
     found = all_backups(backups)
     if not found:
@@ -163,24 +164,13 @@ def restore_hint(db_path: Path, backups: Path) -> str:
     for candidate in reversed(found):
         held = _holds(candidate)
         if held is not None and (have is None or (held[0] >= have[0] and held[1] >= have[1])):
-            return (f"restore the newest backup that holds as much: cp {candidate} {db_path} && "
-                    f"rm -f {db_path}-wal {db_path}-shm (see {WHEN_WRONG})")
+            which = ("the newest backup" if candidate == found[-1] else
+                     "the newest backup that holds as much as it still does (newer ones hold less)")
+            return (f"restore {which}: cp {candidate} {db_path} && rm -f {db_path}-wal {db_path}-shm "
+                    f"(see {WHEN_WRONG})")
     assert have is not None
     return (f"every backup in {backups} holds less than {db_path.name} still does ({have[0]} session(s), "
             f"{have[1]} message(s)), so keep it: restoring one would lose more (see {WHEN_WRONG})")
-
-
-def _holds(path: Path) -> tuple[int, int] | None:
-    """(sessions, messages) in a transcript database, or None if it cannot be read."""
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            return (int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]),
-                    int(db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]))
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return None
 
 
 def partial_losses(store: Store, cache_dir: Path) -> list[str]:
