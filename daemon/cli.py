@@ -273,7 +273,7 @@ async def _scheduled_backups(config: Config, store: Store, scope: anyio.CancelSc
     """Back up daily and after every backup.AFTER_MESSAGES new messages, while kvd runs."""
     with scope:
         while True:
-            messages = int(store.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0])
+            messages = store.message_count()
             if (why := await anyio.to_thread.run_sync(backup.wanted, messages, config.backups_dir)) is not None:
                 await anyio.to_thread.run_sync(_back_up, config, why)
             await anyio.sleep(BACKUP_CHECK_EVERY)

@@ -23,7 +23,7 @@ import sqlite3
 import stat
 from pathlib import Path
 
-from cachestore import cached_session_ids, check_usable
+from cachestore import cached_session_ids, check_usable, disk_ids
 from common.diskfull import is_disk_full
 from sessions import Store
 
@@ -183,14 +183,12 @@ def partial_losses(store: Store, cache_dir: Path) -> list[str]:
     'streaming' explains a longer cache too (its ids were never committed),
     so such a session is not named. Call before recover_interrupted.
     """
-    from cachestore import disk_ids
-
     cached = disk_ids(cache_dir)
     if not cached:
         return []
-    cut = {r[0] for r in store.db.execute("SELECT DISTINCT session_id FROM messages WHERE status = 'streaming'")}
+    cut = store.interrupted_session_ids()
     lost = []
-    for (sid,) in store.db.execute("SELECT id FROM sessions ORDER BY id").fetchall():
+    for sid in sorted(store.session_ids()):
         ids = cached.get(sid)
         if ids is None or sid in cut:
             continue
