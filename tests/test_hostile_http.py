@@ -158,14 +158,27 @@ def test_a_pinned_session_answering_already_is_a_409_that_stores_nothing(daemon:
     client = openai.OpenAI(base_url=daemon.base_url, api_key=daemon.token, max_retries=0)
     raw = client.chat.completions.with_raw_response.create(model="kvd", messages=[{"role": "user", "content": "a"}],
                                                            max_tokens=2)
-    session = raw.headers["x-kvd-session"]
-    with client.chat.completions.create(model="kvd", messages=[{"role": "user", "content": "a"}], stream=True,
-                                        max_tokens=4000, extra_headers={"X-Kvd-Session": session}) as stream:
+    session, said = raw.headers["x-kvd-session"], raw.parse().choices[0].message.content or ""
+    convo: Any = [{"role": "user", "content": "a"}, {"role": "assistant", "content": said},
+                  {"role": "user", "content": "go on"}]
+    with client.chat.completions.create(model="kvd", messages=convo, stream=True, max_tokens=4000,
+                                        extra_headers={"X-Kvd-Session": session}) as stream:
         next(iter(stream))  # it is answering
         before = stored(daemon)
-        r = post(daemon, {**HI, "messages": [{"role": "user", "content": "b"}]}, **{"X-Kvd-Session": session})
+        r = post(daemon, {**HI, "messages": [{"role": "user", "content": "b"}]},
+                 **{"X-Kvd-Session": session, "X-Kvd-Rewind": "true"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy", r.text
         assert stored(daemon) == before
+
+
+def test_a_pinned_request_that_differs_from_its_session_is_a_409_that_stores_nothing(
+        daemon: DaemonProcess) -> None:
+    first = post(daemon, {**HI, "messages": [{"role": "user", "content": "one"}]})
+    session = first.headers["x-kvd-session"]
+    before = stored(daemon)
+    r = post(daemon, {**HI, "messages": [{"role": "user", "content": "another"}]}, **{"X-Kvd-Session": session})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_diverged", r.text
+    assert stored(daemon) == before
 
 
 def test_a_client_that_hangs_up_mid_body_leaves_one_line_and_no_traceback(daemon: DaemonProcess) -> None:
