@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -285,15 +286,16 @@ def test_a_costly_request_does_not_stall_another_clients_pings(
 # --- bursts and half-open connections ---------------------------------------------------------
 
 
-def test_a_burst_of_200_streams_is_answered_or_told_to_retry(daemon: DaemonProcess) -> None:
+def _burst(d: DaemonProcess, n: int, max_tokens: int) -> list[int | str]:
+    """`n` streaming requests at once through the official async client: 200, 429, or what else came."""
     async def burst() -> list[int | str]:
-        client = openai.AsyncOpenAI(base_url=daemon.base_url, api_key=daemon.token, max_retries=0,
-                                    timeout=120)
+        client = openai.AsyncOpenAI(base_url=d.base_url, api_key=d.token, max_retries=0, timeout=120)
 
         async def one(i: int) -> int | str:
             try:
                 stream = await client.chat.completions.create(
-                    model="kvd", messages=[{"role": "user", "content": f"burst {i}"}], max_tokens=2, stream=True)
+                    model="kvd", messages=[{"role": "user", "content": f"burst {i}"}], max_tokens=max_tokens,
+                    stream=True)
                 async for _ in stream:
                     pass
                 return 200
@@ -306,17 +308,38 @@ def test_a_burst_of_200_streams_is_answered_or_told_to_retry(daemon: DaemonProce
                 return f"{e.status_code} {e.response.text[:200]}"
 
         try:
-            return list(await asyncio.gather(*(one(i) for i in range(200))))
+            return list(await asyncio.gather(*(one(i) for i in range(n))))
         finally:
             await client.close()
 
+    return asyncio.run(burst())
+
+
+def test_a_burst_of_200_streams_is_answered_or_told_to_retry(daemon: DaemonProcess) -> None:
     before = stored(daemon)
-    results = asyncio.run(burst())
+    results = _burst(daemon, 200, max_tokens=2)
     odd = [r for r in results if r not in (200, 429)]
     assert not odd, odd
-    answered = results.count(200)
-    assert answered >= 8 + 64 or results.count(429) == 0, results  # the queue held its depth first
-    assert stored(daemon)[0] == before[0] + answered  # a 429 stored nothing
+    assert results.count(200) >= 8 + 64 or 429 not in results, results  # the queue held its depth first
+    assert stored(daemon)[0] == before[0] + results.count(200)  # a 429 stored nothing
+
+
+def test_past_the_queue_depth_a_burst_gets_429s_with_retry_after(tmp_path: Path) -> None:
+    config = tmp_path / "kvd.toml"
+    config.write_text("[cache]\nprefetch = false\n[limits]\nmax_generations = 2\nmax_queued = 3\n")
+    data = tmp_path / "data"
+    d = DaemonProcess(data, "--config", str(config))
+    try:
+        with d.client():
+            pass  # loaded
+        before = stored(d)
+        results = _burst(d, 60, max_tokens=200)
+        odd = [r for r in results if r not in (200, 429)]
+        assert not odd, odd
+        assert results.count(200) >= 2 + 3 and results.count(429) > 0, results
+        assert stored(d)[0] == before[0] + results.count(200)
+    finally:
+        assert d.terminate() == 0
 
 
 def test_500_half_open_connections_cannot_starve_a_client_with_the_token(daemon: DaemonProcess) -> None:
