@@ -31,7 +31,7 @@ import pytest
 from common.limits import MAX_MESSAGES, MAX_STOP_CHARS
 from daemonproc import DaemonProcess
 
-HI: dict[str, Any] = {"model": "kvd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+HI: dict[str, Any] = {"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 2.0
 
@@ -105,6 +105,7 @@ REFUSALS: list[tuple[str, bytes | dict[str, Any], dict[str, str], int, str | Non
     ("longer than max_text_chars", {**HI, "messages": [{"role": "user", "content": "word " * 180_000}]}, {},
      400, "string_above_max_length"),
     ("a bad session id", HI, {"X-Kvd-Session": "../etc"}, 400, None),
+    ("a model kvd does not serve", {**HI, "model": "gpt-4o"}, {}, 404, "model_not_found"),
     ("an unknown session", HI, {"X-Kvd-Session": "0123456789abcdef"}, 404, "session_not_found"),
     ("too large a body", {**HI, "messages": [{"role": "user", "content": "x" * 1_100_000}]}, {}, 413,
      "request_too_large"),
@@ -157,12 +158,12 @@ def test_a_refusal_by_the_engine_takes_back_the_session_it_made(daemon: DaemonPr
 
 def test_a_pinned_session_answering_already_is_a_409_that_stores_nothing(daemon: DaemonProcess) -> None:
     client = openai.OpenAI(base_url=daemon.base_url, api_key=daemon.token, max_retries=0)
-    raw = client.chat.completions.with_raw_response.create(model="kvd", messages=[{"role": "user", "content": "a"}],
-                                                           max_tokens=2)
+    raw = client.chat.completions.with_raw_response.create(
+        model="builtin:tiny", messages=[{"role": "user", "content": "a"}], max_tokens=2)
     session, said = raw.headers["x-kvd-session"], raw.parse().choices[0].message.content or ""
     convo: Any = [{"role": "user", "content": "a"}, {"role": "assistant", "content": said},
                   {"role": "user", "content": "go on"}]
-    with client.chat.completions.create(model="kvd", messages=convo, stream=True, max_tokens=4000,
+    with client.chat.completions.create(model="builtin:tiny", messages=convo, stream=True, max_tokens=4000,
                                         extra_headers={"X-Kvd-Session": session}) as stream:
         next(iter(stream))  # it is answering
         before = stored(daemon)
@@ -294,7 +295,7 @@ def _burst(d: DaemonProcess, n: int, max_tokens: int) -> list[int | str]:
         async def one(i: int) -> int | str:
             try:
                 stream = await client.chat.completions.create(
-                    model="kvd", messages=[{"role": "user", "content": f"burst {i}"}], max_tokens=max_tokens,
+                    model="builtin:tiny", messages=[{"role": "user", "content": f"burst {i}"}], max_tokens=max_tokens,
                     stream=True)
                 async for _ in stream:
                     pass
@@ -353,8 +354,8 @@ def test_500_half_open_connections_cannot_starve_a_client_with_the_token(daemon:
             idle.append(s)
         client = openai.OpenAI(base_url=daemon.base_url, api_key=daemon.token, max_retries=0, timeout=20)
         for i in range(10):
-            answer = client.chat.completions.create(model="kvd", messages=[{"role": "user", "content": f"s{i}"}],
-                                                    max_tokens=2)
+            answer = client.chat.completions.create(
+                model="builtin:tiny", messages=[{"role": "user", "content": f"s{i}"}], max_tokens=2)
             assert answer.choices[0].message.content is not None
         # Every half-open connection is closed: the oldest to make room, the rest on the head deadline.
         for s in idle:
