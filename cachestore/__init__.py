@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .index import disk_ids
 from .layout import cached_session_ids, check_usable
 from .prefix import common_prefix_len
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from .store import Budgets, Checkout, SessionCaches
 
 __all__ = ["Budgets", "Checkout", "SessionCaches", "cached_session_ids", "check_usable", "common_prefix_len",
-           "model_fingerprint"]
+           "disk_ids", "model_fingerprint"]
 
 _LAZY = frozenset({"Budgets", "Checkout", "SessionCaches"})
 

@@ -20,6 +20,7 @@ from the files by the owner (store.py), not taken as "no segments".
 
 from __future__ import annotations
 
+import logging
 import re
 import sqlite3
 import time
@@ -36,6 +37,8 @@ from common.tokenids import pack_tokens, unpack_tokens
 from .blocks import BLOCK_RE
 from .layout import BLOCKS, INDEX, SEGMENTS
 from .migrations import known, migrate
+
+log = logging.getLogger("kvd.cache")
 
 KEY_RE = re.compile(r"[0-9a-f]{1,64}")
 SEGMENT_SUFFIX = ".safetensors"
@@ -329,7 +332,14 @@ class SegmentIndex:
         return sum(r.nbytes for r in rows) + sum(int(n) for _, n in only)
 
     def sweep(self) -> int:
-        """Delete files no row lists (a crash before indexing) and rows whose file is gone."""
+        """Delete files no row lists (a crash before indexing) and cut chains at files that are gone.
+
+        A listed file can be gone after a crash between an eviction's unlink
+        and its unlisting, or when that unlisting rolled back on a full disk.
+        A gone block cuts every chain that lists it (its successors with it,
+        as a damaged block does); a gone segment cuts its session's segments
+        from there. Either way those sessions prefill from the cut.
+        """
         removed = 0
         for table, root in (("segments", self.files), ("blocks", self.blocks)):
             listed = {Path(r[0]) for r in self.db.execute(f"SELECT file FROM {table}")}
@@ -337,18 +347,27 @@ class SegmentIndex:
                 if path.is_file() and path.relative_to(root) not in listed:
                     path.unlink(missing_ok=True)
                     removed += 1
-            for (rel,) in self.db.execute(f"SELECT file FROM {table}").fetchall():
-                if not (root / rel).is_file():
-                    if table == "blocks":
-                        block = self.db.execute("SELECT block FROM blocks WHERE file = ?", [rel]).fetchone()[0]
-                        self.drop_block(block)
-                    else:
-                        self.db.execute("DELETE FROM segments WHERE file = ?", [rel])
-                    removed += 1
+        for key, start, rel in self.db.execute(
+                "SELECT key, start, file FROM segments ORDER BY key, start").fetchall():
+            if not (self.files / rel).is_file() and self._listed("segments", "file", rel):
+                removed += sum(1 for r in self.chain(key) if r.start >= start)
+                self.drop_segments(key, start)
+                log.warning("cache file %s is missing; session %s will prefill from token %d",
+                            self.files / rel, key, start)
+        for block, start, rel in self.db.execute("SELECT block, start, file FROM blocks ORDER BY start").fetchall():
+            # An earlier cut may have unlisted (and deleted) this block already: it followed a gone one.
+            if not (self.blocks / rel).is_file() and self._listed("blocks", "block", block):
+                cut = self.drop_block(block)
+                removed += 1
+                log.warning("cache block %s is missing; %d session(s) that listed it will prefill "
+                            "from token %d", self.blocks / rel, len(cut), start)
         for d in sorted(self.files.iterdir()):
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()
         return removed
+
+    def _listed(self, table: str, column: str, value: str) -> bool:
+        return self.db.execute(f"SELECT 1 FROM {table} WHERE {column} = ?", [value]).fetchone() is not None
 
     def _used(self, key: str, now: float) -> None:
         self.db.execute("INSERT INTO keys (key, last_used) VALUES (?, ?) "
@@ -377,3 +396,30 @@ def _check_parent(parent: str) -> str:
     if not isinstance(parent, str) or not BLOCK_RE.fullmatch(parent):
         raise ValueError(f"invalid block parent {parent!r}")
     return parent
+
+
+def disk_ids(root: Path) -> dict[str, tuple[int, ...]]:
+    """Each session's token ids as its disk chain holds them (its blocks, then its segments).
+
+    Read only, through a connection of its own, before anything else opens
+    the index: a fact for the transcript's check at start (which turns a
+    lost WAL took), never a reason to fail. An index that cannot be read
+    gives no facts.
+    """
+    path = root / "index.sqlite"
+    if not path.is_file():
+        return {}
+    found: dict[str, list[int]] = {}
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            for key, blob in db.execute("SELECT c.key, b.tokens FROM chains c JOIN blocks b ON b.block = c.block "
+                                        "ORDER BY c.key, c.n"):
+                found.setdefault(key, []).extend(unpack_tokens(blob))
+            for key, blob in db.execute("SELECT key, tokens FROM segments ORDER BY key, start"):
+                found.setdefault(key, []).extend(unpack_tokens(blob))
+        finally:
+            db.close()
+    except (sqlite3.Error, ValueError):
+        return {}
+    return {key: tuple(ids) for key, ids in found.items()}

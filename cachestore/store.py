@@ -117,7 +117,7 @@ class SessionCaches:
         if self.index.lost is not None:
             rebuild_index(self.index, self.root, self.index.lost)
         if removed := self.index.sweep():
-            log.info("removed %d cache file(s) left incomplete by a crash", removed)
+            log.info("removed %d cache file(s) or listing(s) left behind by a crash", removed)
         self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes,
                                                                   budgets.resident_sessions)
         self.warm: Tier[tuple[Snapshot, list[int]]] = Tier("warm", budgets.warm_bytes)

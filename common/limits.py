@@ -35,3 +35,11 @@ class Range:
 # Sampling, per request or per session (params) or as the daemon's default.
 TEMPERATURE = Range(0.0, 2.0)
 TOP_P = Range(0.0, 1.0, low_open=True)
+
+# What one OpenAI request may carry, beyond the sizes config.toml sets ([limits]). Each bounds
+# work done per request (stop sequences are scanned against every streamed delta; every message
+# is validated, compared with the stored transcript and rendered), so no request stalls others.
+MAX_STOPS = 4  # stop sequences per request, as OpenAI
+MAX_STOP_CHARS = 256  # characters per stop sequence
+MAX_MESSAGES = 2048  # messages per request
+SEED_MAX = 2**64 - 1  # a seed is 0 to this: MLX's sampler seed is an unsigned 64-bit integer

@@ -40,6 +40,8 @@ from .service.logfile import setup_logging
 from .service.preflight import StartError
 
 if TYPE_CHECKING:
+    from sessions import Store
+
     from .server import Daemon
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -47,6 +49,7 @@ if sys.version_info < (3, 11):
 log = logging.getLogger("kvd")
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+BACKUP_CHECK_EVERY = 60.0  # seconds between looks at whether a backup is due
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,13 +183,22 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     if model_dir is None:
         return 1
     store = preflight.open_store(config.db_path, config.backups_dir)
+    served = False  # "stopped" only after serving: a start that failed ends with its error line alone
     try:
         preflight.check_cache_dir(config.cache_dir)
-        if lost := preflight.sessions_without_transcript(store, config.cache_dir):
+        lost = preflight.sessions_without_transcript(store, config.cache_dir)
+        if lost:
             log.warning("TRANSCRIPTS LOST: %d session(s) have KV caches but no transcript in %s (%s); "
                         "was %s-wal deleted or damaged? %s", len(lost), config.db_path,
                         ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else ""), config.db_path.name,
                         preflight.restore_hint(config.db_path, config.backups_dir))
+        if partial := preflight.partial_losses(store, config.cache_dir):
+            log.warning("TRANSCRIPTS LOST: %d session(s) in %s end before what their KV caches were fed: %s; "
+                        "was %s-wal deleted or damaged? %s", len(partial), config.db_path,
+                        ", ".join(partial[:10]) + (" ..." if len(partial) > 10 else ""), config.db_path.name,
+                        preflight.restore_hint(config.db_path, config.backups_dir))
+            lost += [p.split()[0] for p in partial]
+        if lost:
             log.warning("no backups while this daemon runs: they would replace the ones from before "
                         "the loss")
         if n := store.recover_interrupted():
@@ -204,12 +216,14 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
                                  "one)") from None
             raise StartError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
         engine.start()
+        served = True
         failed = anyio.run(_main, config, daemon, detached, not lost)
         if not lost and not failed:
             _back_up(config, "at shutdown")
     finally:
         store.close()
-        log.info("stopped")
+        if served:
+            log.info("stopped")
     return 1 if failed else 0
 
 
@@ -240,7 +254,7 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
             tg.start_soon(_announce_ready, daemon, detached)
             backups = anyio.CancelScope()
             if backups_on:
-                tg.start_soon(_daily_backups, config, backups)
+                tg.start_soon(_scheduled_backups, config, daemon.store, backups)
             async with anyio.create_task_group() as until:
 
                 async def on_signal() -> None:
@@ -264,12 +278,14 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
     return failed
 
 
-async def _daily_backups(config: Config, scope: anyio.CancelScope) -> None:
+async def _scheduled_backups(config: Config, store: Store, scope: anyio.CancelScope) -> None:
+    """Back up daily and after every backup.AFTER_MESSAGES new messages, while kvd runs."""
     with scope:
         while True:
-            if backup.due(config.backups_dir):
-                await anyio.to_thread.run_sync(_back_up, config, "daily")
-            await anyio.sleep(3600)
+            messages = store.message_count()
+            if (why := await anyio.to_thread.run_sync(backup.wanted, messages, config.backups_dir)) is not None:
+                await anyio.to_thread.run_sync(_back_up, config, why)
+            await anyio.sleep(BACKUP_CHECK_EVERY)
 
 
 def _back_up(config: Config, when: str) -> None:

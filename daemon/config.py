@@ -67,7 +67,11 @@ class Config:
     max_tokens_limit: int = 4096
     send_timeout: float = 10.0
     max_generations: int = 8
+    max_queued: int = 64
     max_connections: int = 64
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_unauthenticated: int = 256
 
     def request_limits(self) -> Limits:
         """The [limits] a client's request is checked against (protocol/requests.py)."""
@@ -127,7 +131,11 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "max_tokens_limit": ("limits", "max_tokens_limit"),
     "send_timeout": ("limits", "send_timeout"),
     "max_generations": ("limits", "max_generations"),
+    "max_queued": ("limits", "max_queued"),
     "max_connections": ("limits", "max_connections"),
+    "header_timeout": ("limits", "header_timeout"),
+    "body_timeout": ("limits", "body_timeout"),
+    "max_unauthenticated": ("limits", "max_unauthenticated"),
 }
 
 
@@ -196,7 +204,8 @@ def _check(name: str, value: Any) -> Any:
         ranged = {"temperature": TEMPERATURE, "top_p": TOP_P}.get(name)
         if ranged is not None and value not in ranged:
             raise ConfigError(f"{dotted} must be in {ranged.describe()}")
-        if name in ("send_timeout", "resident_idle", "warm_idle", "prefill_slice") and value <= 0:
+        if name in ("send_timeout", "resident_idle", "warm_idle", "prefill_slice", "header_timeout",
+                    "body_timeout") and value <= 0:
             raise ConfigError(f"{dotted} must be positive")
         return value
     raise AssertionError(name)  # pragma: no cover

@@ -34,6 +34,7 @@ from . import __version__
 from .config import Config
 from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
+from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
 from .doors.openai_api import OpenAIDoor
 from .doors.websocket import WebSocketDoor
@@ -97,14 +98,16 @@ class Daemon:
         sock = self._sock
         assert sock is not None
         logging.getLogger("uvicorn").setLevel(logging.WARNING)
+        http = guarded_h11(header_timeout=self.config.header_timeout,
+                           max_unauthenticated=self.config.max_unauthenticated)
         config = uvicorn.Config(
-            self._app, interface="asgi3", ws="websockets-sansio", http="h11", lifespan="off", log_config=None,
+            self._app, interface="asgi3", ws="websockets-sansio", http=http, lifespan="off", log_config=None,
             proxy_headers=False,
             access_log=False, server_header=False, headers=[("server", f"kvd/{__version__}")],
             ws_max_size=self.config.max_message_bytes, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
-            # An outer bound on HTTP and websocket connections together (uvicorn answers 503 past
-            # it); websockets alone meet max_connections first, with kvd's own 503 that names it.
-            limit_concurrency=2 * self.config.max_connections,
+            # No limit_concurrency: past it uvicorn answers everyone, token or not, with a plain-text
+            # 503. Connections are bounded where kvd knows who is asking: heads by the protocol
+            # (h11guard.py), websockets by max_connections, API turns by max_queued (admission.py).
         )
         server = _Server(config)
         async with anyio.create_task_group() as tg:

@@ -70,21 +70,33 @@ class StopScan:
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""  # everything fed, up to (not including) a stop once one is found
         self.shown = 0
         self.hit = False
 
     def feed(self, delta: str) -> str:
+        """Work per delta grows with the delta and the stops' lengths, never with the answer so far."""
         if self.hit:
             return ""
+        since = max(0, len(self.text) - self.longest + 1)  # a stop starting earlier was found before
         self.text += delta
-        at = min((i for s in self.stops if (i := self.text.find(s)) >= 0), default=-1)
+        at = min((i for s in self.stops if (i := self.text.find(s, since)) >= 0), default=-1)
         if at >= 0:
             self.hit = True
             self.text = self.text[:at]
             return self._release(len(self.text))
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        return self._release(len(self.text) - hold)
+        return self._release(len(self.text) - self._held())
+
+    def _held(self) -> int:
+        """How long an end of the text is that begins some stop sequence (shown once settled)."""
+        held = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), held, -1):
+                if self.text.endswith(s[:k]):
+                    held = k
+                    break
+        return held
 
     def flush(self) -> str:
         return self._release(len(self.text))

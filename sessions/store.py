@@ -365,6 +365,15 @@ class Store:
         """Every session's id (a start compares them with what the cache holds)."""
         return {row[0] for row in self.db.execute("SELECT id FROM sessions")}
 
+    def interrupted_session_ids(self) -> set[str]:
+        """Sessions with an answer a crash left 'streaming' (a start asks before recover_interrupted)."""
+        rows = self.db.execute("SELECT DISTINCT session_id FROM messages WHERE status = 'streaming'")
+        return {row[0] for row in rows}
+
+    def message_count(self) -> int:
+        """Messages in every session (backups are taken after enough new ones)."""
+        return int(self.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0])
+
     def damage(self) -> list[str]:
         """What SQLite's quick_check finds wrong with the database; empty when it is sound."""
         try:

@@ -57,8 +57,9 @@ TIERS: dict[str, frozenset[str]] = {
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_blas", "test_disk_full", "test_index_rebuild", "test_kill9",
-        "test_kvchat_daily_tmux", "test_kvchat_tmux", "test_openai", "test_realmodel", "test_restart",
-        "test_service_life", "test_start_failures", "test_startup", "test_transcript_integrity",
+        "test_hostile_http", "test_kvchat_daily_tmux", "test_kvchat_tmux", "test_missing_blocks", "test_openai",
+        "test_realmodel", "test_restart", "test_service_life", "test_start_failures", "test_startup",
+        "test_transcript_integrity",
     }),
 }  # fmt: skip
 

@@ -366,6 +366,11 @@ async def test_one_shot_in_process(tmp_path: Path) -> None:
         assert (code, err, out) == (0, "", messages[3]["content"] + "\n")
         code, out, err = await anyio.to_thread.run_sync(lambda: one("   "))
         assert (code, out, err) == (2, "", "error: nothing to send: the message is empty\n")
+        # A send refused before any answer leaves no session behind (max_tokens past the limit).
+        sessions = d.store.list_sessions()
+        code, out, err = await anyio.to_thread.run_sync(lambda: one("--max-tokens", "5000", "hi"))
+        assert code != 0 and "max_tokens" in err and out == ""
+        assert d.store.list_sessions() == sessions
 
 
 async def test_sessions_say_who_made_them_and_last_resumes_kvchat_s_own(tmp_path: Path) -> None:

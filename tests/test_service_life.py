@@ -57,6 +57,8 @@ def test_port_in_use_is_one_line(tmp_path: Path) -> None:
                       "with another data directory); pick another with --port N or [server] port in "
                       "config.toml (--port 0 picks a free one)"]
     assert "Traceback" not in out.stderr and "kvd: listening" not in out.stderr
+    assert out.stderr.splitlines()[-1] == errors[0]  # the last word: no "kvd: stopped" after a start that failed
+    assert "stopped" not in out.stderr
     assert not is_locked(tmp_path)
 
 

@@ -35,6 +35,9 @@ from .listing import ONE_SHOT
 from .sanitize import StreamSanitizer
 
 TITLE_CHARS = 50
+# Errors that refuse a chat.send before anything is generated (max_tokens past the limit, a message
+# longer than the model's context): a session this call made for it is deleted again.
+REFUSALS = frozenset({protocol.BAD_REQUEST, protocol.TOO_LARGE})
 
 
 class UsageProblem(Exception):
@@ -97,7 +100,7 @@ async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: 
     client = await link.connect()  # first: "kvd is not running" matters more than an empty stdin
     try:
         text = message()
-        session = await _session(client, args, text)
+        session, created = await _session(client, args, text)
         await client.wait_ready()
         fields: dict[str, Any] = {"text": text}
         if args.max_tokens is not None:
@@ -111,6 +114,11 @@ async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: 
         canceller = asyncio.create_task(_cancel_when(interrupted, client, session))
         try:
             done = await _stream(client, session, fields, stdout, printing=not args.json)
+        except ServerError as e:
+            if created and e.code in REFUSALS:  # refused before anything was generated: leave nothing behind
+                with contextlib.suppress(KvchatError):
+                    await client.request(protocol.SESSION_DELETE, session=session)
+            raise
         finally:
             canceller.cancel()
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -128,20 +136,21 @@ async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: 
         await client.close()
 
 
-async def _session(client: Client, args: argparse.Namespace, text: str) -> str:
+async def _session(client: Client, args: argparse.Namespace, text: str) -> tuple[str, bool]:
+    """The session to send to, and whether this call created it."""
     if args.session:
         if not protocol.SESSION_ID_RE.fullmatch(args.session):
             raise KvchatError(f"{args.session!r} is not a session id (16 hex characters)")
         await client.request(protocol.SESSION_GET, session=args.session)  # unknown_session if it is not there
-        return str(args.session)
+        return str(args.session), False
     if args.last:
         listed = (await client.request(protocol.SESSION_LIST)).get("sessions") or []
         sessions = listing.made_by(listed, args.origin or "kvchat")
         if sessions:
-            return str(sessions[0]["id"])
+            return str(sessions[0]["id"]), False
     title = args.title or listing.one_line(text, TITLE_CHARS) or None
     fields = {k: v for k, v in (("title", title), ("system", args.system)) if v}
-    return str((await client.request(protocol.SESSION_CREATE, origin=ONE_SHOT, **fields))["session"]["id"])
+    return str((await client.request(protocol.SESSION_CREATE, origin=ONE_SHOT, **fields))["session"]["id"]), True
 
 
 async def _stream(client: Client, session: str, fields: dict[str, Any], stdout: TextIO,

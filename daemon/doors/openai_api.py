@@ -15,6 +15,7 @@ the model) is a real HTTP error, not a broken stream.
 from __future__ import annotations
 
 import json
+import json.scanner
 import logging
 import math
 import secrets
@@ -27,7 +28,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -37,9 +38,11 @@ from protocol.requests import RequestError
 from sessions import Store, is_valid_session_id
 
 from ..config import Config
+from ..engine.running import fit_advice
 from ..engine.thread import Engine
 from ..prompt import Tokens, conversation_ids
 from ..turns import Turn, Turns
+from .admission import admit
 from .asgi import headers_of
 from .guards import check
 from .loading import LoadingWatch
@@ -51,6 +54,7 @@ log = logging.getLogger("kvd.api")
 SESSION_HEADER = "X-Kvd-Session"
 REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
 LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
+C_PARSE_BYTES = 64 << 10  # bodies up to this are parsed by the C parser (a stall of a millisecond or so)
 DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
 
 # The turn core's error codes, as HTTP statuses and OpenAI error codes.
@@ -74,7 +78,40 @@ def api_error(code: str, message: str) -> ApiError:
 
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return JSONResponse(e.body(), status_code=e.status, headers={**(headers or {}), **e.headers})
+
+
+def _decode(body: bytes, config: Config) -> ChatRequest:
+    """The body as a validated request (a worker thread: its cost grows with the body's size).
+
+    The C parser holds the GIL from start to end, and the event loop waits
+    for it even from here (a 1 MiB body of small objects: tens of ms); so a
+    large body goes through the standard library's Python scanner instead,
+    slower but handing the GIL back every few milliseconds. Its objects are
+    freed here too, not on the loop, when the request is refused.
+    """
+    try:
+        decoded = json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
+    except RecursionError:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply; a chat request "
+                       "is at most a few levels deep") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
+    try:
+        return parse(decoded, config)
+    except ApiError as e:
+        refused = e
+    del decoded
+    raise refused.with_traceback(None)
+
+
+def _cooperative_decoder() -> json.JSONDecoder:
+    decoder = json.JSONDecoder()
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+    return decoder
+
+
+_COOPERATIVE = _cooperative_decoder()
 
 
 class _Events:
@@ -164,7 +201,11 @@ class OpenAIDoor:
     async def chat(self, request: Request) -> Response:
         headers: dict[str, str] = {}
         try:
-            req = parse(await self._json(request), self.config)
+            body = await self._body(request)
+            if body is None:
+                return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
+            req = await anyio.to_thread.run_sync(_decode, body, self.config)
+            admit(self.config, self.turns)  # before the work below: a burst past the queue costs little
             if not self.engine.ready.is_set():
                 with anyio.move_on_after(LOAD_WAIT):
                     await self.loading.settled.wait()
@@ -177,6 +218,8 @@ class OpenAIDoor:
             convo: list[tuple[str, str]] = [(m.role, m.text()) for m in req.messages if not m.instructs]
             ids = await self.turns.tokenizing.run(conversation_ids, [{"role": r, "content": c} for r, c in convo],
                                                   system)
+            self._check_fits(ids, req.max_completion_tokens or req.max_tokens)
+            admit(self.config, self.turns)  # again: the engine's queue may have grown while tokenizing
             rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
             try:
                 placement = place(self.store, self.turns, system, convo, pinned, rewind=rewind,
@@ -197,25 +240,41 @@ class OpenAIDoor:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return _Answer(self, turn, events.receive, req, headers)
+        return _Answer(self, turn, events.receive, req, headers, created=placement.kind == "new")
 
-    async def _json(self, request: Request) -> Any:
+    async def _body(self, request: Request) -> bytes | None:
+        """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
         limit = self.config.max_message_bytes
         body, size = bytearray(), 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limit:
-                body += chunk
-            elif size > DRAIN_LIMIT:
-                break
+        try:
+            with anyio.fail_after(self.config.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size <= limit:
+                        body += chunk
+                    elif size > DRAIN_LIMIT:
+                        break
+        except TimeoutError:
+            raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive whole within "
+                           f"{self.config.body_timeout:g} s (limits.body_timeout in config.toml); send "
+                           "all the bytes its Content-Length announces", code="request_timeout") from None
+        except ClientDisconnect:
+            log.info("a client hung up before sending its whole request body")
+            return None
         if size > limit:
             raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                            f"the request body is {size} bytes, more than kvd accepts ({limit}; "
                            "limits.max_message_bytes in config.toml)", code="request_too_large")
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
+        return bytes(body)
+
+    def _check_fits(self, ids: list[int], max_tokens: int | None) -> None:
+        """Refuse, before anything is stored, a conversation that cannot fit even a one-token answer
+        (or the answer the request asks room for); the engine checks again with the session's settings."""
+        context = self.engine.max_context
+        if context and len(ids) + (max_tokens or 1) > context:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the conversation ({len(ids)} tokens) plus max_tokens "
+                           f"({max_tokens or 1}) exceeds the model's context of {context} tokens; "
+                           + fit_advice(len(ids), context), code="context_length_exceeded")
 
     def _check_ready(self) -> None:
         if not self.engine.ready.is_set():
@@ -244,7 +303,8 @@ class _Answer(Response):
     """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
 
     def __init__(self, door: OpenAIDoor, turn: Turn, events: MemoryObjectReceiveStream[dict[str, Any]],
-                 req: ChatRequest, headers: dict[str, str]):
+                 req: ChatRequest, headers: dict[str, str], *, created: bool):
+        self.created_session = created  # this request made the session: a refusal takes it back
         self.door = door
         self.turn = turn
         self.events = events
@@ -311,6 +371,11 @@ class _Answer(Response):
         await send({"type": "http.response.body", "body": data})
 
     async def _error(self, send: Callable[[dict[str, Any]], Any], event: dict[str, Any]) -> None:
+        """An error before the answer began: a refusal, which leaves nothing behind."""
+        if self.created_session and not self.turn.text:
+            await self.turn.finished.wait()  # its answer is committed (as an error) first
+            self.door.store.delete_session(self.turn.session_id)
+            self.door.engine.forget(self.turn.session_id)
         e = api_error(event["code"], event["message"])
         await self._body(send, e.status, e.body())
 

@@ -14,11 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.limits import TEMPERATURE, TOP_P
+from common.limits import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, SEED_MAX, TEMPERATURE, TOP_P
 
 from ..config import Config
 
-MAX_STOPS = 4  # as OpenAI
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in error paths
 
 
@@ -32,17 +31,21 @@ class ApiError(Exception):
         HTTPStatus.NOT_FOUND: "not_found_error",
         HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
         HTTPStatus.CONFLICT: "conflict_error",
+        HTTPStatus.REQUEST_TIMEOUT: "invalid_request_error",
         HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
+        HTTPStatus.TOO_MANY_REQUESTS: "requests",  # OpenAI's type for a request-rate limit
         HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable",
         HTTPStatus.INTERNAL_SERVER_ERROR: "server_error",
     }
 
-    def __init__(self, status: HTTPStatus, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: HTTPStatus, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}  # sent with the body (a 429's Retry-After)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
@@ -86,13 +89,13 @@ class StreamOptions(_Strict):
 
 class ChatRequest(_Strict):
     model: str | None = None  # the served model's name (or left out); see served_names
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=TEMPERATURE.low, le=TEMPERATURE.high)
     top_p: float | None = Field(default=None, gt=TOP_P.low, le=TOP_P.high)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
@@ -105,6 +108,10 @@ def parse(body: Any, config: Config) -> ChatRequest:
     """A request body (already JSON-decoded) as a ChatRequest, or the ApiError that says what to fix."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
+        # Before validating each one: pydantic holds the GIL throughout, and every client waits.
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
+                       f"(got {len(body['messages'])})", param="messages")
     try:
         req = ChatRequest.model_validate(body)
     except ValidationError as e:
@@ -139,6 +146,13 @@ def parse(body: Any, config: Config) -> ChatRequest:
                        param="max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOPS:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_STOPS} stop sequences", param="stop")
+    for i, stop in enumerate(stops(req)):
+        if len(stop) > MAX_STOP_CHARS:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"a stop sequence may be at most {MAX_STOP_CHARS} characters "
+                           f"(stop[{i}] has {len(stop)})", param="stop", code="string_above_max_length")
+    if (bad := _not_unicode(req)) is not None:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{bad} holds a lone UTF-16 surrogate (such as \\ud800), "
+                       "which is not text; send valid Unicode", param=bad)
     for i, m in enumerate(req.messages):
         if m.content is None and m.role != "assistant":
             raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content is null; only an assistant's may be",
@@ -173,6 +187,21 @@ def instructions(req: ChatRequest) -> str | None:
             break
         lead.append(m.text())
     return "\n\n".join(lead) if lead else None
+
+
+def _not_unicode(req: ChatRequest) -> str | None:
+    """The first text field holding a lone surrogate ("\\ud800": JSON allows it, UTF-8 cannot carry it)."""
+    fields: list[tuple[str, str | None]] = [("model", req.model)]
+    for i, m in enumerate(req.messages):
+        fields += [(f"messages[{i}].content", m.text()), (f"messages[{i}].name", m.name)]
+    fields += [("stop", s) for s in stops(req)]
+    for where, text in fields:
+        if text is not None:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+    return None
 
 
 def stops(req: ChatRequest) -> list[str]:

@@ -1,4 +1,4 @@
-"""Rolling backups of the transcript: `VACUUM INTO` at clean shutdown and once a day.
+"""Rolling backups of the transcript: `VACUUM INTO` at clean shutdown, once a day, and after new messages.
 
 The transcript is the one thing kvd cannot rebuild, and a deleted or damaged
 kvd.sqlite-wal takes its last commits with it. `VACUUM INTO` writes a
@@ -7,7 +7,10 @@ worker thread while the daemon keeps writing (WAL: a reader blocks nobody).
 Written to a temp name, then renamed: a crash never leaves a half backup
 under a backup's name. One backup per UTC day (a new one replaces the day's
 earlier one), the newest BACKUPS_KEPT days kept: many restarts in one day
-cannot push out yesterday's copy.
+cannot push out yesterday's copy. While kvd runs it also backs up once the
+transcript holds AFTER_MESSAGES more messages than the newest backup, so a
+daemon that is only ever killed (never stopped cleanly) still has recent
+backups.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ log = logging.getLogger("kvd")
 
 BACKUPS_KEPT = 3
 BACKUP_EVERY = 24 * 3600.0
+AFTER_MESSAGES = 40  # about 20 turns
 PREFIX = "kvd-"
 SUFFIX = ".sqlite"
 
@@ -71,3 +75,30 @@ def due(directory: Path, *, now: float | None = None) -> bool:
     if newest is None:
         return True
     return (time.time() if now is None else now) - newest.stat().st_mtime >= BACKUP_EVERY
+
+
+def held(path: Path) -> tuple[int, int] | None:
+    """(sessions, messages) in a transcript database, read only; None if it cannot be read."""
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return (int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]),
+                    int(db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]))
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+
+
+def wanted(messages: int, directory: Path, *, now: float | None = None) -> str | None:
+    """Why a backup is due now ("daily", "after N new messages"), or None.
+
+    `messages`: how many the transcript holds now, compared with the newest backup's.
+    """
+    if due(directory, now=now):
+        return "daily"
+    newest = newest_backup(directory)
+    before = held(newest) if newest is not None else None
+    if before is None or messages - before[1] >= AFTER_MESSAGES:
+        return f"after {messages - (before[1] if before else 0)} new messages"
+    return None

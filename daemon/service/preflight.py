@@ -23,7 +23,7 @@ import sqlite3
 import stat
 from pathlib import Path
 
-from cachestore import cached_session_ids, check_usable
+from cachestore import cached_session_ids, check_usable, disk_ids
 from common.diskfull import is_disk_full
 from sessions import Store
 
@@ -147,15 +147,55 @@ def open_store(db_path: Path, backups: Path) -> Store:
 
 
 def restore_hint(db_path: Path, backups: Path) -> str:
-    """How to get the transcripts back: the newest backup, or how to start afresh."""
-    from .backup import newest_backup
+    """How to get the transcripts back: the newest backup holding at least what the database still has.
 
-    newest = newest_backup(backups)
-    if newest is None:
+    A backup that holds less (fewer sessions or messages: the one taken at
+    the first start holds none) would lose more than the damage did, so it
+    is never suggested; then the advice is to keep the database.
+    """
+    from .backup import backups as all_backups
+    from .backup import held as _holds
+
+    found = all_backups(backups)
+    if not found:
         return (f"there is no backup in {backups}; move {db_path.name} aside to start with no "
                 f"sessions (see {WHEN_WRONG})")
-    return (f"restore the newest backup: cp {newest} {db_path} && rm -f {db_path}-wal {db_path}-shm "
-            f"(see {WHEN_WRONG})")
+    have = _holds(db_path)
+    for candidate in reversed(found):
+        held = _holds(candidate)
+        if held is not None and (have is None or (held[0] >= have[0] and held[1] >= have[1])):
+            which = ("the newest backup" if candidate == found[-1] else
+                     "the newest backup that holds as much as it still does (newer ones hold less)")
+            return (f"restore {which}: cp {candidate} {db_path} && rm -f {db_path}-wal {db_path}-shm "
+                    f"(see {WHEN_WRONG})")
+    assert have is not None
+    return (f"every backup in {backups} holds less than {db_path.name} still does ({have[0]} session(s), "
+            f"{have[1]} message(s)), so keep it: restoring one would lose more (see {WHEN_WRONG})")
+
+
+def partial_losses(store: Store, cache_dir: Path) -> list[str]:
+    """Sessions whose transcript ends before what their KV cache on disk was fed.
+
+    Turns only ever append to a session's fed ids, and its cache is written
+    from them after each turn; so a cache whose ids run past the stored fed
+    ids, which are a prefix of them, means the transcript lost its last
+    turns (a deleted or damaged kvd.sqlite-wal). An answer a crash left
+    'streaming' explains a longer cache too (its ids were never committed),
+    so such a session is not named. Call before recover_interrupted.
+    """
+    cached = disk_ids(cache_dir)
+    if not cached:
+        return []
+    cut = store.interrupted_session_ids()
+    lost = []
+    for sid in sorted(store.session_ids()):
+        ids = cached.get(sid)
+        if ids is None or sid in cut:
+            continue
+        fed, _ = store.fed(sid)
+        if len(ids) > len(fed) and list(ids[:len(fed)]) == fed:
+            lost.append(f"{sid} ({len(ids) - len(fed)} token(s) of its last turns)")
+    return lost
 
 
 def check_cache_dir(cache_dir: Path) -> None:
