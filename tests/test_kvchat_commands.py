@@ -17,7 +17,7 @@ from tui.answer import render_answer
 
 pytestmark = pytest.mark.anyio
 
-STATUS = re.compile(r"^\d+ tokens? · TTFT \d+ ms · [\d.]+ tok/s · cache: ")
+STATUS = re.compile(r"^\d+ tokens? · TTFT \d+ ms · [\d.]+ tok/s · (draft \d+/\d+ kept · )?cache: ")
 STATUS_LINE = re.compile(r"^\d+ tokens? · ")  # also a short answer's: no tok/s for one token
 
 

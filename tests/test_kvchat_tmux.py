@@ -35,7 +35,8 @@ START_TIMEOUT = 60.0  # the daemon's first start writes builtin:tiny
 SCREEN_TIMEOUT = 30.0
 EXITED_TEXT = "[kvchat exited with status "
 EXITED = re.compile(re.escape(EXITED_TEXT) + r"(\d+)\]$")
-STATUS = re.compile(r"^\d+ tokens? · TTFT \d+ ms · [\d.]+ tok/s · cache: (resident|warm|disk|none)")
+STATUS = re.compile(r"^\d+ tokens? · TTFT \d+ ms · [\d.]+ tok/s · (draft \d+/\d+ kept · )?"
+                    r"cache: (resident|warm|disk|none)")
 
 
 @dataclass

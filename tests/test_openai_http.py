@@ -236,7 +236,9 @@ async def test_a_pinned_session_is_continued_and_rewound_only_when_asked(tmp_pat
             if turn is not None:
                 with anyio.fail_after(60):
                     await turn.finished.wait()
-            assert d.store.messages(sid)[-1]["status"] == "cancelled"
+            last = d.store.messages(sid)[-1]
+            # Cut short, unless the model ended it by itself before the client left (builtin:tiny may).
+            assert (last["status"], last["finish_reason"]) in (("cancelled", "cancelled"), ("complete", "stop")), last
             assert (await h.post("/v1/chat/completions", json=HI, headers=rewind)).status_code == 200
         assert [s["id"] for s in d.store.list_sessions()] == [sid]  # nothing else was created
 
