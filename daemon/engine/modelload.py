@@ -35,11 +35,31 @@ def load_model(name: str, path: Path) -> Loaded:
     if not mx.metal.is_available():
         # On the CPU backend float32 matmuls are ~20x faster than bf16/fp16.
         model.set_dtype(mx.float32)
+    check_template(tokenizer)
     params: Any = tree_flatten(model.parameters())
     args = getattr(model, "args", None)
     log.info("loaded %s (%s) in %.1f s", name, getattr(args, "model_type", "?"), time.perf_counter() - t0)
     return Loaded(model, tokenizer, model_config, dtype=str(params[0][1].dtype),
                   max_context=int(getattr(args, "max_position_embeddings", 0) or 0) or None)
+
+
+class TemplateError(Exception):
+    """The model's chat template fails on an ordinary conversation: every turn would fail the same way."""
+
+
+# No system message: some templates (Mistral's) refuse one, and work for every conversation without.
+SAMPLE = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."},
+          {"role": "user", "content": "And now?"}]
+
+
+def check_template(tokenizer: Any) -> None:
+    """Render the chat template once, at load, so a broken one stops kvd with one line, not every request."""
+    try:
+        tokenizer.apply_chat_template(SAMPLE, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # a template is code: any error it raises is its own
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TemplateError(f"its chat template fails on a sample conversation ({first[:200]}); fix "
+                            "tokenizer.chat_template in the model, or use another model") from None
 
 
 def warm_up(model: Any, tokenizer: Any, cache: list[Any]) -> float:

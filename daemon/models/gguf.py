@@ -104,6 +104,21 @@ def check_supported(info: GGUFInfo, path: Path, mode: str = "float32") -> None:
     if info.file_size < end:
         raise UnsupportedGGUF(f"{path} is truncated: {info.file_size} bytes where its tensors need "
                               f"{end}; download it again")
+    # The model's shape from the header, before anything is built from it (a hostile block_count
+    # must not build 100,000 layers; a head count of 0 or "3" must not reach a division).
+    meta = info.metadata
+    blocks = _int(meta, f"{arch}.block_count", high=4096)
+    layers = {int(t.name.split(".")[1]) for t in info.tensors if t.name.startswith("blk.")}
+    if layers != set(range(blocks)):
+        raise UnsupportedGGUF(f"{path.name} says {arch}.block_count = {blocks} but holds tensors for "
+                              f"{len(layers)} layer(s)")
+    heads = _int(meta, f"{arch}.attention.head_count", high=4096)
+    kv_heads = _int(meta, f"{arch}.attention.head_count_kv", heads, high=heads)
+    hidden = _int(meta, f"{arch}.embedding_length")
+    if hidden % heads or heads % kv_heads:
+        raise UnsupportedGGUF(f"{path.name}: {hidden} dimensions, {heads} heads and {kv_heads} key/value "
+                              "heads do not divide evenly")
+    _float(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     scaling = info.metadata.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise UnsupportedGGUF(f"{path.name} uses rope scaling {scaling!r}; kvd converts GGUF files "
@@ -126,23 +141,35 @@ def _mlx_name(name: str) -> str | None:
     return None
 
 
-def _int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
+def _int(meta: dict[str, Any], key: str, default: int | None = None, *, low: int = 1, high: int = 1 << 24) -> int:
+    """A whole number of the metadata in [low, high] (counts, sizes, ids), or UnsupportedGGUF naming it."""
     value = meta.get(key, default)
     if value is None:
         raise UnsupportedGGUF(f"the GGUF file has no {key}")
-    return int(value.item() if hasattr(value, "item") else value)
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UnsupportedGGUF(f"{key} is {str(value)[:40]!r}; it must be a whole number from {low} to {high}")
+    return value
 
 
 def _float(meta: dict[str, Any], key: str, default: float) -> float:
     value = meta.get(key, default)
-    return float(value.item() if hasattr(value, "item") else value)
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < float(value) < float("inf"):
+        raise UnsupportedGGUF(f"{key} is {str(value)[:40]!r}; it must be a positive number")
+    return float(value)
 
 
 def model_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
     """mlx-lm's llama config from the GGUF metadata (as `mx.load` returns it)."""
     a = "llama"
-    heads = _int(meta, f"{a}.attention.head_count")
+    heads = _int(meta, f"{a}.attention.head_count", high=4096)
     hidden = _int(meta, f"{a}.embedding_length")
+    if hidden % heads:
+        raise UnsupportedGGUF(f"{a}.embedding_length {hidden} does not divide into {heads} heads")
+    kv_heads = _int(meta, f"{a}.attention.head_count_kv", heads, high=heads)
+    if heads % kv_heads:
+        raise UnsupportedGGUF(f"{heads} attention heads do not divide into {kv_heads} key/value heads")
     head_dim = _int(meta, f"{a}.attention.key_length", hidden // heads)
     rope_dims = _int(meta, f"{a}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
@@ -154,7 +181,7 @@ def model_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
         "num_hidden_layers": _int(meta, f"{a}.block_count"),
         "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _int(meta, f"{a}.attention.head_count_kv", heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": _float(meta, f"{a}.rope.freq_base", 10000.0),
@@ -162,10 +189,10 @@ def model_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
         "max_position_embeddings": _int(meta, f"{a}.context_length"),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "tie_word_embeddings": tied,
-        "eos_token_id": _int(meta, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _int(meta, "tokenizer.ggml.eos_token_id", low=0),
     }
     if "tokenizer.ggml.bos_token_id" in meta:
-        config["bos_token_id"] = _int(meta, "tokenizer.ggml.bos_token_id")
+        config["bos_token_id"] = _int(meta, "tokenizer.ggml.bos_token_id", low=0)
     return config
 
 

@@ -75,9 +75,14 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise UnsupportedTokenizer(f"the GGUF tokenizer is {meta.get('tokenizer.ggml.model')!r}; kvd "
                                    "rebuilds byte-level BPE ('gpt2') tokenizers only")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise UnsupportedTokenizer("tokenizer.ggml.tokens must be a non-empty list of strings")
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or ()]
+    raw_merges = meta.get("tokenizer.ggml.merges") or []
+    if not isinstance(raw_merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in raw_merges):
+        raise UnsupportedTokenizer("tokenizer.ggml.merges must be a list of 'left right' strings")
+    merges = [tuple(m.split(" ", 1)) for m in raw_merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     tok.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     tok.decoder = decoders.ByteLevel()

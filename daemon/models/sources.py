@@ -72,7 +72,7 @@ def prepare_model(model: str, models_dir: Path, *, mode: str | None = None,
             raise ModelError(f"unknown built-in model {model!r}; built-in models are {', '.join(ALL_BUILTINS)}")
         return ensure_builtin(model, models_dir)
     path = Path(model).expanduser()
-    if path.is_file():
+    if path.is_file() or (path.exists() and not path.is_dir()):  # a FIFO, a device: read_info says what it is
         return _converted(path, models_dir, mode, report)
     if path.is_dir():
         return _checked_dir(path)
@@ -164,6 +164,10 @@ def _converted(source: Path, models_dir: Path, mode: str | None, progress: Progr
         raise ModelError(f"{source.name}: {e}") from None
     except RuntimeError as e:  # MLX's own reader: "[load_gguf] ..."
         raise ModelError(f"{source} could not be read ({e}); download it again") from None
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError) as e:
+        # Metadata of the wrong type or out of range that a check above missed: still one line, never a traceback.
+        raise ModelError(f"{source.name}: its metadata cannot describe a model kvd can build "
+                         f"({type(e).__name__}: {str(e)[:200]}); download it again or use another file") from None
 
 
 _CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
