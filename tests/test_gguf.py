@@ -184,3 +184,18 @@ def test_small_vocabulary_tokenizer(small_files: dict[str, Path]) -> None:
     ids = tok.encode("<|im_start|>user\nthe then<|im_end|>").ids
     tokens = meta["tokenizer.ggml.tokens"]
     assert [tokens[i] for i in ids] == ["<|im_start|>", "u", "s", "e", "r", "Ċ", "t", "he", "Ġthe", "n", "<|im_end|>"]
+
+
+def test_a_bit_flipped_conversion_is_noticed_and_converted_again(small_files: dict[str, Path], tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    converted = prepare_model(str(small_files["Q8_0"]), tmp_path / "models", mode="float32")
+    weights = converted / "model.safetensors"
+    good = weights.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x10  # inside a tensor: MLX would load it without a word
+    weights.write_bytes(bytes(flipped))
+    with caplog.at_level("WARNING"):
+        again = prepare_model(str(small_files["Q8_0"]), tmp_path / "models", mode="float32")
+    assert again == converted and (again / "model.safetensors").read_bytes() == good
+    assert any("is damaged (its weights fail their checksum); converting it again" in r.message
+               for r in caplog.records)

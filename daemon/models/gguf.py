@@ -295,6 +295,17 @@ def _read_dequantized(path: Path, on_tensor: Callable[[], None] | None
     return weights, {}, meta
 
 
+def weights_checksum(path: Path) -> str:
+    """xxh3-64 of a converted weights file (10 GB/s: a start can afford to check it)."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def convert(path: Path, out: Path, *, mode: str, sha256: str,
             on_tensor: Callable[[], None] | None = None) -> None:
     """Write the mlx-lm model dir for the (already checked) GGUF file `path` into `out`.
@@ -314,12 +325,13 @@ def convert(path: Path, out: Path, *, mode: str, sha256: str,
     if quant:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quant}
     config["torch_dtype"] = "float32" if mode == "float32" else "float16"
-    config["kvd_gguf"] = {"sha256": sha256, "mode": mode, "version": CONVERTER_VERSION,
-                          "source": path.name}
     # mx.save_safetensors appends ".safetensors" and never fsyncs: save, then fsync.
     mx.save_safetensors(str(out / "model"), weights, metadata={"format": "mlx"})
     with open(out / "model.safetensors", "rb+") as f:
         durable.fsync_file(f.fileno())
+    # MLX loads a bit-flipped safetensors file without a word: a start checks this first.
+    config["kvd_gguf"] = {"sha256": sha256, "mode": mode, "version": CONVERTER_VERSION,
+                          "source": path.name, "weights_xxh3": weights_checksum(out / "model.safetensors")}
     write_synced(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     for fname, data in tokenizer_files(meta).items():
         write_synced(out / fname, data)

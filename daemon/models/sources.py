@@ -183,9 +183,15 @@ def _is_converted(path: Path, sha: str, mode: str) -> bool:
         ident = json.loads((path / "config.json").read_text(encoding="utf-8"))["kvd_gguf"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return bool(ident.get("sha256") == sha and ident.get("mode") == mode
-                and ident.get("version") == gguf_convert.CONVERTER_VERSION
-                and all((path / f).is_file() for f in _CONVERTED_FILES))
+    if not (ident.get("sha256") == sha and ident.get("mode") == mode
+            and ident.get("version") == gguf_convert.CONVERTER_VERSION
+            and all((path / f).is_file() for f in _CONVERTED_FILES)):
+        return False
+    if gguf_convert.weights_checksum(path / "model.safetensors") != ident.get("weights_xxh3"):
+        log.warning("the converted model in %s is damaged (its weights fail their checksum); converting it "
+                    "again from %s", path, ident.get("source"))
+        return False
+    return True
 
 
 def _checksum(source: Path, memo_dir: Path, progress: Progress) -> str:
