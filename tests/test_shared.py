@@ -21,6 +21,8 @@ from conftest import client, fed_tokens, greedy_reference, running_daemon
 from daemon.engine.quantized import make_cache
 from daemon.service.status import render_status
 
+MODEL = "builtin:tiny"  # the name the test daemon serves; another name is a 404
+
 pytestmark = pytest.mark.anyio
 
 BLOCK = 16
@@ -129,19 +131,19 @@ async def test_a_branch_from_the_middle_of_a_conversation_through_the_api(tmp_pa
     async with running_daemon(tmp_path, block_tokens=BLOCK, **DISK_ONLY) as d:
         api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
         convo: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST}]
-        r1 = await api.chat.completions.create(model="m", messages=convo, max_tokens=8, temperature=0)
+        r1 = await api.chat.completions.create(model=MODEL, messages=convo, max_tokens=8, temperature=0)
         convo += [{"role": "assistant", "content": r1.choices[0].message.content},
                   {"role": "user", "content": "And then?"}]
-        r2 = await api.chat.completions.create(model="m", messages=convo, max_tokens=8, temperature=0)
+        r2 = await api.chat.completions.create(model=MODEL, messages=convo, max_tokens=8, temperature=0)
         convo += [{"role": "assistant", "content": r2.choices[0].message.content}]
         # The branch: the first turn, then another question.
         branch = convo[:3] + [{"role": "user", "content": "Something else instead."}]
         raw = await api.chat.completions.with_raw_response.create(
-            model="m", messages=branch, max_tokens=8, temperature=0)
+            model=MODEL, messages=branch, max_tokens=8, temperature=0)
         r3 = raw.parse()
         sid = raw.headers["x-kvd-session"]
         original = (await api.chat.completions.with_raw_response.create(
-            model="m", messages=convo + [{"role": "user", "content": "Go on."}], max_tokens=8,
+            model=MODEL, messages=convo + [{"role": "user", "content": "Go on."}], max_tokens=8,
             temperature=0)).headers["x-kvd-session"]
         await api.close()
     kvd: dict[str, Any] = r3.model_extra["kvd"]  # type: ignore[index]
