@@ -1,4 +1,5 @@
-"""kvd's CPU attention against MLX's own: the softmax, every mask kind, GQA ratios, dtypes, query lengths.
+"""kvd's CPU attention against MLX's own: the softmax, every mask kind, GQA ratios, dtypes, query lengths;
+and kvd's swiglu against mlx-lm's.
 
 The reference is `mx.fast.scaled_dot_product_attention` (plain caches) and
 mlx-lm's `quantized_scaled_dot_product_attention` (kv_bits), run on the same
@@ -12,10 +13,13 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.activations import swiglu as mlx_swiglu
 from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from daemon.engine import attention as attn
 from daemon.engine.attention import attention, causal_mask, softmax
+from daemon.engine.vexp import swiglu
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -152,3 +156,31 @@ def test_a_plain_cache_through_the_hooks_signature() -> None:
     keys, values = cache.update_and_fetch(k, v)
     ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask="causal")
     close(scaled_dot_product_attention(q, keys, values, cache, 0.125, "causal"), ref)
+
+
+@pytest.mark.parametrize("B,L,S", [(1, 64, 2100), (3, 40, 900)])
+def test_queries_in_blocks_equal_one_block(monkeypatch: pytest.MonkeyPatch, B: int, L: int, S: int) -> None:
+    q, k, v = qkv(B, 9, 3, L, S, seed=7)
+    padding = mx.array([0, 5, 17][:B])
+    mask = create_causal_mask(L, S - L, left_padding=padding)  # (B, 1, L, S), as a batch's
+    whole = attention(q, k, v, scale=0.125, mask=mask)
+    monkeypatch.setattr(attn, "BLOCK", 9 * S * B * 7)  # blocks of 7 queries, the last one shorter
+    close(attention(q, k, v, scale=0.125, mask=mask), whole)  # (BLAS sums a GEMM of other rows alike or not)
+    close(whole, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_swiglu_equals_mlx_lms(dtype: Any) -> None:
+    mx.random.seed(2)
+    gate = (mx.random.normal((2, 16, 1536)) * 8).astype(dtype)
+    x = mx.random.normal((2, 16, 1536)).astype(dtype)
+    extremes = mx.broadcast_to(mx.tile(mx.array([-200.0, 200.0, 0.0, -88.5]), 384), (2, 1, 1536))
+    gate = mx.concatenate([gate, extremes.astype(dtype)], axis=1)  # exp(-gate) overflowing, 0 and 1
+    x = mx.concatenate([x, x[:, :1]], axis=1)
+    ours = swiglu(gate, x)
+    ref = mlx_swiglu(gate, x)
+    assert ours.dtype == ref.dtype == dtype
+    scale = float(mx.max(mx.abs(ref.astype(mx.float32))))
+    err = float(mx.max(mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32))))
+    assert err <= TOLERANCE[dtype] * max(scale, 1.0), (err, scale)
+    assert bool(mx.all(mx.isfinite(ours)))

@@ -8,14 +8,12 @@ over 2,064 keys (SmolLM2-135M) `mx.fast.scaled_dot_product_attention` took
 - the grouped query heads are folded into one GEMM per KV head: queries
   (B, H, L, D) are viewed as (B, KV, G*L, D), so no key or value is repeated
   and the score matmul is one larger GEMM instead of G small ones;
-- the softmax's exp is built from operations MLX does vectorize
-  (Cody-Waite range reduction, a degree-6 Taylor polynomial on
-  [-ln2/2, ln2/2], 2^n from the exponent bits by `left_shift` and `view`),
-  in two `mx.compile(shapeless=True)` kernels so a growing cache does not
-  recompile each step (`view` cannot be traced shapeless, so it sits
-  between them; it copies nothing);
+- the softmax's exp is `vexp.exp_parts` (operations MLX does vectorize),
+  in two `mx.compile(shapeless=True)` kernels: max, subtract, mask and
+  exp; then scale by 2^n, sum and normalize;
 - the causal mask for `mask="causal"` is built once per (queries, keys)
-  shape, i.e. once per forward, not once per layer.
+  shape, i.e. once per forward, not once per layer;
+- a long chunk of queries over a long cache goes in blocks (see BLOCK).
 
 Accuracy: a softmax only feeds the exp x - max(x) <= 0; there its relative
 error is a few float32 ulps down to exp(-87), and below that (masked keys
@@ -24,17 +22,19 @@ inputs' dtype; masked keys get float32's lowest value, not -inf, so a row
 with every key masked (a left-padded prompt's padding) stays finite, as in
 mlx-lm's own quantized path.
 
-The hook. mlx-lm's models call `scaled_dot_product_attention` from
-`mlx_lm.models.base`, but each model module binds the name at import
-(`from .base import scaled_dot_product_attention`), so replacing it in
-`base` alone reaches only modules imported afterwards. `install()` replaces
-it in `base` *and* in every already imported `mlx_lm.models.*` module that
-holds base's function; it is called by `load_model` after mlx-lm imported the
-model's module. If mlx-lm ever changes so a model no longer goes through that
-name (calls `mx.fast.scaled_dot_product_attention` itself, renames the
-function), `tests/test_attention.py` fails: it counts the calls one forward of
-the real default model makes through the hook. On Metal nothing is
-installed: MLX's fused kernel is the fast path there.
+The hook (`install`, called by `load_model`). mlx-lm's models call
+`scaled_dot_product_attention` from `mlx_lm.models.base` (and `swiglu` from
+`mlx_lm.models.activations`, replaced by `vexp.swiglu`), but each model
+module binds the names at import, so replacing them in `base` alone reaches
+only modules imported afterwards. `install()` replaces each in its defining
+module *and* in every already imported `mlx_lm.models.*` module that holds
+the original. If mlx-lm ever changes so a model no longer goes through those
+names (calls `mx.fast.scaled_dot_product_attention` itself, renames the
+function), `tests/test_attention_model.py` fails: it counts the calls one
+forward of the real default model makes through the hook. (mlx-lm 0.32's
+deepseek_v41, muse_spark and plamo2 call `mx.fast` directly and keep MLX's
+attention.) On Metal nothing is installed: MLX's fused kernel is the fast path
+there.
 """
 
 from __future__ import annotations
@@ -46,31 +46,19 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import vexp
+from .vexp import LOW, exp_parts
+
 __all__ = ["ENV_VAR", "attention", "install", "installed", "softmax", "uninstall"]
 
 ENV_VAR = "KVD_ATTENTION"  # "mlx": keep MLX's own attention on the CPU too
 
-# exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n*ln2 (ln2 split hi + lo so n*ln2_hi is exact).
-_LOG2E = 1.4426950408889634
-_LN2_HI = 0.693145751953125
-_LN2_LO = 1.428606765330187045e-06
-_ROUND = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds a float32 to the nearest integer
-# Below it 2^n would leave float32's normal range: clamped there, n = -127 and the exponent bits
-# are all zero, so exp(x) is exactly 0 (the true value, under 1.2e-38, is a subnormal).
-_FLOOR = -88.0
 _LOWEST = float(mx.finfo(mx.float32).min)
-_TAYLOR = (1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0)
 
 
 def _reduce(x: mx.array) -> tuple[mx.array, mx.array]:
-    """exp(x - max(x)) along the last axis as (polynomial, exponent bits of 2^n)."""
-    x = mx.maximum(x - mx.max(x, axis=-1, keepdims=True), _FLOOR)
-    n = (x * _LOG2E + _ROUND) - _ROUND
-    r = (x - n * _LN2_HI) - n * _LN2_LO
-    p = mx.array(_TAYLOR[0], dtype=mx.float32)
-    for c in _TAYLOR[1:]:
-        p = p * r + c
-    return p, mx.left_shift(n.astype(mx.int32) + 127, 23)
+    """exp(x - max(x)) along the last axis as (polynomial, exponent bits of 2^n): see vexp."""
+    return exp_parts(mx.maximum(x - mx.max(x, axis=-1, keepdims=True), LOW))
 
 
 def _masked_reduce(x: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
@@ -214,47 +202,59 @@ def scaled_dot_product_attention(
 
 
 calls = [0]  # forwards' attention calls through the hook (a test counts them)
-_original: Callable[..., mx.array]
 
 
-def _base() -> Any:
+def _hooks() -> list[tuple[Any, str, Callable[..., mx.array]]]:
+    """(mlx-lm module, name, kvd's replacement): what `install` rebinds."""
+    import mlx_lm.models.activations as activations
     import mlx_lm.models.base as base
 
-    return base
+    return [(base, "scaled_dot_product_attention", scaled_dot_product_attention),
+            (activations, "swiglu", vexp.swiglu)]
+
+
+_originals: dict[str, Callable[..., mx.array]] = {}
+
+
+def _original(*args: Any) -> mx.array:
+    return _originals["scaled_dot_product_attention"](*args)
 
 
 def installed() -> bool:
-    return _base().scaled_dot_product_attention is scaled_dot_product_attention
+    return all(getattr(module, name) is ours for module, name, ours in _hooks())
 
 
-def _rebind(old: object, new: object) -> int:
-    """Point every imported mlx_lm.models module's `scaled_dot_product_attention` at `new`."""
-    n = 0
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is old:
-            setattr(module, "scaled_dot_product_attention", new)  # noqa: B010 (a module's name, on purpose)
-            n += 1
-    return n
+def _rebind(name: str, old: object, new: object) -> None:
+    """Point every imported mlx_lm.models module's `name` that is `old` at `new`."""
+    for key, module in list(sys.modules.items()):
+        if key.startswith("mlx_lm.models.") and getattr(module, name, None) is old:
+            setattr(module, name, new)
 
 
 def install() -> bool:
-    """Use kvd's attention in every mlx-lm model, on the CPU backend only; whether it is in use.
+    """Use kvd's attention and swiglu in every mlx-lm model, on the CPU backend only; whether they
+    are in use.
 
-    Call after `mlx_lm.utils.load` (the model's module is imported by then);
-    modules imported later take it from `base`. Idempotent. `KVD_ATTENTION=mlx`
-    in the environment keeps MLX's own (a benchmark's A/B, a suspected bug).
+    mlx-lm's model modules bind both names at import (`from .base import
+    scaled_dot_product_attention`, `from .activations import swiglu`), so each
+    is rebound in its defining module and in every imported `mlx_lm.models.*`
+    module holding the original; modules imported later take it from the
+    defining module. Call after `mlx_lm.utils.load`. Idempotent.
+    `KVD_ATTENTION=mlx` in the environment keeps MLX's own (a benchmark's A/B,
+    a suspected bug).
     """
-    global _original
     if mx.metal.is_available() or os.environ.get(ENV_VAR, "").lower() == "mlx":
         return False
-    base = _base()
-    if base.scaled_dot_product_attention is not scaled_dot_product_attention:
-        _original = base.scaled_dot_product_attention
-        _rebind(_original, scaled_dot_product_attention)
+    for module, name, ours in _hooks():
+        current = getattr(module, name)
+        if current is not ours:
+            _originals[name] = current
+            _rebind(name, current, ours)
     return True
 
 
 def uninstall() -> None:
-    """Back to mlx-lm's own attention (a benchmark's A/B, a test's reference)."""
-    if installed():
-        _rebind(scaled_dot_product_attention, _original)
+    """Back to mlx-lm's own functions (a benchmark's A/B, a test's reference)."""
+    for module, name, ours in _hooks():
+        if getattr(module, name) is ours:
+            _rebind(name, ours, _originals[name])
