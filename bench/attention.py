@@ -9,7 +9,7 @@ shared machine's load falls on both alike:
 - layers: one layer's attention, SmolLM2-135M's shapes (9 query heads, 3 KV
   heads, head_dim 64, float32), q = 1, 16, 64 queries over 512, 2k and 4k
   keys; MLX's path is `mx.fast.scaled_dot_product_attention`, the call
-  mlx-lm makes; medians of `--reps`.
+  mlx-lm makes; the best of `--reps` runs, the two paths in turn.
 - decode: the real default model in this process, a 2k-token prompt
   prefilled in 512-token chunks, then `--decode` greedy tokens one forward at
   a time; tokens per second.
@@ -57,18 +57,21 @@ H, KV, D = 9, 3, 64  # SmolLM2-135M
 THINK = 1.0  # seconds between an answer and the next message, as in bench/openai_ttft.py
 
 
-def median_ms(f: Callable[[], Any], reps: int) -> float:
-    mx.eval(f())  # compiled kernels, buffers
-    times = []
+def best_ms(fs: list[Callable[[], Any]], reps: int) -> list[float]:
+    """The best of `reps` runs of each, run in turn (a loaded machine's noise only ever adds)."""
+    for f in fs:
+        mx.eval(f())  # compiled kernels, buffers
+    times: list[list[float]] = [[] for _ in fs]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(f())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+        for f, t in zip(fs, times, strict=True):
+            t0 = time.perf_counter()
+            mx.eval(f())
+            t.append(time.perf_counter() - t0)
+    return [min(t) * 1000 for t in times]
 
 
 def layers(reps: int) -> None:
-    print("\n## One layer's attention (SmolLM2-135M shapes, float32), median ms\n")
+    print(f"\n## One layer's attention (SmolLM2-135M shapes, float32), best of {reps}, ms\n")
     print("| queries | keys | MLX | kvd | speed-up |\n| ---: | ---: | ---: | ---: | ---: |")
     for q_len in (1, 16, 64):
         for keys in (512, 2048, 4096):
@@ -78,12 +81,8 @@ def layers(reps: int) -> None:
             v = mx.random.normal((1, KV, keys, D))
             mx.eval(q, k, v)
             mask: Any = "causal" if q_len > 1 else None
-            mlx_ms, kvd_ms = [], []
-            for _ in range(3):  # alternate, so load falls on both
-                mlx_ms.append(median_ms(partial(mx.fast.scaled_dot_product_attention, q, k, v,
-                                                scale=D ** -0.5, mask=mask), reps))
-                kvd_ms.append(median_ms(partial(attention.attention, q, k, v, scale=D ** -0.5, mask=mask), reps))
-            a, b = statistics.median(mlx_ms), statistics.median(kvd_ms)
+            a, b = best_ms([partial(mx.fast.scaled_dot_product_attention, q, k, v, scale=D ** -0.5, mask=mask),
+                            partial(attention.attention, q, k, v, scale=D ** -0.5, mask=mask)], reps)
             print(f"| {q_len} | {keys} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True)
 
 

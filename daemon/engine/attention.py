@@ -151,11 +151,13 @@ def attention(
     return mx.concatenate(outs, axis=2)
 
 
-# Scores per block of queries, in floats (512 KiB). On this machine MLX's CPU kernels slow down
+# Scores per block of queries, in floats (1.5 MiB). On this machine MLX's CPU kernels slow down
 # 5-10x per element once arrays leave the caches (an add over 1M floats 1.0 ms, over 512k
 # 0.21 ms; the softmax's first kernel 27 ms against 3.0 ms), so a long prefill chunk over a long
-# cache goes in blocks of queries; 2^17 and 2^18 measured best for 16-64 queries over 2k-4k keys.
-BLOCK = 1 << 17
+# cache goes in blocks of queries. Sized so 16 queries x 9 heads over 2k keys (a next turn) stay
+# one block; 64 queries over 4k keys took 65-69 ms in blocks of 2^18-3*2^17 floats against 114 ms
+# in one (min of 25, loaded machine).
+BLOCK = 3 << 17
 
 
 def _block(queries: mx.array, keys: Any, values: Any, m: mx.array | None, scale: float,
