@@ -11,8 +11,10 @@ shared machine's load falls on both alike:
   keys; MLX's path is `mx.fast.scaled_dot_product_attention`, the call
   mlx-lm makes; the best of `--reps` runs, the two paths in turn.
 - decode: the real default model in this process, a 2k-token prompt
-  prefilled in 512-token chunks, then `--decode` greedy tokens one forward at
-  a time; tokens per second.
+  prefilled in 512-token chunks (one cache per path), then `--decode` greedy
+  tokens one forward at a time, the paths in turn; tokens per second. Then a
+  16-token forward over the same caches (trimmed back after each), the
+  forward a next turn's prefill is.
 - turn: `kvd serve` on the default model, `KVD_ATTENTION=mlx` for MLX's
   path, the official `openai` client, streaming, greedy: a ~2k-token
   conversation (untimed), then `--repeat` next turns (the answer, plus a new
@@ -113,7 +115,22 @@ def decode(model_dir: Path, context: int, n: int) -> None:
             tokens[name] = mx.argmax(model(tokens[name], cache=caches[name])[:, -1, :], axis=-1)[:, None]
             mx.eval(tokens[name])
             times[name].append(time.perf_counter() - t0)
+    # A next turn's forward: 16 new tokens over the cache, then trimmed off again.
+    forward: dict[str, list[float]] = {name: [] for name in paths}
+    new = mx.array([prompt[:16]])
+    for _ in range(max(n // 2, 3)):
+        for name, use in paths.items():
+            use()
+            t0 = time.perf_counter()
+            mx.eval(model(new, cache=caches[name]))
+            forward[name].append(time.perf_counter() - t0)
+            for c in caches[name]:
+                c.trim(16)
     attention.install()
+    fa, fb = (min(forward[name]) for name in paths)
+    print(f"\n## One forward of 16 tokens over {context} cached tokens (a next turn's prefill), best of "
+          f"{len(forward['kvd'])}, alternating\n")
+    print(f"| MLX | {fa * 1000:.1f} ms |\n| kvd | {fb * 1000:.1f} ms |\n\nkvd/MLX: {fa / fb:.2f}x")
     a, b = (statistics.median(times[name][1:]) for name in paths)
     amin, bmin = (min(times[name][1:]) for name in paths)
     print(f"\n## Decode at {context} tokens of context: {n} steps per path, alternating\n")
