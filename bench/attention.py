@@ -193,15 +193,16 @@ class KvdServer:
         self.d.terminate()
 
 
-def turns(model_dir: Path, llama: tuple[Path, Path] | None, repeat: int, new: int) -> None:
+def turns(model_dir: Path, llama: tuple[Path, Path] | None, repeat: int, new: int, which: list[str]) -> None:
     import openai_ttft as ot
 
     messages0 = ot.conversation(model_dir, 2048)
     root = Path(tempfile.mkdtemp(prefix="kvd-attn-"))
-    servers: dict[str, Callable[[], Any]] = {
-        "kvd, MLX attention": lambda: KvdServer(model_dir, root / "mlx", "MLX"),
-        "kvd, kvd attention": lambda: KvdServer(model_dir, root / "kvd", "kvd"),
-    }
+    servers: dict[str, Callable[[], Any]] = {}
+    if "mlx" in which:
+        servers["kvd, MLX attention"] = lambda: KvdServer(model_dir, root / "mlx", "MLX")
+    if "kvd" in which:
+        servers["kvd, kvd attention"] = lambda: KvdServer(model_dir, root / "kvd", "kvd")
     if llama:
         servers["llama-server (2 threads)"] = lambda: LlamaServer(*llama)
     results: dict[str, list[float]] = {name: [] for name in servers}
@@ -239,6 +240,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5, help="next turns per server")
     parser.add_argument("--new", type=int, default=8, help="max_tokens of each turn")
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary to compare with")
+    parser.add_argument("--turn-servers", nargs="+", default=["mlx", "kvd"], choices=["mlx", "kvd"],
+                        help="the turn part's kvd daemons (llama-server joins with --llama-server)")
     args = parser.parse_args()
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[0]}; mlx {getattr(mx, '__version__', '?')}")
@@ -249,7 +252,7 @@ def main() -> int:
         decode(model_dir, 2048, args.decode)
     if model_dir is not None and "turn" in args.parts:
         llama = (args.llama_server, args.models / "downloads" / GGUF_NAME) if args.llama_server else None
-        turns(model_dir, llama, args.repeat, args.new)
+        turns(model_dir, llama, args.repeat, args.new, args.turn_servers)
     with open("/proc/loadavg") as f:
         print(f"\nload average after: {f.read().split()[0]}")
     return 0
