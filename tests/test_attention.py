@@ -80,6 +80,17 @@ def test_attention_equals_mlx_fast_sdpa(H: int, KV: int, L: int, mask_kind: str 
     close(attention(q, k, v, scale=0.125, mask=mask), ref)
 
 
+@pytest.mark.parametrize("S", [1, 2, 3])
+def test_a_first_token_over_an_empty_cache_and_other_tiny_shapes(S: int) -> None:
+    """One key crashed MLX 0.32's compiled CPU kernels (a restored empty cache's first step)."""
+    q, k, v = qkv(1, 4, 2, 1, S)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=None)
+    close(attention(q, k, v, scale=0.125, mask=None), ref)
+    q, k, v = qkv(1, 4, 2, S, S)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    close(attention(q, k, v, scale=0.125, mask="causal"), ref)
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_attention_keeps_the_inputs_dtype(dtype: Any) -> None:
     q, k, v = qkv(1, 9, 3, 16, 100, dtype=dtype)
@@ -144,8 +155,12 @@ def test_quantized_caches_equal_mlx_lms_quantized_path(bits: int, L: int, H: int
     qk, qv = cache.update_and_fetch(k, v)
     mask: Any = "causal" if L > 1 else None
     ours = attention(q, qk, qv, scale=0.125, mask=mask, group_size=64, bits=bits)
-    # (mlx-lm's path scales its queries in place, `queries *= scale`: it runs second)
+    # A cache restored from a snapshot holds its triples as lists.
+    as_lists = attention(q, list(qk), list(qv), scale=0.125, mask=mask, group_size=64, bits=bits)
+    mx.eval(ours, as_lists)
+    # (mlx-lm's path scales its queries in place, `queries *= scale`: it runs last)
     close(ours, quantized_scaled_dot_product_attention(q, qk, qv, scale=0.125, mask=mask, group_size=64, bits=bits))
+    close(as_lists, ours)
 
 
 def test_a_plain_cache_through_the_hooks_signature() -> None:

@@ -84,6 +84,12 @@ def softmax(scores: mx.array, mask: mx.array | None = None) -> mx.array:
     """Softmax along the last axis, in float32; `mask` (broadcast to `scores`) is boolean (False
     drops a key) or added to the scores."""
     s = scores.astype(mx.float32)
+    if s.shape[-1] == 1:
+        # One key (a first token over an empty cache): MLX 0.32's CPU compiler fails on the
+        # shapeless kernels reduced over a length-1 axis (its JIT errors, then a segfault).
+        if mask is not None:
+            s = mx.where(mask, s, _LOWEST) if mask.dtype == mx.bool_ else s + mask
+        return mx.softmax(s, axis=-1, precise=True)
     if mask is None:
         p, bits = _reduce_c(s)
     elif mask.dtype == mx.bool_:
@@ -135,11 +141,12 @@ def attention(
 ) -> mx.array:
     """softmax(scale * Q K^T + mask) V for Q (B, H, L, D), K and V (B, KV, S, D), H a multiple of KV.
 
-    `bits` set: keys and values are mlx-lm's quantized (packed, scales, biases) triples.
+    `bits` set: keys and values are mlx-lm's quantized (packed, scales, biases) triples (tuples or,
+    from a restored cache, lists).
     The queries go in blocks whose scores stay under BLOCK floats (see there).
     """
     B, H, L, D = queries.shape
-    S = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
+    S = (keys[0] if bits is not None else keys).shape[2]
     m = _grouped_mask(mask, L, S)
     step = max(1, BLOCK // max(B * H * S, 1))
     if step >= L:
@@ -163,10 +170,10 @@ BLOCK = 3 << 17
 def _block(queries: mx.array, keys: Any, values: Any, m: mx.array | None, scale: float,
            group_size: int, bits: int | None) -> mx.array:
     B, H, L, D = queries.shape
-    KV = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
+    KV = (keys[0] if bits is not None else keys).shape[1]
     G = H // KV
     q = (queries * scale).reshape(B, KV, G * L, D)
-    if isinstance(keys, tuple):
+    if bits is not None:  # (packed, scales, biases), a tuple or a list
         kw, ks, kb = keys
         scores = mx.quantized_matmul(q, kw, ks, kb, transpose=True, group_size=group_size, bits=bits)
     else:
@@ -175,7 +182,7 @@ def _block(queries: mx.array, keys: Any, values: Any, m: mx.array | None, scale:
     if m is not None and m.ndim == 4 and m.shape[1] == H:
         m = m.reshape(B, KV, G, L, S)
     probs = softmax(scores.reshape(B, KV, G, L, S), m).reshape(B, KV, G * L, S)
-    if isinstance(values, tuple):
+    if bits is not None:
         vw, vs, vb = values
         out = mx.quantized_matmul(probs.astype(queries.dtype), vw, vs, vb, transpose=False,
                                   group_size=group_size, bits=bits)
