@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -131,8 +131,8 @@ def _grouped_mask(mask: mx.array | str | None, L: int, S: int) -> mx.array | Non
 
 def attention(
     queries: mx.array,
-    keys: mx.array | tuple[mx.array, mx.array, mx.array],
-    values: mx.array | tuple[mx.array, mx.array, mx.array],
+    keys: mx.array | Sequence[mx.array],
+    values: mx.array | Sequence[mx.array],
     *,
     scale: float,
     mask: mx.array | str | None,
@@ -146,7 +146,7 @@ def attention(
     The queries go in blocks whose scores stay under BLOCK floats (see there).
     """
     B, H, L, D = queries.shape
-    S = (keys[0] if bits is not None else keys).shape[2]
+    S = (keys[0] if isinstance(keys, Sequence) else keys).shape[2]
     m = _grouped_mask(mask, L, S)
     step = max(1, BLOCK // max(B * H * S, 1))
     if step >= L:
