@@ -46,7 +46,7 @@ def anyio_backend() -> str:
 #   e2e         - real `kvd serve` processes, tmux, the real model, kill -9, the BLAS probe
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
-        "test_api_cores", "test_arrows", "test_builtin", "test_config", "test_direct", "test_durable",
+        "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_direct", "test_durable",
         "test_gguf", "test_ioworker", "test_lru", "test_scheduler", "test_segment_compat", "test_segments",
         "test_snapshot", "test_speculate", "test_store", "test_store_tiers", "test_tui_render", "test_wire",
     }),
@@ -56,9 +56,10 @@ TIERS: dict[str, frozenset[str]] = {
         "test_quantized", "test_resume", "test_security", "test_session_requests", "test_shared",
     }),
     "e2e": frozenset({
-        "test_answer_stream", "test_blas", "test_disk_full", "test_gguf_fuzz", "test_index_rebuild", "test_kill9",
-        "test_hostile_http", "test_kvchat_daily_tmux", "test_kvchat_tmux", "test_missing_blocks", "test_openai",
-        "test_realmodel", "test_restart", "test_service_life", "test_start_failures", "test_startup",
+        "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gguf_fuzz",
+        "test_index_rebuild", "test_kill9", "test_hostile_http", "test_kvchat_daily_tmux", "test_kvchat_tmux",
+        "test_missing_blocks", "test_openai", "test_realmodel", "test_restart", "test_service_life",
+        "test_start_failures", "test_startup",
         "test_transcript_integrity",
     }),
 }  # fmt: skip
@@ -190,14 +191,35 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models dir holding the default model's fetched GGUF file and its converted mlx-lm dir."""
+    from daemon.models.sources import DEFAULT_MODEL, prepare_model
+
+    models = tmp_path_factory.mktemp("smollm2") / "models"
+    prepare_model(DEFAULT_MODEL, models)
+    return models
+
+
+def converted(models: Path) -> Path:
+    (path,) = (models / "gguf").glob("*-float32")
+    return path
+
+
 def greedy_reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    """What a fresh full prefill of `prompt` continues with, outside kvd (call with no daemon running)."""
+    """What a fresh full prefill of `prompt` continues with, outside the daemon (call with no daemon
+    running): mlx-lm's own generate_step on the model as kvd runs it, kvd's CPU attention included
+    (kvd's answers are compared with kvd's own; tests/test_attention_model.py compares kvd's
+    attention with MLX's)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
 
+    from daemon.engine import attention
+
     model = load(str(model_dir))[0]
     model.set_dtype(mx.float32)
+    attention.install()
     return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 

@@ -15,12 +15,10 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from conftest import fed_tokens, greedy_reference
+from conftest import converted, fed_tokens, greedy_reference
 from daemon.models.gguf import read_weights
 from daemon.models.smollm2 import GGUF_NAME
-from daemon.models.sources import DEFAULT_MODEL, prepare_model
+from daemon.models.sources import DEFAULT_MODEL
 from daemonproc import DaemonProcess
 from ggufmake import byte_symbols
 from test_gguf import assert_equal_to_reference
@@ -28,23 +26,10 @@ from test_gguf import assert_equal_to_reference
 SENTENCE = "The river town kept its records in a stone house by the bridge, and the clerks copied them."
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A models dir holding the fetched GGUF file and its converted mlx-lm dir."""
-    models = tmp_path_factory.mktemp("smollm2") / "models"
-    prepare_model(DEFAULT_MODEL, models)
-    return models
-
-
 def data_dir_with(models: Path, data_dir: Path) -> Path:
     """A fresh data dir that already has the default model (hard links: no 600 MB copies)."""
     shutil.copytree(models, data_dir / "models", copy_function=os.link)
     return data_dir
-
-
-def converted(models: Path) -> Path:
-    (path,) = (models / "gguf").glob("*-float32")
-    return path
 
 
 def test_smollm2_answers_and_resumes_after_a_restart_exactly(smollm2: Path, tmp_path: Path) -> None:

@@ -30,15 +30,20 @@ def load_model(name: str, path: Path) -> Loaded:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load
 
+    from . import attention
+
     t0 = time.perf_counter()
     model, tokenizer, model_config = load(str(path), return_config=True)  # type: ignore[misc]
     if not mx.metal.is_available():
         # On the CPU backend float32 matmuls are ~20x faster than bf16/fp16.
         model.set_dtype(mx.float32)
     check_template(tokenizer)
+    # kvd's attention for the CPU backend, in every mlx-lm model (Metal keeps MLX's fused kernel).
+    kvd_attention = attention.install()
     params: Any = tree_flatten(model.parameters())
     args = getattr(model, "args", None)
-    log.info("loaded %s (%s) in %.1f s", name, getattr(args, "model_type", "?"), time.perf_counter() - t0)
+    log.info("loaded %s (%s) in %.1f s; attention: %s", name, getattr(args, "model_type", "?"),
+             time.perf_counter() - t0, "kvd's (CPU)" if kvd_attention else "MLX's")
     return Loaded(model, tokenizer, model_config, dtype=str(params[0][1].dtype),
                   max_context=int(getattr(args, "max_position_embeddings", 0) or 0) or None)
 
