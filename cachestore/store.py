@@ -99,6 +99,7 @@ class Checkout:
     restored_from: str  # "resident" | "warm" | "disk" | "shared" | "none": the wire's word for it too
     restore_ms: float
     shared_tokens: int = 0  # of `tokens`, those another session's cache or blocks supplied
+    prefetched: bool = False  # its own resident/warm cache, paged in from disk after a start, first use
 
 
 class SessionCaches:
@@ -124,6 +125,7 @@ class SessionCaches:
         self.disk_stats = DiskStats()
         self.shared_stats = {"restores": 0, "tokens": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
+        self._prefetched_keys: set[str] = set()  # paged in after a start and not checked out since
         self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
                                  block=self.block, disk_bytes=budgets.disk_bytes,
                                  max_segments=budgets.max_segments, stats=self.disk_stats, clock=clock)
@@ -197,6 +199,8 @@ class SessionCaches:
             return (time.perf_counter() - t0) * 1000
 
         self._settle()
+        prefetched = key in self._prefetched_keys
+        self._prefetched_keys.discard(key)
 
         own: Checkout | None = None
         if (res := self.resident.take(key)) is not None:
@@ -204,7 +208,7 @@ class SessionCaches:
             n = min(common_prefix_len(toks, wanted), limit)
             if n > 0 and rewind(cache, len(toks) - n):
                 self.warm.discard(key)
-                own = Checkout(cache, n, "resident", 0.0)
+                own = Checkout(cache, n, "resident", 0.0, prefetched=prefetched)
             else:
                 log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
         own_warm = self._warm.peek(key) if own is None else None
@@ -251,7 +255,7 @@ class SessionCaches:
             self.warm.take(key)
             self._warm.held.pop(key, None)
             if copied is not None:
-                return Checkout(copied, own_warm_n, "warm", ms())
+                return Checkout(copied, own_warm_n, "warm", ms(), prefetched=prefetched)
         self.disk_stats.misses += 1
         return Checkout(None, 0, "none", ms())
 
@@ -276,6 +280,7 @@ class SessionCaches:
             return None
         tier, nbytes = got
         self._prefetched(tier, nbytes)
+        self._prefetched_keys.add(key)
         return tier
 
     def _prefetched(self, tier: str, nbytes: int) -> None:

@@ -417,7 +417,9 @@ class Turns:
         status = "cancelled" if reason == "cancelled" else "complete"
         u = ev.usage
         log.info("turn in session %s (%s): cache %s, %s tok restored, %s prefilled, TTFT %s ms, %s tok, %s",
-                 turn.session_id, turn.door, u.get("restored_from"), u.get("cached_tokens"),
+                 turn.session_id, turn.door,
+                 f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else u.get("restored_from"),
+                 u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
         fed_end = self._record(turn, ev.tokens, exact=not stopped)
         self.store.update_message(turn.session_id, turn.message_index, content=turn.text,

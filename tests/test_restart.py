@@ -157,11 +157,14 @@ def test_after_a_restart_prefetch_makes_the_next_turn_a_resident_hit(tmp_path: P
                 while prefetch and c.request("status")["prefetched"].get("sessions", 0) < 1:
                     assert time.monotonic() < deadline, "the prefetch never finished"
                 answer, done = c.chat(sid, "After the restart?", max_tokens=10, temperature=0)
+                _, again = c.chat(sid, "And once more.", max_tokens=2, temperature=0)
         finally:
             d.terminate()
         answers[name] = (answer, done["usage"])
+        assert again["usage"]["restored_from"] == "resident" and again["usage"]["prefetched"] is False
     (warm_answer, warm), (cold_answer, cold) = answers["data"], answers["cold"]
     assert warm["restored_from"] == "resident" and cold["restored_from"] == "disk"
+    assert warm["prefetched"] is True and cold["prefetched"] is False  # kvchat: "resident (prefetched from disk)"
     b = before["usage"]
     assert warm["restored_tokens"] == cold["restored_tokens"] == b["prompt_tokens"] + b["completion_tokens"]
     assert warm_answer == cold_answer

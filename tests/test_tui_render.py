@@ -45,6 +45,8 @@ def test_status_line_says_why_the_answer_stopped(reason: str) -> None:
     [
         ({"restored_from": "resident", "restored_tokens": 512, "restore_ms": 0.04},
          "cache: resident 512 tok in 0.0 ms"),
+        ({"restored_from": "resident", "prefetched": True, "restored_tokens": 512, "restore_ms": 0.04},
+         "cache: resident (prefetched from disk) 512 tok in 0.0 ms"),
         ({"restored_from": "warm", "restored_tokens": 512, "restore_ms": 3.14}, "cache: warm 512 tok in 3.1 ms"),
         ({"restored_from": "shared", "restored_tokens": 2048, "shared_tokens": 2048, "restore_ms": 9.5},
          "cache: shared 2048 tok in 9.5 ms"),

@@ -70,7 +70,7 @@ def cache_part(usage: Mapping[str, Any]) -> str | None:
     tier = usage.get("restored_from")
     if tier in protocol.TIERS or tier == protocol.SHARED:  # shared: another conversation's prefix
         restored, ms = usage.get("restored_tokens"), usage.get("restore_ms")
-        part = f"cache: {tier}"
+        part = f"cache: {tier}" + (" (prefetched from disk)" if usage.get("prefetched") else "")
         if isinstance(restored, int):
             part += f" {restored} tok"
         if isinstance(ms, (int, float)):

@@ -57,6 +57,7 @@ class RunningTurn:
     t_first: float | None = None
     t_last: float | None = None
     shared_tokens: int = 0  # of cached_len, those another session's cache or shared disk blocks supplied
+    prefetched: bool = False  # restored_from's tier got the cache by a prefetch from disk after the start
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
 
     @classmethod
@@ -94,6 +95,7 @@ class RunningTurn:
             "ttft_ms": round(ttft, 1) if ttft is not None else None,
             "decode_tps": round(tps, 1) if tps is not None else None,
             "restored_from": self.restored_from,
+            "prefetched": self.prefetched,
             "restored_tokens": self.cached_len,
             # Of those, the tokens another session's cache or shared disk blocks supplied.
             "shared_tokens": self.shared_tokens,

@@ -299,7 +299,7 @@ class Engine:
             restored_from=out.restored_from, restore_ms=out.restore_ms, inserted=time.perf_counter(),
             sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
             prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size),
-            shared_tokens=shared,
+            shared_tokens=shared, prefetched=out.prefetched and cached > 0,
         ))
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
 
