@@ -111,6 +111,26 @@ async def test_delete_asks_first(tmp_path: Path) -> None:
         assert sessions == []
 
 
+async def test_delete_takes_numbers_ranges_and_the_empty_ones_asking_once(tmp_path: Path) -> None:
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as c:
+            keep = await make_session(c, "Keep me", "hello")
+            await c.request("session.create", title="Nothing said")
+            for title in ("Alpha", "Beta", "Gamma"):
+                await make_session(c, title, "hello")
+        screen = await kvchat(d, "--session", keep, script=[
+            "/sessions", "/delete 1-2, 3", "y", "/delete 9-2", "/delete empty", "y", "/delete empty", "/quit"])
+        lines = screen.lines
+        assert "delete 3 sessions ('Gamma', 'Beta', 'Alpha')? [y/N] y" in lines
+        assert "deleted 3 sessions" in lines
+        assert any("9-2: a range goes from the smaller number to the larger" in line for line in lines)
+        assert "delete 'Nothing said'? [y/N] y" in lines and "deleted 'Nothing said'" in lines
+        assert any("no listed session is empty" in line for line in lines)
+        async with client(d) as c:
+            sessions = (await c.request("session.list"))["sessions"]
+        assert [s["id"] for s in sessions] == [keep]
+
+
 async def test_export_writes_the_transcript_as_markdown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     async with running_daemon(tmp_path / "kvd") as d:

@@ -141,26 +141,37 @@ def _rename(chat: ChatView, args: str) -> None:
     render.print_note(chat.console, f"renamed to {session['title']!r}")
 
 
-@command("/delete", "/delete [N|id]", "delete a session (this one if none is named), after asking")
+@command("/delete", "/delete [N|id|2 5 7-9|empty]",
+         "delete sessions (this one if none is named; numbers, ranges, or the empty ones), after asking")
 def _delete(chat: ChatView, args: str) -> None:
-    target = _target(chat, args) if args else chat.session
-    title = render.sanitize(str(target.get("title") or target["id"]))
-    try:
-        answer = chat.input.ask(f"delete {title!r}? [y/N] ").strip().lower()
-    except EOFError:
-        answer = ""
-    if answer not in ("y", "yes"):
+    if args:
+        found = listing.find_many(chat.listed or chat.list_sessions(), args)
+        if isinstance(found, str):
+            raise UsageError(found)
+        targets = [dict(t) for t in found]
+    else:
+        targets = [chat.session]
+    titles = [render.sanitize(str(t.get("title") or t["id"])) for t in targets]
+    if len(targets) == 1:
+        question = f"delete {titles[0]!r}? [y/N] "
+    else:
+        shown = ", ".join(repr(t) for t in titles[:3]) + (", …" if len(titles) > 3 else "")
+        question = f"delete {len(targets)} sessions ({shown})? [y/N] "
+    if not _yes(chat, question):
         render.print_note(chat.console, "kept")
         return
-    chat.request(protocol.SESSION_DELETE, session=target["id"])
-    chat.listed = []  # its numbers have moved
-    if target["id"] == chat.session.get("id"):
+    current = chat.session.get("id")
+    for target in targets:
+        chat.request(protocol.SESSION_DELETE, session=target["id"])
+    chat.listed = []  # their numbers have moved
+    what = f"{titles[0]!r}" if len(targets) == 1 else f"{len(targets)} sessions"
+    if any(t["id"] == current for t in targets):
         chat.forget_current()
-        render.print_note(chat.console, f"deleted {title!r}; here is a new chat")
+        render.print_note(chat.console, f"deleted {what}; here is a new chat")
         chat.console.print()
         chat.create()
     else:
-        render.print_note(chat.console, f"deleted {title!r}")
+        render.print_note(chat.console, f"deleted {what}")
 
 
 @command("/export", "/export [path]", "write this session to a Markdown file")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -123,6 +124,41 @@ def find(sessions: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] |
     if titled:
         return f"{key!r} starts {len(titled)} titles; give more of it, or the number"
     return f"{key!r} is not a session number, id or title; /sessions lists them"
+
+
+def find_many(sessions: Sequence[Mapping[str, Any]], keys: str) -> list[Mapping[str, Any]] | str:
+    """The sessions `keys` names: numbers and ranges from the table (``2 5 7-9``, commas allowed),
+    ids, or ``empty`` (the listed sessions with no messages); one title otherwise. Or why not."""
+    words = keys.replace(",", " ").split()
+    if words == ["empty"]:
+        empty = [s for s in sessions[:SHOWN] if not s.get("last_message") and not s.get("tokens")]
+        return empty or "no listed session is empty"
+    if len(words) < 2 and not _RANGE.fullmatch(keys.strip()):
+        found = find(sessions, keys)
+        return found if isinstance(found, str) else [found]
+    if not all(_RANGE.fullmatch(w) or w.isdigit() or protocol.SESSION_ID_RE.fullmatch(w) for w in words):
+        found = find(sessions, keys)  # a title with spaces
+        return found if isinstance(found, str) else [found]
+    out: dict[str, Mapping[str, Any]] = {}
+    for word in words:
+        if m := _RANGE.fullmatch(word):
+            first, last = int(m[1]), int(m[2])
+            if first > last:
+                return f"{word}: a range goes from the smaller number to the larger"
+            if last - first >= SHOWN:
+                return f"{word}: the table shows {SHOWN} sessions at most"
+            keys_here = [str(n) for n in range(first, last + 1)]
+        else:
+            keys_here = [word]
+        for key in keys_here:
+            found = find(sessions, key)
+            if isinstance(found, str):
+                return found
+            out[str(found.get("id"))] = found
+    return list(out.values())
+
+
+_RANGE = re.compile(r"(\d{1,5})-(\d{1,5})")
 
 
 def _folded_title(session: Mapping[str, Any]) -> str:
