@@ -253,6 +253,14 @@ def test_backslash_continues_the_message() -> None:
     assert prompts == ["you> ", "...> ", "...> "]
 
 
+def test_a_backslash_typed_after_a_paste_continues_the_message() -> None:
+    # A bracketed paste reaches read_message as one line holding its newlines.
+    lines = iter(["pasted one\npasted two\\", "typed after"])
+    assert read_message("you> ", "...> ", lambda prompt: next(lines)) == "pasted one\npasted two\ntyped after"
+    lines = iter(["pasted one\npasted two\n"])
+    assert read_message("you> ", "...> ", lambda prompt: next(lines)) == "pasted one\npasted two"
+
+
 def test_ctrl_d_on_a_continuation_line_ends_the_message() -> None:
     lines = iter(["first \\"])
 

@@ -115,7 +115,9 @@ def read_message(
         if line.endswith(EDITOR_MARK):
             raise ToEditor("\n".join([*lines, line[: -len(EDITOR_MARK)]]))
         if "\n" in line and not block:  # a bracketed paste: its newlines are the message's
-            return "\n".join([*lines, line.rstrip("\n")])
+            line = line.rstrip("\n")
+            if not line.endswith("\\"):  # a backslash typed after it continues, as on any line
+                return "\n".join([*lines, line])
         if block:
             if line.strip() == BLOCK:
                 return "\n".join(lines)
