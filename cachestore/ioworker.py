@@ -115,6 +115,3 @@ class IOWorker:
             else:
                 self._pending.pop(key, None)
                 done.add(key)
-
-    def pending(self, key: str) -> bool:
-        return key in self._pending

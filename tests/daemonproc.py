@@ -23,8 +23,9 @@ EVENT_TIMEOUT = 60.0
 
 class DaemonProcess:
     def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, prefetch: bool = False,
-                 block_tokens: int | None = None):
-        """`kvd serve` on port 0; on builtin:tiny unless `args` name a --model."""
+                 block_tokens: int | None = None, crash_at: str | None = None):
+        """`kvd serve` on port 0; on builtin:tiny unless `args` name a --model; dying like kill -9
+        at the cache writer's point `crash_at` if given (tests/crashing_kvd.py)."""
         self.data_dir = data_dir
         if "--model" not in args:
             args = ("--model", "builtin:tiny", *args)
@@ -35,7 +36,9 @@ class DaemonProcess:
             config.write_text(f"[cache]\nprefetch = {str(prefetch).lower()}\n{blocks}")
             args = ("--config", str(config), *args)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--port", "0", "--data-dir", str(data_dir), *args],
+            [sys.executable, *(["-m", "daemon.cli"] if crash_at is None else
+                               [str(Path(__file__).with_name("crashing_kvd.py")), crash_at]),
+             "serve", "--port", "0", "--data-dir", str(data_dir), *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})},
         )

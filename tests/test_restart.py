@@ -72,7 +72,7 @@ def test_kill_9_mid_stream_keeps_transcript_and_resumes(tmp_path: Path) -> None:
 
 
 def test_kill_9_mid_page_out_never_references_a_partial_file(tmp_path: Path) -> None:
-    d = DaemonProcess(tmp_path, env={"KVD_TEST_CRASH_AT": "after-write"})
+    d = DaemonProcess(tmp_path, crash_at="after-write")
     with d.client() as c:
         sid = c.request("session.create")["session"]["id"]
         c.send(type="chat.send", session=sid, text="This turn dies while its cache is paged out.",

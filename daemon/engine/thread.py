@@ -184,9 +184,14 @@ class Engine:
                 return
             if cmd is not None:
                 self._handle(cmd)
-            self._admit_waiting()
-            if self._turns.running and self._inbox.empty():
-                self._step()
+            if self._inbox.empty():  # every request so far handled: the engine moves one step
+                self._advance()
+
+    def _advance(self) -> None:
+        """Start what may start, then one step of the running turns."""
+        self._admit_waiting()
+        if self._turns.running:
+            self._step()
 
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
@@ -202,9 +207,7 @@ class Engine:
                 break
             assert not isinstance(cmd, Stop), "stop() is for a started engine"
             self._handle(cmd)
-        self._admit_waiting()
-        if self._turns.running:
-            self._step()
+        self._advance()
 
     def _handle(self, cmd: TurnJob | Cancel | Forget | Status) -> None:
         if isinstance(cmd, TurnJob):
