@@ -116,3 +116,42 @@ def m005_session_origin(db: Database) -> None:
     # Who made the session: "kvchat", "kvchat one-shot", "api (<User-Agent>)", "websocket" (a client
     # that did not say); NULL for sessions made before origins were kept.
     db.execute("ALTER TABLE sessions ADD COLUMN origin TEXT")
+
+
+@migration
+def m006_tool_messages(db: Database) -> None:
+    # Tool calling over the API: an assistant message may carry the calls it made (tool_calls: a JSON
+    # list of {"id", "name", "arguments"}), and a 'tool' message answers one (tool_call_id). SQLite
+    # cannot change a CHECK constraint in place, so the table is rebuilt (once, in this transaction).
+    db.execute(
+        """
+        CREATE TABLE messages_m006 (
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL CHECK (idx >= 0),
+            role TEXT NOT NULL CHECK (role IN ('user', 'assistant', 'tool')),
+            content TEXT NOT NULL,
+            status TEXT NOT NULL
+                CHECK (status IN ('complete', 'streaming', 'cancelled', 'error')),
+            finish_reason TEXT,
+            usage TEXT,
+            -- how many token ids the session had fed once this turn ended
+            fed_end INTEGER CHECK (fed_end >= 0),
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            tool_calls TEXT,
+            tool_call_id TEXT,
+            PRIMARY KEY (session_id, idx)
+        )
+        """
+    )
+    db.execute(
+        "INSERT INTO messages_m006 (session_id, idx, role, content, status, finish_reason, usage, fed_end, "
+        "created_at, updated_at) SELECT session_id, idx, role, content, status, finish_reason, usage, fed_end, "
+        "created_at, updated_at FROM messages"
+    )
+    db.execute("DROP TABLE messages")
+    db.execute("ALTER TABLE messages_m006 RENAME TO messages")
+    db.execute(
+        "CREATE INDEX messages_streaming ON messages (session_id) "
+        "WHERE status = 'streaming'"
+    )

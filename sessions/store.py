@@ -36,9 +36,9 @@ from common.tokenids import pack_tokens, unpack_tokens
 from .errors import UnknownMessage, UnknownSession
 from .migrations import migrate
 
-Role = Literal["user", "assistant"]
+Role = Literal["user", "assistant", "tool"]
 Status = Literal["complete", "streaming", "cancelled", "error"]
-ROLES: tuple[str, ...] = ("user", "assistant")
+ROLES: tuple[str, ...] = ("user", "assistant", "tool")  # "tool": a tool's result (the API's tool calling)
 STATUSES: tuple[str, ...] = ("complete", "streaming", "cancelled", "error")
 
 LAST_MESSAGE_CHARS = 200
@@ -72,6 +72,8 @@ class Message(TypedDict):
     fed_end: int | None
     created_at: float
     updated_at: float
+    tool_calls: list[dict[str, str]] | None  # an assistant's calls: [{"id", "name", "arguments"}]
+    tool_call_id: str | None  # a tool message: the call it answers
 
 
 # One query for the whole listing: the counts come from correlated subqueries
@@ -93,7 +95,7 @@ _SESSION_KEYS = (
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
-    "fed_end", "created_at", "updated_at",
+    "fed_end", "created_at", "updated_at", "tool_calls", "tool_call_id",
 )  # fmt: skip
 
 
@@ -206,7 +208,7 @@ class Store:
     def messages(self, session_id: str) -> list[Message]:
         rows = self.db.execute(
             "SELECT idx, role, content, status, finish_reason, usage, fed_end, "
-            "created_at, updated_at FROM messages WHERE session_id = ? ORDER BY idx",
+            "created_at, updated_at, tool_calls, tool_call_id FROM messages WHERE session_id = ? ORDER BY idx",
             [session_id],
         ).fetchall()
         if not rows:
@@ -214,9 +216,13 @@ class Store:
         return [_message_dict(row) for row in rows]
 
     def append_message(
-        self, session_id: str, role: str, content: str, *, status: str = "complete"
+        self, session_id: str, role: str, content: str, *, status: str = "complete",
+        tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
     ) -> int:
-        """Append a message and touch the session; return its index (0, 1, ...)."""
+        """Append a message and touch the session; return its index (0, 1, ...).
+
+        `tool_calls` (an assistant's) and `tool_call_id` (a tool message's) come from the API's tool calling.
+        """
         _check_role(role)
         _check_status(status)
         now = self._clock()
@@ -228,8 +234,9 @@ class Store:
             ).fetchone()
             self.db.execute(
                 "INSERT INTO messages (session_id, idx, role, content, status, "
-                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [session_id, index, role, content, status, now, now],
+                "created_at, updated_at, tool_calls, tool_call_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [session_id, index, role, content, status, now, now,
+                 json.dumps([dict(c) for c in tool_calls]) if tool_calls else None, tool_call_id],
             )
         return int(index)
 
@@ -243,6 +250,7 @@ class Store:
         finish_reason: str | None = None,
         usage: dict[str, Any] | None = None,
         fed_end: int | None = None,
+        tool_calls: Sequence[Mapping[str, str]] | None = None,
     ) -> None:
         """Change only the given fields (None means "leave as is").
 
@@ -267,6 +275,9 @@ class Store:
         if fed_end is not None:
             sets.append("fed_end = ?")
             params.append(fed_end)
+        if tool_calls is not None:
+            sets.append("tool_calls = ?")
+            params.append(json.dumps([dict(c) for c in tool_calls]) if tool_calls else None)
         sql = f"UPDATE messages SET {', '.join(sets)} WHERE session_id = ? AND idx = ?"
         if status is None:
             # A streamed chunk is not acknowledged yet: no fsync for it. The
@@ -399,7 +410,7 @@ class Store:
 
 def _check_role(role: str) -> None:
     if role not in ROLES:
-        raise ValueError(f"role must be 'user' or 'assistant', not {role!r}")
+        raise ValueError(f"role must be one of {', '.join(ROLES)}; not {role!r}")
 
 
 def _check_status(status: str) -> None:
@@ -417,4 +428,6 @@ def _message_dict(row: tuple[Any, ...]) -> Message:
     message = dict(zip(_MESSAGE_KEYS, row))
     if message["usage"] is not None:
         message["usage"] = json.loads(message["usage"])
+    if message["tool_calls"] is not None:
+        message["tool_calls"] = json.loads(message["tool_calls"])
     return cast(Message, message)

@@ -214,9 +214,24 @@ def test_append_and_read_messages(store: Store) -> None:
     ]
     assert set(messages[0]) == {
         "index", "role", "content", "status", "finish_reason", "usage", "fed_end",
-        "created_at", "updated_at",
+        "created_at", "updated_at", "tool_calls", "tool_call_id",
     }  # fmt: skip
     assert messages[0]["finish_reason"] is None and messages[0]["usage"] is None
+    assert messages[0]["tool_calls"] is None and messages[0]["tool_call_id"] is None
+
+
+def test_tool_calls_and_tool_results_are_kept(store: Store) -> None:
+    s = store.create_session(title="Tools")
+    call = {"id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'}
+    store.append_message(s["id"], "user", "Weather in Paris?")
+    i = store.append_message(s["id"], "assistant", "", status="streaming")
+    store.update_message(s["id"], i, content="", status="complete", tool_calls=[call])
+    store.append_message(s["id"], "tool", "18 C, sunny", tool_call_id="call_1")
+    got = store.messages(s["id"])
+    assert [(m["role"], m["tool_calls"], m["tool_call_id"]) for m in got] == [
+        ("user", None, None), ("assistant", [call], None), ("tool", None, "call_1")]
+    with pytest.raises(ValueError, match="role must be one of user, assistant, tool"):
+        store.append_message(s["id"], "robot", "beep")
 
 
 def test_append_message_touches_session(store: Store) -> None:
@@ -275,7 +290,7 @@ def test_truncate_messages(store: Store) -> None:
         store.truncate_messages(s["id"], -1)
 
 
-@pytest.mark.parametrize("role", ["system", "tool", "", "USER"])
+@pytest.mark.parametrize("role", ["system", "developer", "", "USER"])
 def test_invalid_role_raises(store: Store, role: str) -> None:
     s = store.create_session(title="New chat")
     with pytest.raises(ValueError, match="role"):
@@ -393,7 +408,7 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
     names = [r[0] for r in raw_query(db_path, "SELECT name FROM _sqlite_migrations "
                                                "WHERE migration_set = 'kvd.sessions' ORDER BY id")]
     assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks",
-                     "m005_session_origin"]
+                     "m005_session_origin", "m006_tool_messages"]
 
 
 def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
@@ -412,8 +427,11 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
     db.execute(f"INSERT INTO {LEGACY_TABLE} VALUES ('m001_initial', 0)")
     db.execute("INSERT INTO sessions (id, title, system, created_at, updated_at) "
                "VALUES (?, 'old', NULL, 1, 1)", [MISSING])
+    db.execute("INSERT INTO messages (session_id, idx, role, content, status, finish_reason, usage, fed_end, "
+               "created_at, updated_at) VALUES (?, 0, 'user', 'kept', 'complete', NULL, NULL, 7, 1, 1)", [MISSING])
     db.conn.commit()
-    assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks", "m005_session_origin"]
+    assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks", "m005_session_origin",
+                           "m006_tool_messages"]
     assert LEGACY_TABLE not in db.table_names() and MIGRATIONS.pending(db) == []
     assert migrate(db) == []
     db.close()
@@ -422,6 +440,11 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
         assert (old["title"], old["params"], old["origin"]) == ("old", {}, None)
         store.update_session(MISSING, params={"top_p": 0.9})
         assert get(store, MISSING)["params"] == {"top_p": 0.9}
+        (kept,) = store.messages(MISSING)  # the messages table was rebuilt (m006), its rows kept
+        assert (kept["role"], kept["content"], kept["fed_end"], kept["tool_calls"]) == ("user", "kept", 7, None)
+        store.db.execute("PRAGMA foreign_keys = ON")
+        store.delete_session(MISSING)  # the rebuilt table still cascades
+        assert store.db.execute("SELECT count(*) FROM messages").fetchone()[0] == 0
 
 
 def test_file_database_pragmas(store: Store) -> None:
