@@ -42,4 +42,5 @@ TOP_P = Range(0.0, 1.0, low_open=True)
 MAX_STOPS = 4  # stop sequences per request, as OpenAI
 MAX_STOP_CHARS = 256  # characters per stop sequence
 MAX_MESSAGES = 2048  # messages per request
+MAX_TOOLS = 128  # tools per request, as OpenAI
 SEED_MAX = 2**64 - 1  # a seed is 0 to this: MLX's sampler seed is an unsigned 64-bit integer

@@ -13,7 +13,8 @@ template that trims whitespace.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Sequence
+import json
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -25,19 +26,41 @@ T = TypeVar("T")
 _SENTINEL = "\x00kvd-sentinel\x00"
 
 
-def _conversation(messages: Sequence[dict[str, str]], system: str | None) -> list[dict[str, str]]:
-    head = [{"role": "system", "content": system}] if system else []
-    return head + [{"role": m["role"], "content": m["content"]} for m in messages]
+def template_message(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A transcript message as chat templates take it: role and content, an assistant's tool calls
+    (kept as {"id", "name", "arguments"}; templates want OpenAI's shape, arguments as an object, as
+    Hugging Face's chat templates document it) and the call a tool message answers."""
+    out: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+    if calls := m.get("tool_calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                             for c in calls]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
 
 
-def render(tokenizer: Any, messages: Sequence[dict[str, str]], system: str | None,
-           *, generation_prompt: bool = True) -> str:
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template shows it as it is
+
+
+def _conversation(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    head: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    return head + [template_message(m) for m in messages]
+
+
+def render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], system: str | None,
+           *, generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    extra = {"tools": list(tools)} if tools else {}
     text: str = tokenizer.apply_chat_template(_conversation(messages, system),
-                                              add_generation_prompt=generation_prompt, tokenize=False)
+                                              add_generation_prompt=generation_prompt, tokenize=False, **extra)
     return text
 
 
-def _continuation(tokenizer: Any, history: Sequence[dict[str, str]], new: Sequence[dict[str, str]],
+def _continuation(tokenizer: Any, history: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
                   system: str | None, last_fed: int, eos_ids: Collection[int]) -> str | None:
     """The text to feed after tokens that end inside `history`'s last assistant turn.
 
@@ -62,7 +85,7 @@ def _continuation(tokenizer: Any, history: Sequence[dict[str, str]], new: Sequen
     return closing + after[len(before):]
 
 
-def prompt_tokens(tokenizer: Any, messages: Sequence[dict[str, str]], system: str | None,
+def prompt_tokens(tokenizer: Any, messages: Sequence[Mapping[str, Any]], system: str | None,
                   fed: Sequence[int], *, fed_covers: int) -> tuple[list[int], bool]:
     """Token ids for the whole conversation `messages`, ready for generation.
 
@@ -81,9 +104,10 @@ def prompt_tokens(tokenizer: Any, messages: Sequence[dict[str, str]], system: st
     return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False)), False
 
 
-def conversation_ids(tokenizer: Any, messages: Sequence[dict[str, str]], system: str | None) -> list[int]:
-    """The whole conversation as a fresh session would feed it."""
-    return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False))
+def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], system: str | None,
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """The whole conversation as a fresh session would feed it (with the tools it may call)."""
+    return list(tokenizer.encode(render(tokenizer, messages, system, tools=tools), add_special_tokens=False))
 
 
 class Tokenizing:
@@ -131,7 +155,7 @@ class Prompt(Protocol):
 class Continuation:
     """The transcript as it stands, appended to the session's fed ids where the rule allows."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     system: str | None
     fed: list[int]
     fed_covers: int  # how many leading `messages` the fed ids stand for

@@ -43,7 +43,7 @@ from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
 from .engine.sampling import resolve
 from .engine.thread import Engine
-from .prompt import Continuation, Prompt, Tokenizing, Tokens
+from .prompt import Continuation, Prompt, Tokenizing, Tokens, template_message
 
 log = logging.getLogger("kvd.turns")
 
@@ -207,7 +207,7 @@ class Turns:
     def _continuation(self, session_id: str, index: int, system: str | None) -> Continuation:
         earlier = [m for m in self.store.messages(session_id) if m["index"] < index and m["content"]]
         fed, covers = self.store.fed(session_id)
-        return Continuation(messages=[{"role": m["role"], "content": m["content"]} for m in earlier],
+        return Continuation(messages=[template_message(m) for m in earlier],
                             system=system, fed=fed,
                             fed_covers=sum(1 for m in earlier if m["index"] < covers))
 

@@ -8,7 +8,7 @@ import pytest
 
 from daemon.config import load_config
 from daemon.doors.guards import host_allowed, host_name
-from daemon.doors.placement import divergence, title_for
+from daemon.doors.placement import Said, divergence, title_for
 from daemon.turns import StopScan
 from sessions import Store
 
@@ -53,13 +53,20 @@ def test_host_allowed(tmp_path: Path) -> None:
 
 
 def test_divergence_and_titles() -> None:
-    a, b = ("user", "hi"), ("assistant", "hello")
-    assert divergence([a, b], [a, b, ("user", "more")]) == 2
-    assert divergence([a, b], [a, ("assistant", "hullo")]) == 1
+    a, b = Said("user", "hi"), Said("assistant", "hello")
+    assert divergence([a, b], [a, b, Said("user", "more")]) == 2
+    assert divergence([a, b], [a, Said("assistant", "hullo")]) == 1
     assert divergence([], [a]) == 0
-    assert title_for([("user", "  What is a KV cache?\nsecond line")]) == "What is a KV cache?"
-    assert len(title_for([("user", "x" * 500)])) == 60
-    assert title_for([("assistant", "only")]) == "New chat"
+    assert title_for([Said("user", "  What is a KV cache?\nsecond line")]) == "What is a KV cache?"
+    assert len(title_for([Said("user", "x" * 500)])) == 60
+    assert title_for([Said("assistant", "only")]) == "New chat"
+    # A tool call is the same call when a client sends its arguments back re-serialized; another id is not.
+    call = {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}
+    called = Said("assistant", "", (call,))
+    echoed = Said("assistant", "", ({**call, "arguments": '{"unit":"C","city":"Paris"}'},))
+    assert divergence([a, called], [a, echoed]) == 2
+    assert divergence([a, called], [a, Said("assistant", "", ({**call, "id": "call_2"},))]) == 1
+    assert divergence([Said("tool", "18", tool_call_id="call_1")], [Said("tool", "18", tool_call_id="x")]) == 0
 
 
 def test_continuable_sessions_share_the_system_prompt_and_first_message(tmp_path: Path) -> None:

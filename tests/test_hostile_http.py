@@ -77,6 +77,8 @@ def msgs(n: int) -> list[dict[str, str]]:
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(n)]
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
 # Every refusal of docs/openai.md's table, by the body (or headers) that earns it.
 REFUSALS: list[tuple[str, bytes | dict[str, Any], dict[str, str], int, str | None]] = [
     ("not json", b"{nope", {}, 400, None),
@@ -88,13 +90,22 @@ REFUSALS: list[tuple[str, bytes | dict[str, Any], dict[str, str], int, str | Non
     ("a lone surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}', {}, 400, None),
     ("a surrogate in a stop", b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\udfff"}', {}, 400, None),
     ("wrong type", {**HI, "max_tokens": "5"}, {}, 400, None),
-    ("unknown role", {**HI, "messages": [{"role": "tool", "content": "x"}]}, {}, 400, None),
+    ("unknown role", {**HI, "messages": [{"role": "robot", "content": "x"}]}, {}, 400, None),
+    ("a tool result without tool_call_id", {**HI, "messages": [*msgs(1), {"role": "tool", "content": "x"}]}, {},
+     400, None),
+    ("tool_calls on a user message", {**HI, "messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, {}, 400, None),
     ("no messages", {**HI, "messages": []}, {}, 400, None),
     ("only a system message", {**HI, "messages": [{"role": "system", "content": "x"}]}, {}, 400, None),
     ("a later system message", {**HI, "messages": [*msgs(1), {"role": "system", "content": "x"}]}, {}, 400, None),
     ("n = 2", {**HI, "n": 2}, {}, 400, None),
     ("logprobs", {**HI, "logprobs": True}, {}, 400, None),
-    ("tools", {**HI, "tools": [{"type": "function"}]}, {}, 400, None),
+    ("a tool without its function", {**HI, "tools": [{"type": "function"}]}, {}, 400, None),
+    ("129 tools", {**HI, "tools": [TOOL] * 129}, {}, 400, None),
+    ("tool_choice required", {**HI, "tools": [TOOL], "tool_choice": "required"}, {}, 400, None),
+    ("a named tool_choice", {**HI, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     {}, 400, None),
+    ("tool_choice auto without tools", {**HI, "tool_choice": "auto"}, {}, 400, None),
     ("max_tokens past the limit", {**HI, "max_tokens": 10**6}, {}, 400, None),
     ("five stops", {**HI, "stop": ["a", "b", "c", "d", "e"]}, {}, 400, None),
     ("a 500,000-character stop", {**HI, "stop": "x" * 500_000}, {}, 400, "string_above_max_length"),

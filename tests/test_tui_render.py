@@ -218,6 +218,19 @@ def test_history() -> None:
         "you> Where to?\nkvd> Lisbon.\n\nyou> And then?\n       and after\nkvd> Por\n(cancelled)\n\n")
 
 
+def test_history_with_an_api_clients_tool_calls() -> None:
+    console = capture_console()
+    call = {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    render.print_history(console, [
+        {"role": "user", "content": "Weather?", "status": "complete"},
+        {"role": "assistant", "content": "", "status": "complete", "tool_calls": [call]},
+        {"role": "tool", "content": "18 C", "status": "complete", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "Mild.", "status": "complete"},
+    ])
+    assert output(console) == (
+        'you> Weather?\nkvd> called get_weather({"city": "Paris"})\n\ntool result: 18 C\nkvd> Mild.\n\n')
+
+
 def test_error_is_one_line() -> None:
     console = capture_console()
     render.print_error(console, "kvd is not running at ws://127.0.0.1:8765/v1. Start it with: kvd serve")

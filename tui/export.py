@@ -17,6 +17,7 @@ from typing import Any
 import protocol
 from common import durable
 
+from .render import calls_text
 from .sanitize import sanitize
 
 SLUG_CHARS = 40
@@ -42,10 +43,15 @@ def to_markdown(session: Mapping[str, Any], messages: Sequence[Mapping[str, Any]
         out += [f"> {line}" if line else ">" for line in sanitize(str(system)).split("\n")]
         out.append("")
     for message in messages:
-        who = "You" if message.get("role") == "user" else "kvd"
+        who = {"user": "You", "tool": "Tool result"}.get(str(message.get("role")), "kvd")
         status = message.get("status", "complete")
         out += [f"## {who}" + ("" if status == "complete" else f" ({sanitize(str(status))})"), ""]
-        out += [sanitize(str(message.get("content", ""))).strip("\n"), ""]
+        content = sanitize(str(message.get("content", ""))).strip("\n")
+        calls = calls_text(message.get("tool_calls"))
+        if content or not calls:
+            out += [content, ""]
+        if calls:
+            out += [*(f"- {line}" for line in calls), ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

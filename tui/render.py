@@ -37,15 +37,32 @@ def answer_printer(console: Console) -> AnswerPrinter:
     return AnswerPrinter(console, KVD, KVD_STYLE)
 
 
-def print_message(console: Console, role: str, content: str, status: str = "complete") -> None:
-    """One message of a transcript: the user's as typed, an answer as Markdown."""
-    if role == "user":
+def calls_text(calls: object) -> list[str]:
+    """An answer's tool calls (an API client's), one line each: ``called get_weather({"city": "Paris"})``."""
+    if not isinstance(calls, list):
+        return []
+    return [f"called {sanitize(str(c.get('name')))}({sanitize(str(c.get('arguments')))})"
+            for c in calls if isinstance(c, Mapping)]
+
+
+def print_message(console: Console, role: str, content: str, status: str = "complete",
+                  calls: object = None) -> None:
+    """One message of a transcript: the user's as typed, an answer as Markdown (and the tools it called),
+    a tool's result (an API client's) dim."""
+    if role == "tool":
+        console.print(Text(f"tool result: {sanitize(content)}", style=DIM), soft_wrap=True)
+    elif role == "user":
         label = Text(YOU, style=YOU_STYLE)
         width = max(console.width - label.cell_len, 10)
         lines = console.render_lines(Text(sanitize(content)), console.options.update(width=width), pad=False)
         console.print(Labelled(lines or [[]], label, label.cell_len), soft_wrap=True)
     else:
-        console.print(render_answer(sanitize(content), Text(KVD, style=KVD_STYLE)), soft_wrap=True)
+        if content or not calls:
+            console.print(render_answer(sanitize(content), Text(KVD, style=KVD_STYLE)), soft_wrap=True)
+        else:
+            console.print(Text(KVD, style=KVD_STYLE), end="")
+        for line in calls_text(calls):
+            console.print(Text(line, style=DIM), soft_wrap=True)
     if status == "streaming":
         console.print(Text("(still being written: /attach follows it)", style=DIM), soft_wrap=True)
     elif status != "complete":
@@ -56,8 +73,9 @@ def print_history(console: Console, messages: Iterable[Mapping[str, Any]]) -> No
     """A resumed session's transcript, a blank line after each answer as in a live chat."""
     for message in messages:
         role = str(message.get("role", ""))
-        print_message(console, role, str(message.get("content", "")), str(message.get("status", "complete")))
-        if role != "user":
+        print_message(console, role, str(message.get("content", "")), str(message.get("status", "complete")),
+                      message.get("tool_calls"))
+        if role == "assistant":
             console.print()
 
 

@@ -47,7 +47,8 @@ from .asgi import headers_of
 from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError, ChatRequest, instructions, parse, served_names, stops
-from .placement import Diverged, place
+from .placement import Diverged, Said, place
+from .toolcalls import StreamSplit, ToolFormat, openai_calls, split
 
 log = logging.getLogger("kvd.api")
 
@@ -189,9 +190,16 @@ class OpenAIDoor:
         if session is None:
             return error_response(ApiError(HTTPStatus.NOT_FOUND, f"no session {session_id!r}",
                                            code="session_not_found"))
-        said = [m for m in self.store.messages(session_id) if m["content"]]
-        messages = ([{"role": "system", "content": session["system"]}] if session["system"] is not None else [])
-        messages += [{"role": m["role"], "content": m["content"]} for m in said]
+        said = [m for m in self.store.messages(session_id) if m["content"] or m["tool_calls"]]
+        messages: list[dict[str, Any]] = (
+            [{"role": "system", "content": session["system"]}] if session["system"] is not None else [])
+        for m in said:
+            message: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+            if m["tool_calls"]:
+                message["tool_calls"] = openai_calls(m["tool_calls"])
+            if m["tool_call_id"] is not None:
+                message["tool_call_id"] = m["tool_call_id"]
+            messages.append(message)
         return JSONResponse({"object": "kvd.session", "id": session_id, "title": session["title"],
                              "created": session["created_at"], "updated": session["updated_at"],
                              "messages": messages})
@@ -215,9 +223,16 @@ class OpenAIDoor:
                 raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
                                "(16 lowercase hex characters)", param=SESSION_HEADER)
             system = instructions(req)
-            convo: list[tuple[str, str]] = [(m.role, m.text()) for m in req.messages if not m.instructs]
-            ids = await self.turns.tokenizing.run(conversation_ids, [{"role": r, "content": c} for r, c in convo],
-                                                  system)
+            convo = [Said(m.role, m.text(), tuple(c.stored() for c in m.tool_calls or ()), m.tool_call_id)
+                     for m in req.messages if not m.instructs]
+            tools = req.offered_tools()
+            tool_format = ToolFormat.of(self.engine.tokenizer, tools)
+            if tools and tool_format is None:
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
+                               "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
+                               "serve a model that calls tools (docs/openai.md lists them)", param="tools")
+            ids = await self.turns.tokenizing.run(conversation_ids, [s.for_template() for s in convo],
+                                                  system, tools)
             self._check_fits(ids, req.max_completion_tokens or req.max_tokens)
             admit(self.config, self.turns)  # again: the engine's queue may have grown while tokenizing
             rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
@@ -240,7 +255,8 @@ class OpenAIDoor:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return _Answer(self, turn, events.receive, req, headers, created=placement.kind == "new")
+        return _Answer(self, turn, events.receive, req, headers, created=placement.kind == "new",
+                       tool_format=tool_format)
 
     async def _body(self, request: Request) -> bytes | None:
         """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
@@ -303,8 +319,9 @@ class _Answer(Response):
     """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
 
     def __init__(self, door: OpenAIDoor, turn: Turn, events: MemoryObjectReceiveStream[dict[str, Any]],
-                 req: ChatRequest, headers: dict[str, str], *, created: bool):
+                 req: ChatRequest, headers: dict[str, str], *, created: bool, tool_format: ToolFormat | None = None):
         self.created_session = created  # this request made the session: a refusal takes it back
+        self.tool_format = tool_format  # the request offered tools the model can call
         self.door = door
         self.turn = turn
         self.events = events
@@ -379,17 +396,30 @@ class _Answer(Response):
         e = api_error(event["code"], event["message"])
         await self._body(send, e.status, e.body())
 
+    def _called(self, event: dict[str, Any], content: str, calls: list[dict[str, str]]) -> str:
+        """Keep an answer that called tools as its content and calls; its finish_reason."""
+        reason = finish_reason_of(event["finish_reason"])
+        if not calls:
+            return reason
+        self.door.store.update_message(self.turn.session_id, event["message_index"], content=content,
+                                       tool_calls=calls, status="cancelled" if reason == "cancelled" else "complete")
+        return "tool_calls" if reason == "stop" else reason
+
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
         text = ""
         async for event in self.events:
             if event["type"] == p.CHAT_DELTA:
                 text += event["text"]
             elif event["type"] == p.CHAT_DONE:
+                content, calls = split(self.tool_format, text) if self.tool_format else (text, [])
+                reason = self._called(event, content, calls)
+                message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+                if calls:
+                    message["tool_calls"] = openai_calls(calls)
                 await self._body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
                     "model": self.door.config.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": finish_reason_of(event["finish_reason"])}],
+                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
                     "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
                 return
             elif event["type"] == p.ERROR:
@@ -418,14 +448,25 @@ class _Answer(Response):
                 await self._start(send, 200, "text/event-stream; charset=utf-8")
                 await sse(self._chunk({"role": "assistant", "content": ""}))
 
+        splitter = StreamSplit(self.tool_format) if self.tool_format else None
         async for event in self.events:
             kind = event["type"]
             if kind == p.CHAT_DELTA:
                 await begin()
-                await sse(self._chunk({"content": event["text"]}))
+                text = splitter.feed(event["text"]) if splitter else event["text"]
+                if text:
+                    await sse(self._chunk({"content": text}))
             elif kind == p.CHAT_DONE:
                 await begin()
-                await sse(self._chunk({}, finish_reason_of(event["finish_reason"])))
+                rest, calls = splitter.finish() if splitter else ("", [])
+                if rest:
+                    await sse(self._chunk({"content": rest}))
+                if calls:
+                    await sse(self._chunk({"tool_calls": openai_calls(calls, streaming=True)}))
+                content = self.turn.text
+                if calls and self.tool_format:
+                    content = split(self.tool_format, self.turn.text)[0]
+                await sse(self._chunk({}, self._called(event, content, calls)))
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.door.config.model, "choices": [],

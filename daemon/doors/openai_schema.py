@@ -3,18 +3,19 @@
 pydantic in strict mode: "5" is not a number and true is not a count, as
 for the websocket protocol (requests.py). Fields the API defines but kvd
 does not implement are refused when they ask for something (n > 1,
-logprobs, tools) and ignored when they are left at their defaults; unknown
+logprobs, a forced tool call) and ignored when they are left at their defaults; unknown
 fields are ignored, as OpenAI's clients add new ones often.
 """
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.limits import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, SEED_MAX, TEMPERATURE, TOP_P
+from common.limits import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS, SEED_MAX, TEMPERATURE, TOP_P
 
 from ..config import Config
 
@@ -61,11 +62,28 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def stored(self) -> dict[str, str]:
+        """As the transcript keeps a call: {"id", "name", "arguments"}."""
+        return {"id": self.id, "name": self.function.name, "arguments": self.function.arguments}
+
+
 class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for a system message, and is one here.
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # an assistant's may be null (as clients send it back)
     name: str | None = None  # accepted and ignored: the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back as the answer gave them
+    tool_call_id: str | None = Field(default=None, max_length=256)  # a tool message: the call it answers
 
     @property
     def instructs(self) -> bool:
@@ -81,6 +99,27 @@ class ChatMessage(_Strict):
 
 class ResponseFormat(_Strict):
     type: str
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; the chat template shows it to the model
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -100,8 +139,16 @@ class ChatRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     logprobs: bool | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: the model calls as many as it writes
     response_format: ResponseFormat | None = None
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model: none when tool_choice is "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 def parse(body: Any, config: Config) -> ChatRequest:
@@ -130,8 +177,12 @@ def parse(body: Any, config: Config) -> ChatRequest:
                        "(or leave it out) and make several requests for several answers", param="n")
     if req.logprobs:
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd does not return logprobs; leave logprobs out", param="logprobs")
-    if req.tools:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "kvd does not call tools; leave tools out", param="tools")
+    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "kvd cannot force a tool call: the model decides whether to "
+                       "call one; send tool_choice \"auto\" (or \"none\", or leave it out)", param="tool_choice")
+    if req.tool_choice == "auto" and not req.tools:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
+                       "or leave tool_choice out", param="tool_choice")
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(HTTPStatus.BAD_REQUEST, f"kvd does not constrain its output to "
                        f"{req.response_format.type!r}; leave response_format out (or send {{\"type\": \"text\"}})",
@@ -154,6 +205,12 @@ def parse(body: Any, config: Config) -> ChatRequest:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{bad} holds a lone UTF-16 surrogate (such as \\ud800), "
                        "which is not text; send valid Unicode", param=bad)
     for i, m in enumerate(req.messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] is a tool result without tool_call_id; "
+                           "send the id of the call it answers", param=f"messages[{i}].tool_call_id")
+        if m.tool_calls and m.role != "assistant":
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] has tool_calls; only an assistant's may",
+                           param=f"messages[{i}].tool_calls")
         if m.content is None and m.role != "assistant":
             raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content is null; only an assistant's may be",
                            param=f"messages[{i}].content")
@@ -193,8 +250,16 @@ def _not_unicode(req: ChatRequest) -> str | None:
     """The first text field holding a lone surrogate ("\\ud800": JSON allows it, UTF-8 cannot carry it)."""
     fields: list[tuple[str, str | None]] = [("model", req.model)]
     for i, m in enumerate(req.messages):
-        fields += [(f"messages[{i}].content", m.text()), (f"messages[{i}].name", m.name)]
+        fields += [(f"messages[{i}].content", m.text()), (f"messages[{i}].name", m.name),
+                   (f"messages[{i}].tool_call_id", m.tool_call_id)]
+        for j, call in enumerate(m.tool_calls or []):
+            fields += [(f"messages[{i}].tool_calls[{j}].id", call.id),
+                       (f"messages[{i}].tool_calls[{j}].function.name", call.function.name),
+                       (f"messages[{i}].tool_calls[{j}].function.arguments", call.function.arguments)]
     fields += [("stop", s) for s in stops(req)]
+    if req.tools:
+        fields += [(f"tools[{i}]", json.dumps(tool.model_dump(), ensure_ascii=False))
+                   for i, tool in enumerate(req.tools)]
     for where, text in fields:
         if text is not None:
             try:

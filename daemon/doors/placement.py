@@ -28,9 +28,10 @@ client edits or regenerates, on purpose.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import protocol as p
 from protocol import DEFAULT_TITLE
@@ -58,6 +59,44 @@ class Diverged(Exception):
 
 
 @dataclass(frozen=True)
+class Said:
+    """One message of a conversation as the transcript keeps it: role and text, an assistant's
+    tool calls ({"id", "name", "arguments"}) and the call a tool message answers."""
+
+    role: str
+    content: str
+    tool_calls: tuple[Mapping[str, str], ...] = ()
+    tool_call_id: str | None = None
+
+    @classmethod
+    def of(cls, m: Mapping[str, Any]) -> Said:
+        """A stored message (sessions.Message)."""
+        return cls(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"))
+
+    def same(self, other: Said) -> bool:
+        """The same message; a call's arguments compare as JSON (a client may re-serialize them)."""
+        return ((self.role, self.content, self.tool_call_id) == (other.role, other.content, other.tool_call_id)
+                and [_call_key(c) for c in self.tool_calls] == [_call_key(c) for c in other.tool_calls])
+
+    def for_template(self) -> dict[str, Any]:
+        """As prompt.template_message takes it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _call_key(call: Mapping[str, str]) -> tuple[str, str, str]:
+    try:
+        arguments = json.dumps(json.loads(call["arguments"]), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        arguments = call["arguments"]
+    return call["id"], call["name"], arguments
+
+
+@dataclass(frozen=True)
 class Placement:
     session_id: str
     first_new: int  # the first message this turn added
@@ -65,22 +104,22 @@ class Placement:
 
 
 def _said(messages: list[Message]) -> list[Message]:
-    """The messages a client could have been shown (an answer cancelled before any text is not)."""
-    return [m for m in messages if m["content"]]
+    """The messages a client could have been shown (an answer cancelled before any text or call is not)."""
+    return [m for m in messages if m["content"] or m.get("tool_calls")]
 
 
-def divergence(stored: Sequence[tuple[str, str]], request: Sequence[tuple[str, str]]) -> int:
+def divergence(stored: Sequence[Said], request: Sequence[Said]) -> int:
     """How many leading messages the stored transcript and the request agree on."""
     n = 0
     for a, b in zip(stored, request):
-        if a != b:
+        if not a.same(b):
             break
         n += 1
     return n
 
 
-def title_for(messages: Sequence[tuple[str, str]]) -> str:
-    first = next((text for role, text in messages if role == "user" and text.strip()), "")
+def title_for(messages: Sequence[Said]) -> str:
+    first = next((m.content for m in messages if m.role == "user" and m.content.strip()), "")
     line = first.strip().splitlines()[0] if first.strip() else ""
     if not line:
         return DEFAULT_TITLE
@@ -88,44 +127,45 @@ def title_for(messages: Sequence[tuple[str, str]]) -> str:
 
 
 def place(store: Store, turns: Turns, system: str | None,
-          messages: Sequence[tuple[str, str]], pinned: str | None = None, *, rewind: bool = False,
+          messages: Sequence[Said], pinned: str | None = None, *, rewind: bool = False,
           origin: str = "api") -> Placement:
     """Decide where the request's turn goes and commit its messages there.
 
-    `messages` are (role, content) pairs, user and assistant only; `system`
+    `messages` are the conversation's user, assistant and tool messages; `system`
     the request's system prompt. Synchronous on the event loop: nothing else
     can start a turn between the decision and the caller's `turns.start`.
     """
     if pinned is not None:
         return _pinned(store, turns, system, messages, pinned, rewind=rewind)
     if messages:
-        role, content = messages[0]
-        for sid in store.continuable(system, role, content):
-            said = [(m["role"], m["content"]) for m in _said(store.messages(sid))]
+        first = messages[0]
+        for sid in store.continuable(system, first.role, first.content):
+            said = [Said.of(m) for m in _said(store.messages(sid))]
             if sid not in turns.active and len(messages) > len(said) and divergence(said, messages) == len(said):
                 first_new = _append(store, sid, messages[len(said):])
                 return Placement(sid, first_new, "continued")
     return _new(store, system, messages, origin)
 
 
-def _new(store: Store, system: str | None, messages: Sequence[tuple[str, str]], origin: str) -> Placement:
+def _new(store: Store, system: str | None, messages: Sequence[Said], origin: str) -> Placement:
     session = store.create_session(title=title_for(messages), system=system, origin=origin)
     first_new = _append(store, session["id"], messages)
     return Placement(session["id"], first_new, "new")
 
 
-def _append(store: Store, session_id: str, messages: Sequence[tuple[str, str]]) -> int:
+def _append(store: Store, session_id: str, messages: Sequence[Said]) -> int:
     """Commit `messages` to the session; the index of the first (or of the answer to come)."""
     first = None
-    for role, content in messages:
-        index = store.append_message(session_id, role, content)
+    for m in messages:
+        index = store.append_message(session_id, m.role, m.content, tool_calls=m.tool_calls or None,
+                                     tool_call_id=m.tool_call_id)
         first = index if first is None else first
     if first is None:
         first = len(store.messages(session_id))
     return first
 
 
-def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[tuple[str, str]],
+def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[Said],
             session_id: str, *, rewind: bool) -> Placement:
     session = store.get_session(session_id)
     if session is None:
@@ -135,7 +175,7 @@ def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[t
         raise RequestError(p.BUSY, f"session {session_id} is answering another request; "
                            "wait for it to finish or cancel it")
     stored = _said(store.messages(session_id))
-    agree = divergence([(m["role"], m["content"]) for m in stored], messages)
+    agree = divergence([Said.of(m) for m in stored], messages)
     if not rewind:
         offset = 1 if system is not None else 0  # the request's messages[] count its system message
         if session["system"] != system:

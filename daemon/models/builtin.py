@@ -51,7 +51,7 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_NAMES = ("builtin:tiny", "builtin:tiny-swa")
 #: Bump when anything written changes; an existing dir of another version is
 #: rewritten, and its caches' fingerprints (which hash config.json) change too.
-BUILTIN_VERSION = 1
+BUILTIN_VERSION = 2  # 2: the chat template calls tools
 
 _FILES = (
     "config.json",

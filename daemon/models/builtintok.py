@@ -29,11 +29,36 @@ EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)
 MAX_LEN = 8192
 
-# ChatML, as Qwen2.5 uses it, minus Qwen's default system prompt and tools.
+# ChatML, as Qwen2.5 uses it, minus Qwen's default system prompt; with Qwen's tool calling (the
+# tools in the system turn, each call a JSON object in <tool_call> tags, results as <tool_response>
+# in a user turn), so the API's tool calling runs on a built-in model (mlx-lm reads this template
+# as its "json_tools" format). Without tools, plain ChatML.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call functions. Their signatures, within <tools></tools>:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with its name and arguments within "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls is defined and message.tool_calls -%}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') -}}"
+    "{%- for tool_call in message.tool_calls -%}"
+    "{%- set tool_call = tool_call.function if tool_call.function is defined else tool_call -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' -}}"
+    "{{- (tool_call.arguments | tojson) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{{- message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
