@@ -186,7 +186,7 @@ class Daemon:
                 "data_dir": str(self.config.data_dir),
                 "ready": self.engine.ready.is_set() and self.engine.load_error is None,
                 "connections": len(self.websocket.connections), "generating": stats.get("generating", 0),
-                "waiting": stats.get("waiting", 0),
+                "waiting": stats.get("waiting", 0), "answering": stats.get("answering", {}),
                 "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
                 "locations": stats.get("locations", {}),
                 "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas}

@@ -150,3 +150,28 @@ async def test_prompt_beyond_context_is_refused_and_taken_back(tmp_path: Path) -
             other = (await c.request("session.create"))["session"]["id"]
             _, done = await c.chat(other, "hi", max_tokens=3, temperature=0)
             assert done["type"] == "chat.done"
+
+
+async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from daemon.service.status import render_status
+
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as talker, client(d) as watcher:
+            sid = (await talker.request("session.create"))["session"]["id"]
+            await talker.send({"id": "t", "type": "chat.send", "session": sid, "text": "Go on and on.",
+                               "max_tokens": 4000, "temperature": 0})
+            while (await talker.recv())["type"] != "chat.delta":
+                pass
+            status = await watcher.request("status")
+            await talker.send({"id": "c", "type": "chat.cancel", "session": sid})
+    turn = status["answering"][sid]
+    assert status["generating"] == 1 and turn["phase"] == "decode"
+    assert turn["generated"] >= 1 and turn["fed"] == turn["prompt_tokens"] > 0
+    console = Console(width=200, file=io.StringIO(), color_system=None)
+    render_status(status, console)
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    assert f"session {sid}: answering, {turn['generated']} token(s) so far after a " in shown

@@ -2,7 +2,7 @@
 
 Engine-thread state (the detokenizer, the sampler and the prefill's cache are
 live objects); what leaves the thread is a copy: the `usage` of the Done
-event and the TurnStatistics of `Engine.statistics()`.
+event and the TurnStatistics of `Engine.statistics()` (what `kvd status` shows of an answer in progress).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -457,8 +458,9 @@ class Engine:
     def _publish_stats(self) -> None:
         caches = self.caches.statistics() if self.caches is not None else {}
         where = self.caches.locations() if self.caches is not None else {}
-        s = self._turns.statistics()
+        s = self.statistics()
         self.stats = {"generating": s.running, "waiting": s.waiting,
+                      "answering": {sid: asdict(turn) for sid, turn in s.turns.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
                       "warm_up_ms": self.warm_up_ms}
 

@@ -66,6 +66,12 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
                   f"{'ready' if status['ready'] else 'loading'} · "
                   f"{others} client(s) connected · {status['generating']} generating"
                   f"{f' · {w} waiting' if (w := status.get('waiting')) else ''}", soft_wrap=True)
+    for sid, turn in (status.get("answering") or {}).items():
+        if turn["phase"] == "prefill":
+            doing = f"reading its prompt, {turn['fed']}/{turn['prompt_tokens']} tokens"
+        else:
+            doing = f"answering, {turn['generated']} token(s) so far after a {turn['prompt_tokens']}-token prompt"
+        console.print(f"  session {sid}: {doing}", soft_wrap=True)
     if blas := status.get("blas"):
         console.print(blas, soft_wrap=True)
     table = Table(show_edge=False)
