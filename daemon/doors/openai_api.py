@@ -2,14 +2,9 @@
 
 A thin layer over the turn core, like the websocket door: it checks who is
 asking (guards.py), validates the body (openai_schema.py), tokenizes the
-conversation, lets stateless.py place it in a session, starts a turn and
-translates the turn's events into OpenAI's response or server-sent events.
-
-A client that hangs up cancels its answer (what was generated stays in the
-session); one that stops reading is cut off after `send_timeout`, and its
-answer is cancelled too. A response starts only when the first token (or an
-error) is known, so an error found at admission (a conversation too long for
-the model) is a real HTTP error, not a broken stream.
+conversation, lets placement.py place it in a session, starts a turn, and
+hands the turn's events to openai_answer.py, which makes them OpenAI's
+response or server-sent events.
 """
 
 from __future__ import annotations
@@ -20,12 +15,10 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -33,7 +26,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-import protocol as p
 from protocol.requests import RequestError
 from sessions import Store, is_valid_session_id
 
@@ -41,14 +33,15 @@ from ..config import Config
 from ..engine.running import fit_advice
 from ..engine.thread import Engine
 from ..prompt import Tokens, conversation_ids
-from ..turns import Turn, Turns
+from ..turns import Turns
 from .admission import admit
 from .asgi import headers_of
 from .guards import check
 from .loading import LoadingWatch
-from .openai_schema import ApiError, ChatRequest, instructions, parse, served_names, stops
+from .openai_answer import Answer
+from .openai_schema import ApiError, ChatRequest, api_error, instructions, parse, served_names, stops
 from .placement import Diverged, Said, place
-from .toolcalls import StreamSplit, ToolFormat, openai_calls, split
+from .toolcalls import ToolFormat, openai_calls
 
 log = logging.getLogger("kvd.api")
 
@@ -58,24 +51,11 @@ LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading bef
 C_PARSE_BYTES = 64 << 10  # bodies up to this are parsed by the C parser (a stall of a millisecond or so)
 DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
 
-# The turn core's error codes, as HTTP statuses and OpenAI error codes.
-_STATUS = {
-    p.BAD_REQUEST: (HTTPStatus.BAD_REQUEST, None),
-    p.TOO_LARGE: (HTTPStatus.BAD_REQUEST, "context_length_exceeded"),
-    p.UNKNOWN_SESSION: (HTTPStatus.NOT_FOUND, "session_not_found"),
-    p.BUSY: (HTTPStatus.CONFLICT, "session_busy"),
-}
-
 
 def api_origin(user_agent: str | None) -> str:
     """A session's origin for the list: "api (<the client's User-Agent>)", cut to a readable length."""
     agent = " ".join((user_agent or "").split())[:80]
     return f"api ({agent})" if agent else "api"
-
-
-def api_error(code: str, message: str) -> ApiError:
-    status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
-    return ApiError(status, message, code=api_code)
 
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -255,8 +235,8 @@ class OpenAIDoor:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return _Answer(self, turn, events.receive, req, headers, created=placement.kind == "new",
-                       tool_format=tool_format)
+        return Answer(self.turns, self.store, self.engine, self.config, turn, events.receive, req, headers,
+                      created=placement.kind == "new", tool_format=tool_format)
 
     async def _body(self, request: Request) -> bytes | None:
         """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
@@ -300,184 +280,3 @@ class OpenAIDoor:
             raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {self.engine.load_error}; "
                            "kvd's log has the details, fix the model setting and restart kvd",
                            code="model_not_loaded")
-
-
-
-def usage_of(u: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens") or 0)}}
-
-
-def finish_reason_of(reason: str) -> str:
-    # OpenAI's stop and length; an answer cut short (kvd stopping, chat.cancel from kvchat on the same
-    # session) says "cancelled", so a client never takes a cut answer for a finished one.
-    return reason if reason in ("length", "cancelled") else "stop"
-
-
-class _Answer(Response):
-    """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
-
-    def __init__(self, door: OpenAIDoor, turn: Turn, events: MemoryObjectReceiveStream[dict[str, Any]],
-                 req: ChatRequest, headers: dict[str, str], *, created: bool, tool_format: ToolFormat | None = None):
-        self.created_session = created  # this request made the session: a refusal takes it back
-        self.tool_format = tool_format  # the request offered tools the model can call
-        self.door = door
-        self.turn = turn
-        self.events = events
-        self.req = req
-        self.extra_headers = headers
-        self.created = int(time.time())
-        self.started = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
-        turns, turn = self.door.turns, self.turn
-        answered = False  # the whole answer was sent: a disconnect after it is the client leaving, not hanging up
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                if answered or turn.finished.is_set():
-                    return
-                log.info("client of %s hung up; cancelling its answer", turn.session_id)
-                turns.cancel(turn.session_id, turn)
-                tg.cancel_scope.cancel()
-
-            async def bounded(message: dict[str, Any]) -> None:
-                with anyio.move_on_after(self.door.config.send_timeout) as timer:
-                    await send(message)
-                if timer.cancelled_caught:
-                    log.warning("client of %s did not read for %.1f s; cutting it off",
-                                turn.session_id, self.door.config.send_timeout)
-                    turns.cancel(turn.session_id, turn)
-                    abort()
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                async with self.events:
-                    if self.req.stream:
-                        await self._stream(bounded)
-                    else:
-                        await self._whole(bounded)
-                answered = True
-            except OSError:  # the client went away under a send
-                turns.cancel(turn.session_id, turn)
-            tg.cancel_scope.cancel()
-
-    def _kvd(self, done: dict[str, Any]) -> dict[str, Any]:
-        u = done.get("usage") or {}
-        return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
-                "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
-                "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
-                "accepted_tokens": u.get("accepted_tokens")}
-
-    async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
-        headers = [(b"content-type", content_type.encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
-        if content_type.startswith("text/event-stream"):
-            headers += [(b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        self.started = True
-
-    async def _body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
-        await self._start(send, status, "application/json")
-        await send({"type": "http.response.body", "body": data})
-
-    async def _error(self, send: Callable[[dict[str, Any]], Any], event: dict[str, Any]) -> None:
-        """An error before the answer began: a refusal, which leaves nothing behind."""
-        if self.created_session and not self.turn.text:
-            await self.turn.finished.wait()  # its answer is committed (as an error) first
-            self.door.store.delete_session(self.turn.session_id)
-            self.door.engine.forget(self.turn.session_id)
-        e = api_error(event["code"], event["message"])
-        await self._body(send, e.status, e.body())
-
-    def _called(self, event: dict[str, Any], content: str, calls: list[dict[str, str]]) -> str:
-        """Keep an answer that called tools as its content and calls; its finish_reason."""
-        reason = finish_reason_of(event["finish_reason"])
-        if not calls:
-            return reason
-        self.door.store.update_message(self.turn.session_id, event["message_index"], content=content,
-                                       tool_calls=calls, status="cancelled" if reason == "cancelled" else "complete")
-        return "tool_calls" if reason == "stop" else reason
-
-    async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
-        text = ""
-        async for event in self.events:
-            if event["type"] == p.CHAT_DELTA:
-                text += event["text"]
-            elif event["type"] == p.CHAT_DONE:
-                content, calls = split(self.tool_format, text) if self.tool_format else (text, [])
-                reason = self._called(event, content, calls)
-                message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-                if calls:
-                    message["tool_calls"] = openai_calls(calls)
-                await self._body(send, 200, {
-                    "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
-                    "model": self.door.config.model,
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
-                    "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
-                return
-            elif event["type"] == p.ERROR:
-                await self._error(send, event)
-                return
-
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.turn.request_id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.door.config.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if self._usage_wanted():
-            chunk["usage"] = None
-        return chunk
-
-    def _usage_wanted(self) -> bool:
-        return bool(self.req.stream_options and self.req.stream_options.include_usage)
-
-    async def _stream(self, send: Callable[[dict[str, Any]], Any]) -> None:
-        async def sse(data: dict[str, Any] | str) -> None:
-            payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-            await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
-
-        async def begin() -> None:
-            if not self.started:
-                await self._start(send, 200, "text/event-stream; charset=utf-8")
-                await sse(self._chunk({"role": "assistant", "content": ""}))
-
-        splitter = StreamSplit(self.tool_format) if self.tool_format else None
-        async for event in self.events:
-            kind = event["type"]
-            if kind == p.CHAT_DELTA:
-                await begin()
-                text = splitter.feed(event["text"]) if splitter else event["text"]
-                if text:
-                    await sse(self._chunk({"content": text}))
-            elif kind == p.CHAT_DONE:
-                await begin()
-                rest, calls = splitter.finish() if splitter else ("", [])
-                if rest:
-                    await sse(self._chunk({"content": rest}))
-                if calls:
-                    await sse(self._chunk({"tool_calls": openai_calls(calls, streaming=True)}))
-                content = self.turn.text
-                if calls and self.tool_format:
-                    content = split(self.tool_format, self.turn.text)[0]
-                await sse(self._chunk({}, self._called(event, content, calls)))
-                if self._usage_wanted():
-                    await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
-                               "created": self.created, "model": self.door.config.model, "choices": [],
-                               "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
-                break
-            elif kind == p.ERROR:
-                if not self.started:
-                    await self._error(send, event)
-                    return
-                await sse(api_error(event["code"], event["message"]).body())
-                break
-        if self.started:
-            await sse("[DONE]")
-            await send({"type": "http.response.body", "body": b"", "more_body": False})

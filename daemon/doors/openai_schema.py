@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+import protocol as p
 from common.limits import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS, SEED_MAX, TEMPERATURE, TOP_P
 
 from ..config import Config
@@ -51,6 +52,20 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
+
+
+# The turn core's error codes, as HTTP statuses and OpenAI error codes.
+_STATUS = {
+    p.BAD_REQUEST: (HTTPStatus.BAD_REQUEST, None),
+    p.TOO_LARGE: (HTTPStatus.BAD_REQUEST, "context_length_exceeded"),
+    p.UNKNOWN_SESSION: (HTTPStatus.NOT_FOUND, "session_not_found"),
+    p.BUSY: (HTTPStatus.CONFLICT, "session_busy"),
+}
+
+
+def api_error(code: str, message: str) -> ApiError:
+    status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
+    return ApiError(status, message, code=api_code)
 
 
 class _Strict(BaseModel):
