@@ -47,8 +47,9 @@ def anyio_backend() -> str:
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
         "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_direct", "test_durable",
-        "test_gguf", "test_ioworker", "test_lru", "test_scheduler", "test_segment_compat", "test_segments",
-        "test_snapshot", "test_speculate", "test_store", "test_store_tiers", "test_tui_render", "test_wire",
+        "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
+        "test_segment_compat", "test_segments", "test_snapshot", "test_speculate", "test_store", "test_store_tiers",
+        "test_tui_render", "test_wire",
     }),
     "integration": frozenset({
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",

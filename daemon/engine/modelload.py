@@ -44,6 +44,8 @@ def load_model(name: str, path: Path) -> Loaded:
     args = getattr(model, "args", None)
     log.info("loaded %s (%s) in %.1f s; attention: %s", name, getattr(args, "model_type", "?"),
              time.perf_counter() - t0, "kvd's (CPU)" if kvd_attention else "MLX's")
+    if supplied := (model_config.get("kvd_gguf") or {}).get("chat_template_supplied"):
+        log.info("the model file has no chat template (a base model); kvd supplied %s", supplied)
     return Loaded(model, tokenizer, model_config, dtype=str(params[0][1].dtype),
                   max_context=int(getattr(args, "max_position_embeddings", 0) or 0) or None)
 

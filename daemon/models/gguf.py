@@ -1,10 +1,11 @@
-"""A llama-family GGUF file, converted once into an mlx-lm model directory.
+"""A GGUF file, converted once into an mlx-lm model directory.
 
 People already have GGUF files (llama.cpp's format); mlx-lm loads its own
 directory layout. This module checks a GGUF file against what it can
-convert (architecture ``llama``; a byte-level BPE vocabulary), reads its
-tensors and writes config.json, model.safetensors and the tokenizer files
-(daemon/models/gguftok.py) into a new directory.
+convert (the architectures of ggufarch.py: llama, qwen2, qwen3, gemma3; a
+byte-level BPE or a SentencePiece vocabulary), reads its tensors and writes
+config.json, model.safetensors and the tokenizer files (gguftok.py,
+ggufspm.py) into a new directory.
 
 On the CPU ("float32" mode) every tensor is read and dequantized by gguf-py,
 the GGML project's own reader (`gguf.quants.dequantize`), so every encoding
@@ -20,9 +21,10 @@ Measured facts this rests on:
   The bits differ per tensor (SmolLM2's Q4_1 file keeps ``token_embd`` in
   Q8_0), so they are derived from the shapes: 32 * packed columns / columns.
 - llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its
-  rope layout; mlx-lm's llama (``rope_traditional = false``) needs them back:
-  reshape to (heads, rows/heads/2, 2, cols) and swap axes 1 and 2. Rows are
-  the first axis of a weight and of its scales and biases alike.
+  rope layout in the llama family; mlx-lm's llama (``rope_traditional =
+  false``) needs them back: reshape to (heads, rows/heads/2, 2, cols) and
+  swap axes 1 and 2. Rows are the first axis of a weight and of its scales
+  and biases alike. What else each architecture needs undone is ggufarch.py.
 - On the CPU backend quantized matmuls are much slower than float32 ones
   with OpenBLAS interposed, so there weights are dequantized to float32
   (``mode="float32"``); where Metal is available they stay quantized
@@ -38,16 +40,18 @@ from typing import Any
 
 from common import durable
 
+from .ggufarch import ARCHITECTURES, LLAMA3_ROPE, Arch, llama3_factors
 from .ggufinfo import TYPE_NAMES, GGMLType, GGUFInfo
 
 __all__ = ["CONVERTER_VERSION", "MODES", "UnsupportedGGUF", "check_supported", "convert"]
 
 #: Bump when the files written change; converted dirs of another version are rebuilt.
-CONVERTER_VERSION = 2  # 2: float32 weights dequantized by gguf-py
+CONVERTER_VERSION = 3  # 2: float32 weights dequantized by gguf-py; 3: the architecture table
 MODES = ("float32", "quantized")
 GROUP_SIZE = 32
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+TOKENIZERS = ("gpt2", "llama")  # byte-level BPE (gguftok.py); SentencePiece (ggufspm.py)
 # What MLX's GGUF reader loads (the "quantized" mode's path).
 MLX_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
 
@@ -59,21 +63,6 @@ def dequantizable() -> frozenset[int]:
 
     return frozenset({GGMLQuantizationType.F32.value, GGMLQuantizationType.F16.value,
                       *(t.value for t in _type_traits)})
-
-# GGUF tensor name (after "blk.N.") -> mlx-lm's llama name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
 
 class UnsupportedGGUF(Exception):
     """The file is a GGUF file this converter does not handle; the message names what and why."""
@@ -93,13 +82,14 @@ def check_supported(info: GGUFInfo, path: Path, mode: str = "float32") -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedGGUF(f"{path.name} is a {arch!r} model; kvd converts GGUF files of "
                               f"architecture {', '.join(SUPPORTED_ARCHITECTURES)} only")
+    table = ARCHITECTURES[arch]
     for t in info.tensors:
         if t.type not in (MLX_TYPES if mode == "quantized" else dequantizable()):
             raise UnsupportedGGUF(f"{path.name}: tensor {t.name} is encoded as {t.type_name}; kvd "
                                   f"converts GGUF tensors in {_supported_types(mode)} only")
-        if _mlx_name(t.name) is None:
-            raise UnsupportedGGUF(f"{path.name}: tensor {t.name} has no place in mlx-lm's llama model "
-                                  "(kvd converts plain llama-family GGUF files)")
+        if table.mlx_name(t.name) is None and not (t.name == ROPE_FREQS and arch == "llama"):
+            raise UnsupportedGGUF(f"{path.name}: tensor {t.name} has no place in mlx-lm's {table.model_type} "
+                                  "model (a variant of the architecture kvd does not convert)")
     end = max((t.offset + (t.nbytes or 0) for t in info.tensors), default=0) + info.data_offset
     if info.file_size < end:
         raise UnsupportedGGUF(f"{path} is truncated: {info.file_size} bytes where its tensors need "
@@ -122,23 +112,14 @@ def check_supported(info: GGUFInfo, path: Path, mode: str = "float32") -> None:
     scaling = info.metadata.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise UnsupportedGGUF(f"{path.name} uses rope scaling {scaling!r}; kvd converts GGUF files "
-                              "without rope scaling only")
+                              "without it (Llama 3.x's, stored as rope_freqs, is converted)")
     model = info.metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in TOKENIZERS:
         raise UnsupportedGGUF(f"{path.name} has a {model!r} tokenizer; kvd converts GGUF files with a "
-                              "byte-level BPE ('gpt2') tokenizer only")
+                              "byte-level BPE ('gpt2') or SentencePiece ('llama') tokenizer only")
 
 
-def _mlx_name(name: str) -> str | None:
-    base, _, suffix = name.rpartition(".")
-    if suffix not in ("weight",):
-        return None
-    if base in _TOP_NAMES:
-        return f"{_TOP_NAMES[base]}.weight"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-    return None
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x's rope scaling, as llama.cpp stores it
 
 
 def _int(meta: dict[str, Any], key: str, default: int | None = None, *, low: int = 1, high: int = 1 << 24) -> int:
@@ -160,9 +141,10 @@ def _float(meta: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def model_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """mlx-lm's llama config from the GGUF metadata (as `mx.load` returns it)."""
-    a = "llama"
+def model_config(meta: dict[str, Any], tied: bool, rope_freqs: Any = None) -> dict[str, Any]:
+    """mlx-lm's config for the file's architecture, from the GGUF metadata (and its rope_freqs)."""
+    a = str(meta["general.architecture"])
+    table = ARCHITECTURES[a]
     heads = _int(meta, f"{a}.attention.head_count", high=4096)
     hidden = _int(meta, f"{a}.embedding_length")
     if hidden % heads:
@@ -175,8 +157,8 @@ def model_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
     if rope_dims != head_dim:
         raise UnsupportedGGUF(f"rope over {rope_dims} of {head_dim} head dimensions is not supported")
     config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": table.model_type,
+        "architectures": [table.hf_class],
         "hidden_size": hidden,
         "num_hidden_layers": _int(meta, f"{a}.block_count"),
         "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
@@ -193,7 +175,32 @@ def model_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
     }
     if "tokenizer.ggml.bos_token_id" in meta:
         config["bos_token_id"] = _int(meta, "tokenizer.ggml.bos_token_id", low=0)
+    config.update(table.config(meta, a))
+    # A turn ends at the end-of-turn token too (Gemma's <end_of_turn>, ChatML's <|im_end|>), not only at
+    # the end of text: llama.cpp keeps it as eot_token_id, or the family's template names it.
+    ends = [config["eos_token_id"]]
+    tokens = meta["tokenizer.ggml.tokens"]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if key in meta:
+            ends.append(_int(meta, key, low=0, high=len(tokens) - 1))
+    ends += [i for i, t in enumerate(tokens) if t == table.end_of_turn] if table.end_of_turn else []
+    if len(set(ends)) > 1:
+        config["eos_token_id"] = sorted(set(ends), key=ends.index)
+    if rope_freqs is not None:
+        config["rope_scaling"] = _llama3_rope(rope_freqs, head_dim, config["rope_theta"])
     return config
+
+
+def _llama3_rope(factors: Any, dims: int, base: float) -> dict[str, Any]:
+    """mlx-lm's rope_scaling for Llama 3.x, rebuilt from the rope_freqs llama.cpp stored, and checked."""
+    import numpy as np
+
+    got = np.asarray(factors, dtype=np.float64).reshape(-1)
+    scaling = {**LLAMA3_ROPE, "factor": float(got.max())}
+    if got.shape != (dims // 2,) or not np.allclose(llama3_factors(dims, base, scaling), got, rtol=1e-5):
+        raise UnsupportedGGUF("its rope_freqs are not Llama 3's rope scaling with Meta's parameters "
+                              "(factor, low 1, high 4, original context 8192); kvd cannot rebuild them")
+    return scaling
 
 
 def unpermute(x: Any, heads: int) -> Any:
@@ -210,7 +217,8 @@ def read_weights(path: Path, mode: str, on_tensor: Callable[[], None] | None = N
     dequantized with float32 scales and biases, so each value is the exact
     `scale * q + bias` of the file's float16 scale and bias. In "quantized"
     mode quantized weights stay triples and the second dict gives each
-    module's bits.
+    module's bits. A Llama 3.x file's rope_freqs come back in the metadata,
+    under ROPE_FREQS.
     """
     import mlx.core as mx
 
@@ -219,25 +227,26 @@ def read_weights(path: Path, mode: str, on_tensor: Callable[[], None] | None = N
     loaded: Any = mx.load(str(path), return_metadata=True)
     raw: dict[str, Any] = loaded[0]
     meta: dict[str, Any] = loaded[1]
-    heads = _int(meta, "llama.attention.head_count")
-    kv_heads = _int(meta, "llama.attention.head_count_kv", heads)
+    table = ARCHITECTURES[str(meta["general.architecture"])]
     weights: dict[str, Any] = {}
     quant: dict[str, Any] = {}
     for key in sorted(raw):
         base, _, part = key.rpartition(".")
-        if part != "weight":
+        if key == ROPE_FREQS:
+            meta[ROPE_FREQS] = raw[key]
+            continue
+        if part not in ("weight", "bias") or f"{base}.scales" in raw and part == "bias":
             continue  # scales and biases travel with their weight
-        name = _mlx_name(key)
+        name = table.mlx_name(key)
         assert name is not None  # check_supported refused the file otherwise
-        module = name[: -len(".weight")]
-        w = raw[key]
-        triple = [w, raw.get(f"{base}.scales"), raw.get(f"{base}.biases")]
-        rows_heads = heads if base.endswith("attn_q") else kv_heads if base.endswith("attn_k") else 0
+        module = name.rpartition(".")[0]
+        rows_heads = _permuted_heads(table, meta, base)
+        triple = [raw[key], raw.get(f"{base}.scales"), raw.get(f"{base}.biases")] if part == "weight" else [raw[key]]
         if rows_heads:
             triple = [unpermute(t, rows_heads) if t is not None else None for t in triple]
-        w, scales, biases = triple
+        w, scales, biases = (triple + [None, None])[:3]
         if scales is None:
-            weights[name] = w.astype(mx.float32) if mode == "float32" else w
+            weights[name] = _unshift(table, key, w.astype(mx.float32) if mode == "float32" else w)
         else:
             bits = 32 * w.shape[-1] // (scales.shape[-1] * GROUP_SIZE)
             if mode == "float32":
@@ -279,20 +288,39 @@ def _read_dequantized(path: Path, on_tensor: Callable[[], None] | None
 
     reader = GGUFReader(str(path))
     meta = metadata(reader)
-    heads = _int(meta, "llama.attention.head_count")
-    kv_heads = _int(meta, "llama.attention.head_count_kv", heads)
+    table = ARCHITECTURES[str(meta["general.architecture"])]
     weights: dict[str, Any] = {}
     for t in reader.tensors:
-        name = _mlx_name(t.name)
-        assert name is not None  # check_supported refused the file otherwise
         w = mx.array(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        base = t.name[: -len(".weight")]
-        rows_heads = heads if base.endswith("attn_q") else kv_heads if base.endswith("attn_k") else 0
-        weights[name] = unpermute(w, rows_heads) if rows_heads else w
+        if t.name == ROPE_FREQS:
+            meta[ROPE_FREQS] = w
+            continue
+        name = table.mlx_name(t.name)
+        assert name is not None  # check_supported refused the file otherwise
+        rows_heads = _permuted_heads(table, meta, t.name.rpartition(".")[0])
+        weights[name] = _unshift(table, t.name, unpermute(w, rows_heads) if rows_heads else w)
         mx.eval(weights[name])
         if on_tensor is not None:
             on_tensor()
     return weights, {}, meta
+
+
+def _permuted_heads(table: Arch, meta: dict[str, Any], base: str) -> int:
+    """The heads llama.cpp permuted this tensor's rows by (attn_q, attn_k of the llama family), or 0."""
+    if not table.permuted_qk:
+        return 0
+    a = table.name
+    heads = _int(meta, f"{a}.attention.head_count")
+    if base.endswith("attn_q"):
+        return heads
+    if base.endswith("attn_k"):
+        return _int(meta, f"{a}.attention.head_count_kv", heads)
+    return 0
+
+
+def _unshift(table: Arch, name: str, w: Any) -> Any:
+    """Gemma's norms as mlx-lm keeps them: llama.cpp stored 1 + w."""
+    return w - table.norm_offset if table.norm_offset and table.is_norm(name) else w
 
 
 def weights_checksum(path: Path) -> str:
@@ -314,6 +342,7 @@ def convert(path: Path, out: Path, *, mode: str, sha256: str,
     """
     import mlx.core as mx
 
+    from . import ggufspm
     from .gguftok import tokenizer_files
     from .modeldir import write_synced
 
@@ -321,7 +350,7 @@ def convert(path: Path, out: Path, *, mode: str, sha256: str,
         raise ValueError(f"mode must be one of {MODES}")
     weights, quant, meta = read_weights(path, mode, on_tensor)
     tied = "lm_head.weight" not in weights
-    config = model_config(meta, tied)
+    config = model_config(meta, tied, meta.pop(ROPE_FREQS, None))
     if quant:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quant}
     config["torch_dtype"] = "float32" if mode == "float32" else "float16"
@@ -332,6 +361,16 @@ def convert(path: Path, out: Path, *, mode: str, sha256: str,
     # MLX loads a bit-flipped safetensors file without a word: a start checks this first.
     config["kvd_gguf"] = {"sha256": sha256, "mode": mode, "version": CONVERTER_VERSION,
                           "source": path.name, "weights_xxh3": weights_checksum(out / "model.safetensors")}
+    table = ARCHITECTURES[str(meta["general.architecture"])]
+    template = meta.get("tokenizer.chat_template")
+    if not template:  # a base model: its family's turn format, said at every start (modelload.py)
+        template = table.template
+        config["kvd_gguf"]["chat_template_supplied"] = f"{table.name}'s turn format"
+    if meta.get("tokenizer.ggml.model") == "llama":
+        family = "GemmaTokenizer" if table.name.startswith("gemma") else "LlamaTokenizer"
+        files = ggufspm.tokenizer_files(meta, family, str(template))
+    else:
+        files = tokenizer_files({**meta, "tokenizer.chat_template": template})
     write_synced(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    for fname, data in tokenizer_files(meta).items():
+    for fname, data in files.items():
         write_synced(out / fname, data)

