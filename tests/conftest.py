@@ -57,7 +57,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_packing", "test_quantized", "test_resume", "test_security", "test_session_requests", "test_shared",
     }),
     "e2e": frozenset({
-        "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gguf_fuzz",
+        "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
         "test_index_rebuild", "test_kill9", "test_hostile_http", "test_kvchat_daily_tmux", "test_kvchat_tmux",
         "test_missing_blocks", "test_openai", "test_realmodel", "test_restart", "test_service_life",
         "test_start_failures", "test_startup",
