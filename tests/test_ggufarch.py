@@ -122,13 +122,16 @@ def write_gguf(case: str, path: Path, weights: dict[str, np.ndarray], config: di
     return path
 
 
+@pytest.mark.parametrize("mode", ["float32", "quantized"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_converted_architecture_gives_mlx_lms_logits(case: str, tmp_path: Path) -> None:
+def test_a_converted_architecture_gives_mlx_lms_logits(case: str, mode: str, tmp_path: Path) -> None:
+    """Both modes: float32 (gguf-py's reader, the CPU's) and quantized (MLX's reader, Metal's; these
+    float32 tensors stay float32 there, so the renames, permutations and shifts are what is checked)."""
     from mlx_lm.utils import load_model
 
     model, weights, config = reference(case, tmp_path)
     converted = prepare_model(str(write_gguf(case, tmp_path / f"{case}.gguf", weights, config)),
-                              tmp_path / "models", mode="float32")
+                              tmp_path / "models", mode=mode)
     theirs = load_model(converted)[0]
     written = json.loads((converted / "config.json").read_text())
     assert written["model_type"] == config["model_type"]

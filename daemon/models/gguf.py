@@ -235,8 +235,8 @@ def read_weights(path: Path, mode: str, on_tensor: Callable[[], None] | None = N
         if key == ROPE_FREQS:
             meta[ROPE_FREQS] = raw[key]
             continue
-        if part not in ("weight", "bias") or f"{base}.scales" in raw and part == "bias":
-            continue  # scales and biases travel with their weight
+        if part not in ("weight", "bias"):
+            continue  # a quantized weight's scales and biases travel with it
         name = table.mlx_name(key)
         assert name is not None  # check_supported refused the file otherwise
         module = name.rpartition(".")[0]

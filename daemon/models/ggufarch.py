@@ -112,23 +112,28 @@ class Arch:
         return name.endswith("norm.weight")
 
 
+def _get(meta: Meta, key: str, default: Any = None) -> Any:
+    """A metadata value as a plain number (MLX's GGUF reader gives arrays)."""
+    value = meta.get(key, default)
+    return value.item() if hasattr(value, "item") else value
+
+
 def _qwen3(meta: Meta, a: str) -> dict[str, Any]:
-    return {"head_dim": meta.get(f"{a}.attention.key_length")}
+    return {"head_dim": int(_get(meta, f"{a}.attention.key_length"))}
 
 
 def _gemma3(meta: Meta, a: str) -> dict[str, Any]:
-    heads: Any = meta.get(f"{a}.attention.head_count")
-    hidden: Any = meta.get(f"{a}.embedding_length")
-    head_dim: Any = meta.get(f"{a}.attention.key_length")
+    heads, hidden = int(_get(meta, f"{a}.attention.head_count")), int(_get(meta, f"{a}.embedding_length"))
+    head_dim = int(_get(meta, f"{a}.attention.key_length", hidden // heads))
     # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(hidden/heads).
-    big = meta.get(f"{a}.block_count") == 62
+    big = _get(meta, f"{a}.block_count") == 62
     return {
         "model_type": "gemma3_text",
         "head_dim": head_dim,
-        "query_pre_attn_scalar": int(hidden) // int(heads) if big else head_dim,
-        "sliding_window": meta.get(f"{a}.attention.sliding_window", 512),
+        "query_pre_attn_scalar": hidden // heads if big else head_dim,
+        "sliding_window": int(_get(meta, f"{a}.attention.sliding_window", 512)),
         "sliding_window_pattern": 6,  # llama.cpp's, for every Gemma 3
-        "rope_local_base_freq": float(meta.get(f"{a}.rope.freq_base_swa", 10_000.0)),
+        "rope_local_base_freq": float(_get(meta, f"{a}.rope.freq_base_swa", 10_000.0)),
         "rope_scaling": None,
     }
 
