@@ -61,8 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the daemon")
     s.add_argument("--config", type=Path, help="a config.toml (default: built-in defaults)")
-    s.add_argument("--model", help="builtin:smollm2 (the default), builtin:tiny, builtin:tiny-swa, "
-                   "a .gguf file, a local mlx-lm model directory or a Hugging Face repo id")
+    s.add_argument("--model", help="builtin:smollm2 (the default), builtin:gemma3, builtin:tiny, "
+                   "builtin:tiny-swa, a .gguf file, a local mlx-lm model directory, ollama:NAME[:TAG], "
+                   "hf:ORG/NAME (already in the Hugging Face cache) or a Hugging Face repo id; "
+                   "`kvd models` lists them")
     s.add_argument("--port", type=int, help="port on the host (0 picks a free one)")
     s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--data-dir", type=Path, help="where the database, token and caches live")
@@ -93,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--from", dest="origin", choices=origins.KINDS, default="any",
                     help="sessions made by kvchat, api (OpenAI clients), ws (other websocket clients); default any")
     pr.add_argument("--yes", action="store_true", help="delete them (without it: only list them)")
+    md = sub.add_parser("models", help="list the models kvd can find here (built-in, its store, Ollama, "
+                        "the Hugging Face cache) and whether each runs")
+    md.add_argument("--data-dir", type=Path, help="the data directory whose model store to list")
     sv = sub.add_parser("service", help="run kvd at login (systemd user unit or launchd agent)")
     sv.add_argument("action", choices=["install"], help="write the unit file")
     sv.add_argument("--data-dir", type=Path, help="the data directory the service uses")
@@ -326,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "logs":
         return logs(args.log_file or Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log"),
                     args.lines, args.follow)
+    if args.command == "models":
+        from .models.catalog import entries, render
+
+        for line in render(list(entries(data_dir / "models"))):
+            print(line)
+        return 0
     if args.command == "service":
         from .service.unit import install, service_file
 

@@ -245,6 +245,9 @@ def parse(body: Any, config: Config) -> ChatRequest:
 def served_names(model: str) -> set[str]:
     """The names a request may give the served model: the setting itself, and a path's file or folder name."""
     names = {model}
+    for prefix in ("ollama:", "hf:"):  # Ollama's name for it (llama3.2:1b), or the repo's
+        if model.startswith(prefix):
+            return {model, model[len(prefix):]}
     if "/" in model or model.endswith(".gguf"):
         tail = model.rstrip("/").rsplit("/", 1)[-1]
         names |= {tail, tail.removesuffix(".gguf")}

@@ -31,7 +31,7 @@ from typing import Any
 
 from common import durable
 
-from . import gemma3, smollm2
+from . import gemma3, places, smollm2
 from . import gguf as gguf_convert
 from .builtin import BUILTIN_NAMES, ensure_builtin, is_builtin
 from .ggufinfo import GGUFError, read_info
@@ -51,8 +51,9 @@ FETCHED = {
     "builtin:gemma3": (gemma3.GGUF_SHA256, gemma3.ensure_gemma3),
 }
 ALL_BUILTINS = (*FETCHED, *BUILTIN_NAMES)
-KINDS = (f"{', '.join(ALL_BUILTINS)}, a .gguf file, a local mlx-lm model directory "
-         "or a Hugging Face repo id such as HuggingFaceTB/SmolLM2-135M-Instruct")
+KINDS = (f"{', '.join(ALL_BUILTINS)}, a .gguf file, a local mlx-lm model directory, ollama:NAME[:TAG] "
+         "(Ollama's store), hf:ORG/NAME (the Hugging Face cache) or a Hugging Face repo id such as "
+         "HuggingFaceTB/SmolLM2-135M-Instruct; `kvd models` lists what is on this machine")
 
 #: (stage, done, total) as in daemon/models/smollm2.py, plus "convert" counted in tensors.
 Progress = Callable[[str, int, int], None]
@@ -76,6 +77,12 @@ def prepare_model(model: str, models_dir: Path, *, mode: str | None = None,
         except FetchError as e:
             raise ModelError(str(e)) from None
         return _converted(source, models_dir, mode, report, known_sha=sha)
+    try:
+        placed = places.resolve(model)
+    except places.PlaceError as e:
+        raise ModelError(str(e)) from None
+    if placed is not None:  # ollama:NAME, hf:ORG/NAME: a file or folder already on disk
+        return _converted(placed, models_dir, mode, report) if placed.is_file() else _checked_dir(placed)
     if is_builtin(model):
         if model not in ALL_BUILTINS:
             raise ModelError(f"unknown built-in model {model!r}; built-in models are {', '.join(ALL_BUILTINS)}")

