@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from common.diskfull import is_disk_full
 
-from .blocks import block_keys
-from .index import SegmentIndex, SegmentRow
+from .blocks import whole_blocks
+from .index import BlockRow, SegmentIndex, SegmentRow
 from .lru import DiskStats
 from .prefix import common_prefix_len
 from .segments import write_segment
@@ -49,10 +49,29 @@ class Promise:
 NOTHING = Promise((), 0, ())
 
 
-Pieces = dict[tuple[int, int], Snapshot]  # evaluated snapshots of [start, end), for the I/O worker
+Evaluated = dict[tuple[int, int], Snapshot]  # evaluated snapshots of [start, end), for the I/O worker
 
 
-def plan(held: Promise, tokens: Sequence[int], *, splittable: bool, block: int,
+def promise_of(blocks: Sequence[BlockRow], segments: Sequence[SegmentRow], *, block: int,
+               fingerprint: str) -> Promise:
+    """What a disk chain holds (its blocks' rows, then its private segments), as a promise."""
+    toks: list[int] = []
+    for row in blocks:
+        if row.start != len(toks):
+            break
+        toks.extend(row.tokens)
+    base = len(blocks) * block if len(toks) == len(blocks) * block else 0
+    toks = toks[:base]
+    ends: list[int] = []
+    for seg in segments:
+        if seg.start != len(toks) or seg.fingerprint != fingerprint:
+            break
+        toks.extend(seg.tokens)
+        ends.append(seg.end)
+    return Promise(tuple(toks), base, tuple(ends))
+
+
+def plan(held: Promise, tokens: Sequence[int], *, cuttable: bool, block: int,
          max_segments: int, rewrite: bool = False) -> tuple[int | None, int | None, Promise]:
     """Where a turn's new blocks start and where its private tail starts (None: none), and disk's chain after.
 
@@ -64,7 +83,7 @@ def plan(held: Promise, tokens: Sequence[int], *, splittable: bool, block: int,
     """
     n = len(tokens)
     same_ids = common_prefix_len(held.tokens, tokens)
-    whole = (n - 1) // block if splittable else 0
+    whole = whole_blocks(n, block) if cuttable else 0
     listed = held.base // block
     same = min(listed, whole, same_ids // block)
     blocks_from = same * block if whole > same else None
@@ -106,14 +125,14 @@ class Private:
 
 class Writeback:
     def __init__(self, index: Callable[[], SegmentIndex], *, fingerprint: str, root: str, block: int,
-                 disk_bytes: int, max_segments: int, stats: DiskStats, clock: Callable[[], float]):
+                 disk_bytes: int, max_segments: int, clock: Callable[[], float]):
         self._index = index  # the calling thread's own connection
         self.fingerprint = fingerprint
         self.root = root
         self.block = block
         self.disk_bytes = disk_bytes
         self.max_segments = max_segments
-        self.stats = stats
+        self.stats = DiskStats()  # the worker's own figures (the engine's are PageIn's); merged on read
         self._clock = clock
 
     @property
@@ -121,28 +140,15 @@ class Writeback:
         return self._index()
 
     def promise(self, key: str) -> Promise:
-        """What disk holds of `key` now, read from the index (the engine thread may call this)."""
-        toks: list[int] = []
-        blocks = self.index.blocks_of(key)
-        for row in blocks:
-            if row.start != len(toks):
-                break
-            toks.extend(row.tokens)
-        base = len(blocks) * self.block if len(toks) == len(blocks) * self.block else 0
-        toks = toks[:base]
-        ends: list[int] = []
-        for seg in self.index.chain(key):
-            if seg.start != len(toks) or seg.fingerprint != self.fingerprint:
-                break
-            toks.extend(seg.tokens)
-            ends.append(seg.end)
-        return Promise(tuple(toks), base, tuple(ends))
+        """What disk holds of `key` now, read from the index (tests; the engine asks its block table)."""
+        return promise_of(self.index.blocks_of(key), self.index.chain(key), block=self.block,
+                          fingerprint=self.fingerprint)
 
-    def persist(self, key: str, pieces: Pieces, tokens: list[int], *, splittable: bool,
+    def persist(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *, cuttable: bool,
                 evict: bool, rewrite: bool = False) -> None:
         """Make disk hold `tokens` of `key` from the evaluated pieces the engine planned (I/O worker)."""
         try:
-            self.write_behind(key, pieces, tokens, splittable=splittable, evict=evict, rewrite=rewrite)
+            self.write_behind(key, pieces, tokens, keys, cuttable=cuttable, evict=evict, rewrite=rewrite)
         except Stale as e:
             log.debug("not writing the cache of %s: %s; its next turn writes from what disk holds", key, e)
         except OSError as e:
@@ -155,7 +161,7 @@ class Writeback:
             else:
                 log.warning("could not write the cache of %s to disk: %s", key, e)
 
-    def write_behind(self, key: str, pieces: Pieces, tokens: list[int], *, splittable: bool,
+    def write_behind(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *, cuttable: bool,
                      evict: bool = True, rewrite: bool = False) -> None:
         """Make the disk chain of `key` hold `tokens`, writing only what disk lacks.
 
@@ -163,7 +169,8 @@ class Writeback:
         that is the sharing), then the chain that lists them, then the
         private segments after them: appended to when they still agree,
         rewritten as one when the chain moved or they reach max_segments.
-        `pieces` hold the evaluated state of the files the engine planned.
+        `pieces` hold the evaluated state of the files the engine planned;
+        `keys` are the whole blocks' keys (the engine hashed them once).
         """
         n = len(tokens)
         now = self._clock()
@@ -173,8 +180,9 @@ class Writeback:
                 raise Stale(f"disk lacks [{lo}, {hi}), which the engine did not plan to write")
             return pieces[lo, hi]
 
-        whole = (n - 1) // self.block if splittable else 0
-        keys = block_keys(tokens[:whole * self.block], self.block, self.root)
+        whole = whole_blocks(n, self.block) if cuttable else 0
+        if len(keys) != whole:
+            raise ValueError(f"{len(keys)} block keys for {whole} whole blocks")
         listed = [b.block for b in self.index.blocks_of(key)]
         same = common_prefix_len(listed, keys)
         chain = keys[:same]
