@@ -134,6 +134,7 @@ class PageIn:
         self.stats.bytes_read += got.bytes_read
         if got.bad is not None:
             part, e = got.bad
+            self.stats.dropped_corrupt += 1
             self._dropped(key, plan.rows[parts.index(part)], e)
         if got.cache is None:
             return None
@@ -152,6 +153,7 @@ class PageIn:
             try:
                 piece = read_segment(row.path, checksum=row.checksum, fingerprint=self.fingerprint)
             except CorruptSegment as e:
+                self.stats.dropped_corrupt += 1
                 self._dropped(key, row, e)
                 break
             self.stats.bytes_read += row.nbytes

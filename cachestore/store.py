@@ -25,29 +25,16 @@ asked for it. The policy:
   Finding it is one walk down the wanted ids' block keys in the block table
   (table.py), which knows every block's tiers: no scan of other sessions.
 
-Content-addressed blocks (issue 14). A session's disk chain is its whole
-blocks ``[k*B, (k+1)*B)`` (B = `Budgets.block_tokens`) followed by private
-segments ``[m*B, n)``, at least one token long. A block is keyed by the hash
-chain of every id up to its end (blocks.py) and stored once under
-``blocks/``; any session whose ids pass through it lists it in its chain, so
-a long system prompt many sessions share is written, stored and counted
-against the disk budget once, and a new session resumes from it, also
-after a restart. A block's reference count is the number of chains listing
-it; when the last one goes (delete, eviction, a rewind), the file goes.
-The index (SQLite) is the durable record; the engine thread reads it once,
-at start, into the block table, which the worker's reports keep current.
-
-Only a cache that can be cut anywhere (plain and quantized KV layers)
-yields blocks: the live cache at n holds every position, so each block is a
-slice of it. A sliding-window layer at n holds only the window ending at n,
-not the window at an earlier block boundary, and a window restored at the
-wrong position would be silently wrong; so caches with rotating or
-recurrent layers keep a private chain from 0 (as before issue 14) and share
-only through other sessions' resident or warm caches, at exactly their end.
-
-A disk file that fails its checksum, fingerprint or invariants is dropped
-with everything after it (a bad block: in every chain that lists it); the
-sessions then prefill from there: slower, never wrong.
+Content-addressed blocks (issue 14): a session's disk chain is its whole
+blocks (blocks.py; stored once under ``blocks/``, listed by every session
+whose ids pass through them, so a shared system prompt is written, stored
+and counted once) and then private segments ``[m*B, n)``. The index
+(SQLite) is the durable record; the engine thread reads it once, at start,
+into the block table, which the worker's reports keep current. Only caches
+that can be cut anywhere (plain and quantized KV) yield blocks; a window or a
+recurrent state keeps a private chain from 0 and shares only a whole cache
+in memory. A disk file that fails verification is dropped with everything
+after it (a bad block: in every chain); the sessions prefill from there.
 """
 
 from __future__ import annotations
@@ -60,23 +47,22 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
+from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
 
 from . import pagein
 from .blocks import root_key, whole_blocks
-from .errors import CorruptSegment
-from .index import BlockRow, DiskNews, SegmentIndex
-from .ioworker import IOWorker
+from .disktier import DiskTier
+from .index import SegmentIndex
 from .lru import DiskStats, Tier
 from .packing import unpack
-from .pagein import PREFETCH_ROOM, DiskRow, PageIn
+from .pagein import PREFETCH_ROOM, DiskPlan, PageIn
 from .prefix import MIN_SHARED, common_prefix_len
 from .rebuild import rebuild_index
-from .sharing import find_shared
-from .snapshot import Snapshot, cuttable, merge, rewind, section, snapshot
+from .sharing import Found, find_shared
+from .snapshot import Snapshot, cuttable, merge, rewind
 from .table import BlockTable
 from .warm import Cache, WarmTier, cache_nbytes
-from .writeback import NOTHING, NOTHING_TO_EVICT, Evaluated, Promise, Writeback, plan, promise_of
+from .writeback import NOTHING_TO_EVICT, Writeback
 
 __all__ = ["MIN_SHARED", "NOTHING_TO_EVICT", "PREFETCH_ROOM", "Budgets", "Checkout", "SessionCaches",
            "cache_nbytes"]
@@ -134,13 +120,14 @@ class SessionCaches:
         self.table = BlockTable(self.root, self.block)
         self.table.load(*self.index.load_all())
         self.index.news()  # what start-up changed is loaded already
-        self._io = IOWorker()
-        self._promised: dict[str, Promise] = {}  # disk chains as they will be once queued jobs are done
+        self._disktier = DiskTier(lambda: self.index, self.table, self._writer,
+                                  max_segments=budgets.max_segments, on_idle=self._on_idle)
+        self._io = self._disktier.io
         self.resident: Tier[Cache] = Tier("resident", budgets.resident_bytes, budgets.resident_sessions)
         self.warm = WarmTier(self.table, budgets.warm_bytes, bits=budgets.warm_bits,
                              busy=lambda: not self._io.idle())
-        self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._later, dropped=self._dropped,
-                            clock=clock)
+        self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
+                            dropped=self._disktier.dropped, clock=clock)
         self.shared_stats = {"restores": 0, "tokens": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
 
@@ -182,33 +169,11 @@ class SessionCaches:
         self._io.submit(fn)
 
     def _settle(self) -> None:
-        """Take in the worker's reports (engine thread): the index rows its jobs changed, and which
-        sessions have nothing queued any more."""
-        idle = self._io.idle()  # before draining: every report of a finished job is queued by then
-        done, results = self._io.settle()
-        for news in results:
-            if isinstance(news, DiskNews):
-                self.table.apply(news)
-        for key in done:
-            self._promised.pop(key, None)
-        if idle:
-            self.warm.release_held()  # disk holds them now (or never will: they were not writable)
+        """Take in the worker's reports (disktier.py)."""
+        self._disktier.settle()
 
-    def _later(self, job: Callable[[SegmentIndex], object], key: str | None = None) -> None:
-        """An index write asked for on the engine thread: run on the worker, after the jobs before it,
-        reporting the rows it changed."""
-        if self._io.on_worker():
-            job(self.index)
-            return
-
-        def run() -> DiskNews:
-            try:
-                job(self.index)
-            except Exception:
-                log.exception("a cache disk job failed")
-            return self.index.news()
-
-        self._io.submit(run, key=key)
+    def _on_idle(self) -> None:
+        self.warm.release_held()  # disk holds them now (or never will: they were not writable)
 
     # --- resume ---
 
@@ -228,34 +193,31 @@ class SessionCaches:
             return (time.perf_counter() - t0) * 1000
 
         self._settle()
-        keys = self.table.keys_for(key, wanted)
         own: Checkout | None = None
         if (cache := self.resident.take(key)) is not None:
             toks = self.table.session(key).tokens
             n = min(common_prefix_len(toks, wanted), limit)
             if n > 0 and rewind(cache, len(toks) - n):
-                own = Checkout(cache, n, "resident", 0.0)
+                own = Checkout(cache, n, RESIDENT, 0.0)
             else:
                 log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
             self.warm.discard(key)
             self.table.detach(key)  # the live cache is the engine's now
         own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
         best_n = max(own.tokens if own else 0, own_warm_n)
-        walk = self.table.walk(keys)
-        other = find_shared(self.table, self.resident, self.warm, key, wanted, limit, walk, best_n)
-        disk = self._disk.plan(key, wanted, limit, walk)
+        other, disk = self._others(key, wanted, limit, best_n)
         if disk.end > max(best_n, other[0] if other else 0):
             live = self._disk.restore(key, disk, room=len(wanted) - disk.end)
             if live is not None:
                 cache, end, own_tokens = live
                 now = self._clock()
-                self._later(lambda index: index.touch(key, now), key)
+                self._disktier.later(lambda index: index.touch(key, now), key)
                 shared = max(end - own_tokens, 0)
-                return self._counted(Checkout(cache, end, "shared" if shared else "disk", ms(), shared))
+                return self._counted(Checkout(cache, end, SHARED if shared else DISK, ms(), shared))
         if other is not None:
             n, copy = other
             if (copied := copy()) is not None:
-                return self._counted(Checkout(copied, n, "shared", ms(), n))
+                return self._counted(Checkout(copied, n, SHARED, ms(), n))
         if own is not None:
             own.restore_ms = ms()
             return own
@@ -264,37 +226,36 @@ class SessionCaches:
             self.warm.take(key)
             self.table.detach(key)
             if copied is not None:
-                return Checkout(copied, own_warm_n, "warm", ms())
+                return Checkout(copied, own_warm_n, WARM, ms())
         self._disk.stats.misses += 1
-        return Checkout(None, 0, "none", ms())
+        return Checkout(None, 0, NO_CACHE, ms())
+
+    def _others(self, key: str, wanted: Sequence[int], limit: int, best: int) -> tuple[Found | None, DiskPlan]:
+        """One walk down the wanted ids' blocks: the best copy of another session's memory (more
+        than `best` ids), and the disk plan."""
+        walk = self.table.walk(self.table.keys_for(key, wanted))
+        other = find_shared(self.table, self.resident, self.warm, key, wanted, limit, walk, best)
+        return other, self._disk.plan(key, wanted, limit, walk)
+
+    def find(self, key: str, wanted: Sequence[int]) -> tuple[str, int]:
+        """Where checkout would restore the longest prefix of `wanted` from, and how many ids; moves nothing."""
+        self._settle()
+        limit = len(wanted) - 1
+        cache, s = self.resident.peek(key), self.table.sessions.get(key)
+        own = min(common_prefix_len(s.tokens, wanted), limit) if cache is not None and s is not None else 0
+        own_warm = self.warm.usable(key, wanted, limit) if not own else 0
+        other, disk = self._others(key, wanted, limit, max(own, own_warm))
+        if disk.end > max(own, own_warm, other[0] if other else 0):
+            return (SHARED if disk.end > disk.own else DISK), disk.end
+        if other is not None:
+            return SHARED, other[0]
+        return (RESIDENT, own) if own else (WARM, own_warm) if own_warm else (NO_CACHE, 0)
 
     def _counted(self, out: Checkout) -> Checkout:
         if out.shared_tokens:
             self.shared_stats["restores"] += 1
             self.shared_stats["tokens"] += out.shared_tokens
         return out
-
-    def _dropped(self, key: str, row: DiskRow, e: CorruptSegment) -> None:
-        """A file failed verification: unlist it and what follows it (a block: in every chain)."""
-        self._disk.stats.dropped_corrupt += 1
-        if isinstance(row, BlockRow):
-            block = row.block
-            log.warning("dropping cache block %s: %s; every session that lists it will prefill "
-                        "from token %d", row.path, e, row.start)
-            self._later(lambda index: index.drop_block(block), None)
-            self._promised.clear()  # any chain may list it: plan from what the worker reports
-        else:
-            log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
-            start = row.start
-            self._promised[key] = _cut(self._promise(key), start)
-            self._later(lambda index: index.drop_from(key, start), key)
-
-    def _promise(self, key: str) -> Promise:
-        held = self._promised.get(key)
-        if held is None:
-            blocks, tail = self.table.disk_rows(key)
-            held = promise_of(blocks, tail, block=self.block, fingerprint=self.fingerprint)
-        return held
 
     # --- prefetch after a restart ---
 
@@ -318,14 +279,14 @@ class SessionCaches:
             if not self.warm.put_snapshot(key, held, now, cold=True):
                 self.table.detach(key)
                 return None
-            tier, nbytes = "warm", held.nbytes
+            tier, nbytes = WARM, held.nbytes
         else:
             nbytes = cache_nbytes(held)
             if not self.resident.offer(key, held, nbytes, now):
                 return None
             self._attach(key, held, tokens)
             self.table.set_live(key, True)
-            tier = "resident"
+            tier = RESIDENT
         self.prefetch_stats["done"] += 1
         self.prefetch_stats[tier] += 1
         self.prefetch_stats["bytes"] += nbytes
@@ -345,43 +306,12 @@ class SessionCaches:
         self._settle()
         self.warm.discard(key)
         keys = self._attach(key, cache, tokens)
-        self._write_behind(key, cache, tokens, keys)
+        self._disktier.write_behind(key, cache, tokens, keys)
         self.table.set_live(key, True)
         now = self._clock()
         for cold, c in self.resident.put(key, cache, cache_nbytes(cache), now):
             self.table.set_live(cold, False)
             self.warm.demote(cold, c, now)
-
-    def _write_behind(self, key: str, cache: Cache | Snapshot, tokens: list[int], keys: list[str], *,
-                      evict: bool = True) -> None:
-        """Evaluate what disk will lack of `tokens` and queue its writing (engine thread).
-
-        `cache` is a live cache, or a snapshot of all of `tokens` (page_out_all);
-        `keys` its whole blocks' keys. The plan is taken on the chain as it will
-        be once the jobs queued before are done; the worker checks it against
-        the index as it is.
-        """
-        n = len(tokens)
-        can_cut = cuttable(cache)
-        rewrite = isinstance(cache, Snapshot) and not can_cut  # a window: written whole or not at all
-        blocks_from, private_from, after = plan(self._promise(key), tokens, cuttable=can_cut, block=self.block,
-                                                max_segments=self.budgets.max_segments, rewrite=rewrite)
-        pieces: Evaluated = {}
-        starts = [s for s in (blocks_from, private_from) if s is not None]
-        if starts:
-            lo = min(starts)
-            whole = snapshot(cache, lo) if isinstance(cache, list) else \
-                (cache if lo == cache.start else section(cache, lo, n))
-            spans = [(k, k + self.block) for k in range(blocks_from, after.base, self.block)] \
-                if blocks_from is not None else []
-            if private_from is not None:
-                spans.append((private_from, n))
-            pieces = {(a, b): whole if (a, b) == (whole.start, whole.end) else section(whole, a, b)
-                      for a, b in spans}
-            mx.eval([x for p in pieces.values() for x in p.arrays()])  # the worker only writes bytes
-        self._promised[key] = after
-        self._later(lambda index: self._writer.persist(key, pieces, tokens, keys, cuttable=can_cut, evict=evict,
-                                                       rewrite=rewrite), key)
 
     # --- housekeeping ---
 
@@ -406,7 +336,7 @@ class SessionCaches:
             if cache is not None:
                 s = self.table.session(key)
                 try:
-                    self._write_behind(key, cache, s.tokens, s.keys, evict=False)
+                    self._disktier.write_behind(key, cache, s.tokens, s.keys, evict=False)
                 except Exception as e:
                     log.warning("could not page out %s: %s", key, e)
         for key in self.warm.held_or_warm():
@@ -420,7 +350,7 @@ class SessionCaches:
                 toks = toks[:snap.end]
                 keys = self.table.keys_for(key, toks)[:whole_blocks(len(toks), self.block)] \
                     if cuttable(snap) else []
-                self._write_behind(key, snap, toks, keys, evict=False)
+                self._disktier.write_behind(key, snap, toks, keys, evict=False)
             except Exception as e:
                 log.warning("could not page out %s: %s", key, e)
         self.flush()
@@ -431,34 +361,27 @@ class SessionCaches:
             self.table.set_live(key, False)
         self.warm.discard(key)
         self.table.detach(key)
-        self._later(lambda index: index.drop_from(key, 0), key)  # after its queued writes, which it undoes
-        self._promised[key] = NOTHING
+        self._disktier.forget(key)
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
         self._settle()
-        where = {key: "disk" for key, s in self.table.sessions.items() if s.disk_keys or s.disk_tail}
-        where.update({key: "warm" for key in self.warm.held_or_warm()})
-        where.update({key: "resident" for key in self.resident})
+        where = {key: DISK for key, s in self.table.sessions.items() if s.disk_keys or s.disk_tail}
+        where.update({key: WARM for key in self.warm.held_or_warm()})
+        where.update({key: RESIDENT for key in self.resident})
         return where
 
     def statistics(self) -> dict[str, Any]:
         self._settle()
         t = self.table
         return {
-            "resident": self.resident.statistics(),
-            "warm": self.warm.statistics(),
+            RESIDENT: self.resident.statistics(),
+            WARM: self.warm.statistics(),
             "prefetched": {"sessions": self.prefetch_stats["done"], "bytes": self.prefetch_stats["bytes"],
                            "resident": self.prefetch_stats["resident"], "warm": self.prefetch_stats["warm"]},
-            "disk": {"sessions": t.disk_sessions, "segments": t.disk_segments, "bytes": t.disk_bytes,
+            DISK: {"sessions": t.disk_sessions, "segments": t.disk_segments, "bytes": t.disk_bytes,
                      "budget": self.budgets.disk_bytes, "block_tokens": self.block,
                      **t.sharing(), **asdict(self.disk_stats)},
-            "shared": dict(self.shared_stats),
+            SHARED: dict(self.shared_stats),
         }
 
-
-def _cut(held: Promise, start: int) -> Promise:
-    """A promised chain once its private segments from `start` on are dropped."""
-    ends = tuple(e for e in held.ends if e <= start)
-    end = ends[-1] if ends else held.base
-    return Promise(held.tokens[:end], held.base, ends)

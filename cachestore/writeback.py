@@ -22,6 +22,9 @@ import os
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
 
 from common.diskfull import is_disk_full
 
@@ -30,7 +33,7 @@ from .index import BlockRow, SegmentIndex, SegmentRow
 from .lru import DiskStats
 from .prefix import common_prefix_len
 from .segments import write_segment
-from .snapshot import Snapshot
+from .snapshot import Snapshot, section, snapshot
 
 log = logging.getLogger("kvd.cache")
 
@@ -44,6 +47,13 @@ class Promise:
     tokens: tuple[int, ...]  # the ids it holds, from 0
     base: int  # of those, the ids in whole blocks
     ends: tuple[int, ...]  # where the private segments after them end
+
+
+    def cut(self, start: int) -> Promise:
+        """This chain once its private segments from `start` on are dropped."""
+        ends = tuple(e for e in self.ends if e <= start)
+        end = ends[-1] if ends else self.base
+        return Promise(self.tokens[:end], self.base, ends)
 
 
 NOTHING = Promise((), 0, ())
@@ -100,6 +110,27 @@ def plan(held: Promise, tokens: Sequence[int], *, cuttable: bool, block: int,
     if len(kept) + 1 > max_segments or (rewrite and pos != base):
         pos, kept = base, []
     return blocks_from, pos, Promise(tuple(tokens), base, (*kept, n))
+
+
+def evaluate(cache: list[Any] | Snapshot, tokens: Sequence[int], blocks_from: int | None,
+             private_from: int | None, after: Promise, block: int) -> Evaluated:
+    """The snapshots `plan` said a turn writes, evaluated (engine thread: the worker only writes bytes).
+
+    `cache` is a live cache, or a snapshot of all of `tokens` (paging out at shutdown).
+    """
+    starts = [s for s in (blocks_from, private_from) if s is not None]
+    if not starts:
+        return {}
+    n = len(tokens)
+    lo = min(starts)
+    whole = snapshot(cache, lo) if isinstance(cache, list) else \
+        (cache if lo == cache.start else section(cache, lo, n))
+    spans = [(k, k + block) for k in range(blocks_from, after.base, block)] if blocks_from is not None else []
+    if private_from is not None:
+        spans.append((private_from, n))
+    pieces = {(a, b): whole if (a, b) == (whole.start, whole.end) else section(whole, a, b) for a, b in spans}
+    mx.eval([x for p in pieces.values() for x in p.arrays()])
+    return pieces
 
 
 class Stale(Exception):
