@@ -48,7 +48,8 @@ TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
         "test_api_cores", "test_arrows", "test_builtin", "test_config", "test_direct", "test_durable",
         "test_gguf", "test_ioworker", "test_lru", "test_scheduler", "test_segment_compat", "test_segments",
-        "test_snapshot", "test_store", "test_store_tiers", "test_tui_render", "test_wire",
+        "test_snapshot", "test_store", "test_store_tiers", "test_table", "test_tui_render", "test_wire",
+        "test_writeback_plan",
     }),
     "integration": frozenset({
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",
