@@ -34,6 +34,7 @@ class DiskTier:
         self.table = table
         self.writer = writer
         self.io = IOWorker()
+        writer.indexed = lambda: self.io.report(self._index().news())
         self.max_segments = max_segments
         self._on_idle = on_idle
         self._promised: dict[str, Promise] = {}  # disk chains as they will be once queued jobs are done

@@ -67,6 +67,11 @@ class IOWorker:
 
         return run
 
+    def report(self, result: object) -> None:
+        """From a running job (worker thread): hand `result` to the engine's next `settle` now,
+        before the job ends."""
+        self._finished.put((None, result))
+
     def flush(self) -> None:
         """Wait until every job submitted so far has run (shutdown, tests, tools; never a turn)."""
         with self._changed:

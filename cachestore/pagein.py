@@ -75,18 +75,27 @@ class PageIn:
         """
         mine: list[DiskRow] = []
         pos = 0
-        blocks, tail = self.table.disk_rows(key)
-        rows: list[DiskRow] = [*blocks, *tail]
-        for row in rows:
-            if row.start != pos or row.fingerprint != self.fingerprint:
+        s = self.table.sessions.get(key)
+        for bk in s.disk_keys if s is not None else []:
+            b = self.table.blocks[bk]
+            assert b.disk is not None
+            if b.start != pos or b.disk.fingerprint != self.fingerprint or (shared := b.agrees(wanted)) == 0:
                 break
-            shared = common_prefix_len(row.tokens, wanted[row.start:row.end])
-            if shared == 0:
+            mine.append(b.row(self.table.blocks_dir))
+            pos = min(b.start + shared, limit)
+            if pos < b.end:
                 break
-            mine.append(row)
-            pos = min(row.start + shared, limit)
-            if pos < row.end:
-                break
+        else:
+            for row in s.disk_tail if s is not None else []:
+                if row.start != pos or row.fingerprint != self.fingerprint:
+                    break
+                shared = common_prefix_len(row.tokens, wanted[row.start:row.end])
+                if shared == 0:
+                    break
+                mine.append(row)
+                pos = min(row.start + shared, limit)
+                if pos < row.end:
+                    break
         own = DiskPlan(mine, pos, pos)
         found: list[str] = []
         end = 0
@@ -105,7 +114,7 @@ class PageIn:
             for child in self.table.after(found[-1] if found else self.table.root)[0]:
                 if child.disk is None or child.disk.fingerprint != self.fingerprint or child.start != end:
                     continue
-                n = min(common_prefix_len(child.tokens(), wanted[end:limit]), limit - end)
+                n = min(child.agrees(wanted), limit - end)
                 if n > agree:
                     best, agree = child.key, n
             if best is not None and end + agree >= MIN_SHARED:  # a template's head alone: not worth a read
@@ -113,9 +122,9 @@ class PageIn:
                 end += agree
         if end <= own.end:
             return own
-        s = self.table.sessions.get(key)
         mine_blocks = len(set(s.disk_keys) & set(found)) if s is not None else 0
-        return DiskPlan([self.table.blocks[bk].row() for bk in found], end, min(mine_blocks * self.block, end))
+        rows: list[DiskRow] = [self.table.blocks[bk].row(self.table.blocks_dir) for bk in found]
+        return DiskPlan(rows, end, min(mine_blocks * self.block, end))
 
     def restore(self, key: str, plan: DiskPlan, *, room: int, use: bool = True
                 ) -> tuple[Cache, int, int] | None:

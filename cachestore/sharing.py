@@ -45,7 +45,7 @@ def find_shared(table: BlockTable, resident: Tier[Cache], warm: WarmTier, key: s
     for c in children:
         src = next(iter(c.live), None)
         if src is not None and src != key and (cache := resident.peek(src)) is not None:
-            n = min(c.start + common_prefix_len(c.tokens(), wanted[c.start:c.end]), limit)
+            n = min(c.start + c.agrees(wanted), limit)
             offer(n, partial(copy_live, cache, n))
     for s in followers:
         if s.key != key and (cache := resident.peek(s.key)) is not None:
@@ -61,7 +61,7 @@ def find_shared(table: BlockTable, resident: Tier[Cache], warm: WarmTier, key: s
     children, followers = _after(table, walk.keys, walk.warm)
     for c in children:
         if c.warm is not None:
-            n = min(c.start + common_prefix_len(c.tokens(), wanted[c.start:c.end]), limit)
+            n = min(c.start + c.agrees(wanted), limit)
             offer(n, partial(copy_parts, [*parts, c.warm], n))
     for s in followers:
         if s.key != key and (n := warm.usable(s.key, wanted, limit)) > 0:

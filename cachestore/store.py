@@ -117,7 +117,7 @@ class SessionCaches:
         for key in self.index.foreign(fingerprint):
             self._writer.valid_chain(key)  # another model's or layout's files: never loaded, never kept
         self._writer.enforce_disk_budget(keep=None)
-        self.table = BlockTable(self.root, self.block)
+        self.table = BlockTable(self.root, self.block, self.index.blocks)
         self.table.load(*self.index.load_all())
         self.index.news()  # what start-up changed is loaded already
         self._disktier = DiskTier(lambda: self.index, self.table, self._writer,

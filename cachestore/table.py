@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from common.tokenids import pack_tokens, unpack_tokens
@@ -32,9 +33,9 @@ from .index import BlockRow, DiskNews, SegmentRow
 
 @dataclass(frozen=True, slots=True)
 class BlockFile:
-    """Where a block's file is and what it must check out as."""
+    """Where a block's file is (its name under the index's blocks/) and what it must check out as."""
 
-    path: Any  # pathlib.Path
+    name: str
     nbytes: int
     checksum: str
     fingerprint: str
@@ -56,10 +57,25 @@ class Block:
     def tokens(self) -> list[int]:
         return unpack_tokens(self.ids)
 
-    def row(self) -> BlockRow:
+    def agrees(self, wanted: Sequence[int]) -> int:
+        """How many of its ids `wanted` (from this block's start) agrees with; most children of a
+        shared block part at their first id, which is checked without unpacking the rest."""
+        if self.start >= len(wanted) or int.from_bytes(self.ids[:4], "little") != wanted[self.start]:
+            return 0
+        if self.end <= len(wanted) and pack_tokens(wanted[self.start:self.end]) == self.ids:
+            return self.end - self.start
+        ids = unpack_tokens(self.ids)
+        n = 0
+        for a, b in zip(ids, wanted[self.start:self.end]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def row(self, blocks_dir: Path) -> BlockRow:
         assert self.disk is not None
         d = self.disk
-        return BlockRow(self.key, self.parent, self.start, self.end, d.path, d.nbytes, d.checksum,
+        return BlockRow(self.key, self.parent, self.start, self.end, blocks_dir / d.name, d.nbytes, d.checksum,
                         d.fingerprint, tuple(self.tokens()))
 
 
@@ -89,9 +105,10 @@ class Walk:
 
 
 class BlockTable:
-    def __init__(self, root: str, block: int) -> None:
+    def __init__(self, root: str, block: int, blocks_dir: Path = Path("blocks")) -> None:
         self.root = root
         self.block = block
+        self.blocks_dir = blocks_dir  # where block files are (SegmentIndex.blocks)
         self.blocks: dict[str, Block] = {}
         self.sessions: dict[str, Session] = {}
         self.children: dict[str, set[str]] = {}  # a block key (or the root) -> the blocks after it
@@ -212,11 +229,11 @@ class BlockTable:
 
     # --- disk, as the worker reports it ---
 
-    def load(self, blocks: Iterable[tuple[BlockRow, bytes]], chains: dict[str, list[str]],
-             segments: dict[str, list[SegmentRow]]) -> None:
+    def load(self, blocks: Iterable[tuple[str, str, int, int, str, int, str, str, bytes]],
+             chains: dict[str, list[str]], segments: dict[str, list[SegmentRow]]) -> None:
         """Fill the disk part from the index at start (`SegmentIndex.load_all`)."""
-        for row, ids in blocks:
-            self._disk_block(row, ids)
+        for bk, parent, start, end, name, nbytes, checksum, fingerprint, ids in blocks:
+            self._disk_file(bk, parent, start, end, bytes(ids), BlockFile(name, nbytes, checksum, fingerprint))
         self.apply(DiskNews({key: (chains.get(key, []), segments.get(key, []))
                              for key in {*chains, *segments}}, {}))
 
@@ -251,20 +268,20 @@ class BlockTable:
                 b.disk = None
                 self._maybe_drop(b)
 
-    def _disk_block(self, row: BlockRow, ids: bytes | None = None) -> None:
-        b = self.blocks.get(row.block)
+    def _disk_block(self, row: BlockRow) -> None:
+        self._disk_file(row.block, row.parent, row.start, row.end, pack_tokens(row.tokens),
+                        BlockFile(row.path.name, row.nbytes, row.checksum, row.fingerprint))
+
+    def _disk_file(self, bk: str, parent: str, start: int, end: int, ids: bytes, file: BlockFile) -> None:
+        b = self.blocks.get(bk)
         if b is None:
-            b = self.blocks[row.block] = Block(row.block, row.parent, row.start, row.end,
-                                               ids if ids is not None else pack_tokens(row.tokens))
-            self.children.setdefault(row.parent, set()).add(row.block)
-        if b.disk is None:
-            self.disk_blocks += 1
-            self.disk_block_bytes += row.nbytes
-            self.disk_bytes += row.nbytes
-        else:
-            self.disk_block_bytes += row.nbytes - b.disk.nbytes
-            self.disk_bytes += row.nbytes - b.disk.nbytes
-        b.disk = BlockFile(row.path, row.nbytes, row.checksum, row.fingerprint)
+            b = self.blocks[bk] = Block(bk, parent, start, end, ids)
+            self.children.setdefault(parent, set()).add(bk)
+        old = b.disk.nbytes if b.disk is not None else 0
+        self.disk_blocks += b.disk is None
+        self.disk_block_bytes += file.nbytes - old
+        self.disk_bytes += file.nbytes - old
+        b.disk = file
 
     def _disk_ref(self, bk: str, delta: int) -> None:
         b = self.blocks[bk]
@@ -287,7 +304,7 @@ class BlockTable:
         s = self.sessions.get(key)
         if s is None:
             return [], []
-        return [self.blocks[bk].row() for bk in s.disk_keys], list(s.disk_tail)
+        return [self.blocks[bk].row(self.blocks_dir) for bk in s.disk_keys], list(s.disk_tail)
 
     def sharing(self) -> dict[str, int]:
         return {"blocks": self.disk_blocks, "block_bytes": self.disk_block_bytes,

@@ -165,6 +165,9 @@ class Writeback:
         self.max_segments = max_segments
         self.stats = DiskStats()  # the worker's own figures (the engine's are PageIn's); merged on read
         self._clock = clock
+        #: Called after each file is indexed (worker thread), so the engine sees a block as soon as
+        #: it is durable and listed, not only when the whole turn is written.
+        self.indexed: Callable[[], None] = lambda: None
 
     @property
     def index(self) -> SegmentIndex:
@@ -316,6 +319,7 @@ class Writeback:
                     raise OSError(errno.ENOSPC, NOTHING_TO_EVICT if evict else str(e)) from None
         self.stats.writes += 1
         self.stats.bytes_written += seg.nbytes
+        self.indexed()
 
     def _evict_for(self, key: str, evicted: set[str]) -> bool:
         """The cache's filesystem is full: remove the least recently used other session's files.

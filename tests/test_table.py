@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import cachestore.table as table_module
-from cachestore.blocks import block_keys, root_key
+from cachestore.blocks import block_key, block_keys, root_key
 from cachestore.index import BlockRow, DiskNews, SegmentRow
 from cachestore.table import BlockTable
 
@@ -15,7 +15,7 @@ ROOT = root_key("fp")
 B = 4
 
 
-def row(table: BlockTable, tokens: list[int], k: int, nbytes: int = 100) -> BlockRow:
+def row(tokens: list[int], k: int, nbytes: int = 100) -> BlockRow:
     keys = block_keys(tokens, B, ROOT)
     return BlockRow(keys[k], keys[k - 1] if k else ROOT, k * B, (k + 1) * B, Path(f"/b/{k}"), nbytes, "0", "fp",
                     tuple(tokens[k * B:(k + 1) * B]))
@@ -27,9 +27,13 @@ def seg(key: str, start: int, tokens: list[int]) -> SegmentRow:
 
 def test_a_chain_is_hashed_once_and_extended(monkeypatch: pytest.MonkeyPatch) -> None:
     t = BlockTable(ROOT, B)
-    calls = []
-    real = table_module.block_key
-    monkeypatch.setattr(table_module, "block_key", lambda p, ids: calls.append(1) or real(p, ids))
+    calls: list[int] = []
+
+    def counted(parent: str, ids: list[int]) -> str:
+        calls.append(1)
+        return block_key(parent, ids)
+
+    monkeypatch.setattr(table_module, "block_key", counted)
     ids = list(range(10))
     assert t.keys_for("aaaa", ids) == block_keys(ids, B, ROOT) and len(calls) == 2
     assert t.keys_for("aaaa", ids + [10, 11, 12]) == block_keys(ids + [10, 11, 12], B, ROOT) and len(calls) == 3
@@ -70,9 +74,10 @@ def test_references_keep_blocks_and_the_last_one_drops_them() -> None:
 def test_the_disk_mirror_counts_each_block_once_and_follows_the_worker() -> None:
     t = BlockTable(ROOT, B)
     a = list(range(13))
-    rows = [row(t, a, k) for k in range(3)]
+    rows = [row(a, k) for k in range(3)]
     chain = [r.block for r in rows]
-    t.load([(r, bytes(4 * B)) for r in rows], {"aaaa": chain, "bbbb": chain[:2]},
+    t.load([(r.block, r.parent, r.start, r.end, r.path.name, r.nbytes, r.checksum, r.fingerprint, bytes(4 * B))
+            for r in rows], {"aaaa": chain, "bbbb": chain[:2]},
            {"aaaa": [seg("aaaa", 12, a)], "bbbb": [seg("bbbb", 8, a[:9])]})
     assert t.sharing() == {"blocks": 3, "block_bytes": 300, "shared_bytes": 200, "saved_bytes": 200}
     assert (t.disk_sessions, t.disk_segments, t.disk_bytes) == (2, 2, 320)
