@@ -76,22 +76,21 @@ class DiskTier:
         return held
 
     def write_behind(self, key: str, cache: list[Any] | Snapshot, tokens: list[int], keys: list[str], *,
-                     evict: bool = True) -> None:
+                     evict: bool = True, captured: dict[int, Snapshot] | None = None) -> None:
         """Evaluate what disk will lack of `tokens` and queue its writing.
 
         `cache` is a live cache, or a snapshot of all of `tokens` (paging out at
-        shutdown); `keys` its whole blocks' keys, hashed once by the table.
+        shutdown); `keys` the keys of the whole blocks its chain lists, hashed
+        once by the table; `captured` a window's blocks (writeback.evaluate).
         """
-        can_cut = cuttable(cache)
-        rewrite = isinstance(cache, Snapshot) and not can_cut  # a window: written whole or not at all
-        blocks_from, private_from, after = plan(self.promise(key), tokens, cuttable=can_cut,
+        rewrite = isinstance(cache, Snapshot) and not cuttable(cache)  # a window: written whole or not at all
+        blocks_from, private_from, after = plan(self.promise(key), tokens, whole=len(keys),
                                                 block=self.table.block, max_segments=self.max_segments,
                                                 rewrite=rewrite)
-        pieces = evaluate(cache, tokens, blocks_from, private_from, after, self.table.block)
+        pieces = evaluate(cache, tokens, blocks_from, private_from, after, self.table.block, captured)
         self._promised[key] = after
         writer = self.writer
-        self.later(lambda _: writer.persist(key, pieces, tokens, keys, cuttable=can_cut, evict=evict,
-                                            rewrite=rewrite), key)
+        self.later(lambda _: writer.persist(key, pieces, tokens, keys, evict=evict, rewrite=rewrite), key)
 
     def dropped(self, key: str, row: BlockRow | SegmentRow, e: CorruptSegment) -> None:
         """A file failed verification: unlist it and what follows it (a block: in every chain)."""

@@ -39,12 +39,13 @@ def find_shared(table: BlockTable, resident: Tier[Cache], warm: WarmTier, key: s
     # Live caches: one resident cache holds every block up to the deepest it holds.
     if walk.live and walk.live_from != key and (cache := resident.peek(walk.live_from or "")) is not None:
         n = min(walk.live * size, limit)
-        offer(n, partial(copy_live, cache, n))
+        if cuttable(cache) or n == len(table.sessions[walk.live_from or ""].tokens):
+            offer(n, partial(copy_live, cache, n))
     start = walk.live * size
     children, followers = _after(table, walk.keys, walk.live)
     for c in children:
         src = next(iter(c.live), None)
-        if src is not None and src != key and (cache := resident.peek(src)) is not None:
+        if src is not None and src != key and (cache := resident.peek(src)) is not None and cuttable(cache):
             n = min(c.start + c.agrees(wanted), limit)
             offer(n, partial(copy_live, cache, n))
     for s in followers:
@@ -62,7 +63,8 @@ def find_shared(table: BlockTable, resident: Tier[Cache], warm: WarmTier, key: s
     for c in children:
         if c.warm is not None:
             n = min(c.start + c.agrees(wanted), limit)
-            offer(n, partial(copy_parts, [*parts, c.warm], n))
+            if n == c.end or cuttable(c.warm):  # a window's block holds the state at its end only
+                offer(n, partial(copy_parts, [*parts, c.warm], n))
     for s in followers:
         if s.key != key and (n := warm.usable(s.key, wanted, limit)) > 0:
             offer(n, partial(warm.copy, s.key, n))

@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
 
 from . import pagein
@@ -59,7 +61,7 @@ from .pagein import PREFETCH_ROOM, DiskPlan, PageIn
 from .prefix import MIN_SHARED, common_prefix_len
 from .rebuild import rebuild_index
 from .sharing import Found, find_shared
-from .snapshot import Snapshot, cuttable, merge, rewind
+from .snapshot import Snapshot, cuttable, merge, rewind, snapshot
 from .table import BlockTable
 from .warm import Cache, WarmTier, cache_nbytes
 from .writeback import NOTHING_TO_EVICT, Writeback
@@ -128,6 +130,7 @@ class SessionCaches:
                              busy=lambda: not self._io.idle())
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
                             dropped=self._disktier.dropped, clock=clock)
+        self._captured: dict[str, dict[str, Snapshot]] = {}  # a window's blocks a prefill took: session -> key -> it
         self.shared_stats = {"restores": 0, "tokens": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
 
@@ -193,6 +196,7 @@ class SessionCaches:
             return (time.perf_counter() - t0) * 1000
 
         self._settle()
+        self._captured.pop(key, None)  # a prefill that did not end in a checkin
         own: Checkout | None = None
         if (cache := self.resident.take(key)) is not None:
             toks = self.table.session(key).tokens
@@ -292,11 +296,43 @@ class SessionCaches:
         self.prefetch_stats["bytes"] += nbytes
         return tier
 
-    def _attach(self, key: str, held: Cache | Snapshot, tokens: list[int]) -> list[str]:
-        """Make the session's memory chain the whole blocks of `tokens` (none for a cache that cannot be cut)."""
-        keys = self.table.keys_for(key, tokens)[:whole_blocks(len(tokens), self.block)] if cuttable(held) else []
+    def _attach(self, key: str, held: Cache | Snapshot, tokens: list[int],
+                captured: dict[str, Snapshot] | None = None) -> list[str]:
+        """Make the session's memory chain the whole blocks of `tokens`: all of them for a cache that
+        can be cut; for a window, those from the first on that its prefill captured or kvd holds."""
+        keys = self.table.keys_for(key, tokens)[:whole_blocks(len(tokens), self.block)]
+        if not cuttable(held):
+            have = 0
+            for bk in keys if isinstance(held, list) else ():
+                b = self.table.blocks.get(bk)
+                if not (captured and bk in captured) and (b is None or (b.disk is None and b.warm is None)):
+                    break
+                have += 1
+            keys = keys[:have]
         self.table.attach(key, tokens, keys)
         return keys
+
+    # --- windows: blocks captured during a prefill ---
+
+    def boundary(self, cache: Cache) -> int | None:
+        """Every how many ids a prefill into `cache` stops for `capture` (None: a cache that can be
+        cut, whose blocks are slices of it at any time).
+
+        A sliding-window layer at n holds only the window ending at n; a block
+        of it is the state at the block's end, so it is taken when the prefill
+        is there (the global layers' part is the block's own slice): two
+        sessions with one long system prompt then share it like plain KV.
+        """
+        return None if cuttable(cache) else self.block
+
+    def capture(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
+        """A prefill into a window's cache reached a block boundary: keep the block that ends here."""
+        n = len(tokens)
+        if n == 0 or n % self.block:
+            return
+        snap = snapshot(cache, n - self.block)
+        mx.eval(snap.arrays())
+        self._captured.setdefault(key, {})[self.table.keys_for(key, tokens)[-1]] = snap
 
     # --- after a turn ---
 
@@ -305,8 +341,12 @@ class SessionCaches:
         tokens = list(tokens)
         self._settle()
         self.warm.discard(key)
-        keys = self._attach(key, cache, tokens)
-        self._disktier.write_behind(key, cache, tokens, keys)
+        captured = self._captured.pop(key, {})
+        keys = self._attach(key, cache, tokens, captured)
+        by_end = {self.table.blocks[bk].end: snap for bk in keys
+                  if (snap := captured.get(bk) or self.warm.exact_copy(bk)) is not None}
+        self._disktier.write_behind(key, cache, tokens, keys, captured=by_end)
+        self.warm.add_copies({bk: captured[bk] for bk in keys if bk in captured})
         self.table.set_live(key, True)
         now = self._clock()
         for cold, c in self.resident.put(key, cache, cache_nbytes(cache), now):
@@ -361,12 +401,13 @@ class SessionCaches:
             self.table.set_live(key, False)
         self.warm.discard(key)
         self.table.detach(key)
+        self._captured.pop(key, None)
         self._disktier.forget(key)
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
         self._settle()
-        where = {key: DISK for key, s in self.table.sessions.items() if s.disk_keys or s.disk_tail}
+        where = dict.fromkeys(self.table.on_disk, DISK)
         where.update({key: WARM for key in self.warm.held_or_warm()})
         where.update({key: RESIDENT for key in self.resident})
         return where
@@ -379,7 +420,7 @@ class SessionCaches:
             WARM: self.warm.statistics(),
             "prefetched": {"sessions": self.prefetch_stats["done"], "bytes": self.prefetch_stats["bytes"],
                            "resident": self.prefetch_stats["resident"], "warm": self.prefetch_stats["warm"]},
-            DISK: {"sessions": t.disk_sessions, "segments": t.disk_segments, "bytes": t.disk_bytes,
+            DISK: {"sessions": len(t.on_disk), "segments": t.disk_segments, "bytes": t.disk_bytes,
                      "budget": self.budgets.disk_bytes, "block_tokens": self.block,
                      **t.sharing(), **asdict(self.disk_stats)},
             SHARED: dict(self.shared_stats),

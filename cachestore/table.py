@@ -114,7 +114,7 @@ class BlockTable:
         self.children: dict[str, set[str]] = {}  # a block key (or the root) -> the blocks after it
         self.followers: dict[str, set[str]] = {}  # a block key (or the root) -> sessions whose memory chain ends there
         # Disk totals, kept as the worker's news arrives (status must not sum 100,000 blocks).
-        self.disk_sessions = 0
+        self.on_disk: set[str] = set()  # sessions with a chain or segments on disk
         self.disk_segments = 0
         self.disk_bytes = 0
         self.disk_blocks = 0
@@ -243,7 +243,6 @@ class BlockTable:
                 self._disk_block(row)
         for key, (keys, tail) in news.sessions.items():
             s = self.session(key)
-            had = bool(s.disk_keys or s.disk_tail)
             for bk in s.disk_keys:
                 self._disk_ref(bk, -1)
             self.disk_segments -= len(s.disk_tail)
@@ -254,7 +253,7 @@ class BlockTable:
                 self._disk_ref(bk, +1)
             self.disk_segments += len(s.disk_tail)
             self.disk_bytes += s.disk_bytes
-            self.disk_sessions += bool(s.disk_keys or s.disk_tail) - had
+            (self.on_disk.add if s.disk_keys or s.disk_tail else self.on_disk.discard)(key)
             self.forget(key)
         for bk, row in news.blocks.items():
             b = self.blocks.get(bk)

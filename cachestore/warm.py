@@ -69,11 +69,21 @@ class WarmTier:
 
     def demote(self, key: str, cache: Cache, now: float) -> None:
         """A live cache becomes warm: its blocks without a warm copy, and its tail (the table has its chain)."""
-        self.put_snapshot(key, snapshot(cache, 0), now)
+        if cuttable(cache):
+            self.put_snapshot(key, snapshot(cache, 0), now)
+            return
+        # A window: its blocks are the copies its prefill captured; the tail follows those still held.
+        s = self.table.sessions[key]
+        have = next((k for k, bk in enumerate(s.keys) if self.table.blocks[bk].warm is None), len(s.keys))
+        if have < len(s.keys):
+            self.table.attach(key, s.tokens, s.keys[:have])
+        self.put(key, self.packed(snapshot(cache, have * self.table.block)), now)
 
     def put_snapshot(self, key: str, snap: Snapshot, now: float, *, cold: bool = False) -> bool:
         """A snapshot of a session from 0 becomes warm: its memory chain's blocks, then its tail."""
         s = self.table.sessions[key]
+        if not cuttable(snap) and s.keys:
+            self.table.attach(key, s.tokens, [])  # a window's snapshot cannot be cut into blocks
         tail = self.packed(section(snap, len(s.keys) * self.table.block, snap.end))
         if cold and self.nbytes + snap.nbytes > self.budget:
             return False
@@ -104,6 +114,24 @@ class WarmTier:
         self.nbytes += tail.nbytes
         self._fit()
         return True
+
+    def add_copies(self, blocks: dict[str, Snapshot]) -> None:
+        """Warm copies of blocks a prefill captured (a window's), unreferenced until a warm tail needs them."""
+        for bk, snap in blocks.items():
+            b = self.table.blocks[bk]
+            if b.warm is None:
+                b.warm = self.packed(snap)
+                self.block_bytes += b.warm.nbytes
+                self.nbytes += b.warm.nbytes
+                self.blocks += 1
+                if b.warm_users == 0:
+                    self.spare[bk] = None
+        self._fit()
+
+    def exact_copy(self, bk: str) -> Snapshot | None:
+        """A block's warm copy if it is exact (not packed): good enough to write to disk."""
+        b = self.table.blocks.get(bk)
+        return b.warm if b is not None and b.warm is not None and not self.bits else None
 
     def packed(self, snap: Snapshot) -> Snapshot:
         return pack(snap, self.bits) if self.bits else snap

@@ -20,7 +20,7 @@ import errno
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from .index import BlockRow, SegmentIndex, SegmentRow
 from .lru import DiskStats
 from .prefix import common_prefix_len
 from .segments import write_segment
-from .snapshot import Snapshot, section, snapshot
+from .snapshot import Snapshot, cuttable, section, snapshot
 
 log = logging.getLogger("kvd.cache")
 
@@ -81,11 +81,14 @@ def promise_of(blocks: Sequence[BlockRow], segments: Sequence[SegmentRow], *, bl
     return Promise(tuple(toks), base, tuple(ends))
 
 
-def plan(held: Promise, tokens: Sequence[int], *, cuttable: bool, block: int,
+def plan(held: Promise, tokens: Sequence[int], *, whole: int, block: int,
          max_segments: int, rewrite: bool = False) -> tuple[int | None, int | None, Promise]:
     """Where a turn's new blocks start and where its private tail starts (None: none), and disk's chain after.
 
-    The same decisions as `Writeback.write_behind`, taken on what disk will
+    `whole`: how many whole blocks the chain lists (blocks.whole_blocks for a
+    cache that can be cut anywhere; those captured at block boundaries for a
+    window, none for a recurrent state). The same decisions as
+    `Writeback.write_behind`, taken on what disk will
     hold rather than on the index: blocks from the first one that differs,
     the private tail appended after the segments that still agree, or
     rewritten from the last block when the chain moved or reaches max_segments
@@ -93,7 +96,6 @@ def plan(held: Promise, tokens: Sequence[int], *, cuttable: bool, block: int,
     """
     n = len(tokens)
     same_ids = common_prefix_len(held.tokens, tokens)
-    whole = whole_blocks(n, block) if cuttable else 0
     listed = held.base // block
     same = min(listed, whole, same_ids // block)
     blocks_from = same * block if whole > same else None
@@ -113,22 +115,33 @@ def plan(held: Promise, tokens: Sequence[int], *, cuttable: bool, block: int,
 
 
 def evaluate(cache: list[Any] | Snapshot, tokens: Sequence[int], blocks_from: int | None,
-             private_from: int | None, after: Promise, block: int) -> Evaluated:
+             private_from: int | None, after: Promise, block: int,
+             captured: Mapping[int, Snapshot] | None = None) -> Evaluated:
     """The snapshots `plan` said a turn writes, evaluated (engine thread: the worker only writes bytes).
 
-    `cache` is a live cache, or a snapshot of all of `tokens` (paging out at shutdown).
+    `cache` is a live cache, or a snapshot of all of `tokens` (paging out at
+    shutdown). A cache that can be cut gives every span; one with a window
+    gives its blocks from `captured` (block end -> the snapshot the prefill
+    took there; a block missing from it must be on disk already, or the
+    worker writes nothing) and its tail as a snapshot from the tail's start.
     """
     starts = [s for s in (blocks_from, private_from) if s is not None]
     if not starts:
         return {}
     n = len(tokens)
-    lo = min(starts)
-    whole = snapshot(cache, lo) if isinstance(cache, list) else \
-        (cache if lo == cache.start else section(cache, lo, n))
     spans = [(k, k + block) for k in range(blocks_from, after.base, block)] if blocks_from is not None else []
-    if private_from is not None:
-        spans.append((private_from, n))
-    pieces = {(a, b): whole if (a, b) == (whole.start, whole.end) else section(whole, a, b) for a, b in spans}
+    if cuttable(cache):
+        lo = min(starts)
+        whole = snapshot(cache, lo) if isinstance(cache, list) else \
+            (cache if lo == cache.start else section(cache, lo, n))
+        if private_from is not None:
+            spans.append((private_from, n))
+        pieces = {(a, b): whole if (a, b) == (whole.start, whole.end) else section(whole, a, b) for a, b in spans}
+    else:
+        pieces = {(a, b): captured[b] for a, b in spans if captured and b in captured}
+        if private_from is not None:
+            pieces[private_from, n] = snapshot(cache, private_from) if isinstance(cache, list) else \
+                (cache if private_from == cache.start else section(cache, private_from, n))
     mx.eval([x for p in pieces.values() for x in p.arrays()])
     return pieces
 
@@ -178,11 +191,11 @@ class Writeback:
         return promise_of(self.index.blocks_of(key), self.index.chain(key), block=self.block,
                           fingerprint=self.fingerprint)
 
-    def persist(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *, cuttable: bool,
+    def persist(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *,
                 evict: bool, rewrite: bool = False) -> None:
         """Make disk hold `tokens` of `key` from the evaluated pieces the engine planned (I/O worker)."""
         try:
-            self.write_behind(key, pieces, tokens, keys, cuttable=cuttable, evict=evict, rewrite=rewrite)
+            self.write_behind(key, pieces, tokens, keys, evict=evict, rewrite=rewrite)
         except Stale as e:
             log.debug("not writing the cache of %s: %s; its next turn writes from what disk holds", key, e)
         except OSError as e:
@@ -195,7 +208,7 @@ class Writeback:
             else:
                 log.warning("could not write the cache of %s to disk: %s", key, e)
 
-    def write_behind(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *, cuttable: bool,
+    def write_behind(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *,
                      evict: bool = True, rewrite: bool = False) -> None:
         """Make the disk chain of `key` hold `tokens`, writing only what disk lacks.
 
@@ -204,7 +217,7 @@ class Writeback:
         private segments after them: appended to when they still agree,
         rewritten as one when the chain moved or they reach max_segments.
         `pieces` hold the evaluated state of the files the engine planned;
-        `keys` are the whole blocks' keys (the engine hashed them once).
+        `keys` are the keys of the whole blocks the chain lists (the engine hashed them once).
         """
         n = len(tokens)
         now = self._clock()
@@ -214,9 +227,9 @@ class Writeback:
                 raise Stale(f"disk lacks [{lo}, {hi}), which the engine did not plan to write")
             return pieces[lo, hi]
 
-        whole = whole_blocks(n, self.block) if cuttable else 0
-        if len(keys) != whole:
-            raise ValueError(f"{len(keys)} block keys for {whole} whole blocks")
+        whole = len(keys)
+        if whole > whole_blocks(n, self.block):
+            raise ValueError(f"{whole} block keys for {n} ids: a block never holds a session's last id")
         listed = [b.block for b in self.index.blocks_of(key)]
         same = common_prefix_len(listed, keys)
         chain = keys[:same]

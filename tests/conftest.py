@@ -149,8 +149,8 @@ class Client:
                 deltas.append(event)
             elif event["type"] in ("chat.done", "error"):
                 return deltas, event
-            else:
-                assert event["type"] == "chat.start", event
+            else:  # a prefill of several chunks reports its progress (a window's stops at every block)
+                assert event["type"] in ("chat.start", "chat.progress"), event
 
 
 @asynccontextmanager

@@ -80,10 +80,10 @@ def test_the_disk_mirror_counts_each_block_once_and_follows_the_worker() -> None
             for r in rows], {"aaaa": chain, "bbbb": chain[:2]},
            {"aaaa": [seg("aaaa", 12, a)], "bbbb": [seg("bbbb", 8, a[:9])]})
     assert t.sharing() == {"blocks": 3, "block_bytes": 300, "shared_bytes": 200, "saved_bytes": 200}
-    assert (t.disk_sessions, t.disk_segments, t.disk_bytes) == (2, 2, 320)
+    assert (len(t.on_disk), t.disk_segments, t.disk_bytes) == (2, 2, 320)
     # The worker reports: bbbb forgotten on disk (its chain and segment gone), nothing else.
     t.apply(DiskNews({"bbbb": ([], [])}, {}))
-    assert t.sharing()["shared_bytes"] == 0 and (t.disk_sessions, t.disk_bytes) == (1, 310)
+    assert t.sharing()["shared_bytes"] == 0 and (len(t.on_disk), t.disk_bytes) == (1, 310)
     assert "bbbb" not in t.sessions
     # A bad block dropped: every chain listing it cut there, the block gone.
     t.apply(DiskNews({"aaaa": (chain[:1], [])}, {chain[1]: None, chain[2]: None}))

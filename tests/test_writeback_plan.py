@@ -72,7 +72,8 @@ def test_plan_and_write_behind_agree(tmp_path: Path, fake_files: None, seed: int
     rng = random.Random(seed)
     block = rng.choice([1, 2, 3, 4, 8])
     max_segments = rng.choice([1, 2, 3, 16])
-    cut = rng.random() < 0.8  # a cache that can be cut into blocks (plain KV), or not (a window)
+    cut = rng.random() < 0.6  # a cache that can be cut into blocks (plain KV), or not (a window)
+    bks_captured = rng.random() < 0.5  # a window: blocks captured at boundaries during prefill
     index = SegmentIndex(tmp_path)
     root = root_key("fp")
     writer = Writeback(lambda: index, fingerprint="fp", root=root, block=block, disk_bytes=1 << 40,
@@ -85,7 +86,7 @@ def test_plan_and_write_behind_agree(tmp_path: Path, fake_files: None, seed: int
     def drain() -> None:
         for key, pieces, toks, bks, rewrite in queue:
             try:
-                writer.write_behind(key, pieces, toks, bks, cuttable=cut, rewrite=rewrite)
+                writer.write_behind(key, pieces, toks, bks, rewrite=rewrite)
             except Stale as e:
                 raise AssertionError(f"seed {seed}: the worker needed a span the plan did not give: {e}") from None
             tail = [span for span in pieces if span[0] >= len(bks) * block]
@@ -102,7 +103,10 @@ def test_plan_and_write_behind_agree(tmp_path: Path, fake_files: None, seed: int
         tokens[key] = toks
         held = promised.get(key) or writer.promise(key)
         rewrite = not cut and rng.random() < 0.5  # a window's snapshot: written whole or not at all
-        blocks_from, private_from, after = plan(held, toks, cuttable=cut, block=block,
+        bks = block_keys(toks[:whole_blocks(len(toks), block) * block], block, root) if cut else []
+        if not cut and bks_captured:  # a window captured at some block boundaries: a prefix of them
+            bks = block_keys(toks[:rng.randrange(whole_blocks(len(toks), block) + 1) * block], block, root)
+        blocks_from, private_from, after = plan(held, toks, whole=len(bks), block=block,
                                                 max_segments=max_segments, rewrite=rewrite)
         pieces = Recording()
         pieces.used = set()
@@ -111,7 +115,6 @@ def test_plan_and_write_behind_agree(tmp_path: Path, fake_files: None, seed: int
                 pieces[k, k + block] = Snapshot(k, k + block, ())
         if private_from is not None:
             pieces[private_from, len(toks)] = Snapshot(private_from, len(toks), ())
-        bks = block_keys(toks[:whole_blocks(len(toks), block) * block], block, root) if cut else []
         assert after.base == len(bks) * block
         promised[key] = after
         queue.append((key, pieces, toks, bks, rewrite))
