@@ -403,6 +403,7 @@ class SessionCaches:
         self.table.detach(key)
         self._captured.pop(key, None)
         self._disktier.forget(key)
+        self.table.forget(key)  # now if disk holds nothing of it; else when the worker reports the drop
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
