@@ -44,3 +44,14 @@ def block_keys(tokens: Sequence[int], size: int, root: str) -> list[str]:
         parent = block_key(parent, tokens[start:start + size])
         keys.append(parent)
     return keys
+
+
+def whole_blocks(n: int, size: int) -> int:
+    """How many whole blocks a session of n ids keeps before its private tail.
+
+    The one block/tail boundary: the tail always keeps at least one id, so a
+    session's last id (whose logits the next turn needs) is never only in a
+    block another session may drop or rewrite.
+    """
+    return (n - 1) // size if n > 0 else 0
+

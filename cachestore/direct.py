@@ -41,7 +41,7 @@ from .errors import ChecksumMismatch, CorruptSegment, SegmentMissing, SegmentTru
 from .segformat import Hasher
 from .segread import check_header, hasher_for, read_raw_header
 
-__all__ = ["Piece", "Direct", "capacity", "read_direct"]
+__all__ = ["FileSpan", "Direct", "capacity", "read_direct"]
 
 STEP = KVCache.step  # mlx-lm grows a KVCache by this many tokens at a time
 _ITEMSIZE = {"F32": 4, "F16": 2}
@@ -49,7 +49,7 @@ _DTYPE = {"F32": mx.float32, "F16": mx.float16}
 
 
 @dataclass(frozen=True)
-class Piece:
+class FileSpan:
     """One segment of a chain: ``[start, end)`` on disk, of which ``[start, use)`` is wanted."""
 
     path: Path
@@ -70,7 +70,7 @@ class Direct:
     cache: list[Any] | None
     tokens: int
     bytes_read: int
-    bad: tuple[Piece, CorruptSegment] | None = None
+    bad: tuple[FileSpan, CorruptSegment] | None = None
 
 
 def capacity(tokens: int, room: int) -> int:
@@ -82,7 +82,7 @@ class _Unsupported(Exception):
     """The chain is readable, but not by this path; the general path reads it."""
 
 
-def read_direct(pieces: Sequence[Piece], *, fingerprint: str, room: int = 0) -> Direct | None:
+def read_direct(pieces: Sequence[FileSpan], *, fingerprint: str, room: int = 0) -> Direct | None:
     """Read a contiguous chain of segments from token 0 into fresh live caches.
 
     ``room``: tokens that will be appended right after (the rest of the
@@ -98,7 +98,7 @@ def read_direct(pieces: Sequence[Piece], *, fingerprint: str, room: int = 0) -> 
     views: list[tuple[memoryview, memoryview]] = []
     shape: tuple[int, int, str] | None = None
     done, nbytes = 0, 0
-    bad: tuple[Piece, CorruptSegment] | None = None
+    bad: tuple[FileSpan, CorruptSegment] | None = None
     try:
         for piece in pieces:
             try:
@@ -151,7 +151,7 @@ def read_direct(pieces: Sequence[Piece], *, fingerprint: str, room: int = 0) -> 
     return Direct(caches, done, nbytes, bad)
 
 
-def _plain_kv(header: dict[str, Any], piece: Piece, fingerprint: str
+def _plain_kv(header: dict[str, Any], piece: FileSpan, fingerprint: str
               ) -> tuple[list[str], dict[str, tuple[tuple[int, ...], str]], list[tuple[int, int, str]]]:
     """The header checked as the general path checks it; only all-KV float layouts pass."""
     offsets = []
@@ -200,7 +200,7 @@ def _allocate(specs: dict[str, tuple[tuple[int, ...], str]], layers: int, capaci
     return shape, buffers, views
 
 
-def _read_data(f: io.FileIO, piece: Piece, offsets: list[tuple[int, int, str]],
+def _read_data(f: io.FileIO, piece: FileSpan, offsets: list[tuple[int, int, str]],
                views: list[tuple[memoryview, memoryview]], shape: tuple[int, int, str], capacity: int,
                hasher: Hasher) -> int:
     """Every tensor's bytes, in file order, into its layer's buffer, hashed where they land; the file's size."""

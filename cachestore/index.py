@@ -69,6 +69,18 @@ class BlockRow:
     tokens: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class DiskNews:
+    """What index writes changed (one I/O job's): sessions' chains and tails, blocks added or gone.
+
+    The I/O worker sends it to the engine thread, whose block table (table.py)
+    mirrors the index without reading it.
+    """
+
+    sessions: dict[str, tuple[list[str], list[SegmentRow]]]  # key -> (its chain's blocks, its segments)
+    blocks: dict[str, BlockRow | None]  # None: gone
+
+
 def check_key(key: str) -> str:
     """Keys become directory names: only short lowercase hex ever touches a path."""
     if not isinstance(key, str) or not KEY_RE.fullmatch(key):
@@ -87,6 +99,8 @@ class SegmentIndex:
         # How the index was found, when it could not be used as it was: None (fine),
         # "missing", "empty", or "damaged (<why>), set aside as <name>".
         self.lost: str | None = None
+        self._changed: set[str] = set()  # sessions whose rows a write changed, since `news`
+        self._changed_blocks: set[str] = set()
         try:
             self.db = self._open()
         except sqlite3.DatabaseError as e:
@@ -174,6 +188,11 @@ class SegmentIndex:
             "(SELECT COALESCE(SUM(b.nbytes), 0) FROM chains c JOIN blocks b ON b.block = c.block "
             "WHERE c.key = k.key) FROM keys k ORDER BY k.last_used, k.key")]
 
+    def foreign(self, fingerprint: str) -> list[str]:
+        """Sessions with private segments another model or layout wrote."""
+        return [r[0] for r in self.db.execute("SELECT DISTINCT key FROM segments WHERE fingerprint != ?",
+                                              [fingerprint])]
+
     def keys(self) -> set[str]:
         """Every key with at least one segment or block."""
         return {r[0] for r in self.db.execute("SELECT key FROM segments UNION SELECT key FROM chains")}
@@ -198,6 +217,29 @@ class SegmentIndex:
         return {"blocks": int(row[0]), "block_bytes": int(row[1]), "shared_bytes": int(row[2]),
                 "saved_bytes": int(row[3])}
 
+    def load_all(self) -> tuple[list[tuple[str, str, int, int, str, int, str, str, bytes]], dict[str, list[str]],
+                                dict[str, list[SegmentRow]]]:
+        """Every block (block, parent, start, end, file name, nbytes, checksum, fingerprint, packed ids),
+        chain and segment: what the block table loads at start (raw, for speed: 100,000 blocks)."""
+        blocks = self.db.execute(f"SELECT {self._BLOCK_COLUMNS} FROM blocks b").fetchall()
+        chains: dict[str, list[str]] = {}
+        for key, block in self.db.execute("SELECT key, block FROM chains ORDER BY key, n"):
+            chains.setdefault(key, []).append(block)
+        segments: dict[str, list[SegmentRow]] = {}
+        for r in self.db.execute('SELECT key, start, "end", file, nbytes, checksum, fingerprint, tokens '
+                                 "FROM segments ORDER BY key, start"):
+            segments.setdefault(r[0], []).append(
+                SegmentRow(r[0], r[1], r[2], self.files / r[3], r[4], r[5], r[6], tuple(unpack_tokens(r[7]))))
+        return blocks, chains, segments
+
+    def news(self) -> DiskNews:
+        """The rows of what changed since the last call, as they are now."""
+        keys, blocks = self._changed, self._changed_blocks
+        self._changed, self._changed_blocks = set(), set()
+        found = self.find_blocks(sorted(blocks)) if blocks else {}
+        return DiskNews({key: ([b.block for b in self.blocks_of(key)], self.chain(key)) for key in keys},
+                        {b: found.get(b) for b in blocks})
+
     # --- writes ---
 
     def add(self, key: str, start: int, end: int, path: Path, nbytes: int, checksum: str,
@@ -212,6 +254,7 @@ class SegmentIndex:
                 "tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [check_key(key), start, end, rel, nbytes, checksum, fingerprint, pack_tokens(tokens), now])
             self._used(key, now)
+        self._changed.add(key)
 
     def add_block(self, block: str, parent: str, start: int, end: int, path: Path, nbytes: int,
                   checksum: str, fingerprint: str, tokens: Sequence[int], now: float) -> None:
@@ -225,6 +268,7 @@ class SegmentIndex:
                 "fingerprint, tokens, last_used) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [_check_block(block), _check_parent(parent), start, end, rel, nbytes, checksum,
                  fingerprint, pack_tokens(tokens), now])
+        self._changed_blocks.add(block)
 
     def set_chain(self, key: str, blocks: Sequence[str], now: float) -> int:
         """Make `blocks` the session's chain; collect blocks nobody lists any more. Returns bytes freed."""
@@ -235,6 +279,7 @@ class SegmentIndex:
             self.db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?",
                                      [(now, b) for b in blocks])
             self._used(key, now)
+        self._changed.add(key)
         return self.collect()
 
     def touch(self, key: str, now: float) -> None:
@@ -252,6 +297,7 @@ class SegmentIndex:
         and every block no other chain lists.
         """
         rows = [r for r in self.chain(key) if r.start >= start]
+        self._changed.add(key)
         with self._transaction():
             self.db.execute("DELETE FROM segments WHERE key = ? AND start >= ?", [key, start])
             if start == 0:
@@ -271,6 +317,7 @@ class SegmentIndex:
     def drop_segments(self, key: str, start: int) -> int:
         """Unlist and delete the session's private segments from `start` on; its chain stays."""
         rows = [r for r in self.chain(key) if r.start >= start]
+        self._changed.add(key)
         if rows:
             self.db.execute("DELETE FROM segments WHERE key = ? AND start >= ?", [key, start])
         for r in rows:
@@ -283,6 +330,7 @@ class SegmentIndex:
         Returns the sessions whose chains were cut; they prefill from there.
         """
         cut = self.db.execute("SELECT key, n FROM chains WHERE block = ?", [block]).fetchall()
+        self._changed.update(key for key, _ in cut)
         files = [r.path for key, _ in cut for r in self.chain(key)]
         with self._transaction():
             for key, n in cut:
@@ -302,6 +350,7 @@ class SegmentIndex:
             return 0
         with self._transaction():
             self.db.executemany("DELETE FROM blocks WHERE block = ?", [(r[0],) for r in rows])
+        self._changed_blocks.update(str(r[0]) for r in rows)
         for _, rel, _ in rows:
             (self.blocks / rel).unlink(missing_ok=True)
         return sum(int(r[2]) for r in rows)

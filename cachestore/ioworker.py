@@ -7,9 +7,10 @@ first in first out: a session's writes, drops and deletions reach disk in the
 order the engine decided them, which is what keeps a deleted or rewound
 session from getting a stale file indexed after the fact.
 
-The engine side counts each session's queued jobs (`pending`); the worker
-only reports finished jobs through a queue, which the engine takes in with
-`settle()` on its own thread, so that count is never shared between threads.
+The engine side counts each session's queued jobs; the worker only reports
+finished jobs, with what each returned (the index rows it changed: the
+engine's block table mirrors them), through a queue, which the engine takes
+in with `settle()` on its own thread. Nothing mutable is shared.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class IOWorker:
         self._changed = threading.Condition()
         self._submitted = 0
         self._done = 0
-        self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[tuple[str | None, object]] = queue.SimpleQueue()
         self._pending: dict[str, int] = {}  # engine side: queued jobs by session
         # A daemon thread: a process that dies without close() must not hang on it
         # (close() is what drains it on a clean stop).
@@ -46,24 +47,30 @@ class IOWorker:
     def submit(self, job: Callable[[], object], *, key: str | None = None) -> None:
         """Run `job` on the worker after every job submitted before it.
 
-        `key`: the session it writes for, counted in `pending` until it has run
-        (call from the engine thread only when giving a key).
+        `key`: the session it writes for, counted as queued until it has run
+        (call from the engine thread only when giving a key). What `job`
+        returns comes back through `settle`.
         """
         if key is not None:
             self._pending[key] = self._pending.get(key, 0) + 1
-            job = self._reporting(job, key)
         with self._changed:
             self._submitted += 1
-        self._jobs.put(job)
+        self._jobs.put(self._reporting(job, key))
 
-    def _reporting(self, job: Callable[[], object], key: str) -> Callable[[], object]:
+    def _reporting(self, job: Callable[[], object], key: str | None) -> Callable[[], object]:
         def run() -> None:
+            result: object = None
             try:
-                job()
+                result = job()
             finally:
-                self._finished.put(key)
+                self._finished.put((key, result))
 
         return run
+
+    def report(self, result: object) -> None:
+        """From a running job (worker thread): hand `result` to the engine's next `settle` now,
+        before the job ends."""
+        self._finished.put((None, result))
 
     def flush(self) -> None:
         """Wait until every job submitted so far has run (shutdown, tests, tools; never a turn)."""
@@ -101,14 +108,20 @@ class IOWorker:
 
     # --- the engine thread ---
 
-    def settle(self) -> set[str]:
-        """Take in what the worker finished; the sessions with nothing queued any more."""
+    def settle(self) -> tuple[set[str], list[object]]:
+        """Take in what the worker finished: the sessions with nothing queued any more, and what
+        each finished job returned (None for those that returned nothing), in order."""
         done: set[str] = set()
+        results: list[object] = []
         while True:
             try:
-                key = self._finished.get(block=False)
+                key, result = self._finished.get(block=False)
             except queue.Empty:
-                return done
+                return done, results
+            if result is not None:
+                results.append(result)
+            if key is None:
+                continue
             left = self._pending.get(key, 1) - 1
             if left > 0:
                 self._pending[key] = left

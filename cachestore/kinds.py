@@ -63,7 +63,7 @@ __all__ = [
     "kind_of",
     "merge_layers",
     "restore_layer",
-    "splittable",
+    "layer_cuttable",
 ]
 
 
@@ -73,7 +73,7 @@ __all__ = [
 class _Positions(Kind):
     """A kind whose snapshot holds the keys and values of exactly ``[start, end)``."""
 
-    splittable = True
+    cuttable = True
 
     def _range(self, c: Any, keys: Sequence[mx.array] | None, values: Sequence[mx.array] | None,
                start: int, end: int) -> tuple[mx.array, ...]:
@@ -307,7 +307,7 @@ class _List(Kind):
     name = "list"
     cache_class = CacheList
     meta_keys = frozenset({"offset"})
-    splittable = True
+    cuttable = True
     has_children = True
 
     def offsets(self, c: Any) -> Iterator[int]:
@@ -366,9 +366,9 @@ def kind_named(name: str) -> Kind:
     return kind
 
 
-def splittable(layer: LayerSnapshot) -> bool:
+def layer_cuttable(layer: LayerSnapshot) -> bool:
     """Whether every node of ``layer`` can be cut (an unknown kind cannot)."""
-    return all(n.kind in KINDS and KINDS[n.kind].splittable for n in layer.walk())
+    return all(n.kind in KINDS and KINDS[n.kind].cuttable for n in layer.walk())
 
 
 def restore_layer(layer: LayerSnapshot, end: int) -> Any:

@@ -80,7 +80,7 @@ class Kind:
     #: Exactly the meta ints its layers carry (a file with others is refused).
     meta_keys: ClassVar[frozenset[str]]
     #: Its snapshots hold every position of their range: merge concatenates, cut works anywhere.
-    splittable: ClassVar[bool] = False
+    cuttable: ClassVar[bool] = False
     #: Its layers hold child layers (a CacheList) instead of arrays.
     has_children: ClassVar[bool] = False
 

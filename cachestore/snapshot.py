@@ -21,9 +21,9 @@ from .kinds import (
     KINDS,
     cut_layer,
     kind_of,
+    layer_cuttable,
     merge_layers,
     restore_layer,
-    splittable,
 )
 from .layers import LayerSnapshot
 
@@ -33,12 +33,13 @@ __all__ = [
     "Snapshot",
     "layout",
     "merge",
+    "cuttable",
     "restore",
     "rewind",
+    "rewindable",
     "section",
     "snapshot",
     "split",
-    "trimmable",
     "truncate",
 ]
 
@@ -80,7 +81,7 @@ def snapshot(cache: Sequence[Any], start: int = 0, *, offset: int | None = None,
     """
     end = _common_offset(cache, offset)
     if upto is not None and upto != end:
-        if not 0 <= upto <= end or not all(kind_of(c).splittable for c in cache):
+        if not 0 <= upto <= end or not cuttable(cache):
             raise CannotSplit(f"cannot snapshot the first {upto} of the {end} tokens this cache holds")
         end = upto
     if not 0 <= start <= end:
@@ -160,7 +161,7 @@ def split(s: Snapshot, at: int) -> tuple[Snapshot, Snapshot]:
 
 
 def section(s: Snapshot, lo: int, hi: int) -> Snapshot:
-    """The tokens ``[lo, hi)`` of a splittable snapshot, one copy of that range only.
+    """The tokens ``[lo, hi)`` of a cuttable snapshot, one copy of that range only.
 
     ``(s.start, s.end)`` itself is always allowed (nothing to cut).
     """
@@ -179,7 +180,7 @@ def truncate(s: Snapshot, end: int) -> Snapshot:
     """The first ``end - s.start`` tokens of ``s``: a resume point inside a segment.
 
     ``end == s.end`` is always allowed (nothing to cut), even for rotating or
-    recurrent snapshots; anything else needs a splittable snapshot. Only the
+    recurrent snapshots; anything else needs a cuttable snapshot. Only the
     part kept is copied.
     """
     if end == s.end:
@@ -191,19 +192,19 @@ def truncate(s: Snapshot, end: int) -> Snapshot:
 
 
 def _check_cut(s: Snapshot, at: int) -> None:
-    if not trimmable(s):
-        kinds = sorted({n.kind for layer in s.layers for n in layer.walk() if not splittable(n)})
+    if not cuttable(s):
+        kinds = sorted({n.kind for layer in s.layers for n in layer.walk() if not layer_cuttable(n)})
         raise CannotSplit(f"a snapshot with {', '.join(kinds)} layers keeps no earlier state to cut at")
     if not s.start <= at <= s.end:
         raise CannotSplit(f"cannot split [{s.start}, {s.end}) at {at}")
 
 
 def _part(s: Snapshot, lo: int, hi: int) -> Snapshot:
-    """``[lo, hi)`` of a splittable ``s``, unevaluated."""
+    """``[lo, hi)`` of a cuttable ``s``, unevaluated."""
     return Snapshot(lo, hi, tuple(cut_layer(layer, s.start, lo, hi) for layer in s.layers))
 
 
-# -- rewind / trimmable / layout ---------------------------------------------
+# -- rewind / cuttable / layout ---------------------------------------------
 
 
 def rewind(cache: Sequence[Any], n: int) -> bool:
@@ -228,13 +229,25 @@ def rewind(cache: Sequence[Any], n: int) -> bool:
     return True
 
 
-def trimmable(snap_or_cache: Snapshot | LayerSnapshot | Sequence[Any]) -> bool:
-    """Whether split/truncate (snapshot) or rewind (live cache) work at any point."""
-    if isinstance(snap_or_cache, Snapshot):
-        return all(splittable(layer) for layer in snap_or_cache.layers)
-    if isinstance(snap_or_cache, LayerSnapshot):
-        return splittable(snap_or_cache)
-    return all(c.is_trimmable() for c in snap_or_cache)
+def cuttable(x: Snapshot | LayerSnapshot | Sequence[Any]) -> bool:
+    """Whether a snapshot, or a live cache's state, holds every position of its range,
+    so it can be cut at any earlier point (plain and quantized KV; lists of them)."""
+    if isinstance(x, Snapshot):
+        return all(layer_cuttable(layer) for layer in x.layers)
+    if isinstance(x, LayerSnapshot):
+        return layer_cuttable(x)
+    return all(_live_cuttable(c) for c in x)
+
+
+def _live_cuttable(c: Any) -> bool:
+    kind = kind_of(c)
+    return all(_live_cuttable(x) for x in c.caches) if kind.has_children else kind.cuttable
+
+
+def rewindable(cache: Sequence[Any]) -> bool:
+    """Whether a live cache can drop its last tokens in place now (mlx-lm's ``is_trimmable``:
+    a rotating layer only until it wraps); see `rewind`."""
+    return all(c.is_trimmable() for c in cache)
 
 
 def layout(cache: Sequence[Any]) -> list[str]:

@@ -22,28 +22,19 @@ asked for it. The policy:
   that anything kvd holds: the session's own cache (resident, warm, disk),
   another session's resident or warm cache (a copy of the shared prefix),
   or blocks on disk that any session wrote; the caller prefills the rest.
+  Finding it is one walk down the wanted ids' block keys in the block table
+  (table.py), which knows every block's tiers: no scan of other sessions.
 
-Content-addressed blocks (issue 14). A session's disk chain is its whole
-blocks ``[k*B, (k+1)*B)`` (B = `Budgets.block_tokens`) followed by private
-segments ``[m*B, n)``, at least one token long. A block is keyed by the hash
-chain of every id up to its end (blocks.py) and stored once under
-``blocks/``; any session whose ids pass through it lists it in its chain, so
-a long system prompt many sessions share is written, stored and counted
-against the disk budget once, and a new session resumes from it, also
-after a restart. A block's reference count is the number of chains listing
-it; when the last one goes (delete, eviction, a rewind), the file goes.
-
-Only a cache that can be cut anywhere (plain and quantized KV layers)
-yields blocks: the live cache at n holds every position, so each block is a
-slice of it. A sliding-window layer at n holds only the window ending at n,
-not the window at an earlier block boundary, and a window restored at the
-wrong position would be silently wrong; so caches with rotating or
-recurrent layers keep a private chain from 0 (as before issue 14) and share
-only through other sessions' resident or warm caches, at exactly their end.
-
-A disk file that fails its checksum, fingerprint or invariants is dropped
-with everything after it (a bad block: in every chain that lists it); the
-sessions then prefill from there: slower, never wrong.
+Content-addressed blocks (issue 14): a session's disk chain is its whole
+blocks (blocks.py; stored once under ``blocks/``, listed by every session
+whose ids pass through them, so a shared system prompt is written, stored
+and counted once) and then private segments ``[m*B, n)``. The index
+(SQLite) is the durable record; the engine thread reads it once, at start,
+into the block table, which the worker's reports keep current. Only caches
+that can be cut anywhere (plain and quantized KV) yield blocks; a window or a
+recurrent state keeps a private chain from 0 and shares only a whole cache
+in memory. A disk file that fails verification is dropped with everything
+after it (a bad block: in every chain); the sessions prefill from there.
 """
 
 from __future__ import annotations
@@ -52,26 +43,30 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
+
 from . import pagein
-from .blocks import root_key
+from .blocks import root_key, whole_blocks
+from .disktier import DiskTier
 from .index import SegmentIndex
-from .ioworker import IOWorker
 from .lru import DiskStats, Tier
 from .packing import unpack
-from .pagein import PREFETCH_ROOM, PageIn
+from .pagein import PREFETCH_ROOM, DiskPlan, PageIn
 from .prefix import MIN_SHARED, common_prefix_len
 from .rebuild import rebuild_index
-from .snapshot import Snapshot, merge, rewind, section, snapshot, trimmable
-from .warm import BLOCK_ENTRY, Cache, WarmBlocks, cache_nbytes, copy, cuttable, usable
-from .writeback import NOTHING, NOTHING_TO_EVICT, Pieces, Promise, Writeback, plan
+from .sharing import Found, find_shared
+from .snapshot import Snapshot, cuttable, merge, rewind, snapshot
+from .table import BlockTable
+from .warm import Cache, WarmTier, cache_nbytes
+from .writeback import NOTHING_TO_EVICT, Writeback
 
-__all__ = ["BLOCK_ENTRY", "MIN_SHARED", "NOTHING_TO_EVICT", "PREFETCH_ROOM", "Budgets", "Checkout", "SessionCaches",
+__all__ = ["MIN_SHARED", "NOTHING_TO_EVICT", "PREFETCH_ROOM", "Budgets", "Checkout", "SessionCaches",
            "cache_nbytes"]
 
 log = logging.getLogger("kvd.cache")
@@ -118,24 +113,28 @@ class SessionCaches:
         if self.index.lost is not None:
             rebuild_index(self.index, self.root, self.index.lost)
         if removed := self.index.sweep():
-            log.info("removed %d cache file(s) or listing(s) left behind by a crash", removed)
-        self.resident: Tier[tuple[Cache, list[int]]] = Tier("resident", budgets.resident_bytes,
-                                                                  budgets.resident_sessions)
-        self.warm: Tier[tuple[Snapshot, list[int]]] = Tier("warm", budgets.warm_bytes)
-        self.disk_stats = DiskStats()
+            log.info("removed %d cache file(s) left incomplete by a crash", removed)
+        self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
+                                 block=self.block, disk_bytes=budgets.disk_bytes,
+                                 max_segments=budgets.max_segments, clock=clock)
+        for key in self.index.foreign(fingerprint):
+            self._writer.valid_chain(key)  # another model's or layout's files: never loaded, never kept
+        self._writer.enforce_disk_budget(keep=None)
+        self.table = BlockTable(self.root, self.block, self.index.blocks)
+        self.table.load(*self.index.load_all())
+        self.index.news()  # what start-up changed is loaded already
+        self._disktier = DiskTier(lambda: self.index, self.table, self._writer,
+                                  max_segments=budgets.max_segments, on_idle=self._on_idle)
+        self._io = self._disktier.io
+        self.resident: Tier[Cache] = Tier("resident", budgets.resident_bytes, budgets.resident_sessions)
+        self.warm = WarmTier(self.table, budgets.warm_bytes, bits=budgets.warm_bits,
+                             busy=lambda: not self._io.idle())
+        self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
+                            dropped=self._disktier.dropped, clock=clock)
+        self._captured: dict[str, dict[str, Snapshot]] = {}  # a window's blocks a prefill took: session -> key -> it
         self.shared_stats = {"restores": 0, "tokens": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
         self._prefetched_keys: set[str] = set()  # paged in after a start and not checked out since
-        self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
-                                 block=self.block, disk_bytes=budgets.disk_bytes,
-                                 max_segments=budgets.max_segments, stats=self.disk_stats, clock=clock)
-        self._writer.enforce_disk_budget(keep=None)
-        self._io = IOWorker()
-        self._promised: dict[str, Promise] = {}  # disk chains as they will be once queued jobs are done
-        self._warm = WarmBlocks(self.warm, self._io, block=self.block, root=self.root, bits=budgets.warm_bits)
-        self._disk = PageIn(lambda: self.index, fingerprint=fingerprint, root=self.root, block=self.block,
-                            writer=self._writer, promised=self._promised, later=self._later,
-                            stats=self.disk_stats, clock=clock)
 
     @property
     def index(self) -> SegmentIndex:
@@ -144,6 +143,12 @@ class SessionCaches:
         if index is None:
             index = self._indexes.index = SegmentIndex(self._dir)
         return index
+
+    @property
+    def disk_stats(self) -> DiskStats:
+        """The disk tier's figures: the engine thread's (reads) and the worker's (writes), merged."""
+        mine, theirs = self._disk.stats, self._writer.stats
+        return DiskStats(**{f.name: getattr(mine, f.name) + getattr(theirs, f.name) for f in fields(DiskStats)})
 
     def close(self) -> None:
         """Finish every queued disk job, then close the index."""
@@ -169,18 +174,11 @@ class SessionCaches:
         self._io.submit(fn)
 
     def _settle(self) -> None:
-        """Take in the worker's finished jobs (engine thread): what they wrote is in the index now."""
-        for key in self._io.settle():
-            self._promised.pop(key, None)
-        if self._warm.held and self._io.idle():
-            self._warm.held.clear()  # disk holds them now (or never will: they were not writable)
+        """Take in the worker's reports (disktier.py)."""
+        self._disktier.settle()
 
-    def _later(self, job: Callable[[], object], key: str | None = None) -> None:
-        """An index write asked for on the engine thread: run on the worker, after the jobs before it."""
-        if self._io.on_worker():
-            job()
-        else:
-            self._io.submit(job, key=key)
+    def _on_idle(self) -> None:
+        self.warm.release_held()  # disk holds them now (or never will: they were not writable)
 
     # --- resume ---
 
@@ -190,74 +188,76 @@ class SessionCaches:
         At least one wanted token is always left to feed. Candidates, best
         first on a tie: the session's own resident cache (rewound in place),
         its own warm snapshot, another session's resident cache or warm
-        snapshot (a copy of the shared prefix; that session keeps its own),
+        snapshots (a copy of the shared prefix; that session keeps its own),
         then disk (the session's chain, and blocks any session wrote).
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
+
         def ms() -> float:
             return (time.perf_counter() - t0) * 1000
 
         self._settle()
         prefetched = key in self._prefetched_keys
         self._prefetched_keys.discard(key)
-
+        self._captured.pop(key, None)  # a prefill that did not end in a checkin
         own: Checkout | None = None
-        if (res := self.resident.take(key)) is not None:
-            cache, toks = res
+        if (cache := self.resident.take(key)) is not None:
+            toks = self.table.session(key).tokens
             n = min(common_prefix_len(toks, wanted), limit)
             if n > 0 and rewind(cache, len(toks) - n):
-                self.warm.discard(key)
-                own = Checkout(cache, n, "resident", 0.0, prefetched=prefetched)
+                own = Checkout(cache, n, RESIDENT, 0.0, prefetched=prefetched)
             else:
                 log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
-        own_warm = self._warm.peek(key) if own is None else None
-        own_warm_n = self._warm.usable(own_warm, wanted, limit) if own_warm is not None else 0
-
+            self.warm.discard(key)
+            self.table.detach(key)  # the live cache is the engine's now
+        own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
         best_n = max(own.tokens if own else 0, own_warm_n)
-        other: tuple[str, str, int] | None = None  # (tier, session, tokens)
-        for other_key in self.resident:
-            res = self.resident.peek(other_key)
-            if other_key != key and res is not None:
-                n = usable(res, wanted, limit)
-                if n > best_n and n >= MIN_SHARED:
-                    best_n, other = n, ("resident", other_key, n)
-        for other_key in self.warm:
-            w = self.warm.peek(other_key)
-            if other_key != key and not other_key.startswith(BLOCK_ENTRY) and w is not None:
-                n = self._warm.usable(w, wanted, limit)
-                if n > best_n and n >= MIN_SHARED:
-                    best_n, other = n, ("warm", other_key, n)
-        plan = self._disk.plan(key, wanted, limit)
-        if plan.end > best_n:
-            live = self._disk.restore(key, plan, room=len(wanted) - plan.end)
+        other, disk = self._others(key, wanted, limit, best_n)
+        if disk.end > max(best_n, other[0] if other else 0):
+            live = self._disk.restore(key, disk, room=len(wanted) - disk.end)
             if live is not None:
                 cache, end, own_tokens = live
                 now = self._clock()
-                self._later(lambda: self.index.touch(key, now))
+                self._disktier.later(lambda index: index.touch(key, now), key)
                 shared = max(end - own_tokens, 0)
-                return self._counted(Checkout(cache, end, "shared" if shared else "disk", ms(), shared))
+                return self._counted(Checkout(cache, end, SHARED if shared else DISK, ms(), shared))
         if other is not None:
-            tier_name, other_key, n = other
-            if tier_name == "resident":
-                value = self.resident.peek(other_key)
-                assert value is not None
-                copied = copy(value, n)
-            else:
-                copied = self._warm.copy(other_key, n)
-            if copied is not None:
-                return self._counted(Checkout(copied, n, "shared", ms(), n))
+            n, copy = other
+            if (copied := copy()) is not None:
+                return self._counted(Checkout(copied, n, SHARED, ms(), n))
         if own is not None:
             own.restore_ms = ms()
             return own
-        if own_warm is not None and own_warm_n > 0:
-            copied = self._warm.copy(key, own_warm_n)
+        if own_warm_n > 0:
+            copied = self.warm.copy(key, own_warm_n)
             self.warm.take(key)
-            self._warm.held.pop(key, None)
+            self.table.detach(key)
             if copied is not None:
-                return Checkout(copied, own_warm_n, "warm", ms(), prefetched=prefetched)
-        self.disk_stats.misses += 1
-        return Checkout(None, 0, "none", ms())
+                return Checkout(copied, own_warm_n, WARM, ms(), prefetched=prefetched)
+        self._disk.stats.misses += 1
+        return Checkout(None, 0, NO_CACHE, ms())
+
+    def _others(self, key: str, wanted: Sequence[int], limit: int, best: int) -> tuple[Found | None, DiskPlan]:
+        """One walk down the wanted ids' blocks: the best copy of another session's memory (more
+        than `best` ids), and the disk plan."""
+        walk = self.table.walk(self.table.keys_for(key, wanted))
+        other = find_shared(self.table, self.resident, self.warm, key, wanted, limit, walk, best)
+        return other, self._disk.plan(key, wanted, limit, walk)
+
+    def find(self, key: str, wanted: Sequence[int]) -> tuple[str, int]:
+        """Where checkout would restore the longest prefix of `wanted` from, and how many ids; moves nothing."""
+        self._settle()
+        limit = len(wanted) - 1
+        cache, s = self.resident.peek(key), self.table.sessions.get(key)
+        own = min(common_prefix_len(s.tokens, wanted), limit) if cache is not None and s is not None else 0
+        own_warm = self.warm.usable(key, wanted, limit) if not own else 0
+        other, disk = self._others(key, wanted, limit, max(own, own_warm))
+        if disk.end > max(own, own_warm, other[0] if other else 0):
+            return (SHARED if disk.end > disk.own else DISK), disk.end
+        if other is not None:
+            return SHARED, other[0]
+        return (RESIDENT, own) if own else (WARM, own_warm) if own_warm else (NO_CACHE, 0)
 
     def _counted(self, out: Checkout) -> Checkout:
         if out.shared_tokens:
@@ -269,24 +269,75 @@ class SessionCaches:
 
     def prefetch_plan(self) -> list[str]:
         """Sessions only on disk that memory has room for, most recently used first (pagein.py says why)."""
-        plan = pagein.prefetch_plan(self._disk, self.resident, self.warm)
+        plan = pagein.prefetch_plan(self._disk, self.index.keys_by_use(), self.resident, self.warm)
         self.prefetch_stats["planned"] += len(plan)
         return plan
 
     def prefetch(self, key: str) -> str | None:
         """Page one session's whole disk chain into memory if it fits; the tier it went to (pagein.py)."""
-        got = pagein.prefetch(self._disk, key, self.resident, self.warm, warm_bits=self.budgets.warm_bits)
+        if key in self.resident or key in self.warm:
+            return None
+        got = pagein.prefetch(self._disk, key, resident_fits=self.resident.fits)
         if got is None:
             return None
-        tier, nbytes = got
-        self._prefetched(tier, nbytes)
+        held, tokens = got
+        now = self._clock()
+        if isinstance(held, Snapshot):
+            self._attach(key, held, tokens)
+            if not self.warm.put_snapshot(key, held, now, cold=True):
+                self.table.detach(key)
+                return None
+            tier, nbytes = WARM, held.nbytes
+        else:
+            nbytes = cache_nbytes(held)
+            if not self.resident.offer(key, held, nbytes, now):
+                return None
+            self._attach(key, held, tokens)
+            self.table.set_live(key, True)
+            tier = RESIDENT
         self._prefetched_keys.add(key)
-        return tier
-
-    def _prefetched(self, tier: str, nbytes: int) -> None:
         self.prefetch_stats["done"] += 1
         self.prefetch_stats[tier] += 1
         self.prefetch_stats["bytes"] += nbytes
+        return tier
+
+    def _attach(self, key: str, held: Cache | Snapshot, tokens: list[int],
+                captured: dict[str, Snapshot] | None = None) -> list[str]:
+        """Make the session's memory chain the whole blocks of `tokens`: all of them for a cache that
+        can be cut; for a window, those from the first on that its prefill captured or kvd holds."""
+        keys = self.table.keys_for(key, tokens)[:whole_blocks(len(tokens), self.block)]
+        if not cuttable(held):
+            have = 0
+            for bk in keys if isinstance(held, list) else ():
+                b = self.table.blocks.get(bk)
+                if not (captured and bk in captured) and (b is None or (b.disk is None and b.warm is None)):
+                    break
+                have += 1
+            keys = keys[:have]
+        self.table.attach(key, tokens, keys)
+        return keys
+
+    # --- windows: blocks captured during a prefill ---
+
+    def boundary(self, cache: Cache) -> int | None:
+        """Every how many ids a prefill into `cache` stops for `capture` (None: a cache that can be
+        cut, whose blocks are slices of it at any time).
+
+        A sliding-window layer at n holds only the window ending at n; a block
+        of it is the state at the block's end, so it is taken when the prefill
+        is there (the global layers' part is the block's own slice): two
+        sessions with one long system prompt then share it like plain KV.
+        """
+        return None if cuttable(cache) else self.block
+
+    def capture(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
+        """A prefill into a window's cache reached a block boundary: keep the block that ends here."""
+        n = len(tokens)
+        if n == 0 or n % self.block:
+            return
+        snap = snapshot(cache, n - self.block)
+        mx.eval(snap.arrays())
+        self._captured.setdefault(key, {})[self.table.keys_for(key, tokens)[-1]] = snap
 
     # --- after a turn ---
 
@@ -294,45 +345,18 @@ class SessionCaches:
         """Keep a session's live cache resident and queue the writing of its new tokens behind it."""
         tokens = list(tokens)
         self._settle()
-        self._write_behind(key, cache, tokens)
         self.warm.discard(key)
-        self._warm.held.pop(key, None)
+        captured = self._captured.pop(key, {})
+        keys = self._attach(key, cache, tokens, captured)
+        by_end = {self.table.blocks[bk].end: snap for bk in keys
+                  if (snap := captured.get(bk) or self.warm.exact_copy(bk)) is not None}
+        self._disktier.write_behind(key, cache, tokens, keys, captured=by_end)
+        self.warm.add_copies({bk: captured[bk] for bk in keys if bk in captured})
+        self.table.set_live(key, True)
         now = self._clock()
-        for cold, (c, toks) in self.resident.put(key, (cache, tokens), cache_nbytes(cache), now):
-            self._warm.demote(cold, c, toks, now)
-
-    def _write_behind(self, key: str, cache: Cache | Snapshot, tokens: list[int], *,
-                      evict: bool = True) -> None:
-        """Evaluate what disk will lack of `tokens` and queue its writing (engine thread).
-
-        `cache` is a live cache, or a snapshot of all of `tokens` (page_out_all).
-        The plan is taken on the chain as it will be once the jobs queued
-        before are done; the worker checks it against the index as it is.
-        """
-        n = len(tokens)
-        splittable = trimmable(cache) if isinstance(cache, Snapshot) else all(cuttable(c) for c in cache)
-        held = self._promised.get(key)
-        if held is None:
-            held = self._writer.promise(key)
-        rewrite = isinstance(cache, Snapshot) and not splittable  # a window: written whole or not at all
-        blocks_from, private_from, after = plan(held, tokens, splittable=splittable, block=self.block,
-                                                max_segments=self.budgets.max_segments, rewrite=rewrite)
-        pieces: Pieces = {}
-        starts = [s for s in (blocks_from, private_from) if s is not None]
-        if starts:
-            lo = min(starts)
-            whole = snapshot(cache, lo) if isinstance(cache, list) else \
-                (cache if lo == cache.start else section(cache, lo, n))
-            spans = [(k, k + self.block) for k in range(blocks_from, after.base, self.block)] \
-                if blocks_from is not None else []
-            if private_from is not None:
-                spans.append((private_from, n))
-            pieces = {(a, b): whole if (a, b) == (whole.start, whole.end) else section(whole, a, b)
-                      for a, b in spans}
-            mx.eval([x for p in pieces.values() for x in p.arrays()])  # the worker only writes bytes
-        self._promised[key] = after
-        self._io.submit(lambda: self._writer.persist(key, pieces, tokens, splittable=splittable, evict=evict,
-                                                     rewrite=rewrite), key=key)
+        for cold, c in self.resident.put(key, cache, cache_nbytes(cache), now):
+            self.table.set_live(cold, False)
+            self.warm.demote(cold, c, now)
 
     # --- housekeeping ---
 
@@ -340,9 +364,10 @@ class SessionCaches:
         """Idle demotions: resident -> warm after resident_idle, warm dropped after warm_idle."""
         self._settle()
         now = self._clock()
-        for key, (cache, toks) in self.resident.idle(now, self.budgets.resident_idle):
-            self._warm.demote(key, cache, toks, now)
-        self._warm.leave(self.warm.idle(now, self.budgets.warm_idle))
+        for key, cache in self.resident.idle(now, self.budgets.resident_idle):
+            self.table.set_live(key, False)
+            self.warm.demote(key, cache, now)
+        self.warm.idle(now, self.budgets.warm_idle)
 
     def page_out_all(self) -> None:
         """Make sure disk holds every session kept in memory (on shutdown).
@@ -352,52 +377,58 @@ class SessionCaches:
         """
         self.flush()
         for key in self.resident:
-            entry = self.resident.peek(key)
-            if entry is not None:
+            cache = self.resident.peek(key)
+            if cache is not None:
+                s = self.table.session(key)
                 try:
-                    self._write_behind(key, entry[0], entry[1], evict=False)
+                    self._disktier.write_behind(key, cache, s.tokens, s.keys, evict=False)
                 except Exception as e:
                     log.warning("could not page out %s: %s", key, e)
-        for key in [*self.warm, *self._warm.held]:
-            w = self._warm.peek(key)
-            if w is None or key.startswith(BLOCK_ENTRY):
+        for key in self.warm.held_or_warm():
+            got = self.warm.parts(key)
+            if got is None or not got[0] or got[0][0].start != 0:
                 continue
-            parts = self._warm.parts(w)
-            if not parts or parts[0].start != 0:
-                continue
+            parts, toks = got
             try:
                 # A packed snapshot is saved at its rounded precision: the best there is.
                 snap = merge(*[unpack(p) for p in parts])
-                self._write_behind(key, snap, w[1][:snap.end], evict=False)
+                toks = toks[:snap.end]
+                keys = self.table.keys_for(key, toks)[:whole_blocks(len(toks), self.block)] \
+                    if cuttable(snap) else []
+                self._disktier.write_behind(key, snap, toks, keys, evict=False)
             except Exception as e:
                 log.warning("could not page out %s: %s", key, e)
         self.flush()
 
     def forget(self, key: str) -> None:
         """A deleted session: its caches go, and every block no other session lists."""
-        self.resident.discard(key)
-        self._warm.forget(key)
-        self._later(lambda: self.index.drop_from(key, 0), key)  # after its queued writes, which it undoes
-        self._promised[key] = NOTHING
+        if self.resident.discard(key) is not None:
+            self.table.set_live(key, False)
+        self.warm.discard(key)
+        self.table.detach(key)
+        self._captured.pop(key, None)
+        self._disktier.forget(key)
+        self.table.forget(key)  # now if disk holds nothing of it; else when the worker reports the drop
 
     def locations(self) -> dict[str, str]:
         """Where each session's cache lives now: its fastest tier."""
         self._settle()
-        where = {key: "disk" for key in self.index.keys()}
-        where.update({key: "warm" for key in [*self._warm.held, *self.warm] if not key.startswith(BLOCK_ENTRY)})
-        where.update({key: "resident" for key in self.resident})
+        where = dict.fromkeys(self.table.on_disk, DISK)
+        where.update({key: WARM for key in self.warm.held_or_warm()})
+        where.update({key: RESIDENT for key in self.resident})
         return where
 
     def statistics(self) -> dict[str, Any]:
         self._settle()
-        sessions, segments = self.index.count()
+        t = self.table
         return {
-            "resident": self.resident.statistics(),
-            "warm": {**self.warm.statistics(), **self._warm.statistics()},
+            RESIDENT: self.resident.statistics(),
+            WARM: self.warm.statistics(),
             "prefetched": {"sessions": self.prefetch_stats["done"], "bytes": self.prefetch_stats["bytes"],
                            "resident": self.prefetch_stats["resident"], "warm": self.prefetch_stats["warm"]},
-            "disk": {"sessions": sessions, "segments": segments, "bytes": self.index.total_bytes(),
+            DISK: {"sessions": len(t.on_disk), "segments": t.disk_segments, "bytes": t.disk_bytes,
                      "budget": self.budgets.disk_bytes, "block_tokens": self.block,
-                     **self.index.sharing(), **asdict(self.disk_stats)},
-            "shared": dict(self.shared_stats),
+                     **t.sharing(), **asdict(self.disk_stats)},
+            SHARED: dict(self.shared_stats),
         }
+

@@ -1,177 +1,254 @@
-"""The warm tier's layout: a session's tail after its whole blocks, each block held once.
+"""The warm tier: session tails after their whole blocks, each block's warm copy held once.
 
-A warm session entry is the tail ``[m*B, n)`` of its cache, an evaluated
-snapshot (packed to 4 or 8 bits if `Budgets.warm_bits` says so); its whole
-blocks are entries of their own under ``BLOCK_ENTRY + key`` (blocks.py), held
-once however many sessions' tails follow them, so the warm budget counts a
-shared prefix once. Taking a copy of a prefix means collecting the blocks a
-tail needs, merging and restoring them.
+A warm session is the tail ``[m*B, n)`` of its cache, an evaluated snapshot
+(packed to 4 or 8 bits if `Budgets.warm_bits` says so), following the
+blocks of its memory chain, whose warm copies live in the block table
+(table.py), one per block however many tails follow it. The budget counts
+tails and block copies. Eviction takes unreferenced block copies first (no
+warm tail needs them), then the least recently used tail, whose blocks may
+then become unreferenced: a tail never loses its blocks.
 
-Its own module because it is one data structure with its own invariants
-(which entries a tail needs, when a block goes), used by every path of the
-store (checkout, checkin, idle demotion, shutdown, delete) but needing only
-the warm `Tier`, the I/O worker's idleness and the block size, which
-`WarmBlocks` takes explicitly. The module helpers `usable` and `copy` answer
-the same two questions for a single resident cache or warm snapshot.
+A tail that leaves while disk jobs are queued is kept aside (`held`, with
+the block copies it needs) until the worker is idle, so checkout never
+loses a cache to a write in flight. Engine thread only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
-from .blocks import block_keys
 from .errors import CannotSplit
-from .ioworker import IOWorker
-from .lru import Tier
+from .lru import TierStats
 from .packing import pack, unpack
 from .prefix import common_prefix_len
-from .snapshot import Snapshot, merge, restore, section, snapshot, trimmable, truncate
+from .snapshot import Snapshot, cuttable, merge, restore, section, snapshot, truncate
+from .table import BlockTable
 
 log = logging.getLogger("kvd.cache")
 
 Cache = list[Any]
-Entry = tuple[Snapshot, list[int]]  # a snapshot and the token ids of the whole session it ends
-
-#: Warm entries holding a whole block start with this; a session's key never does (hex).
-BLOCK_ENTRY = "#"
 
 
 def cache_nbytes(cache: Cache) -> int:
     return sum(int(c.nbytes) for c in cache)
 
 
-class WarmBlocks:
-    """The warm tier's session tails and shared blocks, and the snapshots kept aside (engine thread)."""
-
-    def __init__(self, tier: Tier[Entry], io: IOWorker, *, block: int, root: str, bits: int) -> None:
-        self.tier = tier
-        self.held: dict[str, Entry] = {}  # left warm while disk jobs were queued
-        self._io = io
-        self.block = block
-        self.root = root
+class WarmTier:
+    def __init__(self, table: BlockTable, budget: int, *, bits: int, busy: Callable[[], bool]) -> None:
+        if budget < 0:
+            raise ValueError("a budget is a number of bytes >= 0")
+        self.table = table
+        self.budget = budget
         self.bits = bits
+        self._busy = busy  # whether disk jobs are queued
+        self.tails: OrderedDict[str, tuple[Snapshot, float]] = OrderedDict()  # least recently used first
+        self.spare: OrderedDict[str, None] = OrderedDict()  # block copies no warm tail needs, oldest first
+        self.held: dict[str, tuple[list[Snapshot], list[int]]] = {}  # left while disk jobs were queued
+        self.nbytes = 0
+        self.block_bytes = 0
+        self.blocks = 0  # block copies held
+        self.stats = TierStats()
 
-    def peek(self, key: str) -> Entry | None:
-        return self.tier.peek(key) or self.held.get(key)
+    def __contains__(self, key: str) -> bool:
+        return key in self.tails
 
-    def leave(self, dropped: list[tuple[str, Entry]]) -> None:
-        for cold, entry in dropped:
-            if not self._io.idle():
-                self.held[cold] = entry  # until the worker has written what is queued
-                log.debug("warm snapshot of %s kept aside until disk holds it", cold)
-            else:
-                log.debug("warm snapshot of %s dropped; disk holds it", cold)
+    def __iter__(self) -> Any:
+        return iter(list(self.tails))
 
-    def parts(self, value: Entry) -> list[Snapshot]:
-        """The warm snapshots that hold a session's prefix, in order, up to the first block missing.
+    def __len__(self) -> int:
+        return len(self.tails)
 
-        A session's warm entry is the tail ``[m*B, n)`` of its cache; its
-        whole blocks are entries of their own (BLOCK_ENTRY + key), held once
-        however many sessions' tails follow them, so the warm budget counts
-        a shared prefix once.
-        """
-        tail, toks = value
-        if tail.start == 0:
-            return [tail]
-        parts: list[Snapshot] = []
-        for block in block_keys(toks[:tail.start], self.block, self.root):
-            entry = self.peek(BLOCK_ENTRY + block)
-            if entry is None:
-                return parts
-            parts.append(entry[0])
-        return [*parts, tail]
+    def held_or_warm(self) -> list[str]:
+        return [*self.tails, *self.held]
 
-    def usable(self, value: Entry, wanted: Sequence[int], limit: int) -> int:
-        """How many wanted ids a warm entry (with the blocks it needs) can give a copy of."""
-        parts = self.parts(value)
-        held = parts[-1].end if parts else 0
-        n = min(common_prefix_len(value[1][:held], wanted), limit)
-        if n <= 0:
-            return 0
-        last = next(p for p in parts if p.end >= n)
-        return n if n == last.end or trimmable(last) else 0
+    # --- in ---
 
-    def copy(self, key: str, n: int) -> Cache | None:
-        """Live caches holding the first n ids of a warm entry; the entry stays as it is."""
-        value = self.peek(key)
-        if value is None:
-            return None
-        parts = [p for p in self.parts(value) if p.start < n]
-        try:
-            return restore(truncate(merge(*[unpack(p) for p in parts]), n)) if parts else None
-        except CannotSplit:
-            return None
+    def demote(self, key: str, cache: Cache, now: float) -> None:
+        """A live cache becomes warm: its blocks without a warm copy, and its tail (the table has its chain)."""
+        if cuttable(cache):
+            self.put_snapshot(key, snapshot(cache, 0), now)
+            return
+        # A window: its blocks are the copies its prefill captured; the tail follows those still held.
+        s = self.table.sessions[key]
+        have = next((k for k, bk in enumerate(s.keys) if self.table.blocks[bk].warm is None), len(s.keys))
+        if have < len(s.keys):
+            self.table.attach(key, s.tokens, s.keys[:have])
+        self.put(key, self.packed(snapshot(cache, have * self.table.block)), now)
 
-    def demote(self, key: str, cache: Cache, tokens: list[int], now: float) -> None:
-        """A live cache becomes warm: its whole blocks (those not warm already) and its tail."""
-        whole = (len(tokens) - 1) // self.block if all(cuttable(c) for c in cache) else 0
-        snap = snapshot(cache, 0)
-        keys = block_keys(tokens[:whole * self.block], self.block, self.root)
-        for k, block in enumerate(keys):
-            held = self.peek(BLOCK_ENTRY + block)
-            piece = held[0] if held is not None else self.packed(
-                section(snap, k * self.block, (k + 1) * self.block))
-            self.put(BLOCK_ENTRY + block, piece, tokens[k * self.block:(k + 1) * self.block], now)
-        tail = self.packed(section(snap, whole * self.block, snap.end))
-        self.put(key, tail, tokens, now)
+    def put_snapshot(self, key: str, snap: Snapshot, now: float, *, cold: bool = False) -> bool:
+        """A snapshot of a session from 0 becomes warm: its memory chain's blocks, then its tail."""
+        s = self.table.sessions[key]
+        if not cuttable(snap) and s.keys:
+            self.table.attach(key, s.tokens, [])  # a window's snapshot cannot be cut into blocks
+        tail = self.packed(section(snap, len(s.keys) * self.table.block, snap.end))
+        if cold and self.nbytes + snap.nbytes > self.budget:
+            return False
+        for bk in s.keys:
+            b = self.table.blocks[bk]
+            if b.warm is None:
+                b.warm = self.packed(section(snap, b.start, b.end))
+                self.block_bytes += b.warm.nbytes
+                self.nbytes += b.warm.nbytes
+                self.blocks += 1
+                self.spare[bk] = None
+        return self.put(key, tail, now, cold=cold)
+
+    def put(self, key: str, tail: Snapshot, now: float, *, cold: bool = False) -> bool:
+        """Keep a session's tail (after its memory chain's blocks); `cold`: only if it fits, at the cold end."""
+        s = self.table.sessions[key]
+        if cold and self.nbytes + tail.nbytes > self.budget:
+            return False
+        self.discard(key)
+        self.held.pop(key, None)
+        for bk in s.keys:
+            b = self.table.blocks[bk]
+            b.warm_users += 1
+            self.spare.pop(bk, None)
+        self.tails[key] = (tail, now)
+        if cold:
+            self.tails.move_to_end(key, last=False)
+        self.nbytes += tail.nbytes
+        self._fit()
+        return True
+
+    def add_copies(self, blocks: dict[str, Snapshot]) -> None:
+        """Warm copies of blocks a prefill captured (a window's), unreferenced until a warm tail needs them."""
+        for bk, snap in blocks.items():
+            b = self.table.blocks[bk]
+            if b.warm is None:
+                b.warm = self.packed(snap)
+                self.block_bytes += b.warm.nbytes
+                self.nbytes += b.warm.nbytes
+                self.blocks += 1
+                if b.warm_users == 0:
+                    self.spare[bk] = None
+        self._fit()
+
+    def exact_copy(self, bk: str) -> Snapshot | None:
+        """A block's warm copy if it is exact (not packed): good enough to write to disk."""
+        b = self.table.blocks.get(bk)
+        return b.warm if b is not None and b.warm is not None and not self.bits else None
 
     def packed(self, snap: Snapshot) -> Snapshot:
         return pack(snap, self.bits) if self.bits else snap
 
-    def put(self, key: str, snap: Snapshot, tokens: list[int], now: float) -> None:
+    # --- out ---
+
+    def _remove(self, key: str) -> tuple[list[Snapshot], list[int]] | None:
+        got = self.tails.pop(key, None)
+        if got is None:
+            return None
+        tail = got[0]
+        self.nbytes -= tail.nbytes
+        s = self.table.sessions[key]
+        parts = [self.table.blocks[bk].warm for bk in s.keys]
+        for bk in s.keys:
+            b = self.table.blocks[bk]
+            b.warm_users -= 1
+            if b.warm_users == 0:
+                self.spare[bk] = None
+        return [*parts, tail], s.tokens
+
+    def discard(self, key: str) -> None:
+        """The tail goes without counting as a use (superseded by a newer cache, forgotten)."""
+        self._remove(key)
         self.held.pop(key, None)
-        self.leave(self.tier.put(key, (snap, tokens), snap.nbytes, now))
 
-    def forget(self, key: str) -> None:
-        """A deleted session's warm tail goes, and every warm block no other warm tail needs."""
-        held = self.held.pop(key, None)
-        gone = self.tier.discard(key) or held
-        if gone is not None and gone[0].start > 0:
-            mine = set(block_keys(gone[1][:gone[0].start], self.block, self.root))
-            for other in self.tier:
-                entry = self.tier.peek(other)
-                if entry is not None and not other.startswith(BLOCK_ENTRY) and entry[0].start > 0:
-                    mine -= set(block_keys(entry[1][:entry[0].start], self.block, self.root))
-            for block in mine:
-                self.tier.discard(BLOCK_ENTRY + block)
+    def take(self, key: str) -> None:
+        """The tail was copied into a live cache (a hit): it goes."""
+        self.stats.hits += self._remove(key) is not None
+        self.stats.page_ins += 1
+        self.held.pop(key, None)
 
-    def statistics(self) -> dict[str, int]:
-        """The warm tier's sessions and whole blocks (each held once, whoever's tails follow it)."""
-        blocks = [k for k in self.tier if k.startswith(BLOCK_ENTRY)]
-        return {"sessions": len(self.tier) - len(blocks), "blocks": len(blocks),
-                "block_bytes": sum(e[0].nbytes for k in blocks if (e := self.tier.peek(k)) is not None)}
+    def _fit(self) -> None:
+        while self.nbytes > self.budget:
+            if self.spare:
+                bk, _ = self.spare.popitem(last=False)
+                b = self.table.blocks[bk]
+                self.nbytes -= b.warm.nbytes
+                self.block_bytes -= b.warm.nbytes
+                self.blocks -= 1
+                b.warm = None
+                self.table._maybe_drop(b)
+            elif self.tails:
+                self.leave(next(iter(self.tails)))
+            else:
+                return
+
+    def leave(self, key: str) -> None:
+        """A tail leaves the tier (budget or idleness); kept aside if disk may not hold it yet."""
+        got = self._remove(key)
+        self.stats.page_outs += 1
+        if got is None:
+            return
+        if self._busy():
+            self.held[key] = got
+            log.debug("warm snapshot of %s kept aside until disk holds it", key)
+        else:
+            log.debug("warm snapshot of %s dropped; disk holds it", key)
+        self.table.detach(key)
+        self._fit()
+
+    def idle(self, now: float, idle_for: float) -> None:
+        for key, (_, used) in list(self.tails.items()):
+            if now - used < idle_for:
+                break
+            self.leave(key)
+
+    def release_held(self) -> None:
+        """The worker is idle: disk holds what the held tails hold (or never will: not writable)."""
+        self.held.clear()
+
+    # --- reading ---
+
+    def parts(self, key: str) -> tuple[list[Snapshot], list[int]] | None:
+        """A session's warm snapshots in order (its blocks' copies, its tail), and its ids."""
+        if key in self.held:
+            return self.held[key]
+        got = self.tails.get(key)
+        if got is None:
+            return None
+        s = self.table.sessions[key]
+        return [self.table.blocks[bk].warm for bk in s.keys] + [got[0]], s.tokens
+
+    def usable(self, key: str, wanted: Sequence[int], limit: int) -> int:
+        """How many wanted ids the session's warm snapshots can give a copy of."""
+        got = self.parts(key)
+        if got is None:
+            return 0
+        parts, toks = got
+        n = min(common_prefix_len(toks[:parts[-1].end], wanted), limit)
+        if n <= 0:
+            return 0
+        last = next(p for p in parts if p.end >= n)
+        return n if n == last.end or cuttable(last) else 0
+
+    def copy(self, key: str, n: int) -> Cache | None:
+        """Live caches holding the first n ids of a session's warm snapshots; they stay as they are."""
+        got = self.parts(key)
+        return copy_parts(got[0], n) if got is not None else None
+
+    def statistics(self) -> dict[str, Any]:
+        return {"sessions": len(self.tails), "bytes": self.nbytes, "budget": self.budget,
+                **asdict(self.stats), "blocks": self.blocks, "block_bytes": self.block_bytes}
 
 
-def cuttable(c: Any) -> bool:
-    """A live layer whose state can be sliced at any earlier position (KV, quantized, lists of them)."""
-    from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
-
-    if isinstance(c, CacheList):
-        return all(cuttable(x) for x in c.caches)
-    return isinstance(c, (KVCache, QuantizedKVCache))
-
-
-def usable(value: tuple[Cache | Snapshot, list[int]], wanted: Sequence[int], limit: int) -> int:
-    """How many wanted ids a resident cache or warm snapshot can give a copy of."""
-    held, toks = value
-    n = min(common_prefix_len(toks, wanted), limit)
-    if n <= 0:
-        return 0
-    end = held.end if isinstance(held, Snapshot) else len(toks)
-    if n == end:
-        return n
-    can_cut = trimmable(held) if isinstance(held, Snapshot) else all(cuttable(c) for c in held)
-    return n if can_cut else 0
-
-
-def copy(value: tuple[Cache | Snapshot, list[int]], n: int) -> Cache | None:
-    """Live caches holding the first n ids of a resident cache or warm snapshot; the source is untouched."""
-    held, _ = value
+def copy_parts(parts: list[Snapshot], n: int) -> Cache | None:
+    """Live caches holding the first n ids of adjacent snapshots from 0; the snapshots stay as they are."""
+    parts = [p for p in parts if p.start < n]
     try:
-        if isinstance(held, Snapshot):
-            return restore(truncate(unpack(held), n))
-        return restore(snapshot(held, 0, upto=n))
+        return restore(truncate(merge(*[unpack(p) for p in parts]), n)) if parts else None
+    except CannotSplit:
+        return None
+
+
+def copy_live(cache: Cache, n: int) -> Cache | None:
+    """Live caches holding the first n ids of a resident cache; the source is untouched."""
+    try:
+        return restore(snapshot(cache, 0, upto=n))
     except CannotSplit:
         return None

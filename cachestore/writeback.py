@@ -19,17 +19,20 @@ from __future__ import annotations
 import errno
 import logging
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
 
 from common.diskfull import is_disk_full
 
-from .blocks import block_keys
-from .index import SegmentIndex, SegmentRow
+from .blocks import whole_blocks
+from .index import BlockRow, SegmentIndex, SegmentRow
 from .lru import DiskStats
 from .prefix import common_prefix_len
 from .segments import write_segment
-from .snapshot import Snapshot
+from .snapshot import Snapshot, cuttable, section, snapshot
 
 log = logging.getLogger("kvd.cache")
 
@@ -45,17 +48,46 @@ class Promise:
     ends: tuple[int, ...]  # where the private segments after them end
 
 
+    def cut(self, start: int) -> Promise:
+        """This chain once its private segments from `start` on are dropped."""
+        ends = tuple(e for e in self.ends if e <= start)
+        end = ends[-1] if ends else self.base
+        return Promise(self.tokens[:end], self.base, ends)
+
+
 NOTHING = Promise((), 0, ())
 
 
-Pieces = dict[tuple[int, int], Snapshot]  # evaluated snapshots of [start, end), for the I/O worker
+Evaluated = dict[tuple[int, int], Snapshot]  # evaluated snapshots of [start, end), for the I/O worker
 
 
-def plan(held: Promise, tokens: Sequence[int], *, splittable: bool, block: int,
+def promise_of(blocks: Sequence[BlockRow], segments: Sequence[SegmentRow], *, block: int,
+               fingerprint: str) -> Promise:
+    """What a disk chain holds (its blocks' rows, then its private segments), as a promise."""
+    toks: list[int] = []
+    for row in blocks:
+        if row.start != len(toks):
+            break
+        toks.extend(row.tokens)
+    base = len(blocks) * block if len(toks) == len(blocks) * block else 0
+    toks = toks[:base]
+    ends: list[int] = []
+    for seg in segments:
+        if seg.start != len(toks) or seg.fingerprint != fingerprint:
+            break
+        toks.extend(seg.tokens)
+        ends.append(seg.end)
+    return Promise(tuple(toks), base, tuple(ends))
+
+
+def plan(held: Promise, tokens: Sequence[int], *, whole: int, block: int,
          max_segments: int, rewrite: bool = False) -> tuple[int | None, int | None, Promise]:
     """Where a turn's new blocks start and where its private tail starts (None: none), and disk's chain after.
 
-    The same decisions as `Writeback.write_behind`, taken on what disk will
+    `whole`: how many whole blocks the chain lists (blocks.whole_blocks for a
+    cache that can be cut anywhere; those captured at block boundaries for a
+    window, none for a recurrent state). The same decisions as
+    `Writeback.write_behind`, taken on what disk will
     hold rather than on the index: blocks from the first one that differs,
     the private tail appended after the segments that still agree, or
     rewritten from the last block when the chain moved or reaches max_segments
@@ -63,7 +95,6 @@ def plan(held: Promise, tokens: Sequence[int], *, splittable: bool, block: int,
     """
     n = len(tokens)
     same_ids = common_prefix_len(held.tokens, tokens)
-    whole = (n - 1) // block if splittable else 0
     listed = held.base // block
     same = min(listed, whole, same_ids // block)
     blocks_from = same * block if whole > same else None
@@ -80,6 +111,38 @@ def plan(held: Promise, tokens: Sequence[int], *, splittable: bool, block: int,
     if len(kept) + 1 > max_segments or (rewrite and pos != base):
         pos, kept = base, []
     return blocks_from, pos, Promise(tuple(tokens), base, (*kept, n))
+
+
+def evaluate(cache: list[Any] | Snapshot, tokens: Sequence[int], blocks_from: int | None,
+             private_from: int | None, after: Promise, block: int,
+             captured: Mapping[int, Snapshot] | None = None) -> Evaluated:
+    """The snapshots `plan` said a turn writes, evaluated (engine thread: the worker only writes bytes).
+
+    `cache` is a live cache, or a snapshot of all of `tokens` (paging out at
+    shutdown). A cache that can be cut gives every span; one with a window
+    gives its blocks from `captured` (block end -> the snapshot the prefill
+    took there; a block missing from it must be on disk already, or the
+    worker writes nothing) and its tail as a snapshot from the tail's start.
+    """
+    starts = [s for s in (blocks_from, private_from) if s is not None]
+    if not starts:
+        return {}
+    n = len(tokens)
+    spans = [(k, k + block) for k in range(blocks_from, after.base, block)] if blocks_from is not None else []
+    if cuttable(cache):
+        lo = min(starts)
+        whole = snapshot(cache, lo) if isinstance(cache, list) else \
+            (cache if lo == cache.start else section(cache, lo, n))
+        if private_from is not None:
+            spans.append((private_from, n))
+        pieces = {(a, b): whole if (a, b) == (whole.start, whole.end) else section(whole, a, b) for a, b in spans}
+    else:
+        pieces = {(a, b): captured[b] for a, b in spans if captured and b in captured}
+        if private_from is not None:
+            pieces[private_from, n] = snapshot(cache, private_from) if isinstance(cache, list) else \
+                (cache if private_from == cache.start else section(cache, private_from, n))
+    mx.eval([x for p in pieces.values() for x in p.arrays()])
+    return pieces
 
 
 class Stale(Exception):
@@ -105,43 +168,33 @@ class Private:
 
 class Writeback:
     def __init__(self, index: Callable[[], SegmentIndex], *, fingerprint: str, root: str, block: int,
-                 disk_bytes: int, max_segments: int, stats: DiskStats, clock: Callable[[], float]):
+                 disk_bytes: int, max_segments: int, clock: Callable[[], float]):
         self._index = index  # the calling thread's own connection
         self.fingerprint = fingerprint
         self.root = root
         self.block = block
         self.disk_bytes = disk_bytes
         self.max_segments = max_segments
-        self.stats = stats
+        self.stats = DiskStats()  # the worker's own figures (the engine's are PageIn's); merged on read
         self._clock = clock
+        #: Called after each file is indexed (worker thread), so the engine sees a block as soon as
+        #: it is durable and listed, not only when the whole turn is written.
+        self.indexed: Callable[[], None] = lambda: None
 
     @property
     def index(self) -> SegmentIndex:
         return self._index()
 
     def promise(self, key: str) -> Promise:
-        """What disk holds of `key` now, read from the index (the engine thread may call this)."""
-        toks: list[int] = []
-        blocks = self.index.blocks_of(key)
-        for row in blocks:
-            if row.start != len(toks):
-                break
-            toks.extend(row.tokens)
-        base = len(blocks) * self.block if len(toks) == len(blocks) * self.block else 0
-        toks = toks[:base]
-        ends: list[int] = []
-        for seg in self.index.chain(key):
-            if seg.start != len(toks) or seg.fingerprint != self.fingerprint:
-                break
-            toks.extend(seg.tokens)
-            ends.append(seg.end)
-        return Promise(tuple(toks), base, tuple(ends))
+        """What disk holds of `key` now, read from the index (tests; the engine asks its block table)."""
+        return promise_of(self.index.blocks_of(key), self.index.chain(key), block=self.block,
+                          fingerprint=self.fingerprint)
 
-    def persist(self, key: str, pieces: Pieces, tokens: list[int], *, splittable: bool,
+    def persist(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *,
                 evict: bool, rewrite: bool = False) -> None:
         """Make disk hold `tokens` of `key` from the evaluated pieces the engine planned (I/O worker)."""
         try:
-            self.write_behind(key, pieces, tokens, splittable=splittable, evict=evict, rewrite=rewrite)
+            self.write_behind(key, pieces, tokens, keys, evict=evict, rewrite=rewrite)
         except Stale as e:
             log.debug("not writing the cache of %s: %s; its next turn writes from what disk holds", key, e)
         except OSError as e:
@@ -154,7 +207,7 @@ class Writeback:
             else:
                 log.warning("could not write the cache of %s to disk: %s", key, e)
 
-    def write_behind(self, key: str, pieces: Pieces, tokens: list[int], *, splittable: bool,
+    def write_behind(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *,
                      evict: bool = True, rewrite: bool = False) -> None:
         """Make the disk chain of `key` hold `tokens`, writing only what disk lacks.
 
@@ -162,7 +215,8 @@ class Writeback:
         that is the sharing), then the chain that lists them, then the
         private segments after them: appended to when they still agree,
         rewritten as one when the chain moved or they reach max_segments.
-        `pieces` hold the evaluated state of the files the engine planned.
+        `pieces` hold the evaluated state of the files the engine planned;
+        `keys` are the keys of the whole blocks the chain lists (the engine hashed them once).
         """
         n = len(tokens)
         now = self._clock()
@@ -172,8 +226,9 @@ class Writeback:
                 raise Stale(f"disk lacks [{lo}, {hi}), which the engine did not plan to write")
             return pieces[lo, hi]
 
-        whole = (n - 1) // self.block if splittable else 0
-        keys = block_keys(tokens[:whole * self.block], self.block, self.root)
+        whole = len(keys)
+        if whole > whole_blocks(n, self.block):
+            raise ValueError(f"{whole} block keys for {n} ids: a block never holds a session's last id")
         listed = [b.block for b in self.index.blocks_of(key)]
         same = common_prefix_len(listed, keys)
         chain = keys[:same]
@@ -276,6 +331,7 @@ class Writeback:
                     raise OSError(errno.ENOSPC, NOTHING_TO_EVICT if evict else str(e)) from None
         self.stats.writes += 1
         self.stats.bytes_written += seg.nbytes
+        self.indexed()
 
     def _evict_for(self, key: str, evicted: set[str]) -> bool:
         """The cache's filesystem is full: remove the least recently used other session's files.

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from cachestore.direct import STEP, Piece, read_direct
+from cachestore.direct import STEP, FileSpan, read_direct
 from cachestore.errors import ChecksumMismatch, SegmentTruncated
 from cachestore.segments import read_segment
 from cachestore.snapshot import merge, restore
@@ -49,10 +49,10 @@ def written(model: Any, root: Path) -> tuple[SessionCaches, list[int]]:
     return caches, toks
 
 
-def pieces(caches: SessionCaches, use: int | None = None) -> list[Piece]:
+def pieces(caches: SessionCaches, use: int | None = None) -> list[FileSpan]:
     rows = caches.index.chain(KEY)
     last = rows[-1].end if use is None else use
-    return [Piece(r.path, r.checksum, r.start, r.end, min(r.end, last)) for r in rows if r.start < last]
+    return [FileSpan(r.path, r.checksum, r.start, r.end, min(r.end, last)) for r in rows if r.start < last]
 
 
 def greedy(model: Any, cache: list[Any], ids: list[int], n: int = 6) -> list[int]:
@@ -153,7 +153,7 @@ def test_other_layouts_take_the_general_path(models: dict[str, Any], name: str, 
 
 def test_an_index_from_before_xxh3_still_reads(model: Any, tmp_path: Path) -> None:
     caches, toks = written(model, tmp_path)
-    old = [Piece(p.path, f"crc32:{zlib.crc32(p.path.read_bytes()):08x}", p.start, p.end, p.use)
+    old = [FileSpan(p.path, f"crc32:{zlib.crc32(p.path.read_bytes()):08x}", p.start, p.end, p.use)
            for p in pieces(caches)]
     got = read_direct(old, fingerprint="fp")
     assert got is not None and got.bad is None and got.tokens == len(toks)

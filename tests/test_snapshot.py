@@ -28,13 +28,14 @@ from cachestore.errors import CacheError, CannotSplit, SnapshotError
 from cachestore.snapshot import (
     LayerSnapshot,
     Snapshot,
+    cuttable,
     layout,
     merge,
     restore,
     rewind,
+    rewindable,
     snapshot,
     split,
-    trimmable,
     truncate,
 )
 from snapshots import assert_same, assert_same_layer  # noqa: F401
@@ -238,7 +239,7 @@ def test_restore_needs_a_prefix(kv_model: Any) -> None:
 def test_rewind_in_place(kv_model: Any) -> None:
     tokens = TOKENS[:100]
     cache = prefill(kv_model, make_prompt_cache(kv_model), tokens[:-1] + MORE[:7])
-    assert trimmable(cache)
+    assert rewindable(cache)
     assert rewind(cache, 7)
     assert all(c.offset == 99 for c in cache)
     assert greedy(kv_model, cache, tokens[-1]) == fresh_greedy(kv_model, tokens)
@@ -252,13 +253,13 @@ def test_rewind_in_place(kv_model: Any) -> None:
 def test_rotating_rewind_before_wrap_only(swa_model: Any) -> None:
     tokens = TOKENS[:41]
     cache = prefill(swa_model, make_prompt_cache(swa_model), tokens[:-1] + MORE[:5])
-    assert trimmable(cache)
+    assert rewindable(cache)
     assert rewind(cache, 5)
     assert greedy(swa_model, cache, tokens[-1]) == fresh_greedy(swa_model, tokens)
 
     wrapped = prefill(swa_model, make_prompt_cache(swa_model), TOKENS[:100])
     before = copy_of(snapshot(wrapped))
-    assert not trimmable(wrapped)
+    assert not rewindable(wrapped)
     assert not rewind(wrapped, 1)
     assert all(c.offset == 100 for c in wrapped)
     assert_same(snapshot(wrapped), before)
@@ -316,7 +317,7 @@ def test_rotating_with_sinks(kv_model: Any) -> None:
 def test_rotating_cannot_split(swa_model: Any) -> None:
     cache = prefill(swa_model, make_prompt_cache(swa_model), TOKENS[:100])
     snap = snapshot(cache)
-    assert not trimmable(snap)
+    assert not cuttable(snap)
     with pytest.raises(CannotSplit, match="rotating"):
         split(snap, 50)
     with pytest.raises(CannotSplit):
@@ -361,7 +362,7 @@ def test_quantized(kv_model: Any, bits: int) -> None:
     head, _ = split(merged, 100)
     assert head.layers[0].arrays[0].shape[2] == 100
     assert greedy(kv_model, restore(merged), tokens[-1]) == greedy(kv_model, q, tokens[-1])
-    assert trimmable(merged) and rewind(q, 3)
+    assert cuttable(merged) and rewind(q, 3)
 
 
 # -- BatchGenerator: how the daemon uses restored caches ----------------------
@@ -490,7 +491,7 @@ def test_arrays_merge_keeps_the_later_state() -> None:
     merged = merge(first, second)
     assert_same(merged, snapshot(cache))
     assert merged.layers[0] is second.layers[0]
-    assert not trimmable(merged) and not trimmable(cache)
+    assert not cuttable(merged) and not rewindable(cache)
     with pytest.raises(CannotSplit, match="arrays"):
         split(merged, 12)
     with pytest.raises(CannotSplit):
@@ -504,7 +505,7 @@ def test_arrays_merge_keeps_the_later_state() -> None:
 def test_cache_list_of_kv_splits() -> None:
     cache: list[Any] = [CacheList(_kv(12, 1), _kv(12, 2)), _kv(12, 3)]
     snap = snapshot(cache)
-    assert trimmable(snap) and trimmable(cache)
+    assert cuttable(snap) and rewindable(cache)
     a, b = split(snap, 5)
     assert a.layers[0].children[1].arrays[0].shape[2] == 5
     assert_same(merge(a, b), snap)

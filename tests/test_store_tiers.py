@@ -273,3 +273,36 @@ def test_warm_holds_a_shared_prefix_once(model: Any, tmp_path: Path, warm_bits: 
     # One prefix plus six tails, against six whole sessions.
     assert sizes[16] <= 1.01 * (one_session * 64 / 69 + 6 * tail)
     assert sizes[16] < sizes[4096] / 3
+
+
+def test_warm_eviction_never_leaves_a_tail_without_its_blocks(model: Any, tmp_path: Path) -> None:
+    """A warm budget for about two sessions, six sessions over one prefix: the shared blocks stay while any
+    warm tail needs them, the budget holds, and every tail still warm restores exactly."""
+    prefix = list(range(100, 148))
+    clock = Clock()
+    one = SessionCaches(tmp_path / "one", "fp", budgets(resident_bytes=0, block_tokens=16), clock=clock)
+    cache, toks = grow(model, None, [], prefix + [200] * 5)
+    one.checkin(A, cache, toks)
+    session_bytes = one.warm.nbytes
+    one.close()
+    caches = SessionCaches(tmp_path / "two", "fp", budgets(resident_bytes=0, block_tokens=16,
+                                                           warm_bytes=int(session_bytes * 1.3)), clock=clock)
+    kept = {}
+    for i in range(6):
+        key = f"{i:04x}"
+        clock.now += 1
+        cache, toks = grow(model, None, [], prefix + [200 + i] * 5)
+        caches.checkin(key, cache, toks)
+        kept[key] = (_held(cache), toks)
+        assert caches.warm.nbytes <= caches.warm.budget
+        for warm_key in caches.warm:
+            parts = caches.warm.parts(warm_key)
+            assert parts is not None and [p.start for p in parts[0]] == [0, 16, 32, 48]  # blocks, then the tail
+    caches.flush()
+    assert len(caches.warm) >= 2 and caches.statistics()["warm"]["blocks"] == 3
+    for key in list(caches.warm):
+        state, toks = kept[key]
+        got = caches.checkout(key, toks + [7])
+        assert got.restored_from == "warm" and got.cache is not None
+        assert all(mx.array_equal(x, y).item() for x, y in zip(state, _held(got.cache)))
+    caches.close()

@@ -25,9 +25,17 @@ import mlx.core as mx
 
 
 class Prefill:
-    """The state of one prompt's prefill: `cache` holds `tokens[:fed]`."""
+    """The state of one prompt's prefill: `cache` holds `tokens[:fed]`.
 
-    def __init__(self, model: Any, cache: list[Any], tokens: Sequence[int], fed: int, *, step: int):
+    `boundary`: a chunk never crosses a multiple of it, and `at_boundary(cache,
+    ids fed)` is called at each one the prompt goes past (a cache with a
+    sliding window, whose state at a block's end can only be taken there:
+    cachestore's `SessionCaches.boundary` and `capture`).
+    """
+
+    def __init__(self, model: Any, cache: list[Any], tokens: Sequence[int], fed: int, *, step: int,
+                 boundary: int | None = None,
+                 at_boundary: Callable[[list[Any], Sequence[int]], None] | None = None):
         if not 0 <= fed < len(tokens):
             raise ValueError(f"a prefill needs at least one token to feed ({fed} of {len(tokens)} fed)")
         if step < 1:
@@ -37,6 +45,8 @@ class Prefill:
         self.tokens = list(tokens)
         self.fed = fed
         self.step = step
+        self.boundary = boundary
+        self.at_boundary = at_boundary
 
     @property
     def remaining(self) -> int:
@@ -47,11 +57,16 @@ class Prefill:
 
         After the last ones: the next token's log-probabilities, shape (1, vocab).
         """
-        chunk = self.tokens[self.fed:self.fed + (n or self.step)]
+        n = n or self.step
+        if self.boundary:
+            n = min(n, self.boundary - self.fed % self.boundary)
+        chunk = self.tokens[self.fed:self.fed + n]
         logits = self.model(mx.array(chunk)[None], cache=self.cache)
         self.fed += len(chunk)
         if self.remaining:
             mx.eval([c.state for c in self.cache])
+            if self.boundary and self.at_boundary and self.fed % self.boundary == 0:
+                self.at_boundary(self.cache, self.tokens[:self.fed])
             mx.clear_cache()
             return None
         last: mx.array = logits[:, -1, :]

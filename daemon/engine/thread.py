@@ -14,6 +14,7 @@ the batch, then one prefill chunk, so a long prefill never freezes the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -302,7 +303,9 @@ class Engine:
             job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
             restored_from=out.restored_from, restore_ms=out.restore_ms, inserted=time.perf_counter(),
             sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
-            prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size),
+            prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
+                            boundary=self.caches.boundary(cache),
+                            at_boundary=functools.partial(self.caches.capture, job.session_id)),
             shared_tokens=shared, prefetched=out.prefetched and cached > 0,
         ))
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))

@@ -1,0 +1,111 @@
+"""The engine thread's half of the disk tier: what disk will hold, the queue to the I/O worker, its reports.
+
+Decide in one place, execute in another, acknowledge back (as SGLang's
+scheduler and cache controller do). The engine decides what a turn writes
+(`write_behind`: writeback.plan on the chain as it will be once the jobs
+queued before are done, a `Promise` this class alone keeps), evaluates
+those snapshots and queues their writing; the I/O worker executes against
+the index as it is (writeback.py) and every job reports back the index
+rows it changed (a `DiskNews`), which `settle` applies to the block table
+on the engine thread. The two threads share no dict and no statistics:
+the worker's figures are its Writeback's, the engine's its PageIn's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CorruptSegment
+from .index import BlockRow, DiskNews, SegmentIndex, SegmentRow
+from .ioworker import IOWorker
+from .snapshot import Snapshot, cuttable
+from .table import BlockTable
+from .writeback import NOTHING, Promise, Writeback, evaluate, plan, promise_of
+
+log = logging.getLogger("kvd.cache")
+
+
+class DiskTier:
+    def __init__(self, index: Callable[[], SegmentIndex], table: BlockTable, writer: Writeback, *,
+                 max_segments: int, on_idle: Callable[[], None]) -> None:
+        self._index = index  # the calling thread's own connection
+        self.table = table
+        self.writer = writer
+        self.io = IOWorker()
+        writer.indexed = lambda: self.io.report(self._index().news())
+        self.max_segments = max_segments
+        self._on_idle = on_idle
+        self._promised: dict[str, Promise] = {}  # disk chains as they will be once queued jobs are done
+
+    def settle(self) -> None:
+        """Take in the worker's reports: the index rows its jobs changed, and which sessions have
+        nothing queued any more; `on_idle` once the worker has nothing left to do."""
+        idle = self.io.idle()  # before draining: every report of a finished job is queued by then
+        done, results = self.io.settle()
+        for news in results:
+            if isinstance(news, DiskNews):
+                self.table.apply(news)
+        for key in done:
+            self._promised.pop(key, None)
+        if idle:
+            self._on_idle()
+
+    def later(self, job: Callable[[SegmentIndex], object], key: str | None = None) -> None:
+        """An index write: run on the worker, after the jobs before it, reporting the rows it changed."""
+        if self.io.on_worker():
+            job(self._index())
+            return
+
+        def run() -> DiskNews:
+            index = self._index()
+            try:
+                job(index)
+            except Exception:
+                log.exception("a cache disk job failed")
+            return index.news()
+
+        self.io.submit(run, key=key)
+
+    def promise(self, key: str) -> Promise:
+        held = self._promised.get(key)
+        if held is None:
+            blocks, tail = self.table.disk_rows(key)
+            held = promise_of(blocks, tail, block=self.table.block, fingerprint=self.writer.fingerprint)
+        return held
+
+    def write_behind(self, key: str, cache: list[Any] | Snapshot, tokens: list[int], keys: list[str], *,
+                     evict: bool = True, captured: dict[int, Snapshot] | None = None) -> None:
+        """Evaluate what disk will lack of `tokens` and queue its writing.
+
+        `cache` is a live cache, or a snapshot of all of `tokens` (paging out at
+        shutdown); `keys` the keys of the whole blocks its chain lists, hashed
+        once by the table; `captured` a window's blocks (writeback.evaluate).
+        """
+        rewrite = isinstance(cache, Snapshot) and not cuttable(cache)  # a window: written whole or not at all
+        blocks_from, private_from, after = plan(self.promise(key), tokens, whole=len(keys),
+                                                block=self.table.block, max_segments=self.max_segments,
+                                                rewrite=rewrite)
+        pieces = evaluate(cache, tokens, blocks_from, private_from, after, self.table.block, captured)
+        self._promised[key] = after
+        writer = self.writer
+        self.later(lambda _: writer.persist(key, pieces, tokens, keys, evict=evict, rewrite=rewrite), key)
+
+    def dropped(self, key: str, row: BlockRow | SegmentRow, e: CorruptSegment) -> None:
+        """A file failed verification: unlist it and what follows it (a block: in every chain)."""
+        if isinstance(row, BlockRow):
+            block = row.block
+            log.warning("dropping cache block %s: %s; every session that lists it will prefill "
+                        "from token %d", row.path, e, row.start)
+            self.later(lambda index: index.drop_block(block), None)
+            self._promised.clear()  # any chain may list it: plan from what the worker reports
+        else:
+            log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
+            start = row.start
+            self._promised[key] = self.promise(key).cut(start)
+            self.later(lambda index: index.drop_from(key, start), key)
+
+    def forget(self, key: str) -> None:
+        self.later(lambda index: index.drop_from(key, 0), key)  # after its queued writes, which it undoes
+        self._promised[key] = NOTHING
