@@ -60,3 +60,28 @@ def test_gemma3_past_its_window_resumes_exactly_from_memory_and_disk(gemma3: Pat
         got = tokens[p:p + n]
         # An answer ended by its end-of-turn token does not feed it: the reference has it, the ids do not.
         assert n > 0 and got == want[:len(got)] and (len(got) == n or done["finish_reason"] == "stop"), u
+
+
+def test_gemma3_sessions_share_a_long_system_prompt_exactly(gemma3: Path, tmp_path: Path) -> None:
+    """Sliding-window layers share too: the window is captured at each block boundary of a prefill,
+    so a second conversation with the same 600-token system prompt starts from the first one's."""
+    (converted,) = (gemma3 / "gguf").glob("*-float32")
+    data = data_dir_with(gemma3, tmp_path / "kvd")
+    d = DaemonProcess(data, "--model", MODEL, block_tokens=128)
+    try:
+        with d.client() as c:
+            done = []
+            for question in ("What did he write down?", "Who started the ledger?"):
+                sid = c.request("session.create", system=PARAGRAPH * 20)["session"]["id"]
+                _, end = c.chat(sid, question, max_tokens=6, temperature=0)
+                done.append((sid, end))
+    finally:
+        d.terminate()
+    (_, first), (sid, second) = done
+    u = second["usage"]
+    assert first["usage"]["restored_from"] == "none"
+    assert u["restored_from"] == "shared" and u["shared_tokens"] >= 512, u
+    tokens = fed_tokens(data / "kvd.sqlite", sid)
+    p, n = u["prompt_tokens"], u["completion_tokens"]
+    want, got = greedy_reference(converted, tokens[:p], n), tokens[p:p + n]
+    assert got == want[:len(got)] and (len(got) == n or second["finish_reason"] == "stop")
