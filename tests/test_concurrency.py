@@ -103,8 +103,10 @@ async def test_eight_clients_at_once_each_equal_to_alone(tmp_path: Path) -> None
             for i in range(len(PROMPTS)):
                 tg.start_soon(one, i)
         assert all(a.done["type"] == "chat.done" for a in answers), [a.done for a in answers]
-        # The answers were generated side by side: their streams overlapped in time.
-        assert sum(a.first < min(b.last for b in answers) for a in answers) >= 4
+        # The answers were generated side by side: their streams overlapped in time. (How many overlap
+        # depends on how fast the clients' requests arrive on a loaded machine; at least two always do
+        # when the engine batches, none when it serves one at a time.)
+        assert sum(a.first < min(b.last for b in answers) for a in answers) >= 2
         # The stalled client was cut off, but its answer runs on into the transcript.
         (sid,) = stalled
         gen = d.daemon.turns.active.get(sid)
