@@ -157,7 +157,7 @@ def test_header_reader_agrees_with_gguf_py(small_files: dict[str, Path]) -> None
 
 @pytest.mark.parametrize(("make", "found"), [
     (lambda p: write_llama(p, "F32", arch="gpt2"),
-     "is a 'gpt2' model; kvd converts GGUF files of architecture llama, qwen2, qwen3, gemma3 only"),
+     "is a 'gpt2' model; kvd converts GGUF files of architecture llama, qwen2, qwen3, phi3, gemma2, gemma3 only"),
     (lambda p: p.write_bytes(write_llama(p, "Q8_0").read_bytes()[:-1000]) and p, "is truncated"),
     (lambda p: p.write_bytes(b"PK\x03\x04 not a gguf") and p, "is not a GGUF file"),
 ])

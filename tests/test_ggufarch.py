@@ -29,6 +29,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                  "rope_scaling": LLAMA3}),
     "qwen2": ("qwen2", {"model_type": "qwen2", "num_hidden_layers": 2, "rope_theta": 1000000.0}),
     "qwen3": ("qwen3", {"model_type": "qwen3", "num_hidden_layers": 2, "rope_theta": 1000000.0}),
+    "phi3": ("phi3", {"model_type": "phi3", "num_hidden_layers": 2, "rope_theta": 10000.0}),
+    "gemma2": ("gemma2", {"model_type": "gemma2", "num_hidden_layers": 2, "rope_theta": 10000.0,
+                          "query_pre_attn_scalar": HEAD_DIM, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0}),
     "gemma3": ("gemma3", {"model_type": "gemma3_text", "num_hidden_layers": 6, "rope_theta": 1000000.0,
                           "sliding_window": 8, "sliding_window_pattern": 6, "query_pre_attn_scalar": HEAD_DIM,
                           "rope_local_base_freq": 10000.0}),
@@ -39,7 +43,8 @@ LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_att
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
          "self_attn.k_norm": "attn_k_norm"}
-LAYER_LLAMA = {**LAYER, "post_attention_layernorm": "ffn_norm"}
+LAYER_LLAMA = {**LAYER, "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+               "mlp.gate_up_proj": "ffn_up"}
 LAYER_GEMMA = {**LAYER, "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -53,20 +58,20 @@ def reference(case: str, tmp: Path) -> tuple[Any, dict[str, np.ndarray], dict[st
     config = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
               "head_dim": HEAD_DIM, "intermediate_size": FFN, "rms_norm_eps": 1e-6,
               "vocab_size": len(vocabulary()[0]), "max_position_embeddings": 2048,
-              "tie_word_embeddings": extra["model_type"] == "gemma3_text", **extra}
+              "tie_word_embeddings": extra["model_type"].startswith("gemma"), **extra}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     rng = np.random.default_rng(7)
     weights: dict[str, np.ndarray] = {}
     params: Any = tree_flatten(model.parameters())
     for name, value in params:
-        if case == "gemma3" and name == "lm_head.weight":
+        if case.startswith("gemma") and name == "lm_head.weight":
             continue  # tied
-        shift = 1.0 if name.endswith("norm.weight") and case != "gemma3" else 0.0
+        shift = 1.0 if name.endswith("norm.weight") and not case.startswith("gemma") else 0.0
         weights[name] = np.asarray(shift + rng.standard_normal(value.shape) * 0.2, dtype=np.float32)
     model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=False)
     if case == "gemma3":
-        model.tie_word_embeddings = True
+        model.tie_word_embeddings = True  # gemma2 always ties
     return model, weights, config
 
 
@@ -88,6 +93,9 @@ def write_gguf(case: str, path: Path, weights: dict[str, np.ndarray], config: di
     w.add_rope_freq_base(config["rope_theta"])
     if arch == "gemma3":
         w.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", config["attn_logit_softcapping"])
+        w.add_float32("gemma2.final_logit_softcapping", config["final_logit_softcapping"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
     w.add_token_list(tokens)
@@ -96,7 +104,7 @@ def write_gguf(case: str, path: Path, weights: dict[str, np.ndarray], config: di
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(CHAT_TEMPLATE)
-    layer = LAYER_GEMMA if arch == "gemma3" else LAYER_LLAMA
+    layer = LAYER_GEMMA if arch.startswith("gemma") else LAYER_LLAMA
     for name, value in weights.items():
         if name.startswith("model.layers."):
             i, rest = name[len("model.layers."):].split(".", 1)
@@ -109,7 +117,7 @@ def write_gguf(case: str, path: Path, weights: dict[str, np.ndarray], config: di
             value = llama_permute(value, HEADS)
         elif arch == "llama" and gguf.endswith("attn_k.weight"):
             value = llama_permute(value, KV_HEADS)
-        if arch == "gemma3" and gguf.endswith("norm.weight"):
+        if arch.startswith("gemma") and gguf.endswith("norm.weight"):
             value = value + 1.0  # Gemma's norm_shift
         w.add_tensor(gguf, value)
     if "rope_scaling" in config:

@@ -66,7 +66,7 @@ def test_an_unsupported_architecture(tmp_path: Path) -> None:
     path = write_llama(tmp_path / "model.gguf", "F16", arch="falcon")
     code, lines = serve(tmp_path / "kvd", "--model", str(path))
     assert_one_clear_line(code, lines, "model.gguf is a 'falcon' model; kvd converts GGUF files of "
-                                       "architecture llama, qwen2, qwen3, gemma3 only")
+                                       "architecture llama, qwen2, qwen3, phi3, gemma2, gemma3 only")
 
 
 def test_a_wheel_with_the_wrong_checksum(tmp_path: Path) -> None:

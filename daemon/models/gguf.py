@@ -2,7 +2,7 @@
 
 People already have GGUF files (llama.cpp's format); mlx-lm loads its own
 directory layout. This module checks a GGUF file against what it can
-convert (the architectures of ggufarch.py: llama, qwen2, qwen3, gemma3; a
+convert (the architectures of ggufarch.py: llama, qwen2, qwen3, phi3, gemma2, gemma3; a
 byte-level BPE or a SentencePiece vocabulary), reads its tensors and writes
 config.json, model.safetensors and the tokenizer files (gguftok.py,
 ggufspm.py) into a new directory.
@@ -87,6 +87,9 @@ def check_supported(info: GGUFInfo, path: Path, mode: str = "float32") -> None:
         if t.type not in (MLX_TYPES if mode == "quantized" else dequantizable()):
             raise UnsupportedGGUF(f"{path.name}: tensor {t.name} is encoded as {t.type_name}; kvd "
                                   f"converts GGUF tensors in {_supported_types(mode)} only")
+        if t.name.startswith("rope_factors"):
+            raise UnsupportedGGUF(f"{path.name} uses long-context rope scaling ({t.name}, Phi 3's 128k "
+                                  "variants); kvd converts files without it")
         if table.mlx_name(t.name) is None and not (t.name == ROPE_FREQS and arch == "llama"):
             raise UnsupportedGGUF(f"{path.name}: tensor {t.name} has no place in mlx-lm's {table.model_type} "
                                   "model (a variant of the architecture kvd does not convert)")
@@ -154,7 +157,7 @@ def model_config(meta: dict[str, Any], tied: bool, rope_freqs: Any = None) -> di
         raise UnsupportedGGUF(f"{heads} attention heads do not divide into {kv_heads} key/value heads")
     head_dim = _int(meta, f"{a}.attention.key_length", hidden // heads)
     rope_dims = _int(meta, f"{a}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and a != "phi3":  # Phi 3's partial rotary is a config key of mlx-lm's
         raise UnsupportedGGUF(f"rope over {rope_dims} of {head_dim} head dimensions is not supported")
     config: dict[str, Any] = {
         "model_type": table.model_type,

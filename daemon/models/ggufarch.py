@@ -49,6 +49,16 @@ _GEMMA_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi 3: q, k and v in one matrix, gate and up in another (llama.cpp's ffn_up holds both).
+_PHI3_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GEMMA2_LAYER = {k: v for k, v in _GEMMA_LAYER.items() if k not in _QK_NORM}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 CHATML = (
@@ -68,6 +78,13 @@ GEMMA_TEMPLATE = (
     " + '<end_of_turn>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+# Phi 3's turns (a system turn of its own).
+PHI3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 # Llama 2 and Mistral's [INST] turns (a system prompt inside the first one, as Llama 2 puts it).
 INST_TEMPLATE = (
@@ -122,6 +139,25 @@ def _qwen3(meta: Meta, a: str) -> dict[str, Any]:
     return {"head_dim": int(_get(meta, f"{a}.attention.key_length"))}
 
 
+def _gemma2(meta: Meta, a: str) -> dict[str, Any]:
+    heads, hidden = int(_get(meta, f"{a}.attention.head_count")), int(_get(meta, f"{a}.embedding_length"))
+    head_dim = int(_get(meta, f"{a}.attention.key_length", hidden // heads))
+    # llama.cpp: 1/sqrt(head_dim), except Gemma 2 27B (46 layers): 1/sqrt(hidden/heads).
+    big = _get(meta, f"{a}.block_count") == 46
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": hidden // heads if big else head_dim,
+        "attn_logit_softcapping": float(_get(meta, f"{a}.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(_get(meta, f"{a}.final_logit_softcapping", 30.0)),
+    }
+
+
+def _phi3(meta: Meta, a: str) -> dict[str, Any]:
+    heads, hidden = int(_get(meta, f"{a}.attention.head_count")), int(_get(meta, f"{a}.embedding_length"))
+    rope_dims = int(_get(meta, f"{a}.rope.dimension_count", hidden // heads))
+    return {"partial_rotary_factor": rope_dims / (hidden // heads)}
+
+
 def _gemma3(meta: Meta, a: str) -> dict[str, Any]:
     heads, hidden = int(_get(meta, f"{a}.attention.head_count")), int(_get(meta, f"{a}.embedding_length"))
     head_dim = int(_get(meta, f"{a}.attention.key_length", hidden // heads))
@@ -144,6 +180,9 @@ ARCHITECTURES: dict[str, Arch] = {a.name: a for a in (
          biases=frozenset({"attn_q", "attn_k", "attn_v"})),
     Arch("qwen3", "qwen3", "Qwen3ForCausalLM", {**_LLAMA_LAYER, **_QK_NORM}, CHATML, "<|im_end|>",
          config=_qwen3),
+    Arch("phi3", "phi3", "Phi3ForCausalLM", _PHI3_LAYER, PHI3_TEMPLATE, "<|end|>", config=_phi3),
+    Arch("gemma2", "gemma2", "Gemma2ForCausalLM", _GEMMA2_LAYER, GEMMA_TEMPLATE, "<end_of_turn>",
+         norm_offset=1.0, config=_gemma2),
     Arch("gemma3", "gemma3_text", "Gemma3ForCausalLM", _GEMMA_LAYER, GEMMA_TEMPLATE, "<end_of_turn>",
          norm_offset=1.0, config=_gemma3),
 )}
