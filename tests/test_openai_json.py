@@ -46,8 +46,8 @@ async def test_json_schema_answers_validate_greedy_sampled_and_streamed(tmp_path
             json.loads(plain.choices[0].message.content)
         answers = []
         for temperature, seed in [(0.0, None), (1.0, 1), (1.0, 2), (1.0, 3)]:
-            r = await api.chat.completions.create(model="builtin:tiny", messages=ASK, max_tokens=200, temperature=temperature,
-                                                  seed=seed, response_format=FORMAT)
+            r = await api.chat.completions.create(model="builtin:tiny", messages=ASK, max_tokens=200,
+                                                  temperature=temperature, seed=seed, response_format=FORMAT)
             assert r.choices[0].finish_reason == "stop"  # the object closed, then only an end of turn
             answers.append(json.loads(r.choices[0].message.content or ""))
         stream = await api.chat.completions.create(model="builtin:tiny", messages=ASK, max_tokens=200, temperature=0,
@@ -66,8 +66,8 @@ async def test_json_object_and_a_plain_session_beside_it_in_one_batch(tmp_path: 
         alone = await api.chat.completions.create(model="builtin:tiny", messages=ASK, max_tokens=24, temperature=0)
         plain, shaped = await asyncio.gather(
             api.chat.completions.create(model="builtin:tiny", messages=ASK, max_tokens=24, temperature=0),
-            api.chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "Any object."}], max_tokens=120,
-                                        temperature=0, response_format={"type": "json_object"}))
+            api.chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "Any object."}],
+                                        max_tokens=120, temperature=0, response_format={"type": "json_object"}))
         await api.close()
     # The unconstrained answer decoded in the same batch is the one it gives alone, token for token.
     assert plain.choices[0].message.content == alone.choices[0].message.content

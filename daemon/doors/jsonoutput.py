@@ -3,9 +3,7 @@
 `json_object` is any JSON object; `json_schema` is its schema. llguidance
 compiles the schema here, at the door, so a schema it cannot follow is a 400
 that stores nothing; the engine builds the per-answer matcher from the same
-grammar string. The JSON is written compactly, with Python's separators
-(`", "` and `": "`) and no other whitespace: a model may not pad an answer
-with spaces or newlines until max_tokens runs out.
+grammar string.
 """
 
 from __future__ import annotations
@@ -15,7 +13,9 @@ from typing import Any
 
 from .openai_schema import ApiError, ResponseFormat
 
-STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Whitespace as models write JSON (a newline and an indent between items), but at most 16 characters
+# in a row: a model may not pad an answer with blanks until max_tokens runs out.
+STYLE = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 
 
 def output_grammar(fmt: ResponseFormat | None) -> str | None:
