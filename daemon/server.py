@@ -117,6 +117,8 @@ class Daemon:
             async def watch_loading() -> None:
                 with loading:
                     await self._loading.run(self.websocket.broadcast)
+                if self._loading.ready:
+                    await self.turns.tokenizing.prepare()
 
             async def serve() -> None:
                 try:
