@@ -1,6 +1,7 @@
 """A real model (the default, SmolLM2-135M-Instruct, or --model builtin:gemma3) in kvd against mlx-lm alone.
 
 Run: .venv/bin/python bench/realmodel.py [--model builtin:gemma3] [--prompt-tokens 1024] [--history 2048]
+                                         [--parts speed resume] [--settle SECONDS]
 
 1. Speed. A real `kvd serve` (subprocess, websocket client, greedy) answers a
    message of about --prompt-tokens tokens; then, with kvd stopped, mlx-lm's
@@ -139,7 +140,7 @@ def speed(data: Path, model_dir: Path, prompt_tokens: int, max_tokens: int) -> N
           f"{last.generation_tps:.1f} tok/s | {len(prompt) / last.prompt_tps * 1000:.0f} ms |")
 
 
-def resume(data: Path, model_dir: Path, history: int) -> None:
+def resume(data: Path, model_dir: Path, history: int, settle: float = 0.0) -> None:
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
@@ -165,6 +166,7 @@ def resume(data: Path, model_dir: Path, history: int) -> None:
         d = DaemonProcess(where, "--model", MODEL)
         try:
             with d.client() as c:
+                time.sleep(settle)
                 _, done, ttft = chat_timed(c, sid, "And what did they write down?", max_tokens=8)
         finally:
             d.terminate()
@@ -179,6 +181,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--history", type=int, default=2048)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a built-in model or any --model kvd serve takes")
+    ap.add_argument("--parts", nargs="+", choices=("speed", "resume"), default=["speed", "resume"])
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds between a restarted kvd's ready and the next turn (a person's pause)")
     args = ap.parse_args()
     global MODEL
     MODEL = args.model
@@ -191,8 +196,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvd-bench-real-") as tmp:
         for name in ("speed", "resume"):
             shutil.copytree(store, Path(tmp) / name / "kvd" / "models", copy_function=os.link)
-        speed(Path(tmp) / "speed" / "kvd", model_dir, args.prompt_tokens, args.max_tokens)
-        resume(Path(tmp) / "resume" / "kvd", model_dir, args.history)
+        if "speed" in args.parts:
+            speed(Path(tmp) / "speed" / "kvd", model_dir, args.prompt_tokens, args.max_tokens)
+        if "resume" in args.parts:
+            resume(Path(tmp) / "resume" / "kvd", model_dir, args.history, args.settle)
     print(f"\nafter: {uptime()}")
 
 
