@@ -131,6 +131,11 @@ class Lockstep:
         self._watchdog = threading.Thread(target=self._watch, name="kvd-watchdog", daemon=True)
         self._watchdog.start()
 
+    @property
+    def heartbeat(self) -> float:
+        """The longest rank 0 may stay silent while idle: well inside the followers' watchdog."""
+        return self.timeout / 3
+
     def peers(self) -> str:
         """The rank(s) this rank would lose: named when there is only one."""
         others = [r for r in range(self.size) if r != self.rank]
@@ -228,7 +233,7 @@ class Lockstep:
             time.sleep(POLL)
             since = self._since
             if since is not None and time.monotonic() - since > self.timeout:
-                self.fatal(f"no word from {self.peers()} for {self.timeout:.0f} s (KVD_RANK_TIMEOUT); "
+                self.fatal(f"lost {self.peers()} (no word for {self.timeout:g} s: KVD_RANK_TIMEOUT); "
                            "stopping; restart the group to resume every session from disk")
 
     def lost(self, e: BaseException) -> NoReturn:

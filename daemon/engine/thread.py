@@ -185,12 +185,14 @@ class Engine:
     def _run(self) -> None:
         self.open()
         ls = self.lockstep
+        # Idle, rank 0 still speaks (an IDLE tick) often enough for the followers' watchdog.
+        idle_wait = MAINTAIN_EVERY if ls is None else min(MAINTAIN_EVERY, ls.heartbeat)
         while True:
             try:
                 if self._turns.running or self._prefetch:
                     cmd = self._inbox.get(block=False)
                 else:
-                    cmd = self._inbox.get(timeout=MAINTAIN_EVERY)  # the followers' heartbeat, too
+                    cmd = self._inbox.get(timeout=idle_wait)
             except queue.Empty:
                 cmd = None
             with ls.watched() if ls is not None else contextlib.nullcontext():

@@ -1,20 +1,19 @@
 """kvd across ranks: `kvd serve --ranks N` on one machine, and each rank's start under mlx.launch.
 
 `kvd serve --ranks N` prepares the model (a model whose heads do not divide
-by N stops here, with one line), then runs itself N times through
-`mlx.launch -n N --backend ring` on free loopback ports and relays their
-output. Each launched process reads its rank from mlx.launch's environment:
-rank 0 is the kvd of one machine with a sharded engine (cli.py); ranks 1..N-1
-are followers (engine/follower.py), started by `follow` here. Across machines
-the user runs mlx.launch with --hosts or a hostfile (docs/distributed.md).
+by N stops here, with one line), then runs itself N times on free loopback
+ports with the environment `mlx.launch -n N --backend ring` gives its ranks
+(see `launch` for why not through it). Each process reads its rank from that
+environment: rank 0 is the kvd of one machine with a sharded engine (cli.py);
+ranks 1..N-1 are followers (engine/follower.py), started by `follow` here.
+Across machines the user runs `mlx.launch --hosts ... -- kvd serve`
+(docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,11 +27,11 @@ from typing import Any
 from common import durable
 
 from ..config import Config
-from .control import read_daemon_file
 from .logfile import setup_logging
 
-NODE_EXIT = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 PORTS_FROM = 40000  # where the search for N free consecutive ports starts
+HOSTFILE = "ranks.json"  # in the data directory: the ring's addresses for `kvd serve --ranks N`
+FOLLOWERS_GRACE = 30.0  # seconds the followers get to end after rank 0 did
 
 
 def launched() -> int | None:
@@ -99,19 +98,22 @@ def _free(port: int) -> bool:
     return True
 
 
-def launch_command(argv: Sequence[str], ranks: int, port: int) -> list[str]:
-    """mlx.launch running `kvd <argv>` as `ranks` local ranks on the ring backend from `port`."""
-    here = Path(sys.executable).with_name("mlx.launch")
-    launcher = str(here) if here.exists() else (shutil.which("mlx.launch") or "mlx.launch")
-    return [launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(port),
-            "--python", sys.executable, "--", "-m", "daemon.cli", *argv]
+def hostfile(path: Path, ranks: int, port: int) -> Path:
+    """The ring backend's hostfile for `ranks` ranks on loopback from `port` (mlx.launch writes the same)."""
+    durable.write_atomic(path, json.dumps([[f"127.0.0.1:{port + r}"] for r in range(ranks)]), mode=0o600)
+    return path
 
 
 def launch(argv: Sequence[str], config: Config, ranks: int) -> int:
     """Run `kvd <argv>` as `ranks` local ranks; 0 when every rank ended well.
 
-    SIGINT and SIGTERM go to rank 0 alone (from daemon.json), which stops the
-    followers itself after paging every cache out.
+    Each rank gets the environment mlx.launch gives it (MLX_RANK, MLX_HOSTFILE);
+    kvd starts them itself because mlx.launch's output relay spins a core per
+    rank (it polls each rank's always-writable stdin pipe: 73% of a core,
+    measured idle here), which on a shared machine is the model's core. Across
+    machines, mlx.launch starts `kvd serve` (docs/distributed.md).
+    SIGINT and SIGTERM go to rank 0 alone, which stops the followers itself
+    after paging every cache out; rank 0 names a rank that died.
     """
     from ..engine.shard import ShardError, check_shardable
     from .startup import prepare
@@ -124,28 +126,25 @@ def launch(argv: Sequence[str], config: Config, ranks: int) -> int:
     except ShardError as e:
         print(f"kvd: error: {e}", file=sys.stderr, flush=True)
         return 1
-    began = time.time()
-    proc = subprocess.Popen(launch_command(argv, ranks, free_ports(ranks)), stdin=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    hosts = hostfile(config.data_dir / HOSTFILE, ranks, free_ports(ranks))
+    procs = [subprocess.Popen([sys.executable, "-m", "daemon.cli", *argv], stdin=subprocess.DEVNULL,
+                              env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
+                              start_new_session=True)  # a terminal's Ctrl-C reaches this process alone
+             for r in range(ranks)]
 
     def stop(signum: int, frame: Any) -> None:
-        info = read_daemon_file(config.data_dir)
-        pid = info.get("pid") if info.get("started_at", 0) >= began else None  # never an old file's pid
-        try:
-            if isinstance(pid, int):
-                os.kill(pid, signal.SIGTERM)
-            else:  # not listening yet: the whole group
-                os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    failed = False
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if (m := NODE_EXIT.search(line)) and int(m.group(2)) != 0:
-            failed = True
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    return 1 if proc.wait() != 0 or failed else 0
+    procs[0].wait()
+    # The followers end on rank 0's stop, or on losing it; never left behind.
+    deadline = time.monotonic() + FOLLOWERS_GRACE
+    for p in procs[1:]:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return 0 if all(p.returncode == 0 for p in procs) else 1
