@@ -127,8 +127,8 @@ def test_restart_resumes_from_disk_and_a_damaged_share_falls_back_exactly(
 
 def test_kill_9_of_rank_1_ends_rank_0_with_one_line_and_a_restart_resumes(
         tmp_path: Path, one_rank: dict[str, Any]) -> None:
-    # A rank killed mid-answer leaves the others inside a collective that never ends: the watchdog
-    # ends them (its idle heartbeat is a third of the timeout).
+    # A rank killed mid-answer: rank 0's collective fails ("connection to a peer was lost") or
+    # never ends, and the watchdog ends it (its idle heartbeat is a third of the timeout).
     d = ranks2(tmp_path)
     try:
         sid = new_session(d)
@@ -149,7 +149,7 @@ def test_kill_9_of_rank_1_ends_rank_0_with_one_line_and_a_restart_resumes(
         assert d.proc.wait(timeout=60) == 1
     kvd_lines = [line for line in d.log if line.startswith("kvd: ")]
     lost = [line for line in kvd_lines if "rank 1" in line and "lost" in line]
-    assert len(lost) == 1 and lost[0].startswith("kvd: error: rank 0: lost rank 1 (no word for 6 s"), d.log
+    assert len(lost) == 1 and lost[0].startswith("kvd: error: rank 0: lost rank 1 ("), d.log
     assert "Traceback" not in "".join(d.log)
 
     d = ranks2(tmp_path)

@@ -37,6 +37,7 @@ from typing import Any, NoReturn, cast
 
 from common.tiers import NO_CACHE
 
+from .doorbell import Doorbell, rank0_address
 from .jobs import Cancel, Forget, Stop, TurnJob
 
 log = logging.getLogger("kvd.lockstep")
@@ -55,6 +56,7 @@ class Kind(IntEnum):
     FORGET = 5
     STOP = 6
     VALUE = 7  # one int rank 0 chose (a prefill chunk's size, the sampler seed)
+    SLEEP = 8  # rank 0 is idle: wait on the doorbell, not in all_sum (doorbell.py)
 
 
 @dataclass
@@ -127,6 +129,8 @@ class Lockstep:
         self.stream: Any = None
         self.bytes = 0  # bytes this rank put into control collectives (bench/distributed.py reads it)
         self.messages = 0
+        self._bell: Doorbell | None = None
+        self._asleep = False  # rank 0 said SLEEP and has not rung since
         self._since: float | None = None  # when the watched wait began; None: not watched
         self._watchdog = threading.Thread(target=self._watch, name="kvd-watchdog", daemon=True)
         self._watchdog.start()
@@ -141,7 +145,23 @@ class Lockstep:
         others = [r for r in range(self.size) if r != self.rank]
         return f"rank {others[0]}" if len(others) == 1 else "one of ranks " + ", ".join(map(str, others))
 
+    def open_doorbell(self) -> None:
+        """Every rank, at the same point of the start: the idle wake-up channel (doorbell.py), if any."""
+        address = rank0_address()
+        if self.share(int(address is not None)):
+            assert address is not None
+            try:
+                self._bell = Doorbell(self.rank, self.size, address, self.share)
+            except OSError as e:
+                self.lost(e)
+
     # --- rank 0 ---
+
+    def sleep(self) -> None:
+        """Before rank 0 blocks on its inbox: the followers wait on the doorbell until the next message."""
+        if self._bell is not None and not self._asleep:
+            self.send(Kind.SLEEP)
+            self._asleep = True
 
     def send(self, cmd: TurnJob | Cancel | Forget | Stop | Kind) -> None:
         assert self.rank == 0
@@ -156,6 +176,11 @@ class Lockstep:
         assert self.rank > 0
         head = self._sum([], HEADER)
         kind, length, fields = Kind(head[0]), head[1], head[2:]
+        if kind == Kind.SLEEP:
+            assert self._bell is not None
+            if not self._bell.wait():
+                self.lost(ConnectionError("rank 0 closed the doorbell"))
+            return self.receive()
         payload: list[int] = []
         while len(payload) < length:
             payload += self._sum([], min(CHUNK, length - len(payload)))
@@ -205,6 +230,13 @@ class Lockstep:
 
         buf = [0] * size
         buf[:len(values)] = values
+        if self._asleep:
+            assert self._bell is not None
+            self._asleep = False
+            try:
+                self._bell.ring()
+            except OSError as e:
+                self.lost(e)
         try:
             with mx.stream(self.stream if self.stream is not None else mx.default_stream(mx.default_device())):
                 out = mx.distributed.all_sum(mx.array(buf, dtype=mx.int32), group=self.group)

@@ -151,6 +151,7 @@ class Engine:
         self._new_generator()
         if self.lockstep is not None:
             self.lockstep.stream = self.generator.stream
+            self.lockstep.open_doorbell()
         self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits))
         if self.lockstep is not None:
             import random
@@ -192,6 +193,8 @@ class Engine:
                 if self._turns.running or self._prefetch:
                     cmd = self._inbox.get(block=False)
                 else:
+                    if ls is not None:
+                        ls.sleep()  # the followers wait without spinning
                     cmd = self._inbox.get(timeout=idle_wait)
             except queue.Empty:
                 cmd = None
