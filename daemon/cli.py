@@ -176,7 +176,9 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     if config.host not in LOOPBACK:
         log.warning("listening on %s, not loopback: anyone who can reach this address and holds the "
                     "token can read every conversation; the token is then the only guard", config.host)
-    blas = preload_blas(config.blas, threads=config.blas_threads)
+    from .service.ranks import blas_threads
+
+    blas = preload_blas(config.blas, threads=blas_threads(config))
     for line in blas.rejected:
         log.warning("BLAS: %s", line)
     (log.info if blas.loaded or "disabled" in blas.reason else log.warning)("%s", blas.reason)

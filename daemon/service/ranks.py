@@ -40,6 +40,26 @@ def launched() -> int | None:
     return int(rank) if rank is not None and rank.isdigit() else None
 
 
+def blas_threads(config: Config) -> int:
+    """BLAS threads for this rank: the configured count, else the CPUs shared by the ranks on this host.
+
+    Two ranks each running as many BLAS threads as there are CPUs spin against
+    each other (OpenBLAS threads busy-wait), so ranks that share a host share
+    its CPUs; the hostfile says how many of them do.
+    """
+    from .blas import usable_cpus
+
+    if config.blas_threads or launched() is None:
+        return config.blas_threads
+    try:
+        hosts = json.loads(Path(os.environ["MLX_HOSTFILE"]).read_text())
+        mine = str(hosts[launched() or 0][0]).rsplit(":", 1)[0]
+        here = sum(str(h[0]).rsplit(":", 1)[0] == mine for h in hosts)
+    except (KeyError, OSError, ValueError, IndexError, TypeError):
+        return config.blas_threads
+    return max(1, usable_cpus() // max(here, 1))
+
+
 def join(config: Config) -> tuple[Config, Any]:
     """Join the group (after the BLAS is in place: this imports mlx): the config with this rank
     and the group's size, and the Lockstep; one rank alone gets its config back and None."""
@@ -62,7 +82,7 @@ def follow(config: Config, *, verbose: bool) -> int:
     setup_logging(verbose=verbose, log_file=config.rank_dir / "kvd.log")
     for h in _stderr_handlers():
         h.setLevel("WARNING")  # the terminal tells rank 0's story; each rank's is in its own log
-    preload_blas(config.blas, threads=config.blas_threads)
+    preload_blas(config.blas, threads=blas_threads(config))
     config, lockstep = join(config)
     if lockstep is None:
         print(f"kvd: error: rank {config.rank} found no group to join (is MLX_HOSTFILE set?)", file=sys.stderr)
