@@ -20,8 +20,9 @@ import pytest
 
 from daemonproc import DaemonProcess
 
-TURNS = ["Hello there, tell me a story about a river.", "And another one, about a mountain.",
-         "A third turn, after a restart of both ranks.", "A fourth, with rank 1's share damaged."]
+TURNS = ["Hello there, tell me a story about a river that runs from the mountains to the sea, past a town "
+         "with a mill, a bridge and a market, where people sell fish, bread and apples every morning.",
+         "And another one, about a mountain.", "A third turn, after a restart, with rank 1's share damaged."]
 ASK = [{"role": "user", "content": "Name three colours of the sea."}]
 N = 24  # tokens per answer
 
@@ -91,37 +92,27 @@ def test_restart_resumes_from_disk_and_a_damaged_share_falls_back_exactly(
     try:
         sid = new_session(d)
         turn(d, sid, TURNS[0])
-        _, second = turn(d, sid, TURNS[1])
+        turn(d, sid, TURNS[1])
     finally:
         assert d.terminate() == 0  # pages every rank's share out to disk
-    fed_two = fed(tmp_path, sid, 0)
-    assert fed_two == fed(tmp_path, sid, 1) > second["prompt_tokens"]
-
-    d = ranks2(tmp_path)
-    try:
-        third, u3 = turn(d, sid, TURNS[2])
-    finally:
-        assert d.terminate() == 0
-    assert third == one_rank["turns"][2]
-    assert u3["restored_from"] == "disk" and u3["restored_tokens"] == fed_two
-
-    # Rank 1's last segment (the tail after the 128-token blocks) is damaged; rank 0's is whole.
-    # Both restore what both hold: rank 0 rewinds its share to rank 1's, the rest is prefilled.
+    # Each rank holds the session as 128-token blocks and a tail segment. Rank 1's tail is damaged;
+    # rank 0's is whole. Both restore what both hold: rank 0 rewinds its share to rank 1's.
     held = fed(tmp_path, sid, 0)
-    last = max((tmp_path / "rank-1" / "cache" / "segments" / sid).glob("*.safetensors"))
-    common = int(last.stem.split("-")[0])
+    tail = max((tmp_path / "rank-1" / "cache" / "segments" / sid).glob("*.safetensors"))
+    common = int(tail.stem.split("-")[0])
     assert 0 < common < held == fed(tmp_path, sid, 1)
-    data = bytearray(last.read_bytes())
+    data = bytearray(tail.read_bytes())
     data[-64:] = bytes(b ^ 0xFF for b in data[-64:])
-    last.write_bytes(bytes(data))
+    tail.write_bytes(bytes(data))
+
     d = ranks2(tmp_path)
     try:
-        fourth, u4 = turn(d, sid, TURNS[3])
+        third, u = turn(d, sid, TURNS[2])
     finally:
         assert d.terminate() == 0
-    assert fourth == one_rank["turns"][3]
-    assert u4["restored_from"] == "disk" and u4["restored_tokens"] == common
-    assert u4["prefill_tokens"] == u4["prompt_tokens"] - common
+    assert third == one_rank["turns"][2]  # exact, as one rank that never restarted
+    assert u["restored_from"] == "disk" and u["restored_tokens"] == common
+    assert u["prefill_tokens"] == u["prompt_tokens"] - common
     assert f"rank 0 held {held} token(s), every rank {common}" in (tmp_path / "kvd.log").read_text()
 
 
