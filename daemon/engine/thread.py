@@ -532,4 +532,6 @@ class Engine:
                       "answering": {sid: asdict(turn) for sid, turn in s.turns.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
                       "warm_up_ms": self.warm_up_ms}
+        if (ls := self.lockstep) is not None:  # the control channel's traffic, from this rank's side
+            self.stats["ranks"] = {"world_size": ls.size, "messages": ls.messages, "bytes": ls.bytes}
 
