@@ -124,6 +124,31 @@ def hostfile(path: Path, ranks: int, port: int) -> Path:
     return path
 
 
+def _watch(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Until rank 0 ends. Rank 0 names a follower that died (lockstep.py), but only once it is past its
+    start: a follower that dies before then leaves it waiting, so it is ended here, with one line."""
+    grace = float(os.environ.get("KVD_RANK_TIMEOUT", 30.0)) + 5.0
+    dead_at: float | None = None
+    while True:
+        try:
+            procs[0].wait(timeout=0.5)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        dead = [(r, p.returncode) for r, p in enumerate(procs) if r and p.poll() not in (None, 0)]
+        if not dead:
+            continue
+        dead_at = dead_at or time.monotonic()
+        if time.monotonic() - dead_at > grace:
+            r, code = dead[0]
+            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            print(f"kvd: error: rank {r} ended ({how}) and rank 0 did not notice in {grace:g} s; stopping "
+                  f"rank 0; rank {r}'s log is <data_dir>/rank-{r}/kvd.log", file=sys.stderr, flush=True)
+            procs[0].kill()
+            procs[0].wait()
+            return
+
+
 def launch(argv: Sequence[str], config: Config, ranks: int) -> int:
     """Run `kvd <argv>` as `ranks` local ranks; 0 when every rank ended well.
 
@@ -158,7 +183,7 @@ def launch(argv: Sequence[str], config: Config, ranks: int) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    procs[0].wait()
+    _watch(procs)
     # The followers end on rank 0's stop, or on losing it; never left behind.
     deadline = time.monotonic() + FOLLOWERS_GRACE
     for p in procs[1:]:
