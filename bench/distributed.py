@@ -77,8 +77,10 @@ def count_rank(model: str, data_dir: Path, steps: int) -> None:
 
 
 def model_bytes(model: str, data_dir: Path, ranks: int, steps: int = 16) -> dict[str, Any]:
+    from daemon.models.sources import prepare_model
     from daemon.service.ranks import free_ports, hostfile
 
+    prepare_model(model, data_dir / "models")  # once, before the ranks (as kvd serve --ranks does)
     hosts = hostfile(data_dir / "ranks.json", ranks, free_ports(ranks))
     procs = [subprocess.Popen([sys.executable, __file__, "--count-rank", "--model", model, "--data-dir",
                                str(data_dir), "--steps", str(steps)], stdout=subprocess.PIPE, text=True,
