@@ -7,6 +7,7 @@ change nothing a client can see.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -51,6 +52,15 @@ def fed(data_dir: Path, sid: str, rank: int) -> int:
     return max((int(p.stem.split("-")[1]) for p in segments), default=0)
 
 
+def ask_kvchat(d: DaemonProcess) -> str:
+    """kvchat's one-shot mode (`kvchat "question" --json`), as a script would run it."""
+    r = subprocess.run([str(Path(sys.executable).with_name("kvchat")), ASK[0]["content"], "--data-dir",
+                        str(d.data_dir), "--max-tokens", str(N), "--temperature", "0", "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return str(json.loads(r.stdout)["answer"])
+
+
 def new_session(d: DaemonProcess) -> str:
     with d.client() as c:
         return str(c.request("session.create")["session"]["id"])
@@ -62,23 +72,25 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     d = DaemonProcess(tmp_path_factory.mktemp("one-rank"))
     try:
         sid = new_session(d)
-        return {"turns": [turn(d, sid, t)[0] for t in TURNS], "openai": ask_openai(d)}
+        return {"turns": [turn(d, sid, t)[0] for t in TURNS], "openai": ask_openai(d), "kvchat": ask_kvchat(d)}
     finally:
         assert d.terminate() == 0
 
 
-def test_two_ranks_answer_as_one_over_websocket_and_openai(tmp_path: Path, one_rank: dict[str, Any]) -> None:
+def test_two_ranks_answer_as_one_over_websocket_openai_and_kvchat(tmp_path: Path, one_rank: dict[str, Any]) -> None:
     d = ranks2(tmp_path)
     try:
         sid = new_session(d)
         first, _ = turn(d, sid, TURNS[0])
         second, usage = turn(d, sid, TURNS[1])
         api = ask_openai(d)
+        kvchat = ask_kvchat(d)
     finally:
         assert d.terminate() == 0
     assert [first, second] == one_rank["turns"][:2]
     assert usage["restored_from"] == "resident" and usage["drafted_tokens"] == 0  # no speculation on 2 ranks
-    assert api == one_rank["openai"]
+    assert api == one_rank["openai"] and api
+    assert kvchat == one_rank["kvchat"] and kvchat
     log = "".join(d.log)
     assert "rank 0 of 2" in log and "Traceback" not in log
     for r in (0, 1):  # each rank kept its own share, under its own directory
