@@ -21,6 +21,7 @@ from the files by the owner (store.py), not taken as "no segments".
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sqlite3
 import time
@@ -390,22 +391,24 @@ class SegmentIndex:
         from there. Either way those sessions prefill from the cut.
         """
         removed = 0
+        present: dict[str, set[str]] = {}
         for table, root in (("segments", self.files), ("blocks", self.blocks)):
-            listed = {Path(r[0]) for r in self.db.execute(f"SELECT file FROM {table}")}
-            for path in sorted(root.rglob("*")):
-                if path.is_file() and path.relative_to(root) not in listed:
-                    path.unlink(missing_ok=True)
-                    removed += 1
+            # Names as kvd writes them (posix, relative to the root), compared as strings: no stat per row.
+            listed = {r[0] for r in self.db.execute(f"SELECT file FROM {table}")}
+            found = present[table] = _files_under(root)
+            for rel in sorted(found - listed):
+                (root / rel).unlink(missing_ok=True)
+                removed += 1
         for key, start, rel in self.db.execute(
                 "SELECT key, start, file FROM segments ORDER BY key, start").fetchall():
-            if not (self.files / rel).is_file() and self._listed("segments", "file", rel):
+            if rel not in present["segments"] and self._listed("segments", "file", rel):
                 removed += sum(1 for r in self.chain(key) if r.start >= start)
                 self.drop_segments(key, start)
                 log.warning("cache file %s is missing; session %s will prefill from token %d",
                             self.files / rel, key, start)
         for block, start, rel in self.db.execute("SELECT block, start, file FROM blocks ORDER BY start").fetchall():
             # An earlier cut may have unlisted (and deleted) this block already: it followed a gone one.
-            if not (self.blocks / rel).is_file() and self._listed("blocks", "block", block):
+            if rel not in present["blocks"] and self._listed("blocks", "block", block):
                 cut = self.drop_block(block)
                 removed += 1
                 log.warning("cache block %s is missing; %d session(s) that listed it will prefill "
@@ -432,6 +435,16 @@ class SegmentIndex:
             if self.db.in_transaction:  # a failed COMMIT (a full disk) has rolled back already
                 self.db.execute("ROLLBACK")
             raise
+
+
+def _files_under(root: Path) -> set[str]:
+    """Every file below `root`, as its posix path relative to `root` (one directory listing each, no stat)."""
+    found: set[str] = set()
+    for here, _dirs, names in os.walk(root):
+        rel = Path(here).relative_to(root).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        found.update(prefix + name for name in names)
+    return found
 
 
 def _check_block(block: str) -> str:

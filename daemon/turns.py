@@ -272,7 +272,8 @@ class Turns:
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
               max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
               prompt: Prompt | None = None, stop: Sequence[str] = (),
-              seed: int | None = None, door: str = "websocket", history: bool | None = None) -> Turn:
+              seed: int | None = None, door: str = "websocket", history: bool | None = None,
+              grammar: str | None = None) -> Turn:
         """Generate an answer to the transcript as it stands (its new messages are committed).
 
         `prompt` defaults to the transcript under the fed-token rule. The
@@ -304,7 +305,7 @@ class Turns:
         job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
                       history=first_new > 1 if history is None else history,
                       max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                      emit=emit)
+                      emit=emit, grammar=grammar)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)
         turn.publish({"type": p.CHAT_START, "message_index": index})

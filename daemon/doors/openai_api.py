@@ -37,6 +37,7 @@ from ..turns import Turns
 from .admission import admit
 from .asgi import headers_of
 from .guards import check
+from .jsonoutput import output_grammar
 from .loading import LoadingWatch
 from .openai_answer import Answer
 from .openai_schema import ApiError, ChatRequest, api_error, instructions, parse, served_names, stops
@@ -205,6 +206,7 @@ class OpenAIDoor:
             system = instructions(req)
             convo = [Said(m.role, m.text(), tuple(c.stored() for c in m.tool_calls or ()), m.tool_call_id)
                      for m in req.messages if not m.instructs]
+            grammar = output_grammar(req.response_format)
             tools = req.offered_tools()
             tool_format = ToolFormat.of(self.engine.tokenizer, tools)
             if tools and tool_format is None:
@@ -229,7 +231,7 @@ class OpenAIDoor:
                 events, rid, placement.session_id, placement.first_new,
                 max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                 top_p=req.top_p, prompt=Tokens(ids), stop=stops(req), seed=req.seed,
-                door=f"api, {placement.kind} session", history=len(convo) > 1,
+                door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
             )
         except ApiError as e:
             return error_response(e, headers)

@@ -112,8 +112,18 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class FunctionSpec(_Strict):
@@ -198,10 +208,6 @@ def parse(body: Any, config: Config) -> ChatRequest:
     if req.tool_choice == "auto" and not req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"kvd does not constrain its output to "
-                       f"{req.response_format.type!r}; leave response_format out (or send {{\"type\": \"text\"}})",
-                       param="response_format")
     if req.model is not None and req.model not in served_names(config.model):
         raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {req.model!r}; "
                        "GET /v1/models names it (or leave model out)", param="model", code="model_not_found")

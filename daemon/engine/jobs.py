@@ -31,6 +31,7 @@ class TurnJob:
     retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
     fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
     history: bool = True  # earlier turns come before this one's messages (what a too-long error advises)
+    grammar: str | None = None  # llguidance's grammar the answer must follow (the API's response_format)
     arrived: float = field(default_factory=time.perf_counter)
 
 

@@ -95,10 +95,11 @@ def encode(cmd: TurnJob | Cancel | Forget | Stop | Kind) -> Message:
     if isinstance(cmd, (Cancel, Forget)):
         return Message(Kind.CANCEL if isinstance(cmd, Cancel) else Kind.FORGET, [len(sid)], sid)
     seed = cmd.seed if cmd.seed is not None else 0
+    grammar = list(cmd.grammar.encode()) if cmd.grammar is not None else []
     fields = [len(sid), len(cmd.tokens), cmd.max_tokens, *_f64(cmd.temperature), *_f64(cmd.top_p),
               int(cmd.seed is not None), _i32(seed & 0xFFFFFFFF), _i32(seed >> 32), int(cmd.retokenized),
-              cmd.fed_before, int(cmd.history)]
-    return Message(Kind.JOB, fields, [*cmd.tokens, *sid])
+              cmd.fed_before, int(cmd.history), int(cmd.grammar is not None)]
+    return Message(Kind.JOB, fields, [*cmd.tokens, *grammar, *sid])
 
 
 def decode_job(m: Message, emit: Any) -> TurnJob | Cancel | Forget:
@@ -109,11 +110,12 @@ def decode_job(m: Message, emit: Any) -> TurnJob | Cancel | Forget:
         return Cancel(sid)
     if m.kind == Kind.FORGET:
         return Forget(sid)
-    _, n, max_tokens, t0, t1, p0, p1, has_seed, s0, s1, retok, fed_before, history = m.fields[:13]
+    _, n, max_tokens, t0, t1, p0, p1, has_seed, s0, s1, retok, fed_before, history, has_grammar = m.fields[:14]
+    grammar = bytes(m.payload[n:len(m.payload) - n_sid]).decode() if has_grammar else None
     return TurnJob(session_id=sid, tokens=m.payload[:n], max_tokens=max_tokens, temperature=_from_f64(t0, t1),
                    top_p=_from_f64(p0, p1), emit=emit,
                    seed=(s0 & 0xFFFFFFFF) | ((s1 & 0xFFFFFFFF) << 32) if has_seed else None,
-                   retokenized=bool(retok), fed_before=fed_before, history=bool(history))
+                   retokenized=bool(retok), fed_before=fed_before, history=bool(history), grammar=grammar)
 
 
 class Lockstep:

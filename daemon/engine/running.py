@@ -16,6 +16,7 @@ import protocol as p
 from .jobs import Delta, TurnJob
 
 if TYPE_CHECKING:
+    from .grammar import Constraint
     from .prefill import Prefill
     from .speculate import Speculation
 
@@ -58,6 +59,7 @@ class RunningTurn:
     t_last: float | None = None
     shared_tokens: int = 0  # of cached_len, those another session's cache or shared disk blocks supplied
     prefetched: bool = False  # restored_from's tier got the cache by a prefetch from disk after the start
+    constraint: Constraint | None = None  # the grammar its answer is held to (JSON output), from the first token
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
 
     @classmethod

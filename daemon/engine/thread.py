@@ -50,6 +50,7 @@ from .scheduler import Scheduler
 if TYPE_CHECKING:
     from cachestore import SessionCaches
 
+    from .grammar import Constraint
     from .lockstep import Lockstep
     from .speculate import Speculation
 
@@ -83,6 +84,7 @@ class Engine:
         self._speculating: dict[int, Speculation] = {}  # of those, the ones that may draft (by uid)
         self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
+        self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
@@ -391,6 +393,9 @@ class Engine:
             t0 = time.perf_counter()
             with mx.stream(self.generator.stream):
                 logprobs = act.prefill.advance(n)
+                if logprobs is not None and act.job.grammar is not None:
+                    act.constraint = self._constraint(act.job.grammar, logprobs.shape[-1])
+                    logprobs = act.constraint.mask(logprobs)
                 token = first_token(logprobs, act.sampler) if logprobs is not None else None
             now = time.perf_counter()
             self._turns.chunk_fed(act.prefill.fed - before, now - t0)
@@ -425,10 +430,12 @@ class Engine:
         (uid,) = self.generator.insert(
             [[token]], max_tokens=[job.max_tokens - 1], caches=[as_batchable(prefill.cache)],
             all_tokens=[prefill.tokens], samplers=[act.sampler],
+            logits_processors=[[act.constraint]] if act.constraint is not None else None,
         )
         act.uid = uid
         self._by_uid[uid] = session_id
-        if self.config.speculate == "auto" and self.lockstep is None:  # one rank only (docs/distributed.md)
+        # Speculation runs on one rank only (docs/distributed.md).
+        if self.config.speculate == "auto" and act.constraint is None and self.lockstep is None:
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
             from .verify import Target
@@ -437,6 +444,14 @@ class Engine:
                 act.spec = self._speculating[uid] = Speculation(
                     Target(job.temperature, job.top_p), PromptLookup(prior=self._answers.get(session_id)))
         self._turns.decode(session_id)
+
+    def _constraint(self, grammar: str, width: int) -> Constraint:
+        """A matcher for one answer's grammar over the model's tokens (the tokenizer's view made once)."""
+        from .grammar import Constraint, tokenizer_view
+
+        if self._grammar_view is None or self._grammar_view[0] != width:
+            self._grammar_view = (width, tokenizer_view(self.tokenizer, width))
+        return Constraint(self._grammar_view[1], grammar, width)
 
     def _decode(self) -> None:
         from . import speculate
