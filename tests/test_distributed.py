@@ -88,12 +88,16 @@ def test_two_ranks_answer_as_one_over_websocket_openai_and_kvchat(tmp_path: Path
         second, usage = turn(d, sid, TURNS[1])
         api = ask_openai(d)
         kvchat = ask_kvchat(d)
+        with d.client() as c:
+            ranks = c.request("status")["ranks"]
     finally:
         assert d.terminate() == 0
     assert [first, second] == one_rank["turns"][:2]
     assert usage["restored_from"] == "resident" and usage["drafted_tokens"] == 0  # no speculation on 2 ranks
     assert api == one_rank["openai"] and all(api)
     assert kvchat == one_rank["kvchat"] and kvchat
+    # Rank 0's side of the control channel: a 64-byte header per message, and few of them.
+    assert ranks["world_size"] == 2 and ranks["bytes"] >= 64 * ranks["messages"] > 0
     log = "".join(d.log)
     assert "rank 0 of 2" in log and "Traceback" not in log
     for r in (0, 1):  # each rank kept its own share, under its own directory

@@ -12,6 +12,7 @@ Across machines the user runs `mlx.launch --hosts ... -- kvd serve`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from typing import Any
 from common import durable
 
 from ..config import Config
+from .control import DETACHED_FLAG
 from .logfile import setup_logging
 
 PORTS_FROM = 40000  # where the search for N free consecutive ports starts
@@ -142,8 +144,9 @@ def _watch(procs: list[subprocess.Popen[bytes]]) -> None:
         if time.monotonic() - dead_at > grace:
             r, code = dead[0]
             how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-            print(f"kvd: error: rank {r} ended ({how}) and rank 0 did not notice in {grace:g} s; stopping "
-                  f"rank 0; rank {r}'s log is <data_dir>/rank-{r}/kvd.log", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # detached, nobody may be reading
+                print(f"kvd: error: rank {r} ended ({how}) and rank 0 did not notice in {grace:g} s; stopping "
+                      f"rank 0; rank {r}'s log is <data_dir>/rank-{r}/kvd.log", file=sys.stderr, flush=True)
             procs[0].kill()
             procs[0].wait()
             return
@@ -172,7 +175,11 @@ def launch(argv: Sequence[str], config: Config, ranks: int) -> int:
         print(f"kvd: error: {e}", file=sys.stderr, flush=True)
         return 1
     hosts = hostfile(config.data_dir / HOSTFILE, ranks, free_ports(ranks))
+    # Detached (kvd serve --detach), rank 0 leaves the start-up pipe once it answers; the followers'
+    # warnings go to their own logs only, so none of them writes into a pipe nobody reads.
+    quiet = DETACHED_FLAG in argv
     procs = [subprocess.Popen([sys.executable, "-m", "daemon.cli", *argv], stdin=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL if quiet and r else None,
                               env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
                               start_new_session=True)  # a terminal's Ctrl-C reaches this process alone
              for r in range(ranks)]
