@@ -177,7 +177,7 @@ class Lockstep:
     def receive(self) -> Message:
         assert self.rank > 0
         head = self._sum([], HEADER)
-        kind, length, fields = Kind(head[0]), head[1], head[2:]
+        kind, length, fields = self._kind(head[0]), head[1], head[2:]
         if kind == Kind.SLEEP:
             assert self._bell is not None
             if not self._bell.wait():
@@ -197,8 +197,15 @@ class Lockstep:
             return value
         head = self._sum([], HEADER)
         if head[0] != Kind.VALUE:
-            self.fatal(f"rank {self.rank} is out of step with rank 0 (got {Kind(head[0]).name}, wanted a value)")
+            self.fatal(f"rank {self.rank} is out of step with rank 0 (got {self._kind(head[0]).name}, "
+                       "wanted a value)")
         return head[2]
+
+    def _kind(self, value: int) -> Kind:
+        try:
+            return Kind(value)
+        except ValueError:  # a collective of the model's where a message should be: never expected
+            self.fatal(f"rank {self.rank} is out of step with rank 0 (got {value} where a message begins)")
 
     def minimum(self, value: int) -> int:
         """The smallest of every rank's `value` (each rank fills its own slot of one all_sum)."""
