@@ -39,14 +39,17 @@ def turn(d: DaemonProcess, sid: str, text: str) -> tuple[str, dict[str, Any]]:
     return out, done["usage"]
 
 
-def ask_openai(d: DaemonProcess) -> tuple[str, str]:
-    """A plain answer, and one held to JSON by the grammar (which every rank must apply alike)."""
+def ask_openai(d: DaemonProcess) -> list[str]:
+    """A greedy answer; one held to JSON by the grammar, and one sampled with a seed: every rank
+    must mask and draw alike, or the ranks would feed different tokens."""
     client = openai.OpenAI(base_url=d.base_url, api_key=d.token, max_retries=0)
     plain = client.chat.completions.create(model="builtin:tiny", messages=ASK,  # type: ignore[arg-type]
                                            max_tokens=N, temperature=0)
     held = client.chat.completions.create(model="builtin:tiny", messages=ASK,  # type: ignore[call-overload]
                                           max_tokens=N, temperature=0, response_format={"type": "json_object"})
-    return plain.choices[0].message.content or "", held.choices[0].message.content or ""
+    drawn = client.chat.completions.create(model="builtin:tiny", messages=ASK,  # type: ignore[arg-type]
+                                           max_tokens=N, temperature=0.9, seed=7)
+    return [r.choices[0].message.content or "" for r in (plain, held, drawn)]
 
 
 def fed(data_dir: Path, sid: str, rank: int) -> int:
