@@ -153,13 +153,18 @@ def test_kill_9_of_rank_1_ends_rank_0_with_one_line_and_a_restart_resumes(
     assert fed_one == fed(tmp_path, sid, 1) >= u1["prompt_tokens"]
 
     d = ranks2(tmp_path, KVD_RANK_TIMEOUT="6")
-    with d.client() as c:
-        c.send(type="chat.send", session=sid, text="Now a long answer, please.", max_tokens=2000, temperature=0)
-        deltas = 0
-        while deltas < 5:
-            deltas += c.recv()["type"] == "chat.delta"
-        os.kill(int((tmp_path / "rank-1" / "pid").read_text()), signal.SIGKILL)
-        assert d.proc.wait(timeout=60) == 1
+    try:
+        with d.client() as c:
+            c.send(type="chat.send", session=sid, text="Now a long answer, please.", max_tokens=2000,
+                   temperature=0)
+            deltas = 0
+            while deltas < 5:
+                deltas += c.recv()["type"] == "chat.delta"
+            os.kill(int((tmp_path / "rank-1" / "pid").read_text()), signal.SIGKILL)
+            assert d.proc.wait(timeout=60) == 1
+    finally:
+        if d.proc.poll() is None:  # the test failed before the group ended: leave nothing running
+            d.terminate()
     kvd_lines = [line for line in d.log if line.startswith("kvd: ")]
     lost = [line for line in kvd_lines if "rank 1" in line and "lost" in line]
     assert len(lost) == 1 and lost[0].startswith("kvd: error: rank 0: lost rank 1 ("), d.log
