@@ -57,6 +57,7 @@ class _Group:
 def test_the_watchdog_ends_a_rank_that_waits_too_long_with_one_line(monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(lockstep, "POLL", 0.01)
+    monkeypatch.setattr(lockstep, "_ENDING", threading.Lock())  # this process goes on after its "end"
     ended: list[int] = []
     done = threading.Event()
     ls = lockstep.Lockstep(_Group(0, 2), timeout=0.2)

@@ -66,8 +66,7 @@ class Message:
     payload: list[int]
 
 
-class RankLost(Exception):
-    """A collective failed or timed out: the ranks can no longer be in step."""
+_ENDING = threading.Lock()  # held by the one thread that ends this rank (Lockstep.fatal)
 
 
 def _f64(x: float) -> tuple[int, int]:
@@ -284,7 +283,13 @@ class Lockstep:
                    "session from disk")
 
     def fatal(self, why: str) -> NoReturn:
-        """One line, then the process ends at once, as after kill -9: what is durable stays durable."""
+        """One line, then the process ends at once, as after kill -9: what is durable stays durable.
+
+        The engine thread (a failed collective) and the watchdog (a slow one) can both get here
+        at once; the first says why, the other waits for the end.
+        """
+        if not _ENDING.acquire(blocking=False):
+            threading.Event().wait()
         log.error("error: rank %d: %s", self.rank, why)
         for h in logging.getLogger().handlers:
             h.flush()
