@@ -261,10 +261,13 @@ class Lockstep:
 
     @contextmanager
     def watched(self) -> Iterator[None]:
-        """Count the time inside as waiting on the other ranks (rank 0's idle waits are not)."""
+        """Count the time inside as waiting on the other ranks (rank 0's idle waits are not); an
+        error inside, which the engine did not handle, ends the rank like a lost one."""
         self._since = time.monotonic()
         try:
             yield
+        except Exception as e:
+            self.lost(e)
         finally:
             self._since = None
 
@@ -277,10 +280,18 @@ class Lockstep:
                            "stopping; restart the group to resume every session from disk")
 
     def lost(self, e: BaseException) -> NoReturn:
-        """A failed step on a sharded model: the ranks are no longer in step, so this one ends."""
+        """A failed step on a sharded model: the ranks are no longer in step, so this one ends.
+
+        A failed collective or socket names the rank it lost; any other error (the traceback is
+        in the log with -v) says the ranks can no longer be known to agree.
+        """
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        self.fatal(f"lost {self.peers()} ({first}); stopping; restart the group to resume every "
-                   "session from disk")
+        if isinstance(e, OSError) or first.startswith("["):  # "[ring] connection to a peer was lost"
+            self.fatal(f"lost {self.peers()} ({first}); stopping; restart the group to resume every "
+                       "session from disk")
+        log.debug("an engine step failed on rank %d", self.rank, exc_info=e)
+        self.fatal(f"an engine step failed here ({type(e).__name__}: {first}), so the ranks can no longer "
+                   "be known to agree; stopping; restart the group to resume every session from disk")
 
     def fatal(self, why: str) -> NoReturn:
         """One line, then the process ends at once, as after kill -9: what is durable stays durable.
