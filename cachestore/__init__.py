@@ -38,13 +38,18 @@ def __getattr__(name: str) -> Any:
 
 
 def model_fingerprint(*, model_id: str, config: dict[str, Any], dtype: str, kv_bits: int | None,
-                      fresh_cache: Sequence[Any]) -> str:
+                      fresh_cache: Sequence[Any], rank: int = 0, world_size: int = 1) -> str:
     """What every cache this model writes is stamped with, and every cache it reads must match.
 
     `fresh_cache`: the model's own new, empty cache (the kind kvd feeds it), so
     a reader that has only the model computes the same layout as the writer.
+    `rank` of `world_size`: a sharded model's caches hold one rank's heads, so a
+    share is never restored into another rank or another split (one rank's
+    fingerprint is unchanged: its caches stay valid).
     """
     from .segments import fingerprint
     from .snapshot import layout
 
+    if world_size > 1:
+        config = {**config, "kvd_shard": {"rank": rank, "world_size": world_size}}
     return fingerprint(model_id=model_id, config=config, dtype=dtype, kv_bits=kv_bits, layout=layout(fresh_cache))

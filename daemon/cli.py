@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-file", type=Path, help="the log file (default: kvd.log in the data directory)")
     s.add_argument("--speculate", choices=["auto", "off"],
                    help="speculative decoding (default auto: where the answer repeats the context)")
+    s.add_argument("--ranks", type=int, metavar="N",
+                   help="split the model across N local ranks through mlx.launch (docs/distributed.md)")
     s.add_argument("--detach", action="store_true", help="run in the background; return once it listens")
     s.add_argument(DETACHED_FLAG, action="store_true", help=argparse.SUPPRESS)
     s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -174,15 +176,19 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     if config.host not in LOOPBACK:
         log.warning("listening on %s, not loopback: anyone who can reach this address and holds the "
                     "token can read every conversation; the token is then the only guard", config.host)
-    blas = preload_blas(config.blas, threads=config.blas_threads)
+    from .service.ranks import blas_threads
+
+    blas = preload_blas(config.blas, threads=blas_threads(config))
     for line in blas.rejected:
         log.warning("BLAS: %s", line)
     (log.info if blas.loaded or "disabled" in blas.reason else log.warning)("%s", blas.reason)
 
     from .engine.thread import Engine
     from .server import Daemon
+    from .service.ranks import join
     from .service.startup import prepare
 
+    config, lockstep = join(config)  # under mlx.launch: rank 0 of a sharded model
     token = ensure_token(config.data_dir)
     model_dir = prepare(config)  # before listening: a model that cannot load stops kvd here
     if model_dir is None:
@@ -208,7 +214,7 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
                         "the loss")
         if n := store.recover_interrupted():
             log.warning("%d answer(s) were cut off by a crash; they are kept, marked 'error'", n)
-        engine = Engine(config, model_dir)
+        engine = Engine(config, model_dir, lockstep=lockstep)
         daemon = Daemon(config, store, engine, token)
         daemon.blas = blas.reason
         try:
@@ -255,6 +261,9 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
             daemon_file = write_daemon_file(config.data_dir, url, config.log_path)
             log.info("listening on %s (pid %d, model %s, data %s, log %s)", url, os.getpid(), config.model,
                      config.data_dir, config.log_path)
+            if config.world_size > 1:
+                log.info("rank 0 of %d: the model is split across %d ranks (caches in %s)", config.world_size,
+                         config.world_size, config.cache_dir)
             log.info("OpenAI API at %s (API key: the token in %s)", api_url(url), config.data_dir / TOKEN_FILE)
             tg.start_soon(_announce_ready, daemon, detached)
             backups = anyio.CancelScope()
@@ -312,9 +321,19 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"kvd: error: {e}", file=sys.stderr)
             return 2
+        if args.ranks is not None and args.ranks < 1:
+            print("kvd: error: --ranks must be 1 or more", file=sys.stderr)
+            return 2
+        given = argv if argv is not None else sys.argv[1:]
         if args.detach:
-            child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--detach"]
-            return detach(child_argv, config.log_path)
+            return detach([a for a in given if a != "--detach"], config.log_path)
+        from .service import ranks
+
+        rank = ranks.launched()
+        if rank is None and (args.ranks or 1) > 1:
+            return ranks.launch(given, config, args.ranks)
+        if rank:
+            return ranks.follow(config, verbose=args.verbose)
         return serve(config, verbose=args.verbose, detached=args.detached_child)
     setup_logging(verbose=False, log_file=None)
     if args.command == "status":

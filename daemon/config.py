@@ -72,6 +72,9 @@ class Config:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_unauthenticated: int = 256
+    # Ranks (not in config.toml: set at start from mlx.launch's environment; docs/distributed.md)
+    rank: int = 0
+    world_size: int = 1
 
     def request_limits(self) -> Limits:
         """The [limits] a client's request is checked against (protocol/requests.py)."""
@@ -94,8 +97,14 @@ class Config:
         return self.data_dir / "models"
 
     @property
+    def rank_dir(self) -> Path:
+        """This rank's own files when the model is sharded: its share of every cache, its log."""
+        return self.data_dir / f"rank-{self.rank}"
+
+    @property
     def cache_dir(self) -> Path:
-        return self.data_dir / "cache"
+        """One rank: <data_dir>/cache, as always; a sharded model: every rank, 0 too, in its rank dir."""
+        return self.rank_dir / "cache" if self.world_size > 1 else self.data_dir / "cache"
 
 
 # Where each key lives in config.toml: (table or None for top level, key).

@@ -47,6 +47,7 @@ def anyio_backend() -> str:
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
         "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_direct", "test_durable",
+        "test_lockstep",
         "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
         "test_segment_compat", "test_segments", "test_snapshot", "test_speculate", "test_store", "test_store_tiers",
         "test_table", "test_tui_render", "test_wire", "test_writeback_plan",
@@ -59,7 +60,8 @@ TIERS: dict[str, frozenset[str]] = {
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
-        "test_hostile_http", "test_index_rebuild", "test_kill9", "test_kvchat_daily_tmux", "test_kvchat_tmux",
+        "test_distributed", "test_hostile_http", "test_index_rebuild", "test_kill9", "test_kvchat_daily_tmux",
+        "test_kvchat_tmux",
         "test_missing_blocks", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_integrity",
     }),

@@ -14,6 +14,7 @@ the batch, then one prefill chunk, so a long prefill never freezes the others.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -42,6 +43,7 @@ from .jobs import (
     Stop,
     TurnJob,
 )
+from .lockstep import Kind
 from .running import EngineStatistics, RunningTurn, fit_advice
 from .scheduler import Scheduler
 
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from cachestore import SessionCaches
 
     from .grammar import Constraint
+    from .lockstep import Lockstep
     from .speculate import Speculation
 
 
@@ -62,11 +65,13 @@ PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a
 class Engine:
     """Owns the model; serves TurnJobs through one BatchGenerator."""
 
-    def __init__(self, config: Config, model_dir: Path | None = None):
+    def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
         """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
-        listened; None prepares it on the engine thread."""
+        listened; None prepares it on the engine thread. `lockstep`: this rank's end of the group
+        when the model is sharded across ranks (lockstep.py; rank 0 sends, followers apply)."""
         self.config = config
         self.model_dir = model_dir
+        self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self._inbox: queue.SimpleQueue[TurnJob | Cancel | Forget | Stop | Status] = queue.SimpleQueue()
@@ -128,11 +133,16 @@ class Engine:
 
         c = self.config
         loaded = load_model(c.model, self.model_dir or prepare_model(c.model, c.models_dir))
+        if self.lockstep is not None:
+            from .shard import shard
+
+            shard(c.model, loaded, self.lockstep.group)
         kv_bits = c.kv_bits or None
         self.caches = SessionCaches(
             c.cache_dir,
             model_fingerprint(model_id=c.model, config=loaded.config, dtype=loaded.dtype, kv_bits=kv_bits,
-                              fresh_cache=make_cache(loaded.model, kv_bits)),
+                              fresh_cache=make_cache(loaded.model, kv_bits), rank=c.rank,
+                              world_size=c.world_size),
             Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
@@ -141,7 +151,17 @@ class Engine:
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self._new_generator()
+        if self.lockstep is not None:
+            self.lockstep.stream = self.generator.stream
+            self.lockstep.open_doorbell()
         self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits))
+        if self.lockstep is not None:
+            import random
+
+            import mlx.core as mx
+
+            # Every rank samples the same tokens from the same logits: the same seed, the same draws.
+            mx.random.seed(self.lockstep.share(random.getrandbits(31)))
 
     def _new_generator(self) -> None:
         from mlx_lm.generate import BatchGenerator
@@ -153,7 +173,8 @@ class Engine:
             completion_batch_size=self.config.max_generations,
         )
 
-    def _run(self) -> None:
+    def open(self) -> None:
+        """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
         try:
             self.load()
         except BaseException as e:  # reported to every client; `kvd serve` then stops (startup.py)
@@ -163,33 +184,68 @@ class Engine:
             self._prefetch = self.caches.prefetch_plan()
         self._publish_stats()
         self.ready.set()
+
+    def _run(self) -> None:
+        self.open()
+        ls = self.lockstep
+        # Idle, rank 0 still speaks (an IDLE tick) often enough for the followers' watchdog.
+        idle_wait = MAINTAIN_EVERY if ls is None else min(MAINTAIN_EVERY, ls.heartbeat)
         while True:
             try:
                 if self._turns.running or self._prefetch:
                     cmd = self._inbox.get(block=False)
                 else:
-                    cmd = self._inbox.get(timeout=MAINTAIN_EVERY)
+                    if ls is not None:
+                        ls.sleep()  # the followers wait without spinning
+                    cmd = self._inbox.get(timeout=idle_wait)
             except queue.Empty:
                 cmd = None
-                if not self._turns.running and self.caches is not None:
-                    if self._prefetch:
-                        self._prefetch_one()
-                    else:
-                        self.caches.maintain()
-                    self._publish_stats()
-            if isinstance(cmd, Stop):
-                for job in self._turns.waiting():
-                    self._cancel(job.session_id)
-                for sid in list(self._turns.running):
-                    self._cancel(sid)
-                if self.caches is not None:
-                    self.caches.page_out_all()
-                    self.caches.close()
-                return
-            if cmd is not None:
-                self._handle(cmd)
-            if self._inbox.empty():  # every request so far handled: the engine moves one step
-                self._advance()
+            with ls.watched() if ls is not None else contextlib.nullcontext():
+                if cmd is None and not self._turns.running:
+                    if ls is not None:
+                        ls.send(Kind.IDLE)
+                    self.idle()
+                if isinstance(cmd, Stop):
+                    if ls is not None:
+                        ls.send(cmd)
+                    self.close()
+                    return
+                if cmd is not None:
+                    if ls is not None and not isinstance(cmd, Status):
+                        ls.send(cmd)
+                    self.apply(cmd)
+                if self._inbox.empty():  # every request so far handled: the engine moves one step
+                    if ls is not None:
+                        ls.send(Kind.STEP)
+                    self.advance()
+
+    # --- what rank 0's loop does, and a follower on rank 0's word (follower.py) ---
+
+    def idle(self) -> None:
+        """Upkeep while nothing runs: the next planned prefetch, else demote idle caches."""
+        if self._turns.running or self.caches is None:
+            return
+        if self._prefetch:
+            self._prefetch_one()
+        else:
+            self.caches.maintain()
+        self._publish_stats()
+
+    def close(self) -> None:
+        """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
+        for job in self._turns.waiting():
+            self._cancel(job.session_id)
+        for sid in list(self._turns.running):
+            self._cancel(sid)
+        if self.caches is not None:
+            self.caches.page_out_all()
+            self.caches.close()
+
+    def advance(self) -> None:
+        self._advance()
+
+    def apply(self, cmd: TurnJob | Cancel | Forget | Status) -> None:
+        self._handle(cmd)
 
     def _advance(self) -> None:
         """Start what may start, then one step of the running turns."""
@@ -276,6 +332,8 @@ class Engine:
         except PromptTooLong as e:
             job.emit(Failed(p.TOO_LARGE, str(e)))
         except Exception as e:
+            if self.lockstep is not None:
+                self.lockstep.lost(e)
             log.exception("starting generation for %s failed", job.session_id)
             job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
 
@@ -294,6 +352,8 @@ class Engine:
             )
         assert self.caches is not None
         out = self.caches.checkout(job.session_id, tokens)
+        if self.lockstep is not None:
+            out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
         if job.seed is not None:
             import mlx.core as mx
 
@@ -327,6 +387,8 @@ class Engine:
         act = self._turns.running[session_id]
         assert act.prefill is not None
         n, before = self._turns.chunk_size(), act.prefill.fed
+        if self.lockstep is not None:
+            n = self.lockstep.share(n)  # sized by rank 0's clock
         try:
             t0 = time.perf_counter()
             with mx.stream(self.generator.stream):
@@ -343,6 +405,8 @@ class Engine:
                     act.job.emit(Progress(fed=act.prefill.fed, total=len(act.prefill.tokens)))
                 return
         except Exception as e:
+            if self.lockstep is not None:
+                self.lockstep.lost(e)
             log.exception("prefill for %s failed", session_id)
             act.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
             self._forget(session_id)
@@ -370,7 +434,8 @@ class Engine:
         )
         act.uid = uid
         self._by_uid[uid] = session_id
-        if self.config.speculate == "auto" and act.constraint is None:
+        # Speculation runs on one rank only (docs/distributed.md).
+        if self.config.speculate == "auto" and act.constraint is None and self.lockstep is None:
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
             from .verify import Target
@@ -397,6 +462,8 @@ class Engine:
             if responses is None:
                 _, responses = self.generator.next()
         except Exception as e:
+            if self.lockstep is not None:
+                self.lockstep.lost(e)  # a dead rank, or ranks no longer in step
             # The batch is in an unknown state: fail everyone in it, start afresh.
             log.exception("generation step failed")
             for sid in list(self._by_uid.values()):
@@ -480,4 +547,6 @@ class Engine:
                       "answering": {sid: asdict(turn) for sid, turn in s.turns.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
                       "warm_up_ms": self.warm_up_ms}
+        if (ls := self.lockstep) is not None:  # the control channel's traffic, from this rank's side
+            self.stats["ranks"] = {"world_size": ls.size, "messages": ls.messages, "bytes": ls.bytes}
 

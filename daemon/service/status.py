@@ -74,6 +74,10 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
         console.print(f"  session {sid}: {doing}", soft_wrap=True)
     if blas := status.get("blas"):
         console.print(blas, soft_wrap=True)
+    if (ranks := status.get("ranks") or {}).get("world_size", 1) > 1:
+        console.print(f"the model split across {ranks['world_size']} ranks · tiers below are rank 0's share · "
+                      f"{ranks.get('messages', 0)} lockstep message(s), {ranks.get('bytes', 0)} bytes "
+                      "(docs/distributed.md)", soft_wrap=True)
     table = Table(show_edge=False)
     for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
         table.add_column(col, justify="left" if col == "tier" else "right")
