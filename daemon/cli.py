@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--speculate", choices=["auto", "off"],
                    help="speculative decoding (default auto: where the answer repeats the context)")
     s.add_argument("--ranks", type=int, metavar="N",
-                   help="split the model across N local ranks through mlx.launch (docs/distributed.md)")
+                   help="split the model across N local ranks (MLX ring backend; docs/distributed.md)")
     s.add_argument("--detach", action="store_true", help="run in the background; return once it listens")
     s.add_argument(DETACHED_FLAG, action="store_true", help=argparse.SUPPRESS)
     s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
