@@ -350,6 +350,6 @@ def preload_blas(mode: str = "auto", *, threads: int = 0, cache: Path | None = N
     what = f"OpenBLAS {verdict.version}".strip() if verdict.version else cand.path.name
     _result = BlasResult(True, str(cand.path),
                          f"BLAS: {what} ({cand.name()}), core {verdict.core or 'unknown'}, "
-                         f"{got if got is not None else '?'} threads{capped}",
+                         f"{got if got is not None else '?'} thread{'' if got == 1 else 's'}{capped}",
                          tuple(rejected), got)
     return _result
