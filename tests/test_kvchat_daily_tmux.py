@@ -88,6 +88,35 @@ def test_a_bracketed_paste_is_one_message(kvd: Kvd, pane: Callable[..., Pane], t
 
 
 @pytest.mark.tmux
+def test_a_paste_taller_than_the_terminal_is_shown_exactly_once_accepted(
+        kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
+    """readline cannot redraw a buffer taller than the screen (its echo splices lines); kvchat writes the
+    message again once it is accepted, so the screen then holds the message's end exactly."""
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "3", size=(100, 40))
+    sid = session_of(p.wait_for_prompt())
+    text = "\n\n".join(f"Paragraph {i}: " + " ".join(f"word{i}_{j}" for j in range(30)) for i in range(14))
+    pasted = tmp_path / "tall.txt"
+    pasted.write_text(text)
+    p.tmux("load-buffer", str(pasted))
+    p.tmux("paste-buffer", "-p", "-t", "kvchat")
+    # Its end may not show: that is the bug. The Enter after it reaches readline after the whole paste.
+    p.wait_for("the paste on the prompt", lambda lines: any(line.startswith("you> Paragraph 0:") for line in lines))
+    p.keys("Enter")
+    p.wait_for("the answer", lambda lines: any(is_status(line) for line in lines))
+    visible = p.tmux("capture-pane", "-p", "-J", "-t", "kvchat").splitlines()  # the screen, not the scrollback
+    shown = visible[:next(i for i, line in enumerate(visible) if line.startswith("kvd>"))]
+    shown = [line.rstrip() for line in shown if line.strip()]
+    wanted = text.split("\n")
+    assert shown[-1] == wanted[-1], visible
+    assert all(line in wanted for line in shown[1:]), visible  # no line spliced from two paragraphs
+    assert any(w.endswith(shown[0]) for w in wanted), visible  # the top row may be a paragraph's tail
+    assert messages(kvd, sid)[0]["content"] == text
+    p.wait_for_prompt()
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
 def test_tab_ctrl_o_and_keys_typed_during_an_answer(kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
     editor = tmp_path / "editor.sh"
     editor.write_text('#!/bin/sh\nprintf "written by the editor\\n" >> "$1"\n')

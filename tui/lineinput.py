@@ -27,6 +27,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
@@ -175,11 +176,27 @@ class Input:
         self.shown_prompt = prompt.replace("\x01", "").replace("\x02", "")  # as the terminal shows it
         with _echo(True):  # readline echoes only if the terminal does (else it reads a password)
             line = self._read_line(prompt)
+        if "\n" in line and not self.echo:
+            self._repaint_if_tall(line)
         if self.echo:
             self.console.print(Text(line.removesuffix(EDITOR_MARK)), soft_wrap=True)
         if keep and self.history is not None:
             self.history.add(line.removesuffix(EDITOR_MARK))
         return line
+
+    def _repaint_if_tall(self, pasted: str) -> None:
+        """A paste taller than the terminal: readline cannot redraw what scrolled off, so its echo
+        splices lines (the message itself is exact). Once the paste is accepted, the screen (all paste
+        by then) is cleared and the message's prompt and text are written again as they are."""
+        if not self.console.is_terminal:
+            return
+        width, height = self.console.size
+        text = self.shown_prompt + pasted
+        rows = sum(max(1, -(-cell_len(line.expandtabs()) // max(width, 1))) for line in text.split("\n"))
+        if rows < height:
+            return
+        self.console.file.write("\x1b[H\x1b[2J")  # home, clear the screen (the scrollback keeps the rest)
+        self.console.print(Text(text), soft_wrap=True)
 
     def message(self, prompt: str, continuation: str, *, prefill: str | None = None,
                 draft: str | None = None) -> str:
