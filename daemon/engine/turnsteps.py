@@ -1,0 +1,308 @@
+"""What one engine step does to the turns: admit, prefill a chunk, decode the batch, finish, cancel.
+
+The engine thread (thread.py) owns the loop, the inbox, the model's loading
+and the statistics; this is the part of `Engine` that moves turns along,
+kept in a file of its own (`Engine` inherits it). Everything here runs on
+the engine thread.
+
+A turn has two phases. Prefill: the session's restored cache is fed the rest
+of its prompt a chunk per step (prefill.py), first come first served, and the
+last chunk's logits give the first token (held to the answer's grammar, if
+it has one: grammar.py). Decode: the session joins mlx-lm's BatchGenerator
+with that token as its one-token prompt and its cache passed in with
+`insert(..., caches=...)`; the cache comes back out of the finished or
+removed sequence. Each step runs one decode step for every session in the
+batch, then one prefill chunk, so a long prefill never freezes the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import protocol as p
+
+from ..config import Config
+from .draft import Answers
+from .jobs import Delta, Done, Failed, Progress, PromptTooLong, Queued, Started, TurnJob
+from .running import RunningTurn, fit_advice
+from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from cachestore import SessionCaches
+
+    from .grammar import Constraint
+    from .lockstep import Lockstep
+    from .speculate import Speculation
+
+
+log = logging.getLogger("kvd.engine")
+
+PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a second is enough to watch
+
+
+class TurnSteps:
+    """The turns' half of `Engine` (thread.py sets every attribute below)."""
+
+    config: Config
+    lockstep: Lockstep | None
+    caches: SessionCaches | None
+    model: Any
+    tokenizer: Any
+    generator: Any
+    load_error: BaseException | None
+    max_context: int | None
+    _turns: Scheduler[TurnJob, RunningTurn]
+    _by_uid: dict[int, str]  # sessions decoding in the batch
+    _speculating: dict[int, Speculation]  # of those, the ones that may draft (by uid)
+    _answers: Answers
+    _grammar_view: tuple[int, Any] | None
+
+    def _publish_stats(self) -> None:
+        """The engine's (thread.py): statistics for other threads, after a turn is kept."""
+        raise NotImplementedError
+
+    def _new_generator(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        self.generator = BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
+            prefill_step_size=self.config.prefill_step_size,
+            completion_batch_size=self.config.max_generations,
+        )
+
+    def _start(self, job: TurnJob) -> None:
+        if self.load_error is not None:
+            job.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
+            return
+        if self._turns.holds(job.session_id):
+            job.emit(Failed(p.BUSY, "this session is already generating"))
+            return
+        if not self._turns.has_room():
+            job.emit(Queued(self._turns.wait(job.session_id, job)))
+            return
+        self._admit(job)
+
+    def _admit_waiting(self) -> None:
+        """Start waiting jobs while there is room; tell the rest their new places."""
+        for job in self._turns.admissible():
+            self._admit(job)
+        for job, position in self._turns.moved():
+            job.emit(Queued(position))
+
+    def _admit(self, job: TurnJob) -> None:
+        try:
+            self._insert(job)
+        except PromptTooLong as e:
+            job.emit(Failed(p.TOO_LARGE, str(e)))
+        except Exception as e:
+            if self.lockstep is not None:
+                self.lockstep.lost(e)
+            log.exception("starting generation for %s failed", job.session_id)
+            job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+
+    def _insert(self, job: TurnJob) -> None:
+        from mlx_lm.sample_utils import make_sampler
+
+        from .prefill import Prefill
+        from .quantized import make_cache
+
+        tokens, retokenized = job.tokens, job.retokenized
+        if self.max_context and len(tokens) + job.max_tokens > self.max_context:
+            raise PromptTooLong(
+                f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
+                f"exceeds the model's context of {self.max_context} tokens; "
+                + fit_advice(len(tokens), self.max_context, history=job.history)
+            )
+        assert self.caches is not None
+        out = self.caches.checkout(job.session_id, tokens)
+        if self.lockstep is not None:
+            out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
+        if job.seed is not None:
+            import mlx.core as mx
+
+            mx.random.seed(job.seed)
+        cache, cached, shared = out.cache, out.tokens, out.shared_tokens
+        if cache is None or cached == 0:
+            cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
+        self._turns.start(job.session_id, RunningTurn(
+            job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
+            restored_from=out.restored_from, restore_ms=out.restore_ms, inserted=time.perf_counter(),
+            sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
+            prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
+                            boundary=self.caches.boundary(cache),
+                            at_boundary=functools.partial(self.caches.capture, job.session_id)),
+            shared_tokens=shared, prefetched=out.prefetched and cached > 0,
+        ))
+        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
+
+    def _step(self) -> None:
+        """One decode step for every session in the batch, then one prefill chunk."""
+        if self._turns.any_decoding():
+            self._decode()
+        if (sid := self._turns.next_prefill()) is not None:
+            self._prefill(sid)
+
+    def _prefill(self, session_id: str) -> None:
+        import mlx.core as mx
+
+        from .prefill import first_token
+
+        act = self._turns.running[session_id]
+        assert act.prefill is not None
+        n, before = self._turns.chunk_size(), act.prefill.fed
+        if self.lockstep is not None:
+            n = self.lockstep.share(n)  # sized by rank 0's clock
+        try:
+            t0 = time.perf_counter()
+            with mx.stream(self.generator.stream):
+                logprobs = act.prefill.advance(n)
+                if logprobs is not None and act.job.grammar is not None:
+                    act.constraint = self._constraint(act.job.grammar, logprobs.shape[-1])
+                    logprobs = act.constraint.mask(logprobs)
+                token = first_token(logprobs, act.sampler) if logprobs is not None else None
+            now = time.perf_counter()
+            self._turns.chunk_fed(act.prefill.fed - before, now - t0)
+            if token is None:
+                if act.progress_at is None or now - act.progress_at >= PROGRESS_EVERY:
+                    act.progress_at = now
+                    act.job.emit(Progress(fed=act.prefill.fed, total=len(act.prefill.tokens)))
+                return
+        except Exception as e:
+            if self.lockstep is not None:
+                self.lockstep.lost(e)
+            log.exception("prefill for %s failed", session_id)
+            act.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+            self._forget(session_id)
+            return
+        prefill, act.prefill = act.prefill, None
+        self._took(act, token, time.perf_counter())
+        act.first = token
+        job = act.job
+        if token in self.tokenizer.eos_token_ids:
+            # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
+            self._finish(act, "stop", prefill.cache, prefill.tokens)
+            return
+        if job.max_tokens == 1:
+            # A one-token answer: shown, so part of the history, but never fed to the cache.
+            self._finish(act, "length", prefill.cache, prefill.tokens, unfed=[token])
+            return
+        from .quantized import as_batchable
+
+        # The first token is the sequence's one-token prompt: BatchGenerator feeds it and
+        # samples on; its max_tokens counts from the second token.
+        (uid,) = self.generator.insert(
+            [[token]], max_tokens=[job.max_tokens - 1], caches=[as_batchable(prefill.cache)],
+            all_tokens=[prefill.tokens], samplers=[act.sampler],
+            logits_processors=[[act.constraint]] if act.constraint is not None else None,
+        )
+        act.uid = uid
+        self._by_uid[uid] = session_id
+        # Speculation runs on one rank only (docs/distributed.md).
+        if self.config.speculate == "auto" and act.constraint is None and self.lockstep is None:
+            from .draft import PromptLookup
+            from .speculate import Speculation, speculable
+            from .verify import Target
+
+            if speculable(prefill.cache):
+                act.spec = self._speculating[uid] = Speculation(
+                    Target(job.temperature, job.top_p), PromptLookup(prior=self._answers.get(session_id)))
+        self._turns.decode(session_id)
+
+    def _constraint(self, grammar: str, width: int) -> Constraint:
+        """A matcher for one answer's grammar over the model's tokens (the tokenizer's view made once)."""
+        from .grammar import Constraint, tokenizer_view
+
+        if self._grammar_view is None or self._grammar_view[0] != width:
+            self._grammar_view = (width, tokenizer_view(self.tokenizer, width))
+        return Constraint(self._grammar_view[1], grammar, width)
+
+    def _decode(self) -> None:
+        from . import speculate
+
+        try:
+            # A step that verifies drafts where some session has one; a plain step otherwise.
+            responses = speculate.step(self.generator, self._speculating) if self._speculating else None
+            if responses is None:
+                _, responses = self.generator.next()
+        except Exception as e:
+            if self.lockstep is not None:
+                self.lockstep.lost(e)  # a dead rank, or ranks no longer in step
+            # The batch is in an unknown state: fail everyone in it, start afresh.
+            log.exception("generation step failed")
+            for sid in list(self._by_uid.values()):
+                self._turns.running[sid].job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+                self._forget(sid)
+            self._new_generator()
+            return
+        now = time.perf_counter()
+        for r in responses:
+            owner = self._by_uid.get(r.uid)
+            if owner is None:
+                continue
+            act = self._turns.running[owner]
+            self._took(act, r.token, now, shown=r.finish_reason != "stop")
+            if r.finish_reason is not None:
+                self._finish(act, r.finish_reason, r.prompt_cache, list(r.all_tokens))
+
+    def _took(self, act: RunningTurn, token: int, now: float, *, shown: bool = True) -> None:
+        act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)  # a stop token never shows
+
+    def _cancel(self, session_id: str) -> None:
+        job = self._turns.withdraw(session_id)
+        if job is not None:
+            job.emit(Done("cancelled", RunningTurn.never_started(job).usage(self.max_context), None))
+            return
+        act = self._turns.running.get(session_id)
+        if act is None:
+            return
+        if act.prefill is not None:
+            # Keep what was prefilled for next time; the fed ids stay as they were.
+            pre = act.prefill
+            self._finish(act, "cancelled", pre.cache if pre.fed else None, pre.tokens[:pre.fed],
+                         changed=False)
+            return
+        removed = self.generator.remove([act.uid], return_prompt_caches=True)
+        cache, tokens = removed.get(act.uid, (None, []))
+        tokens = list(tokens)
+        # Cancelled before the first decode step fed the first token: it was shown, so it
+        # belongs to the history, but the cache ends with the prompt.
+        unfed = [act.first] if act.first is not None and len(tokens) == len(act.prompt) else []
+        self._finish(act, "cancelled", cache, tokens, unfed=unfed)
+
+    def _finish(self, act: RunningTurn, reason: str, cache: list[Any] | None, tokens: list[int],
+                *, changed: bool = True, unfed: Sequence[int] = ()) -> None:
+        """Send the end of the answer, then keep the cache (which holds `tokens`).
+
+        `unfed`: answer tokens after `tokens` that were shown but never fed; the session's
+        history (`Done.tokens`) includes them, the cache does not, so the next turn feeds
+        them first. `changed` is False when the session's fed ids stay as they were
+        (nothing was generated).
+        """
+        act.detokenizer.finalize()
+        if text := act.detokenizer.last_segment:
+            act.job.emit(Delta(text))
+        sid = act.job.session_id
+        self._forget(sid)
+        history = [*tokens, *unfed]
+        if changed and len(history) > len(act.prompt):
+            self._answers.keep(sid, history[len(act.prompt):])
+        act.job.emit(Done(reason, act.usage(self.max_context), history if tokens and changed else None))
+        # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
+        # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
+        if cache is not None and tokens and self.caches is not None:
+            try:
+                self.caches.checkin(sid, cache, tokens)
+            except Exception:
+                log.exception("keeping the cache of %s failed; it will prefill next time", sid)
+        self._publish_stats()
+
+    def _forget(self, session_id: str) -> None:
+        act = self._turns.end(session_id)
+        if act is not None and act.uid is not None:
+            self._by_uid.pop(act.uid, None)
+            self._speculating.pop(act.uid, None)
