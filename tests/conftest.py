@@ -49,7 +49,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_direct", "test_durable",
         "test_lockstep",
         "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
-        "test_segment_compat", "test_segments", "test_snapshot", "test_speculate", "test_store", "test_store_tiers",
+        "test_segment_compat", "test_segments", "test_snapshot", "test_store", "test_store_tiers",
         "test_table", "test_tui_render", "test_wire", "test_writeback_plan",
     }),
     "integration": frozenset({
@@ -57,6 +57,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_kvchat_commands", "test_kvchat_daily", "test_loading", "test_openai_http", "test_openai_json",
         "test_openai_tools",
         "test_packing", "test_quantized", "test_resume", "test_security", "test_session_requests", "test_shared",
+        "test_speculate",
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
