@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -207,24 +208,22 @@ async def test_regen_and_edit(tmp_path: Path) -> None:
 
 
 async def test_history_is_kept_across_runs(tmp_path: Path) -> None:
-    import readline
-
     async with running_daemon(tmp_path) as d:
-        await kvchat(d, "--new", script=["/params max_tokens=3", "first run message", "/quit"])
         path = data_file(d, "kvchat_history")
+        path.write_text("from readline's file\n")  # the plain lines kvchat kept before its JSON entries
+        await kvchat(d, "--new", script=["/params max_tokens=3", "first run message", '"""', "two", "lines", '"""',
+                                          "/quit"])
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert path.read_text().splitlines()[-3:] == ["/params max_tokens=3", "first run message", "/quit"]
 
-        def recalled() -> str:
-            n = readline.get_current_history_length()
-            seen.extend(readline.get_history_item(i) for i in range(1, n + 1))
-            return "/quit"
+        def kept() -> list[str]:
+            return [json.loads(line) for line in path.read_text().splitlines()]
 
-        seen: list[str] = []
-        await kvchat(d, "--last", script=["second run", recalled])
-        assert seen[-4:] == ["/params max_tokens=3", "first run message", "/quit", "second run"]
-        # Answers to questions are not kept; the picker's number is not either.
-        assert path.read_text().splitlines()[-2:] == ["second run", "/quit"]
+        # One entry per message, however many lines it had.
+        assert kept() == ["from readline's file", "/params max_tokens=3", "first run message", "two\nlines", "/quit"]
+        await kvchat(d, "--last", script=["second run", "/quit"])
+        # The second run read the first's entries back (it writes what it read and what it added).
+        assert kept() == ["from readline's file", "/params max_tokens=3", "first run message", "two\nlines", "/quit",
+                          "second run", "/quit"]
 
 
 async def test_reconnect_continues_the_same_answer(tmp_path: Path) -> None:

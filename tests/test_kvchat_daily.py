@@ -38,7 +38,7 @@ def session_id(screen: Screen) -> str:
 async def test_a_paste_is_one_message(tmp_path: Path) -> None:
     pasted = "def f(x):\n\treturn x + 1\n\nprint(f(1))"
     async with running_daemon(tmp_path, model=MODEL) as d:
-        # A bracketed paste reaches kvchat as one line holding newlines (readline keeps them).
+        # Read line by line (as the tests script kvchat), a paste is one line holding its newlines.
         screen = await kvchat(d, "--new", "--max-tokens", "3", script=[pasted + "\n", "/quit"])
         got = await transcript(d, session_id(screen))
     assert [m["role"] for m in got["messages"]] == ["user", "assistant"]  # one message, one answer
@@ -70,7 +70,7 @@ def editor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 async def test_ctrl_o_and_editor_send_what_the_editor_saved(tmp_path: Path, editor: Path) -> None:
     async with running_daemon(tmp_path / "kvd", model=MODEL) as d:
         screen = await kvchat(d, "--new", "--max-tokens", "2", script=[
-            "typed so far\x0f",  # Ctrl-O: readline's macro ends the line with ^O and accepts it
+            "typed so far\x0f",  # Ctrl-O, read line by line: a line ending in ^O
             "/editor",
             "/edit 1", "\x0f",  # Ctrl-O on an empty edit line: the editor starts on the old message
             "/quit"])
@@ -96,7 +96,7 @@ async def test_an_editor_that_fails_sends_nothing(tmp_path: Path, monkeypatch: p
 
 
 def test_tab_completes_commands_and_their_first_word() -> None:
-    complete = Completer(["/help", "/history-free", "/set", "/copy", "/quit"], lambda: "")
+    complete = Completer(["/help", "/history-free", "/set", "/copy", "/quit"])
     assert complete.candidates("/he", "/he") == ["/help "]
     assert complete.candidates("/h", "/h") == ["/help ", "/history-free "]
     assert complete.candidates("/set pa", "pa") == ["parameter "]

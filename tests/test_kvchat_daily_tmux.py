@@ -90,8 +90,8 @@ def test_a_bracketed_paste_is_one_message(kvd: Kvd, pane: Callable[..., Pane], t
 @pytest.mark.tmux
 def test_a_paste_taller_than_the_terminal_is_shown_exactly_once_accepted(
         kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
-    """readline cannot redraw a buffer taller than the screen (its echo splices lines); kvchat writes the
-    message again once it is accepted, so the screen then holds the message's end exactly."""
+    """While it is on the prompt the editor shows the paste's end, every row a piece of one paragraph
+    (readline spliced rows of two and lost the end); once sent, the message is written whole again."""
     p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "3", size=(100, 40))
     sid = session_of(p.wait_for_prompt())
     text = "\n\n".join(f"Paragraph {i}: " + " ".join(f"word{i}_{j}" for j in range(30)) for i in range(14))
@@ -99,14 +99,22 @@ def test_a_paste_taller_than_the_terminal_is_shown_exactly_once_accepted(
     pasted.write_text(text)
     p.tmux("load-buffer", str(pasted))
     p.tmux("paste-buffer", "-p", "-t", "kvchat")
-    # Its end may not show: that is the bug. The Enter after it reaches readline after the whole paste.
-    p.wait_for("the paste on the prompt", lambda lines: any(line.startswith("you> Paragraph 0:") for line in lines))
+    wanted = text.split("\n")
+    # The editor wraps a row at the width itself, so each screen row is a slice of one paragraph.
+
+    def rows() -> list[str]:  # the screen's non-blank rows, not the scrollback
+        shown = p.tmux("capture-pane", "-p", "-J", "-t", "kvchat").splitlines()
+        return [row.rstrip().removeprefix("you> ") for row in shown if row.strip()]
+
+    p.wait_for("the paste's end on the prompt", lambda _: wanted[-1].endswith(rows()[-1]))
+    on_prompt = rows()
+    assert len(on_prompt) >= 20, on_prompt  # the window is full: the paste is taller than it
+    assert all(any(row in w for w in wanted) for row in on_prompt), on_prompt  # no row spliced from two
     p.keys("Enter")
     p.wait_for("the answer", lambda lines: any(is_status(line) for line in lines))
     visible = p.tmux("capture-pane", "-p", "-J", "-t", "kvchat").splitlines()  # the screen, not the scrollback
     shown = visible[:next(i for i, line in enumerate(visible) if line.startswith("kvd>"))]
     shown = [line.rstrip() for line in shown if line.strip()]
-    wanted = text.split("\n")
     assert shown[-1] == wanted[-1], visible
     assert all(line in wanted for line in shown[1:]), visible  # no line spliced from two paragraphs
     assert any(w.endswith(shown[0]) for w in wanted), visible  # the top row may be a paragraph's tail
@@ -114,6 +122,59 @@ def test_a_paste_taller_than_the_terminal_is_shown_exactly_once_accepted(
     p.wait_for_prompt()
     p.keys("C-d")
     assert p.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_the_prompt_edits_a_message_of_many_lines(kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
+    """A backslash after a paste, Alt-Enter, a block, Up for a whole earlier message, Ctrl-C and Ctrl-D
+    on a message of several lines; the history file keeps each message as one entry."""
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "3")
+    sid = session_of(p.wait_for_prompt())
+    answers = 0
+
+    def sent() -> None:
+        nonlocal answers
+        answers += 1
+        p.wait_for(f"answer {answers}", lambda lines: sum(is_status(line) for line in lines) == answers)
+        p.wait_for_prompt()
+
+    pasted = tmp_path / "pasted.txt"
+    pasted.write_text("pasted one\npasted two")
+    p.tmux("load-buffer", str(pasted))
+    p.tmux("paste-buffer", "-p", "-t", "kvchat")
+    p.type("\\")
+    p.wait_for("the backslash's next line", lambda lines: lines[-2:] == ["you> pasted one", "pasted two"])
+    p.type("typed after")
+    sent()
+    p.type("first", enter=False)
+    p.keys("M-Enter")
+    p.type("second")
+    sent()
+    for line in ('"""', "in a block", '"""'):
+        p.type(line)
+    sent()
+    p.keys("Up")  # the last message, whole, as it was typed
+    p.wait_for("the block recalled", lambda lines: lines[-3:] == ['you> """', "in a block", '"""'])
+    p.keys("Enter")
+    sent()
+    p.type("dropped", enter=False)
+    p.keys("M-Enter")
+    p.type("too", enter=False)
+    p.keys("C-c")
+    p.wait_for("the dropped message marked", lambda lines: lines[-3:] == ["you> dropped", "too^C", "you>"])
+    p.type("ended", enter=False)
+    p.keys("M-Enter")
+    p.type("by Ctrl-D", enter=False)
+    p.keys("C-d")
+    sent()
+    got = [m["content"] for m in messages(kvd, sid) if m["role"] == "user"]
+    assert got == ["pasted one\npasted two\ntyped after", "first\nsecond", "in a block", "in a block",
+                   "ended\nby Ctrl-D"]
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0
+    kept = [json.loads(line) for line in (kvd.data_dir / "kvchat_history").read_text().splitlines()]
+    assert kept[-4:] == ["pasted one\npasted two\ntyped after", "first\nsecond", '"""\nin a block\n"""',
+                         "ended\nby Ctrl-D"]  # a repeat is kept once; the dropped message is not kept
 
 
 @pytest.mark.tmux

@@ -275,7 +275,8 @@ def test_resume_shows_the_history(kvd: Kvd, open_pane: Callable[..., Pane]) -> N
     first = open_pane("--data-dir", str(kvd.data_dir), "--title", "resume me", "--max-tokens", "20")
     first.wait_for_prompt()
     first.type("remember this, \\", enter=True)
-    first.wait_for("the continuation prompt", lambda lines: lines[-1:] == ["...>"])
+    # The backslash asked for the next line: it goes, the message stays on the prompt, the cursor moves on.
+    first.wait_for("the next line", lambda lines: lines[-1:] == ["you> remember this,"])
     first.type("please")
     first.wait_for("the status line", lambda lines: any(is_status(line) for line in lines))
     first.wait_for_prompt()

@@ -243,12 +243,11 @@ def test_error_from_the_wire_is_sanitized_and_literal() -> None:
     assert output(console) == "error: no session '[red]x'\n"
 
 
-def test_prompt_is_plain_without_colour_and_marked_for_readline_with_it() -> None:
+def test_prompt_is_plain_without_colour_and_styled_with_it() -> None:
     assert render.prompt(capture_console(), render.YOU, render.YOU_STYLE) == "you> "
     colour = Console(width=60, color_system="standard", file=io.StringIO(), force_terminal=True)
-    marked = render.prompt(colour, render.YOU, render.YOU_STYLE)
-    assert "you> " in marked and marked.count("\x01") == marked.count("\x02") > 0
-    assert "\x1b" not in marked.replace("\x01\x1b", "")
+    styled = render.prompt(colour, render.YOU, render.YOU_STYLE)
+    assert styled.startswith("\x1b[") and "you> " in styled and styled.endswith("\x1b[0m")
 
 
 # -- input --------------------------------------------------------------------

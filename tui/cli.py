@@ -15,6 +15,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -25,10 +26,13 @@ from .chatview import ChatOptions
 from .errors import KvchatError
 from .history import HISTORY_FILE, History
 from .interrupts import Interrupts
-from .lineinput import Input, enable_line_editing, quiet_terminal
+from .lineinput import Input, quiet_terminal
 from .link import Link
 from .loop_thread import LoopThread
 from .repl import Chat
+
+if TYPE_CHECKING:
+    from .terminal import Terminal
 
 try:
     import termios
@@ -116,10 +120,10 @@ def run(
                 render.print_error(errors, str(exc))
                 return 1
             try:
-                enable_line_editing(sorted(commands.COMMANDS))
-                history.load()
+                history.read()
                 typed = Input(console, read_line=read_line, history=history,
-                              echo=not sys.stdin.isatty() if echo is None else echo)
+                              echo=not sys.stdin.isatty() if echo is None else echo,
+                              terminal=_terminal(history) if read_line is input else None)
                 chat = Chat(console, net, link, interrupts, typed,
                             ChatOptions(max_tokens=args.max_tokens, temperature=args.temperature))
                 try:
@@ -141,6 +145,15 @@ def run(
     except KeyboardInterrupt:
         errors.print()
         return 130
+
+
+def _terminal(history: History) -> Terminal | None:
+    """The line editor, when a person is at a terminal (input and output both)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return None
+    from .terminal import Terminal
+
+    return Terminal(sorted(commands.COMMANDS), history)
 
 
 @contextlib.contextmanager

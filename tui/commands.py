@@ -88,12 +88,13 @@ def _target(chat: ChatView, key: str) -> dict[str, Any]:
 # -- the commands ------------------------------------------------------------------
 
 INPUT_HELP = """\
-Enter sends. A paste is one message, newlines kept. End a line with \\ to
-continue on the next one; a line of three double quotes (\"\"\") starts a block
-that the next such line ends. Ctrl-O (or /editor) writes the message in
-$VISUAL/$EDITOR. Tab completes /commands. Ctrl-C stops an answer (kept as far
-as it got) or clears the line; Ctrl-D quits. //text sends a message that
-starts with "/". Up/Down recall earlier lines, also from earlier runs."""
+Enter sends. A paste is one message, newlines kept. Alt-Enter starts a new
+line; so does Enter after a line ending in \\, and inside a block that a line
+of three double quotes (\"\"\") opens and the next such line ends. Ctrl-O (or
+/editor) writes the message in $VISUAL/$EDITOR. Tab completes /commands.
+Ctrl-C stops an answer (kept as far as it got) or drops what is typed; Ctrl-D
+quits. //text sends a message that starts with "/". Up recalls earlier
+messages, also from earlier runs."""
 
 
 @command("/help", "/help", "this list")
@@ -316,11 +317,10 @@ def _edit(chat: ChatView, args: str) -> None:
     old = yours[n - 1]
     content = str(old.get("content", ""))
     render.print_note(chat.console, f"editing your message {n}; what came after it is replaced by the new answer")
-    if "\n" in content:
+    if "\n" in content and chat.input.terminal is None:  # line by line it cannot be typed in for you
         render.print_note(chat.console, "it was:\n" + content)
     label = render.prompt(chat.console, "edit> ", render.YOU_STYLE)
-    text = chat.input.message(label, chat.continuation, prefill=None if "\n" in content else content,
-                              draft=content)
+    text = chat.input.message(label, chat.continuation, prefill=content, draft=content)
     if not text.strip():
         render.print_note(chat.console, "left as it was")
         return

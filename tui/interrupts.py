@@ -18,8 +18,8 @@ class StopWaiting(Exception):
 class Interrupts:
     """What Ctrl-C means depends on where the user is.
 
-    At the prompt it is an ordinary KeyboardInterrupt, which readline turns
-    into a cleared line. While an answer streams, the first one asks the
+    At a terminal's prompt it is a key (terminal.py drops the message);
+    elsewhere outside an answer it is an ordinary KeyboardInterrupt. While an answer streams, the first one asks the
     daemon to cancel (the answer then ends with chat.done "cancelled"); one
     pressed again after a moment (the daemon should have stopped by then)
     stops waiting for it, and presses in quick succession count as one.
@@ -30,10 +30,6 @@ class Interrupts:
     def __init__(self) -> None:
         self._cancel: Callable[[], None] | None = None
         self._cancelled_at: float | None = None
-        # What was typed when Ctrl-C cleared the prompt. Python runs this handler before readline
-        # frees its line, and readline then leaves the cursor at column 0 (it ends bracketed paste
-        # with a carriage return), so the chat redraws the line to end it with "^C".
-        self.dropped_line: str | None = None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -53,7 +49,6 @@ class Interrupts:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._cancel is None:
-            self.dropped_line = _line_buffer()
             raise KeyboardInterrupt
         if self._cancelled_at is None:
             self._cancelled_at = time.monotonic()
@@ -61,10 +56,3 @@ class Interrupts:
         elif time.monotonic() - self._cancelled_at >= PATIENCE:
             raise StopWaiting
 
-
-def _line_buffer() -> str | None:
-    try:
-        import readline
-    except ImportError:
-        return None
-    return readline.get_line_buffer()

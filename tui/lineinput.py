@@ -1,21 +1,20 @@
 """Reading what the user types, on the main thread.
 
-input() runs on the main thread on purpose: only there does readline give
-line editing and history *and* turn Ctrl-C into a KeyboardInterrupt that
-clears the line it was editing. (input() on a worker thread leaves readline
-holding the half-typed line when Ctrl-C arrives.) The network runs on its own
-thread meanwhile (see loop_thread.py).
+At a terminal kvchat edits with prompt_toolkit (terminal.py): a message
+of any height is drawn again exactly as it is edited (readline splices a
+paste taller than the terminal), keys are bound in Python, and Ctrl-C is a
+key that drops the message rather than a signal. Piped input, and the tests
+that script kvchat, read line by line with :func:`read_message`. The network
+runs on its own thread meanwhile (see loop_thread.py).
 
-A message may span lines: a paste is one message, newlines kept (readline's
-bracketed paste: the terminal marks what is pasted, so its newlines do not
-send); a line ending in a backslash continues on the next one, and a line
-that is just three double quotes opens a block that the next such line closes.
-Plain readline has no portable Alt-Enter, so these are the conventions.
+A message may span lines: a paste is one message, newlines kept (bracketed
+paste: the terminal marks what is pasted, so its newlines do not send); a
+line ending in a backslash continues on the next one, and a line that is just
+three double quotes opens a block that the next such line closes. At a
+terminal Alt-Enter also starts a new line.
 
-Ctrl-O hands the message being typed to $VISUAL/$EDITOR (editor.py). Python's
-readline cannot call back into Python on a key, so Ctrl-O is a readline macro
-that ends the line with a ^O character and accepts it; :func:`read_message`
-sees the mark and opens the editor.
+Ctrl-O hands the message being typed to $VISUAL/$EDITOR (editor.py). Read
+line by line, a line ending in a ^O character means the same.
 
 Tab completes /commands (and the words after /set and /copy). Pasted tabs are
 text: a bracketed paste is inserted as it is, never completed.
@@ -24,8 +23,10 @@ text: a bracketed paste is inserted as it is, never completed.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -39,35 +40,17 @@ except ImportError:  # not a POSIX terminal
     termios = None  # type: ignore[assignment]
 
 BLOCK = '"""'
-EDITOR_MARK = "\x0f"  # what the Ctrl-O macro puts at the end of the line (a ^O)
+EDITOR_MARK = "\x0f"  # read line by line, a line ending in ^O asks for the editor
+INTERRUPTED = "^C"  # said after a message Ctrl-C dropped
 # Words completed after a command (its first argument).
 ARGUMENTS = {"/set": ("system", "parameter"), "/copy": ("code",)}
 
 
-def enable_line_editing(commands: Sequence[str] = ()) -> None:
-    """Arrow keys, history, paste, Ctrl-O and Tab for input() when a person is typing."""
-    if not sys.stdin.isatty():
-        return
-    try:
-        import readline
-    except ImportError:
-        return
-    # CPython turns bracketed paste off (its REPL runs each pasted line); kvchat wants it on.
-    readline.parse_and_bind("set enable-bracketed-paste on")
-    readline.parse_and_bind(r'"\C-o": "\C-e\C-v\C-o\C-m"')  # end of line, a literal ^O, Enter
-    readline.parse_and_bind("tab: complete")
-    readline.set_completer_delims(" \t\n")
-    complete = Completer(commands, readline.get_line_buffer)
-    readline.set_completer(complete)
-
-
 class Completer:
-    """readline's completer: /command names at the start of the line, then their first word."""
+    """/command names at the start of the line, then their first word."""
 
-    def __init__(self, commands: Sequence[str], line: Callable[[], str]) -> None:
+    def __init__(self, commands: Sequence[str]) -> None:
         self.commands = sorted(commands)
-        self.line = line
-        self._matches: list[str] = []
 
     def candidates(self, line: str, word: str) -> list[str]:
         head, space, rest = line.partition(" ")
@@ -77,10 +60,13 @@ class Completer:
             return []
         return [a + " " for a in ARGUMENTS[head] if a.startswith(word)]
 
-    def __call__(self, word: str, state: int) -> str | None:
-        if state == 0:
-            self._matches = self.candidates(self.line().lstrip(), word)
-        return self._matches[state] if state < len(self._matches) else None
+
+class Editor(Protocol):
+    """A line editor at a terminal (terminal.Terminal): a whole message, or one line of an answer."""
+
+    def message(self, prompt: str, prefill: str | None = None) -> str: ...
+
+    def ask(self, prompt: str) -> str: ...
 
 
 class ToEditor(Exception):
@@ -134,28 +120,12 @@ def read_message(
         return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def prefilled(text: str | None) -> Iterator[None]:
-    """The next input() starts with `text` already typed, when readline can do that."""
-    try:
-        import readline
-    except ImportError:
-        readline = None  # type: ignore[assignment]
-    if text is None or readline is None or not sys.stdin.isatty():
-        yield
-        return
-    readline.set_startup_hook(lambda: readline.insert_text(text))
-    try:
-        yield
-    finally:
-        readline.set_startup_hook(None)
-
-
 class Input:
     """What the chat reads: messages (kept in the history) and answers to questions (not kept).
 
-    `echo` prints each line after its prompt, for input that is piped in and
-    so not echoed by a terminal.
+    With a `terminal` (a person at a terminal) it edits; otherwise it reads
+    lines with `read_line`, and `echo` prints each line after its prompt, for
+    input that is piped in and so not echoed by a terminal.
     """
 
     def __init__(
@@ -165,33 +135,31 @@ class Input:
         read_line: Callable[[str], str] = input,
         echo: bool = False,
         history: History | None = None,
+        terminal: Editor | None = None,
     ) -> None:
         self.console = console
         self._read_line = read_line
         self.echo = echo
         self.history = history
-        self.shown_prompt = ""  # the last prompt input() showed
+        self.terminal = terminal
+        self.shown_prompt = ""  # the last prompt, as the terminal shows it
+        self._interrupt_shown = False
 
-    def _read(self, prompt: str, keep: bool) -> str:
-        self.shown_prompt = prompt.replace("\x01", "").replace("\x02", "")  # as the terminal shows it
-        with _echo(True):  # readline echoes only if the terminal does (else it reads a password)
+    def _read(self, prompt: str) -> str:
+        self.shown_prompt = _plain(prompt)
+        with _echo(True):  # kvchat keeps echo off between prompts (quiet_terminal)
             line = self._read_line(prompt)
-        if "\n" in line and not self.echo:
-            self._repaint_if_tall(line)
         if self.echo:
             self.console.print(Text(line.removesuffix(EDITOR_MARK)), soft_wrap=True)
-        if keep and self.history is not None:
-            self.history.add(line.removesuffix(EDITOR_MARK))
         return line
 
-    def _repaint_if_tall(self, pasted: str) -> None:
-        """A paste taller than the terminal: readline cannot redraw what scrolled off, so its echo
-        splices lines (the message itself is exact). Once the paste is accepted, the screen (all paste
-        by then) is cleared and the message's prompt and text are written again as they are."""
+    def _repaint_if_tall(self, text: str) -> None:
+        """A message taller than the terminal: the editor drew only the window that fit, so once it is
+        sent the screen is cleared and its prompt and text are written whole, into the scrollback."""
         if not self.console.is_terminal:
             return
         width, height = self.console.size
-        text = self.shown_prompt + pasted
+        text = self.shown_prompt + text
         rows = sum(max(1, -(-cell_len(line.expandtabs()) // max(width, 1))) for line in text.split("\n"))
         if rows < height:
             return
@@ -202,13 +170,32 @@ class Input:
                 draft: str | None = None) -> str:
         """A message as typed, or as saved from the editor after Ctrl-O ("" if the editor left it empty).
 
+        `prefill` is already typed when the editor starts (at a terminal only);
         `draft` is what the editor starts with when nothing was typed (e.g. /edit's old text).
         """
         try:
-            with prefilled(prefill):
-                return read_message(prompt, continuation, lambda p: self._read(p, True))
+            if self.terminal is None:
+                text = read_message(prompt, continuation, lambda p: self._read(p))
+                if self.history is not None:
+                    self.history.add(text)  # one entry per message, as the terminal's editor keeps it
+                return text
+            self.shown_prompt = _plain(prompt)
+            try:
+                text = self.terminal.message(prompt, prefill)
+            except KeyboardInterrupt:
+                self._interrupt_shown = True
+                raise
+            self._repaint_if_tall(text)
+            return text
         except ToEditor as typed:
             return self.compose(typed.text or draft or "")
+
+    def interrupted(self) -> None:
+        """Ctrl-C dropped what was being read: say so, unless the editor has shown it already."""
+        if self._interrupt_shown:
+            self._interrupt_shown = False
+            return
+        self.console.print(Text(INTERRUPTED, style="dim"), soft_wrap=True)
 
     def compose(self, text: str) -> str:
         """The editor on `text`; what it saved is the message, shown as sent."""
@@ -224,7 +211,19 @@ class Input:
 
     def ask(self, prompt: str) -> str:
         """One line, e.g. y/N; EOFError if input ended."""
-        return self._read(prompt, False)
+        if self.terminal is None:
+            return self._read(prompt)
+        self.shown_prompt = _plain(prompt)
+        try:
+            return self.terminal.ask(prompt)
+        except KeyboardInterrupt:
+            self._interrupt_shown = True
+            raise
+
+
+def _plain(prompt: str) -> str:
+    """The prompt as the terminal shows it: without its colour escapes."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", prompt)
 
 
 @contextlib.contextmanager
@@ -233,7 +232,7 @@ def quiet_terminal() -> Iterator[None]:
 
     Keys typed while a command or an answer runs wait in the terminal's buffer
     and appear once, at the next prompt; with echo on the terminal would show
-    them where they were typed, and readline again at the prompt.
+    them where they were typed, and the editor again at the prompt.
     """
     with _echo(False):
         yield

@@ -9,7 +9,6 @@ style itself. Answers stream through :class:`tui.answer.AnswerPrinter`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -208,8 +207,7 @@ def print_note(console: Console, message: str) -> None:
 
 
 def prompt(console: Console, label: str, style: str) -> str:
-    """The label as a string for input(): styled if the console has colour,
-    with readline's \\001/\\002 around escapes so it counts the width right."""
+    """The label as a string for a prompt: with the console's colour escapes, if it has colour."""
     with console.capture() as capture:
         console.print(Text(label, style=style), end="", soft_wrap=True)
-    return re.sub(r"(\x1b\[[0-9;]*m)", "\x01\\1\x02", capture.get())
+    return capture.get()

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.text import Text
 
 import protocol
 
@@ -86,12 +85,8 @@ class Chat:
                         continue
                     text = text.strip("\n")
                     self.send(text[1:] if stripped.startswith("//") else text)
-                except KeyboardInterrupt:
-                    # readline has dropped the line; say so and prompt afresh
-                    dropped, self.interrupts.dropped_line = self.interrupts.dropped_line, None
-                    if dropped is not None and self.console.is_terminal and self.input.shown_prompt:
-                        self.console.file.write("\r" + self.input.shown_prompt + dropped)
-                    self.console.print(Text("^C", style=render.DIM), soft_wrap=True)
+                except KeyboardInterrupt:  # what was typed is dropped; say so and prompt afresh
+                    self.input.interrupted()
                 except EOFError:
                     self.console.print()
                     return 0
