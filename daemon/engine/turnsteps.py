@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
@@ -45,7 +45,7 @@ PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a
 
 
 class TurnSteps:
-    """The turns' half of `Engine` (thread.py sets every attribute below)."""
+    """The turns' half of `Engine` (thread.py sets every attribute below and defines _publish_stats)."""
 
     config: Config
     lockstep: Lockstep | None
@@ -60,10 +60,7 @@ class TurnSteps:
     _speculating: dict[int, Speculation]  # of those, the ones that may draft (by uid)
     _answers: Answers
     _grammar_view: tuple[int, Any] | None
-
-    def _publish_stats(self) -> None:
-        """The engine's (thread.py): statistics for other threads, after a turn is kept."""
-        raise NotImplementedError
+    _publish_stats: Callable[[], None]  # the engine's method: statistics for other threads, after a turn is kept
 
     def _new_generator(self) -> None:
         from mlx_lm.generate import BatchGenerator
