@@ -121,7 +121,18 @@ def test_answer_never_reaches_the_terminal_with_controls() -> None:
     for piece in ["Hi\x1b[2J", "\x1b", "[H there\r\n", "\x07done"]:
         printer.feed(piece)
     printer.finish()
-    assert output(console) == "kvd> Hi there done\n"  # one Markdown paragraph
+    assert output(console) == "kvd> Hi there\n     done\n"  # one paragraph; the model's newline kept
+
+
+def test_a_single_newline_in_an_answer_stays_a_line_break() -> None:
+    """A model's newline means one (a poem, an address, JSON outside a fence); CommonMark would join."""
+    console = capture_console()
+    printer = render.answer_printer(console)
+    printer.start()
+    printer.feed('Roses are red\nViolets are blue\n\n{\n"name": "Ada",\n"age": 36\n}')
+    printer.finish()
+    assert output(console) == ('kvd> Roses are red\n     Violets are blue\n\n     {\n     "name": "Ada",\n'
+                               '     "age": 36\n     }\n')
 
 
 def test_rich_markup_in_model_text_is_printed_literally() -> None:

@@ -36,6 +36,7 @@ link is printed before the definition arrives, as plain text.)
 from __future__ import annotations
 
 import re
+from typing import Any
 from dataclasses import dataclass
 
 from markdown_it import MarkdownIt
@@ -94,7 +95,17 @@ class _CodeBlock(CodeBlock):
 
 
 class _Markdown(Markdown):
+    """Rich's Markdown, but a single newline stays a line break: models mean one (a poem's lines, an
+    address, JSON outside a fence), where CommonMark would join the lines with a space."""
+
     elements = {**Markdown.elements, "fence": _CodeBlock, "code_block": _CodeBlock}
+
+    def __init__(self, markup: str, **options: Any) -> None:
+        super().__init__(markup, **options)
+        for block in self.parsed:
+            for token in block.children or ():
+                if token.type == "softbreak":
+                    token.type = "hardbreak"
 
 
 def markdown(source: str) -> Markdown:
