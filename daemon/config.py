@@ -42,8 +42,8 @@ class Config:
     allowed_hosts: tuple[str, ...] = ()
     # Generation defaults (a request may override them)
     max_tokens: int = 512
-    temperature: float = 0.7
-    top_p: float = 1.0
+    temperature: float = 0.2  # config.toml says why
+    top_p: float = 0.9
     prefill_step_size: int = 512
     prefill_slice: float = 0.5
     # Decode: "auto" speculates (prompt-lookup drafts, verified exactly) where it pays; "off" never

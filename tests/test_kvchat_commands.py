@@ -164,7 +164,7 @@ async def test_system_and_params(tmp_path: Path) -> None:
         assert "system prompt set; it applies from the next answer on" in lines
         assert "system: Answer in French." in lines
         assert "session params: none set" in lines
-        assert ("in effect: temperature=0.7 (kvd's default), top_p=1.0 (kvd's default), "
+        assert ("in effect: temperature=0.2 (kvd's default), top_p=0.9 (kvd's default), "
                 "max_tokens=512 (kvd's default)") in lines
         assert "session params: temperature=0.0 max_tokens=5" in lines
         assert "error: 'params.top_p' must be in (0, 1] (bad_request)" in lines

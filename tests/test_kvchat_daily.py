@@ -211,7 +211,7 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
     assert [m["content"] for m in old["messages"] if m["role"] == "user"] == ["an early one", "a short one"]
     assert new_id != sid and new["session"]["title"] == "Full (compacted)"
     # Its params are the old session's.
-    assert ("in effect: temperature=0.0 (session), top_p=1.0 (kvd's default), max_tokens=4096 (session)"
+    assert ("in effect: temperature=0.0 (session), top_p=0.9 (kvd's default), max_tokens=4096 (session)"
             in screen.after("you> /compact"))
     answers = [old["messages"][1]["content"], old["messages"][3]["content"]]
     assert new["session"]["system"] == (
@@ -254,7 +254,7 @@ async def test_ollama_habits(tmp_path: Path) -> None:
             "(usage: /set system|parameter …)") in lines
     assert "kvchat knows /set system and /set parameter (usage: /set system|parameter …)" in lines
     # /params: the values the next answer uses, and where each comes from.
-    assert "in effect: temperature=0.2 (session), top_p=1.0 (kvd's default), max_tokens=9 (--max-tokens)" in lines
+    assert "in effect: temperature=0.2 (session), top_p=0.9 (kvd's default), max_tokens=9 (--max-tokens)" in lines
     # /clear: the screen is cleared (no terminal here) and the header drawn again; the session stays.
     assert screen.after("you> /clear")[0] == "Habits"
     assert "you> never sent" not in lines  # /bye left
