@@ -159,7 +159,7 @@ class Input:
         if not self.console.is_terminal:
             return
         width, height = self.console.size
-        text = self.shown_prompt + text
+        text = self.shown_prompt + text.rstrip("\n")  # as it is sent (a paste's last newline is not)
         rows = sum(max(1, -(-cell_len(line.expandtabs()) // max(width, 1))) for line in text.split("\n"))
         if rows < height:
             return
