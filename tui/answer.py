@@ -36,8 +36,8 @@ link is printed before the definition arrives, as plain text.)
 from __future__ import annotations
 
 import re
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
