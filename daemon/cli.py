@@ -324,11 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.ranks is not None and args.ranks < 1:
             print("kvd: error: --ranks must be 1 or more", file=sys.stderr)
             return 2
+        from .service import ranks
+
+        try:
+            if ranks.launched() is not None or (args.ranks or 1) > 1:
+                ranks.rank_timeout()  # read by every rank; a bad value stops them all here, with one line
+        except ConfigError as e:
+            print(f"kvd: error: {e}", file=sys.stderr)
+            return 2
         given = argv if argv is not None else sys.argv[1:]
         if args.detach:
             return detach([a for a in given if a != "--detach"], config.log_path)
-        from .service import ranks
-
         rank = ranks.launched()
         if rank is None and (args.ranks or 1) > 1:
             return ranks.launch(given, config, args.ranks)

@@ -190,3 +190,18 @@ def test_a_model_whose_heads_do_not_divide_is_refused_with_one_line(tmp_path: Pa
     assert len(lines) == 1 and re.search(r"4 attention heads and 2 KV heads, which do not divide by 3 "
                                          r"ranks; run it on 1 or 2 rank", lines[0]), r.stderr
     assert not (tmp_path / "rank-0").exists()
+
+
+def test_a_bad_rank_timeout_stops_the_ranks_with_one_line_and_one_rank_ignores_it(tmp_path: Path) -> None:
+    env = {**os.environ, "KVD_RANK_TIMEOUT": "soon"}
+    r = subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--ranks", "2", "--model", "builtin:tiny",
+                        "--port", "0", "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert (r.returncode, r.stderr) == (2, "kvd: error: KVD_RANK_TIMEOUT must be a number of seconds above 0, "
+                                           "not 'soon'\n")
+    d = DaemonProcess(tmp_path / "one", env={"KVD_RANK_TIMEOUT": "soon"})  # the variable is only for ranks
+    try:
+        with d.client() as c:
+            assert c.request("session.list")["sessions"] == []
+    finally:
+        assert d.terminate() == 0

@@ -307,7 +307,7 @@ class Lockstep:
         os._exit(1)
 
 
-def from_env() -> Lockstep | None:
+def from_env(timeout: float = TIMEOUT) -> Lockstep | None:
     """This process's end of the group when it runs under mlx.launch with more than one rank, else None."""
     if "MLX_RANK" not in os.environ:  # mlx.launch sets it for every rank
         return None
@@ -316,4 +316,4 @@ def from_env() -> Lockstep | None:
     group = mx.distributed.init(strict=True)
     if group.size() < 2:
         return None
-    return Lockstep(group, timeout=float(os.environ.get("KVD_RANK_TIMEOUT", TIMEOUT)))
+    return Lockstep(group, timeout=timeout)

@@ -27,7 +27,7 @@ from typing import Any
 
 from common import durable
 
-from ..config import Config
+from ..config import Config, ConfigError
 from .control import DETACHED_FLAG
 from .logfile import setup_logging
 
@@ -40,6 +40,22 @@ def launched() -> int | None:
     """This process's rank when mlx.launch started it, else None."""
     rank = os.environ.get("MLX_RANK")
     return int(rank) if rank is not None and rank.isdigit() else None
+
+
+def rank_timeout() -> float:
+    """Seconds a collective may take before a peer counts as lost: $KVD_RANK_TIMEOUT, else lockstep's 30."""
+    from ..engine.lockstep import TIMEOUT
+
+    text = os.environ.get("KVD_RANK_TIMEOUT")
+    if text is None:
+        return TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"KVD_RANK_TIMEOUT must be a number of seconds above 0, not {text!r}")
+    return seconds
 
 
 def blas_threads(config: Config) -> int:
@@ -67,7 +83,7 @@ def join(config: Config) -> tuple[Config, Any]:
     and the group's size, and the Lockstep; one rank alone gets its config back and None."""
     from ..engine.lockstep import from_env
 
-    lockstep = from_env()
+    lockstep = from_env(rank_timeout()) if launched() is not None else None
     if lockstep is None:
         return config, None
     return replace(config, rank=lockstep.rank, world_size=lockstep.size), lockstep
@@ -129,7 +145,7 @@ def hostfile(path: Path, ranks: int, port: int) -> Path:
 def _watch(procs: list[subprocess.Popen[bytes]]) -> None:
     """Until rank 0 ends. Rank 0 names a follower that died (lockstep.py), but only once it is past its
     start: a follower that dies before then leaves it waiting, so it is ended here, with one line."""
-    grace = float(os.environ.get("KVD_RANK_TIMEOUT", 30.0)) + 5.0
+    grace = rank_timeout() + 5.0
     dead_at: float | None = None
     while True:
         try:
