@@ -19,8 +19,8 @@ class Interrupts:
     """What Ctrl-C means depends on where the user is.
 
     At a terminal's prompt it is a key (terminal.py drops the message);
-    elsewhere outside an answer it is an ordinary KeyboardInterrupt. While an answer streams, the first one asks the
-    daemon to cancel (the answer then ends with chat.done "cancelled"); one
+    elsewhere outside an answer it is an ordinary KeyboardInterrupt. While
+    an answer streams, the first one asks the daemon to cancel (the answer then ends with chat.done "cancelled"); one
     pressed again after a moment (the daemon should have stopped by then)
     stops waiting for it, and presses in quick succession count as one.
     One handler for the whole run, switched by state, so there is no window

@@ -142,24 +142,23 @@ class Input:
         self.echo = echo
         self.history = history
         self.terminal = terminal
-        self.shown_prompt = ""  # the last prompt, as the terminal shows it
-        self._interrupt_shown = False
+        self._interrupt_shown = False  # the editor marked the message Ctrl-C dropped
 
     def _read(self, prompt: str) -> str:
-        self.shown_prompt = _plain(prompt)
         with _echo(True):  # kvchat keeps echo off between prompts (quiet_terminal)
             line = self._read_line(prompt)
         if self.echo:
             self.console.print(Text(line.removesuffix(EDITOR_MARK)), soft_wrap=True)
         return line
 
-    def _repaint_if_tall(self, text: str) -> None:
+    def _repaint_if_tall(self, prompt: str, text: str) -> None:
         """A message taller than the terminal: the editor drew only the window that fit, so once it is
         sent the screen is cleared and its prompt and text are written whole, into the scrollback."""
         if not self.console.is_terminal:
             return
         width, height = self.console.size
-        text = self.shown_prompt + text.rstrip("\n")  # as it is sent (a paste's last newline is not)
+        # As the terminal showed the prompt, and as the message is sent (a paste's last newline is not).
+        text = re.sub(r"\x1b\[[0-9;]*m", "", prompt) + text.rstrip("\n")
         rows = sum(max(1, -(-cell_len(line.expandtabs()) // max(width, 1))) for line in text.split("\n"))
         if rows < height:
             return
@@ -175,17 +174,13 @@ class Input:
         """
         try:
             if self.terminal is None:
-                text = read_message(prompt, continuation, lambda p: self._read(p))
+                text = read_message(prompt, continuation, self._read)
                 if self.history is not None:
                     self.history.add(text)  # one entry per message, as the terminal's editor keeps it
                 return text
-            self.shown_prompt = _plain(prompt)
-            try:
+            with self._marking_interrupts():
                 text = self.terminal.message(prompt, prefill)
-            except KeyboardInterrupt:
-                self._interrupt_shown = True
-                raise
-            self._repaint_if_tall(text)
+            self._repaint_if_tall(prompt, text)
             return text
         except ToEditor as typed:
             return self.compose(typed.text or draft or "")
@@ -213,17 +208,17 @@ class Input:
         """One line, e.g. y/N; EOFError if input ended."""
         if self.terminal is None:
             return self._read(prompt)
-        self.shown_prompt = _plain(prompt)
-        try:
+        with self._marking_interrupts():
             return self.terminal.ask(prompt)
+
+    @contextlib.contextmanager
+    def _marking_interrupts(self) -> Iterator[None]:
+        """Around the editor: a Ctrl-C there is already marked on the screen."""
+        try:
+            yield
         except KeyboardInterrupt:
             self._interrupt_shown = True
             raise
-
-
-def _plain(prompt: str) -> str:
-    """The prompt as the terminal shows it: without its colour escapes."""
-    return re.sub(r"\x1b\[[0-9;]*m", "", prompt)
 
 
 @contextlib.contextmanager
