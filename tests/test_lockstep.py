@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,25 @@ def test_the_watchdog_ends_a_rank_that_waits_too_long_with_one_line(monkeypatch:
 def test_a_follower_names_rank_0_and_a_larger_group_names_its_peers() -> None:
     assert lockstep.Lockstep(_Group(1, 2)).peers() == "rank 0"
     assert lockstep.Lockstep(_Group(0, 4)).peers() == "one of ranks 1, 2, 3"
+
+
+def test_ranks_on_one_host_share_its_cpus_by_the_hostfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from daemon.config import Config
+    from daemon.engine.doorbell import rank0_address, ring_hosts
+    from daemon.service.blas import usable_cpus
+    from daemon.service.ranks import blas_threads, hostfile
+
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    monkeypatch.setenv("MLX_RANK", "1")
+    assert (ring_hosts(), rank0_address(), blas_threads(Config())) == (None, None, 0)  # 0: the BLAS's own count
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile(tmp_path / "ranks.json", 2, 40000)))
+    assert (ring_hosts(), rank0_address()) == (["127.0.0.1", "127.0.0.1"], "127.0.0.1")
+    assert blas_threads(Config()) == max(1, usable_cpus() // 2)
+    assert blas_threads(Config(blas_threads=3)) == 3  # configured: as configured
+    (tmp_path / "other.json").write_text('[["10.0.0.1:5000"], ["10.0.0.2:5000"], ["10.0.0.2:5001"]]')
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "other.json"))
+    assert blas_threads(Config()) == max(1, usable_cpus() // 2)  # rank 1 shares 10.0.0.2 with rank 2
+    monkeypatch.setenv("MLX_RANK", "0")
+    assert blas_threads(Config()) == usable_cpus()
+    (tmp_path / "other.json").write_text("not json")
+    assert (ring_hosts(), blas_threads(Config())) == (None, 0)

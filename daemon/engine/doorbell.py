@@ -23,18 +23,27 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 ACCEPT_TIMEOUT = 30.0  # seconds rank 0 waits for every follower to connect
 
 
-def rank0_address() -> str | None:
-    """Rank 0's IP in the ring's hostfile, or None without one."""
+def ring_hosts() -> list[str] | None:
+    """Each rank's host in the ring's hostfile (MLX_HOSTFILE: a list of ["ip:port", ...] per rank), in rank
+    order; None without a readable one."""
     path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return None
     try:
-        hosts = json.loads(open(path).read()) if path else None  # noqa: SIM115
-        return str(hosts[0][0]).rsplit(":", 1)[0] if hosts else None
+        return [str(h[0]).rsplit(":", 1)[0] for h in json.loads(Path(path).read_text())] or None
     except (OSError, ValueError, IndexError, KeyError, TypeError):
         return None
+
+
+def rank0_address() -> str | None:
+    """Rank 0's IP in the ring's hostfile, or None without one."""
+    hosts = ring_hosts()
+    return hosts[0] if hosts else None
 
 
 class Doorbell:

@@ -65,17 +65,14 @@ def blas_threads(config: Config) -> int:
     each other (OpenBLAS threads busy-wait), so ranks that share a host share
     its CPUs; the hostfile says how many of them do.
     """
+    from ..engine.doorbell import ring_hosts
     from .blas import usable_cpus
 
-    if config.blas_threads or launched() is None:
+    rank = launched()
+    hosts = ring_hosts() if rank is not None and not config.blas_threads else None
+    if not hosts or rank is None or rank >= len(hosts):
         return config.blas_threads
-    try:
-        hosts = json.loads(Path(os.environ["MLX_HOSTFILE"]).read_text())
-        mine = str(hosts[launched() or 0][0]).rsplit(":", 1)[0]
-        here = sum(str(h[0]).rsplit(":", 1)[0] == mine for h in hosts)
-    except (KeyError, OSError, ValueError, IndexError, TypeError):
-        return config.blas_threads
-    return max(1, usable_cpus() // max(here, 1))
+    return max(1, usable_cpus() // hosts.count(hosts[rank]))
 
 
 def join(config: Config) -> tuple[Config, Any]:
