@@ -326,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from .service import ranks
 
+        rank = ranks.launched()
         try:
-            if ranks.launched() is not None or (args.ranks or 1) > 1:
+            if rank is not None or (args.ranks or 1) > 1:
                 ranks.rank_timeout()  # read by every rank; a bad value stops them all here, with one line
         except ConfigError as e:
             print(f"kvd: error: {e}", file=sys.stderr)
@@ -335,7 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         given = argv if argv is not None else sys.argv[1:]
         if args.detach:
             return detach([a for a in given if a != "--detach"], config.log_path)
-        rank = ranks.launched()
         if rank is None and (args.ranks or 1) > 1:
             return ranks.launch(given, config, args.ranks)
         if rank:
