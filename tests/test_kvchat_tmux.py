@@ -9,6 +9,7 @@ it). Without tmux these tests fail: `make test` installs it.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import re
 import shlex
@@ -103,6 +104,13 @@ def kvchat_command() -> list[str]:
 
 # -- tmux ----------------------------------------------------------------------
 
+# kvchat in a pane gets the terminal's size from the terminal, as at a person's
+# shell. pytest imports readline at start, and GNU readline then sets COLUMNS=80
+# and LINES=24 in this process's C environment, which a child inherits (not in
+# os.environ); Rich takes those as a fixed size, so kvchat would draw 80x24 in
+# any pane and never see a resize. The tmux server gets os.environ without them.
+TERMINAL_ENV = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+
 
 class Pane:
     """kvchat in a detached tmux session on a private tmux server."""
@@ -129,7 +137,8 @@ class Pane:
         return self._tmux(*args)
 
     def _tmux(self, *args: str) -> str:
-        result = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10)
+        result = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10,
+                                env=TERMINAL_ENV)
         assert result.returncode == 0, f"tmux {' '.join(args)}: {result.stderr}"
         return result.stdout
 
