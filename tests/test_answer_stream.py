@@ -241,3 +241,41 @@ def test_the_live_region_is_erased_by_the_rows_the_terminal_rewrapped_it_into() 
     assert terminal_reflows({"TERM": "xterm-256color", "VTE_VERSION": "7600"})
     assert not terminal_reflows({"TERM": "xterm", "XTERM_VERSION": "XTerm(379)"})
     assert not terminal_reflows({"TERM": "linux"})
+
+
+def test_a_redraw_never_comes_between_what_the_printer_prints_and_its_erase(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rich redraws the live tail from its own thread. A print above it (here a
+    # finished paragraph) collects its erase, renders, then writes; a redraw
+    # written in between made that erase count rows that were no longer the
+    # region: a line shown twice or one written over (tmux under load).
+    import threading
+
+    from tui import answer
+
+    out = io.StringIO()
+    console = Console(width=60, height=20, force_terminal=True, color_system=None, file=out)
+    printer = AnswerPrinter(console, "kvd> ", "bold")
+    printer.feed("The first")
+    printing, go_on = threading.Event(), threading.Event()
+    feeding = threading.Thread(target=printer.feed, args=(" paragraph.\n\nThe second",))
+    render = answer.Labelled.__rich_console__
+
+    def held_mid_print(self: answer.Labelled, console: Console, options: Any) -> Any:
+        if threading.current_thread() is feeding:  # the print, not the redraw
+            printing.set()
+            assert go_on.wait(30)
+        return render(self, console, options)
+
+    monkeypatch.setattr(answer.Labelled, "__rich_console__", held_mid_print)
+    feeding.start()
+    assert printing.wait(30)
+    assert printer._live is not None
+    redraw = threading.Thread(target=printer._live.refresh)
+    redraw.start()
+    redraw.join(timeout=1)
+    still_waiting = redraw.is_alive()
+    go_on.set()
+    feeding.join(30)
+    redraw.join(30)
+    printer.finish()
+    assert still_waiting, "a redraw ran while the printer was printing"

@@ -36,20 +36,20 @@ link is printed before the definition arrives, as plain text.)
 from __future__ import annotations
 
 import re
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
-from rich.live import Live
 from rich.markdown import CodeBlock, Markdown
 from rich.segment import Segment
 from rich.style import Style
 from rich.syntax import Syntax
 from rich.text import Text
 
-from .live import ReflowingRender, live_rows
+from .live import AnswerLive, live_rows
 from .sanitize import StreamSanitizer
 
 CODE_THEME = "monokai"
@@ -290,7 +290,7 @@ class AnswerPrinter:
         self._pending = ""  # the text after the last printed block
         self._last: str | None = None  # the kind of the last printed block
         self._continued = False  # _pending is the rest of a paragraph whose first lines are printed
-        self._live: Live | None = None
+        self._live: AnswerLive | None = None
         self.reading: str | None = None  # how far kvd has read the prompt, until the answer begins
         self._reading_since: tuple[float, int] | None = None
 
@@ -303,15 +303,19 @@ class AnswerPrinter:
             return
         self.started = True
         if self.console.is_terminal:
-            self._live = Live(_Tail(self), console=self.console, transient=True, auto_refresh=True,
-                              refresh_per_second=REFRESH_PER_SECOND, redirect_stdout=False,
-                              redirect_stderr=False)
-            # Rich keeps no public door for this; Live reads the attribute on every refresh.
-            self._live._live_render = ReflowingRender(self._live.get_renderable(), self.console)
+            self._live = AnswerLive(_Tail(self), self.console, refresh_per_second=REFRESH_PER_SECOND)
             self._live.start()
 
     def feed(self, piece: str) -> None:
         self.start()
+        with self._drawing():
+            self._take(piece)
+
+    def _drawing(self) -> AbstractContextManager[object]:
+        """Held while the printer prints or changes what the live tail shows: no redraw comes between."""
+        return self._live.lock if self._live is not None else nullcontext()
+
+    def _take(self, piece: str) -> None:
         clean = self._sanitizer.feed(piece)
         if not clean:
             return
@@ -382,7 +386,8 @@ class AnswerPrinter:
 
     def note(self, message: str) -> None:
         """A dim line above the live tail (e.g. "reconnecting…"); it stays in the scrollback."""
-        self.console.print(Text(message, style="dim"), soft_wrap=True)
+        with self._drawing():
+            self.console.print(Text(message, style="dim"), soft_wrap=True)
 
     def finish(self) -> None:
         """Print what is left and end the live region; nothing for an answer that never started."""

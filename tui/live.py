@@ -9,16 +9,27 @@ left behind stays in the scrollback as stale lines. So the region is kept
 small (:func:`live_rows`; answer.py prints finished blocks and the settled
 lines of a plain paragraph for good) and erased counting rewrapped rows
 (:class:`ReflowingRender`). Measured in tmux, 120x40 to 80x24 mid-answer:
-stale lines before, none after (tests/test_kvchat_daily_tmux.py).
+stale lines when erasing by Rich's count, none with this one
+(tests/test_kvchat_daily_tmux.py fails with ``reflow=False``).
+
+Rich redraws the region from a thread of its own while the printer prints
+above it from the main thread: :class:`AnswerLive` makes them take turns.
+
+One race is the terminal's: a redraw written but not yet read when the
+terminal reflows is drawn at the new width with its erase counted at the old
+one. tmux reflows at once and tells the program (SIGWINCH) a moment later, so
+a resize on a machine under heavy load can still leave a stale row.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from threading import RLock
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.control import Control
+from rich.live import Live
 from rich.live_render import LiveRender
 from rich.segment import ControlType, Segment
 
@@ -101,3 +112,26 @@ class _Erase(Control):
         if self.keep_line:
             return Control(ControlType.CARRIAGE_RETURN, (ControlType.ERASE_IN_LINE, 2), *up * (rows - 1)).segment
         return Control(ControlType.CARRIAGE_RETURN, *up * rows).segment
+
+
+class AnswerLive(Live):
+    """Rich's Live drawn by a :class:`ReflowingRender`, with the lock its redraws take.
+
+    Rich's refresh thread redraws the region holding the Live's lock. A
+    ``console.print`` from another thread takes that lock only to collect the
+    erase, then renders and writes without it, so a redraw written in between
+    leaves the print erasing rows that are no longer the region: a line shown
+    twice, or one written over (seen in tmux under load, no resize needed).
+    Whoever prints above the region, or changes what the region shows, holds
+    :attr:`lock` for the whole of it.
+    """
+
+    def __init__(self, renderable: RenderableType, console: Console, *, refresh_per_second: float) -> None:
+        super().__init__(renderable, console=console, transient=True, auto_refresh=True,
+                         refresh_per_second=refresh_per_second, redirect_stdout=False, redirect_stderr=False)
+        # Rich keeps no public door for this; Live reads the attribute on every refresh.
+        self._live_render = ReflowingRender(self.get_renderable(), console)
+
+    @property
+    def lock(self) -> RLock:
+        return self._lock
