@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +15,42 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from conftest import RunningDaemon, client, running_daemon
+from daemon.engine.jobs import Done, TurnJob
 
 pytestmark = pytest.mark.anyio
 
 HI = {"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+
+
+class HeldEnds:
+    """Every answer's end (the engine's Done) held back until released: an answer stays under way."""
+
+    def __init__(self, d: RunningDaemon) -> None:
+        self._held: list[tuple[Callable[[Any], None], Done]] = []
+        self._released = False
+        self._lock = threading.Lock()
+        submit = d.daemon.engine.submit
+
+        def submit_holding(job: TurnJob) -> None:
+            emit = job.emit
+
+            def emit_or_hold(event: Any) -> None:  # engine thread
+                with self._lock:
+                    if isinstance(event, Done) and not self._released:
+                        self._held.append((emit, event))
+                        return
+                emit(event)
+
+            job.emit = emit_or_hold
+            submit(job)
+
+        d.daemon.engine.submit = submit_holding  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        with self._lock:
+            self._released, held, self._held = True, self._held, []
+        for emit, event in held:
+            emit(event)
 
 
 def http(d: RunningDaemon, **headers: str) -> httpx.AsyncClient:
@@ -224,7 +258,10 @@ async def test_a_pinned_session_is_continued_and_rewound_only_when_asked(tmp_pat
             edited = r.json()["choices"][0]["message"]["content"]
             assert [(m["role"], m["content"]) for m in d.store.messages(sid)] == [("user", "edited"),
                                                                                    ("assistant", edited)]
-            # Busy: another request on the same pinned session while one is answering.
+            # Busy: another request on the same pinned session while one is answering. builtin:tiny
+            # ends this answer by itself after a few dozen tokens, which a loaded machine can take
+            # longer to follow with the second request: so the answer's end waits for the check.
+            ends = HeldEnds(d)
             long = {**HI, "max_tokens": 4000, "stream": True,
                     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "go on"}]}
             async with h.stream("POST", "/v1/chat/completions", json=long, headers=rewind) as streaming:
@@ -234,6 +271,7 @@ async def test_a_pinned_session_is_continued_and_rewound_only_when_asked(tmp_pat
                         break  # under way
                 r = await h.post("/v1/chat/completions", json=HI, headers=rewind)
                 assert_error(r, 409, says="answering another request")
+                ends.release()
             # Leaving the stream early cancelled that answer; the session is usable again.
             turn = d.daemon.turns.active.get(sid)
             if turn is not None:
