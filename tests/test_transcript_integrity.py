@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from daemon.service.backup import BACKUPS_KEPT, back_up, backups, due
@@ -18,6 +19,11 @@ def test_deleted_wal_is_detected_and_named(tmp_path: Path) -> None:
         sids = [c.request("session.create")["session"]["id"] for _ in range(3)]
         for sid in sids:
             c.chat(sid, "Something worth keeping.", max_tokens=4, temperature=0)
+        # A cache reaches disk after its answer, on the I/O worker: wait for the third one.
+        deadline = time.monotonic() + 60
+        while c.request("status")["tiers"]["disk"]["sessions"] < len(sids):
+            assert time.monotonic() < deadline, "the three caches did not reach disk within 60 s"
+            time.sleep(0.05)  # poll interval, not synchronisation: the deadline bounds the wait
         d.kill()  # no checkpoint: the three sessions live only in kvd.sqlite-wal
     wal = tmp_path / "kvd.sqlite-wal"
     assert wal.stat().st_size > 0
