@@ -20,9 +20,10 @@ class Interrupts:
 
     At a terminal's prompt it is a key (terminal.py drops the message);
     elsewhere outside an answer it is an ordinary KeyboardInterrupt. While
-    an answer streams, the first one asks the daemon to cancel (the answer then ends with chat.done "cancelled"); one
-    pressed again after a moment (the daemon should have stopped by then)
-    stops waiting for it, and presses in quick succession count as one.
+    an answer streams, the first one asks the daemon to cancel (the answer
+    then ends with chat.done "cancelled"); one pressed again after a moment
+    (the daemon should have stopped by then) stops waiting for it, and
+    presses in quick succession count as one.
     One handler for the whole run, switched by state, so there is no window
     in which the wrong one is installed.
     """

@@ -23,7 +23,6 @@ text: a bracketed paste is inserted as it is, never completed.
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
@@ -33,6 +32,7 @@ from rich.console import Console
 from rich.text import Text
 
 from .history import History
+from .sanitize import sanitize
 
 try:
     import termios
@@ -158,7 +158,7 @@ class Input:
             return
         width, height = self.console.size
         # As the terminal showed the prompt, and as the message is sent (a paste's last newline is not).
-        text = re.sub(r"\x1b\[[0-9;]*m", "", prompt) + text.rstrip("\n")
+        text = sanitize(prompt) + text.rstrip("\n")
         rows = sum(max(1, -(-cell_len(line.expandtabs()) // max(width, 1))) for line in text.split("\n"))
         if rows < height:
             return
