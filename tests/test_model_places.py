@@ -36,10 +36,10 @@ def places(tmp_path: Path) -> dict[str, str]:
     ollama, hf = tmp_path / "ollama", tmp_path / "hf"
     ollama_model(ollama, "tinyllama", "latest", write_llama(tmp_path / "tiny.gguf", "Q8_0"))
     ollama_model(ollama, "odd", "1b", write_llama(tmp_path / "odd.gguf", "F32", arch="gpt2"))
-    snapshot = hf / "models--kvd--tiny" / "snapshots" / "0123abcd"
+    snapshot = hf / "models--kvd--tiny" / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
     shutil.copytree(ensure_builtin("builtin:tiny", tmp_path / "builtin"), snapshot)
     (hf / "models--kvd--tiny" / "refs").mkdir()
-    (hf / "models--kvd--tiny" / "refs" / "main").write_text("0123abcd")
+    (hf / "models--kvd--tiny" / "refs" / "main").write_text("0123456789abcdef0123456789abcdef01234567")
     return {"OLLAMA_MODELS": str(ollama), "HF_HUB_CACHE": str(hf)}
 
 

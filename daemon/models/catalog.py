@@ -10,7 +10,6 @@ headers and config.json are read: listing never converts or loads weights.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,10 @@ from typing import Any
 from . import gguf as gguf_convert
 from . import places
 from .ggufinfo import GGUFError, read_info
+from .untrusted import StoreError, printable, read_json
+
+#: bytes of config.json read at most: real ones are a few KB, the largest a few hundred.
+CONFIG_CAP = 16 << 20
 
 __all__ = ["Entry", "entries", "render"]
 
@@ -62,8 +65,8 @@ def gguf_entry(name: str, where: str, path: Path) -> Entry:
 
 def folder_entry(name: str, where: str, path: Path) -> Entry:
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        config = read_json(path / "config.json", None, CONFIG_CAP)
+    except (OSError, StoreError) as e:
         return Entry(name, where, "?", _size(path), "?", "?", f"no: config.json unreadable ({e})")
     arch = str(config.get("model_type", "?"))
     quant = config.get("quantization") or config.get("quantization_config") or {}
@@ -106,12 +109,21 @@ def entries(models_dir: Path) -> Iterator[Entry]:
     for path in sorted((models_dir / "downloads").glob("*.gguf")):
         yield gguf_entry(str(path), "kvd's downloads", path)
     for found in places.walk_ollama():
-        yield gguf_entry(found.name, "Ollama", found.path)
+        if isinstance(found, places.Broken):
+            yield _broken(found, "Ollama")
+        else:
+            yield gguf_entry(found.name, "Ollama", found.path)
     for found in places.walk_hf():
-        if found.path.is_file():
+        if isinstance(found, places.Broken):
+            yield _broken(found, "Hugging Face cache")
+        elif found.path.is_file():
             yield gguf_entry(found.name, "Hugging Face cache", found.path)
         else:
             yield folder_entry(found.name, "Hugging Face cache", found.path)
+
+
+def _broken(found: places.Broken, where: str) -> Entry:
+    return Entry(found.name, where, "?", None, "?", "?", f"no (broken): {found.reason}")
 
 
 def _human(size: int | None) -> str:
@@ -126,7 +138,8 @@ def _human(size: int | None) -> str:
 
 def render(found: list[Entry]) -> list[str]:
     """One line per model, in columns; the reason a model cannot run ends its line."""
-    rows = [("model", "from", "architecture", "size", "encoding", "caches", "runs")]
-    rows += [(e.name, e.where, e.architecture, _human(e.size), e.encoding, e.caches, e.runs) for e in found]
+    rows: list[tuple[str, ...]] = [("model", "from", "architecture", "size", "encoding", "caches", "runs")]
+    rows += [tuple(printable(cell) for cell in (e.name, e.where, e.architecture, _human(e.size), e.encoding,
+                                                 e.caches, e.runs)) for e in found]
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     return ["  ".join(cell.ljust(w) for cell, w in zip(r[:6], widths)) + "  " + r[6] for r in rows]

@@ -39,6 +39,7 @@ from .ggufspm import UnsupportedSentencePiece
 from .gguftok import UnsupportedTokenizer
 from .modeldir import publish_dir
 from .smollm2 import FetchError, sha256_file
+from .untrusted import StoreError, read_json
 
 __all__ = ["DEFAULT_MODEL", "ModelError", "prepare_model"]
 
@@ -51,6 +52,7 @@ FETCHED = {
     "builtin:gemma3": (gemma3.GGUF_SHA256, gemma3.ensure_gemma3),
 }
 ALL_BUILTINS = (*FETCHED, *BUILTIN_NAMES)
+CONFIG_CAP = 16 << 20  # bytes of a model folder's config.json read at most (real ones: a few KB)
 KINDS = (f"{', '.join(ALL_BUILTINS)}, a .gguf file, a local mlx-lm model directory, ollama:NAME[:TAG] "
          "(Ollama's store), hf:ORG/NAME (the Hugging Face cache) or a Hugging Face repo id such as "
          "HuggingFaceTB/SmolLM2-135M-Instruct; `kvd models` lists what is on this machine")
@@ -127,11 +129,13 @@ def _checked_dir(path: Path) -> Path:
     """A local mlx-lm directory whose config names an architecture mlx-lm has."""
     config_file = path / "config.json"
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config = read_json(config_file, None, CONFIG_CAP)
     except FileNotFoundError:
         raise ModelError(f"{path} is not an mlx-lm model directory (no config.json)") from None
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{config_file} is not readable JSON ({e})") from None
+    except StoreError as e:
+        raise ModelError(f"{config_file} is refused: {e}") from None
+    except OSError as e:
+        raise ModelError(f"{config_file} is not readable ({e.strerror or e})") from None
     if not any(path.glob("*.safetensors")):
         raise ModelError(f"{path} has no .safetensors weights; convert the model with mlx_lm.convert")
     from mlx_lm.utils import _get_classes

@@ -90,6 +90,7 @@ def follow(config: Config, *, verbose: bool) -> int:
     """A follower rank's whole life: BLAS, the group, the model, then rank 0's word."""
     from ..engine.follower import serve
     from ..models.sources import ModelError, prepare_model
+    from ..models.untrusted import printable
     from .blas import preload_blas
 
     config = replace(config, rank=launched() or 0)
@@ -106,7 +107,7 @@ def follow(config: Config, *, verbose: bool) -> int:
     try:
         model_dir = prepare_model(config.model, config.models_dir)
     except ModelError as e:
-        lockstep.fatal(f"the model cannot be prepared here: {e}")
+        lockstep.fatal(f"the model cannot be prepared here: {printable(str(e))}")
     return serve(config, lockstep, model_dir)
 
 

@@ -28,12 +28,13 @@ POLL_INTERVAL = 0.2  # seconds between looks at engine.ready (a threading.Event)
 def prepare(config: Config) -> Path | None:
     """The model's directory, fetched and converted if needed; None after printing why not."""
     from ..models.sources import ModelError, prepare_model, progress_bar
+    from ..models.untrusted import printable
 
     try:
         with progress_bar() as progress:
             return prepare_model(config.model, config.models_dir, progress=progress)
-    except ModelError as e:
-        print(f"kvd: error: {e}", file=sys.stderr, flush=True)
+    except ModelError as e:  # names from the command line and the stores: no control character reaches the terminal
+        print(f"kvd: error: {printable(str(e))}", file=sys.stderr, flush=True)
         return None
 
 
