@@ -37,7 +37,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 import protocol as p
 from protocol.requests import RequestError, RequestId
-from sessions import Message, Store, is_disk_full
+from sessions import DamagedFedIds, Message, Store, is_disk_full
 
 from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
@@ -178,6 +178,19 @@ class Turns:
 
     # --- the fed-token rule ---
 
+    def fed(self, session_id: str) -> tuple[list[int], int]:
+        """The session's fed ids and what they cover, verified by their checksum.
+
+        Ids that fail it are dropped, so the turn renders the transcript
+        afresh (the answer is a fresh prefill's) and stores new ids after it.
+        """
+        try:
+            return self.store.fed(session_id)
+        except DamagedFedIds as e:
+            log.warning("%s; rebuilding them from the transcript", e)
+            self.store.drop_fed(session_id)
+            return [], 0
+
     def rewind(self, session_id: str, index: int, messages: list[Message] | None = None) -> None:
         """Drop messages from `index` on, and the fed token ids with them.
 
@@ -187,7 +200,7 @@ class Turns:
         """
         if messages is None:
             messages = self.store.messages(session_id)
-        fed, _ = self.store.fed(session_id)
+        fed, _ = self.fed(session_id)
         keep, covers = 0, 0
         for m in messages:
             if m["index"] < index and m["fed_end"] is not None and m["fed_end"] <= len(fed):
@@ -200,13 +213,13 @@ class Turns:
 
         It retokenizes, and the cache keeps what still matches (the template's head).
         """
-        fed, _ = self.store.fed(session_id)
+        fed, _ = self.fed(session_id)
         self.store.set_tokens(session_id, fed, covers=0)
         self.store.forget_fed_ends(session_id, message_count)
 
     def _continuation(self, session_id: str, index: int, system: str | None) -> Continuation:
         earlier = [m for m in self.store.messages(session_id) if m["index"] < index and m["content"]]
-        fed, covers = self.store.fed(session_id)
+        fed, covers = self.fed(session_id)
         return Continuation(messages=[template_message(m) for m in earlier],
                             system=system, fed=fed,
                             fed_covers=sum(1 for m in earlier if m["index"] < covers))

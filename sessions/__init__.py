@@ -9,10 +9,11 @@ from common.diskfull import is_disk_full
 from common.ids import is_valid_session_id, new_session_id
 from common.keep import KEEP, Keep
 
-from .errors import UnknownMessage, UnknownSession
+from .errors import DamagedFedIds, UnknownMessage, UnknownSession
 from .store import Message, Session, Store
 
 __all__ = [
+    "DamagedFedIds",
     "KEEP",
     "Keep",
     "Message",

@@ -8,6 +8,10 @@ carries the id it could not find so the daemon can answer with
     ├── UnknownSession   no session with that id
     └── UnknownMessage   the session exists, that message index does not
 
+A session's fed token ids that fail their checksum raise ``DamagedFedIds``
+(not a ``KeyError``: the session exists); the daemon rebuilds them from the
+transcript, which stays the source of truth.
+
 Bad arguments (a role, status or token id out of range) are plain
 ``ValueError``: they are bugs in the caller, not states of the store.
 
@@ -40,3 +44,14 @@ class UnknownMessage(KeyError):
 
     def __str__(self) -> str:
         return f"session {self.session_id!r} has no message {self.index}"
+
+
+class DamagedFedIds(Exception):
+    """The session's stored fed token ids fail their checksum (sessions/fedsum.py)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.session_id = session_id
+
+    def __str__(self) -> str:
+        return f"session {self.session_id}: its fed token ids fail their checksum"

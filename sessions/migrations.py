@@ -17,6 +17,8 @@ from sqlite_utils.migrations import Migrations
 
 from common.migrate import run_migrations
 
+from .fedsum import fed_checksum
+
 MIGRATIONS = Migrations("kvd.sessions")
 migration = MIGRATIONS()
 
@@ -155,3 +157,15 @@ def m006_tool_messages(db: Database) -> None:
         "CREATE INDEX messages_streaming ON messages (session_id) "
         "WHERE status = 'streaming'"
     )
+
+
+@migration
+def m007_fed_ids_checksum(db: Database) -> None:
+    # The fed ids pick a session's cache and the ids its next turn appends to: a checksum over
+    # (session id, covers, ids), verified where they are read (sessions/fedsum.py). Rows written
+    # before it get their sum here; a row whose sum does not match is rebuilt from the transcript.
+    db.execute("ALTER TABLE session_tokens ADD COLUMN checksum INTEGER")
+    rows = db.execute("SELECT session_id, tokens, covers FROM session_tokens").fetchall()
+    for session_id, tokens, covers in rows:
+        db.execute("UPDATE session_tokens SET checksum = ? WHERE session_id = ?",
+                   [fed_checksum(session_id, bytes(tokens), int(covers)), session_id])

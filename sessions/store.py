@@ -33,7 +33,8 @@ from common.ids import new_session_id
 from common.keep import KEEP, Keep
 from common.tokenids import pack_tokens, unpack_tokens
 
-from .errors import UnknownMessage, UnknownSession
+from .errors import DamagedFedIds, UnknownMessage, UnknownSession
+from .fedsum import fed_checksum
 from .migrations import migrate
 
 Role = Literal["user", "assistant", "tool"]
@@ -328,14 +329,26 @@ class Store:
     # Token ids
 
     def fed(self, session_id: str) -> tuple[list[int], int]:
-        """The session's fed token ids and how many leading messages they cover."""
+        """The session's fed token ids and how many leading messages they cover.
+
+        Raises :class:`DamagedFedIds` when the row fails its checksum: the
+        caller rebuilds the ids from the transcript (:meth:`drop_fed`).
+        """
         row = self.db.execute(
-            "SELECT tokens, covers FROM session_tokens WHERE session_id = ?", [session_id]
+            "SELECT tokens, covers, checksum FROM session_tokens WHERE session_id = ?", [session_id]
         ).fetchone()
         if row is None:
             self._require_session(session_id)
             return [], 0
-        return unpack_tokens(row[0]), int(row[1])
+        blob, covers = bytes(row[0]), int(row[1])
+        if row[2] != fed_checksum(session_id, blob, covers) or len(blob) % 4:
+            raise DamagedFedIds(session_id)
+        return unpack_tokens(blob), covers
+
+    def drop_fed(self, session_id: str) -> None:
+        """Forget the session's fed ids (they cover nothing): its next turn renders the transcript afresh."""
+        self.set_tokens(session_id, [], covers=0)
+        self.forget_fed_ends(session_id, 1 << 62)
 
     def set_tokens(self, session_id: str, tokens: Sequence[int], *, covers: int = 0) -> None:
         """Replace the session's token ids; each must satisfy 0 <= t < 2**32.
@@ -349,11 +362,11 @@ class Store:
         self._require_session(session_id)
         with self.db.atomic():
             self.db.execute(
-                "INSERT INTO session_tokens (session_id, tokens, covers, updated_at) "
-                "VALUES (?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
+                "INSERT INTO session_tokens (session_id, tokens, covers, updated_at, checksum) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
                 "tokens = excluded.tokens, covers = excluded.covers, "
-                "updated_at = excluded.updated_at",
-                [session_id, blob, covers, self._clock()],
+                "updated_at = excluded.updated_at, checksum = excluded.checksum",
+                [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers)],
             )
 
     def continuable(self, system: str | None, role: str, content: str, *, limit: int = 8) -> list[str]:

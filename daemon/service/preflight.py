@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cachestore import cached_session_ids, check_usable, disk_ids
 from common.diskfull import is_disk_full
-from sessions import Store
+from sessions import DamagedFedIds, Store
 
 log = logging.getLogger("kvd")
 
@@ -192,7 +192,10 @@ def partial_losses(store: Store, cache_dir: Path) -> list[str]:
         ids = cached.get(sid)
         if ids is None or sid in cut:
             continue
-        fed, _ = store.fed(sid)
+        try:
+            fed, _ = store.fed(sid)
+        except DamagedFedIds:
+            continue  # the turn core rebuilds them from the transcript, and says so
         if len(ids) > len(fed) and list(ids[:len(fed)]) == fed:
             lost.append(f"{sid} ({len(ids) - len(fed)} token(s) of its last turns)")
     return lost
