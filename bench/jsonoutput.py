@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import anyio  # noqa: E402
+
 from daemon.doors.jsonoutput import output_grammar  # noqa: E402
 from daemon.doors.openai_schema import ResponseFormat  # noqa: E402
 
@@ -62,7 +64,7 @@ def main() -> None:
     t0 = time.perf_counter()
     view = tokenizer_view(tokenizer, width)
     view_ms = (time.perf_counter() - t0) * 1000
-    grammar = output_grammar(ResponseFormat.model_validate(
+    grammar = anyio.run(output_grammar, ResponseFormat.model_validate(
         {"type": "json_schema", "json_schema": {"name": "country", "schema": SCHEMA, "strict": True}}))
     assert grammar is not None
     constraint = Constraint(view, grammar, width)

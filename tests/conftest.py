@@ -66,7 +66,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_kvchat_tmux",
         "test_missing_blocks", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_integrity",
-        "test_hostile_stores",
+        "test_hostile_stores", "test_hostile_schemas",
     }),
 }  # fmt: skip
 

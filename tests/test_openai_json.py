@@ -101,3 +101,33 @@ async def test_a_format_kvd_cannot_follow_is_refused_and_stores_nothing(
         await api.close()
         assert says in e.value.message and e.value.param == param
         assert d.store.list_sessions() == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_that_leaves_its_grammar_is_an_error_never_a_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """A grammar the door's dry run passes but the engine's matcher cannot hold (here: the dry run is
+    switched off, and 600 optional properties overflow llguidance's parser row after the ``{``)."""
+    import openai
+
+    from daemon.doors import jsonoutput
+
+    monkeypatch.setattr(jsonoutput, "_dry_run", lambda grammar: None)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "wide", "schema": wide}}
+    async with running_daemon(tmp_path) as d:
+        api = api_of(d)
+        with pytest.raises(openai.APIError) as e:
+            if stream:
+                chunks = await api.chat.completions.create(model="builtin:tiny", messages=ASK, max_tokens=40,
+                                                           temperature=0, response_format=fmt, stream=True)
+                async for chunk in chunks:
+                    assert not chunk.choices or chunk.choices[0].finish_reason is None, chunk
+            else:
+                await api.chat.completions.create(model="builtin:tiny", messages=ASK, max_tokens=40,
+                                                  temperature=0, response_format=fmt)
+        await api.close()
+        assert "could not be held to its response_format" in e.value.message
+        (session,) = d.store.list_sessions()
+        answers = [m for m in d.store.messages(session["id"]) if m["role"] == "assistant"]
+    assert [(m["status"], m["finish_reason"]) for m in answers] == [("error", "error")]

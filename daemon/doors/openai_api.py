@@ -206,7 +206,7 @@ class OpenAIDoor:
             system = instructions(req)
             convo = [Said(m.role, m.text(), tuple(c.stored() for c in m.tool_calls or ()), m.tool_call_id)
                      for m in req.messages if not m.instructs]
-            grammar = output_grammar(req.response_format)
+            grammar = await output_grammar(req.response_format)  # on a worker, within bounds
             tools = req.offered_tools()
             tool_format = ToolFormat.of(self.engine.tokenizer, tools)
             if tools and tool_format is None:

@@ -52,11 +52,16 @@ class Constraint:
             raise ValueError(f"the response_format's grammar does not compile: {self.matcher.get_error()}")
         self.vocab_size = vocab_size
         self.ends = sorted(view.eos_token) if isinstance(view.eos_token, list) else [view.eos_token]
+        #: Why the answer left its grammar (the matcher's error), once it has: the engine then reports the
+        #: answer as failed, never as a normal finish.
+        self.failure: str | None = None
 
     def mask(self, logits: mx.array) -> mx.array:
         """`logits` (1 x vocab) with every token the grammar does not allow next at -inf."""
-        if self.matcher.is_error():  # cannot happen through the mask; if it does, end the answer
-            log.warning("a JSON-constrained answer left its grammar (%s); ending it", self.matcher.get_error())
+        if self.matcher.is_error():  # the door's dry run did not foresee it (a parser limit deeper in)
+            if self.failure is None:
+                self.failure = (self.matcher.get_error().strip().splitlines() or ["?"])[0][:300]
+                log.warning("a JSON-constrained answer left its grammar (%s); ending it as failed", self.failure)
             allowed = np.zeros(self.vocab_size, dtype=bool)
             allowed[self.ends] = True
         else:

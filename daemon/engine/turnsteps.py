@@ -288,7 +288,12 @@ class TurnSteps:
         history = [*tokens, *unfed]
         if changed and len(history) > len(act.prompt):
             self._answers.keep(sid, history[len(act.prompt):])
-        act.job.emit(Done(reason, act.usage(self.max_context), history if tokens and changed else None))
+        failure = act.constraint.failure if act.constraint is not None and reason != "cancelled" else None
+        if failure is not None:  # ended because it left its grammar: not JSON, so never a normal finish
+            act.job.emit(Failed(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
+                                "try a simpler schema"))
+        else:
+            act.job.emit(Done(reason, act.usage(self.max_context), history if tokens and changed else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
         # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
         if cache is not None and tokens and self.caches is not None:
