@@ -43,6 +43,7 @@ from .openai_answer import Answer
 from .openai_schema import ApiError, ChatRequest, api_error, instructions, parse, served_names, stops
 from .placement import Diverged, Said, place
 from .toolcalls import ToolFormat, openai_calls
+from .toolturns import check_tool_turns
 
 log = logging.getLogger("kvd.api")
 
@@ -80,7 +81,9 @@ def _decode(body: bytes, config: Config) -> ChatRequest:
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
     try:
-        return parse(decoded, config)
+        req = parse(decoded, config)
+        check_tool_turns(req.messages)
+        return req
     except ApiError as e:
         refused = e
     del decoded
