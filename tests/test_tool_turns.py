@@ -48,8 +48,8 @@ async def test_a_tool_message_openai_refuses_is_a_400_that_stores_nothing(
         assert says in e.value.message and e.value.param == param, (e.value.message, e.value.param)
         # The round trip OpenAI accepts, two results for two calls included, is still answered.
         two = {**CALLED, "tool_calls": [CALL, {**CALL, "id": "call_2"}]}
-        ok = await api.chat.completions.create(model="builtin:tiny", max_tokens=2, messages=[  # type: ignore[arg-type]
-            ASK, two, RESULT, {**RESULT, "tool_call_id": "call_2"}])
+        accepted: Any = [ASK, two, RESULT, {**RESULT, "tool_call_id": "call_2"}]
+        ok = await api.chat.completions.create(model="builtin:tiny", max_tokens=2, messages=accepted)
         await api.close()
         assert ok.choices[0].finish_reason in ("stop", "length")
         assert len(d.store.list_sessions()) == 1  # the accepted one only

@@ -21,6 +21,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from common.printable import printable
+
 __all__ = ["MAX_DEPTH", "StoreError", "inside", "printable", "read_json", "read_small"]
 
 #: Deepest JSON nesting accepted: Ollama manifests nest 3 deep, HF configs rarely past 5.
@@ -95,11 +97,3 @@ def read_json(path: Path, root: Path | None, cap: int) -> dict[str, Any]:
         raise StoreError(f"{printable(str(path))} holds a JSON {type(value).__name__}, not an object")
     return value
 
-
-# C0 controls (all of them: a newline would split the one error line), DEL and the C1 controls.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """`text` with every terminal control character written as a Python escape (``\\x1b``, ``\\n``)."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)

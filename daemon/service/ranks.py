@@ -88,9 +88,10 @@ def join(config: Config) -> tuple[Config, Any]:
 
 def follow(config: Config, *, verbose: bool) -> int:
     """A follower rank's whole life: BLAS, the group, the model, then rank 0's word."""
+    from common.printable import printable
+
     from ..engine.follower import serve
     from ..models.sources import ModelError, prepare_model
-    from ..models.untrusted import printable
     from .blas import preload_blas
 
     config = replace(config, rank=launched() or 0)

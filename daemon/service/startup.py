@@ -27,8 +27,9 @@ POLL_INTERVAL = 0.2  # seconds between looks at engine.ready (a threading.Event)
 
 def prepare(config: Config) -> Path | None:
     """The model's directory, fetched and converted if needed; None after printing why not."""
+    from common.printable import printable
+
     from ..models.sources import ModelError, prepare_model, progress_bar
-    from ..models.untrusted import printable
 
     try:
         with progress_bar() as progress:
