@@ -51,7 +51,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
         "test_segment_compat", "test_segments", "test_snapshot", "test_store", "test_store_tiers",
         "test_table", "test_tui_render", "test_wire", "test_writeback_plan",
-        "test_prune_paths",
+        "test_prune_paths", "test_schemaends",
     }),
     "integration": frozenset({
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",

@@ -40,6 +40,8 @@ SCHEMAS: list[tuple[str, Any, str]] = [
     ("a -> b -> a", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
      "no finite JSON"),
     ("an allOf cycle", {"allOf": [{"$ref": "#"}]}, "no finite JSON"),
+    ("a required property that is the schema itself",
+     {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "no finite JSON"),
 ]
 
 

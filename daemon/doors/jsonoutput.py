@@ -18,7 +18,9 @@ client's ping by 4 s. So (:func:`output_grammar`):
   check alone does not: a grammar past llguidance's parser limits (a row of
   more than 2,000 Earley items, as an object of 500 optional properties
   makes right after its ``{``), and a schema no finite JSON satisfies (``$ref``
-  cycles: no first byte is possible).
+  cycles: no first byte is possible). A schema whose cycles need a few
+  levels of an answer to show (a required property that is the schema
+  itself) is found before, by schemaends.py.
 
 Each is a 400 naming ``response_format.json_schema.schema``.
 """
@@ -32,6 +34,7 @@ from typing import Any
 import anyio
 
 from .openai_schema import ApiError, ResponseFormat
+from .schemaends import has_finite_value
 
 __all__ = ["COMPILERS", "DEADLINE", "DRY_STEPS", "MAX_SCHEMA_BYTES", "compile_grammar", "output_grammar"]
 
@@ -51,6 +54,8 @@ COMPILERS = 2
 DRY_STEPS = 16
 
 _compilers = threading.BoundedSemaphore(COMPILERS)
+_NO_END = ("no finite JSON satisfies this schema (its $refs, allOf or required properties only lead back to "
+           "each other); give every reference a way to end")
 
 
 class _Unfollowable(Exception):
@@ -124,6 +129,8 @@ def compile_grammar(schema: dict[str, Any] | bool, strict: bool, wait: float = D
     if not _compilers.acquire(timeout=wait):
         raise _Unfollowable(f"kvd is busy compiling other schemas; none finished within {wait:g} s, retry")
     try:
+        if not has_finite_value(schema):
+            raise _Unfollowable(_NO_END)
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults=STYLE,  # type: ignore[arg-type]
                                                      overrides={"lenient": not strict})
         _dry_run(grammar)
@@ -169,8 +176,7 @@ def _dry_run(grammar: str) -> None:
             break
         allowed = np.flatnonzero(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:257])
         if allowed.size == 0 or (step == 0 and allowed.tolist() == [256]):
-            raise _Unfollowable("no finite JSON satisfies this schema (its $refs or allOf only lead to each "
-                                "other); give every reference a way to end")
+            raise _Unfollowable(_NO_END)
         if allowed[0] == 256 and allowed.size == 1:
             return  # a whole value
         solid = allowed[~np.isin(allowed, _BLANKS)]  # a blank leads nowhere new
@@ -180,6 +186,5 @@ def _dry_run(grammar: str) -> None:
     if matcher.is_error():
         error = _first(matcher.get_error())
         if "NoExtensionBias" in error or "no possible" in error.lower():
-            raise _Unfollowable("no finite JSON satisfies this schema (its $refs or allOf only lead to each "
-                                "other); give every reference a way to end")
+            raise _Unfollowable(_NO_END)
         raise _Unfollowable(f"kvd cannot hold an answer to this schema: {error}")
