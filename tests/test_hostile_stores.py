@@ -82,6 +82,7 @@ def hostile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     write_manifest(ollama, "layers-str", '{"layers": "abc"}')
     write_manifest(ollama, "layers-int", '{"layers": [1, 2]}')
     write_manifest(ollama, "not-object", "[1]")
+    write_manifest(ollama, "quotes", b'"' + b'\\"' * 400_000)  # an unterminated string: the depth walk stays linear
     big = write_manifest(ollama, "big", b"")
     with open(big, "r+b") as f:
         f.truncate(165_000_000)  # sparse: 165 MB that a whole read would pull into memory
@@ -140,6 +141,7 @@ HOSTILE_OLLAMA = {
     "passwd": "not sha256: and 64 hex digits", "fifo-digest": "not sha256: and 64 hex digits",
     "nested": "nests deeper than", "layers-str": '"layers" is not a list of objects',
     "layers-int": '"layers" is not a list of objects', "not-object": "holds a JSON list, not an object",
+    "quotes": "is not JSON",
     "big": "more than the", "zero": "outside", "fifo": "not a regular file", "linked-manifest": "outside",
     "linked-blob": "does not follow", "fifo-blob": "not a regular file",
 }

@@ -66,8 +66,9 @@ def read_small(path: Path, root: Path | None, cap: int) -> bytes:
         os.close(fd)
 
 
-# A JSON string (escapes included), then any bracket: what the depth count walks.
-_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+# A JSON string (escapes included; an unterminated one runs to the end, so no start is scanned twice and
+# the walk stays linear), then any bracket: what the depth count walks.
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\Z)|[\[\]{}]', re.DOTALL)
 
 
 def _depth(data: bytes) -> int:
