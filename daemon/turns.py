@@ -37,11 +37,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 import protocol as p
 from protocol.requests import RequestError, RequestId
+from protocol.shapes import resolve
 from sessions import Message, Store, is_disk_full
 
 from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
-from .engine.sampling import resolve
 from .engine.thread import Engine
 from .prompt import Continuation, Prompt, Tokenizing, Tokens, template_message
 
@@ -282,8 +282,8 @@ class Turns:
         """
         assert self.tg is not None, "the daemon is not serving"
         session = self.session(session_id, rid)
-        sampling = resolve(self.config, session["params"], max_tokens=max_tokens,
-                           temperature=temperature, top_p=top_p)
+        sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, session["params"],
+                           self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
         index = self.store.append_message(session_id, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(session_id, index, session["system"])

@@ -35,11 +35,11 @@ from protocol.requests import (
     Status,
     parse_request,
 )
+from protocol.shapes import merge
 from sessions import KEEP, Keep, Session, Store, is_disk_full
 
 from .. import __version__
 from ..config import Config
-from ..engine.sampling import merge
 from ..engine.thread import Engine
 from ..turns import DISK_FULL_MESSAGE, Turns
 from .asgi import abort_transport, headers_of
