@@ -339,7 +339,8 @@ class Turns:
                 current.cancelled = True
             self.engine.cancel(session_id)
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:
+    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
+        # one branch per engine event kind, all sharing the answer's commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
         The first delta is committed at once, later ones at most every

@@ -176,18 +176,30 @@ def lone_surrogate(value: Any) -> tuple[str | int, ...] | None:
     never reach the store or a log). Iterative: a value nested just under the
     parser's limit must not overflow the stack here.
     """
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    steps: list[tuple[int, str | int]] = []  # (parent's step, key or index): a path costs nothing until it is asked for
+    stack: list[tuple[int, Any]] = [(-1, value)]
+
+    def path(at: int, *last: str | int) -> tuple[str | int, ...]:
+        keys: list[str | int] = list(last)
+        while at >= 0:
+            at, key = steps[at]
+            keys.append(key)
+        return tuple(reversed(keys))
+
     while stack:
-        path, item = stack.pop()
+        at, item = stack.pop()
         if isinstance(item, dict):
             for key, inner in item.items():
                 if not _encodable(key):
-                    return (*path, BAD_KEY)
-                stack.append(((*path, key), inner))
+                    return path(at, BAD_KEY)
+                steps.append((at, key))
+                stack.append((len(steps) - 1, inner))
         elif isinstance(item, list):
-            stack.extend(((*path, i), inner) for i, inner in enumerate(item))
+            for i, inner in enumerate(item):
+                steps.append((at, i))
+                stack.append((len(steps) - 1, inner))
         elif isinstance(item, str) and not _encodable(item):
-            return path
+            return path(at)
     return None
 
 
