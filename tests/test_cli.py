@@ -4,6 +4,7 @@ with the subcommand's own usage, before anything runs."""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,11 @@ def test_older_than_picks_by_age() -> None:
     assert [s["id"] for s in chosen(sessions, empty=False, older_than=2, origin="any", now=10 * DAY)] == ["old"]
 
 
-def test_main_dispatches_to_the_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_dispatches_to_the_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    root = logging.getLogger()  # main sets up logging for the process: give it back as pytest had it
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
     log = tmp_path / "kvd.log"
     log.write_text("one\ntwo\nthree\n")
     assert main(["logs", "--log-file", str(log), "-n", "2"]) == 0
