@@ -66,7 +66,8 @@ class PageIn:
         self.stats = DiskStats()  # the engine thread's own figures
         self.clock = clock
 
-    def plan(self, key: str, wanted: Sequence[int], limit: int, walk: Walk) -> DiskPlan:
+    def plan(self, key: str, wanted: Sequence[int], limit: int, walk: Walk) -> DiskPlan:  # noqa: C901 - 16: the one
+        # place that weighs the session's own chain against the shared blocks; split, the choice would be in two
         """Which files restore the longest prefix of `wanted` (at most `limit` ids), read nothing yet.
 
         Either the session's own chain (its blocks, then its private

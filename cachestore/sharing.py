@@ -25,7 +25,8 @@ from .warm import Cache, WarmTier, copy_live, copy_parts
 Found = tuple[int, Callable[[], Cache | None]]
 
 
-def find_shared(table: BlockTable, resident: Tier[Cache], warm: WarmTier, key: str, wanted: Sequence[int],
+def find_shared(table: BlockTable, resident: Tier[Cache], warm: WarmTier, key: str, wanted: Sequence[int],  # noqa: C901
+                # 16, counting its inner offer(): one walk over both memory tiers keeping the best find
                 limit: int, walk: Walk, best: int) -> Found | None:
     """The longest prefix (more than `best` ids, at least MIN_SHARED) another session's memory holds."""
     found: Found | None = None

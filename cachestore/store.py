@@ -52,7 +52,7 @@ import mlx.core as mx
 from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
 
 from . import pagein
-from .blocks import root_key, whole_blocks
+from .blocks import BLOCK_TOKENS, root_key, whole_blocks
 from .disktier import DiskTier
 from .index import SegmentIndex
 from .lru import DiskStats, Tier
@@ -84,7 +84,7 @@ class Budgets:
     max_segments: int
     resident_sessions: int | None = None  # at most this many live caches, whatever their size
     warm_bits: int = 0  # 4 | 8: warm snapshots kept quantized (packing.py); 0: exact copies
-    block_tokens: int = 128  # token ids per content-addressed disk block
+    block_tokens: int = BLOCK_TOKENS  # token ids per content-addressed disk block
 
 
 @dataclass

@@ -36,6 +36,12 @@ class Range:
 TEMPERATURE = Range(0.0, 2.0)
 TOP_P = Range(0.0, 1.0, low_open=True)
 
+
+def top_p_filters(top_p: float) -> bool:
+    """Whether top_p drops any token: 1, the top of its range, keeps every one, so it means "off"."""
+    return top_p in TOP_P and top_p < TOP_P.high
+
+
 # What one OpenAI request may carry, beyond the sizes config.toml sets ([limits]). Each bounds
 # work done per request (stop sequences are scanned against every streamed delta; every message
 # is validated, compared with the stored transcript and rendered), so no request stalls others.

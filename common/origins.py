@@ -14,18 +14,27 @@ from typing import Any, TypeVar
 KVCHAT = "kvchat"
 ONE_SHOT = "kvchat one-shot"
 WEBSOCKET = "websocket"
-KINDS = ("kvchat", "api", "ws", "any")  # what --from takes
+# What --from takes (kvd sessions prune, kvchat): the words kvchat's session list shows, and "any".
+KINDS = ("kvchat", "one-shot", "api", "ws", "any")
 
 S = TypeVar("S", bound=Mapping[str, Any])
 
 
 def kind(origin: object) -> str:
-    """kvchat, api or ws."""
+    """kvchat, one-shot, api or ws."""
+    if origin == ONE_SHOT:
+        return "one-shot"
     if origin is None or str(origin).startswith(KVCHAT):
         return "kvchat"
     return "api" if str(origin).startswith("api") else "ws"
 
 
+def matches(origin: object, which: str) -> bool:
+    """Whether a session made by `origin` is one `--from which` picks: "kvchat" takes its one-shots too."""
+    made = kind(origin)
+    return which in ("any", made) or (which == "kvchat" and made == "one-shot")
+
+
 def made_by(sessions: Sequence[S], which: str) -> list[S]:
     """The sessions of one kind ("any": all of them), in their order."""
-    return list(sessions) if which == "any" else [s for s in sessions if kind(s.get("origin")) == which]
+    return [s for s in sessions if matches(s.get("origin"), which)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import math
 import os
 import secrets
 import signal
@@ -52,6 +53,43 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 BACKUP_CHECK_EVERY = 60.0  # seconds between looks at whether a backup is due
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of 1 or more (`--ranks 0` is refused with the usage)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+MIN_DAYS = 1 / 86400  # one second: a shorter age picks the same sessions as 0 (every one), which is refused
+
+
+def _days(text: str) -> float:
+    """An argparse type: a finite number of days, at least one second's worth (nan, inf, 0, -1 and 1e-300 refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of days") from None
+    if not math.isfinite(value) or value < MIN_DAYS:
+        raise argparse.ArgumentTypeError(f"must be a number of days of at least one second ({MIN_DAYS:.7f}), "
+                                         f"such as 30 or 0.5, not {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvd", description="kvd: a local chat daemon for MLX models that keeps every conversation's KV "
@@ -60,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the daemon")
+    s.set_defaults(func=_serve_command, parser=s)
     s.add_argument("--config", type=Path, help="a config.toml (default: built-in defaults)")
     s.add_argument("--model", help="builtin:smollm2 (the default), builtin:gemma3, builtin:tiny, "
                    "builtin:tiny-swa, a .gguf file, a local mlx-lm model directory, ollama:NAME[:TAG], "
@@ -71,19 +110,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-file", type=Path, help="the log file (default: kvd.log in the data directory)")
     s.add_argument("--speculate", choices=["auto", "off"],
                    help="speculative decoding (default auto: where the answer repeats the context)")
-    s.add_argument("--ranks", type=int, metavar="N",
+    s.add_argument("--ranks", type=_at_least_one, metavar="N",
                    help="split the model across N local ranks (MLX ring backend; docs/distributed.md)")
     s.add_argument("--detach", action="store_true", help="run in the background; return once it listens")
     s.add_argument(DETACHED_FLAG, action="store_true", help=argparse.SUPPRESS)
     s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     st = sub.add_parser("status", help="show a running daemon: pid, URL, uptime, cache tiers")
+    st.set_defaults(func=_status_command, parser=st)
     st.add_argument("--data-dir", type=Path, help="the daemon's data directory")
     st.add_argument("--url", help="the daemon's URL (default: from the data directory)")
     st.add_argument("--json", action="store_true", help="print the raw status as JSON")
     sp = sub.add_parser("stop", help="stop the running daemon (pages every cache out first)")
+    sp.set_defaults(func=lambda args, argv: stop(_data_dir(args), args.timeout), parser=sp)
     sp.add_argument("--data-dir", type=Path, help="the daemon's data directory")
-    sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
+    sp.add_argument("--timeout", type=_seconds, default=120.0, help="seconds to wait (default 120)")
     lg = sub.add_parser("logs", help="show the daemon's log")
+    lg.set_defaults(func=_logs_command, parser=lg)
     lg.add_argument("--data-dir", type=Path, help="the daemon's data directory")
     lg.add_argument("--log-file", type=Path, help="the log file, if not the default")
     lg.add_argument("-n", "--lines", type=int, default=50, help="lines to show (default 50)")
@@ -91,16 +133,20 @@ def _parser() -> argparse.ArgumentParser:
     ss = sub.add_parser("sessions", help="tidy the session list (through the running daemon)")
     ssp = ss.add_subparsers(dest="sessions_command", required=True)
     pr = ssp.add_parser("prune", help="delete sessions: a dry run that lists them unless --yes")
+    pr.set_defaults(func=_prune_command, parser=pr)
     pr.add_argument("--data-dir", type=Path, help="the daemon's data directory")
     pr.add_argument("--empty", action="store_true", help="sessions with no messages")
-    pr.add_argument("--older-than", type=float, metavar="DAYS", help="sessions not used for DAYS days")
+    pr.add_argument("--older-than", type=_days, metavar="DAYS", help="sessions not used for DAYS days")
     pr.add_argument("--from", dest="origin", choices=origins.KINDS, default="any",
-                    help="sessions made by kvchat, api (OpenAI clients), ws (other websocket clients); default any")
+                    help="sessions made by kvchat (its one-shots too), one-shot (kvchat \"question\"), api "
+                    "(OpenAI clients), ws (other websocket clients): the session list's words; default any")
     pr.add_argument("--yes", action="store_true", help="delete them (without it: only list them)")
     md = sub.add_parser("models", help="list the models kvd can find here (built-in, its store, Ollama, "
                         "the Hugging Face cache) and whether each runs")
+    md.set_defaults(func=_models_command, parser=md)
     md.add_argument("--data-dir", type=Path, help="the data directory whose model store to list")
     sv = sub.add_parser("service", help="run kvd at login (systemd user unit or launchd agent)")
+    sv.set_defaults(func=_service_command, parser=sv)
     sv.add_argument("action", choices=["install"], help="write the unit file")
     sv.add_argument("--data-dir", type=Path, help="the data directory the service uses")
     sv.add_argument("--config", type=Path, help="a config.toml the service passes to kvd serve")
@@ -311,71 +357,90 @@ def _back_up(config: Config, when: str) -> None:
     log.info("backed up the transcript %s to %s", when, path)
 
 
+# -- the subcommands: each takes the parsed arguments and the raw ones, and returns the exit status --
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    return args.data_dir or default_data_dir()
+
+
+def _serve_command(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        config = load_config(args.config, model=args.model, port=args.port, host=args.host,
+                             data_dir=args.data_dir, log_file=args.log_file, speculate=args.speculate)
+    except ConfigError as e:
+        print(f"kvd: error: {e}", file=sys.stderr)
+        return 2
+    from .service import ranks
+
+    rank = ranks.launched()
+    sharded = rank is not None or (args.ranks or 1) > 1
+    try:
+        if sharded:
+            ranks.rank_timeout()  # read by every rank; a bad value stops them all here, with one line
+    except ConfigError as e:
+        print(f"kvd: error: {e}", file=sys.stderr)
+        return 2
+    if args.detach:
+        return detach([a for a in argv if a != "--detach"], config.log_path)
+    if rank is None and (args.ranks or 1) > 1:
+        return ranks.launch(argv, config, args.ranks)
+    if rank:
+        return ranks.follow(config, verbose=args.verbose)
+    return serve(config, verbose=args.verbose, detached=args.detached_child)
+
+
+def _status_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from .service.status import main as status_main
+
+    return status_main(_data_dir(args), args.url, args.json)
+
+
+def _prune_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from .service.prune import main as prune_main
+
+    return prune_main(_data_dir(args), empty=args.empty, older_than=args.older_than, origin=args.origin,
+                      yes=args.yes)
+
+
+def _logs_command(args: argparse.Namespace, argv: list[str]) -> int:
+    data_dir = _data_dir(args)
+    return logs(args.log_file or Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log"),
+                args.lines, args.follow)
+
+
+def _models_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from .models.catalog import entries, render
+
+    for line in render(list(entries(_data_dir(args) / "models"))):
+        print(line)
+    return 0
+
+
+def _service_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from .service.unit import install, service_file
+
+    data_dir = _data_dir(args).expanduser().resolve()
+    sf = service_file(data_dir, data_dir / "kvd.log", args.config)
+    if args.print:
+        print(sf.content, end="")
+        return 0
+    install(sf)
+    print(f"kvd: wrote {sf.path}; start it now and at every login with:", file=sys.stderr)
+    for step in sf.next_steps:
+        print(f"  {step}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    data_dir = getattr(args, "data_dir", None) or default_data_dir()
-    if args.command == "serve":
-        try:
-            config = load_config(args.config, model=args.model, port=args.port, host=args.host,
-                                 data_dir=args.data_dir, log_file=args.log_file, speculate=args.speculate)
-        except ConfigError as e:
-            print(f"kvd: error: {e}", file=sys.stderr)
-            return 2
-        if args.ranks is not None and args.ranks < 1:
-            print("kvd: error: --ranks must be 1 or more", file=sys.stderr)
-            return 2
-        from .service import ranks
-
-        rank = ranks.launched()
-        try:
-            if rank is not None or (args.ranks or 1) > 1:
-                ranks.rank_timeout()  # read by every rank; a bad value stops them all here, with one line
-        except ConfigError as e:
-            print(f"kvd: error: {e}", file=sys.stderr)
-            return 2
-        given = argv if argv is not None else sys.argv[1:]
-        if args.detach:
-            return detach([a for a in given if a != "--detach"], config.log_path)
-        if rank is None and (args.ranks or 1) > 1:
-            return ranks.launch(given, config, args.ranks)
-        if rank:
-            return ranks.follow(config, verbose=args.verbose)
-        return serve(config, verbose=args.verbose, detached=args.detached_child)
-    setup_logging(verbose=False, log_file=None)
-    if args.command == "status":
-        from .service.status import main as status_main
-
-        return status_main(data_dir, args.url, args.json)
-    if args.command == "stop":
-        return stop(data_dir, args.timeout)
-    if args.command == "sessions":
-        from .service.prune import main as prune_main
-
-        return prune_main(data_dir, empty=args.empty, older_than=args.older_than, origin=args.origin,
-                          yes=args.yes)
-    if args.command == "logs":
-        return logs(args.log_file or Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log"),
-                    args.lines, args.follow)
-    if args.command == "models":
-        from .models.catalog import entries, render
-
-        for line in render(list(entries(data_dir / "models"))):
-            print(line)
-        return 0
-    if args.command == "service":
-        from .service.unit import install, service_file
-
-        data_dir = data_dir.expanduser().resolve()
-        sf = service_file(data_dir, data_dir / "kvd.log", args.config)
-        if args.print:
-            print(sf.content, end="")
-            return 0
-        install(sf)
-        print(f"kvd: wrote {sf.path}; start it now and at every login with:", file=sys.stderr)
-        for step in sf.next_steps:
-            print(f"  {step}", file=sys.stderr)
-        return 0
-    return 2
+    given = argv if argv is not None else sys.argv[1:]
+    args, unknown = _parser().parse_known_args(given)
+    if unknown:  # said by the subcommand's own parser, so the usage shown is the subcommand's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.func is not _serve_command:
+        setup_logging(verbose=False, log_file=None)
+    code: int = args.func(args, given)
+    return code
 
 
 if __name__ == "__main__":

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from common.limits import TEMPERATURE, TOP_P
+from cachestore.blocks import BLOCK_TOKENS
 from protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
-from protocol.requests import Limits
+from protocol import PARAMS as SAMPLING  # [generation]'s keys, validated as a request's sampling values are
+
+if TYPE_CHECKING:  # protocol.shapes imports pydantic: loaded with a config file, so `kvd status` starts without it
+    from protocol.shapes import Limits, Resolved
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,7 +59,7 @@ class Config:
     resident_idle: float = 600.0
     warm_idle: float = 3600.0
     max_segments: int = 16
-    block_tokens: int = 128
+    block_tokens: int = BLOCK_TOKENS
     max_resident_sessions: int = 32
     warm_bits: int = 0
     prefetch: bool = True
@@ -77,8 +81,16 @@ class Config:
     world_size: int = 1
 
     def request_limits(self) -> Limits:
-        """The [limits] a client's request is checked against (protocol/requests.py)."""
+        """The [limits] a client's request is checked against (protocol/shapes.py)."""
+        from protocol.shapes import Limits
+
         return Limits(max_text_chars=self.max_text_chars, max_tokens_limit=self.max_tokens_limit)
+
+    def sampling(self) -> Resolved:
+        """[generation]: the values a turn runs with when neither its request nor its session sets them."""
+        from protocol.shapes import Resolved
+
+        return Resolved(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p)
 
     @property
     def db_path(self) -> Path:
@@ -167,57 +179,122 @@ def _flatten(doc: dict[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
+class _Bad(ValueError):
+    """What a value must be: the end of the config's error line, after the key."""
+
+
+Check = Callable[[Any], Any]
+
+
+def _path(value: Any) -> Path:
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise _Bad("must be a path")
+    return Path(value).expanduser()
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _Bad("must be a list of strings")
+    return tuple(value)
+
+
+def _kind(kind: type | tuple[type, ...], name: str, words: str | None = None, *,
+          ok: Callable[[Any], bool] = lambda v: True) -> Check:
+    """A value of exactly `kind` (true is not 1) for which `ok` holds, else `words`."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            raise _Bad(f"must be {name}")
+        if not ok(value):
+            raise _Bad(words or f"must be {name}")
+        return value
+
+    return check
+
+
+def _integer(low: int = 1, words: str = "must be positive", *, high: int | None = None) -> Check:
+    return _kind(int, "an integer", words, ok=lambda v: low <= v and (high is None or v <= high))
+
+
+def _positive_number(value: Any) -> float:
+    return float(_kind((int, float), "a number", "must be positive", ok=lambda v: v > 0)(value))
+
+
+_STRING = _kind(str, "a str")
+_BITS = _kind(int, "an integer", "must be 0 (off), 4 or 8", ok=lambda v: v in (0, 4, 8))
+_TIER = _integer(0, "must be >= 0 (0 turns the tier off)")
+
+# Every key but [generation]'s, which validates through the shared request shapes (protocol/shapes.py).
+_CHECKS: dict[str, Check] = {
+    "model": _STRING,
+    "blas": _kind(str, '"auto", "off" or the path of a BLAS library', ok=bool),
+    "blas_threads": _integer(0, "must be >= 0 (0: the CPUs kvd may use)"),
+    "data_dir": _path,
+    "log_file": _path,
+    "host": _STRING,
+    "port": _integer(0, "must be 0-65535 (0 picks a free port)", high=65535),
+    "allowed_origins": _strings,
+    "allowed_hosts": _strings,
+    "prefill_step_size": _integer(),
+    "prefill_slice": _positive_number,
+    "speculate": _kind(str, '"auto" or "off"', ok=lambda v: v in ("auto", "off")),
+    "resident_bytes": _TIER,
+    "warm_bytes": _TIER,
+    "disk_bytes": _TIER,
+    "resident_idle": _positive_number,
+    "warm_idle": _positive_number,
+    "max_segments": _integer(),
+    "block_tokens": _integer(),
+    "max_resident_sessions": _TIER,
+    "warm_bits": _BITS,
+    "prefetch": _kind(bool, "a bool"),
+    "kv_bits": _BITS,
+    "max_message_bytes": _integer(),
+    "max_text_chars": _integer(),
+    "max_tokens_limit": _integer(),
+    "send_timeout": _positive_number,
+    "max_generations": _integer(),
+    "max_queued": _integer(),
+    "max_connections": _integer(),
+    "header_timeout": _positive_number,
+    "body_timeout": _positive_number,
+    "max_unauthenticated": _integer(),
+}
+
+
+def _dotted(name: str) -> str:
+    table, key = _LAYOUT[name]
+    return f"{table}.{key}" if table else key
+
+
 def _check(name: str, value: Any) -> Any:
     """Coerce and validate one value; raise ConfigError naming the key."""
-    table, key = _LAYOUT[name]
-    dotted = f"{table}.{key}" if table else key
-    default = getattr(Config(), name)
-    if name in ("data_dir", "log_file"):
-        if not isinstance(value, (str, Path)) or not str(value):
-            raise ConfigError(f"{dotted} must be a path")
-        return Path(value).expanduser()
-    if name in ("allowed_origins", "allowed_hosts"):
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{dotted} must be a list of strings")
-        return tuple(value)
-    if name == "blas" and (not isinstance(value, str) or not value):
-        raise ConfigError(f'{dotted} must be "auto", "off" or the path of a BLAS library')
-    if name == "speculate" and value not in ("auto", "off"):
-        raise ConfigError(f'{dotted} must be "auto" or "off"')
-    if isinstance(default, bool) or isinstance(default, str):
-        if not isinstance(value, type(default)):
-            raise ConfigError(f"{dotted} must be a {type(default).__name__}")
-        return value
-    if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{dotted} must be an integer")
-        if name == "port":
-            if not 0 <= value <= 65535:
-                raise ConfigError(f"{dotted} must be 0-65535 (0 picks a free port)")
-        elif name in ("kv_bits", "warm_bits"):
-            if value not in (0, 4, 8):
-                raise ConfigError(f"{dotted} must be 0 (off), 4 or 8")
-        elif name == "blas_threads":
-            if value < 0:
-                raise ConfigError(f"{dotted} must be >= 0 (0: the CPUs kvd may use)")
-        elif (name.endswith("_bytes") and table == "cache") or name == "max_resident_sessions":
-            if value < 0:
-                raise ConfigError(f"{dotted} must be >= 0 (0 turns the tier off)")
-        elif value <= 0:
-            raise ConfigError(f"{dotted} must be positive")
-        return value
-    if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{dotted} must be a number")
-        value = float(value)
-        ranged = {"temperature": TEMPERATURE, "top_p": TOP_P}.get(name)
-        if ranged is not None and value not in ranged:
-            raise ConfigError(f"{dotted} must be in {ranged.describe()}")
-        if name in ("send_timeout", "resident_idle", "warm_idle", "prefill_slice", "header_timeout",
-                    "body_timeout") and value <= 0:
-            raise ConfigError(f"{dotted} must be positive")
-        return value
-    raise AssertionError(name)  # pragma: no cover
+    try:
+        return _CHECKS[name](value)
+    except _Bad as e:
+        raise ConfigError(f"{_dotted(name)} {e}") from None
+
+
+def _generation(given: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    """[generation] through the shape every request's sampling values take, the limits as its context."""
+    from pydantic import ValidationError
+
+    from protocol.shapes import ABOVE_LIMIT, TYPE_ERRORS, Sampling, bounds
+
+    defaults = Config()
+    try:
+        valid = Sampling.model_validate({**{k: getattr(defaults, k) for k in SAMPLING}, **given}, context=limits)
+    except ValidationError as e:
+        error = e.errors()[0]
+        name = str(error["loc"][0])
+        if error["type"] in TYPE_ERRORS:
+            words = "must be an integer" if name == "max_tokens" else "must be a number"
+        elif error["type"] == ABOVE_LIMIT:
+            words = f"must not exceed limits.max_tokens_limit ({limits.max_tokens_limit})"
+        else:
+            words = f"must be {bounds(name, limits)}"
+        raise ConfigError(f"{_dotted(name)} {words}") from None
+    return {k: getattr(valid, k) for k in given}
 
 
 def load_config(path: Path | None = None, **overrides: Any) -> Config:
@@ -236,7 +313,6 @@ def load_config(path: Path | None = None, **overrides: Any) -> Config:
     unknown = set(values) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
-    config = Config(**{k: _check(k, v) for k, v in values.items()})
-    if config.max_tokens > config.max_tokens_limit:
-        raise ConfigError("generation.max_tokens must not exceed limits.max_tokens_limit")
-    return config
+    checked = {k: _check(k, v) for k, v in values.items() if k not in SAMPLING}
+    limits = dataclasses.replace(Config(), **checked).request_limits()
+    return Config(**checked, **_generation({k: v for k, v in values.items() if k in SAMPLING}, limits))

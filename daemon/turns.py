@@ -37,11 +37,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 import protocol as p
 from protocol.requests import RequestError, RequestId
+from protocol.shapes import resolve
 from sessions import DamagedFedIds, Message, Store, is_disk_full
 
 from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
-from .engine.sampling import resolve
 from .engine.thread import Engine
 from .prompt import Continuation, Prompt, Tokenizing, Tokens, template_message
 
@@ -295,8 +295,8 @@ class Turns:
         """
         assert self.tg is not None, "the daemon is not serving"
         session = self.session(session_id, rid)
-        sampling = resolve(self.config, session["params"], max_tokens=max_tokens,
-                           temperature=temperature, top_p=top_p)
+        sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, session["params"],
+                           self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
         index = self.store.append_message(session_id, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(session_id, index, session["system"])
@@ -352,7 +352,8 @@ class Turns:
                 current.cancelled = True
             self.engine.cancel(session_id)
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:
+    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
+        # one branch per engine event kind, all sharing the answer's commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
         The first delta is committed at once, later ones at most every

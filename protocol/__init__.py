@@ -4,7 +4,9 @@ A leaf package: it imports no other kvd package (tests/test_arrows.py checks),
 so kvchat can import it and never pull in mlx, the engine or the stores.
 Standard library only. docs/protocol.md is the reference for every type and
 field named here; `protocol.requests` parses the frames a client sends and
-`protocol.wire` builds the objects the daemon sends back.
+`protocol.wire` builds the objects the daemon sends back. `protocol.shapes`
+(a turn's parameters, one rule each) and `protocol.requests` import pydantic:
+only the daemon imports them, so kvchat starts without it.
 """
 
 from __future__ import annotations

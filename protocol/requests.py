@@ -3,29 +3,27 @@
 Every way a frame can be wrong ends here as a RequestError carrying the
 protocol's error code and a message that says what to send instead. The
 daemon's limits come in as a `Limits` of plain values, so this module needs
-nothing of the daemon.
+nothing of the daemon. A turn's parameters (sampling, text) validate through
+the shared shapes (protocol/shapes.py); this module only words their errors
+as the websocket's: `bad_request` or `too_large`, naming the field.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 import protocol as p
 from common import origins
 from common.keep import KEEP, Keep
-from common.limits import TEMPERATURE, TOP_P, Range
+
+from .shapes import TEXT_TOO_LONG, TYPE_ERRORS, Limits, Sampling, Text, bounds, lone_surrogate
 
 RequestId = str | int | None
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a request may ask for (config.toml's [limits])."""
-
-    max_text_chars: int  # a message's or a system prompt's characters
-    max_tokens_limit: int  # the most a request's max_tokens may be
 
 
 class RequestError(Exception):
@@ -81,7 +79,7 @@ class SessionDelete:
 
 
 # A chat request's max_tokens, temperature and top_p are None when it leaves
-# them out: the session's params, then the config, fill them in (sampling.py).
+# them out: the session's params, then the config, fill them in (shapes.resolve).
 
 
 @dataclass(frozen=True)
@@ -143,6 +141,8 @@ Request = (SessionCreate | SessionList | SessionGet | SessionUpdate | SessionDel
 MAX_TITLE_CHARS = 200
 MAX_ORIGIN_CHARS = 200
 
+_TEXT: TypeAdapter[str] = TypeAdapter(Text)
+
 
 def _request_id(value: Any) -> RequestId:
     if isinstance(value, bool):
@@ -175,28 +175,23 @@ def _session(msg: dict[str, Any], rid: RequestId) -> str:
     return sid
 
 
-def _number(msg: dict[str, Any], rid: RequestId, name: str, allowed: Range, *, label: str = "") -> float | None:
-    value = _field(msg, rid, name, (int, float), required=False)
-    if value is None:
-        return None
-    if value not in allowed:
-        raise RequestError(p.BAD_REQUEST, f"{label or repr(name)} must be in {allowed.describe()}", rid)
-    return float(value)
+def _refused(e: ValidationError, rid: RequestId, limits: Limits, *, within: str = "") -> RequestError:
+    """A shape's first error as the websocket says it: the field named, `bad_request` or `too_large`."""
+    error = e.errors()[0]
+    name = str(error["loc"][0]) if error["loc"] else ""  # a lone value (a text) has no field of its own
+    label = repr(f"{within}{name}")
+    if error["type"] in TYPE_ERRORS:
+        return RequestError(p.BAD_REQUEST, f"{name!r} has the wrong type", rid)
+    if error["type"] == TEXT_TOO_LONG:
+        return RequestError(p.TOO_LARGE, f"{label} is longer than {limits.max_text_chars} characters", rid)
+    return RequestError(p.BAD_REQUEST, f"{label} must be {bounds(name, limits)}", rid)
 
 
-def _max_tokens(msg: dict[str, Any], rid: RequestId, limits: Limits, *, label: str = "") -> int | None:
-    value: int | None = _field(msg, rid, "max_tokens", int, required=False)
-    if value is not None and not 1 <= value <= limits.max_tokens_limit:
-        raise RequestError(p.BAD_REQUEST, f"{label or repr('max_tokens')} must be 1-{limits.max_tokens_limit}", rid)
-    return value
-
-
-def _temperature(msg: dict[str, Any], rid: RequestId, *, label: str = "") -> float | None:
-    return _number(msg, rid, "temperature", TEMPERATURE, label=label)
-
-
-def _top_p(msg: dict[str, Any], rid: RequestId, *, label: str = "") -> float | None:
-    return _number(msg, rid, "top_p", TOP_P, label=label)
+def _sampling(msg: dict[str, Any], rid: RequestId, limits: Limits) -> Sampling:
+    try:
+        return Sampling.model_validate(msg, context=limits)
+    except ValidationError as e:
+        raise _refused(e, rid, limits) from None
 
 
 def _params(msg: dict[str, Any], rid: RequestId, limits: Limits) -> dict[str, float | int | None] | Keep:
@@ -210,16 +205,11 @@ def _params(msg: dict[str, Any], rid: RequestId, limits: Limits) -> dict[str, fl
     if unknown:
         raise RequestError(p.BAD_REQUEST, f"unknown param {unknown[0]!r}; params may set "
                            f"{', '.join(p.PARAMS)}", rid)
-    change: dict[str, float | int | None] = {}
-    for key in params:
-        label = f"'params.{key}'"
-        if key == "max_tokens":
-            change[key] = _max_tokens(params, rid, limits, label=label)
-        elif key == "temperature":
-            change[key] = _temperature(params, rid, label=label)
-        else:
-            change[key] = _top_p(params, rid, label=label)
-    return change
+    try:
+        given = Sampling.model_validate(params, context=limits).given()
+    except ValidationError as e:
+        raise _refused(e, rid, limits, within="params.") from None
+    return {key: given[key] for key in params}
 
 
 def _title(msg: dict[str, Any], rid: RequestId) -> str | None:
@@ -236,53 +226,36 @@ def _origin(msg: dict[str, Any], rid: RequestId) -> str:
     return origin or origins.WEBSOCKET
 
 
+def _fits(name: str, text: str, rid: RequestId, limits: Limits) -> str:
+    try:
+        return _TEXT.validate_python(text, context=limits)
+    except ValidationError as e:
+        raise _refused(e, rid, limits, within=name) from None
+
+
 def _system(msg: dict[str, Any], rid: RequestId, limits: Limits) -> str | None:
     system: str | None = _field(msg, rid, "system", str, required=False)
-    if system is not None and len(system) > limits.max_text_chars:
-        raise RequestError(p.TOO_LARGE, f"'system' is longer than {limits.max_text_chars} characters", rid)
-    return system
+    return None if system is None else _fits("system", system, rid, limits)
 
 
 def _text(msg: dict[str, Any], rid: RequestId, limits: Limits) -> str:
     text: str = _field(msg, rid, "text", str)
     if not text.strip():
         raise RequestError(p.BAD_REQUEST, "'text' is empty", rid)
-    if len(text) > limits.max_text_chars:
-        raise RequestError(p.TOO_LARGE, f"'text' is longer than {limits.max_text_chars} characters", rid)
-    return text
+    return _fits("text", text, rid, limits)
 
 
-def _surrogate(msg: dict[str, Any]) -> str | None:
-    """The first field holding a lone UTF-16 surrogate ("\\ud800"), which JSON allows and UTF-8 cannot carry.
-
-    Iterative: a frame nested just under the parser's limit must not
-    overflow the stack here.
-    """
-    stack: list[tuple[str, Any]] = [(k, v) for k, v in msg.items()]
-    while stack:
-        name, value = stack.pop()
-        if isinstance(value, dict):
-            stack.extend((name, k) for k in value)
-            stack.extend((name, v) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((name, v) for v in value)
-        elif isinstance(value, str) and not _encodable(value):
-            return name
-        if not _encodable(name):
-            return "a key"
-    return None
+def _no_surrogates(msg: dict[str, Any]) -> None:
+    """Before anything else reads the frame: a lone surrogate anywhere is `bad_request`, naming its field."""
+    if (path := lone_surrogate(msg)) is None:
+        return
+    rid = msg.get("id")
+    echo = rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) and lone_surrogate(rid) is None else None
+    raise RequestError(p.BAD_REQUEST, f"{path[0]!r} holds a lone UTF-16 surrogate (such as \\ud800), "
+                       "which is not text; send valid Unicode", echo)
 
 
-def _encodable(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def parse_request(raw: str | bytes, limits: Limits) -> Request:
-    """Turn one frame into a typed request, or raise RequestError."""
+def _decode(raw: str | bytes) -> dict[str, Any]:
     if isinstance(raw, bytes):
         raise RequestError(p.BAD_JSON, "send JSON text frames, not binary frames")
     try:
@@ -294,55 +267,81 @@ def parse_request(raw: str | bytes, limits: Limits) -> Request:
         raise RequestError(p.BAD_JSON, "the frame is not valid JSON") from None
     if not isinstance(msg, dict):
         raise RequestError(p.BAD_JSON, "a request must be a JSON object")
-    if "\\u" in raw and (field := _surrogate(msg)) is not None:
-        rid = msg.get("id") if field != "id" else None
-        raise RequestError(p.BAD_REQUEST, f"{field!r} holds a lone UTF-16 surrogate (such as \\ud800), "
-                           "which is not text; send valid Unicode",
-                           rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None)
+    if "\\u" in raw:  # only an escape can spell a lone surrogate
+        _no_surrogates(msg)
+    return msg
+
+
+# -- one builder per request type ---------------------------------------------------------------------------
+
+Msg = dict[str, Any]
+
+
+def _session_create(msg: Msg, rid: RequestId, limits: Limits) -> Request:
+    return SessionCreate(rid, _title(msg, rid) or p.DEFAULT_TITLE, _system(msg, rid, limits), _origin(msg, rid))
+
+
+def _session_update(msg: Msg, rid: RequestId, limits: Limits) -> Request:
+    session = _session(msg, rid)
+    title = _title(msg, rid)
+    system = _system(msg, rid, limits) if "system" in msg else KEEP  # null clears it
+    return SessionUpdate(rid, session, KEEP if title is None else title, system, _params(msg, rid, limits))
+
+
+def _chat_attach(msg: Msg, rid: RequestId, limits: Limits) -> Request:
+    session = _session(msg, rid)
+    after_seq = _field(msg, rid, "after_seq", int, required=False, default=-1)
+    if after_seq < -1:
+        raise RequestError(p.BAD_REQUEST, "'after_seq' must be >= -1 (-1: nothing seen yet)", rid)
+    return ChatAttach(rid, session, after_seq)
+
+
+def _chat_regenerate(msg: Msg, rid: RequestId, limits: Limits) -> Request:
+    session = _session(msg, rid)
+    s = _sampling(msg, rid, limits)
+    return ChatRegenerate(rid, session, s.max_tokens, s.temperature, s.top_p)
+
+
+def _chat_send(msg: Msg, rid: RequestId, limits: Limits) -> Request:
+    session = _session(msg, rid)
+    s = _sampling(msg, rid, limits)
+    return ChatSend(rid, session, _text(msg, rid, limits), s.max_tokens, s.temperature, s.top_p)
+
+
+def _chat_edit(msg: Msg, rid: RequestId, limits: Limits) -> Request:
+    session = _session(msg, rid)
+    s = _sampling(msg, rid, limits)
+    text = _text(msg, rid, limits)
+    index = _field(msg, rid, "message_index", int)
+    if index < 0:
+        raise RequestError(p.BAD_REQUEST, "'message_index' must be >= 0", rid)
+    return ChatEdit(rid, session, index, text, s.max_tokens, s.temperature, s.top_p)
+
+
+_BUILDERS: dict[str, Callable[[Msg, RequestId, Limits], Request]] = {
+    p.PING: lambda msg, rid, limits: Ping(rid),
+    p.STATUS: lambda msg, rid, limits: Status(rid),
+    p.SESSION_LIST: lambda msg, rid, limits: SessionList(rid),
+    p.SESSION_CREATE: _session_create,
+    p.SESSION_GET: lambda msg, rid, limits: SessionGet(rid, _session(msg, rid)),
+    p.SESSION_UPDATE: _session_update,
+    p.SESSION_DELETE: lambda msg, rid, limits: SessionDelete(rid, _session(msg, rid)),
+    p.CHAT_CANCEL: lambda msg, rid, limits: ChatCancel(rid, _session(msg, rid)),
+    p.CHAT_ATTACH: _chat_attach,
+    p.CHAT_SEND: _chat_send,
+    p.CHAT_REGENERATE: _chat_regenerate,
+    p.CHAT_EDIT: _chat_edit,
+}
+
+
+def parse_request(raw: str | bytes, limits: Limits) -> Request:
+    """Turn one frame into a typed request, or raise RequestError."""
+    msg = _decode(raw)
     rid = _request_id(msg.get("id"))
     kind = msg.get("type")
     if not isinstance(kind, str):
         raise RequestError(p.BAD_REQUEST, "missing field 'type'", rid)
-
-    if kind == p.PING:
-        return Ping(rid)
-    if kind == p.STATUS:
-        return Status(rid)
-    if kind == p.SESSION_LIST:
-        return SessionList(rid)
-    if kind == p.SESSION_CREATE:
-        return SessionCreate(rid, _title(msg, rid) or p.DEFAULT_TITLE, _system(msg, rid, limits),
-                             _origin(msg, rid))
-    if kind == p.SESSION_GET:
-        return SessionGet(rid, _session(msg, rid))
-    if kind == p.SESSION_UPDATE:
-        session = _session(msg, rid)
-        title = _title(msg, rid)
-        system = _system(msg, rid, limits) if "system" in msg else KEEP  # null clears it
-        return SessionUpdate(rid, session, KEEP if title is None else title, system,
-                             _params(msg, rid, limits))
-    if kind == p.SESSION_DELETE:
-        return SessionDelete(rid, _session(msg, rid))
-    if kind == p.CHAT_CANCEL:
-        return ChatCancel(rid, _session(msg, rid))
-    if kind == p.CHAT_ATTACH:
-        session = _session(msg, rid)
-        after_seq = _field(msg, rid, "after_seq", int, required=False, default=-1)
-        if after_seq < -1:
-            raise RequestError(p.BAD_REQUEST, "'after_seq' must be >= -1 (-1: nothing seen yet)", rid)
-        return ChatAttach(rid, session, after_seq)
-    if kind in (p.CHAT_SEND, p.CHAT_REGENERATE, p.CHAT_EDIT):
-        session = _session(msg, rid)
-        max_tokens = _max_tokens(msg, rid, limits)
-        temperature = _temperature(msg, rid)
-        top_p = _top_p(msg, rid)
-        if kind == p.CHAT_REGENERATE:
-            return ChatRegenerate(rid, session, max_tokens, temperature, top_p)
-        text = _text(msg, rid, limits)
-        if kind == p.CHAT_SEND:
-            return ChatSend(rid, session, text, max_tokens, temperature, top_p)
-        index = _field(msg, rid, "message_index", int)
-        if index < 0:
-            raise RequestError(p.BAD_REQUEST, "'message_index' must be >= 0", rid)
-        return ChatEdit(rid, session, index, text, max_tokens, temperature, top_p)
-    raise RequestError(p.UNKNOWN_TYPE, f"unknown request type {kind!r}; see docs/protocol.md", rid)
+    build = _BUILDERS.get(kind)
+    if build is None:
+        raise RequestError(p.UNKNOWN_TYPE, f"unknown request type {kind!r}; see docs/protocol.md", rid)
+    return build(msg, rid, limits)

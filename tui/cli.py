@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="resume the most recently used kvchat session (--from any: of any client)")
     which.add_argument("--new", action="store_true", help="start a new session without the list")
     parser.add_argument("--from", dest="origin", choices=listing.ORIGINS, metavar="ORIGIN",
-                        help="only sessions made by: kvchat, api (OpenAI clients), ws (other websocket "
-                             "clients) or any (default: any for the list, kvchat for --last)")
+                        help="only sessions made by: kvchat (its one-shots too), one-shot, api (OpenAI clients), "
+                             "ws (other websocket clients) or any (default: any for the list, kvchat for --last)")
     new = parser.add_argument_group("new session")
     new.add_argument("--title", help="title of the new session")
     new.add_argument("--system", help="system prompt of the new session")

@@ -1,7 +1,10 @@
 """The OpenAI chat-completions request, validated; errors in OpenAI's shape.
 
 pydantic in strict mode: "5" is not a number and true is not a count, as
-for the websocket protocol (requests.py). Fields the API defines but kvd
+for the websocket protocol (requests.py). A turn's parameters (max_tokens,
+temperature, top_p, stop, seed, a message's text) are the shared shapes of
+protocol/shapes.py, checked against config's limits; this module words their
+errors as OpenAI's 400s, `param` naming the field. Fields the API defines but kvd
 does not implement are refused when they ask for something (n > 1,
 logprobs, a forced tool call) and ignored when they are left at their defaults; unknown
 fields are ignored, as OpenAI's clients add new ones often.
@@ -9,14 +12,30 @@ fields are ignored, as OpenAI's clients add new ones often.
 
 from __future__ import annotations
 
-import json
 from http import HTTPStatus
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import ErrorDetails
 
 import protocol as p
-from common.limits import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS, SEED_MAX, TEMPERATURE, TOP_P
+from common.limits import MAX_MESSAGES, MAX_TOOLS
+from protocol.shapes import (
+    ABOVE_LIMIT,
+    BAD_KEY,
+    STOP_TOO_LONG,
+    TEXT_TOO_LONG,
+    TOO_MANY_STOPS,
+    Limits,
+    MaxTokens,
+    Seed,
+    Stop,
+    Temperature,
+    TopP,
+    fits_text,
+    lone_surrogate,
+)
+from protocol.shapes import stops as stop_list
 
 from ..config import Config
 
@@ -100,6 +119,14 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back as the answer gave them
     tool_call_id: str | None = Field(default=None, max_length=256)  # a tool message: the call it answers
 
+    @field_validator("content")
+    @classmethod
+    def _fits(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
+        """The same bound as the websocket door's text (limits.max_text_chars), on the parts joined."""
+        if isinstance(info.context, Limits) and content is not None:
+            fits_text(content if isinstance(content, str) else "".join(part.text for part in content), info.context)
+        return content
+
     @property
     def instructs(self) -> bool:
         return self.role in ("system", "developer")
@@ -154,12 +181,12 @@ class StreamOptions(_Strict):
 class ChatRequest(_Strict):
     model: str | None = None  # the served model's name (or left out); see served_names
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=TEMPERATURE.low, le=TEMPERATURE.high)
-    top_p: float | None = Field(default=None, gt=TOP_P.low, le=TOP_P.high)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None  # wins over max_tokens when both are given
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stop: Stop = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
@@ -184,19 +211,44 @@ def parse(body: Any, config: Config) -> ChatRequest:
         # Before validating each one: pydantic holds the GIL throughout, and every client waits.
         raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
                        f"(got {len(body['messages'])})", param="messages")
+    if (path := lone_surrogate(body)) is not None:
+        where = _where(path[:-1] if path[-1] == BAD_KEY else path) or "body"
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
+                       "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
     try:
-        req = ChatRequest.model_validate(body)
+        req = ChatRequest.model_validate(body, context=config.request_limits())
     except ValidationError as e:
         # A union (content: a string or a list of parts) reports one error per member; the
         # deepest says most (a part's wrong type, rather than "not a string").
-        first = max(e.errors(), key=lambda err: len(err["loc"]))
-        loc = [part for part in first["loc"] if isinstance(part, int) or part.isidentifier()
-               and part not in _UNION_TAGS]
-        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-        got = repr(first.get("input"))
-        got = got if len(got) <= 60 else got[:57] + "..."
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{where or 'body'}: {first['msg']} (got {got})",
-                       param=where or None) from None
+        raise _refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
+    _check_asks(req, config)
+    _check_messages(req)
+    return req
+
+
+def _where(loc: tuple[str | int, ...]) -> str:
+    """A field's path as OpenAI's `param` spells it: messages[0].content."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+
+
+def _refusal(error: ErrorDetails) -> ApiError:
+    """One validation error as a 400; the shared shapes' own errors keep the wording docs/openai.md shows."""
+    where = _where(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
+                         and part not in _UNION_TAGS))
+    kind = error["type"]
+    if kind == TEXT_TOO_LONG:
+        return ApiError(HTTPStatus.BAD_REQUEST, f"{where.removesuffix('.content')} {error['msg']}", param=where,
+                        code="string_above_max_length")
+    if kind in (ABOVE_LIMIT, TOO_MANY_STOPS, STOP_TOO_LONG):  # whole sentences, naming the limit
+        return ApiError(HTTPStatus.BAD_REQUEST, error["msg"], param=where,
+                        code="string_above_max_length" if kind == STOP_TOO_LONG else None)
+    got = repr(error.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return ApiError(HTTPStatus.BAD_REQUEST, f"{where or 'body'}: {error['msg']} (got {got})", param=where or None)
+
+
+def _check_asks(req: ChatRequest, config: Config) -> None:
+    """What the request asks for that kvd does not do, and the model it names."""
     if req.n not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd generates one choice per request; send n = 1 "
                        "(or leave it out) and make several requests for several answers", param="n")
@@ -211,20 +263,10 @@ def parse(body: Any, config: Config) -> ChatRequest:
     if req.model is not None and req.model not in served_names(config.model):
         raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {req.model!r}; "
                        "GET /v1/models names it (or leave model out)", param="model", code="model_not_found")
-    limit = req.max_completion_tokens or req.max_tokens
-    if limit is not None and limit > config.max_tokens_limit:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"max_tokens may be at most {config.max_tokens_limit} "
-                       "(limits.max_tokens_limit in kvd's config.toml)",
-                       param="max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-    if isinstance(req.stop, list) and len(req.stop) > MAX_STOPS:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_STOPS} stop sequences", param="stop")
-    for i, stop in enumerate(stops(req)):
-        if len(stop) > MAX_STOP_CHARS:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"a stop sequence may be at most {MAX_STOP_CHARS} characters "
-                           f"(stop[{i}] has {len(stop)})", param="stop", code="string_above_max_length")
-    if (bad := _not_unicode(req)) is not None:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{bad} holds a lone UTF-16 surrogate (such as \\ud800), "
-                       "which is not text; send valid Unicode", param=bad)
+
+
+def _check_messages(req: ChatRequest) -> None:
+    """Who may say what, and where: the roles' rules over the conversation."""
     for i, m in enumerate(req.messages):
         if m.role == "tool" and not m.tool_call_id:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] is a tool result without tool_call_id; "
@@ -235,17 +277,12 @@ def parse(body: Any, config: Config) -> ChatRequest:
         if m.content is None and m.role != "assistant":
             raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content is null; only an assistant's may be",
                            param=f"messages[{i}].content")
-        if len(m.text()) > config.max_text_chars:  # the same bound as the websocket door's
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] is longer than {config.max_text_chars} characters "
-                           "(limits.max_text_chars in kvd's config.toml)", param=f"messages[{i}].content",
-                           code="string_above_max_length")
         if m.instructs and i > 0 and not req.messages[i - 1].instructs:
             raise ApiError(HTTPStatus.BAD_REQUEST, "kvd takes system (or developer) messages only before the "
                            f"conversation; messages[{i}] is one after it began", param=f"messages[{i}].role")
     if all(m.instructs for m in req.messages):
         raise ApiError(HTTPStatus.BAD_REQUEST, "messages has no user or assistant message to answer",
                        param="messages")
-    return req
 
 
 def served_names(model: str) -> set[str]:
@@ -270,30 +307,5 @@ def instructions(req: ChatRequest) -> str | None:
     return "\n\n".join(lead) if lead else None
 
 
-def _not_unicode(req: ChatRequest) -> str | None:
-    """The first text field holding a lone surrogate ("\\ud800": JSON allows it, UTF-8 cannot carry it)."""
-    fields: list[tuple[str, str | None]] = [("model", req.model)]
-    for i, m in enumerate(req.messages):
-        fields += [(f"messages[{i}].content", m.text()), (f"messages[{i}].name", m.name),
-                   (f"messages[{i}].tool_call_id", m.tool_call_id)]
-        for j, call in enumerate(m.tool_calls or []):
-            fields += [(f"messages[{i}].tool_calls[{j}].id", call.id),
-                       (f"messages[{i}].tool_calls[{j}].function.name", call.function.name),
-                       (f"messages[{i}].tool_calls[{j}].function.arguments", call.function.arguments)]
-    fields += [("stop", s) for s in stops(req)]
-    if req.tools:
-        fields += [(f"tools[{i}]", json.dumps(tool.model_dump(), ensure_ascii=False))
-                   for i, tool in enumerate(req.tools)]
-    for where, text in fields:
-        if text is not None:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                return where
-    return None
-
-
 def stops(req: ChatRequest) -> list[str]:
-    if req.stop is None:
-        return []
-    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    return stop_list(req.stop)

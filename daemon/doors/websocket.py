@@ -8,6 +8,7 @@ owned by the daemon, so a client that goes away does not stop one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,11 +36,11 @@ from protocol.requests import (
     Status,
     parse_request,
 )
+from protocol.shapes import merge, resolve
 from sessions import KEEP, Keep, Session, Store, is_disk_full
 
 from .. import __version__
 from ..config import Config
-from ..engine.sampling import merge
 from ..engine.thread import Engine
 from ..turns import DISK_FULL_MESSAGE, Turns
 from .asgi import abort_transport, headers_of
@@ -114,12 +115,13 @@ class WebSocketDoor:
     def _hello(self) -> dict[str, Any]:
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
                 "model": self.config.model, **self._loading.hello_fields(),
-                "defaults": {"temperature": self.config.temperature, "top_p": self.config.top_p,
-                             "max_tokens": min(self.config.max_tokens, self.config.max_tokens_limit)}}
+                "defaults": dataclasses.asdict(resolve({}, {}, self.config.sampling(),
+                                                       max_tokens_limit=self.config.max_tokens_limit))}
 
     # --- requests ---
 
-    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:
+    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:  # noqa: C901 - 17: one short branch
+        # per request type under the one try that turns every failure into that request's error event
         rid = None
         try:
             req = parse_request(raw, self.limits)

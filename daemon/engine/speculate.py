@@ -115,7 +115,8 @@ def step(generator: Any, rows: Mapping[int, Speculation]) -> list[Any] | None:
         return _step(batch, rows)
 
 
-def _step(batch: Any, rows: Mapping[int, Speculation]) -> list[Any] | None:
+def _step(batch: Any, rows: Mapping[int, Speculation]) -> list[Any] | None:  # noqa: C901 - 20: draft, verify,
+    # roll back and commit every row of one batch, phases sharing the rows' locals (issue 31 rewrites it)
     n = len(batch.uids)
     wanted: dict[int, int] = {}
     for i, u in enumerate(batch.uids):

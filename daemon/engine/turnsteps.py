@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
+from common.limits import top_p_filters
 
 from ..config import Config
 from .draft import Answers
@@ -129,7 +130,7 @@ class TurnSteps:
         self._turns.start(job.session_id, RunningTurn(
             job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
             restored_from=out.restored_from, restore_ms=out.restore_ms, inserted=time.perf_counter(),
-            sampler=make_sampler(job.temperature, top_p=job.top_p if job.top_p < 1 else 0.0),
+            sampler=make_sampler(job.temperature, top_p=job.top_p if top_p_filters(job.top_p) else 0.0),
             prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
                             boundary=self.caches.boundary(cache),
                             at_boundary=functools.partial(self.caches.capture, job.session_id)),

@@ -29,6 +29,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
+from common.limits import top_p_filters
+
 
 @dataclass(frozen=True)
 class Target:
@@ -46,7 +48,7 @@ class Verdict:
 
 def target_logits(logprobs: mx.array, target: Target) -> mx.array:
     """Log-weights whose softmax is the distribution the plain sampler draws from."""
-    if 0 < target.top_p < 1:
+    if top_p_filters(target.top_p):
         logprobs = apply_top_p(logprobs, target.top_p)
     return logprobs * (1.0 / target.temperature)
 

@@ -33,7 +33,7 @@ def chosen(sessions: list[dict[str, Any]], *, empty: bool, older_than: float | N
             continue
         if older_than is not None and now - float(s.get("updated_at") or now) < older_than * DAY:
             continue
-        if origin != "any" and origins.kind(s.get("origin")) != origin:
+        if not origins.matches(s.get("origin"), origin):
             continue
         out.append(s)
     return out
@@ -104,7 +104,7 @@ def main(data_dir: Path, *, empty: bool, older_than: float | None, origin: str, 
             picked = chosen(listed, empty=empty, older_than=older_than, origin=origin, now=time.time())
             for s in picked:
                 made = origins.kind(s.get("origin"))
-                print(f"{s['id']}  {made:6}  {s.get('message_count', 0):4} messages  {s.get('title')}")
+                print(f"{s['id']}  {made:8}  {s.get('message_count', 0):4} messages  {s.get('title')}")
             if not yes:
                 print(f"{len(picked)} of {len(listed)} session(s) would be deleted; run again with --yes to "
                       "delete them", file=sys.stderr)
