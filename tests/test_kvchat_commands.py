@@ -351,7 +351,8 @@ async def test_reconnecting_gives_up_with_what_to_do(tmp_path: Path) -> None:
     link = Link(url=url, data_dir=tmp_path, reconnect_for=0.5)
     with pytest.raises(GaveUp) as info:
         await link.reconnect()
-    assert str(info.value).startswith(f"kvd at {url} did not come back within 0.5 s (kvd is not running at {url})")
+    assert str(info.value).startswith(f"kvd at {url} did not come back within 0.5 s "
+                                      f"(nothing answers at {url}: kvd is not running there)")
     assert f"start it with `kvd serve --data-dir {tmp_path}`" in str(info.value)  # the same data dir
 
 
