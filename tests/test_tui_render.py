@@ -242,6 +242,20 @@ def test_history_with_an_api_clients_tool_calls() -> None:
         'you> Weather?\nkvd> called get_weather({"city": "Paris"})\n\ntool result: 18 C\nkvd> Mild.\n\n')
 
 
+def test_status_and_error_lines_wrap_at_words_on_a_terminal() -> None:
+    """At 120 columns the terminal used to cut `176/8192 ctx` and `session` in two."""
+    console = Console(width=40, color_system=None, file=io.StringIO(), force_terminal=True)
+    render.print_error(console, "the conversation no longer fits; start a new session carrying less of the history")
+    render.print_status(console, {"usage": {"completion_tokens": 20, "ttft_ms": 1677, "tokens_per_second": 3.2,
+                                            "restored_from": "resident", "restored_tokens": 45, "restore_ms": 0.0,
+                                            "context_tokens": 176, "context_window": 8192}})
+    lines = output(console).splitlines()
+    assert all(len(line) <= 40 for line in lines), lines
+    words = " ".join(lines).split()
+    assert "session" in words and "carrying" in words, lines
+    assert "176/8192" in " ".join(lines), lines
+
+
 def test_error_is_one_line() -> None:
     console = capture_console()
     render.print_error(console, "kvd is not running at ws://127.0.0.1:8765/v1. Start it with: kvd serve")

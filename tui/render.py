@@ -148,12 +148,18 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
     return line
 
 
+def unwrapped(console: Console) -> bool:
+    """Rich's soft_wrap for a status, note or error line: on a terminal Rich wraps it at word boundaries
+    (the terminal would cut words); into a pipe or file it stays one line, for grep and scripts."""
+    return not console.is_terminal
+
+
 def print_status(console: Console, done: Mapping[str, Any], *, blank: bool = True) -> None:
     """The dim line under an answer, from its ``chat.done`` event (then a blank line)."""
     usage = done.get("usage")
     reason = done.get("finish_reason")
     line = status_line(usage if isinstance(usage, Mapping) else {}, reason if isinstance(reason, str) else None)
-    console.print(Text(line, style=DIM), soft_wrap=True)
+    console.print(Text(line, style=DIM), soft_wrap=unwrapped(console))
     if blank:
         console.print()
 
@@ -179,17 +185,18 @@ def print_header(
     server = hello.get("server")
     if server:
         details.append(sanitize(str(server)))
-    console.print(Text(" · ".join(details), style=DIM), soft_wrap=True)
+    console.print(Text(" · ".join(details), style=DIM), soft_wrap=unwrapped(console))
     system = session.get("system")
     if system:
         shown = sanitize(str(system))
         if len(shown) > SYSTEM_SHOWN or shown.count("\n") > 2:  # e.g. /compact's: /system shows it all
             shown = " ".join(shown[:SYSTEM_SHOWN].split()) + f" … ({len(shown)} characters; /system shows it all)"
-        console.print(Text(f"system: {shown}", style=DIM), soft_wrap=True)
+        console.print(Text(f"system: {shown}", style=DIM), soft_wrap=unwrapped(console))
     params = session.get("params")
     if isinstance(params, Mapping) and params:
-        console.print(Text("params: " + format_params(params), style=DIM), soft_wrap=True)
-    console.print(Text("/help for commands · Ctrl-C stops an answer · Ctrl-D quits", style=DIM), soft_wrap=True)
+        console.print(Text("params: " + format_params(params), style=DIM), soft_wrap=unwrapped(console))
+    console.print(Text("/help for commands · Ctrl-C stops an answer · Ctrl-D quits", style=DIM),
+                  soft_wrap=unwrapped(console))
     console.print()
 
 
@@ -199,11 +206,11 @@ def format_params(params: Mapping[str, Any]) -> str:
 
 def print_error(console: Console, message: str) -> None:
     """One red line; the message itself says what to do."""
-    console.print(Text(f"error: {sanitize(message)}", style=ERROR_STYLE), soft_wrap=True)
+    console.print(Text(f"error: {sanitize(message)}", style=ERROR_STYLE), soft_wrap=unwrapped(console))
 
 
 def print_note(console: Console, message: str) -> None:
-    console.print(Text(sanitize(message), style=DIM), soft_wrap=True)
+    console.print(Text(sanitize(message), style=DIM), soft_wrap=unwrapped(console))
 
 
 def prompt(console: Console, label: str, style: str) -> str:
