@@ -68,9 +68,9 @@ async def test_picker_then_sessions_new_switch_rename(tmp_path: Path) -> None:
         # The picker: a numbered table, most recent first, with tokens, cache tier, who made it and age
         # (this test's raw client did not say: "ws").
         header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
-        assert re.match(r"\s*# +title +last message +tokens +cache +from +last used$", lines[header])
+        assert re.match(r"\s*# +title +last message +msgs +tokens +cache +from +last used$", lines[header])
         first_row = lines[header + 1]
-        assert re.match(r"\s*1 +Newer chat +\S.* +\d+ +(resident|warm|disk) +ws +just now$", first_row), first_row
+        assert re.match(r"\s*1 +Newer chat +\S.* +2 +\d+ +(resident|warm|disk) +ws +just now$", first_row), first_row
         assert re.match(r"\s*2 +Older chat +", lines[header + 2])
         assert "no session number 9; /sessions lists them" in lines
         # Picking 2 opens the older chat with its history.

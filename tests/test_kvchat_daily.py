@@ -215,7 +215,7 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
             in screen.after("you> /compact"))
     answers = [old["messages"][1]["content"], old["messages"][3]["content"]]
     assert new["session"]["system"] == (
-        "Be brief.\n\nEarlier in this conversation (carried over from the session 'Full'):\n\n"
+        f"Be brief.\n\nEarlier in this conversation (carried over from the session 'Full', {sid}):\n\n"
         f"User: an early one\n\nAssistant: {answers[0]}\n\nUser: a short one\n\nAssistant: {answers[1]}")
     tokens = old["messages"][3]["usage"]["context_tokens"]
     assert (f"this new session carries the system prompt and the last 2 turns ({tokens} tokens; at most half the "
@@ -223,7 +223,8 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
     assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["next"]
     # Its header shows the start of that long system prompt, not all of it.
     header = next(line for line in screen.after("you> /compact") if line.startswith("system: "))
-    assert header.startswith("system: Be brief. Earlier in this conversation (carried over from the session 'Full'):")
+    assert header.startswith(f"system: Be brief. Earlier in this conversation (carried over from the session 'Full', "
+                             f"{sid}):")
     assert header.endswith(f"({len(new['session']['system'])} characters; /system shows it all)")
 
 
@@ -313,7 +314,9 @@ async def test_picker_takes_a_unique_title_prefix(tmp_path: Path) -> None:
             await make_session(c, "Lisbon food", "hello")
             await make_session(c, "Porto", "hello")
         screen = await kvchat(d, script=["lisbon", "lisbon t", "/switch porto", "/quit"])
-    assert "'lisbon' starts 2 titles; give more of it, or the number" in screen.lines
+    assert "'lisbon' starts 2 titles; type the number of the one you mean:" in screen.lines
+    listed = screen.after("'lisbon' starts 2 titles; type the number of the one you mean:")[:2]
+    assert [line.split()[:3] for line in listed] == [["2", "Lisbon", "food"], ["3", "Lisbon", "trip"]], listed
     assert screen.after("number or title, Enter for a new chat: lisbon t")[0] == "Lisbon trip"
     assert screen.after("you> /switch porto")[0] == "Porto"
 

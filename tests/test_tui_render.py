@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from typing import Any
@@ -360,3 +361,44 @@ def test_a_queued_turn_says_how_many_are_ahead_and_unknown_events_are_ignored() 
     assert show(printer, done) is done
     printer.finish()
     assert output(console) == "waiting for the daemon: 2 ahead of you\nkvd> Hello.\n"
+
+
+CAPITALS = ["France", "Spain", "Portugal", "Italy"]
+
+
+def capital_sessions() -> list[dict[str, object]]:
+    sessions: list[dict[str, object]] = [
+        {"id": f"{i:016x}", "title": f"What is the capital of {country}?", "message_count": 2 * (i + 1),
+         "last_message": "It is a city.", "tokens": 40, "cache": "disk", "origin": "kvchat one-shot",
+         "updated_at": 1000.0 - 60 * i}
+        for i, country in enumerate(CAPITALS)]
+    sessions.insert(0, {"id": "00000000000000ff", "title": "What is the capital of Spain? (compacted)",
+                        "system": "Earlier in this conversation (carried over from the session "
+                                  "'What is the capital of Spain?', 0000000000000001):\n\nUser: hi",
+                        "message_count": 0, "tokens": 0, "cache": "none", "origin": "kvchat", "updated_at": 1000.0})
+    return sessions
+
+
+def test_the_session_list_tells_look_alikes_apart_at_120_columns() -> None:
+    from tui import listing
+
+    console = Console(width=120, color_system=None, file=io.StringIO(), force_terminal=False)
+    console.print(listing.sessions_table(capital_sessions(), width=120, now=1000.0), soft_wrap=True)
+    lines = output(console).splitlines()
+    assert lines[0].split() == ["#", "title", "last", "message", "msgs", "tokens", "cache", "from", "last", "used"]
+    for country in CAPITALS:  # the whole title, not `What is the capital of …`
+        assert any(f"What is the capital of {country}?" in line for line in lines), lines
+    assert "What is the capital of Spain? (compacted) ← #3" in lines[1], lines  # compacted from row 3
+    assert re.search(r"What is the capital of Portugal\? +It is a city\. +6 +40 +disk +one-shot +2 min ago",
+                     lines[4]), lines
+
+
+def test_a_title_prefix_of_several_sessions_lists_them_to_pick_from() -> None:
+    from tui import listing
+
+    found = listing.find(capital_sessions(), "what is the capital")
+    assert isinstance(found, str)
+    lines = found.splitlines()
+    assert lines[0] == "'what is the capital' starts 5 titles; type the number of the one you mean:"
+    assert lines[3].split()[0] == "3" and "What is the capital of Spain?  (4 messages," in lines[3], lines
+    assert listing.find(capital_sessions(), "3")["title"] == "What is the capital of Spain?"  # type: ignore[index]

@@ -27,7 +27,7 @@ from .listing import ORIGIN
 
 TITLE_SUFFIX = " (compacted)"
 MAX_TITLE = 200
-HEADER = "Earlier in this conversation (carried over from the session {title!r}):"
+HEADER = "Earlier in this conversation (carried over from the session {title!r}, {id}):"  # listing.py reads the id
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,10 @@ def carried(all_turns: Sequence[Turn], budget: int) -> list[Turn]:
     return kept
 
 
-def system_prompt(system: str | None, title: str, kept: Sequence[Turn]) -> str | None:
+def system_prompt(system: str | None, title: str, kept: Sequence[Turn], source: str = "") -> str | None:
     parts = [system] if system else []
     if kept:
-        lines = [HEADER.format(title=title)]
+        lines = [HEADER.format(title=title, id=source)]
         for turn in kept:
             lines += ["", f"User: {turn.question}", "", f"Assistant: {turn.answer}"]
         parts.append("\n".join(lines))
@@ -95,7 +95,7 @@ def run(chat: ChatView) -> None:
     while True:
         try:
             fields = {"title": (title[: MAX_TITLE - len(TITLE_SUFFIX)] + TITLE_SUFFIX),
-                      "system": system_prompt(old.get("system"), title, kept)}
+                      "system": system_prompt(old.get("system"), title, kept, str(old.get("id", "")))}
             session = chat.request(protocol.SESSION_CREATE, origin=ORIGIN,
                                    **{k: v for k, v in fields.items() if v})["session"]
             break
