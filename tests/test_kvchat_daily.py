@@ -194,7 +194,7 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
             await c.request("session.update", session=sid, system="Be brief.")
         screen = await kvchat(d, "--session", sid, script=[
             "/params max_tokens=8", "an early one", "a short one", "/params max_tokens=4096", long, "/compact",
-            "/params", "/params max_tokens=8", "next", "/quit"])
+            "y", "/params", "/params max_tokens=8", "next", "/quit"])
         old = await transcript(d, sid)
         new_id = session_id(screen)
         new = await transcript(d, new_id)
@@ -218,6 +218,10 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
         f"Be brief.\n\nEarlier in this conversation (carried over from the session 'Full', {sid}):\n\n"
         f"User: an early one\n\nAssistant: {answers[0]}\n\nUser: a short one\n\nAssistant: {answers[1]}")
     tokens = old["messages"][3]["usage"]["context_tokens"]
+    # It said what it would carry before it made anything.
+    assert (f"/compact: the new session will carry the system prompt and the last 2 turns (turns 1-2, {tokens} "
+            "tokens)") in screen.lines
+    assert screen.after("you> /compact")[1] == "go on? [Y/n] y"
     assert (f"this new session carries the system prompt and the last 2 turns ({tokens} tokens; at most half the "
             "8192-token context) in its system prompt; 'Full' is kept (/switch to it)") in screen.lines
     assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["next"]
@@ -226,6 +230,36 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
     assert header.startswith(f"system: Be brief. Earlier in this conversation (carried over from the session 'Full', "
                              f"{sid}):")
     assert header.endswith(f"({len(new['session']['system'])} characters; /system shows it all)")
+
+
+def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
+    """A 3000-token log pasted first, then small questions about it: the plain rule (the last turns in
+    half the context) would carry the small talk and drop the log."""
+    log = compact.Turn("ERROR 2026-11-25 disk full on /var " * 300, "The disk filled up.", 3000, 1)
+    small = [compact.Turn(f"question {n} about the log", "an answer", 300, n) for n in range(2, 17)]
+    plain = compact.carried([log, *small], 8192 // 2)
+    assert log not in plain  # what the plain rule alone would do
+    p = compact.plan([log, *small], 8192)
+    assert p.anchor == log and [t.number for t in p.kept] == [1, *range(7, 17)]  # 3000 + 10 x 300 <= 6144
+    assert [t.number for t in p.left_out] == [2, 3, 4, 5, 6]
+    said = compact.describe(p, 8192, system=False)
+    assert said == ["/compact: the new session will carry turn 1 (your 3000-token message 'ERROR 2026-11-25 disk "
+                    "full on /var ERRO…' and its answer: the later turns refer to it) and the last 10 turns "
+                    "(turns 7-16, 3000 tokens); it leaves out turns 2-6 (1500 tokens)"]
+    # Too large for three quarters of the context: said plainly, not dropped in silence.
+    huge = compact.Turn("x " * 7000, "ok", 7414, 1)
+    p = compact.plan([huge, *small[:3]], 8192)  # turns 2-4
+    assert p.anchor is None and p.unfit == huge and [t.number for t in p.kept] == [2, 3, 4]
+    said = compact.describe(p, 8192, system=True)
+    assert said == [
+        "/compact: the new session will carry the system prompt and the last 3 turns (turns 2-4, 900 tokens); "
+        "it leaves out turn 1 (7414 tokens)",
+        "it cannot carry turn 1, your 7414-token message 'x x x x x x x x x x x x x x x x x x x x…': carried turns "
+        "may take at most 6144 tokens (three quarters of the 8192-token context); paste again the part of it you "
+        "need"]
+    # Turns of like size have no anchor: the plain rule.
+    p = compact.plan(small, 1000)
+    assert p.anchor is None and p.unfit is None and [t.number for t in p.kept] == [16]
 
 
 def test_compact_rule() -> None:
