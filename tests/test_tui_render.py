@@ -402,3 +402,49 @@ def test_a_title_prefix_of_several_sessions_lists_them_to_pick_from() -> None:
     assert lines[0] == "'what is the capital' starts 5 titles; type the number of the one you mean:"
     assert lines[3].split()[0] == "3" and "What is the capital of Spain?  (4 messages," in lines[3], lines
     assert listing.find(capital_sessions(), "3")["title"] == "What is the capital of Spain?"  # type: ignore[index]
+
+
+def read_times(total: int, chunk: int, a: float, b: float, start: float = 0.0) -> list[tuple[int, float]]:
+    """(fed, time) at each chunk's end, for a read whose token at position p takes a + b*p seconds."""
+    out, now = [], start
+    for fed in range(chunk, total + 1, chunk):
+        now += a * chunk + b * (fed * fed - (fed - chunk) ** 2) / 2
+        out.append((fed, now))
+    return out
+
+
+def test_the_reading_estimate_follows_a_prefill_that_slows_down() -> None:
+    """7414 tokens read in about 140 s, each later token slower (attention looks back further): at 4632
+    tokens the old estimate (the average rate so far) said about half the true time left."""
+    from tui.estimate import PrefillClock
+
+    total, a, b = 7424, 0.004, 4e-6
+    times = read_times(total, 256, a, b)
+    clock = PrefillClock()
+    clock.start()
+    for fed, now in times:
+        clock.observe(fed, now)
+        if fed == 4608:
+            break
+    truth = times[-1][1] - now
+    left = clock.seconds_left(4608, total)
+    assert left is not None and abs(left - truth) < 0.05 * truth, (left, truth)
+    fed0, t0 = times[0]
+    average = (total - 4608) / ((4608 - fed0) / (now - t0))
+    assert average < 0.75 * truth  # what kvchat said before
+    # The next read: its first progress already has an estimate, shaped by this read.
+    for fed, now in times[times.index((4608, now)) + 1:]:
+        clock.observe(fed, now)
+    clock.start()
+    clock.observe(256, 1000.0)
+    first = clock.seconds_left(256, total)
+    assert first is not None and abs(first - (times[-1][1] - times[0][1])) < 0.05 * times[-1][1]
+
+
+def test_the_reading_line_shows_the_estimate() -> None:
+    console = capture_console()
+    printer = render.answer_printer(console)
+    printer.progress(256, 1024, 10.0)
+    assert printer.reading == "reading 256/1024 tokens"
+    printer.progress(512, 1024, 11.0)
+    assert printer.reading == "reading 512/1024 tokens, about 2 s left"

@@ -21,6 +21,7 @@ from . import commands, listing, render
 from .chatview import ChatOptions
 from .client import Client
 from .errors import KvchatError, ServerError
+from .estimate import PrefillClock
 from .interrupts import Interrupts
 from .lineinput import Input
 from .link import Link
@@ -56,6 +57,7 @@ class Chat:
         self.link = link
         self.interrupts = interrupts
         self.input = input
+        self.clock = PrefillClock()  # every answer's reading estimate also learns from the reads before it
         self.options = options or ChatOptions()
         self.session: dict[str, Any] = {}
         self.listed: list[dict[str, Any]] = []  # the rows of the last sessions table shown
@@ -126,7 +128,7 @@ class Chat:
             fields = {**self.options.fields(), **fields}
         self.wait_ready()
         done = Turn(self.console, self.net, self.link, self.interrupts, self.session_id, kind, fields,
-                    last_index=self.last_index).run()
+                    last_index=self.last_index, clock=self.clock).run()
         if done is not None and isinstance(done.get("message_index"), int):
             self.last_index = done["message_index"]
         return done
