@@ -350,3 +350,61 @@ def test_ctrl_c_stops_a_one_shot_answer_and_keeps_it(kvd: Kvd) -> None:
     answer = messages(kvd, sid)[1]
     assert answer["status"] == "cancelled" and answer["usage"]["completion_tokens"] < 4096
     assert (first + rest).decode() == answer["content"] + "\n"  # what was kept is what was printed
+
+
+@pytest.mark.tmux
+def test_a_60_line_paste_leaves_one_copy_in_the_scrollback(
+        kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
+    """A paste taller than the terminal, sent: the scrollback holds each of its lines once (it held the
+    editor's partial views too: two extra copies of the paste's end)."""
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "3", size=(120, 40))
+    p.wait_for_prompt()
+    wanted = [f"log line {i:02d}: the disk on /var filled up at 10:{i:02d}" for i in range(60)]
+    pasted = tmp_path / "tall.txt"
+    pasted.write_text("\n".join(wanted) + "\n")
+    p.tmux("load-buffer", str(pasted))
+    p.tmux("paste-buffer", "-p", "-t", "kvchat")
+    p.wait_for("the paste on the prompt", lambda lines: any(line.endswith(wanted[-1]) for line in lines))
+    p.keys("Enter")
+    lines = p.wait_for("the answer", lambda lines: any(is_status(line) for line in lines))
+    for w in wanted:
+        copies = [line for line in lines if line.endswith(w)]
+        assert len(copies) == 1, (w, copies, lines)
+    p.wait_for_prompt()
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_up_at_the_first_line_of_a_recalled_message_goes_to_older_history(
+        kvd: Kvd, pane: Callable[..., Pane]) -> None:
+    """Up recalls a message of many lines with the cursor on its first line, so the next Up goes on to the
+    message before it (as IPython does), not through the recalled message's lines."""
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "3")
+    p.wait_for_prompt()
+    answers = 0
+
+    def send(*rows: str) -> None:
+        nonlocal answers
+        for i, row in enumerate(rows):
+            p.type(row, enter=False)
+            if i < len(rows) - 1:
+                p.keys("M-Enter")
+        p.keys("Enter")
+        answers += 1
+        p.wait_for(f"answer {answers}", lambda lines: sum(is_status(line) for line in lines) == answers)
+        p.wait_for_prompt()
+
+    send("the older one")
+    send(*[f"row {i}" for i in range(8)])
+    p.keys("Up")
+    p.wait_for("the tall message recalled", lambda lines: lines[-8:] == ["you> row 0", *[f"row {i}" for i in
+                                                                                       range(1, 8)]])
+    p.keys("Up")
+    p.wait_for("the older message", lambda lines: lines[-1] == "you> the older one")
+    p.keys("Down")  # and back: the tall one again, cursor at its end, so Down goes on to the empty prompt
+    p.wait_for("the tall message again", lambda lines: lines[-1] == "row 7")
+    p.keys("Down")
+    p.wait_for("the empty prompt", lambda lines: lines[-1] == "you>")
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0

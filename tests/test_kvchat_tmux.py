@@ -205,7 +205,18 @@ def answer_to(lines: list[str], question: str) -> tuple[str, str]:
     assert lines[asked + 1].startswith("kvd> "), lines[asked:]
     status = next(i for i in range(asked + 1, len(lines)) if is_status(lines[i]))
     answer = "\n".join([lines[asked + 1][len("kvd> ") :], *lines[asked + 2 : status]])
-    return answer, lines[status]
+    return answer, status_at(lines, status)
+
+
+STATUS_PART = re.compile(r"(TTFT \d|[\d.]+ tok/s|draft \d|cache: |re-read \d|\d+(/\d+)? ctx|\((cancelled|length)\))")
+
+
+def status_at(lines: list[str], i: int) -> str:
+    """The status line starting at lines[i], whole: kvchat breaks a long one between its parts."""
+    end = i + 1
+    while end < len(lines) and STATUS_PART.match(lines[end]):
+        end += 1
+    return " · ".join(lines[i:end])
 
 
 def answer_started(question: str) -> Callable[[list[str]], bool]:

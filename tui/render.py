@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
@@ -117,6 +118,14 @@ def draft_part(usage: Mapping[str, Any]) -> str | None:
 
 
 def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> str:
+    """The parts of :func:`status_parts`, joined with ``·``."""
+    return STATUS_JOIN.join(status_parts(usage, finish_reason))
+
+
+STATUS_JOIN = " · "
+
+
+def status_parts(usage: Mapping[str, Any], finish_reason: str | None = None) -> list[str]:
     """``12 tokens · TTFT 35 ms · 210.4 tok/s · draft 9/12 kept · cache: disk 28 tok in 3.1 ms · 52/8192 ctx``.
 
     Parts the daemon left out are omitted; ``re-read N tok`` says when history
@@ -142,10 +151,22 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
         parts.append(f"re-read {reread} tok")  # a new system prompt or an edit: history fed again
     if (context := context_part(usage)) is not None:
         parts.append(context)
-    line = " · ".join(parts)
     if finish_reason in ("cancelled", "length"):
-        line = f"{line} ({finish_reason})" if line else f"({finish_reason})"
-    return line
+        parts[-1:] = [f"{parts[-1]} ({finish_reason})" if parts else f"({finish_reason})"]
+    return parts
+
+
+def packed(parts: list[str], width: int) -> list[str]:
+    """`parts` joined with `·` into lines of at most `width` cells, breaking only between parts
+    (so `176/8192 ctx` or `cache: disk 4096 tok in 86 ms` is never cut in two); a part wider
+    than the line gets a line of its own."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and cell_len(lines[-1] + STATUS_JOIN + part) <= width:
+            lines[-1] += STATUS_JOIN + part
+        else:
+            lines.append(part)
+    return lines
 
 
 def unwrapped(console: Console) -> bool:
@@ -158,8 +179,11 @@ def print_status(console: Console, done: Mapping[str, Any], *, blank: bool = Tru
     """The dim line under an answer, from its ``chat.done`` event (then a blank line)."""
     usage = done.get("usage")
     reason = done.get("finish_reason")
-    line = status_line(usage if isinstance(usage, Mapping) else {}, reason if isinstance(reason, str) else None)
-    console.print(Text(line, style=DIM), soft_wrap=unwrapped(console))
+    parts = status_parts(usage if isinstance(usage, Mapping) else {}, reason if isinstance(reason, str) else None)
+    if unwrapped(console):
+        console.print(Text(STATUS_JOIN.join(parts), style=DIM), soft_wrap=True)
+    else:  # broken between its parts, not inside one
+        console.print(Text("\n".join(packed(parts, console.width)), style=DIM))
     if blank:
         console.print()
 
