@@ -264,25 +264,49 @@ def kvchat(kvd: Kvd, *args: str, stdin: str | None = None) -> subprocess.Complet
                           capture_output=True, text=True, timeout=120)
 
 
+CUT_NOTE = re.compile(r"kvchat: the answer stopped at max_tokens \((\d+) tokens\), cut where it stopped; "
+                      r"--max-tokens N allows a longer one( \(--strict exits 3 on this\))?\n")
+
+
+def quiet_or_cut(result: subprocess.CompletedProcess[str]) -> None:
+    """stderr is empty, or says only that the answer stopped at max_tokens."""
+    assert result.stderr == "" or CUT_NOTE.fullmatch(result.stderr), result.stderr
+
+
 def test_one_shot_prints_only_the_answer(kvd: Kvd) -> None:
     result = kvchat(kvd, "--max-tokens", "6", "--temperature", "0", "what is the sea?")
-    assert (result.returncode, result.stderr) == (0, "")
+    assert result.returncode == 0
+    quiet_or_cut(result)
     newest = request(kvd, "session.list")["sessions"][0]
     assert newest["title"] == "what is the sea?"  # a new session, titled after the question
     answer = messages(kvd, newest["id"])[1]["content"]
     assert result.stdout == answer + "\n"
     # --last goes on in it.
     again = kvchat(kvd, "--last", "--max-tokens", "3", "and then?")
-    assert (again.returncode, again.stderr) == (0, "")
+    assert again.returncode == 0
+    quiet_or_cut(again)
     got = messages(kvd, newest["id"])
     assert [m["content"] for m in got if m["role"] == "user"] == ["what is the sea?", "and then?"]
     assert again.stdout == got[3]["content"] + "\n"
 
 
+def test_an_answer_cut_by_max_tokens_says_so_and_strict_exits_3(kvd: Kvd) -> None:
+    """`Je su` with exit 0 and no word: now stderr says the answer was cut, and --strict fails."""
+    plain = kvchat(kvd, "--max-tokens", "2", "--temperature", "0", "tell me a story")
+    assert plain.returncode == 0 and plain.stdout.strip()
+    assert CUT_NOTE.fullmatch(plain.stderr) and "(--strict exits 3 on this)" in plain.stderr, plain.stderr
+    strict = kvchat(kvd, "--strict", "--json", "--max-tokens", "2", "--temperature", "0", "tell me a story")
+    assert strict.returncode == 3, strict
+    assert json.loads(strict.stdout)["finish_reason"] == "length"
+    assert re.fullmatch(r"kvchat: the answer stopped at max_tokens \(2 tokens\), cut where it stopped; "
+                        r"--max-tokens N allows a longer one\n", strict.stderr), strict.stderr
+
+
 def test_piped_input_is_one_message_and_json_says_it_all(kvd: Kvd) -> None:
     result = kvchat(kvd, "-", "--json", "--max-tokens", "4", "--temperature", "0", "--system", "Be brief.",
                     stdin="line one\nline two\n\nline four\n")
-    assert (result.returncode, result.stderr) == (0, "")
+    assert result.returncode == 0
+    quiet_or_cut(result)
     out = json.loads(result.stdout)
     assert result.stdout.count("\n") == 1 and set(out) == {"answer", "finish_reason", "usage", "session"}
     got = request(kvd, "session.get", session=out["session"])
@@ -291,7 +315,8 @@ def test_piped_input_is_one_message_and_json_says_it_all(kvd: Kvd) -> None:
     assert out["usage"]["completion_tokens"] <= 4 and out["finish_reason"] in ("stop", "length")
     # stdin that is not a terminal is read without `-`, into the session named.
     piped = kvchat(kvd, "--session", out["session"], "--max-tokens", "2", stdin="more\ntext\n")
-    assert (piped.returncode, piped.stderr) == (0, "")
+    assert piped.returncode == 0
+    quiet_or_cut(piped)
     assert messages(kvd, out["session"])[2]["content"] == "more\ntext"
 
 
