@@ -396,11 +396,16 @@ async def test_one_shot_in_process(tmp_path: Path) -> None:
             lambda: one("-", "--json", "--max-tokens", "3", "--title", "piped", stdin="a\nb\n"))
         got = json.loads(out)
         messages = (await transcript(d, got["session"]))["messages"]
-        assert (code, err) == (0, "")
+        cut = "" if got["finish_reason"] == "stop" else ("kvchat: the answer stopped at max_tokens (3 tokens), cut "
+                                                         "where it stopped; --max-tokens N allows a longer one "
+                                                         "(--strict exits 3 on this)\n")
+        assert (code, err) == (0, cut)
         assert [m["content"] for m in messages] == ["a\nb", got["answer"]]
         code, out, err = await anyio.to_thread.run_sync(lambda: one("--last", "--max-tokens", "2", "more"))
         messages = (await transcript(d, got["session"]))["messages"]
-        assert (code, err, out) == (0, "", messages[3]["content"] + "\n")
+        assert (code, out) == (0, messages[3]["content"] + "\n")
+        assert err in ("", "kvchat: the answer stopped at max_tokens (2 tokens), cut where it stopped; --max-tokens "
+                       "N allows a longer one (--strict exits 3 on this)\n")
         code, out, err = await anyio.to_thread.run_sync(lambda: one("   "))
         assert (code, out, err) == (2, "", "error: nothing to send: the message is empty\n")
         # A send refused before any answer leaves no session behind (max_tokens past the limit).
