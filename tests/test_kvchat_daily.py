@@ -186,6 +186,17 @@ async def test_a_first_message_too_long_says_to_shorten_it_not_to_compact(tmp_pa
     assert all(s["message_count"] == 0 for s in sessions)  # the refused message was taken back
 
 
+async def test_a_paste_larger_than_the_context_after_a_turn_is_not_sent_to_compact(tmp_path: Path) -> None:
+    """A short turn, then a paste that alone exceeds the context: /compact cannot make room for it."""
+    huge = " ".join(["the sea and the sky"] * 1300)  # some 9,000 tokens, past 8192 on its own
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", "--max-tokens", "8", script=["hello", huge, "/quit"])
+    after = screen.after(f"you> {huge}")
+    assert any(line.startswith("error: the conversation (") for line in after), after
+    assert any(line.startswith("the message itself does not fit") for line in after), after
+    assert not any(line.startswith("the session is full") for line in after), after  # kvchat's own hint
+
+
 async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path) -> None:
     long = " ".join(["the sea and the sky"] * 600)  # some 4,200 tokens: with max_tokens 4096, past 8192
     async with running_daemon(tmp_path, model=MODEL) as d:
