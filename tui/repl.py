@@ -290,7 +290,7 @@ class Chat:
 
     def compact_helps(self, refusal: str) -> bool:
         """Whether /compact could make room: the session holds an answer to leave behind, and the new
-        message with the answer's room fits the context on its own (a 10000-token paste into an 8192-token
+        message fits the context on its own (a 10000-token paste into an 8192-token
         context does not fit however little history is carried)."""
         got = self.request(protocol.SESSION_GET, session=self.session_id)
         answers = [m for m in got.get("messages") or [] if m.get("role") == "assistant" and m.get("content")]
@@ -300,8 +300,8 @@ class Chat:
         used = (answers[-1].get("usage") or {}).get("context_tokens")
         if said is None or not isinstance(used, int):
             return True
-        conversation, room, context = (int(n) for n in said.groups())
-        return conversation - used + room < context
+        conversation, _room, context = (int(n) for n in said.groups())
+        return conversation - used < context  # the answer's room can still be lowered (FULL_HINT says so)
 
     def forget_current(self) -> None:
         """The open session was deleted."""
