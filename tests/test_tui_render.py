@@ -449,3 +449,13 @@ def test_the_reading_line_shows_the_estimate() -> None:
     assert printer.reading == "reading 256/1024 tokens"
     printer.progress(512, 1024, 11.0)
     assert printer.reading == "reading 512/1024 tokens, about 2 s left"
+
+
+def test_a_narrow_list_gives_the_title_the_room() -> None:
+    from tui import listing
+
+    console = Console(width=70, color_system=None, file=io.StringIO(), force_terminal=False)
+    console.print(listing.sessions_table(capital_sessions(), width=70, now=1000.0), soft_wrap=True)
+    lines = output(console).splitlines()
+    assert lines[0].split() == ["#", "title", "msgs", "tokens", "cache", "from", "last", "used"], lines
+    assert "What is the capital of P…" in lines[4], lines  # not `What is …`

@@ -24,6 +24,7 @@ made_by = origins.made_by
 SHOWN = 30  # rows in the table; older sessions are reachable by id
 PREVIEW_CHARS = 80
 LAST_MESSAGE_MIN = 12  # cells the last message keeps when titles are long
+NARROW = 30  # cells for title and last message below which the last message is left out
 PICK_SHOWN = 10  # sessions a title prefix lists to pick from
 
 
@@ -108,17 +109,22 @@ def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current
     fixed = [widest(0, "#"), widest(3, "msgs"), widest(4, "tokens"), widest(5, "cache"), widest(6, "from"),
              widest(7, "last used")]
     room = max(width - sum(fixed) - 2 * 7, 16)  # 2 cells between each of the 8 columns
+    with_last = room >= NARROW  # a narrow terminal drops the last message: the title tells sessions apart
+    if not with_last:
+        room += 2
     title_width = max(min(widest(1, "title"), room - LAST_MESSAGE_MIN), min(widest(1, "title"), room // 2), 8)
     table.add_column("#", justify="right", no_wrap=True, width=fixed[0])
-    table.add_column("title", no_wrap=True, overflow="ellipsis", width=title_width)
-    table.add_column("last message", no_wrap=True, overflow="ellipsis", width=max(room - title_width, 8))
+    table.add_column("title", no_wrap=True, overflow="ellipsis", width=title_width if with_last else room)
+    if with_last:
+        table.add_column("last message", no_wrap=True, overflow="ellipsis", width=max(room - title_width, 8))
     table.add_column("msgs", justify="right", no_wrap=True, width=fixed[1])
     table.add_column("tokens", justify="right", no_wrap=True, width=fixed[2])
     table.add_column("cache", no_wrap=True, width=fixed[3])
     table.add_column("from", no_wrap=True, width=fixed[4])
     table.add_column("last used", no_wrap=True, width=fixed[5])
     for number, title, last, count, tokens, cache, origin, used in rows:
-        table.add_row(number, title, Text(last, style="dim"), count, tokens, cache, origin, used)
+        table.add_row(number, title, *([Text(last, style="dim")] if with_last else []), count, tokens, cache,
+                      origin, used)
     return table
 
 
