@@ -255,7 +255,8 @@ def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
     assert [t.number for t in p.left_out] == [2, 3, 4, 5, 6]
     said = compact.describe(p, 8192, system=False)
     assert said == ["/compact: the new session will carry turn 1 (your 3000-token message 'ERROR 2026-11-25 disk "
-                    "full on /var ERRO…' and its answer: the later turns refer to it) and the last 10 turns "
+                    "full on /var ERRO…' and its answer: by far the largest turn, likely what the others are about) "
+                    "and the last 10 turns "
                     "(turns 7-16, 3000 tokens); it leaves out turns 2-6 (1500 tokens)"]
     # Too large for three quarters of the context: said plainly, not dropped in silence.
     huge = compact.Turn("x " * 7000, "ok", 7414, 1)

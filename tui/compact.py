@@ -141,7 +141,7 @@ def describe(p: Plan, size: int, system: bool) -> list[str]:
     parts = ["the system prompt"] if system else []
     if p.anchor is not None:
         parts.append(f"{_numbers([p.anchor])} (your {p.anchor.tokens}-token message {_quote(p.anchor.question)} "
-                     "and its answer: the later turns refer to it)")
+                     "and its answer: by far the largest turn, likely what the others are about)")
     rest = [t for t in p.kept if t is not p.anchor]
     if rest:
         parts.append(f"the last {len(rest)} turn{'' if len(rest) == 1 else 's'} ({_numbers(rest)}, "
