@@ -197,6 +197,16 @@ async def test_a_paste_larger_than_the_context_after_a_turn_is_not_sent_to_compa
     assert not any(line.startswith("the session is full") for line in after), after  # kvchat's own hint
 
 
+async def test_a_message_past_the_character_limit_says_what_to_do(tmp_path: Path) -> None:
+    text = "x" * 32001
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", script=[text, "/quit"])
+    after = [line for line in screen.after(f"you> {text}") if not line.startswith("waiting for kvd")]
+    assert after[:2] == ["error: 'text' is longer than 32000 characters",
+                         "send it in parts (Up recalls it; Ctrl-O edits it in $EDITOR), or raise limits.max_text_chars "
+                         "in kvd's config.toml and restart kvd"], after
+
+
 async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path) -> None:
     long = " ".join(["the sea and the sky"] * 600)  # some 4,200 tokens: with max_tokens 4096, past 8192
     async with running_daemon(tmp_path, model=MODEL) as d:

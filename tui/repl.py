@@ -36,6 +36,8 @@ PICK = "number or title, Enter for a new chat: "
 FULL_HINT = ("the session is full. /params max_tokens=N lowers the answer's room if that is enough; "
              "/compact goes on in a new session that carries the system prompt and the last turns "
              "that fit in half the context")
+TOO_MANY_CHARS_HINT = ("send it in parts (Up recalls it; Ctrl-O edits it in $EDITOR), or raise limits.max_text_chars "
+                       "in kvd's config.toml and restart kvd")
 # kvd's refusal (daemon/turns.py): how many tokens the conversation would be, the answer's room, the context.
 FULL_REFUSAL = re.compile(r"the conversation \((\d+) tokens\) plus max_tokens \((\d+)\) exceeds the model's "
                           r"context of (\d+) tokens")
@@ -104,6 +106,10 @@ class Chat:
                     if exc.code == protocol.TOO_LARGE and "context" in exc.message:
                         render.print_error(self.console, exc.message)
                         render.print_note(self.console, FULL_HINT if self.compact_helps(exc.message) else TOO_LONG_HINT)
+                        continue
+                    if exc.code == protocol.TOO_LARGE and "characters" in exc.message:
+                        render.print_error(self.console, exc.message)
+                        render.print_note(self.console, TOO_MANY_CHARS_HINT)
                         continue
                     busy = ("this session is answering right now (in another window?); /attach to watch it, "
                             "Ctrl-C there stops it; or wait for it to finish")
