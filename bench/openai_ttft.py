@@ -88,6 +88,8 @@ def conversation(model_dir: Path, tokens: int) -> list[dict[str, str]]:
 class MlxServer:
     """mlx_lm.server in its own process, with OpenBLAS preloaded as kvd preloads it."""
 
+    name = "default_model"  # mlx_lm.server's name for the model it was started with
+
     def __init__(self, model: Path):
         with socket.socket() as probe:  # a free port now: a server left over elsewhere must not answer for it
             probe.bind(("127.0.0.1", 0))
@@ -125,6 +127,8 @@ class MlxServer:
 
 
 class Kvd:
+    name = "kvd"  # kvd's alias for the model it serves (docs/openai.md)
+
     def __init__(self, model: Path, data_dir: Path, *, prefetch: bool = False):
         """With `prefetch`, a restart returns once the last session was paged into warm (a user
         coming back after a restart, not racing it); otherwise restarts are cold, from disk."""
@@ -149,14 +153,15 @@ class Kvd:
         self.d.terminate()
 
 
-def turn(base_url: str, key: str, messages: list[dict[str, str]], new: int) -> tuple[float, str, dict[str, Any]]:
+def turn(base_url: str, key: str, messages: list[dict[str, str]], new: int, *,
+         name: str = "kvd") -> tuple[float, str, dict[str, Any]]:
     """Stream one answer; return seconds to its first content, its text and its usage (if reported)."""
     client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=3600)
     t0 = time.perf_counter()
     first = None
     text = ""
     usage: dict[str, Any] = {}
-    stream = client.chat.completions.create(model="default_model", messages=messages,  # type: ignore[call-overload]
+    stream = client.chat.completions.create(model=name, messages=messages,  # type: ignore[call-overload]
                                             stream=True, temperature=0, max_tokens=new,
                                             stream_options={"include_usage": True})
     for chunk in stream:
@@ -169,8 +174,8 @@ def turn(base_url: str, key: str, messages: list[dict[str, str]], new: int) -> t
     return (first or time.perf_counter()) - t0, text, usage
 
 
-def warm_up(base_url: str, key: str) -> None:
-    turn(base_url, key, [{"role": "user", "content": "hi"}], 1)
+def warm_up(base_url: str, key: str, *, name: str = "kvd") -> None:
+    turn(base_url, key, [{"role": "user", "content": "hi"}], 1, name=name)
 
 
 def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int) -> dict[str, Any]:
@@ -189,13 +194,13 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
     s = start()
     try:
         key = getattr(s, "key", "none")
-        warm_up(s.base_url, key)
-        cold, answer, first = turn(s.base_url, key, messages, new)
+        warm_up(s.base_url, key, name=s.name)
+        cold, answer, first = turn(s.base_url, key, messages, new, name=s.name)
         for i in range(repeat):
             s.settle()
             time.sleep(THINK)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And then ({i})?"}]
-            ttft, answer, usage = turn(s.base_url, key, messages, new)
+            ttft, answer, usage = turn(s.base_url, key, messages, new, name=s.name)
             same.append(ttft)
             usages.append(usage)
         s.settle()
@@ -206,9 +211,9 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
         s = start()
         try:
             key = getattr(s, "key", "none")
-            warm_up(s.base_url, key)
+            warm_up(s.base_url, key, name=s.name)
             time.sleep(THINK)
-            ttft, answer, usage = turn(s.base_url, key, messages, new)
+            ttft, answer, usage = turn(s.base_url, key, messages, new, name=s.name)
             restarted.append(ttft)
             usages.append(usage)
             s.settle()

@@ -107,5 +107,32 @@ def read_daemon_url(data_dir: Path) -> str | None:
     return url if isinstance(url, str) else None
 
 
+def running_daemon_url(data_dir: Path) -> str | None:
+    """The URL in the data directory's daemon.json while the pid it names is alive (the file outlives kvd)."""
+    url = read_daemon_url(data_dir)
+    try:
+        pid = json.loads((data_dir / DAEMON_FILE).read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if url is None or not isinstance(pid, int):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's process holds that pid: alive, if not necessarily kvd
+    return url
+
+
+def nothing_answers(url: str, data_dir: Path) -> str:
+    """"nothing answers at URL", and where kvd really runs when the data directory knows it."""
+    said = f"nothing answers at {url}"
+    running = running_daemon_url(data_dir)
+    if running is not None and running != url:
+        said += f"; kvd runs at {running} (from {data_dir / DAEMON_FILE}): leave out --url, or pass that one"
+    return said
+
+
 def encode(message: dict[str, Any]) -> str:
     return json.dumps(message, ensure_ascii=False, separators=(",", ":"))

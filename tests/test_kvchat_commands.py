@@ -68,9 +68,9 @@ async def test_picker_then_sessions_new_switch_rename(tmp_path: Path) -> None:
         # The picker: a numbered table, most recent first, with tokens, cache tier, who made it and age
         # (this test's raw client did not say: "ws").
         header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
-        assert re.match(r"\s*# +title +last message +tokens +cache +from +last used$", lines[header])
+        assert re.match(r"\s*# +title +last message +msgs +tokens +cache +from +last used$", lines[header])
         first_row = lines[header + 1]
-        assert re.match(r"\s*1 +Newer chat +\S.* +\d+ +(resident|warm|disk) +ws +just now$", first_row), first_row
+        assert re.match(r"\s*1 +Newer chat +\S.* +2 +\d+ +(resident|warm|disk) +ws +just now$", first_row), first_row
         assert re.match(r"\s*2 +Older chat +", lines[header + 2])
         assert "no session number 9; /sessions lists them" in lines
         # Picking 2 opens the older chat with its history.
@@ -351,7 +351,8 @@ async def test_reconnecting_gives_up_with_what_to_do(tmp_path: Path) -> None:
     link = Link(url=url, data_dir=tmp_path, reconnect_for=0.5)
     with pytest.raises(GaveUp) as info:
         await link.reconnect()
-    assert str(info.value).startswith(f"kvd at {url} did not come back within 0.5 s (kvd is not running at {url})")
+    assert str(info.value).startswith(f"kvd at {url} did not come back within 0.5 s "
+                                      f"(nothing answers at {url}: kvd is not running there)")
     assert f"start it with `kvd serve --data-dir {tmp_path}`" in str(info.value)  # the same data dir
 
 

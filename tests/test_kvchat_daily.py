@@ -186,6 +186,27 @@ async def test_a_first_message_too_long_says_to_shorten_it_not_to_compact(tmp_pa
     assert all(s["message_count"] == 0 for s in sessions)  # the refused message was taken back
 
 
+async def test_a_paste_larger_than_the_context_after_a_turn_is_not_sent_to_compact(tmp_path: Path) -> None:
+    """A short turn, then a paste that alone exceeds the context: /compact cannot make room for it."""
+    huge = " ".join(["the sea and the sky"] * 1300)  # some 9,000 tokens, past 8192 on its own
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", "--max-tokens", "8", script=["hello", huge, "/quit"])
+    after = screen.after(f"you> {huge}")
+    assert any(line.startswith("error: the conversation (") for line in after), after
+    assert any(line.startswith("the message itself does not fit") for line in after), after
+    assert not any(line.startswith("the session is full") for line in after), after  # kvchat's own hint
+
+
+async def test_a_message_past_the_character_limit_says_what_to_do(tmp_path: Path) -> None:
+    text = "x" * 32001
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        screen = await kvchat(d, "--new", script=[text, "/quit"])
+    after = [line for line in screen.after(f"you> {text}") if not line.startswith("waiting for kvd")]
+    assert after[:2] == ["error: 'text' is longer than 32000 characters",
+                         "send it in parts (Up recalls it; Ctrl-O edits it in $EDITOR), or raise limits.max_text_chars "
+                         "in kvd's config.toml and restart kvd"], after
+
+
 async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path) -> None:
     long = " ".join(["the sea and the sky"] * 600)  # some 4,200 tokens: with max_tokens 4096, past 8192
     async with running_daemon(tmp_path, model=MODEL) as d:
@@ -194,7 +215,7 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
             await c.request("session.update", session=sid, system="Be brief.")
         screen = await kvchat(d, "--session", sid, script=[
             "/params max_tokens=8", "an early one", "a short one", "/params max_tokens=4096", long, "/compact",
-            "/params", "/params max_tokens=8", "next", "/quit"])
+            "y", "/params", "/params max_tokens=8", "next", "/quit"])
         old = await transcript(d, sid)
         new_id = session_id(screen)
         new = await transcript(d, new_id)
@@ -215,16 +236,52 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
             in screen.after("you> /compact"))
     answers = [old["messages"][1]["content"], old["messages"][3]["content"]]
     assert new["session"]["system"] == (
-        "Be brief.\n\nEarlier in this conversation (carried over from the session 'Full'):\n\n"
+        f"Be brief.\n\nEarlier in this conversation (carried over from the session 'Full', {sid}):\n\n"
         f"User: an early one\n\nAssistant: {answers[0]}\n\nUser: a short one\n\nAssistant: {answers[1]}")
     tokens = old["messages"][3]["usage"]["context_tokens"]
+    # It said what it would carry before it made anything.
+    assert (f"/compact: the new session will carry the system prompt and the last 2 turns (turns 1-2, {tokens} "
+            "tokens)") in screen.lines
+    assert screen.after("you> /compact")[1] == "go on? [Y/n] y"
     assert (f"this new session carries the system prompt and the last 2 turns ({tokens} tokens; at most half the "
             "8192-token context) in its system prompt; 'Full' is kept (/switch to it)") in screen.lines
     assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["next"]
     # Its header shows the start of that long system prompt, not all of it.
     header = next(line for line in screen.after("you> /compact") if line.startswith("system: "))
-    assert header.startswith("system: Be brief. Earlier in this conversation (carried over from the session 'Full'):")
+    assert header.startswith(f"system: Be brief. Earlier in this conversation (carried over from the session 'Full', "
+                             f"{sid}):")
     assert header.endswith(f"({len(new['session']['system'])} characters; /system shows it all)")
+
+
+def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
+    """A 3000-token log pasted first, then small questions about it: the plain rule (the last turns in
+    half the context) would carry the small talk and drop the log."""
+    log = compact.Turn("ERROR 2026-11-25 disk full on /var " * 300, "The disk filled up.", 3000, 1)
+    small = [compact.Turn(f"question {n} about the log", "an answer", 300, n) for n in range(2, 17)]
+    plain = compact.carried([log, *small], 8192 // 2)
+    assert log not in plain  # what the plain rule alone would do
+    p = compact.plan([log, *small], 8192)
+    assert p.anchor == log and [t.number for t in p.kept] == [1, *range(7, 17)]  # 3000 + 10 x 300 <= 6144
+    assert [t.number for t in p.left_out] == [2, 3, 4, 5, 6]
+    said = compact.describe(p, 8192, system=False)
+    assert said == ["/compact: the new session will carry turn 1 (your 3000-token message 'ERROR 2026-11-25 disk "
+                    "full on /var ERRO…' and its answer: by far the largest turn, likely what the others are about) "
+                    "and the last 10 turns "
+                    "(turns 7-16, 3000 tokens); it leaves out turns 2-6 (1500 tokens)"]
+    # Too large for three quarters of the context: said plainly, not dropped in silence.
+    huge = compact.Turn("x " * 7000, "ok", 7414, 1)
+    p = compact.plan([huge, *small[:3]], 8192)  # turns 2-4
+    assert p.anchor is None and p.unfit == huge and [t.number for t in p.kept] == [2, 3, 4]
+    said = compact.describe(p, 8192, system=True)
+    assert said == [
+        "/compact: the new session will carry the system prompt and the last 3 turns (turns 2-4, 900 tokens); "
+        "it leaves out turn 1 (7414 tokens)",
+        "it cannot carry turn 1, your 7414-token message 'x x x x x x x x x x x x x x x x x x x x…': carried turns "
+        "may take at most 6144 tokens (three quarters of the 8192-token context); paste again the part of it you "
+        "need"]
+    # Turns of like size have no anchor: the plain rule.
+    p = compact.plan(small, 1000)
+    assert p.anchor is None and p.unfit is None and [t.number for t in p.kept] == [16]
 
 
 def test_compact_rule() -> None:
@@ -313,7 +370,9 @@ async def test_picker_takes_a_unique_title_prefix(tmp_path: Path) -> None:
             await make_session(c, "Lisbon food", "hello")
             await make_session(c, "Porto", "hello")
         screen = await kvchat(d, script=["lisbon", "lisbon t", "/switch porto", "/quit"])
-    assert "'lisbon' starts 2 titles; give more of it, or the number" in screen.lines
+    assert "'lisbon' starts 2 titles; type the number of the one you mean:" in screen.lines
+    listed = screen.after("'lisbon' starts 2 titles; type the number of the one you mean:")[:2]
+    assert [line.split()[:3] for line in listed] == [["2", "Lisbon", "food"], ["3", "Lisbon", "trip"]], listed
     assert screen.after("number or title, Enter for a new chat: lisbon t")[0] == "Lisbon trip"
     assert screen.after("you> /switch porto")[0] == "Porto"
 
@@ -359,11 +418,16 @@ async def test_one_shot_in_process(tmp_path: Path) -> None:
             lambda: one("-", "--json", "--max-tokens", "3", "--title", "piped", stdin="a\nb\n"))
         got = json.loads(out)
         messages = (await transcript(d, got["session"]))["messages"]
-        assert (code, err) == (0, "")
+        cut = "" if got["finish_reason"] == "stop" else ("kvchat: the answer stopped at max_tokens (3 tokens), cut "
+                                                         "where it stopped; --max-tokens N allows a longer one "
+                                                         "(--strict exits 3 on this)\n")
+        assert (code, err) == (0, cut)
         assert [m["content"] for m in messages] == ["a\nb", got["answer"]]
         code, out, err = await anyio.to_thread.run_sync(lambda: one("--last", "--max-tokens", "2", "more"))
         messages = (await transcript(d, got["session"]))["messages"]
-        assert (code, err, out) == (0, "", messages[3]["content"] + "\n")
+        assert (code, out) == (0, messages[3]["content"] + "\n")
+        assert err in ("", "kvchat: the answer stopped at max_tokens (2 tokens), cut where it stopped; --max-tokens "
+                       "N allows a longer one (--strict exits 3 on this)\n")
         code, out, err = await anyio.to_thread.run_sync(lambda: one("   "))
         assert (code, out, err) == (2, "", "error: nothing to send: the message is empty\n")
         # A send refused before any answer leaves no session behind (max_tokens past the limit).

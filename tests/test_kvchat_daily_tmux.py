@@ -264,25 +264,49 @@ def kvchat(kvd: Kvd, *args: str, stdin: str | None = None) -> subprocess.Complet
                           capture_output=True, text=True, timeout=120)
 
 
+CUT_NOTE = re.compile(r"kvchat: the answer stopped at max_tokens \((\d+) tokens\), cut where it stopped; "
+                      r"--max-tokens N allows a longer one( \(--strict exits 3 on this\))?\n")
+
+
+def quiet_or_cut(result: subprocess.CompletedProcess[str]) -> None:
+    """stderr is empty, or says only that the answer stopped at max_tokens."""
+    assert result.stderr == "" or CUT_NOTE.fullmatch(result.stderr), result.stderr
+
+
 def test_one_shot_prints_only_the_answer(kvd: Kvd) -> None:
     result = kvchat(kvd, "--max-tokens", "6", "--temperature", "0", "what is the sea?")
-    assert (result.returncode, result.stderr) == (0, "")
+    assert result.returncode == 0
+    quiet_or_cut(result)
     newest = request(kvd, "session.list")["sessions"][0]
     assert newest["title"] == "what is the sea?"  # a new session, titled after the question
     answer = messages(kvd, newest["id"])[1]["content"]
     assert result.stdout == answer + "\n"
     # --last goes on in it.
     again = kvchat(kvd, "--last", "--max-tokens", "3", "and then?")
-    assert (again.returncode, again.stderr) == (0, "")
+    assert again.returncode == 0
+    quiet_or_cut(again)
     got = messages(kvd, newest["id"])
     assert [m["content"] for m in got if m["role"] == "user"] == ["what is the sea?", "and then?"]
     assert again.stdout == got[3]["content"] + "\n"
 
 
+def test_an_answer_cut_by_max_tokens_says_so_and_strict_exits_3(kvd: Kvd) -> None:
+    """`Je su` with exit 0 and no word: now stderr says the answer was cut, and --strict fails."""
+    plain = kvchat(kvd, "--max-tokens", "2", "--temperature", "0", "tell me a story")
+    assert plain.returncode == 0 and plain.stdout.strip()
+    assert CUT_NOTE.fullmatch(plain.stderr) and "(--strict exits 3 on this)" in plain.stderr, plain.stderr
+    strict = kvchat(kvd, "--strict", "--json", "--max-tokens", "2", "--temperature", "0", "tell me a story")
+    assert strict.returncode == 3, strict
+    assert json.loads(strict.stdout)["finish_reason"] == "length"
+    assert re.fullmatch(r"kvchat: the answer stopped at max_tokens \(2 tokens\), cut where it stopped; "
+                        r"--max-tokens N allows a longer one\n", strict.stderr), strict.stderr
+
+
 def test_piped_input_is_one_message_and_json_says_it_all(kvd: Kvd) -> None:
     result = kvchat(kvd, "-", "--json", "--max-tokens", "4", "--temperature", "0", "--system", "Be brief.",
                     stdin="line one\nline two\n\nline four\n")
-    assert (result.returncode, result.stderr) == (0, "")
+    assert result.returncode == 0
+    quiet_or_cut(result)
     out = json.loads(result.stdout)
     assert result.stdout.count("\n") == 1 and set(out) == {"answer", "finish_reason", "usage", "session"}
     got = request(kvd, "session.get", session=out["session"])
@@ -291,7 +315,8 @@ def test_piped_input_is_one_message_and_json_says_it_all(kvd: Kvd) -> None:
     assert out["usage"]["completion_tokens"] <= 4 and out["finish_reason"] in ("stop", "length")
     # stdin that is not a terminal is read without `-`, into the session named.
     piped = kvchat(kvd, "--session", out["session"], "--max-tokens", "2", stdin="more\ntext\n")
-    assert (piped.returncode, piped.stderr) == (0, "")
+    assert piped.returncode == 0
+    quiet_or_cut(piped)
     assert messages(kvd, out["session"])[2]["content"] == "more\ntext"
 
 
@@ -350,3 +375,61 @@ def test_ctrl_c_stops_a_one_shot_answer_and_keeps_it(kvd: Kvd) -> None:
     answer = messages(kvd, sid)[1]
     assert answer["status"] == "cancelled" and answer["usage"]["completion_tokens"] < 4096
     assert (first + rest).decode() == answer["content"] + "\n"  # what was kept is what was printed
+
+
+@pytest.mark.tmux
+def test_a_60_line_paste_leaves_one_copy_in_the_scrollback(
+        kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
+    """A paste taller than the terminal, sent: the scrollback holds each of its lines once (it held the
+    editor's partial views too: two extra copies of the paste's end)."""
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "3", size=(120, 40))
+    p.wait_for_prompt()
+    wanted = [f"log line {i:02d}: the disk on /var filled up at 10:{i:02d}" for i in range(60)]
+    pasted = tmp_path / "tall.txt"
+    pasted.write_text("\n".join(wanted) + "\n")
+    p.tmux("load-buffer", str(pasted))
+    p.tmux("paste-buffer", "-p", "-t", "kvchat")
+    p.wait_for("the paste on the prompt", lambda lines: any(line.endswith(wanted[-1]) for line in lines))
+    p.keys("Enter")
+    lines = p.wait_for("the answer", lambda lines: any(is_status(line) for line in lines))
+    for w in wanted:
+        copies = [line for line in lines if line.endswith(w)]
+        assert len(copies) == 1, (w, copies, lines)
+    p.wait_for_prompt()
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0
+
+
+@pytest.mark.tmux
+def test_up_at_the_first_line_of_a_recalled_message_goes_to_older_history(
+        kvd: Kvd, pane: Callable[..., Pane]) -> None:
+    """Up recalls a message of many lines with the cursor on its first line, so the next Up goes on to the
+    message before it (as IPython does), not through the recalled message's lines."""
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "3")
+    p.wait_for_prompt()
+    answers = 0
+
+    def send(*rows: str) -> None:
+        nonlocal answers
+        for i, row in enumerate(rows):
+            p.type(row, enter=False)
+            if i < len(rows) - 1:
+                p.keys("M-Enter")
+        p.keys("Enter")
+        answers += 1
+        p.wait_for(f"answer {answers}", lambda lines: sum(is_status(line) for line in lines) == answers)
+        p.wait_for_prompt()
+
+    send("the older one")
+    send(*[f"row {i}" for i in range(8)])
+    p.keys("Up")
+    p.wait_for("the tall message recalled", lambda lines: lines[-8:] == ["you> row 0", *[f"row {i}" for i in
+                                                                                       range(1, 8)]])
+    p.keys("Up")
+    p.wait_for("the older message", lambda lines: lines[-1] == "you> the older one")
+    p.keys("Down")  # and back: the tall one again, cursor at its end, so Down goes on to the empty prompt
+    p.wait_for("the tall message again", lambda lines: lines[-1] == "row 7")
+    p.keys("Down")
+    p.wait_for("the empty prompt", lambda lines: lines[-1] == "you>")
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0

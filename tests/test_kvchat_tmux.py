@@ -205,7 +205,18 @@ def answer_to(lines: list[str], question: str) -> tuple[str, str]:
     assert lines[asked + 1].startswith("kvd> "), lines[asked:]
     status = next(i for i in range(asked + 1, len(lines)) if is_status(lines[i]))
     answer = "\n".join([lines[asked + 1][len("kvd> ") :], *lines[asked + 2 : status]])
-    return answer, lines[status]
+    return answer, status_at(lines, status)
+
+
+STATUS_PART = re.compile(r"(TTFT \d|[\d.]+ tok/s|draft \d|cache: |re-read \d|\d+(/\d+)? ctx|\((cancelled|length)\))")
+
+
+def status_at(lines: list[str], i: int) -> str:
+    """The status line starting at lines[i], whole: kvchat breaks a long one between its parts."""
+    end = i + 1
+    while end < len(lines) and STATUS_PART.match(lines[end]):
+        end += 1
+    return " · ".join(lines[i:end])
 
 
 def answer_started(question: str) -> Callable[[list[str]], bool]:
@@ -421,7 +432,26 @@ def test_no_daemon_says_how_to_start_it(tmp_path: Path) -> None:
     )
     assert result.returncode == 1, result
     # The hint names the data directory kvchat was given: the daemon must use the same one.
-    assert f"kvd is not running at {url}; start it with `kvd serve --data-dir {tmp_path}`" in result.stderr
+    assert f"nothing answers at {url}: kvd is not running there; start it with `kvd serve --data-dir {tmp_path}`" \
+        in result.stderr
+
+
+def test_a_wrong_url_names_where_kvd_runs(kvd: Kvd) -> None:
+    """kvd runs, the typed URL is wrong: say so, name the URL from the data directory, and do not
+    tell the user to start a kvd that is already running."""
+    url = f"ws://127.0.0.1:{closed_port()}/v1"
+    result = subprocess.run([*kvchat_command(), "--url", url, "--data-dir", str(kvd.data_dir), "hello"],
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result
+    assert f"nothing answers at {url}; kvd runs at {kvd.url} (from {kvd.data_dir / 'daemon.json'})" \
+        in result.stderr, result.stderr
+    assert "start it" not in result.stderr
+    status = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--url", url, "--data-dir",
+                             str(kvd.data_dir)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 1
+    lines = status.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvd status: nothing answers at {url}; kvd runs at {kvd.url}"), \
+        status.stderr  # one line, and none of the running daemon's log
 
 
 def test_no_daemon_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -429,7 +459,7 @@ def test_no_daemon_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
     url = f"ws://127.0.0.1:{closed_port()}/v1"
     assert main(["--url", url, "--data-dir", str(tmp_path)]) == 1
-    assert "kvd is not running at" in capsys.readouterr().err
+    assert f"nothing answers at {url}" in capsys.readouterr().err
 
 
 def test_wrong_or_missing_token_says_which_file(kvd: Kvd, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from typing import Any
@@ -242,6 +243,21 @@ def test_history_with_an_api_clients_tool_calls() -> None:
         'you> Weather?\nkvd> called get_weather({"city": "Paris"})\n\ntool result: 18 C\nkvd> Mild.\n\n')
 
 
+def test_status_and_error_lines_wrap_at_words_on_a_terminal() -> None:
+    """At 120 columns the terminal used to cut `176/8192 ctx` and `session` in two."""
+    console = Console(width=40, color_system=None, file=io.StringIO(), force_terminal=True)
+    render.print_error(console, "the conversation no longer fits; start a new session carrying less of the history")
+    render.print_status(console, {"usage": {"completion_tokens": 20, "ttft_ms": 1677, "tokens_per_second": 3.2,
+                                            "restored_from": "resident", "restored_tokens": 45, "restore_ms": 0.0,
+                                            "context_tokens": 176, "context_window": 8192}})
+    lines = output(console).splitlines()
+    assert all(len(line) <= 40 for line in lines), lines
+    words = " ".join(lines).split()
+    assert "session" in words and "carrying" in words, lines
+    # The status line is broken between its parts, never inside one.
+    assert lines[3:6] == ["20 tokens · TTFT 1677 ms", "cache: resident 45 tok in 0.0 ms", "176/8192 ctx"], lines
+
+
 def test_error_is_one_line() -> None:
     console = capture_console()
     render.print_error(console, "kvd is not running at ws://127.0.0.1:8765/v1. Start it with: kvd serve")
@@ -347,3 +363,100 @@ def test_a_queued_turn_says_how_many_are_ahead_and_unknown_events_are_ignored() 
     assert show(printer, done) is done
     printer.finish()
     assert output(console) == "waiting for the daemon: 2 ahead of you\nkvd> Hello.\n"
+
+
+CAPITALS = ["France", "Spain", "Portugal", "Italy"]
+
+
+def capital_sessions() -> list[dict[str, object]]:
+    sessions: list[dict[str, object]] = [
+        {"id": f"{i:016x}", "title": f"What is the capital of {country}?", "message_count": 2 * (i + 1),
+         "last_message": "It is a city.", "tokens": 40, "cache": "disk", "origin": "kvchat one-shot",
+         "updated_at": 1000.0 - 60 * i}
+        for i, country in enumerate(CAPITALS)]
+    sessions.insert(0, {"id": "00000000000000ff", "title": "What is the capital of Spain? (compacted)",
+                        "system": "Earlier in this conversation (carried over from the session "
+                                  "'What is the capital of Spain?', 0000000000000001):\n\nUser: hi",
+                        "message_count": 0, "tokens": 0, "cache": "none", "origin": "kvchat", "updated_at": 1000.0})
+    return sessions
+
+
+def test_the_session_list_tells_look_alikes_apart_at_120_columns() -> None:
+    from tui import listing
+
+    console = Console(width=120, color_system=None, file=io.StringIO(), force_terminal=False)
+    console.print(listing.sessions_table(capital_sessions(), width=120, now=1000.0), soft_wrap=True)
+    lines = output(console).splitlines()
+    assert lines[0].split() == ["#", "title", "last", "message", "msgs", "tokens", "cache", "from", "last", "used"]
+    for country in CAPITALS:  # the whole title, not `What is the capital of …`
+        assert any(f"What is the capital of {country}?" in line for line in lines), lines
+    assert "What is the capital of Spain? (compacted) ← #3" in lines[1], lines  # compacted from row 3
+    assert re.search(r"What is the capital of Portugal\? +It is a city\. +6 +40 +disk +one-shot +2 min ago",
+                     lines[4]), lines
+
+
+def test_a_title_prefix_of_several_sessions_lists_them_to_pick_from() -> None:
+    from tui import listing
+
+    found = listing.find(capital_sessions(), "what is the capital")
+    assert isinstance(found, str)
+    lines = found.splitlines()
+    assert lines[0] == "'what is the capital' starts 5 titles; type the number of the one you mean:"
+    assert lines[3].split()[0] == "3" and "What is the capital of Spain?  (4 messages," in lines[3], lines
+    assert listing.find(capital_sessions(), "3")["title"] == "What is the capital of Spain?"  # type: ignore[index]
+
+
+def read_times(total: int, chunk: int, a: float, b: float, start: float = 0.0) -> list[tuple[int, float]]:
+    """(fed, time) at each chunk's end, for a read whose token at position p takes a + b*p seconds."""
+    out, now = [], start
+    for fed in range(chunk, total + 1, chunk):
+        now += a * chunk + b * (fed * fed - (fed - chunk) ** 2) / 2
+        out.append((fed, now))
+    return out
+
+
+def test_the_reading_estimate_follows_a_prefill_that_slows_down() -> None:
+    """7414 tokens read in about 140 s, each later token slower (attention looks back further): at 4632
+    tokens the old estimate (the average rate so far) said about half the true time left."""
+    from tui.estimate import PrefillClock
+
+    total, a, b = 7424, 0.004, 4e-6
+    times = read_times(total, 256, a, b)
+    clock = PrefillClock()
+    clock.start()
+    for fed, now in times:
+        clock.observe(fed, now)
+        if fed == 4608:
+            break
+    truth = times[-1][1] - now
+    left = clock.seconds_left(4608, total)
+    assert left is not None and abs(left - truth) < 0.05 * truth, (left, truth)
+    fed0, t0 = times[0]
+    average = (total - 4608) / ((4608 - fed0) / (now - t0))
+    assert average < 0.75 * truth  # what kvchat said before
+    # The next read: its first progress already has an estimate, shaped by this read.
+    for fed, then in times[times.index((4608, now)) + 1:]:
+        clock.observe(fed, then)
+    clock.start()
+    clock.observe(256, 1000.0)
+    first = clock.seconds_left(256, total)
+    assert first is not None and abs(first - (times[-1][1] - times[0][1])) < 0.05 * times[-1][1]
+
+
+def test_the_reading_line_shows_the_estimate() -> None:
+    console = capture_console()
+    printer = render.answer_printer(console)
+    printer.progress(256, 1024, 10.0)
+    assert printer.reading == "reading 256/1024 tokens"
+    printer.progress(512, 1024, 11.0)
+    assert printer.reading == "reading 512/1024 tokens, about 2 s left"
+
+
+def test_a_narrow_list_gives_the_title_the_room() -> None:
+    from tui import listing
+
+    console = Console(width=70, color_system=None, file=io.StringIO(), force_terminal=False)
+    console.print(listing.sessions_table(capital_sessions(), width=70, now=1000.0), soft_wrap=True)
+    lines = output(console).splitlines()
+    assert lines[0].split() == ["#", "title", "msgs", "tokens", "cache", "from", "last", "used"], lines
+    assert "What is the capital of P…" in lines[4], lines  # not `What is …`

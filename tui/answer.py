@@ -49,6 +49,7 @@ from rich.style import Style
 from rich.syntax import Syntax
 from rich.text import Text
 
+from .estimate import PrefillClock
 from .live import AnswerLive, live_rows
 from .sanitize import StreamSanitizer
 
@@ -292,7 +293,8 @@ class AnswerPrinter:
         self._continued = False  # _pending is the rest of a paragraph whose first lines are printed
         self._live: AnswerLive | None = None
         self.reading: str | None = None  # how far kvd has read the prompt, until the answer begins
-        self._reading_since: tuple[float, int] | None = None
+        self.clock = PrefillClock()  # kvchat hands each answer the same one: earlier reads inform the estimate
+        self._reading = False
 
     @property
     def width(self) -> int:
@@ -370,17 +372,19 @@ class AnswerPrinter:
     def progress(self, fed: int, total: int, now: float) -> None:
         """kvd is reading a long prompt (chat.progress): shown where the answer will begin.
 
-        The estimate is the rate since the first progress event, so it covers
-        only this prefill. A console that is not a terminal says it once.
+        The estimate is estimate.py's: this read's chunks so far, and the
+        last reads', with a token's cost growing with its position. A console
+        that is not a terminal says it once.
         """
-        if self._reading_since is None:
-            self._reading_since = (now, fed)
+        if not self._reading:
+            self._reading = True
+            self.clock.start()
             if self._live is None:
                 self.note(f"(kvd is reading {total} tokens of history…)")
-        since, fed0 = self._reading_since
+        self.clock.observe(fed, now)
         text = f"reading {fed}/{total} tokens"
-        if fed > fed0 and now > since:
-            left = (total - fed) / ((fed - fed0) / (now - since))
+        left = self.clock.seconds_left(fed, total)
+        if left is not None:
             text += f", about {left:.0f} s left" if left >= 1 else ", almost done"
         self.reading = text
 

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     script = parser.add_argument_group("scripts (with MESSAGE or -)")
     script.add_argument("--json", action="store_true",
                         help="print one JSON object: answer, finish_reason, usage, session")
+    script.add_argument("--strict", action="store_true",
+                        help="exit 3 when the answer stopped at max_tokens (it is still printed)")
     return parser
 
 

@@ -360,7 +360,7 @@ def _copy(chat: ChatView, args: str) -> None:
 
 
 @command("/compact", "/compact", "go on in a new session that carries the system prompt and the last "
-         "turns fitting in half the context")
+         "turns fitting in half the context (and a long paste they refer to); says what first, and asks")
 def _compact(chat: ChatView, args: str) -> None:
     compact.run(chat)
 

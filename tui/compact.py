@@ -2,14 +2,23 @@
 
 kvd has no request that writes messages without answering them, so the new
 session carries the old one's turns in its system prompt: the old system
-prompt, then "earlier in this conversation" with the last turns verbatim.
+prompt, then "earlier in this conversation" with turns verbatim.
 
 The rule: the most recent whole turns (your message and its answer) whose
 tokens add up to at most half the model's context window, leaving the other
 half for the conversation to go on. A turn's tokens are the daemon's own
 count, from each answer's usage: ``context_tokens`` after it minus after the
 turn before (so template tokens are counted too). A turn without usage (an
-answer that failed) ends the carried stretch. The old session is kept.
+answer that failed) ends the measurable stretch. The old session is kept.
+
+One turn may be what the whole conversation is about: a long pasted
+document or log that later questions refer to. When an earlier turn is
+much larger than a typical one (ANCHOR_FACTOR times the median, at least
+ANCHOR_MIN tokens), it is carried first, with the most recent turns that
+fit beside it, in up to three quarters of the context; when it does not
+fit even so, /compact says so plainly instead of carrying small talk and
+dropping it silently. Before creating anything it says what it will carry
+and what it leaves out, and asks.
 """
 
 from __future__ import annotations
@@ -27,7 +36,11 @@ from .listing import ORIGIN
 
 TITLE_SUFFIX = " (compacted)"
 MAX_TITLE = 200
-HEADER = "Earlier in this conversation (carried over from the session {title!r}):"
+HEADER = "Earlier in this conversation (carried over from the session {title!r}, {id}):"  # listing.py reads the id
+
+
+ANCHOR_FACTOR = 4
+ANCHOR_MIN = 200  # tokens: below this no turn is "what the conversation is about", however small the others
 
 
 @dataclass(frozen=True)
@@ -35,22 +48,34 @@ class Turn:
     question: str
     answer: str
     tokens: int
+    number: int = 0  # which of your messages it was, from 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    kept: list[Turn]  # oldest first
+    left_out: list[Turn]
+    budget: int  # tokens the carried turns may take
+    anchor: Turn | None = None  # the large turn carried first
+    unfit: Turn | None = None  # the large turn that could not be carried
 
 
 def turns(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
     """The transcript's whole turns, oldest first, each with its token count (the measurable ones)."""
     out: list[Turn] = []
     before = 0
+    number = 0
     for user, answer in zip(messages, messages[1:]):
         if user.get("role") != "user" or answer.get("role") != "assistant":
             continue
+        number += 1
         usage = answer.get("usage") or {}
         after = usage.get("context_tokens")
         if not isinstance(after, int) or after <= before:
             out.clear()  # what came before cannot be measured from here on
             before = 0
             continue
-        out.append(Turn(str(user.get("content", "")), str(answer.get("content", "")), after - before))
+        out.append(Turn(str(user.get("content", "")), str(answer.get("content", "")), after - before, number))
         before = after
     return out
 
@@ -75,10 +100,66 @@ def carried(all_turns: Sequence[Turn], budget: int) -> list[Turn]:
     return kept
 
 
-def system_prompt(system: str | None, title: str, kept: Sequence[Turn]) -> str | None:
+def plan(all_turns: Sequence[Turn], size: int) -> Plan:
+    """What a new session carries from `all_turns` in a model with a `size`-token context."""
+    budget = size // 2
+    tail = carried(all_turns, budget)
+    earlier = list(all_turns[: len(all_turns) - len(tail)])
+    if not earlier:
+        return Plan(tail, [], budget)
+    anchor = max(earlier, key=lambda t: t.tokens)
+    typical = sorted(t.tokens for t in all_turns)[len(all_turns) // 2]
+    if anchor.tokens < max(ANCHOR_MIN, ANCHOR_FACTOR * typical):
+        return Plan(tail, earlier, budget)
+    wide = size * 3 // 4
+    if anchor.tokens > wide:
+        return Plan(tail, earlier, budget, unfit=anchor)
+    after = list(all_turns[all_turns.index(anchor) + 1:])
+    kept = [anchor, *carried(after, wide - anchor.tokens)]
+    return Plan(kept, [t for t in all_turns if t not in kept], wide, anchor=anchor)
+
+
+def _numbers(turns_: Sequence[Turn]) -> str:
+    """`turn 3`, `turns 2-4`, `turns 1, 3-5`."""
+    spans: list[list[int]] = []
+    for n in sorted(t.number for t in turns_):
+        if spans and n == spans[-1][-1] + 1:
+            spans[-1].append(n)
+        else:
+            spans.append([n])
+    words = ", ".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else f"{s[0]}" for s in spans)
+    return f"turn{'s' if len(turns_) > 1 else ''} {words}"
+
+
+def _quote(text: str) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= 40 else flat[:39] + "…")
+
+
+def describe(p: Plan, size: int, system: bool) -> list[str]:
+    """What /compact will carry and leave out, said before it creates anything."""
+    parts = ["the system prompt"] if system else []
+    if p.anchor is not None:
+        parts.append(f"{_numbers([p.anchor])} (your {p.anchor.tokens}-token message {_quote(p.anchor.question)} "
+                     "and its answer: by far the largest turn, likely what the others are about)")
+    rest = [t for t in p.kept if t is not p.anchor]
+    if rest:
+        parts.append(f"the last {len(rest)} turn{'' if len(rest) == 1 else 's'} ({_numbers(rest)}, "
+                     f"{sum(t.tokens for t in rest)} tokens)")
+    lines = [f"/compact: the new session will carry {' and '.join(parts) if parts else 'nothing of this one'}"
+             + (f"; it leaves out {_numbers(p.left_out)} ({sum(t.tokens for t in p.left_out)} tokens)"
+                if p.left_out else "")]
+    if p.unfit is not None:
+        lines.append(f"it cannot carry {_numbers([p.unfit])}, your {p.unfit.tokens}-token message "
+                     f"{_quote(p.unfit.question)}: carried turns may take at most {size * 3 // 4} tokens "
+                     f"(three quarters of the {size}-token context); paste again the part of it you need")
+    return lines
+
+
+def system_prompt(system: str | None, title: str, kept: Sequence[Turn], source: str = "") -> str | None:
     parts = [system] if system else []
     if kept:
-        lines = [HEADER.format(title=title)]
+        lines = [HEADER.format(title=title, id=source)]
         for turn in kept:
             lines += ["", f"User: {turn.question}", "", f"Assistant: {turn.answer}"]
         parts.append("\n".join(lines))
@@ -91,25 +172,47 @@ def run(chat: ChatView) -> None:
     title = str(old.get("title") or protocol.DEFAULT_TITLE)
     size = window(messages)
     measured = turns(messages)
-    kept = carried(measured, size // 2) if size else []
+    chosen = plan(measured, size) if size else Plan([], measured, 0)
+    kept = chosen.kept
+    for line in describe(chosen, size or 0, bool(old.get("system"))):
+        render.print_note(chat.console, line)
+    try:
+        answer = chat.input.ask("go on? [Y/n] ").strip().lower()
+    except EOFError:
+        answer = "n"
+    if answer not in ("", "y", "yes"):
+        render.print_note(chat.console, "not compacted; the session is as it was")
+        return
     while True:
         try:
             fields = {"title": (title[: MAX_TITLE - len(TITLE_SUFFIX)] + TITLE_SUFFIX),
-                      "system": system_prompt(old.get("system"), title, kept)}
+                      "system": system_prompt(old.get("system"), title, kept, str(old.get("id", "")))}
             session = chat.request(protocol.SESSION_CREATE, origin=ORIGIN,
                                    **{k: v for k, v in fields.items() if v})["session"]
             break
         except ServerError as exc:
             if exc.code != protocol.TOO_LARGE or not kept:
                 raise
-            kept = kept[1:]  # the system prompt has its own character limit: carry one turn less
+            # The system prompt has its own character limit: carry one turn less, the large one last.
+            if kept[0] is chosen.anchor and len(kept) > 1:
+                kept = [kept[0], *kept[2:]]
+            else:
+                if kept[0] is chosen.anchor:
+                    render.print_note(chat.console, f"{_numbers([kept[0]])} is longer than a system prompt may "
+                                      "be; the new session cannot carry it: paste again the part of it you need")
+                    chosen = Plan([], measured, chosen.budget)
+                kept = kept[1:]
     if old.get("params"):
         session = chat.request(protocol.SESSION_UPDATE, session=session["id"], params=old["params"])["session"]
     chat.adopt(session)
     tokens = sum(t.tokens for t in kept)
     n = len(kept)
-    limit = f"at most half the {size}-token context" if size else "the context size is not known yet"
+    if chosen.anchor is not None:
+        limit = f"at most three quarters of the {size}-token context"
+    else:
+        limit = f"at most half the {size}-token context" if size else "the context size is not known yet"
     what = "the system prompt and " if old.get("system") else ""
-    render.print_note(chat.console, f"this new session carries {what}the last {n} "
-                      f"turn{'' if n == 1 else 's'} ({tokens} tokens; {limit}) in its system prompt; "
-                      f"{title!r} is kept (/switch to it)")
+    which = f"{n} turn{'' if n == 1 else 's'}" if chosen.anchor is not None else \
+        f"the last {n} turn{'' if n == 1 else 's'}"
+    render.print_note(chat.console, f"this new session carries {what}{which} ({tokens} tokens; {limit}) in its "
+                      f"system prompt; {title!r} is kept (/switch to it)")

@@ -37,8 +37,12 @@ class NoDaemon(KvchatError):
         if protocol.read_daemon_url(where) is None and url == protocol.default_url():
             # No daemon.json: the URL is kvchat's guess, not where a kvd was; naming its port would mislead.
             said = f"kvd is not running for {where} (it has no {protocol.DAEMON_FILE})"
+        elif (running := protocol.running_daemon_url(where)) is not None and running != url:
+            super().__init__(protocol.nothing_answers(url, where))  # kvd runs: starting another would not help
+            self.url = url
+            return
         else:
-            said = f"kvd is not running at {url}"
+            said = f"nothing answers at {url}: kvd is not running there"
         super().__init__(f"{said}; start it with `{start_command(data_dir)}` (or `make serve` in its source tree)")
         self.url = url
 

@@ -27,12 +27,10 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
 from .history import History
-from .sanitize import sanitize
 
 try:
     import termios
@@ -151,20 +149,6 @@ class Input:
             self.console.print(Text(line.removesuffix(EDITOR_MARK)), soft_wrap=True)
         return line
 
-    def _repaint_if_tall(self, prompt: str, text: str) -> None:
-        """A message taller than the terminal: the editor drew only the window that fit, so once it is
-        sent the screen is cleared and its prompt and text are written whole, into the scrollback."""
-        if not self.console.is_terminal:
-            return
-        width, height = self.console.size
-        # As the terminal showed the prompt, and as the message is sent (a paste's last newline is not).
-        text = sanitize(prompt) + text.rstrip("\n")
-        rows = sum(max(1, -(-cell_len(line.expandtabs()) // max(width, 1))) for line in text.split("\n"))
-        if rows < height:
-            return
-        self.console.file.write("\x1b[H\x1b[2J")  # home, clear the screen (the scrollback keeps the rest)
-        self.console.print(Text(text), soft_wrap=True)
-
     def message(self, prompt: str, continuation: str, *, prefill: str | None = None,
                 draft: str | None = None) -> str:
         """A message as typed, or as saved from the editor after Ctrl-O ("" if the editor left it empty).
@@ -179,9 +163,7 @@ class Input:
                     self.history.add(text)  # one entry per message, as the terminal's editor keeps it
                 return text
             with self._marking_interrupts():
-                text = self.terminal.message(prompt, prefill)
-            self._repaint_if_tall(prompt, text)
-            return text
+                return self.terminal.message(prompt, prefill)
         except ToEditor as typed:
             return self.compose(typed.text or draft or "")
 

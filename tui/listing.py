@@ -23,7 +23,9 @@ made_by = origins.made_by
 
 SHOWN = 30  # rows in the table; older sessions are reachable by id
 PREVIEW_CHARS = 80
-TITLE_WIDTH = 30
+LAST_MESSAGE_MIN = 12  # cells the last message keeps when titles are long
+NARROW = 30  # cells for title and last message below which the last message is left out
+PICK_SHOWN = 10  # sessions a title prefix lists to pick from
 
 
 def relative_time(then: float, now: float) -> str:
@@ -59,17 +61,40 @@ def origin_label(origin: object) -> str:
     return "ws" if origin == origins.WEBSOCKET else origin.split()[0][:8]
 
 
+def compacted_from(session: Mapping[str, Any]) -> str | None:
+    """The id of the session a /compact started this one from (its system prompt's header names it)."""
+    m = _COMPACTED_FROM.search(str(session.get("system") or ""))
+    return m[1] if m else None
+
+
+def _title_cell(s: Mapping[str, Any], numbers: Mapping[str, int]) -> Text:
+    """The whole title, then what tells it from a look-alike: which listed session it was compacted from."""
+    title = Text(one_line(str(s.get("title") or protocol.DEFAULT_TITLE), 200))
+    source = compacted_from(s)
+    if source is not None:
+        title.append(f" ← #{numbers[source]}" if source in numbers else f" ← {source[:8]}", style="dim")
+    return title
+
+
 def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current: str | None = None,
                    now: float | None = None) -> Table:
-    """Numbered rows, most recently used first; the number is what /switch and /delete take."""
+    """Numbered rows, most recently used first; the number is what /switch and /delete take.
+
+    The title gets the terminal's width first (up to its whole length), the last message what is left:
+    four sessions that start "What is the capital of" must read as four different ones.
+    """
     now = time.time() if now is None else now
+    shown = sessions[:SHOWN]
+    numbers = {str(s.get("id")): n for n, s in enumerate(shown, 1)}
     rows = []
-    for n, s in enumerate(sessions[:SHOWN], 1):
+    for n, s in enumerate(shown, 1):
         updated = s.get("updated_at")
+        count = s.get("message_count")
         rows.append((
             f"{n}{'*' if s.get('id') == current else ''}",
-            one_line(str(s.get("title") or protocol.DEFAULT_TITLE), 60),
+            _title_cell(s, numbers),
             one_line(s.get("last_message")) or "—",
+            str(count) if isinstance(count, int) else "?",
             str(s.get("tokens", 0)),
             str(s.get("cache", protocol.NO_CACHE)),
             origin_label(s.get("origin")),
@@ -78,21 +103,28 @@ def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current
     table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
 
     def widest(i: int, header: str) -> int:
-        return max([len(header), *(len(row[i]) for row in rows)])
+        return max([len(header), *(len(str(row[i])) for row in rows)])
 
     # Rich squeezes every no_wrap column alike; the numbers must not be, so widths are set here.
-    fixed = [widest(0, "#"), widest(3, "tokens"), widest(4, "cache"), widest(5, "from"), widest(6, "last used")]
-    room = max(width - sum(fixed) - 2 * 6, 16)  # 2 cells between each of the 7 columns
-    title_width = min(widest(1, "title"), TITLE_WIDTH, max(8, room // 3))
+    fixed = [widest(0, "#"), widest(3, "msgs"), widest(4, "tokens"), widest(5, "cache"), widest(6, "from"),
+             widest(7, "last used")]
+    room = max(width - sum(fixed) - 2 * 7, 16)  # 2 cells between each of the 8 columns
+    with_last = room >= NARROW  # a narrow terminal drops the last message: the title tells sessions apart
+    if not with_last:
+        room += 2
+    title_width = max(min(widest(1, "title"), room - LAST_MESSAGE_MIN), min(widest(1, "title"), room // 2), 8)
     table.add_column("#", justify="right", no_wrap=True, width=fixed[0])
-    table.add_column("title", no_wrap=True, overflow="ellipsis", width=title_width)
-    table.add_column("last message", no_wrap=True, overflow="ellipsis", width=max(room - title_width, 8))
-    table.add_column("tokens", justify="right", no_wrap=True, width=fixed[1])
-    table.add_column("cache", no_wrap=True, width=fixed[2])
-    table.add_column("from", no_wrap=True, width=fixed[3])
-    table.add_column("last used", no_wrap=True, width=fixed[4])
-    for number, title, last, tokens, cache, origin, used in rows:
-        table.add_row(number, Text(title), Text(last, style="dim"), tokens, cache, origin, used)
+    table.add_column("title", no_wrap=True, overflow="ellipsis", width=title_width if with_last else room)
+    if with_last:
+        table.add_column("last message", no_wrap=True, overflow="ellipsis", width=max(room - title_width, 8))
+    table.add_column("msgs", justify="right", no_wrap=True, width=fixed[1])
+    table.add_column("tokens", justify="right", no_wrap=True, width=fixed[2])
+    table.add_column("cache", no_wrap=True, width=fixed[3])
+    table.add_column("from", no_wrap=True, width=fixed[4])
+    table.add_column("last used", no_wrap=True, width=fixed[5])
+    for number, title, last, count, tokens, cache, origin, used in rows:
+        table.add_row(number, title, *([Text(last, style="dim")] if with_last else []), count, tokens, cache,
+                      origin, used)
     return table
 
 
@@ -122,8 +154,25 @@ def find(sessions: Sequence[Mapping[str, Any]], key: str) -> Mapping[str, Any] |
     if len(titled) == 1 or len(exact) == 1:
         return (exact or titled)[0]
     if titled:
-        return f"{key!r} starts {len(titled)} titles; give more of it, or the number"
+        return ambiguous(key, sessions, titled)
     return f"{key!r} is not a session number, id or title; /sessions lists them"
+
+
+def ambiguous(key: str, sessions: Sequence[Mapping[str, Any]], matches: Sequence[Mapping[str, Any]]) -> str:
+    """Several titles start with `key`: list them, numbered as in the table, to pick one by its number."""
+    numbers = {str(s.get("id")): n for n, s in enumerate(sessions[:SHOWN], 1)}
+    lines = [f"{key!r} starts {len(matches)} titles; type the number of the one you mean:"]
+    for s in matches[:PICK_SHOWN]:
+        n = numbers.get(str(s.get("id")))
+        used = s.get("updated_at")
+        when = relative_time(float(used), time.time()) if isinstance(used, (int, float)) else "?"
+        count = s.get("message_count")
+        lines.append(f"  {n if n is not None else str(s.get('id'))[:8]:>3}  "
+                     f"{one_line(str(s.get('title') or protocol.DEFAULT_TITLE), 100)}  "
+                     f"({count if isinstance(count, int) else '?'} messages, {when})")
+    if len(matches) > PICK_SHOWN:
+        lines.append(f"  … and {len(matches) - PICK_SHOWN} more; give more of the title")
+    return "\n".join(lines)
 
 
 def find_many(sessions: Sequence[Mapping[str, Any]], keys: str) -> list[Mapping[str, Any]] | str:
@@ -159,6 +208,7 @@ def find_many(sessions: Sequence[Mapping[str, Any]], keys: str) -> list[Mapping[
 
 
 _RANGE = re.compile(r"(\d{1,5})-(\d{1,5})")
+_COMPACTED_FROM = re.compile(r"carried over from the session .*?, (" + protocol.SESSION_ID_RE.pattern + r")\)")
 
 
 def _folded_title(session: Mapping[str, Any]) -> str:

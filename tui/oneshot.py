@@ -4,10 +4,15 @@ For scripts: stdout gets the answer and nothing else (no banner, prompt or
 status line), streamed as it comes, or with --json one object at the end;
 everything else goes to stderr, and a failure exits non-zero:
 
-- 0  the answer was printed (also when it stopped at max_tokens: see finish_reason)
+- 0  the answer was printed (also when it stopped at max_tokens, which stderr says; see finish_reason)
 - 1  kvd refused or failed (not running, unknown session, the conversation does not fit, …)
 - 2  the flags or the input cannot be used (argparse's code)
+- 3  with --strict: the answer stopped at max_tokens (it is printed, cut where it stopped)
 - 130  interrupted by Ctrl-C (the answer is cancelled and kept as far as it got)
+
+An answer cut by max_tokens exits 0 by default: a script that asked for a
+short answer got what it asked for, and a pipeline should not fail because
+a model is wordy. `--strict` is for scripts that need the whole answer.
 
 Without --session or --last the message starts a new session, titled after
 it and kept like any other (`kvchat --last` continues it).
@@ -44,6 +49,8 @@ class UsageProblem(Exception):
     """The flags or the input cannot be used (exit 2)."""
 
 
+CUT = 3  # --strict: the answer stopped at max_tokens
+
 # What the daemon refuses as unusable input exits 2, like kvchat's own checks of the flags: whether a
 # value is out of range is for the daemon to say (its limits are its config), not for the exit code.
 UNUSABLE = frozenset({"bad_request"})
@@ -51,7 +58,7 @@ UNUSABLE = frozenset({"bad_request"})
 
 def answer_one(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, errors: Console) -> int:
     try:
-        return asyncio.run(_answer(args, lambda: _message(args, stdin), stdout))
+        return asyncio.run(_answer(args, lambda: _message(args, stdin), stdout, errors))
     except UsageProblem as exc:
         return _failed(args, stdout, errors, str(exc), "usage", 2)
     except ServerError as exc:
@@ -95,7 +102,7 @@ def _explained(exc: KvchatError) -> str:
     return str(exc)
 
 
-async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: TextIO) -> int:
+async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: TextIO, errors: Console) -> int:
     link = Link(url=args.url, data_dir=args.data_dir, token_file=args.token_file)
     client = await link.connect()  # first: "kvd is not running" matters more than an empty stdin
     try:
@@ -131,7 +138,15 @@ async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: 
         elif answer and not answer.endswith("\n"):
             stdout.write("\n")
         stdout.flush()
-        return 130 if interrupted.is_set() else 0
+        if interrupted.is_set():
+            return 130
+        if done.get("finish_reason") == "length":
+            tokens = (done.get("usage") or {}).get("completion_tokens")
+            render.print_note(errors, f"kvchat: the answer stopped at max_tokens ({tokens} tokens), cut where it "
+                              "stopped; --max-tokens N allows a longer one" + ("" if args.strict else
+                                                                               " (--strict exits 3 on this)"))
+            return CUT if args.strict else 0
+        return 0
     finally:
         await client.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
@@ -117,6 +118,14 @@ def draft_part(usage: Mapping[str, Any]) -> str | None:
 
 
 def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> str:
+    """The parts of :func:`status_parts`, joined with ``·``."""
+    return STATUS_JOIN.join(status_parts(usage, finish_reason))
+
+
+STATUS_JOIN = " · "
+
+
+def status_parts(usage: Mapping[str, Any], finish_reason: str | None = None) -> list[str]:
     """``12 tokens · TTFT 35 ms · 210.4 tok/s · draft 9/12 kept · cache: disk 28 tok in 3.1 ms · 52/8192 ctx``.
 
     Parts the daemon left out are omitted; ``re-read N tok`` says when history
@@ -142,18 +151,39 @@ def status_line(usage: Mapping[str, Any], finish_reason: str | None = None) -> s
         parts.append(f"re-read {reread} tok")  # a new system prompt or an edit: history fed again
     if (context := context_part(usage)) is not None:
         parts.append(context)
-    line = " · ".join(parts)
     if finish_reason in ("cancelled", "length"):
-        line = f"{line} ({finish_reason})" if line else f"({finish_reason})"
-    return line
+        parts[-1:] = [f"{parts[-1]} ({finish_reason})" if parts else f"({finish_reason})"]
+    return parts
+
+
+def packed(parts: list[str], width: int) -> list[str]:
+    """`parts` joined with `·` into lines of at most `width` cells, breaking only between parts
+    (so `176/8192 ctx` or `cache: disk 4096 tok in 86 ms` is never cut in two); a part wider
+    than the line gets a line of its own."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and cell_len(lines[-1] + STATUS_JOIN + part) <= width:
+            lines[-1] += STATUS_JOIN + part
+        else:
+            lines.append(part)
+    return lines
+
+
+def unwrapped(console: Console) -> bool:
+    """Rich's soft_wrap for a status, note or error line: on a terminal Rich wraps it at word boundaries
+    (the terminal would cut words); into a pipe or file it stays one line, for grep and scripts."""
+    return not console.is_terminal
 
 
 def print_status(console: Console, done: Mapping[str, Any], *, blank: bool = True) -> None:
     """The dim line under an answer, from its ``chat.done`` event (then a blank line)."""
     usage = done.get("usage")
     reason = done.get("finish_reason")
-    line = status_line(usage if isinstance(usage, Mapping) else {}, reason if isinstance(reason, str) else None)
-    console.print(Text(line, style=DIM), soft_wrap=True)
+    parts = status_parts(usage if isinstance(usage, Mapping) else {}, reason if isinstance(reason, str) else None)
+    if unwrapped(console):
+        console.print(Text(STATUS_JOIN.join(parts), style=DIM), soft_wrap=True)
+    else:  # broken between its parts, not inside one
+        console.print(Text("\n".join(packed(parts, console.width)), style=DIM))
     if blank:
         console.print()
 
@@ -179,17 +209,18 @@ def print_header(
     server = hello.get("server")
     if server:
         details.append(sanitize(str(server)))
-    console.print(Text(" · ".join(details), style=DIM), soft_wrap=True)
+    console.print(Text(" · ".join(details), style=DIM), soft_wrap=unwrapped(console))
     system = session.get("system")
     if system:
         shown = sanitize(str(system))
         if len(shown) > SYSTEM_SHOWN or shown.count("\n") > 2:  # e.g. /compact's: /system shows it all
             shown = " ".join(shown[:SYSTEM_SHOWN].split()) + f" … ({len(shown)} characters; /system shows it all)"
-        console.print(Text(f"system: {shown}", style=DIM), soft_wrap=True)
+        console.print(Text(f"system: {shown}", style=DIM), soft_wrap=unwrapped(console))
     params = session.get("params")
     if isinstance(params, Mapping) and params:
-        console.print(Text("params: " + format_params(params), style=DIM), soft_wrap=True)
-    console.print(Text("/help for commands · Ctrl-C stops an answer · Ctrl-D quits", style=DIM), soft_wrap=True)
+        console.print(Text("params: " + format_params(params), style=DIM), soft_wrap=unwrapped(console))
+    console.print(Text("/help for commands · Ctrl-C stops an answer · Ctrl-D quits", style=DIM),
+                  soft_wrap=unwrapped(console))
     console.print()
 
 
@@ -199,11 +230,11 @@ def format_params(params: Mapping[str, Any]) -> str:
 
 def print_error(console: Console, message: str) -> None:
     """One red line; the message itself says what to do."""
-    console.print(Text(f"error: {sanitize(message)}", style=ERROR_STYLE), soft_wrap=True)
+    console.print(Text(f"error: {sanitize(message)}", style=ERROR_STYLE), soft_wrap=unwrapped(console))
 
 
 def print_note(console: Console, message: str) -> None:
-    console.print(Text(sanitize(message), style=DIM), soft_wrap=True)
+    console.print(Text(sanitize(message), style=DIM), soft_wrap=unwrapped(console))
 
 
 def prompt(console: Console, label: str, style: str) -> str:

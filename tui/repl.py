@@ -9,6 +9,7 @@ runs on the network thread (loop_thread.py) and is reached through
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from . import commands, listing, render
 from .chatview import ChatOptions
 from .client import Client
 from .errors import KvchatError, ServerError
+from .estimate import PrefillClock
 from .interrupts import Interrupts
 from .lineinput import Input
 from .link import Link
@@ -34,6 +36,11 @@ PICK = "number or title, Enter for a new chat: "
 FULL_HINT = ("the session is full. /params max_tokens=N lowers the answer's room if that is enough; "
              "/compact goes on in a new session that carries the system prompt and the last turns "
              "that fit in half the context")
+TOO_MANY_CHARS_HINT = ("send it in parts (Up recalls it; Ctrl-O edits it in $EDITOR), or raise limits.max_text_chars "
+                       "in kvd's config.toml and restart kvd")
+# kvd's refusal (daemon/turns.py): how many tokens the conversation would be, the answer's room, the context.
+FULL_REFUSAL = re.compile(r"the conversation \((\d+) tokens\) plus max_tokens \((\d+)\) exceeds the model's "
+                          r"context of (\d+) tokens")
 # A message that does not fit on its own: no earlier turn to leave behind, so /compact cannot help.
 TOO_LONG_HINT = ("the message itself does not fit with the answer's room: send a shorter one (or a part of it "
                  "at a time), or lower /params max_tokens=N if a short answer is enough")
@@ -56,6 +63,7 @@ class Chat:
         self.link = link
         self.interrupts = interrupts
         self.input = input
+        self.clock = PrefillClock()  # every answer's reading estimate also learns from the reads before it
         self.options = options or ChatOptions()
         self.session: dict[str, Any] = {}
         self.listed: list[dict[str, Any]] = []  # the rows of the last sessions table shown
@@ -97,7 +105,11 @@ class Chat:
                         continue
                     if exc.code == protocol.TOO_LARGE and "context" in exc.message:
                         render.print_error(self.console, exc.message)
-                        render.print_note(self.console, FULL_HINT if self.has_turns() else TOO_LONG_HINT)
+                        render.print_note(self.console, FULL_HINT if self.compact_helps(exc.message) else TOO_LONG_HINT)
+                        continue
+                    if exc.code == protocol.TOO_LARGE and "characters" in exc.message:
+                        render.print_error(self.console, exc.message)
+                        render.print_note(self.console, TOO_MANY_CHARS_HINT)
                         continue
                     busy = ("this session is answering right now (in another window?); /attach to watch it, "
                             "Ctrl-C there stops it; or wait for it to finish")
@@ -126,7 +138,7 @@ class Chat:
             fields = {**self.options.fields(), **fields}
         self.wait_ready()
         done = Turn(self.console, self.net, self.link, self.interrupts, self.session_id, kind, fields,
-                    last_index=self.last_index).run()
+                    last_index=self.last_index, clock=self.clock).run()
         if done is not None and isinstance(done.get("message_index"), int):
             self.last_index = done["message_index"]
         return done
@@ -282,10 +294,20 @@ class Chat:
             return True
         return self.pick(sessions)
 
-    def has_turns(self) -> bool:
-        """Whether the open session holds an answer: something /compact could carry or leave behind."""
+    def compact_helps(self, refusal: str) -> bool:
+        """Whether /compact could make room: the session holds an answer to leave behind, and the new
+        message fits the context on its own (a 10000-token paste into an 8192-token
+        context does not fit however little history is carried)."""
         got = self.request(protocol.SESSION_GET, session=self.session_id)
-        return any(m.get("role") == "assistant" and m.get("content") for m in got.get("messages") or [])
+        answers = [m for m in got.get("messages") or [] if m.get("role") == "assistant" and m.get("content")]
+        if not answers:
+            return False
+        said = FULL_REFUSAL.search(refusal)
+        used = (answers[-1].get("usage") or {}).get("context_tokens")
+        if said is None or not isinstance(used, int):
+            return True
+        conversation, _room, context = (int(n) for n in said.groups())
+        return conversation - used < context  # the answer's room can still be lowered (FULL_HINT says so)
 
     def forget_current(self) -> None:
         """The open session was deleted."""

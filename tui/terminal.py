@@ -9,9 +9,12 @@ and piped kvchat do not pay for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 
 from prompt_toolkit import PromptSession
+from prompt_toolkit.application.current import get_app
+from prompt_toolkit.buffer import Buffer
 from prompt_toolkit.completion import CompleteEvent, Completion
 from prompt_toolkit.completion import Completer as Base
 from prompt_toolkit.document import Document
@@ -22,6 +25,7 @@ from prompt_toolkit.shortcuts import CompleteStyle
 
 from .history import History
 from .lineinput import BLOCK, INTERRUPTED, Completer, ToEditor
+from .sanitize import sanitize
 
 
 def opened_block(text: str) -> bool:
@@ -59,17 +63,63 @@ class Terminal:
     """
 
     def __init__(self, commands: Sequence[str], history: History | None) -> None:
+        self._left = ""  # the message as the editor let go of it (sent, dropped with ^C, or to the editor)
         self._messages: PromptSession[str] = PromptSession(
             history=_Shared(history) if history is not None else None, completer=_Commands(commands),
-            complete_while_typing=False, complete_style=CompleteStyle.READLINE_LIKE, key_bindings=_bindings(),
-            multiline=True, enable_suspend=True, prompt_continuation="")
+            complete_while_typing=False, complete_style=CompleteStyle.READLINE_LIKE,
+            key_bindings=_bindings(self._letting_go), multiline=True, enable_suspend=True, prompt_continuation="")
         self._answers: PromptSession[str] = PromptSession(enable_suspend=True, key_bindings=_bindings())
 
     def message(self, prompt: str, prefill: str | None = None) -> str:
-        return finished(self._messages.prompt(ANSI(prompt), default=prefill or ""))
+        """The message, left on the screen once and whole.
+
+        The editor shows a window of a message taller than the terminal, and
+        its last drawing (prompt_toolkit's "done" render) would leave that
+        window on the screen, to be pushed into the scrollback above the
+        message written whole: a 60-line paste left two partial copies. So the
+        keys that end the editing empty its buffer first (the last drawing is
+        the prompt alone, erasing the window) and the prompt and message are
+        written here in its place, every line of them.
+        """
+        self._left = ""
+        try:
+            self._messages.prompt(ANSI(prompt), default=prefill or "")
+        finally:
+            _leave(prompt, self._left)
+        return finished(self._left)
+
+    def _letting_go(self, text: str) -> None:
+        self._left = text
 
     def ask(self, prompt: str) -> str:
         return self._answers.prompt(ANSI(prompt))
+
+
+def _blank_drawing() -> None:
+    """Blank the rows the editor drew, one erase-line each, before its last drawing erases them itself.
+
+    That last drawing erases from the top of what it drew to the end of the
+    screen; when that top is the screen's first row (a message as tall as the
+    terminal), tmux takes the erase for a clear screen and keeps the rows in
+    its scrollback (scroll-on-clear), a partial copy of the message. Rows
+    already blank are not kept. The cursor is saved and restored around it,
+    so the editor's idea of where it is stays true.
+    """
+    app = get_app()
+    screen = app.renderer.last_rendered_screen
+    if screen is None:
+        return
+    height = min(screen.height, app.output.get_size().rows)
+    row = min(screen.get_cursor_position(app.layout.current_window).y, height - 1)
+    rows = ["\r\x1b[2K"] * height
+    app.output.write_raw("\x1b7" + (f"\x1b[{row}A" if row else "") + "\x1b[B".join(rows) + "\x1b8")
+    app.output.flush()
+
+
+def _leave(prompt: str, text: str) -> None:
+    """Over the prompt the editor drew last (one row: its buffer was emptied), the prompt and the text."""
+    sys.stdout.write("\x1b[A\r\x1b[2K" + prompt + sanitize(text.rstrip("\n")) + "\n")
+    sys.stdout.flush()
 
 
 class _Shared(Remembered):
@@ -101,14 +151,30 @@ class _Commands(Base):
             yield Completion(found, start_position=-len(word))
 
 
-def _bindings() -> KeyBindings:
+def _bindings(letting_go: Callable[[str], None] | None = None) -> KeyBindings:
+    """kvchat's keys; with `letting_go`, each key that ends the editing hands it the text and empties
+    the buffer, so that the editor's last drawing is its prompt alone (Terminal.message)."""
     keys = KeyBindings()
+
+    def let_go(buffer: Buffer) -> None:
+        if letting_go is not None:
+            letting_go(buffer.text)
+            buffer.reset()
+            _blank_drawing()
+
+    def accept(buffer: Buffer) -> None:
+        text = buffer.text
+        buffer.validate_and_handle()  # the result and the history entry: the text
+        if letting_go is not None:
+            letting_go(text)
+            buffer.reset()
+            _blank_drawing()
 
     @keys.add("enter")
     def _enter(event: KeyPressEvent) -> None:
         buffer = event.current_buffer
         if not buffer.multiline() or not continues(buffer.text):
-            buffer.validate_and_handle()
+            accept(buffer)
             return
         if buffer.text.endswith("\\") and buffer.cursor_position == len(buffer.text):
             buffer.delete_before_cursor(1)  # the backslash only asked for the next line
@@ -119,10 +185,36 @@ def _bindings() -> KeyBindings:
         if event.current_buffer.multiline():
             event.current_buffer.newline(copy_margin=False)
 
+    @keys.add("up")
+    def _up(event: KeyPressEvent) -> None:
+        """On the first line: the older message, its cursor on its first line, so that Up goes on
+        through the history instead of through the lines of a tall message (IPython does the same)."""
+        buffer = event.current_buffer
+        if buffer.document.cursor_position_row > 0:
+            buffer.cursor_up(count=event.arg)
+            return
+        before = buffer.working_index
+        buffer.history_backward(count=event.arg)
+        if buffer.working_index != before:
+            buffer.cursor_position = len(buffer.document.lines[0])
+
+    @keys.add("down")
+    def _down(event: KeyPressEvent) -> None:
+        """On the last line: the newer message, its cursor at its end, so that Down goes on."""
+        buffer = event.current_buffer
+        if buffer.document.cursor_position_row < buffer.document.line_count - 1:
+            buffer.cursor_down(count=event.arg)
+            return
+        buffer.history_forward(count=event.arg)
+        buffer.cursor_position = len(buffer.text)
+
     @keys.add("c-o")
     def _editor(event: KeyPressEvent) -> None:
-        if event.current_buffer.multiline():
-            event.app.exit(exception=ToEditor(finished(event.current_buffer.text)))
+        buffer = event.current_buffer
+        if buffer.multiline():
+            text = finished(buffer.text)
+            let_go(buffer)
+            event.app.exit(exception=ToEditor(text))
 
     @keys.add("c-d")
     def _end(event: KeyPressEvent) -> None:
@@ -130,7 +222,7 @@ def _bindings() -> KeyBindings:
         if not buffer.text:
             event.app.exit(exception=EOFError)
         elif buffer.multiline() and "\n" in buffer.text and buffer.cursor_position == len(buffer.text):
-            buffer.validate_and_handle()  # as a terminal's Ctrl-D ends what is typed
+            accept(buffer)  # as a terminal's Ctrl-D ends what is typed
         else:
             buffer.delete()
 
@@ -139,6 +231,7 @@ def _bindings() -> KeyBindings:
         buffer = event.current_buffer
         buffer.cursor_position = len(buffer.text)
         buffer.insert_text(INTERRUPTED)  # drawn once more, then dropped with the rest
+        let_go(buffer)
         event.app.exit(exception=KeyboardInterrupt)
 
     return keys

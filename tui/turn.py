@@ -30,6 +30,7 @@ import protocol
 from . import render
 from .client import Client
 from .errors import ConnectionLost, KvchatError, ServerError
+from .estimate import PrefillClock
 from .interrupts import Interrupts, StopWaiting
 from .lineinput import echo_off
 from .link import Link
@@ -83,6 +84,7 @@ class Turn:
         fields: Mapping[str, Any],
         *,
         last_index: int = -1,
+        clock: PrefillClock | None = None,
     ) -> None:
         self.console = console
         self.net = net
@@ -92,6 +94,7 @@ class Turn:
         self.kind = kind
         self.fields = dict(fields)
         self.last_index = last_index  # the session's last message before this turn
+        self.clock = clock  # the kvchat's prefill clock: earlier reads inform this one's estimate
         self.followed = Followed()
         self._events: queue.Queue[Any] = queue.Queue()
         self._cancel = asyncio.Event()  # set on the network loop; binds to it on first wait
@@ -101,6 +104,8 @@ class Turn:
     def run(self) -> dict[str, Any] | None:
         """Print the answer as it comes; return its chat.done (None if there was none)."""
         printer = render.answer_printer(self.console)
+        if self.clock is not None:
+            printer.clock = self.clock
         future = self.net.submit(self._pump())
         done: dict[str, Any] | None = None
         failure: Exception | None = None

@@ -262,7 +262,8 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
                        "or leave tool_choice out", param="tool_choice")
     if req.model is not None and req.model not in served_names(config.model):
         raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {req.model!r}; "
-                       "GET /v1/models names it (or leave model out)", param="model", code="model_not_found")
+                       f"send {config.model!r} or {SERVED_ALIAS!r} (or leave model out)",
+                       param="model", code="model_not_found")
 
 
 def _check_messages(req: ChatRequest) -> None:
@@ -285,12 +286,17 @@ def _check_messages(req: ChatRequest) -> None:
                        param="messages")
 
 
+SERVED_ALIAS = "kvd"  # the one name that always means "the model kvd loaded" (docs/openai.md's examples use it)
+
+
 def served_names(model: str) -> set[str]:
-    """The names a request may give the served model: the setting itself, and a path's file or folder name."""
-    names = {model}
-    for prefix in ("ollama:", "hf:"):  # Ollama's name for it (llama3.2:1b), or the repo's
+    """The names a request may give the served model: the setting itself, a path's file or folder name,
+    a prefixed name without its prefix, and the alias `kvd`, as a single-model local server should;
+    any other name stays a 404, so a client that meant another model is told instead of answered."""
+    names = {model, SERVED_ALIAS}
+    for prefix in ("ollama:", "hf:", "builtin:"):  # Ollama's name for it (llama3.2:1b), the repo's, smollm2
         if model.startswith(prefix):
-            return {model, model[len(prefix):]}
+            return names | {model[len(prefix):]}
     if "/" in model or model.endswith(".gguf"):
         tail = model.rstrip("/").rsplit("/", 1)[-1]
         names |= {tail, tail.removesuffix(".gguf")}

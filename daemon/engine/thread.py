@@ -18,6 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.sizes import human_bytes
+
 from ..config import Config
 from .draft import Answers
 from .jobs import (
@@ -277,8 +279,8 @@ class Engine(TurnSteps):
             log.exception("prefetching the cache of %s failed; it stays on disk", key)
         if not self._prefetch:
             s = self.caches.statistics()["prefetched"]
-            log.info("prefetched %d session(s) into memory (%d resident, %d warm; %d bytes)",
-                     s["sessions"], s["resident"], s["warm"], s["bytes"])
+            log.info("prefetched %d session(s) into memory (%d resident, %d warm; %s)",
+                     s["sessions"], s["resident"], s["warm"], human_bytes(s["bytes"]))
 
     def _publish_stats(self) -> None:
         caches = self.caches.statistics() if self.caches is not None else {}

@@ -69,6 +69,7 @@ def detach(argv: list[str], log_file: Path) -> int:
                              text=True, start_new_session=True)
     assert child.stderr is not None
     url = "?"
+    told = False  # whether the child said why it stops
     for line in child.stderr:
         if READY_MARK in line:
             url = line.split(READY_MARK, 1)[1].split()[0]
@@ -78,9 +79,17 @@ def detach(argv: list[str], log_file: Path) -> int:
                   f"kvd: logs: {log_file} (kvd logs -f); stop it with: kvd stop", file=sys.stderr)
             return 0
         sys.stderr.write(line)
+        told = told or said_why(line)
     code = child.wait()
-    print(f"kvd: the daemon exited ({code}) before it could answer; its log: {log_file}", file=sys.stderr)
+    if not told:  # a child that said why it stopped has said it all; its log may not have it
+        print(f"kvd: the daemon exited ({code}) before it could answer; its log: {log_file}", file=sys.stderr)
     return code or 1
+
+
+def said_why(line: str) -> bool:
+    """Whether a start-up line is the child's own reason for stopping (an error, or another kvd holding the
+    data directory), after which a detached start adds nothing."""
+    return line.startswith("kvd: error:") or line.startswith("kvd is already running")
 
 
 def leave_terminal() -> None:

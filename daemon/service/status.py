@@ -121,6 +121,7 @@ def main(data_dir: Path, url: str | None, as_json: bool) -> int:
     pid = info.get("pid")
     if url is None and isinstance(pid, int) and not _alive(pid):
         return _gone(data_dir, f"kvd is not running: its pid {pid} (from {data_dir / p.DAEMON_FILE}) is gone")
+    given = url is not None
     url = url or p.read_daemon_url(data_dir)
     if url is None:
         return _gone(data_dir, f"no running daemon found in {data_dir}")
@@ -128,6 +129,9 @@ def main(data_dir: Path, url: str | None, as_json: bool) -> int:
         token = (data_dir / p.TOKEN_FILE).read_text().strip()
         status = fetch_status(url, token)
     except OSError as e:
+        if given:  # a URL the user typed: the data directory's daemon and its log are another story
+            print(f"kvd status: {p.nothing_answers(url, data_dir)} ({e})", file=sys.stderr)
+            return 1
         return _gone(data_dir, f"cannot reach kvd at {url}: {e}")
     except (RuntimeError, WebSocketException) as e:
         print(f"kvd status: {e}", file=sys.stderr)

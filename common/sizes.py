@@ -1,0 +1,13 @@
+"""Sizes as people read them: one format for the start line, `kvd status` and kvchat."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: int) -> str:
+    """`512 B`, `22.5 MiB`: powers of 1024, as the tiers' budgets are set."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable: GiB ends the loop")
