@@ -44,7 +44,7 @@ class Config:
     max_tokens: int = 512
     temperature: float = 0.2  # config.toml says why
     top_p: float = 0.9
-    prefill_step_size: int = 512
+    prefill_step_size: int = 0  # 0: the device's (daemon/device.py: 512 on the CPU, 2048 on a GPU)
     prefill_slice: float = 0.5
     # Decode: "auto" speculates (prompt-lookup drafts, verified exactly) where it pays; "off" never
     speculate: str = "auto"
@@ -200,6 +200,9 @@ def _check(name: str, value: Any) -> Any:
         elif name == "blas_threads":
             if value < 0:
                 raise ConfigError(f"{dotted} must be >= 0 (0: the CPUs kvd may use)")
+        elif name == "prefill_step_size":
+            if value < 0:
+                raise ConfigError(f"{dotted} must be >= 0 (0: the device's own, 512 on the CPU, 2048 on a GPU)")
         elif (name.endswith("_bytes") and table == "cache") or name == "max_resident_sessions":
             if value < 0:
                 raise ConfigError(f"{dotted} must be >= 0 (0 turns the tier off)")
