@@ -326,8 +326,9 @@ def tps(values: list[float]) -> str:
 def table(device_line: str, rows: list[dict[str, Any]], argv: list[str]) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()[0]
+    version = getattr(mx, "__version__", "?")
     lines = [f"{MARK} {device_line} -->",
-             f"Device: **{device_line}** (MLX {getattr(mx, "__version__", "?")}). `python bench/gpu.py {' '.join(argv)}`, "
+             f"Device: **{device_line}** (MLX {version}). `python bench/gpu.py {' '.join(argv)}`, "
              f"{stamp}, load {load:.1f}. Medians (range) of the timed turns; time to first token at the client.",
              "",
              "| model | prompt | runner | ready after start | first turn TTFT | next turn TTFT | "

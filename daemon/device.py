@@ -105,6 +105,7 @@ class Policy:
     # Prefill
     prefill_step: int  # tokens per prefill chunk when the config leaves it to the device (0)
     prefill_clear_cache: bool  # return the allocator's buffers after every chunk
+    warm_up_tokens: tuple[int, ...]  # the prefills run before `ready` (engine/modelload.py's warm_up)
     # Decode
     speculation: SpeculationLimits
 
@@ -149,10 +150,13 @@ def policy(device: Device, *, env: dict[str, str] | None = None) -> Policy:
         return Policy(device, weights_dtype="float32",
                       kvd_attention=env.get(ATTENTION_ENV, "").lower() != "mlx",
                       gguf_mode="float32", probe_blas=True, prefill_step=512, prefill_clear_cache=True,
-                      speculation=speculation)
-    # Metal and CUDA alike: mlx-lm's own choices (its generate_step's 2048-token prefill chunks).
+                      warm_up_tokens=(16,), speculation=speculation)
+    # Metal and CUDA alike: mlx-lm's own choices (its generate_step's 2048-token prefill chunks). The
+    # warm-up runs a whole chunk too, so the kernels a long first turn needs are built before `ready`
+    # (a GPU's first use of a shape compiles; a 2048-token forward costs it well under a second).
     return Policy(device, weights_dtype=None, kvd_attention=False, gguf_mode="quantized", probe_blas=False,
-                  prefill_step=2048, prefill_clear_cache=False, speculation=speculation)
+                  prefill_step=2048, prefill_clear_cache=False, warm_up_tokens=(2048, 16),
+                  speculation=speculation)
 
 
 def _int(value: Any) -> int | None:

@@ -63,7 +63,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
         "test_distributed", "test_hostile_http", "test_index_rebuild", "test_kill9", "test_kvchat_daily_tmux",
         "test_kvchat_tmux",
-        "test_missing_blocks", "test_model_places", "test_openai", "test_realmodel", "test_restart",
+        "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_integrity",
     }),
 }  # fmt: skip

@@ -82,21 +82,28 @@ def check_template(tokenizer: Any) -> None:
                             "tokenizer.chat_template in the model, or use another model") from None
 
 
-def warm_up(model: Any, tokenizer: Any, cache: list[Any]) -> float:
-    """Run one short prefill and one decode step on a throwaway cache; the milliseconds it took.
+def warm_up(model: Any, tokenizer: Any, cache: list[Any], tokens: tuple[int, ...] = (WARM_UP_TOKENS,)) -> float:
+    """Run short prefills and one decode step on a throwaway cache; the milliseconds it took.
 
     MLX's first forward after a load pays for allocating its buffers and
     waking the BLAS threads: measured on SmolLM2-135M, a 13-token turn
     over a 2k context took 687 ms as the first forward and 480 ms after.
     That cost belongs to start-up (before `ready`), not to the first user's turn.
+    `tokens`: the prefills' lengths, the device policy's (daemon/device.py): on a
+    GPU a whole prefill chunk first, whose kernels a long first turn needs.
     """
     import mlx.core as mx
 
     t0 = time.perf_counter()
-    ids = (tokenizer.encode("Hello, who are you?") * 4)[:WARM_UP_TOKENS] or [0] * WARM_UP_TOKENS
-    logits = model(mx.array([ids]), cache=cache)
+    ids = tokenizer.encode("Hello, who are you?") or [0]
+    logits = None
+    for n in tokens:
+        logits = model(mx.array([(ids * (n // len(ids) + 1))[:n]]), cache=cache)
+        mx.eval(logits)
+    assert logits is not None
     token = mx.argmax(logits[:, -1, :], axis=-1)
     mx.eval(model(token[:, None], cache=cache))
     ms = (time.perf_counter() - t0) * 1000
-    log.info("warmed up in %.0f ms (a %d-token prefill and a decode step)", ms, len(ids))
+    log.info("warmed up in %.0f ms (%s-token prefill%s and a decode step)", ms,
+             " + ".join(str(n) for n in tokens), "s" if len(tokens) > 1 else "")
     return ms

@@ -142,7 +142,10 @@ class Engine(TurnSteps):
         if self.lockstep is not None:
             self.lockstep.stream = self.generator.stream
             self.lockstep.open_doorbell()
-        self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits))
+        from ..device import current
+
+        self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits),
+                                  current().warm_up_tokens)
         if self.lockstep is not None:
             import random
 
