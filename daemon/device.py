@@ -203,17 +203,21 @@ def _installed(dist: str) -> bool:
     return True
 
 
+NVIDIA_DRIVER = (Path("/proc/driver/nvidia/version"), Path("/dev/nvidiactl"))
+
+
 def installed_backend(platform: str = sys.platform, *, installed: Any = _installed,
-                      nvidia: Path = Path("/proc/driver/nvidia/version")) -> str | None:
+                      nvidia: tuple[Path, ...] = NVIDIA_DRIVER) -> str | None:
     """The device kind MLX will compute on, read without importing MLX; None: no backend installed.
 
-    macOS: Metal. Linux: CUDA where an mlx-cuda wheel is installed and an NVIDIA driver is loaded,
-    else the CPU where mlx-cpu is; an mlx-cuda wheel without a driver falls back to the CPU as MLX does.
+    macOS: Metal. Linux: CUDA where an mlx-cuda wheel is installed and an NVIDIA driver is loaded
+    (any of `nvidia`), else the CPU (the only question asked before MLX loads is whether to probe
+    a BLAS, and a machine without a driver computes on its CPU).
     """
     if platform == "darwin":
         return "metal"
     kinds = {kind for dist, kind in BACKENDS.items() if installed(dist)}
-    if "cuda" in kinds and nvidia.exists():
+    if "cuda" in kinds and any(p.exists() for p in nvidia):
         return "cuda"
     return "cpu" if kinds else None
 

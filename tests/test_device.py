@@ -85,9 +85,9 @@ def test_an_unknown_kind_is_refused() -> None:
 
 
 def test_the_backend_is_known_before_mlx_is_imported(tmp_path: Path) -> None:
-    driver = tmp_path / "version"
-    driver.write_text("NVRM version: 580.65\n")
-    none = tmp_path / "absent"
+    driver = (tmp_path / "absent", tmp_path / "version")
+    driver[1].write_text("NVRM version: 580.65\n")
+    none = (tmp_path / "absent",)
 
     def having(*dists: str) -> object:
         return lambda dist: dist in dists
