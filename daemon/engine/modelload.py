@@ -96,11 +96,11 @@ def warm_up(model: Any, tokenizer: Any, cache: list[Any], tokens: tuple[int, ...
 
     t0 = time.perf_counter()
     ids = tokenizer.encode("Hello, who are you?") or [0]
-    logits = None
-    for n in tokens:
-        logits = model(mx.array([(ids * (n // len(ids) + 1))[:n]]), cache=cache)
-        mx.eval(logits)
-    assert logits is not None
+    *chunks, last = [mx.array([(ids * (n // len(ids) + 1))[:n]]) for n in tokens]
+    for chunk in chunks:  # as engine/prefill.py feeds a chunk that is not the prompt's last
+        model(chunk, cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = model(last, cache=cache)
     token = mx.argmax(logits[:, -1, :], axis=-1)
     mx.eval(model(token[:, None], cache=cache))
     ms = (time.perf_counter() - t0) * 1000
