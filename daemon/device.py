@@ -30,9 +30,12 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ATTENTION_ENV", "KINDS", "Device", "Policy", "SpeculationLimits", "current", "describe",
+if TYPE_CHECKING:
+    from .config import Config
+
+__all__ = ["ATTENTION_ENV", "KINDS", "Device", "Policy", "SpeculationLimits", "configured", "current", "describe",
            "installed_backend", "missing_backend", "policy"]
 
 KINDS = ("cpu", "metal", "cuda")
@@ -157,6 +160,16 @@ def policy(device: Device, *, env: dict[str, str] | None = None) -> Policy:
     return Policy(device, weights_dtype=None, kvd_attention=False, gguf_mode="quantized", probe_blas=False,
                   prefill_step=2048, prefill_clear_cache=False, warm_up_tokens=(2048, 16),
                   speculation=speculation)
+
+
+def configured(config: Config, p: Policy) -> Config:
+    """`config` with what it leaves to the device decided by `p`: the prefill chunk (0: the
+    device's; an explicit size wins) and "auto" speculation, off where the device does not draft."""
+    import dataclasses
+
+    speculate = config.speculate if p.speculation.auto else "off"
+    return dataclasses.replace(config, prefill_step_size=config.prefill_step_size or p.prefill_step,
+                               speculate=speculate)
 
 
 def _int(value: Any) -> int | None:

@@ -118,3 +118,19 @@ def test_speculation_reads_the_device_limits() -> None:
     assert sum(budget.wanted() == 0 for _ in range(GPU_SPECULATION.pause_steps)) == GPU_SPECULATION.pause_steps
     assert budget.wanted() > 0
     assert draft.DraftBudget.within(CPU_SPECULATION) == draft.DraftBudget()
+
+
+def test_what_the_config_leaves_to_the_device() -> None:
+    from daemon.config import load_config
+
+    default = load_config(None)
+    assert default.prefill_step_size == 0  # the device's
+    on_cpu = device.configured(default, policy(CPU, env={}))
+    assert (on_cpu.prefill_step_size, on_cpu.speculate) == (512, "auto")
+    on_gpu = device.configured(default, policy(H200, env={}))
+    assert (on_gpu.prefill_step_size, on_gpu.speculate) == (2048, "off")
+    forced = device.configured(default, policy(H200, env={"KVD_SPECULATE": "on"}))
+    assert forced.speculate == "auto"
+    chosen = load_config(None, prefill_step_size=1024, speculate="off")
+    assert device.configured(chosen, policy(METAL, env={})).prefill_step_size == 1024  # an explicit size wins
+    assert device.configured(chosen, policy(CPU, env={})).speculate == "off"

@@ -10,7 +10,6 @@ decode, finish, cancel) is turnsteps.py, which `Engine` inherits.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
@@ -155,15 +154,12 @@ class Engine(TurnSteps):
             mx.random.seed(self.lockstep.share(random.getrandbits(31)))
 
     def _on_device(self, c: Config) -> Config:
-        """The config with what it leaves to the device decided (daemon/device.py): the prefill chunk,
-        and "auto" speculation off where the device's policy does not draft."""
-        from ..device import current
+        """The config with what it leaves to the device decided (daemon/device.py)."""
+        from ..device import configured, current
 
-        policy = current()
-        step = c.prefill_step_size or policy.prefill_step
-        self._turns.prefill_step = step
-        speculate = c.speculate if policy.speculation.auto else "off"
-        return dataclasses.replace(c, prefill_step_size=step, speculate=speculate)
+        c = configured(c, current())
+        self._turns.prefill_step = c.prefill_step_size
+        return c
 
     def _tier_budgets(self, c: Config) -> tuple[int, int]:
         """The resident and warm budgets, within the device's memory (a GPU's: never past what it has free)."""
