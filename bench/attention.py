@@ -97,7 +97,7 @@ def decode(model_dir: Path, context: int, n: int) -> None:
     model = load(str(model_dir))[0]
     model.set_dtype(mx.float32)
     prompt = [(i * 7919) % 40000 + 100 for i in range(context)]
-    paths = {"MLX": attention.uninstall, "kvd": attention.install}
+    paths: dict[str, Callable[[], object]] = {"MLX": attention.uninstall, "kvd": attention.install}
     caches: dict[str, Any] = {}
     tokens: dict[str, mx.array] = {}
     for name, use in paths.items():

@@ -20,10 +20,11 @@ guarantee of the general path holds: a file whose bytes are not the bytes
 written is never used. Its header is checked by the same code
 (:func:`~cachestore.segread.check_header`) before a byte of data is read.
 
-Only layouts where every layer is a plain ``KVCache`` in float32 or float16
-take this path (the default on the CPU: models run in float32 there);
-anything else (quantized, rotating, recurrent layers; bfloat16, which has no
-buffer format) returns ``None`` and the caller uses the general path.
+Only layouts where every layer is a plain ``KVCache`` in float32, float16 or
+bfloat16 take this path (float32 is the default on the CPU; a GPU runs the
+checkpoint's dtype, most often bfloat16, whose buffer MLX exposes as
+2-byte items like float16's); anything else (quantized, rotating, recurrent
+layers) returns ``None`` and the caller uses the general path.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from .segread import check_header, hasher_for, read_raw_header
 __all__ = ["FileSpan", "Direct", "capacity", "read_direct"]
 
 STEP = KVCache.step  # mlx-lm grows a KVCache by this many tokens at a time
-_ITEMSIZE = {"F32": 4, "F16": 2}
-_DTYPE = {"F32": mx.float32, "F16": mx.float16}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+_DTYPE = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 
 
 @dataclass(frozen=True)

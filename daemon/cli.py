@@ -217,7 +217,11 @@ def _find(e: BaseException, kind: type[E]) -> E | None:
 
 
 def _serve_locked(config: Config, *, detached: bool) -> int:
+    from .device import missing_backend
     from .service.blas import preload_blas
+
+    if no_backend := missing_backend():
+        raise StartError(no_backend)
 
     if config.host not in LOOPBACK:
         log.warning("listening on %s, not loopback: anyone who can reach this address and holds the "

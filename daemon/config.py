@@ -48,7 +48,7 @@ class Config:
     max_tokens: int = 512
     temperature: float = 0.2  # config.toml says why
     top_p: float = 0.9
-    prefill_step_size: int = 512
+    prefill_step_size: int = 0  # 0: the device's (daemon/device.py: 512 on the CPU, 2048 on a GPU)
     prefill_slice: float = 0.5
     # Decode: "auto" speculates (prompt-lookup drafts, verified exactly) where it pays; "off" never
     speculate: str = "auto"
@@ -235,7 +235,7 @@ _CHECKS: dict[str, Check] = {
     "port": _integer(0, "must be 0-65535 (0 picks a free port)", high=65535),
     "allowed_origins": _strings,
     "allowed_hosts": _strings,
-    "prefill_step_size": _integer(),
+    "prefill_step_size": _integer(0, "must be >= 0 (0: the device's own, 512 on the CPU, 2048 on a GPU)"),
     "prefill_slice": _positive_number,
     "speculate": _kind(str, '"auto" or "off"', ok=lambda v: v in ("auto", "off")),
     "resident_bytes": _TIER,

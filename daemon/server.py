@@ -191,5 +191,5 @@ class Daemon:
                 "waiting": stats.get("waiting", 0), "answering": stats.get("answering", {}),
                 "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
                 "locations": stats.get("locations", {}),
-                "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas,
+                "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
                 "ranks": stats.get("ranks", {"world_size": 1})}

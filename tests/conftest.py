@@ -47,7 +47,7 @@ def anyio_backend() -> str:
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
         "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_direct", "test_durable",
-        "test_cli", "test_complexity", "test_lockstep",
+        "test_cli", "test_complexity", "test_device", "test_lockstep",
         "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
         "test_segment_compat", "test_segments", "test_shapes", "test_snapshot", "test_store", "test_store_tiers",
         "test_table", "test_tui_render", "test_wire", "test_writeback_plan",
@@ -65,7 +65,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
         "test_distributed", "test_hostile_http", "test_index_rebuild", "test_kill9", "test_kvchat_daily_tmux",
         "test_kvchat_tmux", "test_docs_run",
-        "test_missing_blocks", "test_model_places", "test_openai", "test_realmodel", "test_restart",
+        "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_integrity",
         "test_hostile_stores", "test_hostile_schemas",
     }),

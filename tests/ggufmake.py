@@ -84,12 +84,43 @@ def original_weights(seed: int = 0, *, hidden: int = HIDDEN, ffn: int = FFN) -> 
     return w
 
 
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Rows of float32 (a multiple of 256 wide) as Q4_K blocks: llama.cpp's layout, a plain rounding.
+
+    Each 256-value block: float16 d and dmin, twelve bytes of 6-bit sub-block scales and mins
+    (eight sub-blocks of 32), then 128 bytes of 4-bit codes; value = d * sc * q - dmin * m.
+    """
+    rows, cols = x.shape
+    b = x.reshape(-1, 8, 32).astype(np.float32)  # (blocks, sub-blocks, values)
+    lo = np.minimum(b.min(axis=2), 0)  # a sub-block's min, as -m * dmin (m >= 0)
+    scale = (b.max(axis=2) - lo) / 15
+    d = (scale.max(axis=1) / 63).astype(np.float16)
+    dmin = (-lo.min(axis=1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[:, :, None]
+    q = np.clip(np.round(np.divide(b + (dminf * mn)[:, :, None], step, out=np.zeros_like(b), where=step > 0)),
+                0, 15).astype(np.uint8)
+    scales = np.zeros((b.shape[0], 12), np.uint8)
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+# K-quants this module encodes from floats (gguf-py decodes them but cannot encode them).
+ENCODERS = {"Q4_K": quantize_q4_k}
+
+
 def write_llama(path: Path, encoding: str, *, arch: str = "llama", seed: int = 0, hidden: int = HIDDEN,
                 ffn: int = FFN) -> Path:
     """A llama GGUF file whose 2-D weights are all in `encoding` (norms stay F32).
 
     Encodings gguf-py cannot quantize (the K-quants, the IQ types) get random
-    blocks of the right size: the test compares kvd's reading of them with
+    blocks of the right size, except Q4_K, encoded here (quantize_q4_k): the test compares kvd's reading of them with
     gguf-py's own, whatever the values. K-quants need rows of 256: hidden=256.
     """
     qtype = GGMLQuantizationType[encoding]
@@ -127,6 +158,8 @@ def write_llama(path: Path, encoding: str, *, arch: str = "llama", seed: int = 0
             w.add_tensor(name, value.astype(np.float16))
         elif encoding in QUANTIZABLE:
             w.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
+        elif encoding in ENCODERS:
+            w.add_tensor(name, ENCODERS[encoding](value), raw_dtype=qtype)
         else:
             block, size = GGML_QUANT_SIZES[qtype]
             rows, cols = value.shape

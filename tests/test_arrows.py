@@ -13,7 +13,10 @@ migration runner, ids, limits, tier names), stdlib-only.
 
 Inside daemon/ the subpackages form a stack whose arrows all point down:
 
-    cli > server > doors > turns > prompt > service > engine > models > config
+    cli > server > doors > turns > prompt > service > engine > models > device > config
+
+(device.py decides every choice that depends on the device MLX runs on: the
+engine, the model conversion and the BLAS probe below the service all ask it.)
 
 Read from the source with `ast`, not from `sys.modules` after an import, so
 an import inside a function, under `if TYPE_CHECKING:` or behind a branch
@@ -40,7 +43,8 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 PACKAGES = frozenset(ALLOWED)
 # daemon/'s stack, top to bottom: a module may import only from its own unit or one below it.
-DAEMON_LAYERS = ("cli", "server", "doors", "turns", "prompt", "service", "engine", "models", "config")
+DAEMON_LAYERS = ("cli", "server", "doors", "turns", "prompt", "service", "engine", "models", "device",
+                 "config")
 
 
 def imported(tree: ast.AST, module: str) -> Iterator[tuple[int, str]]:

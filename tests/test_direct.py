@@ -158,3 +158,30 @@ def test_an_index_from_before_xxh3_still_reads(model: Any, tmp_path: Path) -> No
     got = read_direct(old, fingerprint="fp")
     assert got is not None and got.bad is None and got.tokens == len(toks)
     caches.close()
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """builtin:tiny in bfloat16, as a GPU runs a bf16 checkpoint (daemon/device.py)."""
+    from mlx_lm.utils import load
+
+    from daemon.models.builtin import ensure_builtin
+
+    model = load(str(ensure_builtin("builtin:tiny", tmp_path_factory.mktemp("bf16"))))[0]
+    model.set_dtype(mx.bfloat16)
+    return model
+
+
+def test_bfloat16_takes_the_direct_path_exactly(bf16_model: Any, tmp_path: Path) -> None:
+    caches, toks = written(bf16_model, tmp_path)
+    rows = caches.index.chain(KEY)
+    got = read_direct(pieces(caches), fingerprint="fp", room=3)
+    assert got is not None and got.bad is None and got.tokens == len(toks) and got.cache is not None
+    general = restore(merge(*(read_segment(r.path, checksum=r.checksum, fingerprint="fp") for r in rows)))
+    for d, g in zip(got.cache, general, strict=True):
+        assert d.keys is not None and d.keys.dtype == mx.bfloat16
+        for a, b in zip(d.state[:2], g.state[:2], strict=True):
+            assert mx.array_equal(a[..., :len(toks), :], b[..., :len(toks), :]).item()
+    nxt = [140, 141, 142]
+    assert greedy(bf16_model, got.cache, nxt) == greedy(bf16_model, make_prompt_cache(bf16_model), toks + nxt)
+    caches.close()

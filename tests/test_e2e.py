@@ -175,3 +175,4 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
     render_status(status, console)
     shown = console.file.getvalue()  # type: ignore[attr-defined]
     assert f"session {sid}: answering, {turn['generated']} token(s) so far after a " in shown
+    assert "\ndevice: cpu, float32 weights, kvd attention\n" in shown  # the device it runs on (daemon/device.py)

@@ -237,5 +237,9 @@ def test_the_model_is_warmed_up_before_ready(tmp_path: Path) -> None:
         assert e.load_error is None
         assert e.warm_up_ms is not None and e.warm_up_ms > 0
         assert e.stats["warm_up_ms"] == e.warm_up_ms  # published with the first statistics
+        # The device line (daemon/device.py), for the start line and `kvd status`; on this CPU the
+        # choices kvd always made there, and the config's 0 chunk resolved to the CPU's 512.
+        assert e.stats["device"] == "device: cpu, float32 weights, kvd attention"
+        assert e.config.prefill_step_size == 512 and e.config.speculate == "auto"
     finally:
         e.stop()

@@ -33,25 +33,24 @@ names (calls `mx.fast.scaled_dot_product_attention` itself, renames the
 function), `tests/test_attention_model.py` fails: it counts the calls one
 forward of the real default model makes through the hook. (mlx-lm 0.32's
 deepseek_v41, muse_spark and plamo2 call `mx.fast` directly and keep MLX's
-attention.) On Metal nothing is installed: MLX's fused kernel is the fast path
-there.
+attention.) On a GPU (Metal or CUDA) nothing is installed: MLX's fused kernel is the
+fast path there (daemon/device.py decides).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 
+from ..device import ATTENTION_ENV as ENV_VAR
 from . import vexp
 from .vexp import LOW, exp_parts
 
 __all__ = ["ENV_VAR", "attention", "install", "installed", "softmax", "uninstall"]
 
-ENV_VAR = "KVD_ATTENTION"  # "mlx": keep MLX's own attention on the CPU too
 
 _LOWEST = float(mx.finfo(mx.float32).min)
 
@@ -240,25 +239,30 @@ def _rebind(name: str, old: object, new: object) -> None:
             setattr(module, name, new)
 
 
-def install() -> bool:
-    """Use kvd's attention and swiglu in every mlx-lm model, on the CPU backend only; whether they
-    are in use.
+def install(wanted: bool | None = None) -> bool:
+    """Use kvd's attention and swiglu in every mlx-lm model where the device policy says so
+    (daemon/device.py: the CPU backend only); whether they are in use.
 
     mlx-lm's model modules bind both names at import (`from .base import
     scaled_dot_product_attention`, `from .activations import swiglu`), so each
     is rebound in its defining module and in every imported `mlx_lm.models.*`
     module holding the original; modules imported later take it from the
     defining module. Call after `mlx_lm.utils.load`. Idempotent.
-    `KVD_ATTENTION=mlx` in the environment keeps MLX's own (a benchmark's A/B,
-    a suspected bug).
+    `wanted`: the decision, None to ask this process's device policy (where
+    `KVD_ATTENTION=mlx` in the environment keeps MLX's own on the CPU too: a
+    benchmark's A/B, a suspected bug).
     """
-    if mx.metal.is_available() or os.environ.get(ENV_VAR, "").lower() == "mlx":
+    if wanted is None:
+        from ..device import current
+
+        wanted = current().kvd_attention
+    if not wanted:
         return False
     for module, name, ours in _hooks():
-        current = getattr(module, name)
-        if current is not ours:
-            _originals[name] = current
-            _rebind(name, current, ours)
+        current_fn = getattr(module, name)
+        if current_fn is not ours:
+            _originals[name] = current_fn
+            _rebind(name, current_fn, ours)
     return True
 
 

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ..device import SpeculationLimits
 
 MIN_NGRAM = 3  # a repeated pair ("of the") predicts too little: in open chat such drafts were mostly refused
 MAX_NGRAM = 4
@@ -142,12 +145,22 @@ class DraftBudget:
 
     k: int = START_K
     max_k: int = MAX_K
+    min_rate: float = MIN_RATE
+    pause_steps: int = PAUSE_STEPS
     drafted: int = 0  # over the whole turn: the wire's drafted_tokens
     accepted: int = 0  # the wire's accepted_tokens
     _window_drafted: int = 0
     _window_accepted: int = 0
     _paused: int = 0  # decode steps left without drafting
-    _pause_len: int = PAUSE_STEPS
+    _pause_len: int = 0  # the next pause's length: pause_steps, doubling while drafts keep failing
+
+    def __post_init__(self) -> None:
+        self._pause_len = self._pause_len or self.pause_steps
+
+    @classmethod
+    def within(cls, limits: SpeculationLimits) -> DraftBudget:
+        """A budget on the device's limits (daemon/device.py; the CPU's are this module's constants)."""
+        return cls(k=limits.start_k, max_k=limits.max_k, min_rate=limits.min_rate, pause_steps=limits.pause_steps)
 
     def wanted(self) -> int:
         """Tokens to draft this step (0: decode plainly); counts a paused step down."""
@@ -171,11 +184,11 @@ class DraftBudget:
         if accepted == 0:
             self._paused = max(self._paused, MISS_PAUSE)
         if self._window_drafted >= WINDOW:
-            if self._window_accepted < MIN_RATE * self._window_drafted:
+            if self._window_accepted < self.min_rate * self._window_drafted:
                 self._paused = self._pause_len
                 self._pause_len *= 2
             else:
-                self._pause_len = PAUSE_STEPS
+                self._pause_len = self.pause_steps
             self._window_drafted = self._window_accepted = 0
 
 

@@ -31,11 +31,18 @@ class Prefill:
     ids fed)` is called at each one the prompt goes past (a cache with a
     sliding window, whose state at a block's end can only be taken there:
     cachestore's `SessionCaches.boundary` and `capture`).
+
+    `clear_cache`: return MLX's cached buffers after each chunk, as the CPU
+    has always done (a 2-core machine's RAM is the tight resource); on CUDA
+    that hands the allocator's buffers back only for the next chunk to
+    allocate them again, so a GPU keeps them. None: the device policy's
+    (daemon/device.py).
     """
 
     def __init__(self, model: Any, cache: list[Any], tokens: Sequence[int], fed: int, *, step: int,
                  boundary: int | None = None,
-                 at_boundary: Callable[[list[Any], Sequence[int]], None] | None = None):
+                 at_boundary: Callable[[list[Any], Sequence[int]], None] | None = None,
+                 clear_cache: bool | None = None):
         if not 0 <= fed < len(tokens):
             raise ValueError(f"a prefill needs at least one token to feed ({fed} of {len(tokens)} fed)")
         if step < 1:
@@ -47,6 +54,11 @@ class Prefill:
         self.step = step
         self.boundary = boundary
         self.at_boundary = at_boundary
+        if clear_cache is None:
+            from ..device import current
+
+            clear_cache = current().prefill_clear_cache
+        self.clear_cache = clear_cache
 
     @property
     def remaining(self) -> int:
@@ -67,7 +79,8 @@ class Prefill:
             mx.eval([c.state for c in self.cache])
             if self.boundary and self.at_boundary and self.fed % self.boundary == 0:
                 self.at_boundary(self.cache, self.tokens[:self.fed])
-            mx.clear_cache()
+            if self.clear_cache:
+                mx.clear_cache()
             return None
         last: mx.array = logits[:, -1, :]
         return last - mx.logsumexp(last, axis=-1, keepdims=True)

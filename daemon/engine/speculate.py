@@ -40,13 +40,22 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, dynamic_roll
 
+from ..device import SpeculationLimits
 from .draft import DraftBudget, Drafter, PromptLookup
 from .quantized import BatchQuantizedKVCache, KvdQuantizedKVCache
 from .verify import Target, verify
 
 # Positions (batch rows x (1 + K)) one forward may hold before its compute starts to show
-# beside the weight reads on the CPU backend: measured in bench/speculate.py.
+# beside the weight reads on the CPU backend: measured in bench/speculate.py. Each device's
+# budget is its policy's (daemon/device.py); this is the CPU's.
 POSITION_BUDGET = 12
+
+
+def _limits() -> SpeculationLimits:
+    """This device's speculation limits (daemon/device.py)."""
+    from ..device import current
+
+    return current().speculation
 
 
 @dataclass
@@ -55,7 +64,7 @@ class Speculation:
 
     target: Target
     drafter: Drafter = field(default_factory=PromptLookup)
-    budget: DraftBudget = field(default_factory=DraftBudget)
+    budget: DraftBudget = field(default_factory=lambda: DraftBudget.within(_limits()))
     steps: int = 0  # speculative steps this sequence took part in with a draft
     k_sum: int = 0  # the drafts' lengths summed: the mean k
 
@@ -94,7 +103,7 @@ def width(rows: int, wanted: int) -> int:
     """The draft length K the batch's forward may carry: every row pays for the padding."""
     if rows <= 0 or wanted <= 0:
         return 0
-    return max(0, min(wanted, POSITION_BUDGET // rows - 1)) if rows > 1 else wanted
+    return max(0, min(wanted, _limits().position_budget // rows - 1)) if rows > 1 else wanted
 
 
 def step(generator: Any, rows: Mapping[int, Speculation]) -> list[Any] | None:

@@ -73,6 +73,7 @@ class Engine(TurnSteps):
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
+        self.device: str | None = None  # the device line (daemon/device.py), once loaded
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
 
     # --- called from other threads ---
@@ -118,28 +119,34 @@ class Engine(TurnSteps):
 
         c = self.config
         loaded = load_model(c.model, self.model_dir or prepare_model(c.model, c.models_dir))
+        c = self.config = self._on_device(c)
         if self.lockstep is not None:
             from .shard import shard
 
             shard(c.model, loaded, self.lockstep.group)
         kv_bits = c.kv_bits or None
+        resident, warm = self._tier_budgets(c)
         self.caches = SessionCaches(
             c.cache_dir,
             model_fingerprint(model_id=c.model, config=loaded.config, dtype=loaded.dtype, kv_bits=kv_bits,
                               fresh_cache=make_cache(loaded.model, kv_bits), rank=c.rank,
                               world_size=c.world_size),
-            Budgets(resident_bytes=c.resident_bytes, warm_bytes=c.warm_bytes,
+            Budgets(resident_bytes=resident, warm_bytes=warm,
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
                     resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
                     block_tokens=c.block_tokens),
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
+        self.device = loaded.device
         self._new_generator()
         if self.lockstep is not None:
             self.lockstep.stream = self.generator.stream
             self.lockstep.open_doorbell()
-        self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits))
+        from ..device import current
+
+        self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits),
+                                  current().warm_up_tokens)
         if self.lockstep is not None:
             import random
 
@@ -147,6 +154,27 @@ class Engine(TurnSteps):
 
             # Every rank samples the same tokens from the same logits: the same seed, the same draws.
             mx.random.seed(self.lockstep.share(random.getrandbits(31)))
+
+    def _on_device(self, c: Config) -> Config:
+        """The config with what it leaves to the device decided (daemon/device.py)."""
+        from ..device import configured, current
+
+        c = configured(c, current())
+        self._turns.prefill_step = c.prefill_step_size
+        return c
+
+    def _tier_budgets(self, c: Config) -> tuple[int, int]:
+        """The resident and warm budgets, within the device's memory (a GPU's: never past what it has free)."""
+        import mlx.core as mx
+
+        from ..device import current
+
+        resident, warm = current().budgets(c.resident_bytes, c.warm_bytes, in_use=mx.get_active_memory())
+        if (resident, warm) != (c.resident_bytes, c.warm_bytes):
+            log.warning("cache budgets cut to what %s has room for: resident %d bytes, warm %d bytes "
+                        "(configured %d and %d)", current().device.label(), resident, warm,
+                        c.resident_bytes, c.warm_bytes)
+        return resident, warm
 
     def open(self) -> None:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
@@ -289,7 +317,7 @@ class Engine(TurnSteps):
         self.stats = {"generating": s.running, "waiting": s.waiting,
                       "answering": {sid: asdict(turn) for sid, turn in s.turns.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
-                      "warm_up_ms": self.warm_up_ms}
+                      "warm_up_ms": self.warm_up_ms, "device": self.device}
         if (ls := self.lockstep) is not None:  # the control channel's traffic, from this rank's side
             self.stats["ranks"] = {"world_size": ls.size, "messages": ls.messages, "bytes": ls.bytes}
 

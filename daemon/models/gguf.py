@@ -11,8 +11,16 @@ On the CPU ("float32" mode) every tensor is read and dequantized by gguf-py,
 the GGML project's own reader (`gguf.quants.dequantize`), so every encoding
 it knows converts: F32, F16, BF16, Q4_0 to Q8_0, the K-quants (Q2_K to
 Q6_K, what Ollama's default tags and most GGUF repositories ship) and the IQ
-types. With Metal ("quantized" mode) MLX's own GGUF reader keeps F32, F16,
-Q4_0, Q4_1 and Q8_0 tensors quantized as MLX affine triples.
+types. On a GPU, Metal or CUDA ("quantized" mode, daemon/device.py), the
+weights stay quantized in a format MLX runs natively: a file of F32, F16,
+Q4_0, Q4_1 and Q8_0 tensors only goes through MLX's own GGUF reader, which
+keeps each quantized tensor's codes as MLX affine triples (exactly the
+file's values); any other file is read by gguf-py as on the CPU and each
+quantized tensor stays quantized, never float32: Q4_K's codes are taken
+over exactly (q4_k_triples), any other type is requantized with
+`mx.quantize` (group size 32, REQUANT_BITS). A Q4_K_M file then stays ~5
+bits a weight instead of growing ~7x. The requantized answers are checked
+against the float32 conversion in tests/test_gguf.py.
 
 Measured facts this rests on:
 
@@ -27,7 +35,7 @@ Measured facts this rests on:
   and biases alike. What else each architecture needs undone is ggufarch.py.
 - On the CPU backend quantized matmuls are much slower than float32 ones
   with OpenBLAS interposed, so there weights are dequantized to float32
-  (``mode="float32"``); where Metal is available they stay quantized
+  (``mode="float32"``); on a GPU they stay quantized
   (``mode="quantized"``), with a per-layer bits entry in config.json.
 """
 
@@ -41,7 +49,7 @@ from typing import Any
 from common import durable
 
 from .ggufarch import ARCHITECTURES, LLAMA3_ROPE, Arch, llama3_factors
-from .ggufinfo import TYPE_NAMES, GGMLType, GGUFInfo
+from .ggufinfo import GGMLType, GGUFInfo
 
 __all__ = ["CONVERTER_VERSION", "MODES", "UnsupportedGGUF", "check_supported", "convert"]
 
@@ -52,8 +60,14 @@ GROUP_SIZE = 32
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 TOKENIZERS = ("gpt2", "llama")  # byte-level BPE (gguftok.py); SentencePiece (ggufspm.py)
-# What MLX's GGUF reader loads (the "quantized" mode's path).
+# What MLX's GGUF reader loads (the "quantized" mode's exact path).
 MLX_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0)
+FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
+# "quantized" mode, a file MLX's reader cannot load: Q4_K (the bulk of a Q4_K_M file) is taken over
+# exactly (its sub-blocks are MLX's affine groups of 32: q4_k_triples); every other quantized type
+# is requantized by mx.quantize to 8 bits, whose 256 levels a group add almost nothing to the file's
+# own rounding (at 5 or 6 bits the second rounding changed tiny models' greedy answers at once).
+REQUANT_BITS = 8
 
 
 def dequantizable() -> frozenset[int]:
@@ -69,8 +83,6 @@ class UnsupportedGGUF(Exception):
 
 
 def _supported_types(mode: str) -> str:
-    if mode == "quantized":
-        return ", ".join(TYPE_NAMES[t] for t in MLX_TYPES)
     from gguf import GGMLQuantizationType
 
     return ", ".join(GGMLQuantizationType(t).name for t in sorted(dequantizable()))
@@ -84,7 +96,7 @@ def check_supported(info: GGUFInfo, path: Path, mode: str = "float32") -> None:
                               f"architecture {', '.join(SUPPORTED_ARCHITECTURES)} only")
     table = ARCHITECTURES[arch]
     for t in info.tensors:
-        if t.type not in (MLX_TYPES if mode == "quantized" else dequantizable()):
+        if t.type not in dequantizable():  # both modes: gguf-py reads what MLX's reader does not
             raise UnsupportedGGUF(f"{path.name}: tensor {t.name} is encoded as {t.type_name}; kvd "
                                   f"converts GGUF tensors in {_supported_types(mode)} only")
         if t.name.startswith("rope_factors"):
@@ -227,6 +239,10 @@ def read_weights(path: Path, mode: str, on_tensor: Callable[[], None] | None = N
 
     if mode == "float32":
         return _read_dequantized(path, on_tensor)
+    from .ggufinfo import read_info
+
+    if any(t.type not in MLX_TYPES for t in read_info(path).tensors):
+        return _read_dequantized(path, on_tensor, requantize=True)
     loaded: Any = mx.load(str(path), return_metadata=True)
     raw: dict[str, Any] = loaded[0]
     meta: dict[str, Any] = loaded[1]
@@ -281,18 +297,24 @@ def metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
-def _read_dequantized(path: Path, on_tensor: Callable[[], None] | None
+def _read_dequantized(path: Path, on_tensor: Callable[[], None] | None, *, requantize: bool = False
                       ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Every tensor through gguf-py: dequantized to float32 by the library, un-permuted, renamed."""
+    """Every tensor through gguf-py: dequantized to float32 by the library, un-permuted, renamed.
+
+    `requantize` ("quantized" mode, a file MLX's reader cannot load): each quantized 2-D tensor
+    is quantized again by MLX (REQUANT_BITS, float16 scales and biases as MLX's reader gives),
+    each float one kept in its own dtype.
+    """
     import mlx.core as mx
     import numpy as np
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     meta = metadata(reader)
     table = ARCHITECTURES[str(meta["general.architecture"])]
     weights: dict[str, Any] = {}
+    quant: dict[str, Any] = {}
     for t in reader.tensors:
         w = mx.array(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
         if t.name == ROPE_FREQS:
@@ -301,11 +323,72 @@ def _read_dequantized(path: Path, on_tensor: Callable[[], None] | None
         name = table.mlx_name(t.name)
         assert name is not None  # check_supported refused the file otherwise
         rows_heads = _permuted_heads(table, meta, t.name.rpartition(".")[0])
+        if requantize and t.tensor_type == GGMLQuantizationType.Q4_K and len(t.shape) == 2:
+            # Q4_K's sub-blocks are affine groups of 32 already: taken over exactly, not requantized.
+            module = name.rpartition(".")[0]
+            triple = [mx.array(a) for a in q4_k_triples(np.asarray(t.data))]
+            if rows_heads:
+                triple = [unpermute(a, rows_heads) for a in triple]
+            weights[name], weights[f"{module}.scales"], weights[f"{module}.biases"] = triple
+            quant[module] = {"group_size": GROUP_SIZE, "bits": 4}
+            mx.eval(*triple)
+            if on_tensor is not None:
+                on_tensor()
+            continue
         weights[name] = _unshift(table, t.name, unpermute(w, rows_heads) if rows_heads else w)
-        mx.eval(weights[name])
+        if requantize:
+            _requantize(weights, quant, name, int(t.tensor_type))
+        mx.eval(*(v for k, v in weights.items() if k.startswith(name.rpartition(".")[0])))
         if on_tensor is not None:
             on_tensor()
-    return weights, {}, meta
+    return weights, quant, meta
+
+
+def q4_k_triples(data: Any) -> tuple[Any, Any, Any]:
+    """A Q4_K tensor's raw blocks (rows, blocks x 144 bytes) as MLX's 4-bit affine triples, group 32.
+
+    A 256-value Q4_K block holds float16 `d` and `dmin`, eight 6-bit sub-block scales `sc` and
+    mins `m` packed in 12 bytes, and 128 bytes of 4-bit codes `q` (low nibbles: sub-block 2j,
+    high: 2j+1); a value is d*sc*q - dmin*m (llama.cpp's dequantize_row_q4_K). Each sub-block is
+    an MLX group: the same codes, scale d*sc, bias -dmin*m (rounded to float16, as MLX's own GGUF
+    reader gives Q4_0's). Returns (uint32 codes, 8 a word, the first in the low bits; scales; biases).
+    """
+    import numpy as np
+
+    rows = data.shape[0]
+    b = np.ascontiguousarray(data).reshape(-1, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    s = b[:, 4:16]
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    qs = b[:, 16:144].reshape(-1, 4, 32)
+    q = np.empty((b.shape[0], 8, 32), np.uint32)
+    q[:, 0::2] = qs & 0xF
+    q[:, 1::2] = qs >> 4
+    packed = (q.reshape(-1, 8) << (4 * np.arange(8, dtype=np.uint32))).sum(axis=1, dtype=np.uint32)
+    scales = (d * sc).astype(np.float16)
+    biases = (-(dmin * mn)).astype(np.float16)
+    return packed.reshape(rows, -1), scales.reshape(rows, -1), biases.reshape(rows, -1)
+
+
+def _requantize(weights: dict[str, Any], quant: dict[str, Any], name: str, ggml_type: int) -> None:
+    """`weights[name]` (float32, as gguf-py read it) back in the file's kind of encoding, MLX's way."""
+    import mlx.core as mx
+
+    w = weights[name]
+    if ggml_type in FLOAT_TYPES:
+        weights[name] = w.astype({GGMLType.F16: mx.float16, GGMLType.BF16: mx.bfloat16}.get(ggml_type, mx.float32))
+        return
+    module, _, part = name.rpartition(".")
+    if part != "weight" or w.ndim != 2 or w.shape[-1] % GROUP_SIZE:
+        return  # a vector or an odd width: MLX quantizes rows of whole groups only; it stays float32
+    bits = REQUANT_BITS
+    packed, scales, biases = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
+    weights[name] = packed
+    weights[f"{module}.scales"] = scales.astype(mx.float16)
+    weights[f"{module}.biases"] = biases.astype(mx.float16)
+    quant[module] = {"group_size": GROUP_SIZE, "bits": bits}
 
 
 def _permuted_heads(table: Arch, meta: dict[str, Any], base: str) -> int:

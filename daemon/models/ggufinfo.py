@@ -42,6 +42,7 @@ class GGMLType:
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
+    BF16 = 30
 
 
 #: ggml's names for its tensor types, so a refusal can name what it found.

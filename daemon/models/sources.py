@@ -148,9 +148,10 @@ def _checked_dir(path: Path) -> Path:
 
 
 def default_mode() -> str:
-    import mlx.core as mx
+    """How this device converts a GGUF file (daemon/device.py): quantized on a GPU, float32 on the CPU."""
+    from ..device import current
 
-    return "quantized" if mx.metal.is_available() else "float32"
+    return current().gguf_mode
 
 
 def _converted(source: Path, models_dir: Path, mode: str | None, progress: Progress,

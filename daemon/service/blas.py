@@ -312,12 +312,15 @@ def _set_threads(lib: Any, wanted: int) -> int | None:
     return int(getter()) if getter is not None else wanted
 
 
-def preload_blas(mode: str = "auto", *, threads: int = 0, cache: Path | None = None) -> BlasResult:
+def preload_blas(mode: str = "auto", *, threads: int = 0, cache: Path | None = None,
+                 backend: str | None = None) -> BlasResult:
     """Choose and load a BLAS for MLX (before mlx.core is imported); never raises, never crashes.
 
     `mode` is the config's `blas`: "auto", "off" or a library's path.
     `threads` 0 means the CPUs this process may use. `cache` defaults to
-    :func:`default_cache`. Idempotent once a library is loaded.
+    :func:`default_cache`. Idempotent once a library is loaded. `backend`: the
+    device kind MLX will compute on (default: read from the installed packages,
+    daemon/device.py); only the CPU's is probed, a GPU's matmuls never reach a BLAS.
     """
     global _result
     if _result is not None:
@@ -325,6 +328,11 @@ def preload_blas(mode: str = "auto", *, threads: int = 0, cache: Path | None = N
     if not sys.platform.startswith("linux"):
         why = "macOS uses Accelerate and Metal" if sys.platform == "darwin" else f"nothing to do on {sys.platform}"
         return BlasResult(False, None, f"BLAS: not interposed ({why})")
+    from ..device import Device, installed_backend, policy
+
+    backend = backend or installed_backend() or "cpu"
+    if not policy(Device(backend, backend)).probe_blas:
+        return BlasResult(False, None, f"BLAS: not interposed (MLX computes on the {backend} GPU)")
     if mode == "off":
         return BlasResult(False, None, 'BLAS: reference (disabled by blas = "off")')
     if os.environ.get(ENV_VAR, "").strip().lower() == "off":

@@ -72,6 +72,8 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
         else:
             doing = f"answering, {turn['generated']} token(s) so far after a {turn['prompt_tokens']}-token prompt"
         console.print(f"  session {sid}: {doing}", soft_wrap=True)
+    if device := status.get("device"):
+        console.print(device, soft_wrap=True)
     if blas := status.get("blas"):
         console.print(blas, soft_wrap=True)
     if (ranks := status.get("ranks") or {}).get("world_size", 1) > 1:

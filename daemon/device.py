@@ -1,0 +1,243 @@
+"""Every choice that depends on the device MLX runs on, decided in one place from its description.
+
+kvd was tuned on a 2-core CPU, where one forward costs hundreds of
+milliseconds and float32 matmuls through an interposed OpenBLAS are ~20x
+faster than bf16 ones. None of that holds on a GPU: there the checkpoint's
+own dtype, MLX's fused attention and big prefill chunks are fastest, and
+"not Metal" is not "CPU" (MLX's CUDA backend runs the same models on
+NVIDIA). So the engine never asks MLX which device it has; it asks
+:func:`policy` what to do on a :class:`Device`, and :func:`describe` is the
+one place that reads MLX's device. Each decision is a pure function of the
+description, so the unit tier checks the CPU, Metal and CUDA branches on
+any machine (tests/test_device.py).
+
+The CPU branch is exactly what kvd did before this module: float32 weights,
+kvd's attention, GGUF files dequantized to float32, the BLAS probed,
+512-token prefill chunks with the allocator's cache cleared after each, and
+the speculation limits measured in bench/speculate.py.
+
+Two questions are answered *before* MLX is imported, because the BLAS must
+be interposed first (service/blas.py): which backend the installed MLX has
+(:func:`installed_backend`, from package metadata) and whether a Linux
+install has none at all (:func:`missing_backend`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config
+
+__all__ = ["ATTENTION_ENV", "KINDS", "Device", "Policy", "SpeculationLimits", "configured", "current", "describe",
+           "installed_backend", "missing_backend", "policy"]
+
+KINDS = ("cpu", "metal", "cuda")
+#: `KVD_ATTENTION=mlx` keeps MLX's own attention on the CPU too (a benchmark's A/B, a suspected bug).
+ATTENTION_ENV = "KVD_ATTENTION"
+#: `KVD_SPECULATE=on` drafts on a device whose policy keeps speculation off (a benchmark's A/B).
+SPECULATE_ENV = "KVD_SPECULATE"
+# The share of a GPU's free memory (after the weights) the cache tiers may hold; the rest is the
+# prefill's activations and the allocator's slack. MLX's CUDA allocator uses managed memory, and
+# oversubscribing it can hang the GPU, so on CUDA this is a hard ceiling on any configured budget.
+GPU_CACHE_SHARE = 0.6
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Device:
+    """What MLX runs on: its kind, its name, its memory (bytes; None where MLX does not say)."""
+
+    kind: str  # "cpu" | "metal" | "cuda"
+    name: str
+    memory_total: int | None = None
+    memory_free: int | None = None  # CUDA: free when described; Metal: the recommended working set
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"device kind must be one of {KINDS}, not {self.kind!r}")
+
+    @property
+    def gpu(self) -> bool:
+        return self.kind != "cpu"
+
+    def label(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"{self.name} ({self.kind})"
+
+
+@dataclass(frozen=True)
+class SpeculationLimits:
+    """How prompt-lookup speculation sizes its drafts on a device (engine/draft.py, speculate.py)."""
+
+    auto: bool  # whether `speculate = "auto"` drafts at all on this device
+    start_k: int
+    max_k: int
+    min_rate: float  # below this acceptance over a window, drafting pauses
+    pause_steps: int  # the first pause's length in decode steps (doubles while drafts keep failing)
+    position_budget: int  # batch rows x (1 + k) one verifying forward may hold
+
+
+# Measured on the loaded 2-core CPU (draft.py, bench/speculate.py): a 9-token forward cost 1.7x a
+# 1-token one, 5 tokens 1.13x; 12 positions before a forward's compute shows beside its weight reads.
+CPU_SPECULATION = SpeculationLimits(auto=True, start_k=2, max_k=6, min_rate=0.3, pause_steps=16,
+                                    position_budget=12)
+# On a GPU verifying k tokens costs about one decode step, so when drafting runs it may draft longer
+# and batch wider; but on an H200 (MLX 0.32.4) kvd's speculating decode loop ran 6-8x slower than
+# plain decoding on the 1B shape (issue 33), so "auto" does not draft on a GPU until bench/gpu.py
+# shows it pays there (KVD_SPECULATE=on measures it). A failed draft pauses longer than on the CPU.
+GPU_SPECULATION = SpeculationLimits(auto=False, start_k=4, max_k=8, min_rate=0.5, pause_steps=64,
+                                    position_budget=64)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What kvd does on one device; :func:`policy` makes it."""
+
+    device: Device
+    # Weights
+    weights_dtype: str | None  # cast the model to this; None keeps the checkpoint's own dtype
+    kvd_attention: bool  # kvd's softmax attention and swiglu (engine/attention.py) instead of MLX's fused ones
+    gguf_mode: str  # daemon/models/gguf.py: "float32" (dequantized) or "quantized" (MLX-native formats)
+    probe_blas: bool  # interpose and probe an OpenBLAS under MLX (service/blas.py)
+    # Prefill
+    prefill_step: int  # tokens per prefill chunk when the config leaves it to the device (0)
+    prefill_clear_cache: bool  # return the allocator's buffers after every chunk
+    warm_up_tokens: tuple[int, ...]  # the prefills run before `ready` (engine/modelload.py's warm_up)
+    # Decode
+    speculation: SpeculationLimits
+
+    def attention_name(self) -> str:
+        return "kvd attention" if self.kvd_attention else "MLX attention"
+
+    def line(self, dtype: str) -> str:
+        """The start line's and `kvd status`'s word on the device: what runs where."""
+        short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+        return f"device: {self.device.label()}, {short} weights, {self.attention_name()}"
+
+    def budgets(self, resident: int, warm: int, in_use: int) -> tuple[int, int]:
+        """The resident and warm tiers' byte budgets on this device, from the configured ones.
+
+        The CPU's are the configured ones: host memory, which the operating system can page.
+        On a GPU both tiers are MLX arrays in the device's memory (docs/caches.md), so together
+        they get at most GPU_CACHE_SHARE of what was free less `in_use` (the weights, loaded since
+        the device was described), shared in the configured proportion. On Metal "free" is the
+        recommended working set; on CUDA it is what the GPU had free.
+        """
+        free = self.device.memory_free
+        if not self.device.gpu or free is None:
+            return resident, warm
+        room = max(0, int((free - in_use) * GPU_CACHE_SHARE))
+        if resident + warm <= room:
+            return resident, warm
+        share = resident / (resident + warm)
+        return int(room * share), room - int(room * share)
+
+
+def policy(device: Device, *, env: dict[str, str] | None = None) -> Policy:
+    """The policy for `device`. `env`: the environment's overrides (default os.environ).
+
+    `KVD_ATTENTION=mlx` keeps MLX's attention on the CPU (a benchmark's A/B, a suspected bug);
+    `KVD_SPECULATE=on` lets "auto" draft on a device that would not.
+    """
+    env = dict(os.environ) if env is None else env
+    speculation = CPU_SPECULATION if device.kind == "cpu" else GPU_SPECULATION
+    if env.get(SPECULATE_ENV, "").lower() == "on" and not speculation.auto:
+        speculation = SpeculationLimits(**{**speculation.__dict__, "auto": True})
+    if device.kind == "cpu":
+        return Policy(device, weights_dtype="float32",
+                      kvd_attention=env.get(ATTENTION_ENV, "").lower() != "mlx",
+                      gguf_mode="float32", probe_blas=True, prefill_step=512, prefill_clear_cache=True,
+                      warm_up_tokens=(16,), speculation=speculation)
+    # Metal and CUDA alike: mlx-lm's own choices (its generate_step's 2048-token prefill chunks). The
+    # warm-up runs a whole chunk too, so the kernels a long first turn needs are built before `ready`
+    # (a GPU's first use of a shape compiles; a 2048-token forward costs it well under a second).
+    return Policy(device, weights_dtype=None, kvd_attention=False, gguf_mode="quantized", probe_blas=False,
+                  prefill_step=2048, prefill_clear_cache=False, warm_up_tokens=(2048, 16),
+                  speculation=speculation)
+
+
+def configured(config: Config, p: Policy) -> Config:
+    """`config` with what it leaves to the device decided by `p`: the prefill chunk (0: the
+    device's; an explicit size wins) and "auto" speculation, off where the device does not draft."""
+    import dataclasses
+
+    speculate = config.speculate if p.speculation.auto else "off"
+    return dataclasses.replace(config, prefill_step_size=config.prefill_step_size or p.prefill_step,
+                               speculate=speculate)
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def describe() -> Device:
+    """The device MLX computes on in this process (imports mlx: after service/blas.py's preload)."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        info: dict[str, Any] = dict(mx.device_info())
+        return Device("cpu", str(info.get("device_name") or "cpu"))
+    info = dict(mx.device_info())
+    if mx.metal.is_available():
+        return Device("metal", str(info.get("device_name") or info.get("architecture") or "Apple GPU"),
+                      memory_total=_int(info.get("memory_size")),
+                      memory_free=_int(info.get("max_recommended_working_set_size")))
+    if mx.cuda.is_available():
+        return Device("cuda", str(info.get("device_name") or "NVIDIA GPU"),
+                      memory_total=_int(info.get("total_memory") or info.get("memory_size")),
+                      memory_free=_int(info.get("free_memory")))
+    raise RuntimeError(f"MLX's default device is {mx.default_device()}, neither the CPU, Metal nor CUDA")
+
+
+@functools.cache
+def current() -> Policy:
+    """This process's policy, described once (the engine thread's load is the first to ask)."""
+    return policy(describe())
+
+
+# --- before MLX is imported ---
+
+# The distributions that give mlx its backend on Linux, by the backend they give (mlx's own extras).
+BACKENDS = {"mlx-cpu": "cpu", "mlx-cuda-12": "cuda", "mlx-cuda-13": "cuda", "mlx-cuda": "cuda"}
+FIX = "make serve (it installs the backend this machine has; MLX=cpu|cuda12|cuda13 to choose)"
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+NVIDIA_DRIVER = (Path("/proc/driver/nvidia/version"), Path("/dev/nvidiactl"))
+
+
+def installed_backend(platform: str = sys.platform, *, installed: Any = _installed,
+                      nvidia: tuple[Path, ...] = NVIDIA_DRIVER) -> str | None:
+    """The device kind MLX will compute on, read without importing MLX; None: no backend installed.
+
+    macOS: Metal. Linux: CUDA where an mlx-cuda wheel is installed and an NVIDIA driver is loaded
+    (any of `nvidia`), else the CPU (the only question asked before MLX loads is whether to probe
+    a BLAS, and a machine without a driver computes on its CPU).
+    """
+    if platform == "darwin":
+        return "metal"
+    kinds = {kind for dist, kind in BACKENDS.items() if installed(dist)}
+    if "cuda" in kinds and any(p.exists() for p in nvidia):
+        return "cuda"
+    return "cpu" if kinds else None
+
+
+def missing_backend(platform: str = sys.platform, *, installed: Any = _installed) -> str | None:
+    """One line when this Linux install's MLX has no backend to run on, naming the command that fixes it."""
+    if platform != "linux" or installed_backend(platform, installed=installed) is not None:
+        return None
+    return ("MLX has no backend installed here (none of mlx-cpu, mlx-cuda-12, mlx-cuda-13): run "
+            f"{FIX}, or pip install 'kvd[cpu]' ('kvd[cuda12]' / 'kvd[cuda13]' with an NVIDIA GPU)")

@@ -1,0 +1,136 @@
+"""The device policy (daemon/device.py): every branch decided from a described device, on any machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from daemon import device
+from daemon.device import CPU_SPECULATION, GPU_SPECULATION, Device, Policy, policy
+from daemon.engine import draft, modelload, speculate
+
+GiB = 1 << 30
+CPU = Device("cpu", "AMD EPYC")
+METAL = Device("metal", "Apple M2 Max", memory_total=64 * GiB, memory_free=48 * GiB)
+H200 = Device("cuda", "NVIDIA H200", memory_total=141 * GiB, memory_free=139 * GiB)
+
+
+def test_the_cpu_branch_is_what_kvd_always_did() -> None:
+    p = policy(CPU, env={})
+    assert (p.weights_dtype, p.kvd_attention, p.gguf_mode, p.probe_blas) == ("float32", True, "float32", True)
+    assert (p.prefill_step, p.prefill_clear_cache, p.warm_up_tokens) == (512, True, (modelload.WARM_UP_TOKENS,))
+    assert p.speculation == CPU_SPECULATION and p.speculation.auto
+    # The CPU's limits are the ones draft.py and speculate.py measured and still name.
+    assert (CPU_SPECULATION.start_k, CPU_SPECULATION.max_k, CPU_SPECULATION.min_rate,
+            CPU_SPECULATION.pause_steps, CPU_SPECULATION.position_budget) == (
+        draft.START_K, draft.MAX_K, draft.MIN_RATE, draft.PAUSE_STEPS, speculate.POSITION_BUDGET)
+    assert p.budgets(4 * GiB, 2 * GiB, in_use=100 * GiB) == (4 * GiB, 2 * GiB)  # host memory: as configured
+    assert p.line("float32") == "device: cpu, float32 weights, kvd attention"
+
+
+@pytest.mark.parametrize("gpu", [METAL, H200], ids=["metal", "cuda"])
+def test_a_gpu_runs_like_mlx_lm(gpu: Device) -> None:
+    """Metal and CUDA alike: the checkpoint's dtype, MLX's attention, quantized GGUF, no BLAS, 2048 chunks."""
+    p = policy(gpu, env={})
+    assert (p.weights_dtype, p.kvd_attention, p.gguf_mode, p.probe_blas) == (None, False, "quantized", False)
+    assert (p.prefill_step, p.prefill_clear_cache) == (2048, False)
+    assert p.warm_up_tokens[0] == p.prefill_step  # the first turn's chunk is built before `ready`
+    assert p.speculation == GPU_SPECULATION and not p.speculation.auto
+
+
+def test_the_device_line_names_the_gpu() -> None:
+    assert policy(H200, env={}).line("bfloat16") == "device: NVIDIA H200 (cuda), bf16 weights, MLX attention"
+    assert policy(METAL, env={}).line("4-bit") == "device: Apple M2 Max (metal), 4-bit weights, MLX attention"
+
+
+def test_overrides_from_the_environment() -> None:
+    assert not policy(CPU, env={"KVD_ATTENTION": "mlx"}).kvd_attention
+    assert not policy(H200, env={"KVD_ATTENTION": "kvd"}).kvd_attention  # never kvd's CPU attention on a GPU
+    on = policy(H200, env={"KVD_SPECULATE": "on"}).speculation
+    assert on.auto and on.max_k == GPU_SPECULATION.max_k
+    assert policy(CPU, env={"KVD_SPECULATE": "on"}).speculation == CPU_SPECULATION
+
+
+def test_cuda_budgets_never_pass_what_the_gpu_has_free() -> None:
+    small = Device("cuda", "NVIDIA L4", memory_total=24 * GiB, memory_free=22 * GiB)
+    p = policy(small, env={})
+    weights = 16 * GiB
+    resident, warm = p.budgets(4 * GiB, 2 * GiB, in_use=weights)
+    room = int((22 * GiB - weights) * device.GPU_CACHE_SHARE)
+    assert resident + warm == room and abs(resident - 2 * warm) <= 2  # cut to fit, in the configured proportion
+    assert p.budgets(4 * GiB, 2 * GiB, in_use=30 * GiB) == (0, 0)  # nothing free: no tier in device memory
+    # Room enough: as configured.
+    assert policy(H200, env={}).budgets(4 * GiB, 2 * GiB, in_use=16 * GiB) == (4 * GiB, 2 * GiB)
+    # A GPU whose free memory MLX does not report keeps the configured budgets.
+    assert policy(Device("cuda", "?"), env={}).budgets(4 * GiB, 2 * GiB, in_use=0) == (4 * GiB, 2 * GiB)
+
+
+def test_metal_budgets_fit_the_recommended_working_set() -> None:
+    mac = Device("metal", "Apple M1", memory_total=8 * GiB, memory_free=5 * GiB)
+    resident, warm = policy(mac, env={}).budgets(4 * GiB, 2 * GiB, in_use=2 * GiB)
+    assert 0 < resident + warm <= int(3 * GiB * device.GPU_CACHE_SHARE)
+
+
+def test_describe_reads_this_machine() -> None:
+    """This CI machine's MLX is the CPU build: described as such, and the policy is the CPU's."""
+    d = device.describe()
+    assert d.kind == "cpu" and d.name
+    assert isinstance(device.current(), Policy) and device.current().device.kind == "cpu"
+
+
+def test_an_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="device kind"):
+        Device("rocm", "?")
+
+
+def test_the_backend_is_known_before_mlx_is_imported(tmp_path: Path) -> None:
+    driver = (tmp_path / "absent", tmp_path / "version")
+    driver[1].write_text("NVRM version: 580.65\n")
+    none = (tmp_path / "absent",)
+
+    def having(*dists: str) -> object:
+        return lambda dist: dist in dists
+
+    assert device.installed_backend("darwin", installed=having()) == "metal"
+    assert device.installed_backend("linux", installed=having("mlx-cpu"), nvidia=driver) == "cpu"
+    assert device.installed_backend("linux", installed=having("mlx-cuda-13"), nvidia=driver) == "cuda"
+    assert device.installed_backend("linux", installed=having("mlx-cuda-12"), nvidia=none) == "cpu"
+    assert device.installed_backend("linux", installed=having(), nvidia=driver) is None
+    assert device.installed_backend("linux") == "cpu"  # this machine: mlx[cpu]
+
+
+def test_a_linux_install_without_a_backend_says_how_to_fix_it() -> None:
+    line = device.missing_backend("linux", installed=lambda dist: False)
+    assert line is not None and "\n" not in line
+    assert "make serve" in line and "kvd[cpu]" in line
+    assert device.missing_backend("linux", installed=lambda dist: dist == "mlx-cpu") is None
+    assert device.missing_backend("darwin", installed=lambda dist: False) is None
+    assert device.missing_backend() is None  # this machine has one
+
+
+def test_speculation_reads_the_device_limits() -> None:
+    budget = draft.DraftBudget.within(GPU_SPECULATION)
+    assert (budget.k, budget.max_k, budget.min_rate, budget.pause_steps) == (4, 8, 0.5, 64)
+    # A window of refused drafts pauses for the device's pause_steps.
+    for _ in range(draft.WINDOW // 4):
+        budget.record(4, 1)  # a quarter accepted: below the GPU's 0.5 (the CPU's 0.3 would keep going)
+    assert sum(budget.wanted() == 0 for _ in range(GPU_SPECULATION.pause_steps)) == GPU_SPECULATION.pause_steps
+    assert budget.wanted() > 0
+    assert draft.DraftBudget.within(CPU_SPECULATION) == draft.DraftBudget()
+
+
+def test_what_the_config_leaves_to_the_device() -> None:
+    from daemon.config import load_config
+
+    default = load_config(None)
+    assert default.prefill_step_size == 0  # the device's
+    on_cpu = device.configured(default, policy(CPU, env={}))
+    assert (on_cpu.prefill_step_size, on_cpu.speculate) == (512, "auto")
+    on_gpu = device.configured(default, policy(H200, env={}))
+    assert (on_gpu.prefill_step_size, on_gpu.speculate) == (2048, "off")
+    forced = device.configured(default, policy(H200, env={"KVD_SPECULATE": "on"}))
+    assert forced.speculate == "auto"
+    chosen = load_config(None, prefill_step_size=1024, speculate="off")
+    assert device.configured(chosen, policy(METAL, env={})).prefill_step_size == 1024  # an explicit size wins
+    assert device.configured(chosen, policy(CPU, env={})).speculate == "off"
