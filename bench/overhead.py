@@ -1,0 +1,186 @@
+"""A turn's own overhead: the client's time to first token of the next turn on `builtin:tiny`.
+
+Run: .venv/bin/python bench/overhead.py [--turns 210] [--profile OUT.txt]
+
+`builtin:tiny`'s forward takes about a millisecond, so what the client waits
+for is kvd's own work per turn. A real `kvd serve` (prefetch off, the
+defaults otherwise) and two conversations, one per door, each starting with
+a ~700-token message and then growing by one short message and a one-token
+answer per turn, back to back (no pause between an answer and the next message):
+
+- websocket: `chat.send` on one session; TTFT is the frame sent to the first `chat.delta`;
+- OpenAI: the official `openai` client, streaming, the whole conversation each
+  time (as a stateless client sends it); TTFT is the request to the first
+  content chunk.
+
+Reported per door: the median (and range) of 15 turns around turn 5 and of
+15 around turn 200, and their ratio (a turn must cost the same at turn 5
+and at turn 500). With `--profile OUT`, py-spy (on PATH or KVD_PYSPY) records
+the daemon at 500 Hz during the websocket run and writes its top functions,
+by own and by total samples, to OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, cast
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import openai  # noqa: E402
+
+from daemonproc import DaemonProcess, SyncClient  # noqa: E402
+
+FIRST = " ".join(["the cache keeps every session warm and pages cold ones out"] * 70)  # ~700 tokens
+WINDOW = 15
+
+
+def windows(ttfts: list[float], at: tuple[int, ...]) -> dict[int, list[float]]:
+    """The 15 turns starting at each turn number in `at` (turn 1 is the first timed one)."""
+    return {n: ttfts[n - 1:n - 1 + WINDOW] for n in at}
+
+
+def ws_turns(d: DaemonProcess, turns: int) -> list[float]:
+    out: list[float] = []
+    with d.client() as c:
+        session = c.request("session.create", title="overhead")["session"]["id"]
+        c.chat(session, FIRST, max_tokens=1)  # untimed: the first prefill
+        for n in range(turns):
+            out.append(_ws_turn(c, session, f"next {n}"))
+    return out
+
+
+def _ws_turn(c: SyncClient, session: str, text: str) -> float:
+    started = time.perf_counter()
+    rid = c.send(type="chat.send", session=session, text=text, max_tokens=1, temperature=0)
+    first: float | None = None
+    while True:
+        e = c.recv()
+        if e.get("id") != rid:
+            continue
+        if e["type"] == "chat.delta" and first is None:
+            first = time.perf_counter() - started
+        elif e["type"] == "error":
+            raise SystemExit(f"turn failed: {e}")
+        elif e["type"] == "chat.done":
+            return first if first is not None else time.perf_counter() - started
+
+
+def api_turns(d: DaemonProcess, turns: int) -> list[float]:
+    client = openai.OpenAI(base_url=d.base_url + "/v1", api_key=d.token, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": FIRST}]
+    messages.append({"role": "assistant", "content": _api_turn(client, messages)[1]})
+    out: list[float] = []
+    for n in range(turns):
+        messages.append({"role": "user", "content": f"next {n}"})
+        ttft, text = _api_turn(client, messages)
+        messages.append({"role": "assistant", "content": text})
+        out.append(ttft)
+    return out
+
+
+def _api_turn(client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[float, str]:
+    started = time.perf_counter()
+    first: float | None = None
+    text = ""
+    stream = client.chat.completions.create(model="builtin:tiny", messages=cast(Any, messages),
+                                            max_tokens=1, temperature=0, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first if first is not None else time.perf_counter() - started
+            text += chunk.choices[0].delta.content
+    return (first if first is not None else time.perf_counter() - started), text
+
+
+def report(name: str, ttfts: list[float], at: tuple[int, ...]) -> None:
+    spans = windows(ttfts, at)
+    medians = {}
+    for n, xs in spans.items():
+        ms = sorted(x * 1000 for x in xs)
+        medians[n] = statistics.median(ms)
+        print(f"{name:9} turns {n:3}-{n + len(xs) - 1:3}: median {medians[n]:6.1f} ms "
+              f"(range {ms[0]:.1f}-{ms[-1]:.1f})")
+    first, last = medians[at[0]], medians[at[-1]]
+    print(f"{name:9} turn {at[-1]} / turn {at[0]}: {last / first:.2f}x")
+
+
+def profile(pid: int, out: Path, duration: int) -> subprocess.Popen[str]:
+    spy = os.environ.get("KVD_PYSPY") or shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("--profile needs py-spy on PATH or in KVD_PYSPY (pip install py-spy)")
+    raw = out.with_suffix(".raw.txt")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "500", "--format", "raw",
+                             "--duration", str(duration), "--nonblocking", "--output", str(raw)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+
+
+def summarize(raw: Path, out: Path, turns: int) -> None:
+    """py-spy's raw (collapsed) stacks as the top functions by own and by total samples, per turn."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        if any("select" in f and "selectors" in f for f in frames[-2:]) or "wait (threading" in frames[-1]:
+            continue  # idle: a thread waiting
+        samples += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            total[f] = total.get(f, 0) + n
+    lines = [f"{samples} busy samples at 500 Hz over {turns} turns: {samples / 500 / turns * 1000:.1f} ms/turn",
+             "", "own samples:"]
+    lines += [f"{n:6} {f}" for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:40]]
+    lines += ["", "total samples:"]
+    lines += [f"{n:6} {f}" for f, n in sorted(total.items(), key=lambda kv: -kv[1])[:60]]
+    out.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, default=210, help="timed turns per door (>= 214 for the turn-200 window)")
+    ap.add_argument("--profile", type=Path, help="write py-spy's summary of the websocket run here")
+    ap.add_argument("--doors", nargs="+", default=["websocket", "openai"], choices=["websocket", "openai"])
+    args = ap.parse_args()
+    at = (5, 200) if args.turns >= 200 + WINDOW - 1 else (5,)
+    print(f"load before: {os.getloadavg()[0]:.2f} (1-minute average), {os.cpu_count()} CPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "kvd"
+        data.mkdir()
+        d = DaemonProcess(data)
+        try:
+            with d.client():
+                pass  # the model has loaded
+            if "websocket" in args.doors:
+                spy = profile(d.proc.pid, args.profile, 10_000) if args.profile else None
+                started = time.monotonic()
+                ttfts = ws_turns(d, args.turns)
+                if spy is not None and args.profile is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes what it recorded
+                    spy.wait(timeout=120)
+                    summarize(args.profile.with_suffix(".raw.txt"), args.profile, args.turns)
+                    print(f"profile: {args.profile} ({time.monotonic() - started:.1f} s)")
+                report("websocket", ttfts, at)
+            if "openai" in args.doors:
+                report("openai", api_turns(d, args.turns), at)
+        finally:
+            d.terminate()
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
