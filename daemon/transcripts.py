@@ -105,8 +105,10 @@ def _load(session_id: str) -> Callable[[Store], Held | None]:
 class Transcripts:
     """Held sessions (an LRU), the chains index, and the writer behind them."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, busy: Callable[[str], bool] = lambda session_id: False) -> None:
+        """`busy` says which sessions must stay held (a running turn's) when the least used are let go."""
         self.writer = Writer(store)
+        self._busy = busy
         self.chains = Chains()
         self._held: OrderedDict[str, Held] = OrderedDict()
         self._clock = time.time  # the memory's timestamps; the rows get the store's own
@@ -124,11 +126,8 @@ class Transcripts:
         """`fn(store)` on the writer: it sees every write queued before it."""
         return await self.writer.run(fn, durable=False)
 
-    async def hold(self, session_id: str, keep: Callable[[str], bool] = lambda sid: False) -> Held | None:
-        """The session in memory, loaded if need be; None if there is no such session.
-
-        `keep` says which sessions must stay held (a running turn's) when one is let go.
-        """
+    async def hold(self, session_id: str) -> Held | None:
+        """The session in memory, loaded if need be; None if there is no such session."""
         held = self._held.get(session_id)
         if held is None:
             loaded = await self.writer.run(_load(session_id), durable=False)
@@ -139,7 +138,7 @@ class Transcripts:
                 held = self._held[session_id] = loaded
                 if session_id not in self.chains:  # let go after a failed write (forget)
                     self.chains.put(session_id, held.system, held.messages)
-                self._let_go(keep)
+                self._let_go()
         self._held.move_to_end(session_id)
         return held
 
@@ -151,33 +150,39 @@ class Transcripts:
         self._held.pop(session_id, None)
         self.chains.remove(session_id)
 
-    def _let_go(self, keep: Callable[[str], bool]) -> None:
+    def _let_go(self) -> None:
         for sid in list(self._held):
             if len(self._held) <= HELD:
                 return
-            if not keep(sid):
+            if not self._busy(sid):
                 del self._held[sid]  # its queued writes stay queued; a later load comes after them
 
     # --- writes: memory now, the rows behind ---
 
-    def _write(self, fn: Callable[[Store], Any], *, durable: bool) -> Write:
-        return self.writer.submit(fn, durable=durable)
+    def _write(self, fn: Callable[[Store], Any], *, durable: bool, label: str = "") -> Write:
+        return self.writer.submit(fn, durable=durable, label=label)
 
     def create(self, session_id: str, *, title: str, system: str | None, origin: str | None) -> tuple[Held, Write]:
         """A new session, held at once; its row is queued (durable with the turn's answer)."""
         held = self._held[session_id] = Held(session_id, system, {}, [], [], 0)
         self.chains.put(session_id, system, [])
+        self._let_go()
         return held, self._write(lambda s: s.create_session(title=title, system=system, origin=origin,
                                                             session_id=session_id), durable=False)
 
     def append(self, held: Held, role: str, content: str, *, status: str = "complete",
-               tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None) -> int:
-        """Append a message in memory; `write_new` writes it (with the others of its turn)."""
+               tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
+               chained: bool = True) -> int:
+        """Append a message in memory; `write_new` writes it (with the others of its turn).
+
+        `chained=False`: the caller extends the chains index itself (`chains.extend`), with links it made off the loop.
+        """
         index = len(held.messages)
         m = _message(index, role, content, status, self._clock(), tool_calls, tool_call_id)
         held.messages.append(m)
         held.said_changed(m)
-        self._chain(held, m)
+        if chained:
+            self._chain(held, m)
         return index
 
     def write_new(self, held: Held, first: int, *, durable: bool = False) -> Write:
@@ -190,7 +195,7 @@ class Transcripts:
                 store.append_message(sid, m["role"], m["content"], status=m["status"], tool_calls=m["tool_calls"],
                                      tool_call_id=m["tool_call_id"], index=m["index"])
 
-        return self._write(write, durable=durable)
+        return self._write(write, durable=durable, label="messages")
 
     def update(self, held: Held, index: int, *, durable: bool, **fields: Any) -> Write:
         """Change message `index` (fields as Store.update_message takes them; None leaves one as is)."""
@@ -203,7 +208,8 @@ class Transcripts:
             held.said_changed(m)
             self._chain(held, m)
         sid = held.session_id
-        return self._write(lambda s: s.update_message(sid, index, **fields), durable=durable)
+        return self._write(lambda s: s.update_message(sid, index, **fields), durable=durable,
+                           label="answer" if fields.get("status") else "")
 
     def truncate(self, held: Held, from_index: int) -> Write:
         del held.messages[from_index:]
@@ -234,6 +240,8 @@ class Transcripts:
     async def create_session(self, *, title: str, system: str | None, origin: str | None) -> Session:
         session = await self.writer.run(lambda s: s.create_session(title=title, system=system, origin=origin))
         self.chains.put(session["id"], system, [])
+        self._held[session["id"]] = Held(session["id"], system, {}, [], [], 0)  # its first turn loads nothing
+        self._let_go()
         return session
 
     async def update_session(self, session_id: str, *, fields: Mapping[str, Any], new_system: bool) -> None:

@@ -38,6 +38,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 import protocol as p
 from protocol.requests import RequestError, RequestId
 from sessions import Session, Store, is_disk_full, new_session_id
+from sessions.chains import said
 
 from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
@@ -161,8 +162,8 @@ class Turns:
     def __init__(self, config: Config, store: Store, engine: Engine):
         self.config = config
         self.engine = engine
-        self.transcripts = Transcripts(store)
         self.active: dict[str, Turn] = {}
+        self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._tokenizing: Tokenizing | None = None
 
@@ -177,7 +178,7 @@ class Turns:
 
     async def hold(self, session_id: str, rid: RequestId = None) -> Held:
         """The session as the turn core holds it (loaded through the writer the first time)."""
-        held = await self.transcripts.hold(session_id, keep=self.active.__contains__)
+        held = await self.transcripts.hold(session_id)
         if held is None:
             raise RequestError(p.UNKNOWN_SESSION,
                                f"no session {session_id!r}; list sessions with session.list", rid)
@@ -274,10 +275,13 @@ class Turns:
         return self.start(listener, rid, session_id, first_new, **sampling)
 
     def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
-              rewind_from: int | None = None, new_system: bool = False, title: str, origin: str) -> tuple[str, int]:
+              rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
+              links: Sequence[bytes] | None = None) -> tuple[str, int]:
         """A stateless request's placement (daemon/doors/placement.py's plan), applied to a held session
         or a new one; returns the session and the index of its first new message (or of the answer to come).
 
+        `links`, when given, are the new messages' links in the session's chain (sessions/chains.py),
+        made off the loop: then nothing here grows costly with a long conversation but the appends.
         Nothing is waited for: the rows follow on the writer, with the turn's.
         """
         if session_id is None:
@@ -292,9 +296,13 @@ class Turns:
             if rewind_from is not None:
                 self.rewind(held, rewind_from)
         first_new = len(held.messages)
+        chained = links is None or len(links) != len(messages) or not all(
+            said(m["content"], m.get("tool_calls")) for m in messages)
         for m in messages:
             self.transcripts.append(held, m["role"], m["content"], tool_calls=m.get("tool_calls"),
-                                    tool_call_id=m.get("tool_call_id"))
+                                    tool_call_id=m.get("tool_call_id"), chained=chained)
+        if not chained and links:
+            self.transcripts.chains.extend(session_id, links, range(first_new, len(held.messages)))
         return session_id, first_new
 
     # --- a turn's life ---

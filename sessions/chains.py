@@ -133,6 +133,16 @@ class Chains:
         self.touch(session_id)
         return True
 
+    def extend(self, session_id: str, links: Sequence[bytes], indices: Sequence[int]) -> None:
+        """Said messages appended at `indices`, their links already made (by `chain`, off the loop,
+        continuing this session's chain: the caller's promise)."""
+        s = self._sessions[session_id]
+        self._end(session_id, s, add=False)
+        s.links += links
+        s.indices += indices
+        self._end(session_id, s, add=True)
+        self.touch(session_id)
+
     def truncate(self, session_id: str, from_index: int) -> None:
         s = self._sessions.get(session_id)
         if s is None:

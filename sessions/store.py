@@ -366,20 +366,6 @@ class Store:
                 [session_id, blob, covers, self._clock()],
             )
 
-    def continuable(self, system: str | None, role: str, content: str, *, limit: int = 8) -> list[str]:
-        """Sessions with this system prompt whose first message is (role, content), most recent first.
-
-        The candidates a stateless request may continue (daemon/doors/placement.py
-        compares their transcripts). Only which session a request continues
-        depends on this; where its cache comes from does not (cachestore
-        finds the longest prefix any session holds).
-        """
-        rows = self.db.execute(
-            "SELECT s.id FROM sessions s JOIN messages m ON m.session_id = s.id AND m.idx = 0 "
-            "WHERE s.system IS ? AND m.role = ? AND m.content = ? ORDER BY s.updated_at DESC LIMIT ?",
-            [system, role, content, limit]).fetchall()
-        return [row[0] for row in rows]
-
     def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None]]:
         """Every session's messages, least recently used session first, for sessions.chains.build
         (a session without messages: one row with index -1)."""

@@ -40,8 +40,9 @@ T = TypeVar("T")
 
 MAX_BATCH = 256  # operations per transaction: a long queue still commits every so often
 
-# Test hook (tests/crashing_kvd.py): called with "transcript:before-commit" and
-# "transcript:after-commit" around each commit, to die there like kill -9.
+# Test hook (tests/crashing_kvd.py): called around each commit with
+# "transcript:before-commit:LABEL" and "transcript:after-commit:LABEL", once for
+# each label of an operation in it, to die there like kill -9.
 crash_hook: Callable[[str], None] | None = None
 
 
@@ -50,6 +51,7 @@ class _Op:
     fn: Callable[[Store], Any]
     durable: bool
     future: concurrent.futures.Future[Any]
+    label: str = ""  # what it writes, for crash_hook
 
 
 class Writer:
@@ -75,9 +77,10 @@ class Writer:
             self._thread.join()
             self._started = False
 
-    def submit(self, fn: Callable[[Store], T], *, durable: bool = False) -> concurrent.futures.Future[T]:
+    def submit(self, fn: Callable[[Store], T], *, durable: bool = False,
+               label: str = "") -> concurrent.futures.Future[T]:
         """Queue `fn(store)`; its future holds the result or the exception (never raised here)."""
-        op = _Op(fn, durable, concurrent.futures.Future())
+        op = _Op(fn, durable, concurrent.futures.Future(), label)
         if not self._started:  # before serving (and in tests that drive the turn core alone): run it now
             self._batch([op])
         else:
@@ -144,8 +147,8 @@ class Writer:
                     if not db.conn.in_transaction:
                         raise
                     results.append((op, None, e))
-            self._hook("transcript:before-commit")
-        self._hook("transcript:after-commit")
+            self._hook("transcript:before-commit", batch)
+        self._hook("transcript:after-commit", batch)
         return results
 
     def _alone(self, op: _Op) -> tuple[_Op, Any, BaseException | None]:
@@ -153,8 +156,8 @@ class Writer:
             self._synchronous(op.durable)
             with self.store.db.atomic():
                 result = op.fn(self.store)
-                self._hook("transcript:before-commit")
-            self._hook("transcript:after-commit")
+                self._hook("transcript:before-commit", [op])
+            self._hook("transcript:after-commit", [op])
             return op, result, None
         except Exception as e:
             return op, None, e
@@ -164,6 +167,7 @@ class Writer:
         self.store.db.execute(f"PRAGMA synchronous = {level}")
 
     @staticmethod
-    def _hook(point: str) -> None:
+    def _hook(point: str, batch: list[_Op]) -> None:
         if crash_hook is not None:
-            crash_hook(point)
+            for label in {op.label for op in batch if op.label}:
+                crash_hook(f"{point}:{label}")

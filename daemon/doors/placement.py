@@ -36,7 +36,6 @@ and alone writes the transcript.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -78,16 +77,6 @@ class Said:
     tool_calls: tuple[Mapping[str, str], ...] = ()
     tool_call_id: str | None = None
 
-    @classmethod
-    def of(cls, m: Mapping[str, Any]) -> Said:
-        """A stored message (sessions.Message)."""
-        return cls(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"))
-
-    def same(self, other: Said) -> bool:
-        """The same message; a call's arguments compare as JSON (a client may re-serialize them)."""
-        return ((self.role, self.content, self.tool_call_id) == (other.role, other.content, other.tool_call_id)
-                and [_call_key(c) for c in self.tool_calls] == [_call_key(c) for c in other.tool_calls])
-
     def for_template(self) -> dict[str, Any]:
         """As prompt.template_message takes it."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -96,14 +85,6 @@ class Said:
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
-
-
-def _call_key(call: Mapping[str, str]) -> tuple[str, str, str]:
-    try:
-        arguments = json.dumps(json.loads(call["arguments"]), sort_keys=True, separators=(",", ":"))
-    except ValueError:
-        arguments = call["arguments"]
-    return call["id"], call["name"], arguments
 
 
 @dataclass(frozen=True)
@@ -122,16 +103,6 @@ class Placement:
     session_id: str
     first_new: int  # the first message this turn added
     kind: Kind
-
-
-def divergence(stored: Sequence[Said], request: Sequence[Said]) -> int:
-    """How many leading messages the stored transcript and the request agree on."""
-    n = 0
-    for a, b in zip(stored, request):
-        if not a.same(b):
-            break
-        n += 1
-    return n
 
 
 def title_for(messages: Sequence[Said]) -> str:
@@ -212,5 +183,6 @@ async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinn
     session_id, first_new = turns.apply(
         decision.session_id, system=system, messages=[m.for_template() for m in messages[decision.agree:]],
         rewind_from=decision.rewind_from, new_system=decision.new_system,
-        title=title_for(messages), origin=origin)
+        title=title_for(messages), origin=origin,
+        links=None if decision.new_system or root != system else request[decision.agree:])
     return Placement(session_id, first_new, decision.kind)
