@@ -13,11 +13,14 @@ answer per turn, back to back (no pause between an answer and the next message):
   time (as a stateless client sends it); TTFT is the request to the first
   content chunk.
 
+For the websocket it also reports kvd's own `ttft_ms` (from the job reaching
+the engine) and the client's TTFT minus it: the part spent outside the engine.
+
 Reported per door: the median (and range) of 15 turns around turn 5 and of
 15 around turn 200, and their ratio (a turn must cost the same at turn 5
 and at turn 500). With `--profile OUT`, py-spy (on PATH or KVD_PYSPY) records
 the daemon at 500 Hz during the websocket run and writes its top functions,
-by own and by total samples, to OUT.
+as milliseconds per turn in each thread and the event loop's top functions, to OUT.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from daemonproc import DaemonProcess, SyncClient  # noqa: E402
 
 FIRST = " ".join(["the cache keeps every session warm and pages cold ones out"] * 70)  # ~700 tokens
 WINDOW = 15
+ENGINE_TTFT: list[float] = []  # kvd's own ttft_ms of each websocket turn: from the job reaching the engine
 
 
 def windows(ttfts: list[float], at: tuple[int, ...]) -> dict[int, list[float]]:
@@ -56,6 +60,7 @@ def ws_turns(d: DaemonProcess, turns: int) -> list[float]:
     with d.client() as c:
         session = c.request("session.create", title="overhead")["session"]["id"]
         c.chat(session, FIRST, max_tokens=1)  # untimed: the first prefill
+        ENGINE_TTFT.clear()
         for n in range(turns):
             out.append(_ws_turn(c, session, f"next {n}"))
     return out
@@ -74,11 +79,12 @@ def _ws_turn(c: SyncClient, session: str, text: str) -> float:
         elif e["type"] == "error":
             raise SystemExit(f"turn failed: {e}")
         elif e["type"] == "chat.done":
+            ENGINE_TTFT.append((e["usage"].get("ttft_ms") or 0) / 1000)
             return first if first is not None else time.perf_counter() - started
 
 
 def api_turns(d: DaemonProcess, turns: int) -> list[float]:
-    client = openai.OpenAI(base_url=d.base_url + "/v1", api_key=d.token, max_retries=0)
+    client = openai.OpenAI(base_url=d.base_url, api_key=d.token, max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": FIRST}]
     messages.append({"role": "assistant", "content": _api_turn(client, messages)[1]})
     out: list[float] = []
@@ -125,28 +131,41 @@ def profile(pid: int, out: Path, duration: int) -> subprocess.Popen[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
 
 
+THREADS = (("event loop", "_run_module_as_main"), ("tokenizer stage", "Tokenizing._call"),
+           ("transcript writer", "Writer._run"), ("engine", "Engine._run"), ("I/O worker", "IOWorker"))
+
+
+def thread_of(frames: list[str]) -> str:
+    return next((name for name, mark in THREADS if any(mark in f for f in frames)), "other")
+
+
 def summarize(raw: Path, out: Path, turns: int) -> None:
-    """py-spy's raw (collapsed) stacks as the top functions by own and by total samples, per turn."""
+    """py-spy's raw (collapsed) stacks: ms per turn in each thread, and the event loop's top functions."""
+    per_thread: dict[str, int] = {}
     own: dict[str, int] = {}
     total: dict[str, int] = {}
-    samples = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
         n = int(count)
         frames = stack.split(";")
-        if any("select" in f and "selectors" in f for f in frames[-2:]) or "wait (threading" in frames[-1]:
-            continue  # idle: a thread waiting
-        samples += n
+        if "EpollSelector.select" in frames[-1]:
+            continue  # the event loop waiting for something to do (py-spy counts it as busy)
+        thread = thread_of(frames)
+        per_thread[thread] = per_thread.get(thread, 0) + n
+        if thread != "event loop":
+            continue
         own[frames[-1]] = own.get(frames[-1], 0) + n
         for f in set(frames):
             total[f] = total.get(f, 0) + n
-    lines = [f"{samples} busy samples at 500 Hz over {turns} turns: {samples / 500 / turns * 1000:.1f} ms/turn",
-             "", "own samples:"]
-    lines += [f"{n:6} {f}" for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:40]]
-    lines += ["", "total samples:"]
-    lines += [f"{n:6} {f}" for f, n in sorted(total.items(), key=lambda kv: -kv[1])[:60]]
+    lines = [f"py-spy at 500 Hz (busy samples only), {turns} turns: ms per turn by thread"]
+    lines += [f"  {name:18} {n / 500 / turns * 1000:6.2f} ms/turn ({n} samples)"
+              for name, n in sorted(per_thread.items(), key=lambda kv: -kv[1])]
+    lines += ["", "event loop, own samples:"]
+    lines += [f"{n:6} {f}" for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:30]]
+    lines += ["", "event loop, total samples:"]
+    lines += [f"{n:6} {f}" for f, n in sorted(total.items(), key=lambda kv: -kv[1])[:50]]
     out.write_text("\n".join(lines) + "\n")
 
 
@@ -175,6 +194,8 @@ def main() -> None:
                     summarize(args.profile.with_suffix(".raw.txt"), args.profile, args.turns)
                     print(f"profile: {args.profile} ({time.monotonic() - started:.1f} s)")
                 report("websocket", ttfts, at)
+                report("ws engine", ENGINE_TTFT, at)  # kvd's own ttft_ms: the part inside the engine
+                report("ws outside", [c - e for c, e in zip(ttfts, ENGINE_TTFT)], at)
             if "openai" in args.doors:
                 report("openai", api_turns(d, args.turns), at)
         finally:
