@@ -19,8 +19,8 @@ the engine) and the client's TTFT minus it: the part spent outside the engine.
 Reported per door: the median (and range) of 15 turns around turn 5 and of
 15 around turn 200, and their ratio (a turn must cost the same at turn 5
 and at turn 500). With `--profile OUT`, py-spy (on PATH or KVD_PYSPY) records
-the daemon at 500 Hz during the websocket run and writes its top functions,
-as milliseconds per turn in each thread and the event loop's top functions, to OUT.
+the daemon at 500 Hz during each door's run and writes milliseconds per turn
+in each thread and the event loop's top functions to OUT-<door>.txt.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -169,10 +170,25 @@ def summarize(raw: Path, out: Path, turns: int) -> None:
     out.write_text("\n".join(lines) + "\n")
 
 
+def profiled(d: DaemonProcess, out: Path | None, door: str, run: Callable[[], list[float]], turns: int) -> list[float]:
+    """`run()`, recorded by py-spy into OUT-<door>.txt when OUT is given."""
+    if out is None:
+        return run()
+    target = out.with_name(f"{out.stem}-{door}.txt")
+    spy = profile(d.proc.pid, target, 10_000)
+    try:
+        return run()
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it recorded
+        spy.wait(timeout=120)
+        summarize(target.with_suffix(".raw.txt"), target, turns)
+        print(f"profile: {target}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--turns", type=int, default=210, help="timed turns per door (>= 214 for the turn-200 window)")
-    ap.add_argument("--profile", type=Path, help="write py-spy's summary of the websocket run here")
+    ap.add_argument("--turns", type=int, default=214, help="timed turns per door (>= 214 for the turn-200 window)")
+    ap.add_argument("--profile", type=Path, help="write py-spy's summary of each door's run to PROFILE-<door>.txt")
     ap.add_argument("--doors", nargs="+", default=["websocket", "openai"], choices=["websocket", "openai"])
     args = ap.parse_args()
     at = (5, 200) if args.turns >= 200 + WINDOW - 1 else (5,)
@@ -185,19 +201,12 @@ def main() -> None:
             with d.client():
                 pass  # the model has loaded
             if "websocket" in args.doors:
-                spy = profile(d.proc.pid, args.profile, 10_000) if args.profile else None
-                started = time.monotonic()
-                ttfts = ws_turns(d, args.turns)
-                if spy is not None and args.profile is not None:
-                    spy.send_signal(signal.SIGINT)  # py-spy writes what it recorded
-                    spy.wait(timeout=120)
-                    summarize(args.profile.with_suffix(".raw.txt"), args.profile, args.turns)
-                    print(f"profile: {args.profile} ({time.monotonic() - started:.1f} s)")
+                ttfts = profiled(d, args.profile, "websocket", lambda: ws_turns(d, args.turns), args.turns)
                 report("websocket", ttfts, at)
                 report("ws engine", ENGINE_TTFT, at)  # kvd's own ttft_ms: the part inside the engine
                 report("ws outside", [c - e for c, e in zip(ttfts, ENGINE_TTFT)], at)
             if "openai" in args.doors:
-                report("openai", api_turns(d, args.turns), at)
+                report("openai", profiled(d, args.profile, "openai", lambda: api_turns(d, args.turns), args.turns), at)
         finally:
             d.terminate()
     print(f"load after: {os.getloadavg()[0]:.2f}")

@@ -60,28 +60,27 @@ class Writer:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kvd-transcript", daemon=True)
-        self._started = False
+        self._thread: threading.Thread | None = None
         self.batches = 0  # statistics: transactions committed
         self.operations = 0
 
     def start(self) -> None:
-        if not self._started:
-            self._started = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvd-transcript", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
         """Run what is queued, then stop (the store stays open: its opener closes it)."""
-        if self._started:
+        if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
-            self._started = False
+            self._thread = None
 
     def submit(self, fn: Callable[[Store], T], *, durable: bool = False,
                label: str = "") -> concurrent.futures.Future[T]:
         """Queue `fn(store)`; its future holds the result or the exception (never raised here)."""
         op = _Op(fn, durable, concurrent.futures.Future(), label)
-        if not self._started:  # before serving (and in tests that drive the turn core alone): run it now
+        if self._thread is None:  # before serving (and in tests that drive the turn core alone): run it now
             self._batch([op])
         else:
             self._queue.put(op)
