@@ -71,8 +71,8 @@ class Daemon:
         self.engine = engine
         self.turns = Turns(config, store, engine)
         self._loading = LoadingWatch(engine, config.model)
-        self.websocket = WebSocketDoor(config, store, engine, self.turns, token, self._loading, self.status)
-        self.api = OpenAIDoor(config, store, engine, self.turns, token, self._loading)
+        self.websocket = WebSocketDoor(config, engine, self.turns, token, self._loading, self.status)
+        self.api = OpenAIDoor(config, engine, self.turns, token, self._loading)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None

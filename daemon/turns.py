@@ -1,9 +1,12 @@
 """The turn core: one turn's life, the same for every front door.
 
-A turn is a session's next answer: its messages are committed, the engine is
-handed a job, the answer's events stream to whoever listens (websocket
-connections, an HTTP response) while its text is committed as it grows, and
-it ends committed as complete, cancelled or failed. The websocket protocol
+A turn is a session's next answer: its messages are added to the session the
+turn core holds in memory and queued to the transcript's writer, the engine
+is handed a job at once, the answer's events stream to whoever listens
+(websocket connections, an HTTP response) while its text is written behind
+as it grows, and it ends committed as complete, cancelled or failed, which
+is announced only once that commit is back. No turn reads its transcript
+or waits on the disk before its first token (transcripts.py). The websocket protocol
 and the OpenAI-compatible API both drive turns through `Turns` and know
 nothing of each other.
 

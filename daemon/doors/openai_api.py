@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
-from sessions import Store, is_valid_session_id
+from sessions import is_valid_session_id
 
 from ..config import Config
 from ..engine.thread import Engine
@@ -110,11 +110,10 @@ class _Events:
 
 
 class OpenAIDoor:
-    def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str,
+    def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
                  loading: LoadingWatch):
         self.config = config
         self.loading = loading
-        self.store = store
         self.engine = engine
         self.turns = turns
         self._token = token

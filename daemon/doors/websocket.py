@@ -2,7 +2,7 @@
 
 A thin layer: it checks the handshake, keeps one bounded outbox per client
 (connection.py), turns each frame into a typed request (protocol/requests.py) and
-calls the session store or the turn core (turns.py). Answers are turns,
+calls the turn core (turns.py), which owns the sessions' store. Answers are turns,
 owned by the daemon, so a client that goes away does not stop one.
 """
 
@@ -35,7 +35,7 @@ from protocol.requests import (
     Status,
     parse_request,
 )
-from sessions import KEEP, Keep, Session, Store, is_disk_full
+from sessions import KEEP, Keep, Session, is_disk_full
 
 from .. import __version__
 from ..config import Config
@@ -51,11 +51,10 @@ log = logging.getLogger("kvd.server")
 
 
 class WebSocketDoor:
-    def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str,
+    def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
                  loading: LoadingWatch, status: Callable[[], Awaitable[dict[str, Any]]]):
         self.config = config
         self.limits = config.request_limits()
-        self.store = store
         self.engine = engine
         self.turns = turns
         self._token = token
