@@ -195,17 +195,25 @@ class Continuation:
         return tokens, bool(self.fed) and not appended
 
 
+class Templated(Protocol):
+    def for_template(self) -> dict[str, Any]:
+        """The message as template_message takes it."""
+        ...
+
+
 @dataclass(frozen=True)
 class Conversation:
     """A stateless request's whole conversation, rendered and tokenized as a fresh session would feed it.
 
-    Its ids replace the session's fed ids: the old answer boundaries no longer apply.
+    Its ids replace the session's fed ids: the old answer boundaries no longer apply. Its
+    messages become template dicts here, in the tokenizer stage: a long conversation costs
+    the event loop nothing.
     """
 
-    messages: list[dict[str, Any]]
+    messages: Sequence[Templated]
     system: str | None
     tools: list[dict[str, Any]] | None = None
     fed_before: int = 0  # a stateless request's earlier turns were fed by whatever it matched
 
     def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
-        return conversation_ids(tokenizer, self.messages, self.system, self.tools), True
+        return conversation_ids(tokenizer, [m.for_template() for m in self.messages], self.system, self.tools), True

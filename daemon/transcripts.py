@@ -226,7 +226,8 @@ class Transcripts:
 
     def forget_fed_ends(self, held: Held, before_index: int) -> Write:
         for m in held.messages[:before_index]:
-            m["fed_end"] = None
+            if m["fed_end"] is not None:
+                m["fed_end"] = None
         sid = held.session_id
         return self._write(lambda s: s.forget_fed_ends(sid, before_index), durable=False)
 

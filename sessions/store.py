@@ -306,7 +306,7 @@ class Store:
     def forget_fed_ends(self, session_id: str, before_index: int) -> None:
         """The session's token ids were rebuilt: earlier turn boundaries no longer apply."""
         self.db.execute(
-            "UPDATE messages SET fed_end = NULL WHERE session_id = ? AND idx < ?",
+            "UPDATE messages SET fed_end = NULL WHERE session_id = ? AND idx < ? AND fed_end IS NOT NULL",
             [session_id, before_index],
         )
 

@@ -227,7 +227,7 @@ class OpenAIDoor:
                 events, rid, placement.session_id, placement.first_new,
                 max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                 top_p=req.top_p, stop=stops(req), seed=req.seed,
-                prompt=Conversation([s.for_template() for s in convo], system, tools or None),
+                prompt=Conversation(convo, system, tools or None),
                 door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
                 split=(lambda text: split(tool_format, text)) if tool_format is not None else None,
             )
