@@ -151,8 +151,8 @@ def summarize(raw: Path, out: Path, turns: int) -> None:
             continue
         n = int(count)
         frames = stack.split(";")
-        if "EpollSelector.select" in frames[-1]:
-            continue  # the event loop waiting for something to do (py-spy counts it as busy)
+        if "EpollSelector.select" in frames[-1] or frames[-1].startswith("Writer._run "):
+            continue  # the event loop, or the transcript writer, waiting for work (py-spy counts it as busy)
         thread = thread_of(frames)
         per_thread[thread] = per_thread.get(thread, 0) + n
         if thread != "event loop":
