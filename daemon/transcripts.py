@@ -91,6 +91,14 @@ def _message(index: int, role: str, content: str, status: str, now: float,
                    tool_call_id=tool_call_id)
 
 
+def prepared(session_id: str, system: str | None, messages: Sequence[Mapping[str, Any]]) -> Held:
+    """A new session holding `messages` (as template_message takes them), made on a worker
+    thread: a stateless request may carry thousands, and the event loop then only adopts it."""
+    now = time.time()
+    return Held(session_id, system, {}, [_message(i, m["role"], m["content"], "complete", now, m.get("tool_calls"),
+                                                  m.get("tool_call_id")) for i, m in enumerate(messages)], [], 0)
+
+
 def _load(session_id: str) -> Callable[[Store], Held | None]:
     def load(store: Store) -> Held | None:
         session = store.get_session(session_id)
@@ -162,9 +170,11 @@ class Transcripts:
     def _write(self, fn: Callable[[Store], Any], *, durable: bool, label: str = "") -> Write:
         return self.writer.submit(fn, durable=durable, label=label)
 
-    def create(self, session_id: str, *, title: str, system: str | None, origin: str | None) -> tuple[Held, Write]:
-        """A new session, held at once; its row is queued (durable with the turn's answer)."""
-        held = self._held[session_id] = Held(session_id, system, {}, [], [], 0)
+    def create(self, session_id: str, *, title: str, system: str | None, origin: str | None,
+               held: Held | None = None) -> tuple[Held, Write]:
+        """A new session, held at once (`held`: made by `prepared`, its messages chained by the
+        caller); its row is queued (durable with the turn's answer)."""
+        held = self._held[session_id] = held or Held(session_id, system, {}, [], [], 0)
         self.chains.put(session_id, system, [])
         self._let_go()
         return held, self._write(lambda s: s.create_session(title=title, system=system, origin=origin,
@@ -187,7 +197,8 @@ class Transcripts:
 
     def write_new(self, held: Held, first: int, *, durable: bool = False) -> Write:
         """Write messages `first`.. of the session in one operation: all of them or none."""
-        rows = [m.copy() for m in held.messages[first:]]
+        # Earlier messages do not change while their row is written; the last (an answer) may.
+        rows = [*held.messages[first:-1], *(m.copy() for m in held.messages[-1:])] if first < len(held.messages) else []
         sid = held.session_id
 
         def write(store: Store) -> None:

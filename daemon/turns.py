@@ -279,14 +279,24 @@ class Turns:
 
     def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
               rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
-              links: Sequence[bytes] | None = None) -> tuple[str, int]:
+              links: Sequence[bytes] | None = None, prepared: Held | None = None) -> tuple[str, int]:
         """A stateless request's placement (daemon/doors/placement.py's plan), applied to a held session
         or a new one; returns the session and the index of its first new message (or of the answer to come).
 
         `links`, when given, are the new messages' links in the session's chain (sessions/chains.py),
-        made off the loop: then nothing here grows costly with a long conversation but the appends.
+        made off the loop; `prepared`, a new session already holding `messages` (transcripts.prepared,
+        made off the loop too): then nothing here grows with a long conversation.
         Nothing is waited for: the rows follow on the writer, with the turn's.
         """
+        if prepared is not None:
+            session_id = prepared.session_id
+            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin, held=prepared)
+            if links is not None and len(links) == len(held.messages) and all(
+                    said(m["content"], m["tool_calls"]) for m in held.messages):
+                self.transcripts.chains.extend(session_id, links, range(len(links)))
+            else:
+                self.transcripts.chains.put(session_id, system, held.messages)
+            return session_id, 0
         if session_id is None:
             session_id = new_session_id()
             held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin)

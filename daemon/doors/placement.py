@@ -45,8 +45,10 @@ import anyio.to_thread
 import protocol as p
 from protocol import DEFAULT_TITLE
 from protocol.requests import RequestError
+from sessions import new_session_id
 from sessions.chains import Chains, chain
 
+from ..transcripts import Held, prepared
 from ..turns import Turns
 
 TITLE_CHARS = 60
@@ -180,9 +182,15 @@ async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinn
         if decision.session_id is None or turns.transcripts.get(decision.session_id) is not None:
             break
         await turns.hold(decision.session_id)
+    new: Held | None = None
+    if decision.session_id is None and len(messages) > 1:  # a long new conversation: built off the loop
+        session_id = new_session_id()
+        new = await anyio.to_thread.run_sync(
+            lambda: prepared(session_id, system, [m.for_template() for m in messages]))
     session_id, first_new = turns.apply(
-        decision.session_id, system=system, messages=[m.for_template() for m in messages[decision.agree:]],
+        decision.session_id, system=system,
+        messages=[] if new is not None else [m.for_template() for m in messages[decision.agree:]],
         rewind_from=decision.rewind_from, new_system=decision.new_system,
         title=title_for(messages), origin=origin,
-        links=None if decision.new_system or root != system else request[decision.agree:])
+        links=None if decision.new_system or root != system else request[decision.agree:], prepared=new)
     return Placement(session_id, first_new, decision.kind)
