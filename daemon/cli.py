@@ -41,9 +41,8 @@ from .service.logfile import setup_logging
 from .service.preflight import StartError
 
 if TYPE_CHECKING:
-    from sessions import Store
-
     from .server import Daemon
+    from .transcripts import Transcripts
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
@@ -318,7 +317,7 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
             tg.start_soon(_announce_ready, daemon, detached)
             backups = anyio.CancelScope()
             if backups_on:
-                tg.start_soon(_scheduled_backups, config, daemon.store, backups)
+                tg.start_soon(_scheduled_backups, config, daemon.turns.transcripts, backups)
             async with anyio.create_task_group() as until:
 
                 async def on_signal() -> None:
@@ -342,11 +341,11 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
     return failed
 
 
-async def _scheduled_backups(config: Config, store: Store, scope: anyio.CancelScope) -> None:
+async def _scheduled_backups(config: Config, transcripts: Transcripts, scope: anyio.CancelScope) -> None:
     """Back up daily and after every backup.AFTER_MESSAGES new messages, while kvd runs."""
     with scope:
         while True:
-            messages = store.message_count()
+            messages = await transcripts.read(lambda store: store.message_count())  # on the store's writer
             if (why := await anyio.to_thread.run_sync(backup.wanted, messages, config.backups_dir)) is not None:
                 await anyio.to_thread.run_sync(_back_up, config, why)
             await anyio.sleep(BACKUP_CHECK_EVERY)

@@ -85,6 +85,21 @@ def _continuation(tokenizer: Any, history: Sequence[Mapping[str, Any]], new: Seq
     return closing + after[len(before):]
 
 
+def _tail(messages: Sequence[Mapping[str, Any]], covered: int) -> int:
+    """Where the history a continuation is rendered from starts: the last user message it covers.
+
+    What a template adds after a history depends on the history's last
+    exchange, not on the turns before it (templates that drop earlier
+    reasoning, or alternate roles, count from the last user message), so a
+    turn renders that exchange and its new messages, never the whole
+    conversation: the same work at turn 5 and at turn 500.
+    """
+    for i in range(covered - 1, -1, -1):
+        if messages[i]["role"] == "user":
+            return i
+    return 0
+
+
 def prompt_tokens(tokenizer: Any, messages: Sequence[Mapping[str, Any]], system: str | None,
                   fed: Sequence[int], *, fed_covers: int) -> tuple[list[int], bool]:
     """Token ids for the whole conversation `messages`, ready for generation.
@@ -97,7 +112,8 @@ def prompt_tokens(tokenizer: Any, messages: Sequence[Mapping[str, Any]], system:
     its cache still matches. The flag says whether `fed` was kept.
     """
     if fed and 0 < fed_covers < len(messages) and messages[fed_covers - 1]["role"] == "assistant":
-        rest = _continuation(tokenizer, messages[:fed_covers], messages[fed_covers:], system,
+        start = _tail(messages, fed_covers)
+        rest = _continuation(tokenizer, messages[start:fed_covers], messages[fed_covers:], system,
                              fed[-1], tokenizer.eos_token_ids)
         if rest is not None:
             return list(fed) + list(tokenizer.encode(rest, add_special_tokens=False)), True
@@ -179,15 +195,25 @@ class Continuation:
         return tokens, bool(self.fed) and not appended
 
 
-@dataclass(frozen=True)
-class Tokens:
-    """Ids already made by the caller (a stateless request tokenized whole to find its session).
+class Templated(Protocol):
+    def for_template(self) -> dict[str, Any]:
+        """The message as template_message takes it."""
+        ...
 
-    They replace the session's fed ids: the old answer boundaries no longer apply.
+
+@dataclass(frozen=True)
+class Conversation:
+    """A stateless request's whole conversation, rendered and tokenized as a fresh session would feed it.
+
+    Its ids replace the session's fed ids: the old answer boundaries no longer apply. Its
+    messages become template dicts here, in the tokenizer stage: a long conversation costs
+    the event loop nothing.
     """
 
-    tokens: list[int]
+    messages: Sequence[Templated]
+    system: str | None
+    tools: list[dict[str, Any]] | None = None
     fed_before: int = 0  # a stateless request's earlier turns were fed by whatever it matched
 
     def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
-        return list(self.tokens), True
+        return conversation_ids(tokenizer, [m.for_template() for m in self.messages], self.system, self.tools), True

@@ -71,8 +71,8 @@ class Daemon:
         self.engine = engine
         self.turns = Turns(config, store, engine)
         self._loading = LoadingWatch(engine, config.model)
-        self.websocket = WebSocketDoor(config, store, engine, self.turns, token, self._loading, self.status)
-        self.api = OpenAIDoor(config, store, engine, self.turns, token, self._loading)
+        self.websocket = WebSocketDoor(config, engine, self.turns, token, self._loading, self.status)
+        self.api = OpenAIDoor(config, engine, self.turns, token, self._loading)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -110,6 +110,14 @@ class Daemon:
             # (h11guard.py), websockets by max_connections, API turns by max_queued (admission.py).
         )
         server = _Server(config)
+        await self.turns.transcripts.start()  # the store's writer thread, and the index placement reads
+        try:
+            await self._serve(server, sock, task_status)
+        finally:
+            # Every turn has committed its answer by now: the writer commits what is queued and stops.
+            await anyio.to_thread.run_sync(self.turns.transcripts.close)
+
+    async def _serve(self, server: _Server, sock: socket.socket, task_status: TaskStatus[str]) -> None:
         async with anyio.create_task_group() as tg:
             self.turns.tg = tg
             loading = anyio.CancelScope()

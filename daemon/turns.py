@@ -1,9 +1,12 @@
 """The turn core: one turn's life, the same for every front door.
 
-A turn is a session's next answer: its messages are committed, the engine is
-handed a job, the answer's events stream to whoever listens (websocket
-connections, an HTTP response) while its text is committed as it grows, and
-it ends committed as complete, cancelled or failed. The websocket protocol
+A turn is a session's next answer: its messages are added to the session the
+turn core holds in memory and queued to the transcript's writer, the engine
+is handed a job at once, the answer's events stream to whoever listens
+(websocket connections, an HTTP response) while its text is written behind
+as it grows, and it ends committed as complete, cancelled or failed, which
+is announced only once that commit is back. No turn reads its transcript
+or waits on the disk before its first token (transcripts.py). The websocket protocol
 and the OpenAI-compatible API both drive turns through `Turns` and know
 nothing of each other.
 
@@ -27,7 +30,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,14 +41,18 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 import protocol as p
 from protocol.requests import RequestError, RequestId
 from protocol.shapes import resolve
-from sessions import DamagedFedIds, Message, Store, is_disk_full
+from sessions import Session, Store, is_disk_full, new_session_id
+from sessions.chains import said
 
 from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
 from .engine.thread import Engine
-from .prompt import Continuation, Prompt, Tokenizing, Tokens, template_message
+from .prompt import Continuation, Prompt, Tokenizing
+from .transcripts import Held, Transcripts, Write
 
 log = logging.getLogger("kvd.turns")
+
+Split = Callable[[str], tuple[str, list[dict[str, str]]]]
 
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
@@ -124,6 +131,10 @@ class Turn:
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
     door: str = "websocket"  # which front door asked for it (the log's turn line says)
+    held: Held | None = None  # the session as the turn core holds it
+    split: Split | None = None  # the answer's text -> its content and tool calls (the OpenAI door's)
+    writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
+    calls: list[dict[str, str]] = field(default_factory=list)  # the kept answer's tool calls (by `split`)
 
     def publish(self, event: dict[str, Any]) -> None:
         event = {"id": self.request_id, "session": self.session_id, **event}
@@ -144,13 +155,18 @@ class Turn:
 
 
 class Turns:
-    """Every running turn, by session; starts, streams, commits, cancels."""
+    """Every running turn, by session; starts, streams, commits, cancels.
+
+    The turn core alone writes transcripts, through `transcripts` (memory
+    now, the rows behind on the store's writer thread): a turn reads no
+    transcript and waits for no commit until it acknowledges its answer.
+    """
 
     def __init__(self, config: Config, store: Store, engine: Engine):
         self.config = config
-        self.store = store
         self.engine = engine
         self.active: dict[str, Turn] = {}
+        self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._tokenizing: Tokenizing | None = None
 
@@ -161,70 +177,59 @@ class Turns:
             self._tokenizing = Tokenizing(self.engine.tokenizer)
         return self._tokenizing
 
-    # --- checks ---
+    # --- sessions ---
 
-    def session(self, session_id: str, rid: RequestId = None) -> Any:
-        session = self.store.get_session(session_id)
+    async def hold(self, session_id: str, rid: RequestId = None) -> Held:
+        """The session as the turn core holds it (loaded through the writer the first time)."""
+        held = await self.transcripts.hold(session_id)
+        if held is None:
+            raise RequestError(p.UNKNOWN_SESSION,
+                               f"no session {session_id!r}; list sessions with session.list", rid)
+        return held
+
+    async def session(self, session_id: str, rid: RequestId = None) -> Session:
+        """The protocol's session object as stored (every write queued before is in it)."""
+        session = await self.transcripts.read(lambda store: store.get_session(session_id))
         if session is None:
             raise RequestError(p.UNKNOWN_SESSION,
                                f"no session {session_id!r}; list sessions with session.list", rid)
         return session
 
     def check_idle(self, session_id: str, rid: RequestId = None) -> None:
-        self.session(session_id, rid)
         if session_id in self.active:
             raise RequestError(p.BUSY, "this session is already generating; "
                                "send chat.cancel or wait for chat.done", rid)
 
+    async def delete_session(self, session_id: str, rid: RequestId = None) -> None:
+        self.check_idle(session_id, rid)
+        if not await self.transcripts.delete_session(session_id):
+            raise RequestError(p.UNKNOWN_SESSION,
+                               f"no session {session_id!r}; list sessions with session.list", rid)
+        self.engine.forget(session_id)  # queued behind any turn that is still keeping its cache
+
     # --- the fed-token rule ---
 
-    def fed(self, session_id: str) -> tuple[list[int], int]:
-        """The session's fed ids and what they cover, verified by their checksum.
-
-        Ids that fail it are dropped, so the turn renders the transcript
-        afresh (the answer is a fresh prefill's) and stores new ids after it.
-        """
-        try:
-            return self.store.fed(session_id)
-        except DamagedFedIds as e:
-            log.warning("%s; rebuilding them from the transcript", e)
-            self.store.drop_fed(session_id)
-            return [], 0
-
-    def rewind(self, session_id: str, index: int, messages: list[Message] | None = None) -> None:
+    def rewind(self, held: Held, index: int) -> None:
         """Drop messages from `index` on, and the fed token ids with them.
 
         The ids are cut at the end of the last earlier turn whose boundary is
         known, so the next turn appends to exactly what was fed; the engine
         then rewinds the session's cache to the longest prefix it still shares.
         """
-        if messages is None:
-            messages = self.store.messages(session_id)
-        fed, _ = self.fed(session_id)
         keep, covers = 0, 0
-        for m in messages:
-            if m["index"] < index and m["fed_end"] is not None and m["fed_end"] <= len(fed):
+        for m in held.messages[:index]:
+            if m["fed_end"] is not None and m["fed_end"] <= len(held.fed):
                 keep, covers = m["fed_end"], m["index"] + 1
-        self.store.truncate_messages(session_id, index)
-        self.store.set_tokens(session_id, fed[:keep], covers=covers)
+        self.transcripts.truncate(held, index)
+        self.transcripts.set_tokens(held, held.fed[:keep], covers=covers)
 
-    def system_changed(self, session_id: str, message_count: int) -> None:
-        """The fed ids begin with the old system prompt, so the next turn must not append to them.
+    def _continuation(self, held: Held, index: int) -> Continuation:
+        """The prompt from memory: the templated messages are kept between turns, not rebuilt."""
+        n = held.said_before(index)
+        return Continuation(messages=held.said_template[:n], system=held.system, fed=held.fed,
+                            fed_covers=held.said_before(held.covers))
 
-        It retokenizes, and the cache keeps what still matches (the template's head).
-        """
-        fed, _ = self.fed(session_id)
-        self.store.set_tokens(session_id, fed, covers=0)
-        self.store.forget_fed_ends(session_id, message_count)
-
-    def _continuation(self, session_id: str, index: int, system: str | None) -> Continuation:
-        earlier = [m for m in self.store.messages(session_id) if m["index"] < index and m["content"]]
-        fed, covers = self.fed(session_id)
-        return Continuation(messages=[template_message(m) for m in earlier],
-                            system=system, fed=fed,
-                            fed_covers=sum(1 for m in earlier if m["index"] < covers))
-
-    def _record(self, turn: Turn, tokens: list[int] | None, *, exact: bool) -> int | None:
+    def _record(self, turn: Turn, held: Held, tokens: list[int] | None, *, exact: bool) -> int | None:
         """A finished turn's fed ids; returns the answer's fed_end.
 
         `exact` is False when the stored text is not all the ids hold (a stop
@@ -233,52 +238,85 @@ class Turns:
         """
         if tokens is None:
             return None
-        self.store.set_tokens(turn.session_id, tokens, covers=turn.message_index + 1 if exact else 0)
+        turn.writes.append(self.transcripts.set_tokens(held, tokens,
+                                                       covers=turn.message_index + 1 if exact else 0))
         return len(tokens) if exact else None
 
     # --- what a client asks for: a new message, an answer again, an edited message ---
 
-    def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
-             **sampling: Any) -> Turn:
-        """Commit the user's message, then answer it; a full disk stores neither."""
+    async def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
+                   **sampling: Any) -> Turn:
+        """The user's message and its answer (written together: a full disk stores neither)."""
+        held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
-        first_new = self.store.append_message(session_id, "user", text)  # committed before anything is generated
-        try:
-            return self.start(listener, rid, session_id, first_new, **sampling)
-        except Exception as e:
-            if not is_disk_full(e):
-                raise
-            try:  # so that "not saved" stays true
-                self.store.truncate_messages(session_id, first_new)
-            except Exception:
-                raise RequestError(p.DISK_FULL, "the disk holding kvd's data directory is full: your "
-                                   "message was saved but no answer could be started; free some space "
-                                   "and send chat.regenerate", rid) from None
-            raise
+        first_new = self.transcripts.append(held, "user", text)
+        return self.start(listener, rid, session_id, first_new, **sampling)
 
-    def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str, **sampling: Any) -> Turn:
+    async def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str,
+                         **sampling: Any) -> Turn:
         """Answer the last message again: the old answer and its fed ids go, the cache is rewound."""
+        held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
-        messages = self.store.messages(session_id)
-        if not messages or messages[-1]["role"] != "assistant":
+        if not held.messages or held.messages[-1]["role"] != "assistant":
             raise RequestError(p.BAD_REQUEST, "the session's last message is not an answer; "
                                "there is nothing to regenerate", rid)
-        last = messages[-1]["index"]
-        self.rewind(session_id, last, messages)
+        last = held.messages[-1]["index"]
+        self.rewind(held, last)
         return self.start(listener, rid, session_id, last, **sampling)
 
-    def edit(self, listener: Listener | None, rid: RequestId, session_id: str, index: int, text: str,
-             **sampling: Any) -> Turn:
+    async def edit(self, listener: Listener | None, rid: RequestId, session_id: str, index: int, text: str,
+                   **sampling: Any) -> Turn:
         """Replace user message `index` (and everything after it) with `text`, and answer it."""
+        held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
-        messages = self.store.messages(session_id)
-        target = next((m for m in messages if m["index"] == index), None)
+        target = held.messages[index] if 0 <= index < len(held.messages) else None
         if target is None or target["role"] != "user":
             raise RequestError(p.BAD_REQUEST, f"message {index} is not a user message "
                                "of this session; session.get lists them", rid)
-        self.rewind(session_id, index, messages)
-        first_new = self.store.append_message(session_id, "user", text)
+        self.rewind(held, index)
+        first_new = self.transcripts.append(held, "user", text)
         return self.start(listener, rid, session_id, first_new, **sampling)
+
+    def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
+              rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
+              links: Sequence[bytes] | None = None, prepared: Held | None = None) -> tuple[str, int]:
+        """A stateless request's placement (daemon/doors/placement.py's plan), applied to a held session
+        or a new one; returns the session and the index of its first new message (or of the answer to come).
+
+        `links`, when given, are the new messages' links in the session's chain (sessions/chains.py),
+        made off the loop; `prepared`, a new session already holding `messages` (transcripts.prepared,
+        made off the loop too): then nothing here grows with a long conversation.
+        Nothing is waited for: the rows follow on the writer, with the turn's.
+        """
+        if prepared is not None:
+            session_id = prepared.session_id
+            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin, held=prepared)
+            if links is not None and len(links) == len(held.messages) and all(
+                    said(m["content"], m["tool_calls"]) for m in held.messages):
+                self.transcripts.chains.extend(session_id, links, range(len(links)))
+            else:
+                self.transcripts.chains.put(session_id, system, held.messages)
+            return session_id, 0
+        if session_id is None:
+            session_id = new_session_id()
+            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin)
+        else:
+            found = self.transcripts.get(session_id)
+            assert found is not None, "placement holds the session before it applies its plan"
+            held = found
+            if new_system:
+                self.transcripts.system_changed(held, system)
+            if rewind_from is not None:
+                self.rewind(held, rewind_from)
+        first_new = len(held.messages)
+        chained = links is None or len(links) != len(messages) or not all(
+            said(m["content"], m.get("tool_calls")) for m in messages)
+        for m in messages:
+            self.transcripts.append(held, m["role"], m["content"], tool_calls=m.get("tool_calls"),
+                                    tool_call_id=m.get("tool_call_id"), chained=chained)
+        if not chained and links:
+            self.transcripts.chains.extend(session_id, links, range(first_new, len(held.messages)))
+        return session_id, first_new
 
     # --- a turn's life ---
 
@@ -286,22 +324,30 @@ class Turns:
               max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
               prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
-              grammar: str | None = None) -> Turn:
-        """Generate an answer to the transcript as it stands (its new messages are committed).
+              grammar: str | None = None, split: Split | None = None) -> Turn:
+        """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
+        The new messages and the answer's placeholder are queued to the writer
+        as one operation; the job goes to the engine without waiting for it.
         `prompt` defaults to the transcript under the fed-token rule. The
         cache comes from wherever the longest prefix of its ids is held: the
-        session's own or any other's (cachestore's checkout).
+        session's own or any other's (cachestore's checkout). `split` (the
+        OpenAI door's, when the request offered tools) makes the answer's text
+        its content and tool calls when it is kept.
         """
         assert self.tg is not None, "the daemon is not serving"
-        session = self.session(session_id, rid)
-        sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, session["params"],
+        held = self.transcripts.get(session_id)
+        if held is None:
+            raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
+                               "session.list", rid)
+        sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, held.params,
                            self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
-        index = self.store.append_message(session_id, "assistant", "", status="streaming")
+        index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
-            prompt = self._continuation(session_id, index, session["system"])
+            prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None, door=door)
+                    stop=StopScan(stop) if stop else None, door=door, held=held, split=split)
+        turn.writes.append(self.transcripts.write_new(held, first_new))
         self.active[session_id] = turn
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
         loop = asyncio.get_running_loop()
@@ -332,10 +378,7 @@ class Turns:
             self.engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
             return
         try:
-            if isinstance(prompt, Tokens):
-                job.tokens, job.retokenized = list(prompt.tokens), True
-            else:
-                job.tokens, job.retokenized = await self.tokenizing.run(prompt.ids)
+            job.tokens, job.retokenized = await self.tokenizing.run(prompt.ids)
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
             events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
@@ -352,15 +395,27 @@ class Turns:
                 current.cancelled = True
             self.engine.cancel(session_id)
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
+    async def _committed(self, turn: Turn) -> None:
+        """Wait until the turn's writes are committed; raise the first that failed."""
+        waited = [asyncio.wrap_future(w) for w in turn.writes]
+        turn.writes.clear()
+        if waited:
+            await asyncio.wait(waited)
+        errors = [e for f in waited if (e := f.exception()) is not None]  # each one read, none left unseen
+        if errors:
+            raise errors[0]
+
+    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 19:
         # one branch per engine event kind, all sharing the answer's commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
-        The first delta is committed at once, later ones at most every
-        COMMIT_INTERVAL: a crash loses at most that much of an answer.
+        The first delta is queued for commit at once, later ones at most every
+        COMMIT_INTERVAL: a crash loses at most that much of an answer. The
+        answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
-        sid = turn.session_id
+        sid, held, t = turn.session_id, turn.held, self.transcripts
+        assert held is not None
         try:
             async with events:
                 async for ev in events:
@@ -370,7 +425,7 @@ class Turns:
                         turn.publish({"type": p.CHAT_PROGRESS, "fed": ev.fed, "total": ev.total})
                     elif isinstance(ev, Started):
                         if ev.retokenized:
-                            self.store.forget_fed_ends(sid, turn.message_index)
+                            turn.writes.append(t.forget_fed_ends(held, turn.message_index))
                     elif isinstance(ev, Delta):
                         text = ev.text
                         if turn.stop is not None:
@@ -381,19 +436,20 @@ class Turns:
                         if text:
                             self._delta(turn, text)
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
-                            self.store.update_message(sid, turn.message_index, content=turn.text)
+                            turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()
                     elif isinstance(ev, Done):
-                        self._done(turn, ev)
+                        await self._done(turn, ev)
                         return
                     elif isinstance(ev, Failed):
                         if ev.code == p.TOO_LARGE and not turn.text:
                             # Nothing was generated and the turn can never fit: take it back,
                             # so the session stays usable (the client still has the text).
-                            self.store.truncate_messages(sid, turn.first_new)
+                            turn.writes.append(t.truncate(held, turn.first_new))
                         else:
-                            self.store.update_message(sid, turn.message_index, content=turn.text,
-                                                      status="error", finish_reason="error")
+                            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                                        status="error", finish_reason="error"))
+                        await self._committed(turn)
                         turn.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
                         return
         except Exception as e:
@@ -405,11 +461,14 @@ class Turns:
                 log.exception("answer for session %s failed", sid)
                 turn.publish({"type": p.ERROR, "code": p.INTERNAL,
                               "message": "kvd hit an internal error; it is logged"})
-            try:
-                self.store.update_message(sid, turn.message_index, content=turn.text,
-                                          status="error", finish_reason="error")
-            except Exception as again:  # the answer keeps what was committed before; recovered at start
-                log.warning("could not mark the answer of %s as cut: %s", sid, again)
+            if not turn.writes:  # they all committed: keep what was generated, marked cut
+                turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                            status="error", finish_reason="error"))
+                try:
+                    await self._committed(turn)
+                except Exception as again:  # the answer keeps what was committed before; recovered at start
+                    log.warning("could not mark the answer of %s as cut: %s", sid, again)
+            t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]
@@ -421,7 +480,7 @@ class Turns:
         turn.publish({"type": p.CHAT_DELTA, "seq": turn.seq, "text": text})
         turn.seq += 1
 
-    def _done(self, turn: Turn, ev: Done) -> None:
+    async def _done(self, turn: Turn, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
         if turn.stop is not None:
@@ -436,8 +495,14 @@ class Turns:
                  f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else u.get("restored_from"),
                  u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
-        fed_end = self._record(turn, ev.tokens, exact=not stopped)
-        self.store.update_message(turn.session_id, turn.message_index, content=turn.text,
-                                  status=status, finish_reason=reason, usage=ev.usage, fed_end=fed_end)
+        content, calls = turn.split(turn.text) if turn.split is not None else (turn.text, [])
+        turn.calls = calls  # what the door shows is what is kept (a call's id is made once, here)
+        held = turn.held
+        assert held is not None
+        fed_end = self._record(turn, held, ev.tokens, exact=not stopped)
+        turn.writes.append(self.transcripts.update(
+            held, turn.message_index, durable=True, content=content if calls else turn.text, status=status,
+            finish_reason=reason, usage=ev.usage, fed_end=fed_end, tool_calls=calls or None))
+        await self._committed(turn)  # acknowledged only once it is durable
         turn.publish({"type": p.CHAT_DONE, "message_index": turn.message_index,
                       "finish_reason": reason, "usage": ev.usage})

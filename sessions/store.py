@@ -1,21 +1,19 @@
 """The transcript store: sessions, their messages and fed token ids, in SQLite.
 
 The transcript is the source of truth for every conversation; KV caches are
-an optimization rebuilt from it. So every public write commits before it
-returns (a user message is durable before generation starts), and the
-database runs in WAL mode with ``synchronous=FULL``: a commit survives the
-daemon being killed and also an OS crash or power cut, so an answer the user
-saw finish is never lost. Streamed chunks of an answer (update_message with
-no status) commit with NORMAL, unsynced: nothing has acknowledged them, and
-the answer's final commit fsyncs the WAL and them with it. So a turn pays 4
-fsyncs (user message, answer placeholder, final answer, fed ids), not one per
-chunk; the store runs on the event loop, where an fsync stalls everyone.
-bench/synchronous.py (a turn = 12 commits; virtio ext4, 2-core VM shared with
-other jobs' I/O, load ~4): FULL for every commit 35-44 ms median per turn,
-this mix 1.4-12 ms, NORMAL 0.35 ms (the README has the table).
+an optimization rebuilt from it. The database runs in WAL mode with
+``synchronous=FULL``: a commit survives the daemon being killed and also an
+OS crash or power cut, so an answer the user saw finish is never lost.
+Streamed chunks of an answer (update_message with no status) commit with
+NORMAL, unsynced: nothing has acknowledged them, and the answer's final
+commit fsyncs the WAL and them with it.
 
-The store is used from the daemon's asyncio thread only: no locking, and each
-call is a handful of indexed statements.
+While kvd serves, one thread owns the store (writer.py): every call below
+runs there, queued operations share one transaction and one fsync (group
+commit), and the event loop never waits on SQLite. Outside the daemon
+(preflight, tests, `kvd prune`) a Store is used directly: each public write
+commits before it returns. bench/synchronous.py measured what the
+synchronous levels cost per commit (the README has the table).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypedDict, cast
 
@@ -118,7 +116,11 @@ class Store:
         self._clock = clock
         # No sqlite-utils plugins: the store's connection must not depend on
         # what else happens to be installed.
-        self.db = Database(path, execute_plugins=False)
+        # One connection, usable from the writer thread (writer.py) that owns it while kvd serves.
+        memory = str(path) == ":memory:"
+        conn = sqlite3.connect(":memory:" if memory else str(path), check_same_thread=False)
+        self.db = Database(conn, execute_plugins=False)
+        self.db.memory = memory
         self.db.execute("PRAGMA foreign_keys = ON")  # needed for ON DELETE CASCADE
         self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         if not self.db.memory:
@@ -138,11 +140,13 @@ class Store:
     # Sessions
 
     def create_session(
-        self, *, title: str, system: str | None = None, origin: str | None = None
+        self, *, title: str, system: str | None = None, origin: str | None = None,
+        session_id: str | None = None,
     ) -> Session:
-        """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE)."""
+        """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE),
+        and may choose its id (new_session_id()) before the row is written, as the turn core does."""
         now = self._clock()
-        session_id = new_session_id()
+        session_id = session_id or new_session_id()
         self.db.execute(
             "INSERT INTO sessions (id, title, system, created_at, updated_at, origin) "
             "VALUES (?, ?, ?, ?, ?, ?)",
@@ -219,20 +223,26 @@ class Store:
     def append_message(
         self, session_id: str, role: str, content: str, *, status: str = "complete",
         tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
+        index: int | None = None,
     ) -> int:
         """Append a message and touch the session; return its index (0, 1, ...).
 
         `tool_calls` (an assistant's) and `tool_call_id` (a tool message's) come from the API's tool calling.
+        `index`, when given, is the index the caller holds in memory for it (the turn core): a
+        transcript that disagrees fails here rather than drifting apart.
         """
         _check_role(role)
         _check_status(status)
         now = self._clock()
         with self.db.atomic():
             self._update_session(session_id, "updated_at = ?", [now])
-            (index,) = self.db.execute(
+            (next_index,) = self.db.execute(
                 "SELECT coalesce(max(idx) + 1, 0) FROM messages WHERE session_id = ?",
                 [session_id],
             ).fetchone()
+            if index is not None and index != next_index:
+                raise ValueError(f"session {session_id}'s next message is {next_index}, not {index}")
+            index = next_index
             self.db.execute(
                 "INSERT INTO messages (session_id, idx, role, content, status, "
                 "created_at, updated_at, tool_calls, tool_call_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -280,7 +290,7 @@ class Store:
             sets.append("tool_calls = ?")
             params.append(json.dumps([dict(c) for c in tool_calls]) if tool_calls else None)
         sql = f"UPDATE messages SET {', '.join(sets)} WHERE session_id = ? AND idx = ?"
-        if status is None:
+        if status is None and not self.db.conn.in_transaction:
             # A streamed chunk is not acknowledged yet: no fsync for it. The
             # answer's final commit fsyncs the WAL, and with it these frames.
             self.db.execute(f"PRAGMA synchronous = {self.streamed_synchronous}")
@@ -297,7 +307,7 @@ class Store:
     def forget_fed_ends(self, session_id: str, before_index: int) -> None:
         """The session's token ids were rebuilt: earlier turn boundaries no longer apply."""
         self.db.execute(
-            "UPDATE messages SET fed_end = NULL WHERE session_id = ? AND idx < ?",
+            "UPDATE messages SET fed_end = NULL WHERE session_id = ? AND idx < ? AND fed_end IS NOT NULL",
             [session_id, before_index],
         )
 
@@ -369,19 +379,13 @@ class Store:
                 [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers)],
             )
 
-    def continuable(self, system: str | None, role: str, content: str, *, limit: int = 8) -> list[str]:
-        """Sessions with this system prompt whose first message is (role, content), most recent first.
-
-        The candidates a stateless request may continue (daemon/doors/placement.py
-        compares their transcripts). Only which session a request continues
-        depends on this; where its cache comes from does not (cachestore
-        finds the longest prefix any session holds).
-        """
-        rows = self.db.execute(
-            "SELECT s.id FROM sessions s JOIN messages m ON m.session_id = s.id AND m.idx = 0 "
-            "WHERE s.system IS ? AND m.role = ? AND m.content = ? ORDER BY s.updated_at DESC LIMIT ?",
-            [system, role, content, limit]).fetchall()
-        return [row[0] for row in rows]
+    def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None]]:
+        """Every session's messages, least recently used session first, for sessions.chains.build
+        (a session without messages: one row with index -1)."""
+        yield from self.db.execute(
+            "SELECT s.id, s.system, coalesce(m.idx, -1), m.role, m.content, m.tool_calls, m.tool_call_id "
+            "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id "
+            "ORDER BY s.updated_at, s.rowid, m.idx")
 
     # Internals
 

@@ -50,7 +50,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_cli", "test_complexity", "test_device", "test_lockstep",
         "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
         "test_segment_compat", "test_segments", "test_shapes", "test_snapshot", "test_store", "test_store_tiers",
-        "test_table", "test_tui_render", "test_wire", "test_writeback_plan",
+        "test_table", "test_transcript_writer", "test_tui_render", "test_wire", "test_writeback_plan",
         "test_prune_paths", "test_schemaends",
     }),
     "integration": frozenset({
@@ -66,8 +66,8 @@ TIERS: dict[str, frozenset[str]] = {
         "test_distributed", "test_hostile_http", "test_index_rebuild", "test_kill9", "test_kvchat_daily_tmux",
         "test_kvchat_tmux", "test_docs_run",
         "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
-        "test_service_life", "test_start_failures", "test_startup", "test_transcript_integrity",
-        "test_hostile_stores", "test_hostile_schemas",
+        "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
+        "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas",
     }),
 }  # fmt: skip
 

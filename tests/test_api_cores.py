@@ -8,9 +8,9 @@ import pytest
 
 from daemon.config import load_config
 from daemon.doors.guards import host_allowed, host_name
-from daemon.doors.placement import Said, divergence, title_for
+from daemon.doors.placement import Said, links, title_for
 from daemon.turns import StopScan
-from sessions import Store
+from sessions.chains import Chains
 
 
 @pytest.mark.parametrize(
@@ -52,45 +52,20 @@ def test_host_allowed(tmp_path: Path) -> None:
     assert host_allowed("192.168.1.5:8765", lan) and not host_allowed("192.168.1.6", lan)
 
 
-def test_divergence_and_titles() -> None:
+def test_agreement_and_titles() -> None:
     a, b = Said("user", "hi"), Said("assistant", "hello")
-    assert divergence([a, b], [a, b, Said("user", "more")]) == 2
-    assert divergence([a, b], [a, Said("assistant", "hullo")]) == 1
-    assert divergence([], [a]) == 0
+    chains = Chains()
+    chains.put("s", None, [{"index": i, "role": m.role, "content": m.content} for i, m in enumerate([a, b])])
+    assert chains.agree("s", links(None, [a, b, Said("user", "more")])) == 2
+    assert chains.agree("s", links(None, [a, Said("assistant", "hullo")])) == 1
+    assert chains.agree("s", links("a system prompt", [a, b])) == 0  # the chain is rooted in it
     assert title_for([Said("user", "  What is a KV cache?\nsecond line")]) == "What is a KV cache?"
     assert len(title_for([Said("user", "x" * 500)])) == 60
     assert title_for([Said("assistant", "only")]) == "New chat"
     # A tool call is the same call when a client sends its arguments back re-serialized; another id is not.
     call = {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}
-    called = Said("assistant", "", (call,))
-    echoed = Said("assistant", "", ({**call, "arguments": '{"unit":"C","city":"Paris"}'},))
-    assert divergence([a, called], [a, echoed]) == 2
-    assert divergence([a, called], [a, Said("assistant", "", ({**call, "id": "call_2"},))]) == 1
-    assert divergence([Said("tool", "18", tool_call_id="call_1")], [Said("tool", "18", tool_call_id="x")]) == 0
-
-
-def test_continuable_sessions_share_the_system_prompt_and_first_message(tmp_path: Path) -> None:
-    """The candidates a stateless request may continue: most recent first, at most `limit`."""
-    clock = iter(range(1, 1000))
-    store = Store(tmp_path / "kvd.sqlite", clock=lambda: float(next(clock)))
-    made = []
-    for system in ("Be brief.", None):
-        for _ in range(3):
-            sid = store.create_session(title="New chat", system=system)["id"]
-            store.append_message(sid, "user", "hi")
-            store.append_message(sid, "assistant", "hello")
-            made.append((system, sid))
-    other = store.create_session(title="New chat", system="Be brief.")["id"]
-    store.append_message(other, "user", "something else")
-    brief = [sid for system, sid in made if system == "Be brief."]
-    bare = [sid for system, sid in made if system is None]
-    assert store.continuable("Be brief.", "user", "hi") == brief[::-1]
-    assert store.continuable(None, "user", "hi") == bare[::-1]
-    assert store.continuable("Be brief.", "user", "hi", limit=2) == brief[::-1][:2]
-    assert store.continuable("Be brief.", "user", "something else") == [other]
-    assert store.continuable("Other.", "user", "hi") == []
-    store.append_message(brief[0], "user", "more")  # used again: first now
-    assert store.continuable("Be brief.", "user", "hi")[0] == brief[0]
-    store.delete_session(brief[0])
-    assert brief[0] not in store.continuable("Be brief.", "user", "hi")
-    store.close()
+    called = links(None, [a, Said("assistant", "", (call,))])
+    assert links(None, [a, Said("assistant", "", ({**call, "arguments": '{"unit":"C","city":"Paris"}'},))]) == called
+    assert links(None, [a, Said("assistant", "", ({**call, "id": "call_2"},))])[1] != called[1]
+    assert links(None, [Said("tool", "18", tool_call_id="call_1")]) != links(None, [Said("tool", "18",
+                                                                                        tool_call_id="x")])

@@ -45,7 +45,7 @@ async def test_a_flipped_bit_in_the_fed_ids_gives_a_fresh_prefills_answer(
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)  # SQLite itself sees nothing
     assert fed_tokens(db_path, sid) != stored
 
-    caplog.set_level(logging.WARNING, logger="kvd.turns")
+    caplog.set_level(logging.WARNING, logger="kvd.turns")  # daemon/transcripts.py logs there
     async with running_daemon(tmp_path) as d:
         async with client(d) as c:
             _, done = await c.chat(sid, "Go on.", max_tokens=16, temperature=0)

@@ -296,6 +296,26 @@ def test_a_costly_request_does_not_stall_another_clients_pings(
     assert p99 < 100, f"{case}: p99 of {len(pinger.rtts)} pings was {p99:.0f} ms"
 
 
+@pytest.mark.parametrize("n", [401, 1_999])
+def test_placing_a_long_conversation_does_not_stall_another_clients_pings(daemon: DaemonProcess, n: int) -> None:
+    """Placement reads no transcript (issue 32): the same long conversation, sent again and again,
+    is compared with every stored session that begins like it without stalling the event loop."""
+    body = {**HI, "max_tokens": 1, "messages": msgs(n)}
+    content = json.dumps(body).encode()
+    post(daemon, content)  # stored before the pings begin: what each request below is compared with
+    pinger = Pinger(daemon)
+    try:
+        started, sent = time.monotonic(), 0
+        while sent < 5 or time.monotonic() - started < 2.0:
+            r = post(daemon, content)
+            sent += 1
+            assert r.status_code in (200, 400), (n, r.status_code, r.text[:200])  # 400: past the context
+    finally:
+        p99 = pinger.stop()
+    print(f"{n} messages: {sent} requests, ping p99 {p99:.1f} ms over {len(pinger.rtts)} pings")
+    assert p99 < 100, f"{n} messages: p99 of {len(pinger.rtts)} pings was {p99:.0f} ms"
+
+
 # --- bursts and half-open connections ---------------------------------------------------------
 
 

@@ -4,8 +4,8 @@ The response starts only when the first token (or an error) is known, so an
 error found at admission is a real HTTP error, not a broken stream. A client
 that hangs up cancels its answer (what was generated stays in the session);
 one that stops reading is cut off after `send_timeout`, its answer cancelled
-too. An answer that called tools (toolcalls.py) is kept as its content and
-calls.
+too. An answer that called tools (toolcalls.py) is kept by the turn core as
+its content and calls (the door hands it the split).
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 import protocol as p
-from sessions import Store
 
 from ..config import Config
-from ..engine.thread import Engine
 from ..turns import Turn, Turns
 from .openai_schema import ChatRequest, api_error
 from .toolcalls import StreamSplit, ToolFormat, openai_calls, split
@@ -48,10 +46,10 @@ def finish_reason_of(reason: str) -> str:
 class Answer(Response):
     """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
 
-    def __init__(self, turns: Turns, store: Store, engine: Engine, config: Config, turn: Turn,
+    def __init__(self, turns: Turns, config: Config, turn: Turn,
                  events: MemoryObjectReceiveStream[dict[str, Any]], req: ChatRequest, headers: dict[str, str], *,
                  created: bool, tool_format: ToolFormat | None = None):
-        self.turns, self.store, self.engine, self.config = turns, store, engine, config
+        self.turns, self.config = turns, config
         self.created_session = created  # this request made the session: a refusal takes it back
         self.tool_format = tool_format  # the request offered tools the model can call
         self.turn = turn
@@ -122,19 +120,14 @@ class Answer(Response):
         """An error before the answer began: a refusal, which leaves nothing behind."""
         if self.created_session and not self.turn.text:
             await self.turn.finished.wait()  # its answer is committed (as an error) first
-            self.store.delete_session(self.turn.session_id)
-            self.engine.forget(self.turn.session_id)
+            await self.turns.delete_session(self.turn.session_id)
         e = api_error(event["code"], event["message"])
         await self._body(send, e.status, e.body())
 
-    def _called(self, event: dict[str, Any], content: str, calls: list[dict[str, str]]) -> str:
-        """Keep an answer that called tools as its content and calls; its finish_reason."""
+    def _called(self, event: dict[str, Any], calls: list[dict[str, str]]) -> str:
+        """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""
         reason = finish_reason_of(event["finish_reason"])
-        if not calls:
-            return reason
-        self.store.update_message(self.turn.session_id, event["message_index"], content=content,
-                                       tool_calls=calls, status="cancelled" if reason == "cancelled" else "complete")
-        return "tool_calls" if reason == "stop" else reason
+        return "tool_calls" if calls and reason == "stop" else reason
 
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
         text = ""
@@ -142,8 +135,9 @@ class Answer(Response):
             if event["type"] == p.CHAT_DELTA:
                 text += event["text"]
             elif event["type"] == p.CHAT_DONE:
-                content, calls = split(self.tool_format, text) if self.tool_format else (text, [])
-                reason = self._called(event, content, calls)
+                calls = self.turn.calls  # split by the turn core as it kept the answer
+                content = split(self.tool_format, text)[0] if calls and self.tool_format else text
+                reason = self._called(event, calls)
                 message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
                 if calls:
                     message["tool_calls"] = openai_calls(calls)
@@ -189,15 +183,13 @@ class Answer(Response):
                     await sse(self._chunk({"content": text}))
             elif kind == p.CHAT_DONE:
                 await begin()
-                rest, calls = splitter.finish() if splitter else ("", [])
+                rest, _ = splitter.finish() if splitter else ("", [])
+                calls = self.turn.calls  # as the turn core kept them (their ids are made once)
                 if rest:
                     await sse(self._chunk({"content": rest}))
                 if calls:
                     await sse(self._chunk({"tool_calls": openai_calls(calls, streaming=True)}))
-                content = self.turn.text
-                if calls and self.tool_format:
-                    content = split(self.tool_format, self.turn.text)[0]
-                await sse(self._chunk({}, self._called(event, content, calls)))
+                await sse(self._chunk({}, self._called(event, calls)))
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.config.model, "choices": [],

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP door: `POST /v1/chat/completions`, `GET /v1/models` (docs/openai.md).
 
 A thin layer over the turn core, like the websocket door: it checks who is
-asking (guards.py), validates the body (openai_schema.py), tokenizes the
-conversation, lets placement.py place it in a session, starts a turn, and
-hands the turn's events to openai_answer.py, which makes them OpenAI's
-response or server-sent events.
+asking (guards.py), validates the body (openai_schema.py), lets placement.py
+place the conversation in a session, starts a turn (the turn core tokenizes
+it and the engine checks that it fits, once), and hands the turn's events
+to openai_answer.py, which makes them OpenAI's response or server-sent events.
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
-from sessions import Store, is_valid_session_id
+from sessions import is_valid_session_id
 
 from ..config import Config
-from ..engine.running import fit_advice
 from ..engine.thread import Engine
-from ..prompt import Tokens, conversation_ids
+from ..prompt import Conversation
 from ..turns import Turns
 from .admission import admit
 from .asgi import headers_of
@@ -42,7 +41,7 @@ from .loading import LoadingWatch
 from .openai_answer import Answer
 from .openai_schema import ApiError, ChatRequest, api_error, instructions, parse, served_names, stops
 from .placement import Diverged, Said, place
-from .toolcalls import ToolFormat, openai_calls
+from .toolcalls import ToolFormat, openai_calls, split
 from .toolturns import check_tool_turns
 
 log = logging.getLogger("kvd.api")
@@ -114,11 +113,10 @@ class _Events:
 
 
 class OpenAIDoor:
-    def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str,
+    def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
                  loading: LoadingWatch):
         self.config = config
         self.loading = loading
-        self.store = store
         self.engine = engine
         self.turns = turns
         self._token = token
@@ -170,11 +168,13 @@ class OpenAIDoor:
     async def transcript(self, request: Request) -> Response:
         """What a pinned client must send to continue a session: its system prompt and messages, in order."""
         session_id = request.path_params["session_id"]
-        session = self.store.get_session(session_id) if is_valid_session_id(session_id) else None
+        session = (await self.turns.transcripts.read(lambda store: store.get_session(session_id))
+                   if is_valid_session_id(session_id) else None)
         if session is None:
             return error_response(ApiError(HTTPStatus.NOT_FOUND, f"no session {session_id!r}",
                                            code="session_not_found"))
-        said = [m for m in self.store.messages(session_id) if m["content"] or m["tool_calls"]]
+        stored = await self.turns.transcripts.read(lambda store: store.messages(session_id))
+        said = [m for m in stored if m["content"] or m["tool_calls"]]
         messages: list[dict[str, Any]] = (
             [{"role": "system", "content": session["system"]}] if session["system"] is not None else [])
         for m in said:
@@ -216,14 +216,10 @@ class OpenAIDoor:
                 raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
                                "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
                                "serve a model that calls tools (docs/openai.md lists them)", param="tools")
-            ids = await self.turns.tokenizing.run(conversation_ids, [s.for_template() for s in convo],
-                                                  system, tools)
-            self._check_fits(ids, req.max_completion_tokens or req.max_tokens)
-            admit(self.config, self.turns)  # again: the engine's queue may have grown while tokenizing
             rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
             try:
-                placement = place(self.store, self.turns, system, convo, pinned, rewind=rewind,
-                                  origin=api_origin(request.headers.get("user-agent")))
+                placement = await place(self.turns, system, convo, pinned, rewind=rewind,
+                                        origin=api_origin(request.headers.get("user-agent")))
             except Diverged as e:
                 raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                                code="session_diverged") from None
@@ -233,14 +229,16 @@ class OpenAIDoor:
             turn = self.turns.start(
                 events, rid, placement.session_id, placement.first_new,
                 max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-                top_p=req.top_p, prompt=Tokens(ids), stop=stops(req), seed=req.seed,
+                top_p=req.top_p, stop=stops(req), seed=req.seed,
+                prompt=Conversation(convo, system, tools or None),
                 door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
+                split=(lambda text: split(tool_format, text)) if tool_format is not None else None,
             )
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.store, self.engine, self.config, turn, events.receive, req, headers,
+        return Answer(self.turns, self.config, turn, events.receive, req, headers,
                       created=placement.kind == "new", tool_format=tool_format)
 
     async def _body(self, request: Request) -> bytes | None:
@@ -267,15 +265,6 @@ class OpenAIDoor:
                            f"the request body is {size} bytes, more than kvd accepts ({limit}; "
                            "limits.max_message_bytes in config.toml)", code="request_too_large")
         return bytes(body)
-
-    def _check_fits(self, ids: list[int], max_tokens: int | None) -> None:
-        """Refuse, before anything is stored, a conversation that cannot fit even a one-token answer
-        (or the answer the request asks room for); the engine checks again with the session's settings."""
-        context = self.engine.max_context
-        if context and len(ids) + (max_tokens or 1) > context:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the conversation ({len(ids)} tokens) plus max_tokens "
-                           f"({max_tokens or 1}) exceeds the model's context of {context} tokens; "
-                           + fit_advice(len(ids), context), code="context_length_exceeded")
 
     def _check_ready(self) -> None:
         if not self.engine.ready.is_set():

@@ -6,8 +6,8 @@ fresh daemon would feed it (so a greedy answer equals a fresh prefill's).
 
 - The request extends a stored session's transcript (same system prompt,
   its messages, then new ones) and that session is idle: the new messages
-  become the session's next turn. Candidates are the most recent sessions
-  with the request's system prompt and first message (Store.continuable).
+  become the session's next turn. Of several, the longest wins, then the
+  most recently used.
 - Anything else (an edited message, a retry, an unrelated conversation with
   the same system prompt): a new session holds the request's conversation.
   The stored sessions are not touched.
@@ -24,20 +24,31 @@ session holds (another system prompt, an edited or missing message) would
 erase the stored messages from there on, so it is refused (`Diverged`, a 409)
 unless the client asks for it (`X-Kvd-Rewind: true`): that is how a pinned
 client edits or regenerates, on purpose.
+
+No transcript is read to decide. The request's messages are hashed into a
+chain off the event loop (`links`); `plan` compares that chain with the
+turn core's index of every session's chain (sessions/chains.py), a
+dictionary look-up per prefix length, and returns a plan: continue a
+session, continue a pinned one (rewinding it, or changing its system
+prompt), or a new session. The turn core applies the plan (`Turns.apply`)
+and alone writes the transcript.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import anyio.to_thread
 
 import protocol as p
 from protocol import DEFAULT_TITLE
 from protocol.requests import RequestError
-from sessions import Message, Store
+from sessions import new_session_id
+from sessions.chains import Chains, chain
 
+from ..transcripts import Held, prepared
 from ..turns import Turns
 
 TITLE_CHARS = 60
@@ -68,16 +79,6 @@ class Said:
     tool_calls: tuple[Mapping[str, str], ...] = ()
     tool_call_id: str | None = None
 
-    @classmethod
-    def of(cls, m: Mapping[str, Any]) -> Said:
-        """A stored message (sessions.Message)."""
-        return cls(m["role"], m["content"], tuple(m.get("tool_calls") or ()), m.get("tool_call_id"))
-
-    def same(self, other: Said) -> bool:
-        """The same message; a call's arguments compare as JSON (a client may re-serialize them)."""
-        return ((self.role, self.content, self.tool_call_id) == (other.role, other.content, other.tool_call_id)
-                and [_call_key(c) for c in self.tool_calls] == [_call_key(c) for c in other.tool_calls])
-
     def for_template(self) -> dict[str, Any]:
         """As prompt.template_message takes it."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -88,12 +89,15 @@ class Said:
         return out
 
 
-def _call_key(call: Mapping[str, str]) -> tuple[str, str, str]:
-    try:
-        arguments = json.dumps(json.loads(call["arguments"]), sort_keys=True, separators=(",", ":"))
-    except ValueError:
-        arguments = call["arguments"]
-    return call["id"], call["name"], arguments
+@dataclass(frozen=True)
+class Plan:
+    """Where a request's turn goes; applied by the turn core (Turns.apply)."""
+
+    kind: Kind
+    session_id: str | None  # None: a new session
+    agree: int = 0  # how many of the request's messages the session holds already
+    rewind_from: int | None = None  # a pinned session's transcript is cut here first
+    new_system: bool = False  # a pinned session takes the request's system prompt
 
 
 @dataclass(frozen=True)
@@ -101,21 +105,6 @@ class Placement:
     session_id: str
     first_new: int  # the first message this turn added
     kind: Kind
-
-
-def _said(messages: list[Message]) -> list[Message]:
-    """The messages a client could have been shown (an answer cancelled before any text or call is not)."""
-    return [m for m in messages if m["content"] or m.get("tool_calls")]
-
-
-def divergence(stored: Sequence[Said], request: Sequence[Said]) -> int:
-    """How many leading messages the stored transcript and the request agree on."""
-    n = 0
-    for a, b in zip(stored, request):
-        if not a.same(b):
-            break
-        n += 1
-    return n
 
 
 def title_for(messages: Sequence[Said]) -> str:
@@ -126,70 +115,82 @@ def title_for(messages: Sequence[Said]) -> str:
     return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1] + "…"
 
 
-def place(store: Store, turns: Turns, system: str | None,
-          messages: Sequence[Said], pinned: str | None = None, *, rewind: bool = False,
-          origin: str = "api") -> Placement:
-    """Decide where the request's turn goes and commit its messages there.
+def links(system: str | None, messages: Sequence[Said]) -> list[bytes]:
+    """The request's chain (sessions/chains.py): its cost grows with the conversation, so it runs
+    on a worker thread."""
+    return chain(system, ({"role": m.role, "content": m.content, "tool_calls": m.tool_calls,
+                           "tool_call_id": m.tool_call_id} for m in messages))
 
-    `messages` are the conversation's user, assistant and tool messages; `system`
-    the request's system prompt. Synchronous on the event loop: nothing else
-    can start a turn between the decision and the caller's `turns.start`.
+
+def plan(chains: Chains, active: Container[str], system: str | None, count: int, request: Sequence[bytes],
+         pinned: str | None = None, *, rewind: bool = False) -> Plan:
+    """Decide where a request of `count` messages, whose chain is `request`, goes. Pure.
+
+    For a pinned session, `request` is rooted in that session's system prompt
+    (so a new prompt does not hide which messages still agree).
     """
     if pinned is not None:
-        return _pinned(store, turns, system, messages, pinned, rewind=rewind)
-    if messages:
-        first = messages[0]
-        for sid in store.continuable(system, first.role, first.content):
-            said = [Said.of(m) for m in _said(store.messages(sid))]
-            if sid not in turns.active and len(messages) > len(said) and divergence(said, messages) == len(said):
-                first_new = _append(store, sid, messages[len(said):])
-                return Placement(sid, first_new, "continued")
-    return _new(store, system, messages, origin)
+        return _pinned(chains, active, system, count, request, pinned, rewind=rewind)
+    if (found := chains.longest(request, skip=active)) is not None:
+        return Plan("continued", found[0], agree=found[1])
+    return Plan("new", None)
 
 
-def _new(store: Store, system: str | None, messages: Sequence[Said], origin: str) -> Placement:
-    session = store.create_session(title=title_for(messages), system=system, origin=origin)
-    first_new = _append(store, session["id"], messages)
-    return Placement(session["id"], first_new, "new")
-
-
-def _append(store: Store, session_id: str, messages: Sequence[Said]) -> int:
-    """Commit `messages` to the session; the index of the first (or of the answer to come)."""
-    first = None
-    for m in messages:
-        index = store.append_message(session_id, m.role, m.content, tool_calls=m.tool_calls or None,
-                                     tool_call_id=m.tool_call_id)
-        first = index if first is None else first
-    if first is None:
-        first = len(store.messages(session_id))
-    return first
-
-
-def _pinned(store: Store, turns: Turns, system: str | None, messages: Sequence[Said],
-            session_id: str, *, rewind: bool) -> Placement:
-    session = store.get_session(session_id)
-    if session is None:
+def _pinned(chains: Chains, active: Container[str], system: str | None, count: int, request: Sequence[bytes],
+            session_id: str, *, rewind: bool) -> Plan:
+    if session_id not in chains:
         raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r} (deleted?); "
                            "send the request without pinning a session to start a new one")
-    if session_id in turns.active:
+    if session_id in active:
         raise RequestError(p.BUSY, f"session {session_id} is answering another request; "
                            "wait for it to finish or cancel it")
-    stored = _said(store.messages(session_id))
-    agree = divergence([Said.of(m) for m in stored], messages)
+    stored = chains.said_count(session_id)
+    agree = chains.agree(session_id, request)
+    new_system = chains.system_of(session_id) != system
     if not rewind:
         offset = 1 if system is not None else 0  # the request's messages[] count its system message
-        if session["system"] != system:
+        if new_system:
             raise Diverged(session_id, 0, "its system prompt (messages[0])" if system is not None
                            else "its system prompt (the session has one; the request has none)")
-        if agree < len(stored):
-            raise Diverged(session_id, agree + offset, f"messages[{agree + offset}]" if agree < len(messages)
-                           else f"the end of its messages (the session holds {len(stored)}, the request "
-                           f"{len(messages)})")
-    if session["system"] != system:
-        store.update_session(session_id, system=system)
-        turns.system_changed(session_id, session["message_count"])
-    if agree < len(stored):
-        # The request says something else from here on: the pinned session is rewound, like chat.edit.
-        turns.rewind(session_id, stored[agree]["index"])
-    first_new = _append(store, session_id, messages[agree:])
-    return Placement(session_id, first_new, "pinned")
+        if agree < stored:
+            raise Diverged(session_id, agree + offset, f"messages[{agree + offset}]" if agree < count
+                           else f"the end of its messages (the session holds {stored}, the request "
+                           f"{count})")
+    # A pinned request that says something else from `agree` on rewinds the session, like chat.edit.
+    return Plan("pinned", session_id, agree=agree,
+                rewind_from=chains.index_of(session_id, agree) if agree < stored else None,
+                new_system=new_system)
+
+
+async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinned: str | None = None, *,
+                rewind: bool = False, origin: str = "api") -> Placement:
+    """Place the request and have the turn core write its messages there.
+
+    `messages` are the conversation's user, assistant and tool messages;
+    `system` the request's system prompt. A session the plan names that the
+    turn core does not hold yet is loaded first, and the plan made again
+    (something may have changed meanwhile); the plan and its application
+    then run in one step of the event loop, so nothing can start a turn in
+    between.
+    """
+    chains = turns.transcripts.chains
+    root = chains.system_of(pinned) if pinned is not None and pinned in chains else system
+    request = await anyio.to_thread.run_sync(links, root, messages)
+    while True:
+        decision = plan(turns.transcripts.chains, turns.active, system, len(messages), request, pinned,
+                        rewind=rewind)
+        if decision.session_id is None or turns.transcripts.get(decision.session_id) is not None:
+            break
+        await turns.hold(decision.session_id)
+    new: Held | None = None
+    if decision.session_id is None and len(messages) > 1:  # a long new conversation: built off the loop
+        session_id = new_session_id()
+        new = await anyio.to_thread.run_sync(
+            lambda: prepared(session_id, system, [m.for_template() for m in messages]))
+    session_id, first_new = turns.apply(
+        decision.session_id, system=system,
+        messages=[] if new is not None else [m.for_template() for m in messages[decision.agree:]],
+        rewind_from=decision.rewind_from, new_system=decision.new_system,
+        title=title_for(messages), origin=origin,
+        links=None if decision.new_system or root != system else request[decision.agree:], prepared=new)
+    return Placement(session_id, first_new, decision.kind)

@@ -2,7 +2,7 @@
 
 A thin layer: it checks the handshake, keeps one bounded outbox per client
 (connection.py), turns each frame into a typed request (protocol/requests.py) and
-calls the session store or the turn core (turns.py). Answers are turns,
+calls the turn core (turns.py), which owns the sessions' store. Answers are turns,
 owned by the daemon, so a client that goes away does not stop one.
 """
 
@@ -37,7 +37,7 @@ from protocol.requests import (
     parse_request,
 )
 from protocol.shapes import merge, resolve
-from sessions import KEEP, Keep, Session, Store, is_disk_full
+from sessions import KEEP, Keep, Session, is_disk_full
 
 from .. import __version__
 from ..config import Config
@@ -52,11 +52,10 @@ log = logging.getLogger("kvd.server")
 
 
 class WebSocketDoor:
-    def __init__(self, config: Config, store: Store, engine: Engine, turns: Turns, token: str,
+    def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
                  loading: LoadingWatch, status: Callable[[], Awaitable[dict[str, Any]]]):
         self.config = config
         self.limits = config.request_limits()
-        self.store = store
         self.engine = engine
         self.turns = turns
         self._token = token
@@ -131,32 +130,34 @@ class WebSocketDoor:
             elif isinstance(req, Status):
                 conn.start_slow(rid, lambda: self._reply_status(conn, rid))
             elif isinstance(req, SessionCreate):
-                session = self.store.create_session(title=req.title, system=req.system, origin=req.origin)
+                session = await self.turns.transcripts.create_session(title=req.title, system=req.system,
+                                                                      origin=req.origin)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
             elif isinstance(req, SessionList):
+                sessions = await self.turns.transcripts.read(lambda store: store.list_sessions())
                 conn.publish({"type": p.SESSIONS, "id": rid,
-                              "sessions": [self._session_object(s) for s in self.store.list_sessions()]})
+                              "sessions": [self._session_object(s) for s in sessions]})
             elif isinstance(req, SessionGet):
-                session = self.turns.session(req.session, rid)
+                session = await self.turns.session(req.session, rid)
+                messages = await self.turns.transcripts.read(lambda store: store.messages(req.session))
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session),
-                              "messages": [wire.message_object(m) for m in self.store.messages(req.session)]})
+                              "messages": [wire.message_object(m) for m in messages]})
             elif isinstance(req, SessionUpdate):
-                self._session_update(conn, req)
+                await self._session_update(conn, req)
             elif isinstance(req, SessionDelete):
-                self.turns.check_idle(req.session, req.id)
-                self.store.delete_session(req.session)
-                self.engine.forget(req.session)  # queued behind any turn that is still keeping its cache
+                await self.turns.delete_session(req.session, req.id)
                 conn.publish({"type": p.OK, "id": req.id})
             elif isinstance(req, ChatAttach):
-                self._chat_attach(conn, req)
+                await self._chat_attach(conn, req)
             elif isinstance(req, ChatSend):
-                self.turns.send(conn, req.id, req.session, req.text, **_sampling(req))
+                await self.turns.send(conn, req.id, req.session, req.text, **_sampling(req))
             elif isinstance(req, ChatRegenerate):
-                self.turns.regenerate(conn, req.id, req.session, **_sampling(req))
+                await self.turns.regenerate(conn, req.id, req.session, **_sampling(req))
             elif isinstance(req, ChatEdit):
-                self.turns.edit(conn, req.id, req.session, req.message_index, req.text, **_sampling(req))
+                await self.turns.edit(conn, req.id, req.session, req.message_index, req.text, **_sampling(req))
             elif isinstance(req, ChatCancel):
-                self.turns.session(req.session, rid)
+                if req.session not in self.turns.active:
+                    await self.turns.session(req.session, rid)
                 self.turns.cancel(req.session)
                 conn.publish({"type": p.OK, "id": rid})
         except RequestError as e:
@@ -179,28 +180,28 @@ class WebSocketDoor:
             tier = self.engine.stats.get("locations", {}).get(session["id"], p.NO_CACHE)
         return wire.session_object(session, tier)
 
-    def _session_update(self, conn: Connection, req: SessionUpdate) -> None:
-        session = self.turns.session(req.session, req.id)
+    async def _session_update(self, conn: Connection, req: SessionUpdate) -> None:
+        session = await self.turns.session(req.session, req.id)
         params = KEEP if isinstance(req.params, Keep) else merge(session["params"], req.params)
         system = req.system  # one Keep (common/keep.py) on the wire and in the store
         new_system = system is not KEEP and system != session["system"]
         if new_system:
             self.turns.check_idle(req.session, req.id)  # the running turn would keep the old prompt's ids
-        self.store.update_session(req.session, title=req.title,
-                                  system=system, params=params)
-        if new_system:
-            self.turns.system_changed(req.session, session["message_count"])
+        fields = {k: v for k, v in (("title", req.title), ("system", system), ("params", params))
+                  if not isinstance(v, Keep)}
+        await self.turns.transcripts.update_session(req.session, fields=fields, new_system=new_system)
         conn.publish({"type": p.SESSION, "id": req.id,
-                      "session": self._session_object(self.turns.session(req.session, req.id))})
+                      "session": self._session_object(await self.turns.session(req.session, req.id))})
 
     async def _reply_status(self, conn: Connection, rid: Any) -> None:
         conn.publish({"type": p.STATUS, "id": rid, **await self._status()})
 
-    def _chat_attach(self, conn: Connection, req: ChatAttach) -> None:
-        self.turns.session(req.session, req.id)
+    async def _chat_attach(self, conn: Connection, req: ChatAttach) -> None:
+        if req.session not in self.turns.active:
+            await self.turns.session(req.session, req.id)
         turn = self.turns.active.get(req.session)
         if turn is None:
-            messages = self.store.messages(req.session)
+            messages = await self.turns.transcripts.read(lambda store: store.messages(req.session))
             conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session,
                           "generating": False, "message": wire.message_object(messages[-1]) if messages else None})
             return
