@@ -294,7 +294,7 @@ def _read_data(f: io.FileIO, piece: FileSpan, offsets: list[tuple[int, int, str]
     row = capacity * dim * itemsize
     _check_offsets(offsets, piece, heads * run)
     pos = 0
-    for begin, end, name in offsets:
+    for _, end, name in offsets:
         layer, which = name[1:].split(".")
         view = views[int(layer)][int(which)]
         for h in range(heads):

@@ -329,9 +329,8 @@ class PageIn:
             for v in files:
                 v.close()
         if bad is not None:
-            k, e = bad
             self.stats.dropped_corrupt += 1
-            self._dropped(r.key, r.plan.rows[k], e)
+            self._dropped(r.key, r.plan.rows[bad[0]], bad[1])
         if not snaps:
             self._end(r, None)
             return
