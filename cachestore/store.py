@@ -198,6 +198,11 @@ class SessionCaches:
         """Call `fn` on the I/O worker once every disk job queued so far is done; it must not block."""
         self._io.submit(fn)
 
+    def before_reads(self, fn: Callable[[], object]) -> None:
+        """Call `fn` on the I/O worker's reader before any read asked for after this (a test holds
+        the reader with it, to show what runs while a read is under way)."""
+        self._io.read(fn)
+
     def _settle(self) -> None:
         """Take in the worker's reports (disktier.py) and the reader's: a read's next step, or its end."""
         for report in self._disktier.settle():

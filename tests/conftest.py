@@ -56,7 +56,8 @@ TIERS: dict[str, frozenset[str]] = {
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",
         "test_kvchat_commands", "test_kvchat_daily", "test_loading", "test_openai_http", "test_openai_json",
         "test_openai_tools",
-        "test_packing", "test_quantized", "test_resume", "test_security", "test_session_requests", "test_shared",
+        "test_packing", "test_quantized", "test_restore_admission", "test_resume", "test_security",
+        "test_session_requests", "test_shared",
         "test_speculate",
     }),
     "e2e": frozenset({
