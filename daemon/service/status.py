@@ -81,13 +81,24 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     table = Table(show_edge=False)
     for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
         table.add_column(col, justify="left" if col == "tier" else "right")
+    running = status.get("tiers", {}).get("running")
+    if running is not None:
+        # Running caches count against the resident budget: what the admitted turns' caches may
+        # reach (prompt plus max_tokens), beside the idle resident caches.
+        table.add_row("running", str(status.get("generating", 0)), _human(running["bytes"]),
+                      f"{_human(running['budget'])}*", "", "", "", "")
     for name in p.TIERS:
         t = status.get("tiers", {}).get(name)
         if t is None:
             continue
-        table.add_row(name, str(t["sessions"]), _human(t["bytes"]), _human(t["budget"]),
+        budget = _human(t["budget"]) + ("*" if name == "resident" and running is not None else "")
+        table.add_row(name, str(t["sessions"]), _human(t["bytes"]), budget,
                       str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
     console.print(table)
+    if running is not None:
+        console.print(f"* one budget: running and resident caches together stay within "
+                      f"{_human(running['budget'])} (cache.resident_bytes); running counts what each "
+                      "admitted turn's cache may reach, its prompt plus max_tokens", soft_wrap=True)
     disk = status.get("tiers", {}).get("disk") or {}
     if "blocks" in disk:
         console.print(f"disk blocks: {disk['blocks']} of {disk['block_tokens']} tokens, "
