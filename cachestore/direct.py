@@ -41,7 +41,7 @@ from .errors import ChecksumMismatch, CorruptSegment, SegmentMissing, SegmentTru
 from .segformat import Hasher
 from .segread import check_header, hasher_for, read_raw_header
 
-__all__ = ["Buffers", "Direct", "FileSpan", "Filled", "Scan", "allocate", "capacity", "fill", "finish",
+__all__ = ["Allocation", "Buffers", "Direct", "FileSpan", "Filled", "Scan", "allocate", "capacity", "fill", "finish",
            "read_direct", "scan"]
 
 STEP = KVCache.step  # mlx-lm grows a KVCache by this many tokens at a time
@@ -167,27 +167,56 @@ def scan(pieces: Sequence[FileSpan], *, fingerprint: str) -> Scan | None:
 
 
 def allocate(found: Scan, room: int) -> Buffers | None:
-    """The live cache's buffers for a scanned chain, with room for `room` more tokens (engine thread:
-    MLX); None if MLX does not expose them as plain bytes (the general path reads the chain then)."""
-    assert found.shape is not None and found.pieces
-    layers, heads, dim, dtype = found.shape
-    size = capacity(max(p.end for p in found.pieces), room)
-    arrays = [(mx.zeros((1, heads, size, dim), _DTYPE[dtype]),
-               mx.zeros((1, heads, size, dim), _DTYPE[dtype])) for _ in range(layers)]
-    mx.eval(arrays)
-    views = []
-    for k, v in arrays:
-        # Fresh, evaluated, referenced by nothing else yet: MLX's buffer protocol
-        # exposes its memory, which readinto fills in place (on the reader: the
-        # bytes are written there, no MLX call is made off the engine thread).
-        kv, vv = memoryview(k).cast("B"), memoryview(v).cast("B")  # type: ignore[arg-type]
-        views.append((kv, vv))
-        if not (kv.contiguous and vv.contiguous and kv.nbytes == k.nbytes == vv.nbytes):
-            for a, b in views:
-                a.release()
-                b.release()
+    """The live cache's buffers for a scanned chain, with room for `room` more tokens, all at once
+    (engine thread: MLX); None if MLX does not expose them as plain bytes (the general path reads
+    the chain then)."""
+    alloc = Allocation(found, room)
+    while (got := alloc.step(None)) is None:
+        pass
+    return got if isinstance(got, Buffers) else None
+
+
+class Allocation:
+    """The live cache's buffers, made a few at a time (engine thread: MLX).
+
+    Making a buffer writes all of it (MLX has no uninitialised array), at
+    memory speed: ~0.1-0.3 s for 500 MB on a small CPU. Between two decode
+    steps the engine makes at most `step`'s bytes' worth (whole buffers,
+    one layer's keys or values each), so a large restore delays every other
+    session by a little at a time, not by all of it at once.
+    """
+
+    def __init__(self, found: Scan, room: int) -> None:
+        assert found.shape is not None and found.pieces
+        self.layers, self.heads, self.dim, self.dtype = found.shape
+        self.capacity = capacity(max(p.end for p in found.pieces), room)
+        self.arrays: list[mx.array] = []
+
+    def step(self, nbytes: int | None) -> Buffers | bool | None:
+        """Make buffers worth at least `nbytes` (None: all); the Buffers once all are made, None
+        while more are to come, False if MLX does not expose them as plain bytes."""
+        made = 0
+        while len(self.arrays) < 2 * self.layers and (nbytes is None or made < nbytes):
+            a = mx.zeros((1, self.heads, self.capacity, self.dim), _DTYPE[self.dtype])
+            mx.eval(a)
+            self.arrays.append(a)
+            made += a.nbytes
+        if len(self.arrays) < 2 * self.layers:
             return None
-    return Buffers(arrays, views, size)
+        arrays = list(zip(self.arrays[0::2], self.arrays[1::2], strict=True))
+        views = []
+        for k, v in arrays:
+            # Fresh, evaluated, referenced by nothing else yet: MLX's buffer protocol
+            # exposes its memory, which readinto fills in place (on the reader: the
+            # bytes are written there, no MLX call is made off the engine thread).
+            kv, vv = memoryview(k).cast("B"), memoryview(v).cast("B")  # type: ignore[arg-type]
+            views.append((kv, vv))
+            if not (kv.contiguous and vv.contiguous and kv.nbytes == k.nbytes == vv.nbytes):
+                for x, y in views:
+                    x.release()
+                    y.release()
+                return False
+        return Buffers(arrays, views, self.capacity)
 
 
 def fill(found: Scan, buffers: Buffers, *, fingerprint: str) -> Filled:

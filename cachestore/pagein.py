@@ -45,6 +45,7 @@ Later = Callable[[Callable[[SegmentIndex], object], str | None], None]
 Dropped = Callable[[str, DiskRow, CorruptSegment], None]
 
 PREFETCH_ROOM = 64  # tokens a prefetched live cache can take before it grows: a typical next message
+ALLOC_STEP = 16 << 20  # bytes of a restore's buffers made between two engine steps (direct.Allocation)
 
 
 @dataclass
@@ -69,7 +70,9 @@ class Reading:
     use: bool  # a turn's restore (a use: counted, the blocks touched); a prefetch's is not
     live: bool  # into live caches; else into a snapshot (warm)
     started: float
-    stage: str = "scan"  # "scan" -> "fill" (direct), or "verify" (the general path)
+    stage: str = "scan"  # "scan" -> "alloc" -> "fill" (direct), or "verify" (the general path)
+    scan: direct.Scan | None = None
+    allocation: direct.Allocation | None = None  # the live buffers, made a few per engine step
     buffers: direct.Buffers | None = None
     abandoned: bool = False
     done: bool = False
@@ -256,10 +259,16 @@ class PageIn:
     def abandon(self, r: Reading) -> None:
         """Nobody wants this reading any more (its turn was cancelled): its result is dropped."""
         r.abandoned = True
+        if r.stage == "alloc":  # nothing of it is with the reader: it ends here
+            r.allocation = None
+            self._end(r, None)
 
     def reading(self) -> bool:
         """Whether any read is in flight."""
         return bool(self._reading)
+
+    def allocating(self, r: Reading) -> bool:
+        return r.stage == "alloc" and not r.done
 
     def _submit(self, r: Reading, job: Callable[[], object]) -> None:
         rid = r.id
@@ -285,12 +294,35 @@ class PageIn:
             self._bad(r, found.bad)
             self._end(r, None)
             return
-        r.buffers = direct.allocate(found, r.room)
-        if r.buffers is None:
+        r.stage = "alloc"
+        r.scan = found
+        r.allocation = direct.Allocation(found, r.room)
+        self._allocate(r)
+
+    def allocate(self, *, all_of_it: bool = False) -> None:
+        """Make the next few buffers of the readings waiting for them (once per engine step), or
+        all of them (a caller that waits for the read anyway)."""
+        for r in [r for r in self._reading.values() if r.stage == "alloc"]:
+            try:
+                self._allocate(r, all_of_it=all_of_it)
+            except Exception:
+                log.exception("reading the cache of %s failed; it will prefill instead", r.key)
+                r.allocation = None
+                self._end(r, None)
+
+    def _allocate(self, r: Reading, *, all_of_it: bool = False) -> None:
+        assert r.allocation is not None and r.scan is not None
+        got = r.allocation.step(None if all_of_it else ALLOC_STEP)
+        if got is None:
+            return  # more next step
+        r.allocation = None
+        if got is False:
             self._verify(r)
             return
+        assert isinstance(got, direct.Buffers)
+        r.buffers = got
         r.stage = "fill"
-        buffers, fingerprint = r.buffers, self.fingerprint
+        found, buffers, fingerprint = r.scan, r.buffers, self.fingerprint
         self._submit(r, lambda: direct.fill(found, buffers, fingerprint=fingerprint))
 
     def _filled(self, r: Reading, filled: direct.Filled) -> None:

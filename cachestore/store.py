@@ -219,6 +219,9 @@ class SessionCaches:
     def _wait(self, r: Reading) -> None:
         """Wait for a read here (a checkout or prefetch asked to wait: tools, tests, ranks in lockstep)."""
         while not r.done:
+            if self._disk.allocating(r):
+                self._disk.allocate(all_of_it=True)
+                continue
             self._read_event.wait()
             self._read_event.clear()
             self._settle()
@@ -275,9 +278,10 @@ class SessionCaches:
 
     def restored(self) -> list[tuple[str, Checkout]]:
         """The checkouts whose disk read ended since the last call, by session (engine thread)."""
-        if not self._restoring:
+        if not self._restoring and self._prefetching is None:
             return []
         self._settle()
+        self._disk.allocate()  # the next few buffers of the reads waiting for theirs
         out = []
         for key, pending in list(self._restoring.items()):
             if pending.reading.done:
