@@ -4,17 +4,24 @@
 longest prefix of the wanted ids: the session's own chain (its blocks, then
 its private segments) or the blocks any session wrote whose keys are the
 wanted ids' own, as the block table's walk found them (table.py).
-`PageIn.restore` reads a plan into live caches (straight into their
-buffers for plain KV, direct.py; else read, merged, restored);
-a file that fails verification is reported to the store (`dropped`), which
-unlists it and what follows it, so the session prefills from there.
+`PageIn.begin` starts reading a plan and returns at once: the I/O worker's
+reader does the reading (ioworker.py), and `arrived` takes in each of its
+reports on the engine thread. Plain KV goes the direct way (direct.py): the
+reader checks the headers, the engine makes the live buffers (`allocate`, a
+few per engine step), the reader reads the data into them, the engine wraps
+them in live caches. Other layouts: the reader checks each file (checksum,
+header), the engine has MLX load them from the pages just read, and merges
+them. A file that fails verification is reported to the store (`dropped`),
+which unlists it and what follows it, so the session prefills from there.
 `prefetch_plan` and `prefetch` page sessions only on disk into free memory
-after a start, before anyone asks.
+after a start, before anyone asks, by the same reads.
 
-Its own module because these are the engine thread's only file reads, a
-job with its own failure handling that needs none of the tiers' bookkeeping.
-It keeps its own statistics (the I/O worker keeps its own; the store merges
-them on read) and changes no state of the store's.
+Decide in one place, execute in another, acknowledge back (SGLang's
+HiRadixCache loads the same way): the engine plans and owns each `Reading`;
+the reader gets copies of what it needs (the files, views of the buffers)
+and answers by the reading's id, so the two threads share nothing mutable.
+It keeps its own statistics (the I/O worker's writer keeps its own; the
+store merges them on read) and changes no state of the store's.
 """
 
 from __future__ import annotations

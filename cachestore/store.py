@@ -1,12 +1,13 @@
 """Every session's cache across the tiers: resident, warm, disk.
 
 Runs on the engine thread (it holds live MLX caches), except the disk
-writes: the engine thread only evaluates what a turn writes, and the I/O
-worker (ioworker.py) runs writeback.py's half of the store, so no decode
-step waits on disk (warm.py lays out the warm tier; pagein.py reads disk
-back and prefetches). Each thread has its own connection to the index; every
-index write after start-up runs on the worker, in the order the engine
-asked for it. The policy:
+writes and reads: the engine thread only evaluates what a turn writes, and
+the I/O worker (ioworker.py) runs writeback.py's half of the store; a
+restore or prefetch from disk is planned here and read by the worker's
+reader (pagein.py), and `restored()` hands out the checkouts whose read has
+reported, so no decode step waits on disk (warm.py lays out the warm tier).
+Each thread has its own connection to the index; every index write after
+start-up runs on the worker, in the order the engine asked for it. The policy:
 
 - After a turn, the session's live cache is *resident*, and what the turn
   added is written *behind* it to disk: the whole blocks it completed (see
