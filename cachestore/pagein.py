@@ -274,6 +274,9 @@ class PageIn:
         """Whether any read is in flight."""
         return bool(self._reading)
 
+    def any_allocating(self) -> bool:
+        return any(r.stage == "alloc" for r in self._reading.values())
+
     def allocating(self, r: Reading) -> bool:
         return r.stage == "alloc" and not r.done
 

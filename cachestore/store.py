@@ -283,6 +283,8 @@ class SessionCaches:
             return []
         self._settle()
         self._disk.allocate()  # the next few buffers of the reads waiting for theirs
+        if self._disk.any_allocating() and (wake := self.on_read) is not None:
+            wake()  # more next step, even if nothing else would wake the engine
         out = []
         for key, pending in list(self._restoring.items()):
             if pending.reading.done:

@@ -192,3 +192,40 @@ def test_sessions_whose_caches_exceed_the_budget_run_within_it_exactly(tmp_path:
     assert {d.usage["restored_from"] for d in done2} <= {"resident", "warm", "disk"}
     for d in [*done1, *done2]:
         assert_exact(tmp_path, d)
+
+
+def test_a_running_engine_restores_a_cache_made_a_buffer_per_step(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing else to step, the engine thread still makes a restore's buffers one slice after
+    another (it wakes itself for the next): the turn ends though the idle wait is an hour long."""
+    import cachestore.pagein
+    import daemon.engine.thread
+
+    monkeypatch.setattr(cachestore.pagein, "ALLOC_STEP", 1)  # one buffer per engine step
+    monkeypatch.setattr(daemon.engine.thread, "MAINTAIN_EVERY", 3600.0)
+    a = "d" * 16
+    before = loaded(config(tmp_path))
+    events: list[EngineEvent] = []
+    before.submit(first_turn(before, a, LONG, events, max_tokens=8))
+    while (first := ended(events)) is None:
+        before.step()
+    before.close()
+    e = Engine(config(tmp_path, prefetch=False))
+    e.start()
+    assert e.ready.wait(120)
+    finished = threading.Event()
+    got: list[EngineEvent] = []
+
+    def emit(event: EngineEvent) -> None:
+        got.append(event)
+        if isinstance(event, Done):
+            finished.set()
+
+    job = next_turn(e, a, LONG, events, first, max_tokens=8)
+    job.emit = emit
+    e.submit(job)
+    assert finished.wait(120)
+    e.stop()
+    end = ended(got)
+    assert end is not None and end.usage["restored_from"] == "disk"
+    assert_exact(tmp_path, end)
