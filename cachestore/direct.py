@@ -28,6 +28,7 @@ buffer format) returns ``None`` and the caller uses the general path.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,28 +181,42 @@ class Allocation:
     """The live cache's buffers, made a few at a time (engine thread: MLX).
 
     Making a buffer writes all of it (MLX has no uninitialised array), at
-    memory speed: ~0.1-0.3 s for 500 MB on a small CPU. Between two decode
-    steps the engine makes at most `step`'s bytes' worth (whole buffers,
-    one layer's keys or values each), so a large restore delays every other
-    session by a little at a time, not by all of it at once.
+    memory speed, and the first touch of fresh memory costs more: 0.1-0.7 s
+    for 500 MB on a small loaded CPU. So the engine launches each buffer's
+    fill on a stream of its own (`stream`: MLX runs it beside the decode
+    steps) and waits for it only at its next step, launching the next
+    meanwhile, at most `nbytes` at a time: a large restore delays the other
+    sessions by what is left of one buffer's fill per step, not by all of it.
     """
 
-    def __init__(self, found: Scan, room: int) -> None:
+    def __init__(self, found: Scan, room: int, stream: Any = None) -> None:
         assert found.shape is not None and found.pieces
         self.layers, self.heads, self.dim, self.dtype = found.shape
         self.capacity = capacity(max(p.end for p in found.pieces), room)
-        self.arrays: list[mx.array] = []
+        self.stream = stream
+        self.arrays: list[mx.array] = []  # made (evaluated)
+        self.launched: list[mx.array] = []  # being filled on `stream`
 
     def step(self, nbytes: int | None) -> Buffers | bool | None:
-        """Make buffers worth at least `nbytes` (None: all); the Buffers once all are made, None
-        while more are to come, False if MLX does not expose them as plain bytes."""
-        made = 0
-        while len(self.arrays) < 2 * self.layers and (nbytes is None or made < nbytes):
-            a = mx.zeros((1, self.heads, self.capacity, self.dim), _DTYPE[self.dtype])
-            mx.eval(a)
-            self.arrays.append(a)
-            made += a.nbytes
-        if len(self.arrays) < 2 * self.layers:
+        """Wait for the buffers launched last step, launch the next worth at least `nbytes` (None:
+        make all now); the Buffers once all are made, None while more are to come, False if MLX
+        does not expose them as plain bytes."""
+        if self.launched:
+            mx.eval(self.launched)
+            self.arrays += self.launched
+            self.launched = []
+        todo = 2 * self.layers - len(self.arrays)
+        if todo and nbytes is None:
+            self.arrays += [self._zeros() for _ in range(todo)]
+            mx.eval(self.arrays)
+        elif todo and nbytes is not None:
+            made = 0
+            while len(self.arrays) + len(self.launched) < 2 * self.layers and made < nbytes:
+                with mx.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                    a = self._zeros()
+                    mx.async_eval(a)
+                self.launched.append(a)
+                made += a.nbytes
             return None
         arrays = list(zip(self.arrays[0::2], self.arrays[1::2], strict=True))
         views = []
@@ -217,6 +232,9 @@ class Allocation:
                     y.release()
                 return False
         return Buffers(arrays, views, self.capacity)
+
+    def _zeros(self) -> mx.array:
+        return mx.zeros((1, self.heads, self.capacity, self.dim), _DTYPE[self.dtype])
 
 
 def fill(found: Scan, buffers: Buffers, *, fingerprint: str) -> Filled:

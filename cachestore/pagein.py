@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from common.tokenids import pack_tokens
 
@@ -146,6 +147,7 @@ class PageIn:
         self.clock = clock
         self._read = read
         self._reading: dict[int, Reading] = {}  # in flight, by id
+        self._stream: Any = None  # MLX's stream that restores' buffers are filled on
         self._next = 0
 
     def plan(self, key: str, wanted: Sequence[int], limit: int, walk: Walk) -> DiskPlan:
@@ -306,7 +308,11 @@ class PageIn:
             return
         r.stage = "alloc"
         r.scan = found
-        r.allocation = direct.Allocation(found, r.room)
+        if self._stream is None:
+            import mlx.core as mx
+
+            self._stream = mx.new_stream(mx.default_device())  # buffers filled beside the decode
+        r.allocation = direct.Allocation(found, r.room, self._stream)
         self._allocate(r)
 
     def allocate(self, *, all_of_it: bool = False) -> None:
