@@ -125,4 +125,3 @@ def fit_advice(prompt: int, context: int, *, history: bool = True) -> str:
     if room >= MIN_ANSWER:
         return f"lower max_tokens to {room} or less, or {new}"
     return new
-
