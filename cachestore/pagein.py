@@ -243,6 +243,9 @@ class PageIn:
         got = report.payload
         if r.abandoned:
             _discard(got)
+            if r.buffers is not None:
+                direct.finish(r.buffers, direct.Filled(0, 0, None))  # the views released
+                r.buffers = None
             self._end(r, None)
             return r
         try:
