@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +43,8 @@ from .errors import ChecksumMismatch, CorruptSegment, SegmentMissing, SegmentTru
 from .segformat import Hasher
 from .segread import check_header, hasher_for, read_raw_header
 
-__all__ = ["Allocation", "Buffers", "Direct", "FileSpan", "Filled", "Scan", "allocate", "capacity", "fill", "finish",
-           "read_direct", "scan"]
+__all__ = ["Allocation", "Buffers", "Direct", "FileSpan", "FillRate", "Filled", "Scan", "allocate", "capacity",
+           "fill", "finish", "read_direct", "scan"]
 
 STEP = KVCache.step  # mlx-lm grows a KVCache by this many tokens at a time
 _ITEMSIZE = {"F32": 4, "F16": 2}
@@ -177,32 +178,57 @@ def allocate(found: Scan, room: int) -> Buffers | None:
     return got if isinstance(got, Buffers) else None
 
 
+@dataclass
+class FillRate:
+    """How fast buffers have been filled: the wait before an `Allocation` takes one in.
+
+    Lowered to what a fill that made the engine wait really took; raised a
+    little after each that was ready in time, so it follows the machine.
+    """
+
+    bytes_per_s: float = 1e9
+
+    def took(self, nbytes: int, seconds: float, *, waited: float) -> None:
+        if waited > 0.001:
+            self.bytes_per_s = max(nbytes / max(seconds, 1e-6), 1e6)
+        else:
+            self.bytes_per_s *= 1.25
+
+
 class Allocation:
     """The live cache's buffers, made a few at a time (engine thread: MLX).
 
     Making a buffer writes all of it (MLX has no uninitialised array), at
     memory speed, and the first touch of fresh memory costs more: 0.1-0.7 s
     for 500 MB on a small loaded CPU. So the engine launches each buffer's
-    fill on a stream of its own (`stream`: MLX runs it beside the decode
-    steps) and waits for it only at its next step, launching the next
-    meanwhile, at most `nbytes` at a time: a large restore delays the other
-    sessions by what is left of one buffer's fill per step, not by all of it.
+    fill with `async_eval` on a stream of its own (`stream`: MLX runs it
+    beside the decode steps), at most `nbytes` at a time, and waits for it
+    (`eval`) only once it should be done at the rate fills have gone at so far
+    (`FillRate`, shared by the allocations of one store): a large restore
+    then delays the other sessions' steps by little, not by all of it.
     """
 
-    def __init__(self, found: Scan, room: int, stream: Any = None) -> None:
+    def __init__(self, found: Scan, room: int, stream: Any = None, rate: FillRate | None = None) -> None:
         assert found.shape is not None and found.pieces
         self.layers, self.heads, self.dim, self.dtype = found.shape
         self.capacity = capacity(max(p.end for p in found.pieces), room)
         self.stream = stream
+        self.rate = rate or FillRate()
         self.arrays: list[mx.array] = []  # made (evaluated)
         self.launched: list[mx.array] = []  # being filled on `stream`
+        self.since = 0.0  # when they were launched
 
     def step(self, nbytes: int | None) -> Buffers | bool | None:
-        """Wait for the buffers launched last step, launch the next worth at least `nbytes` (None:
-        make all now); the Buffers once all are made, None while more are to come, False if MLX
-        does not expose them as plain bytes."""
+        """Take in the buffers launched before once they should be filled, and launch the next,
+        worth at least `nbytes` (None: make all now); the Buffers once all are made, None while
+        more are to come, False if MLX does not expose them as plain bytes."""
         if self.launched:
+            size = sum(a.nbytes for a in self.launched)
+            if nbytes is not None and time.perf_counter() - self.since < size / self.rate.bytes_per_s:
+                return None  # not yet: the decode steps go on meanwhile
+            t0 = time.perf_counter()
             mx.eval(self.launched)
+            self.rate.took(size, time.perf_counter() - self.since, waited=time.perf_counter() - t0)
             self.arrays += self.launched
             self.launched = []
         todo = 2 * self.layers - len(self.arrays)
@@ -217,6 +243,7 @@ class Allocation:
                     mx.async_eval(a)
                 self.launched.append(a)
                 made += a.nbytes
+            self.since = time.perf_counter()
             return None
         arrays = list(zip(self.arrays[0::2], self.arrays[1::2], strict=True))
         views = []

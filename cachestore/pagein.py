@@ -148,6 +148,7 @@ class PageIn:
         self._read = read
         self._reading: dict[int, Reading] = {}  # in flight, by id
         self._stream: Any = None  # MLX's stream that restores' buffers are filled on
+        self._fill_rate = direct.FillRate()
         self._next = 0
 
     def plan(self, key: str, wanted: Sequence[int], limit: int, walk: Walk) -> DiskPlan:
@@ -279,9 +280,6 @@ class PageIn:
         """Whether any read is in flight."""
         return bool(self._reading)
 
-    def any_allocating(self) -> bool:
-        return any(r.stage == "alloc" for r in self._reading.values())
-
     def allocating(self, r: Reading) -> bool:
         return r.stage == "alloc" and not r.done
 
@@ -315,7 +313,7 @@ class PageIn:
             import mlx.core as mx
 
             self._stream = mx.new_stream(mx.default_device())  # buffers filled beside the decode
-        r.allocation = direct.Allocation(found, r.room, self._stream)
+        r.allocation = direct.Allocation(found, r.room, self._stream, self._fill_rate)
         self._allocate(r)
 
     def allocate(self, *, all_of_it: bool = False) -> None:

@@ -277,14 +277,14 @@ class SessionCaches:
             return Checkout(None, 0, DISK, 0.0, reading=True)
         return self._from_memory(key, wanted, t0, own, own_warm_n, other, prefetched)
 
-    def restored(self) -> list[tuple[str, Checkout]]:
-        """The checkouts whose disk read ended since the last call, by session (engine thread)."""
+    def restored(self, *, others: bool = True) -> list[tuple[str, Checkout]]:
+        """The checkouts whose disk read ended since the last call, by session (engine thread, once
+        per step). `others`: other turns are running, so the buffers reads fill are made a few per
+        call, beside their steps; with none, all at once (nobody waits on this thread meanwhile)."""
         if not self._restoring and self._prefetching is None:
             return []
         self._settle()
-        self._disk.allocate()  # the next few buffers of the reads waiting for theirs
-        if self._disk.any_allocating() and (wake := self.on_read) is not None:
-            wake()  # more next step, even if nothing else would wake the engine
+        self._disk.allocate(all_of_it=not others)
         out = []
         for key, pending in list(self._restoring.items()):
             if pending.reading.done:

@@ -194,10 +194,11 @@ def test_sessions_whose_caches_exceed_the_budget_run_within_it_exactly(tmp_path:
         assert_exact(tmp_path, d)
 
 
-def test_a_running_engine_restores_a_cache_made_a_buffer_per_step(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """With nothing else to step, the engine thread still makes a restore's buffers one slice after
-    another (it wakes itself for the next): the turn ends though the idle wait is an hour long."""
+def test_an_idle_running_engine_restores_a_cache_in_slices(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A started engine with nothing else to step makes a restore's buffers without waiting for a
+    step that would never come: the turn ends though the idle wait is an hour long and a step's
+    slice is one byte."""
     import cachestore.pagein
     import daemon.engine.thread
 

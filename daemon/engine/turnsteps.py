@@ -123,7 +123,7 @@ class TurnSteps:
         `_insert`); a turn cancelled meanwhile has left the scheduler, and its read is dropped."""
         if self.caches is None:
             return
-        for sid, out in self.caches.restored():
+        for sid, out in self.caches.restored(others=bool(self._turns.running)):
             job = self._turns.restored(sid)
             if job is None:
                 continue
