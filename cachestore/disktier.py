@@ -39,18 +39,23 @@ class DiskTier:
         self._on_idle = on_idle
         self._promised: dict[str, Promise] = {}  # disk chains as they will be once queued jobs are done
 
-    def settle(self) -> None:
+    def settle(self) -> list[object]:
         """Take in the worker's reports: the index rows its jobs changed, and which sessions have
-        nothing queued any more; `on_idle` once the worker has nothing left to do."""
+        nothing queued any more; `on_idle` once the worker has nothing left to do. Returns the
+        other reports (the reader's), in order."""
         idle = self.io.idle()  # before draining: every report of a finished job is queued by then
         done, results = self.io.settle()
+        others = []
         for news in results:
             if isinstance(news, DiskNews):
                 self.table.apply(news)
+            else:
+                others.append(news)
         for key in done:
             self._promised.pop(key, None)
         if idle:
             self._on_idle()
+        return others
 
     def later(self, job: Callable[[SegmentIndex], object], key: str | None = None) -> None:
         """An index write: run on the worker, after the jobs before it, reporting the rows it changed."""

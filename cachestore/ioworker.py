@@ -11,6 +11,14 @@ The engine side counts each session's queued jobs; the worker only reports
 finished jobs, with what each returned (the index rows it changed: the
 engine's block table mirrors them), through a queue, which the engine takes
 in with `settle()` on its own thread. Nothing mutable is shared.
+
+Reads for a restore or a prefetch run on a second thread of the worker,
+the reader (`read`): a turn waiting for its cache must not queue behind
+another session's writes, and a read changes nothing on disk, so it needs
+no place in the writes' order. It reads the files the engine's block table
+lists (indexed, so durable) into memory the engine allocated, and reports
+back like a write; `on_read` tells the engine thread a read is done so it
+wakes up to admit the turn.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ NICENESS = 10  # the worker's scheduling priority below the engine's: see IOWork
 class IOWorker:
     def __init__(self, name: str = "kvd-io"):
         self._jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._reads: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._submitted = 0
         self._done = 0
@@ -38,6 +47,8 @@ class IOWorker:
         # (close() is what drains it on a clean stop).
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
+        self.reader = threading.Thread(target=self._read_loop, name=f"{name}-read", daemon=True)
+        self.reader.start()
 
     # --- any thread ---
 
@@ -67,6 +78,20 @@ class IOWorker:
 
         return run
 
+    def read(self, job: Callable[[], object], *, done: Callable[[], None] | None = None) -> None:
+        """Run `job` on the reader, beside the writes; what it returns comes back through `settle`,
+        then `done` is called (on the reader: it must not block)."""
+        def run() -> None:
+            result: object = None
+            try:
+                result = job()
+            finally:
+                self._finished.put((None, result))
+                if done is not None:
+                    done()
+
+        self._reads.put(run)
+
     def report(self, result: object) -> None:
         """From a running job (worker thread): hand `result` to the engine's next `settle` now,
         before the job ends."""
@@ -84,18 +109,33 @@ class IOWorker:
             return self._done >= self._submitted
 
     def close(self) -> None:
-        """Run what is queued, then end the thread."""
+        """Run what is queued, then end the threads."""
+        if self.reader.is_alive():
+            self._reads.put(None)
+            self.reader.join()
         if self.thread.is_alive():
             self._jobs.put(None)
             self.thread.join()
 
-    def _run(self) -> None:
-        # Copying and checksumming a file takes CPU too; on a machine with few cores the
-        # decode's BLAS threads must win it, and the write takes the cycles they leave.
+    def _read_loop(self) -> None:
+        self._nice()  # the decoding sessions' steps go first; the read takes the cycles they leave
+        while (job := self._reads.get()) is not None:
+            try:
+                job()
+            except Exception:
+                log.exception("a cache read failed")
+
+    @staticmethod
+    def _nice() -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
         except (AttributeError, OSError):  # not Linux (per-thread niceness), or not allowed
             pass
+
+    def _run(self) -> None:
+        # Copying and checksumming a file takes CPU too; on a machine with few cores the
+        # decode's BLAS threads must win it, and the write takes the cycles they leave.
+        self._nice()
         while (job := self._jobs.get()) is not None:
             try:
                 job()

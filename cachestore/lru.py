@@ -58,6 +58,9 @@ class Tier(Generic[V]):
         self.budget = budget
         self.max_entries = max_entries
         self.nbytes = 0
+        #: Bytes of the same budget that something outside the tier holds: the caches of running
+        #: turns, which count against the resident budget too (`reserve`).
+        self.reserved = 0
         self.stats = TierStats()
         self._entries: OrderedDict[str, Entry[V]] = OrderedDict()
 
@@ -82,13 +85,25 @@ class Tier(Generic[V]):
         if key in self._entries:
             old = self._entries.pop(key)
             self.nbytes -= old.nbytes
-        if nbytes > self.budget or self.max_entries == 0:
+        if nbytes + self.reserved > self.budget or self.max_entries == 0:
             self.stats.page_outs += 1
             return [(key, value)]
         self._entries[key] = Entry(value, nbytes, now)
         self.nbytes += nbytes
-        while self.nbytes > self.budget or (self.max_entries is not None
-                                            and len(self._entries) > self.max_entries):
+        return evicted + self._fit()
+
+    def reserve(self, nbytes: int) -> list[tuple[str, V]]:
+        """Hold `nbytes` of the budget for something outside the tier (running caches, all of them
+        together); return the least recently used values that had to leave to make room."""
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        self.reserved = nbytes
+        return self._fit()
+
+    def _fit(self) -> list[tuple[str, V]]:
+        evicted: list[tuple[str, V]] = []
+        while self._entries and (self.nbytes + self.reserved > self.budget or (
+                self.max_entries is not None and len(self._entries) > self.max_entries)):
             cold, entry = self._entries.popitem(last=False)
             self.nbytes -= entry.nbytes
             self.stats.page_outs += 1
@@ -97,7 +112,7 @@ class Tier(Generic[V]):
 
     def fits(self, nbytes: int) -> bool:
         """Whether a value of `nbytes` would go in without evicting anything."""
-        return self.nbytes + nbytes <= self.budget and (
+        return self.nbytes + nbytes + self.reserved <= self.budget and (
             self.max_entries is None or len(self._entries) < self.max_entries)
 
     def offer(self, key: str, value: V, nbytes: int, now: float) -> bool:
@@ -146,4 +161,5 @@ class Tier(Generic[V]):
         return out
 
     def statistics(self) -> dict[str, Any]:
-        return {"sessions": len(self._entries), "bytes": self.nbytes, "budget": self.budget, **asdict(self.stats)}
+        return {"sessions": len(self._entries), "bytes": self.nbytes, "budget": self.budget,
+                "reserved": self.reserved, **asdict(self.stats)}

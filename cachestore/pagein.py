@@ -4,24 +4,33 @@
 longest prefix of the wanted ids: the session's own chain (its blocks, then
 its private segments) or the blocks any session wrote whose keys are the
 wanted ids' own, as the block table's walk found them (table.py).
-`PageIn.restore` reads a plan into live caches (straight into their
-buffers for plain KV, direct.py; else read, merged, restored);
-a file that fails verification is reported to the store (`dropped`), which
-unlists it and what follows it, so the session prefills from there.
+`PageIn.begin` starts reading a plan and returns at once: the I/O worker's
+reader does the reading (ioworker.py), and `arrived` takes in each of its
+reports on the engine thread. Plain KV goes the direct way (direct.py): the
+reader checks the headers, the engine makes the live buffers (`allocate`, a
+few per engine step), the reader reads the data into them, the engine wraps
+them in live caches. Other layouts: the reader checks each file (checksum,
+header), the engine has MLX load them from the pages just read, and merges
+them. A file that fails verification is reported to the store (`dropped`),
+which unlists it and what follows it, so the session prefills from there.
 `prefetch_plan` and `prefetch` page sessions only on disk into free memory
-after a start, before anyone asks.
+after a start, before anyone asks, by the same reads.
 
-Its own module because these are the engine thread's only file reads, a
-job with its own failure handling that needs none of the tiers' bookkeeping.
-It keeps its own statistics (the I/O worker keeps its own; the store merges
-them on read) and changes no state of the store's.
+Decide in one place, execute in another, acknowledge back (SGLang's
+HiRadixCache loads the same way): the engine plans and owns each `Reading`;
+the reader gets copies of what it needs (the files, views of the buffers)
+and answers by the reading's id, so the two threads share nothing mutable.
+It keeps its own statistics (the I/O worker's writer keeps its own; the
+store merges them on read) and changes no state of the store's.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from common.tokenids import pack_tokens
 
@@ -30,7 +39,7 @@ from .errors import CannotSplit, CorruptSegment
 from .index import BlockRow, SegmentIndex, SegmentRow
 from .lru import DiskStats, Tier
 from .prefix import MIN_SHARED, common_prefix_len
-from .segments import read_segment
+from .segread import Verified, load_verified, verify_segment
 from .snapshot import Snapshot, merge, restore, truncate
 from .table import BlockTable, Walk
 from .warm import Cache, WarmTier
@@ -44,6 +53,7 @@ Later = Callable[[Callable[[SegmentIndex], object], str | None], None]
 Dropped = Callable[[str, DiskRow, CorruptSegment], None]
 
 PREFETCH_ROOM = 64  # tokens a prefetched live cache can take before it grows: a typical next message
+ALLOC_STEP = 16 << 20  # bytes of a restore's buffers made between two engine steps (direct.Allocation)
 
 
 @dataclass
@@ -53,11 +63,81 @@ class DiskPlan:
     own: int  # of those, the tokens the session's own chain holds
 
 
+@dataclass
+class Reading:
+    """A restore or a prefetch in flight: what the engine planned, and how far the read has got.
+
+    Engine thread only: the reader gets copies of what it needs (the files,
+    the buffers' views) and answers with a `ReadReport` by id.
+    """
+
+    id: int
+    key: str
+    plan: DiskPlan
+    room: int
+    use: bool  # a turn's restore (a use: counted, the blocks touched); a prefetch's is not
+    live: bool  # into live caches; else into a snapshot (warm)
+    started: float
+    stage: str = "scan"  # "scan" -> "alloc" -> "fill" (direct), or "verify" (the general path)
+    scan: direct.Scan | None = None
+    allocation: direct.Allocation | None = None  # the live buffers, made a few per engine step
+    buffers: direct.Buffers | None = None
+    abandoned: bool = False
+    done: bool = False
+    result: tuple[Cache | Snapshot, int, int] | None = None  # (held, tokens held, of those the session's own)
+    ms: float = 0.0  # from `begin` to the end
+
+    def parts(self) -> list[direct.FileSpan]:
+        return [direct.FileSpan(row.path, row.checksum, row.start, row.end, min(row.end, self.plan.end))
+                for row in self.plan.rows]
+
+
+@dataclass(frozen=True)
+class ReadReport:
+    """What the reader hands back for a reading: a Scan, Filled or Checked, None (not the direct
+    path's layout), or the exception its job raised."""
+
+    id: int
+    payload: object
+
+
+@dataclass
+class Checked:
+    """The general path's files, checked by the reader and still open, and the first that failed."""
+
+    files: list[Verified]
+    bad: tuple[int, CorruptSegment] | None
+
+
+def _check(rows: Sequence[DiskRow], fingerprint: str) -> Checked:
+    """The reader's half of the general path: every file's checksum and header, no MLX."""
+    files: list[Verified] = []
+    try:
+        for k, row in enumerate(rows):
+            try:
+                files.append(verify_segment(row.path, checksum=row.checksum, fingerprint=fingerprint))
+            except CorruptSegment as e:
+                return Checked(files, (k, e))
+    except BaseException:
+        for v in files:
+            v.close()
+        raise
+    return Checked(files, None)
+
+
+def _discard(got: object) -> None:
+    if isinstance(got, Checked):
+        for v in got.files:
+            v.close()
+
+
 class PageIn:
-    """Reading session prefixes back from disk (engine thread; index writes are queued with `later`)."""
+    """Reading session prefixes back from disk: planned on the engine thread, read by the I/O
+    worker's reader (`read` hands it a job), finished on the engine thread (index writes are queued
+    with `later`)."""
 
     def __init__(self, table: BlockTable, *, fingerprint: str, later: Later, dropped: Dropped,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], read: Callable[[Callable[[], object]], None]) -> None:
         self.table = table
         self.fingerprint = fingerprint
         self.block = table.block
@@ -65,6 +145,11 @@ class PageIn:
         self._dropped = dropped
         self.stats = DiskStats()  # the engine thread's own figures
         self.clock = clock
+        self._read = read
+        self._reading: dict[int, Reading] = {}  # in flight, by id
+        self._stream: Any = None  # MLX's stream that restores' buffers are filled on
+        self._fill_rate = direct.FillRate()
+        self._next = 0
 
     def plan(self, key: str, wanted: Sequence[int], limit: int, walk: Walk) -> DiskPlan:  # noqa: C901 - 16: the one
         # place that weighs the session's own chain against the shared blocks; split, the choice would be in two
@@ -127,62 +212,202 @@ class PageIn:
         rows: list[DiskRow] = [self.table.blocks[bk].row(self.table.blocks_dir) for bk in found]
         return DiskPlan(rows, end, min(mine_blocks * self.block, end))
 
-    def restore(self, key: str, plan: DiskPlan, *, room: int, use: bool = True
-                ) -> tuple[Cache, int, int] | None:
-        """Live caches holding a plan's tokens: (cache, tokens held, of those the session's own).
+    # --- reading: planned here, read by the I/O worker's reader, finished here ---
 
-        Plain-KV caches are read straight into the live cache's buffers, with
-        room for `room` more tokens (direct.py); other layouts are read,
-        merged and restored.
+    def begin(self, key: str, plan: DiskPlan, *, room: int, use: bool = True, live: bool = True) -> Reading:
+        """Start reading a plan's files: into live caches with room for `room` more tokens (`live`),
+        else into a snapshot (a warm one). Returns at once; `arrived` finishes it.
+
+        Plain-KV chains go the direct way (direct.py): the reader checks the
+        headers, this thread allocates the live buffers at their final size,
+        the reader reads the data into them. Other layouts: the reader checks
+        every file (checksum and header), then this thread has MLX load them,
+        from the pages the check just read, and merges them.
         """
-        parts = [direct.FileSpan(row.path, row.checksum, row.start, row.end, min(row.end, plan.end))
-                 for row in plan.rows]
-        got = direct.read_direct(parts, fingerprint=self.fingerprint, room=room) if parts else None
-        if got is None:
-            merged = self.read(key, plan, use=use)
-            return (restore(merged[0]), merged[0].end, merged[1]) if merged is not None else None
-        self.stats.bytes_read += got.bytes_read
-        if got.bad is not None:
-            part, e = got.bad
-            self.stats.dropped_corrupt += 1
-            self._dropped(key, plan.rows[parts.index(part)], e)
-        if got.cache is None:
-            return None
-        if use:  # a prefetch is not a use
-            blocks = [row.block for row in plan.rows if row.start < got.tokens and isinstance(row, BlockRow)]
-            now = self.clock()
-            self._later(lambda index: index.touch_blocks(blocks, now), None)
-            self.stats.hits += 1
-            self.stats.page_ins += 1
-        return got.cache, got.tokens, min(plan.own, got.tokens)
+        self._next += 1
+        r = Reading(self._next, key, plan, room=room, use=use, live=live, started=time.perf_counter())
+        self._reading[r.id] = r
+        if not plan.rows:
+            self._end(r, None)
+        elif live:
+            parts = r.parts()
+            fingerprint = self.fingerprint
+            self._submit(r, lambda: direct.scan(parts, fingerprint=fingerprint))
+        else:
+            self._verify(r)
+        return r
 
-    def read(self, key: str, plan: DiskPlan, *, use: bool = True) -> tuple[Snapshot, int] | None:
-        """Read and merge a plan's files; a bad file ends it there (and is dropped with what follows)."""
-        snaps: list[Snapshot] = []
-        for row in plan.rows:
-            try:
-                piece = read_segment(row.path, checksum=row.checksum, fingerprint=self.fingerprint)
-            except CorruptSegment as e:
-                self.stats.dropped_corrupt += 1
-                self._dropped(key, row, e)
-                break
-            self.stats.bytes_read += row.nbytes
-            if piece.end > plan.end:
-                try:
-                    piece = truncate(piece, plan.end)
-                except CannotSplit:
-                    break
-            snaps.append(piece)
-        if not snaps:
+    def arrived(self, report: ReadReport) -> Reading | None:
+        """Take in one report of the reader: the next step of its reading, or its end (returned)."""
+        r = self._reading.get(report.id)
+        if r is None:
             return None
-        if use:  # a prefetch is not a use
-            blocks = [row.block for row in plan.rows[:len(snaps)] if isinstance(row, BlockRow)]
+        got = report.payload
+        if r.abandoned:
+            _discard(got)
+            if r.buffers is not None:
+                direct.finish(r.buffers, direct.Filled(0, 0, None))  # the views released
+                r.buffers = None
+            self._end(r, None)
+            return r
+        try:
+            if isinstance(got, BaseException):
+                raise got
+            if r.stage == "scan":
+                assert got is None or isinstance(got, direct.Scan)
+                self._scanned(r, got)
+            elif r.stage == "fill":
+                assert isinstance(got, direct.Filled)
+                self._filled(r, got)
+            else:
+                assert isinstance(got, Checked)
+                self._checked(r, got)
+        except Exception:
+            log.exception("reading the cache of %s failed; it will prefill instead", r.key)
+            if r.buffers is not None:
+                direct.finish(r.buffers, direct.Filled(0, 0, None))
+            _discard(got)
+            self._end(r, None)
+        return r if r.done else None
+
+    def abandon(self, r: Reading) -> None:
+        """Nobody wants this reading any more (its turn was cancelled): its result is dropped."""
+        r.abandoned = True
+        if r.stage == "alloc":  # nothing of it is with the reader: it ends here
+            r.allocation = None
+            self._end(r, None)
+
+    def reading(self) -> bool:
+        """Whether any read is in flight."""
+        return bool(self._reading)
+
+    def allocating(self, r: Reading) -> bool:
+        return r.stage == "alloc" and not r.done
+
+    def _submit(self, r: Reading, job: Callable[[], object]) -> None:
+        rid = r.id
+
+        def run() -> ReadReport:
+            try:
+                return ReadReport(rid, job())
+            except Exception as e:  # reported: the engine must not wait for a read that never ends
+                return ReadReport(rid, e)
+
+        self._read(run)
+
+    def _verify(self, r: Reading) -> None:
+        r.stage = "verify"
+        rows, fingerprint = list(r.plan.rows), self.fingerprint
+        self._submit(r, lambda: _check(rows, fingerprint))
+
+    def _scanned(self, r: Reading, found: direct.Scan | None) -> None:
+        if found is None:  # not a layout the direct path reads
+            self._verify(r)
+            return
+        if found.shape is None:
+            self._bad(r, found.bad)
+            self._end(r, None)
+            return
+        r.stage = "alloc"
+        r.scan = found
+        if self._stream is None:
+            import mlx.core as mx
+
+            self._stream = mx.new_stream(mx.default_device())  # buffers filled beside the decode
+        r.allocation = direct.Allocation(found, r.room, self._stream, self._fill_rate)
+        self._allocate(r)
+
+    def allocate(self, *, all_of_it: bool = False) -> None:
+        """Make the next few buffers of the readings waiting for them (once per engine step), or
+        all of them (a caller that waits for the read anyway)."""
+        for r in [r for r in self._reading.values() if r.stage == "alloc"]:
+            try:
+                self._allocate(r, all_of_it=all_of_it)
+            except Exception:
+                log.exception("reading the cache of %s failed; it will prefill instead", r.key)
+                r.allocation = None
+                self._end(r, None)
+
+    def _allocate(self, r: Reading, *, all_of_it: bool = False) -> None:
+        assert r.allocation is not None and r.scan is not None
+        got = r.allocation.step(None if all_of_it else ALLOC_STEP)
+        if got is None:
+            return  # more next step
+        r.allocation = None
+        if got is False:
+            self._verify(r)
+            return
+        assert isinstance(got, direct.Buffers)
+        r.buffers = got
+        r.stage = "fill"
+        found, buffers, fingerprint = r.scan, r.buffers, self.fingerprint
+        self._submit(r, lambda: direct.fill(found, buffers, fingerprint=fingerprint))
+
+    def _filled(self, r: Reading, filled: direct.Filled) -> None:
+        assert r.buffers is not None
+        got = direct.finish(r.buffers, filled)
+        r.buffers = None
+        self.stats.bytes_read += got.bytes_read
+        self._bad(r, got.bad)
+        if got.cache is None:
+            self._end(r, None)
+            return
+        self._used(r, [row for row in r.plan.rows if row.start < got.tokens])
+        self._end(r, (got.cache, got.tokens, min(r.plan.own, got.tokens)))
+
+    def _checked(self, r: Reading, checked: Checked) -> None:
+        snaps: list[Snapshot] = []
+        files = list(checked.files)
+        bad = checked.bad
+        try:
+            for k, v in enumerate(files):
+                row = r.plan.rows[k]
+                try:
+                    piece = load_verified(v)
+                except CorruptSegment as e:
+                    bad = (k, e)
+                    break
+                self.stats.bytes_read += row.nbytes
+                if piece.end > r.plan.end:
+                    try:
+                        piece = truncate(piece, r.plan.end)
+                    except CannotSplit:
+                        bad = None
+                        break
+                snaps.append(piece)
+        finally:
+            for v in files:
+                v.close()
+        if bad is not None:
+            self.stats.dropped_corrupt += 1
+            self._dropped(r.key, r.plan.rows[bad[0]], bad[1])
+        if not snaps:
+            self._end(r, None)
+            return
+        self._used(r, r.plan.rows[:len(snaps)])
+        merged = merge(*snaps)
+        own = min(r.plan.own, merged.end)
+        self._end(r, (restore(merged), merged.end, own) if r.live else (merged, merged.end, own))
+
+    def _bad(self, r: Reading, bad: tuple[direct.FileSpan, CorruptSegment] | None) -> None:
+        if bad is not None:
+            part, e = bad
+            self.stats.dropped_corrupt += 1
+            self._dropped(r.key, r.plan.rows[r.parts().index(part)], e)
+
+    def _used(self, r: Reading, rows: Sequence[DiskRow]) -> None:
+        if r.use:  # a prefetch is not a use
+            blocks = [row.block for row in rows if isinstance(row, BlockRow)]
             now = self.clock()
             self._later(lambda index: index.touch_blocks(blocks, now), None)
             self.stats.hits += 1
             self.stats.page_ins += 1
-        merged = merge(*snaps)
-        return merged, min(plan.own, merged.end)
+
+    def _end(self, r: Reading, result: tuple[Cache | Snapshot, int, int] | None) -> None:
+        self._reading.pop(r.id, None)
+        r.done = True
+        r.result = result if not r.abandoned else None
+        r.ms = (time.perf_counter() - r.started) * 1000
 
     def rows(self, key: str) -> list[DiskRow]:
         """The session's disk chain: its blocks, then its private segments."""
@@ -201,7 +426,7 @@ def prefetch_plan(disk: PageIn, by_use: list[tuple[str, int]], resident: Tier[Ca
     finds its cache in memory. Only free room is planned (the resident
     tier's, then the warm tier's); a prefetch never evicts anything.
     """
-    resident_room = resident.budget - resident.nbytes
+    resident_room = resident.budget - resident.nbytes - resident.reserved
     warm_room = warm.budget - warm.nbytes
     plan = []
     for key, nbytes in reversed(by_use):
@@ -217,10 +442,9 @@ def prefetch_plan(disk: PageIn, by_use: list[tuple[str, int]], resident: Tier[Ca
     return plan
 
 
-def prefetch(disk: PageIn, key: str, *, resident_fits: Callable[[int], bool]
-             ) -> tuple[Cache | Snapshot, list[int]] | None:
-    """Read one session's whole disk chain for memory: a live cache if `resident_fits` its
-    bytes, else a warm snapshot; with the ids it holds.
+def prefetch(disk: PageIn, key: str, *, resident_fits: Callable[[int], bool]) -> tuple[Reading, list[int]] | None:
+    """Start reading one session's whole disk chain for memory: into a live cache if
+    `resident_fits` its bytes, else into a warm snapshot; with the ids the chain holds.
 
     Resident first: after a restart that tier is empty, and a live cache
     there (read straight into its buffers by direct.py, with room for a
@@ -237,14 +461,8 @@ def prefetch(disk: PageIn, key: str, *, resident_fits: Callable[[int], bool]
     plan = disk.plan(key, tokens, len(tokens), Walk([]))
     if not plan.rows:
         return None
-    if resident_fits(live_bytes(rows)):
-        live = disk.restore(key, plan, room=PREFETCH_ROOM, use=False)
-        return (live[0], tokens[:live[1]]) if live is not None else None
-    got = disk.read(key, plan, use=False)
-    if got is None:
-        return None
-    snap = got[0]
-    return snap, tokens[:snap.end]
+    live = resident_fits(live_bytes(rows))
+    return disk.begin(key, plan, room=PREFETCH_ROOM, use=False, live=live), tokens
 
 
 def live_bytes(rows: Sequence[DiskRow]) -> int:

@@ -43,7 +43,8 @@ from .kinds import KINDS
 from .layers import BadLayer, Spec
 from .snapshot import LayerSnapshot, Snapshot
 
-__all__ = ["SegmentHeader", "check_header", "hasher_for", "read_header", "read_raw_header", "read_segment"]
+__all__ = ["SegmentHeader", "Verified", "check_header", "hasher_for", "load_verified", "read_header",
+           "read_raw_header", "read_segment", "verify_segment"]
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
@@ -55,6 +56,31 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
     version, layout and invariants (from the header, still before MLX), then
     MLX loads the very file descriptor that was checksummed.
     """
+    return load_verified(verify_segment(path, checksum=checksum, fingerprint=fingerprint))
+
+
+@dataclass
+class Verified:
+    """A segment whose bytes and header passed every check, its file still open for MLX to load.
+
+    :func:`verify_segment` reads the disk (the I/O worker's reader runs it);
+    :func:`load_verified` hands the open descriptor to MLX, whose pages the
+    check has just read (the engine thread runs it: MLX work stays there).
+    """
+
+    file: io.FileIO
+    path: Path
+    start: int
+    end: int
+    layout: tuple[_Node, ...]
+    specs: dict[str, Spec]
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def verify_segment(path: Path, *, checksum: str, fingerprint: str) -> Verified:
+    """Checksum, fingerprint, format version, layout and invariants; no MLX. The file stays open."""
     path = Path(path)
     algo = checksum.partition(":")[0]
     want = hasher_for(checksum, path)[1]
@@ -64,7 +90,7 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
         raise SegmentMissing("no such file", path=path) from None
     except OSError as e:
         raise SegmentMissing(f"cannot open it: {e.strerror or e}", path=path) from None
-    with f:
+    try:
         try:
             size, got = fmt.digest(f, algo)
             if got != want:
@@ -75,9 +101,18 @@ def read_segment(path: Path, *, checksum: str, fingerprint: str) -> Snapshot:
             header = _read_header(f, size, path)
         except OSError as e:
             raise SegmentMissing(f"cannot read it: {e.strerror or e}", path=path) from None
-        meta, start, end, layout, specs = _checked(header, path, fingerprint=fingerprint)
-        tensors = _load(f, path, specs)
-    return _build(start, end, layout, tensors)
+        _, start, end, layout, specs = _checked(header, path, fingerprint=fingerprint)
+    except BaseException:
+        f.close()
+        raise
+    return Verified(f, path, start, end, layout, specs)
+
+
+def load_verified(v: Verified) -> Snapshot:
+    """MLX loads a verified segment's open file (engine thread); the file is closed."""
+    with v.file:
+        tensors = _load(v.file, v.path, v.specs)
+    return _build(v.start, v.end, v.layout, tensors)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """Every session's cache across the tiers: resident, warm, disk.
 
 Runs on the engine thread (it holds live MLX caches), except the disk
-writes: the engine thread only evaluates what a turn writes, and the I/O
-worker (ioworker.py) runs writeback.py's half of the store, so no decode
-step waits on disk (warm.py lays out the warm tier; pagein.py reads disk
-back and prefetches). Each thread has its own connection to the index; every
-index write after start-up runs on the worker, in the order the engine
-asked for it. The policy:
+writes and reads: the engine thread only evaluates what a turn writes, and
+the I/O worker (ioworker.py) runs writeback.py's half of the store; a
+restore or prefetch from disk is planned here and read by the worker's
+reader (pagein.py), and `restored()` hands out the checkouts whose read has
+reported, so no decode step waits on disk (warm.py lays out the warm tier).
+Each thread has its own connection to the index; every index write after
+start-up runs on the worker, in the order the engine asked for it. The policy:
 
 - After a turn, the session's live cache is *resident*, and what the turn
   added is written *behind* it to disk: the whole blocks it completed (see
@@ -49,6 +50,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from common.sizes import human_bytes
 from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
 
 from . import pagein
@@ -57,7 +59,7 @@ from .disktier import DiskTier
 from .index import SegmentIndex
 from .lru import DiskStats, Tier
 from .packing import unpack
-from .pagein import PREFETCH_ROOM, DiskPlan, PageIn
+from .pagein import PREFETCH_ROOM, DiskPlan, PageIn, Reading, ReadReport
 from .prefix import MIN_SHARED, common_prefix_len
 from .rebuild import rebuild_index
 from .sharing import Found, find_shared
@@ -95,6 +97,19 @@ class Checkout:
     restore_ms: float
     shared_tokens: int = 0  # of `tokens`, those another session's cache or blocks supplied
     prefetched: bool = False  # its own resident/warm cache, paged in from disk after a start, first use
+    reading: bool = False  # a disk read is under way: the checkout ends in `restored()` (cache None until then)
+
+
+@dataclass
+class _Restoring:
+    """A checkout waiting for its disk read, and what it falls back on should the read fail."""
+
+    key: str
+    wanted: list[int]
+    t0: float
+    reading: Reading
+    own: Checkout | None  # the session's own resident cache, rewound (shorter than what disk holds)
+    prefetched: bool
 
 
 class SessionCaches:
@@ -130,7 +145,19 @@ class SessionCaches:
         self.warm = WarmTier(self.table, budgets.warm_bytes, bits=budgets.warm_bits,
                              busy=lambda: not self._io.idle())
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
-                            dropped=self._disktier.dropped, clock=clock)
+                            dropped=self._disktier.dropped, clock=clock,
+                            read=lambda job: self._io.read(job, done=self._read_done))
+        #: Called on the I/O worker's reader when a read is done (it must not block): the engine
+        #: wakes up to admit the turn whose cache it was. None: nobody is told (tests, tools).
+        self.on_read: Callable[[], None] | None = None
+        self._read_event = threading.Event()  # a read reported: what a waiting `checkout` waits for
+        self._restoring: dict[str, _Restoring] = {}  # checkouts waiting for their read, by session
+        self._prefetch_queue: list[str] = []  # sessions to prefetch, one read at a time
+        self._prefetching: tuple[Reading, list[int], int] | None = None  # (its read, ids, uses when it began)
+        self._uses: dict[str, int] = {}  # checkouts per session: a prefetch overtaken by a checkout is dropped
+        #: What the running turns' caches may reach together (the engine's scheduler says): they
+        #: count against the resident budget, so idle resident caches make room for them.
+        self.running_bytes: Callable[[], int] = lambda: 0
         self._captured: dict[str, dict[str, Snapshot]] = {}  # a window's blocks a prefill took: session -> key -> it
         self.shared_stats = {"restores": 0, "tokens": 0}
         self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
@@ -173,16 +200,40 @@ class SessionCaches:
         """Call `fn` on the I/O worker once every disk job queued so far is done; it must not block."""
         self._io.submit(fn)
 
+    def before_reads(self, fn: Callable[[], object]) -> None:
+        """Call `fn` on the I/O worker's reader before any read asked for after this (a test holds
+        the reader with it, to show what runs while a read is under way)."""
+        self._io.read(fn)
+
     def _settle(self) -> None:
-        """Take in the worker's reports (disktier.py)."""
-        self._disktier.settle()
+        """Take in the worker's reports (disktier.py) and the reader's: a read's next step, or its end."""
+        for report in self._disktier.settle():
+            if isinstance(report, ReadReport) and (r := self._disk.arrived(report)) is not None:
+                if self._prefetching is not None and r is self._prefetching[0]:
+                    self._prefetched()
+
+    def _read_done(self) -> None:
+        """On the reader: a read reported."""
+        self._read_event.set()
+        if (wake := self.on_read) is not None:
+            wake()
+
+    def _wait(self, r: Reading) -> None:
+        """Wait for a read here (a checkout or prefetch asked to wait: tools, tests, ranks in lockstep)."""
+        while not r.done:
+            if self._disk.allocating(r):
+                self._disk.allocate(all_of_it=True)
+                continue
+            self._read_event.wait()
+            self._read_event.clear()
+            self._settle()
 
     def _on_idle(self) -> None:
         self.warm.release_held()  # disk holds them now (or never will: they were not writable)
 
     # --- resume ---
 
-    def checkout(self, key: str, wanted: Sequence[int]) -> Checkout:
+    def checkout(self, key: str, wanted: Sequence[int], *, wait: bool = True) -> Checkout:
         """Take the session's cache out of the tiers, holding the longest usable prefix anything holds.
 
         At least one wanted token is always left to feed. Candidates, best
@@ -190,14 +241,17 @@ class SessionCaches:
         its own warm snapshot, another session's resident cache or warm
         snapshots (a copy of the shared prefix; that session keeps its own),
         then disk (the session's chain, and blocks any session wrote).
+
+        Disk is read by the I/O worker's reader, never here: with `wait`,
+        this waits for the read (tools, tests, ranks in lockstep); without, a
+        checkout that needs disk returns at once with `reading` set, and its
+        result comes out of `restored()` once the read reports (the engine
+        keeps stepping the other sessions meanwhile).
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
-
-        def ms() -> float:
-            return (time.perf_counter() - t0) * 1000
-
         self._settle()
+        self._uses[key] = self._uses.get(key, 0) + 1
         prefetched = key in self._prefetched_keys
         self._prefetched_keys.discard(key)
         self._captured.pop(key, None)  # a prefill that did not end in a checkin
@@ -215,13 +269,58 @@ class SessionCaches:
         best_n = max(own.tokens if own else 0, own_warm_n)
         other, disk = self._others(key, wanted, limit, best_n)
         if disk.end > max(best_n, other[0] if other else 0):
-            live = self._disk.restore(key, disk, room=len(wanted) - disk.end)
-            if live is not None:
-                cache, end, own_tokens = live
-                now = self._clock()
-                self._disktier.later(lambda index: index.touch(key, now), key)
-                shared = max(end - own_tokens, 0)
-                return self._counted(Checkout(cache, end, SHARED if shared else DISK, ms(), shared))
+            r = self._disk.begin(key, disk, room=len(wanted) - disk.end)
+            pending = _Restoring(key, list(wanted), t0, r, own, prefetched)
+            if wait:
+                self._wait(r)
+                return self._read_out(pending)
+            self._restoring[key] = pending
+            return Checkout(None, 0, DISK, 0.0, reading=True)
+        return self._from_memory(key, wanted, t0, own, own_warm_n, other, prefetched)
+
+    def restored(self, *, others: bool = True) -> list[tuple[str, Checkout]]:
+        """The checkouts whose disk read ended since the last call, by session (engine thread, once
+        per step). `others`: other turns are running, so the buffers reads fill are made a few per
+        call, beside their steps; with none, all at once (nobody waits on this thread meanwhile)."""
+        if not self._restoring and self._prefetching is None:
+            return []
+        self._settle()
+        self._disk.allocate(all_of_it=not others)
+        out = []
+        for key, pending in list(self._restoring.items()):
+            if pending.reading.done:
+                del self._restoring[key]
+                out.append((key, self._read_out(pending)))
+        return out
+
+    def abandon(self, key: str) -> None:
+        """A checkout waiting for its read is not wanted any more (its turn was cancelled)."""
+        pending = self._restoring.pop(key, None)
+        if pending is not None:
+            self._disk.abandon(pending.reading)
+
+    def _read_out(self, pending: _Restoring) -> Checkout:
+        """A checkout whose read ended: what it read, or, if that failed, the best memory holds now."""
+        key, wanted, r = pending.key, pending.wanted, pending.reading
+        if r.result is not None:
+            held, end, own_tokens = r.result
+            assert isinstance(held, list)
+            now = self._clock()
+            self._disktier.later(lambda index: index.touch(key, now), key)
+            shared = max(end - own_tokens, 0)
+            ms = (time.perf_counter() - pending.t0) * 1000
+            return self._counted(Checkout(held, end, SHARED if shared else DISK, ms, shared))
+        limit = len(wanted) - 1
+        own = pending.own
+        own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
+        other, _ = self._others(key, wanted, limit, max(own.tokens if own else 0, own_warm_n))
+        return self._from_memory(key, wanted, pending.t0, own, own_warm_n, other, pending.prefetched)
+
+    def _from_memory(self, key: str, wanted: Sequence[int], t0: float, own: Checkout | None, own_warm_n: int,
+                     other: Found | None, prefetched: bool) -> Checkout:
+        def ms() -> float:
+            return (time.perf_counter() - t0) * 1000
+
         if other is not None:
             n, copy = other
             if (copied := copy()) is not None:
@@ -274,13 +373,70 @@ class SessionCaches:
         return plan
 
     def prefetch(self, key: str) -> str | None:
-        """Page one session's whole disk chain into memory if it fits; the tier it went to (pagein.py)."""
+        """Page one session's whole disk chain into memory if it fits, waiting for the read here
+        (tools, tests, ranks in lockstep); the tier it went to (pagein.py)."""
         if key in self.resident or key in self.warm:
             return None
+        self.make_room()
         got = pagein.prefetch(self._disk, key, resident_fits=self.resident.fits)
         if got is None:
             return None
-        held, tokens = got
+        r, tokens = got
+        self._wait(r)
+        return self._keep_prefetched(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
+
+    def prefetch_later(self, keys: Sequence[str]) -> None:
+        """Page sessions' whole disk chains into memory where they fit, one read at a time, without
+        waiting for any (pagein.py).
+
+        The reads run on the I/O worker's reader, one session after another,
+        so a turn's restore never queues behind more than one of them; each
+        is kept as it arrives (`_settle`), unless the session was checked out
+        since.
+        """
+        self._prefetch_queue.extend(keys)
+        self._next_prefetch()
+
+    def prefetching(self) -> bool:
+        """Whether prefetch reads are planned or under way."""
+        return self._prefetching is not None or bool(self._prefetch_queue)
+
+    def _next_prefetch(self) -> None:
+        while self._prefetching is None and self._prefetch_queue:
+            key = self._prefetch_queue.pop(0)
+            if key in self.resident or key in self.warm or key in self._restoring:
+                continue
+            try:
+                self.make_room()
+                got = pagein.prefetch(self._disk, key, resident_fits=self.resident.fits)
+            except Exception:
+                log.exception("prefetching the cache of %s failed; it stays on disk", key)
+                continue
+            if got is not None:
+                self._prefetching = (got[0], got[1], self._uses.get(key, 0))
+        if self._prefetching is None and self.prefetch_stats["planned"] and not self._prefetch_queue:
+            s = self.prefetch_stats
+            if s["planned"] != s.get("logged"):
+                s["logged"] = s["planned"]
+                log.info("prefetched %d session(s) into memory (%d resident, %d warm; %s)",
+                         s["done"], s["resident"], s["warm"], human_bytes(s["bytes"]))
+
+    def _prefetched(self) -> None:
+        """A prefetch read ended: keep what it read if it still fits and nobody checked it out since."""
+        assert self._prefetching is not None
+        r, tokens, uses = self._prefetching
+        self._prefetching = None
+        key = r.key
+        try:
+            if r.result is not None and self._uses.get(key, 0) == uses and key not in self.resident \
+                    and key not in self.warm:
+                if tier := self._keep_prefetched(key, r.result[0], tokens[:r.result[1]]):
+                    log.debug("prefetched the cache of %s into %s", key, tier)
+        except Exception:
+            log.exception("prefetching the cache of %s failed; it stays on disk", key)
+        self._next_prefetch()
+
+    def _keep_prefetched(self, key: str, held: Cache | Snapshot, tokens: list[int]) -> str | None:
         now = self._clock()
         if isinstance(held, Snapshot):
             self._attach(key, held, tokens)
@@ -341,10 +497,19 @@ class SessionCaches:
 
     # --- after a turn ---
 
+    def make_room(self) -> None:
+        """Demote idle resident caches until they fit the budget beside what running turns may reach
+        (`running_bytes`): called when a turn is admitted."""
+        now = self._clock()
+        for cold, c in self.resident.reserve(self.running_bytes()):
+            self.table.set_live(cold, False)
+            self.warm.demote(cold, c, now)
+
     def checkin(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
         """Keep a session's live cache resident and queue the writing of its new tokens behind it."""
         tokens = list(tokens)
         self._settle()
+        self.make_room()  # the turn that ended holds nothing any more
         self.warm.discard(key)
         captured = self._captured.pop(key, {})
         keys = self._attach(key, cache, tokens, captured)
@@ -363,6 +528,7 @@ class SessionCaches:
     def maintain(self) -> None:
         """Idle demotions: resident -> warm after resident_idle, warm dropped after warm_idle."""
         self._settle()
+        self.make_room()
         now = self._clock()
         for key, cache in self.resident.idle(now, self.budgets.resident_idle):
             self.table.set_live(key, False)
@@ -402,6 +568,7 @@ class SessionCaches:
 
     def forget(self, key: str) -> None:
         """A deleted session: its caches go, and every block no other session lists."""
+        self.abandon(key)
         if self.resident.discard(key) is not None:
             self.table.set_live(key, False)
         self.warm.discard(key)
@@ -422,6 +589,7 @@ class SessionCaches:
         self._settle()
         t = self.table
         return {
+            "running": {"bytes": self.running_bytes(), "budget": self.budgets.resident_bytes},
             RESIDENT: self.resident.statistics(),
             WARM: self.warm.statistics(),
             "prefetched": {"sessions": self.prefetch_stats["done"], "bytes": self.prefetch_stats["bytes"],

@@ -176,3 +176,6 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
     shown = console.file.getvalue()  # type: ignore[attr-defined]
     assert f"session {sid}: answering, {turn['generated']} token(s) so far after a " in shown
     assert "\ndevice: cpu, float32 weights, kvd attention\n" in shown  # the device it runs on (daemon/device.py)
+    running = status["tiers"]["running"]  # the answer's cache counts against the resident budget
+    assert 0 < running["bytes"] <= running["budget"] == status["tiers"]["resident"]["budget"]
+    assert "running and resident caches together stay within" in shown

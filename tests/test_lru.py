@@ -94,3 +94,15 @@ def test_offer_goes_to_the_cold_end_and_never_evicts() -> None:
     assert t.idle(now=10 + 50, idle_for=50) == [("p2", "P2"), ("p1", "P1"), ("used", "U")]
     capped: Tier[str] = Tier("warm", budget=100, max_entries=1)
     assert capped.offer("a", "A", 1, now=0) and not capped.offer("b", "B", 1, now=0)
+
+
+def test_reserving_part_of_the_budget_evicts_the_least_recently_used() -> None:
+    """Running caches hold part of the resident budget: idle values make room, coldest first."""
+    t: Tier[str] = Tier("resident", budget=100)
+    t.put("a", "A", 40, now=1)
+    t.put("b", "B", 40, now=2)
+    assert t.reserve(30) == [("a", "A")] and list(t) == ["b"]
+    assert not t.fits(40) and t.fits(30)
+    assert t.put("c", "C", 80, now=3) == [("c", "C")]  # more than the reservation leaves
+    assert t.reserve(0) == [] and t.fits(60)
+    assert t.statistics()["reserved"] == 0

@@ -91,3 +91,52 @@ def test_beside_decoding_turns_a_chunk_fills_the_time_slice() -> None:
     small.start("a", "A")
     small.decode("a")
     assert small.chunk_size() == 4  # a step below MIN_CHUNK is the cap
+
+
+def test_turns_are_admitted_by_the_bytes_their_caches_may_reach() -> None:
+    """Running caches share the budget: a turn that does not fit beside them waits, first come first."""
+    s: Scheduler[str, str] = Scheduler(max_running=8, prefill_step=512, prefill_slice=0.1, budget=100)
+    assert s.has_room(60)
+    s.admit("a", 60)
+    s.start("a", "A")
+    assert not s.has_room(50) and s.has_room(40)
+    assert s.wait("b", "job-b", 50) == 1
+    assert s.wait("c", "job-c", 10) == 2  # would fit, but b came first
+    assert list(s.admissible()) == []
+    s.end("a")  # a's bytes are free again
+    assert s.held_bytes() == 0
+    admitted = []
+    for job in s.admissible():
+        s.admit(job[-1], {"job-b": 50, "job-c": 10}[job])
+        admitted.append(job)
+    assert admitted == ["job-b", "job-c"] and s.held_bytes() == 60
+    assert s.statistics().running_bytes == 60 and s.statistics().budget == 100
+
+
+def test_a_turn_larger_than_the_budget_runs_alone() -> None:
+    s: Scheduler[str, str] = Scheduler(max_running=8, prefill_step=512, prefill_slice=0.1, budget=100)
+    assert s.alone(150) and not s.alone(100)
+    s.admit("a", 10)
+    assert not s.has_room(150)  # it waits for the others to end...
+    s.wait("big", "job-big", 150)
+    s.end("a")
+    assert list(s.admissible()) == ["job-big"]  # ...then runs by itself
+    s.admit("big", 150)
+    assert not s.has_room(1)
+
+
+def test_a_turn_restoring_from_disk_holds_its_slot_and_bytes_until_it_ends() -> None:
+    s: Scheduler[str, str] = Scheduler(max_running=2, prefill_step=512, prefill_slice=0.1, budget=100)
+    s.admit("a", 70)
+    s.restoring("a", "job-a")
+    assert s.holds("a") and not s.has_room(40)
+    assert s.statistics() == SchedulerStatistics(running=1, waiting=0, prefilling=0, decoding=0, restoring=1,
+                                                 running_bytes=70, budget=100)
+    assert s.next_prefill() is None  # nothing to feed until the read reports
+    assert s.restored("a") == "job-a"
+    s.start("a", "A")
+    assert s.held_bytes() == 70 and s.next_prefill() == "a"
+    s.admit("b", 10)
+    s.restoring("b", "job-b")
+    s.end("b")  # cancelled while its cache was read
+    assert s.restored("b") is None and s.held_bytes() == 70 and not s.holds("b")

@@ -102,6 +102,11 @@ class Stop:
 
 
 @dataclass
+class Wake:
+    """The I/O worker read a cache (cachestore's `on_read`): the engine wakes to take it in."""
+
+
+@dataclass
 class Status:
     reply: Callable[[dict[str, Any]], None]  # called on the engine thread
     written: bool = False  # sent back by the I/O worker once the disk writes queued before it are done

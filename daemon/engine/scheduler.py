@@ -4,8 +4,19 @@ The engine's policy without the engine: no MLX, no threads, no clock of its
 own (the engine reports how long each chunk took), so it is tested with plain
 objects like cachestore/lru.py is. The engine thread is its only caller.
 
-- At most `max_running` turns run at once; the rest wait first come first
-  served, and each waiting job learns its place again whenever it moves up.
+- At most `max_running` turns run at once, and their caches fit `budget`
+  bytes together (running caches count against the memory budget, as
+  vLLM's `allocate_slots` counts a request's blocks before it runs): a turn
+  is admitted with the bytes its cache reaches at its prompt plus
+  `max_tokens` (`need`, reckoned by the engine), held until it ends. The
+  rest wait first come first served, and each waiting job learns its place
+  again whenever it moves up. A turn whose cache alone is larger than the
+  budget waits until nothing else runs, then runs alone: memory then holds
+  that one cache, over the budget by what it needs (a budget of 0, "keep
+  no idle cache resident", still runs one turn at a time). Idle caches do
+  not count here: the cache store evicts them to make room for what runs.
+- A turn admitted while its cache is read from disk is `restoring`: it
+  holds its slot and its bytes, and is started when the read reports.
 - Running turns' prompts are fed one at a time, first come first (a prompt is
   one unpadded sequence: prefill.py), one chunk per engine step.
 - Alone, a chunk is `prefill_step` tokens. Beside decoding turns, a chunk is
@@ -28,10 +39,13 @@ T = TypeVar("T")  # a running turn
 
 @dataclass(frozen=True)
 class SchedulerStatistics:
-    running: int  # turns started and not yet finished (prefilling + decoding)
-    waiting: int  # jobs past max_running, not started yet
+    running: int  # turns admitted and not yet finished (restoring + prefilling + decoding)
+    waiting: int  # jobs past max_running or the byte budget, not started yet
     prefilling: int  # running turns whose prompt is still being fed
     decoding: int  # running turns in the decode batch
+    restoring: int = 0  # admitted turns whose cache is being read from disk
+    running_bytes: int = 0  # what the admitted turns' caches may reach together
+    budget: int | None = None  # the bytes they may take together (None: no byte limit)
 
 
 @dataclass
@@ -39,14 +53,18 @@ class _Waiting(Generic[J]):
     key: str
     job: J
     told: int  # the position the job was last told
+    need: int = 0  # bytes its cache may reach
 
 
 class Scheduler(Generic[J, T]):
-    def __init__(self, *, max_running: int, prefill_step: int, prefill_slice: float):
+    def __init__(self, *, max_running: int, prefill_step: int, prefill_slice: float, budget: int | None = None):
         self.max_running = max_running
         self.prefill_step = prefill_step
         self.prefill_slice = prefill_slice
+        self.budget = budget
         self.running: dict[str, T] = {}  # by session id
+        self._restoring: dict[str, J] = {}  # admitted, their cache being read from disk
+        self._held: dict[str, int] = {}  # admitted turns' bytes (restoring and running), by session
         self._waiting: list[_Waiting[J]] = []  # in arrival order
         self._prefilling: list[str] = []  # first come first
         self._decoding: set[str] = set()
@@ -55,24 +73,41 @@ class Scheduler(Generic[J, T]):
     # --- admission ---
 
     def holds(self, key: str) -> bool:
-        """The session has a turn running or waiting (a second one is refused as busy)."""
-        return key in self.running or any(w.key == key for w in self._waiting)
+        """The session has a turn running, restoring or waiting (a second one is refused as busy)."""
+        return key in self.running or key in self._restoring or any(w.key == key for w in self._waiting)
 
-    def has_room(self) -> bool:
-        return len(self.running) < self.max_running
+    def alone(self, need: int) -> bool:
+        """A cache of `need` bytes is larger than the budget: it runs only when nothing else does."""
+        return self.budget is not None and need > self.budget
 
-    def wait(self, key: str, job: J) -> int:
+    def held_bytes(self) -> int:
+        """What the admitted turns' caches may reach together."""
+        return sum(self._held.values())
+
+    def has_room(self, need: int = 0) -> bool:
+        """A turn whose cache may reach `need` bytes can be admitted now (and nobody waits before it)."""
+        return (len(self.running) + len(self._restoring) < self.max_running
+                and (self.budget is None or not self._held or self.held_bytes() + need <= self.budget))
+
+    def wait(self, key: str, job: J, need: int = 0) -> int:
         """Queue a job that found no room; its place in the queue (1: next)."""
-        self._waiting.append(_Waiting(key, job, told=len(self._waiting) + 1))
+        self._waiting.append(_Waiting(key, job, told=len(self._waiting) + 1, need=need))
         return len(self._waiting)
 
     def admissible(self) -> Iterator[J]:
-        """Waiting jobs to start now, in arrival order, while there is room.
+        """Waiting jobs to admit now, in arrival order, while there is room for the next one.
 
-        Room is checked again before each one: a job whose start fails takes none.
+        First come first served: a job that does not fit yet keeps those
+        behind it waiting (no small turn overtakes a large one forever).
+        Room is checked again before each one: the engine admits each
+        (`admit`) before the next is considered.
         """
-        while self._waiting and self.has_room():
+        while self._waiting and self.has_room(self._waiting[0].need):
             yield self._waiting.pop(0).job
+
+    def admit(self, key: str, need: int) -> None:
+        """A turn is admitted: its cache's bytes are held for it until it `end`s."""
+        self._held[key] = need
 
     def moved(self) -> list[tuple[J, int]]:
         """Waiting jobs whose place changed since they were last told, with their new place."""
@@ -96,8 +131,20 @@ class Scheduler(Generic[J, T]):
 
     # --- a running turn's phases ---
 
+    def restoring(self, key: str, job: J) -> None:
+        """An admitted turn waits for its cache to be read from disk (it keeps its slot and bytes)."""
+        self._restoring[key] = job
+
+    def restoring_keys(self) -> list[str]:
+        return list(self._restoring)
+
+    def restored(self, key: str) -> J | None:
+        """The read for an admitted turn reported: its job, to be started (None: cancelled meanwhile)."""
+        return self._restoring.pop(key, None)
+
     def start(self, key: str, turn: T) -> None:
         """A turn runs: its prompt is fed next after those already being fed."""
+        self._restoring.pop(key, None)
         self.running[key] = turn
         self._prefilling.append(key)
 
@@ -107,10 +154,12 @@ class Scheduler(Generic[J, T]):
         self._decoding.add(key)
 
     def end(self, key: str) -> T | None:
-        """The turn is over (finished, cancelled, failed): it leaves every list."""
+        """The turn is over (finished, cancelled, failed): it leaves every list, and its bytes are free."""
         if key in self._prefilling:
             self._prefilling.remove(key)
         self._decoding.discard(key)
+        self._restoring.pop(key, None)
+        self._held.pop(key, None)
         return self.running.pop(key, None)
 
     def next_prefill(self) -> str | None:
@@ -136,5 +185,7 @@ class Scheduler(Generic[J, T]):
         self._prefill_tps = tokens / max(seconds, 1e-6)
 
     def statistics(self) -> SchedulerStatistics:
-        return SchedulerStatistics(running=len(self.running), waiting=len(self._waiting),
-                                   prefilling=len(self._prefilling), decoding=len(self._decoding))
+        return SchedulerStatistics(running=len(self.running) + len(self._restoring), waiting=len(self._waiting),
+                                   prefilling=len(self._prefilling), decoding=len(self._decoding),
+                                   restoring=len(self._restoring), running_bytes=self.held_bytes(),
+                                   budget=self.budget)

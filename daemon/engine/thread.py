@@ -18,8 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.sizes import human_bytes
-
 from ..config import Config
 from .draft import Answers
 from .jobs import (
@@ -28,6 +26,7 @@ from .jobs import (
     Status,
     Stop,
     TurnJob,
+    Wake,
 )
 from .lockstep import Kind
 from .running import EngineStatistics, RunningTurn
@@ -59,12 +58,15 @@ class Engine(TurnSteps):
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[TurnJob | Cancel | Forget | Stop | Status] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[TurnJob | Cancel | Forget | Stop | Status | Wake] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         # Running turns (by session id) and the jobs past max_generations.
         self._turns: Scheduler[TurnJob, RunningTurn] = Scheduler(
             max_running=config.max_generations, prefill_step=config.prefill_step_size,
-            prefill_slice=config.prefill_slice)
+            prefill_slice=config.prefill_slice,
+            # Running caches count against the resident budget (not across ranks: each rank's share
+            # differs, and every rank must admit alike).
+            budget=config.resident_bytes if lockstep is None else None)
         self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
         self._speculating: dict[int, Speculation] = {}  # of those, the ones that may draft (by uid)
         self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
@@ -145,8 +147,9 @@ class Engine(TurnSteps):
             self.lockstep.open_doorbell()
         from ..device import current
 
-        self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits),
-                                  current().warm_up_tokens)
+        probe = make_cache(self.model, kv_bits)
+        self.warm_up_ms = warm_up(self.model, self.tokenizer, probe, current().warm_up_tokens)
+        self._connect_caches(probe)
         if self.lockstep is not None:
             import random
 
@@ -214,7 +217,7 @@ class Engine(TurnSteps):
                     self.close()
                     return
                 if cmd is not None:
-                    if ls is not None and not isinstance(cmd, Status):
+                    if ls is not None and not isinstance(cmd, (Status, Wake)):
                         ls.send(cmd)
                     self.apply(cmd)
                 if self._inbox.empty():  # every request so far handled: the engine moves one step
@@ -238,7 +241,7 @@ class Engine(TurnSteps):
         """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
         for job in self._turns.waiting():
             self._cancel(job.session_id)
-        for sid in list(self._turns.running):
+        for sid in [*self._turns.restoring_keys(), *self._turns.running]:
             self._cancel(sid)
         if self.caches is not None:
             self.caches.page_out_all()
@@ -247,7 +250,7 @@ class Engine(TurnSteps):
     def advance(self) -> None:
         self._advance()
 
-    def apply(self, cmd: TurnJob | Cancel | Forget | Status) -> None:
+    def apply(self, cmd: TurnJob | Cancel | Forget | Status | Wake) -> None:
         self._handle(cmd)
 
     def _advance(self) -> None:
@@ -272,7 +275,7 @@ class Engine(TurnSteps):
             self._handle(cmd)
         self._advance()
 
-    def _handle(self, cmd: TurnJob | Cancel | Forget | Status) -> None:
+    def _handle(self, cmd: TurnJob | Cancel | Forget | Status | Wake) -> None:
         if isinstance(cmd, TurnJob):
             self._start(cmd)
         elif isinstance(cmd, Cancel):
@@ -290,25 +293,38 @@ class Engine(TurnSteps):
             self._publish_stats()
             cmd.reply(self.stats)
 
-    def _prefetch_one(self) -> None:
-        """Page the next planned session into memory: only while nothing else runs.
+    def _connect_caches(self, probe: list[Any]) -> None:
+        """What the cache store and the admission need from the engine, once the model is warm:
+        a cache's bytes by its length (from the warm-up's cache), the bytes the running turns hold,
+        and a wake-up when the I/O worker has read a cache (not across ranks: they wait, in step)."""
+        from cachestore.cost import cache_cost
 
-        The lowest priority there is: a decode step or a queued job always
-        goes first, and a job that arrives meanwhile waits for at most one
-        session's page-in (~0.1 s for a 2k-token SmolLM2 cache). A session
-        asked for before its turn in the plan is restored the usual way.
+        assert self.caches is not None
+        self._cost = cache_cost(probe)
+        self.caches.running_bytes = self._turns.held_bytes
+        if self.lockstep is None:
+            self.caches.on_read = lambda: self._inbox.put(Wake())
+
+    def _prefetch_one(self) -> None:
+        """Hand the planned sessions to the cache store, which pages them into memory one read at
+        a time on the I/O worker's reader (engine thread free meanwhile); ranks in lockstep read
+        one per idle tick here, in step.
+
+        The lowest priority there is: a restore's read waits behind at most
+        one prefetch read; a session asked for before its prefetch is
+        restored the usual way (its prefetch is then dropped).
         """
         assert self.caches is not None
+        if self.lockstep is None:
+            plan, self._prefetch = self._prefetch, []
+            self.caches.prefetch_later(plan)
+            return
         key = self._prefetch.pop(0)
         try:
             if tier := self.caches.prefetch(key):
                 log.debug("prefetched the cache of %s into %s", key, tier)
         except Exception:
             log.exception("prefetching the cache of %s failed; it stays on disk", key)
-        if not self._prefetch:
-            s = self.caches.statistics()["prefetched"]
-            log.info("prefetched %d session(s) into memory (%d resident, %d warm; %s)",
-                     s["sessions"], s["resident"], s["warm"], human_bytes(s["bytes"]))
 
     def _publish_stats(self) -> None:
         caches = self.caches.statistics() if self.caches is not None else {}

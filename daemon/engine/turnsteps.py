@@ -33,7 +33,8 @@ from .running import RunningTurn, fit_advice
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from cachestore import SessionCaches
+    from cachestore import Checkout, SessionCaches
+    from cachestore.cost import CacheCost
 
     from .grammar import Constraint
     from .lockstep import Lockstep
@@ -57,6 +58,7 @@ class TurnSteps:
     load_error: BaseException | None
     max_context: int | None
     _turns: Scheduler[TurnJob, RunningTurn]
+    _cost: CacheCost | None = None  # a cache's bytes by its length, once the model is loaded
     _by_uid: dict[int, str]  # sessions decoding in the batch
     _speculating: dict[int, Speculation]  # of those, the ones that may draft (by uid)
     _answers: Answers
@@ -80,36 +82,72 @@ class TurnSteps:
         if self._turns.holds(job.session_id):
             job.emit(Failed(p.BUSY, "this session is already generating"))
             return
-        if not self._turns.has_room():
-            job.emit(Queued(self._turns.wait(job.session_id, job)))
+        need = self._need(job)
+        if not self._turns.has_room(need) or self._turns.waiting():  # first come, first served
+            job.emit(Queued(self._turns.wait(job.session_id, job, need)))
             return
         self._admit(job)
 
+    def _need(self, job: TurnJob) -> int:
+        """The bytes the turn's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
+        return self._cost(len(job.tokens) + job.max_tokens) if self._cost is not None else 0
+
     def _admit_waiting(self) -> None:
-        """Start waiting jobs while there is room; tell the rest their new places."""
+        """Start the turns whose cache was read from disk, then waiting jobs while there is room;
+        tell the rest their new places."""
+        self._restored()
         for job in self._turns.admissible():
             self._admit(job)
         for job, position in self._turns.moved():
             job.emit(Queued(position))
 
     def _admit(self, job: TurnJob) -> None:
+        need = self._need(job)
+        if self._turns.alone(need):
+            log.info("the cache of %s may reach %d MiB, more than cache.resident_bytes (%d MiB): it runs "
+                     "alone", job.session_id, need >> 20, (self._turns.budget or 0) >> 20)
+        self._turns.admit(job.session_id, need)
         try:
             self._insert(job)
         except PromptTooLong as e:
+            self._turns.end(job.session_id)
             job.emit(Failed(p.TOO_LARGE, str(e)))
         except Exception as e:
+            self._turns.end(job.session_id)
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("starting generation for %s failed", job.session_id)
             job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
 
+    def _restored(self) -> None:
+        """Start the turns whose cache the I/O worker has read since (their reads were planned in
+        `_insert`); a turn cancelled meanwhile has left the scheduler, and its read is dropped."""
+        if self.caches is None:
+            return
+        for sid, out in self.caches.restored(others=bool(self._turns.running)):
+            job = self._turns.restored(sid)
+            if job is None:
+                continue
+            try:
+                self._begin(job, out)
+            except Exception as e:
+                self._turns.end(sid)
+                log.exception("starting generation for %s failed", sid)
+                job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+
+    def _cancel_restoring(self, session_id: str) -> bool:
+        """Cancel a turn waiting for its cache's read; False if the session has none."""
+        job = self._turns.restored(session_id)
+        if job is None:
+            return False
+        self._turns.end(session_id)
+        if self.caches is not None:
+            self.caches.abandon(session_id)
+        job.emit(Done("cancelled", RunningTurn.never_started(job).usage(self.max_context), None))
+        return True
+
     def _insert(self, job: TurnJob) -> None:
-        from mlx_lm.sample_utils import make_sampler
-
-        from .prefill import Prefill
-        from .quantized import make_cache
-
-        tokens, retokenized = job.tokens, job.retokenized
+        tokens = job.tokens
         if self.max_context and len(tokens) + job.max_tokens > self.max_context:
             raise PromptTooLong(
                 f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
@@ -117,7 +155,24 @@ class TurnSteps:
                 + fit_advice(len(tokens), self.max_context, history=job.history)
             )
         assert self.caches is not None
-        out = self.caches.checkout(job.session_id, tokens)
+        # The engine never waits for disk: a cache on disk is read by the I/O worker and the turn
+        # starts when the read reports (`_restored`); ranks in lockstep wait, to stay in step.
+        out = self.caches.checkout(job.session_id, tokens, wait=self.lockstep is not None)
+        self.caches.make_room()  # idle caches leave memory for what the admitted turns may reach
+        if out.reading:
+            self._turns.restoring(job.session_id, job)
+            return
+        self._begin(job, out)
+
+    def _begin(self, job: TurnJob, out: Checkout) -> None:
+        """Start a turn from its checked-out cache: its prompt is fed next."""
+        from mlx_lm.sample_utils import make_sampler
+
+        from .prefill import Prefill
+        from .quantized import make_cache
+
+        assert self.caches is not None
+        tokens, retokenized = job.tokens, job.retokenized
         if self.lockstep is not None:
             out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
         if job.seed is not None:
@@ -251,6 +306,8 @@ class TurnSteps:
         act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)  # a stop token never shows
 
     def _cancel(self, session_id: str) -> None:
+        if self._cancel_restoring(session_id):
+            return
         job = self._turns.withdraw(session_id)
         if job is not None:
             job.emit(Done("cancelled", RunningTurn.never_started(job).usage(self.max_context), None))

@@ -80,16 +80,7 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
         console.print(f"the model split across {ranks['world_size']} ranks · tiers below are rank 0's share · "
                       f"{ranks.get('messages', 0)} lockstep message(s), {ranks.get('bytes', 0)} bytes "
                       "(docs/distributed.md)", soft_wrap=True)
-    table = Table(show_edge=False)
-    for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
-        table.add_column(col, justify="left" if col == "tier" else "right")
-    for name in p.TIERS:
-        t = status.get("tiers", {}).get(name)
-        if t is None:
-            continue
-        table.add_row(name, str(t["sessions"]), _human(t["bytes"]), _human(t["budget"]),
-                      str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
-    console.print(table)
+    _render_tiers(status, console)
     disk = status.get("tiers", {}).get("disk") or {}
     if "blocks" in disk:
         console.print(f"disk blocks: {disk['blocks']} of {disk['block_tokens']} tokens, "
@@ -103,6 +94,31 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     if pre.get("sessions"):
         console.print(f"prefetched into memory after start: {pre['sessions']} session(s) "
                       f"({pre['resident']} resident, {pre['warm']} warm), {_human(pre['bytes'])}")
+
+
+def _render_tiers(status: dict[str, Any], console: Console) -> None:
+    """The tiers' table: sessions, bytes against budgets, traffic; running caches share resident's budget."""
+    table = Table(show_edge=False)
+    for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    running = status.get("tiers", {}).get("running")
+    if running is not None:
+        # Running caches count against the resident budget: what the admitted turns' caches may
+        # reach (prompt plus max_tokens), beside the idle resident caches.
+        table.add_row("running", str(status.get("generating", 0)), _human(running["bytes"]),
+                      f"{_human(running['budget'])}*", "", "", "", "")
+    for name in p.TIERS:
+        t = status.get("tiers", {}).get(name)
+        if t is None:
+            continue
+        budget = _human(t["budget"]) + ("*" if name == "resident" and running is not None else "")
+        table.add_row(name, str(t["sessions"]), _human(t["bytes"]), budget,
+                      str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
+    console.print(table)
+    if running is not None:
+        console.print(f"* one budget: running and resident caches together stay within "
+                      f"{_human(running['budget'])} (cache.resident_bytes); running counts what each "
+                      "admitted turn's cache may reach, its prompt plus max_tokens", soft_wrap=True)
 
 
 LAST_LINES = 10  # of the log, shown when the daemon is not there
