@@ -114,8 +114,10 @@ class Daemon:
         try:
             await self._serve(server, sock, task_status)
         finally:
-            # Every turn has committed its answer by now: the writer commits what is queued and stops.
-            await anyio.to_thread.run_sync(self.turns.transcripts.close)
+            # Every turn has committed its answer by now: the writer commits what is queued and stops,
+            # also when serving was cancelled (the store is closed after this returns).
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.turns.transcripts.close)
 
     async def _serve(self, server: _Server, sock: socket.socket, task_status: TaskStatus[str]) -> None:
         async with anyio.create_task_group() as tg:

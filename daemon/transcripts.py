@@ -233,7 +233,7 @@ class Transcripts:
             if value is not None:
                 m[key] = [dict(c) for c in value] if key == "tool_calls" else value  # type: ignore[literal-required]
         m["updated_at"] = self._clock()
-        if "content" in fields or "tool_calls" in fields:
+        if "content" in fields or "tool_calls" in fields or "status" in fields:
             held.said_changed(m)
             self._chain(held, m)
         sid = held.session_id
@@ -262,7 +262,7 @@ class Transcripts:
 
     def _chain(self, held: Held, m: Message) -> None:
         if not self.chains.message(held.session_id, m["index"], m["role"], m["content"], m["tool_calls"],
-                                   m["tool_call_id"]):
+                                   m["tool_call_id"], m["status"]):
             self.chains.put(held.session_id, held.system, held.messages)
 
     # --- session-level changes, acknowledged to whoever asked: waited for ---

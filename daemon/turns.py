@@ -292,7 +292,7 @@ class Turns:
             session_id = prepared.session_id
             held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin, held=prepared)
             if links is not None and len(links) == len(held.messages) and all(
-                    said(m["content"], m["tool_calls"]) for m in held.messages):
+                    said(m["content"], m["tool_calls"], m["status"]) for m in held.messages):
                 self.transcripts.chains.extend(session_id, links, range(len(links)))
             else:
                 self.transcripts.chains.put(session_id, system, held.messages)

@@ -37,9 +37,11 @@ def _call_key(call: Mapping[str, str]) -> list[str]:
     return [call["id"], call["name"], arguments]
 
 
-def said(content: str, tool_calls: Sequence[Mapping[str, str]] | None) -> bool:
-    """Whether a client could have been shown the message (an answer cut before any text or call: not)."""
-    return bool(content or tool_calls)
+def said(content: str, tool_calls: Sequence[Mapping[str, str]] | None, status: str = "complete") -> bool:
+    """Whether a client could have been shown the message: one with text or calls, or a finished
+    one (an answer that ended at once is an empty answer the client got); not an answer still
+    streaming, or cut before any text or call (a client that hung up never saw it)."""
+    return bool(content or tool_calls) or status == "complete"
 
 
 def root(system: str | None) -> bytes:
@@ -94,7 +96,7 @@ class Chains:
         s = _Session(system)
         prev = root(system)
         for m in messages:
-            if said(m["content"], m.get("tool_calls")):
+            if said(m["content"], m.get("tool_calls"), m.get("status", "complete")):
                 prev = link(prev, m["role"], m["content"], m.get("tool_calls"), m.get("tool_call_id"))
                 s.links.append(prev)
                 s.indices.append(int(m["index"]))
@@ -113,7 +115,8 @@ class Chains:
             s.used = self._clock
 
     def message(self, session_id: str, index: int, role: str, content: str,
-                tool_calls: Sequence[Mapping[str, str]] | None, tool_call_id: str | None) -> bool:
+                tool_calls: Sequence[Mapping[str, str]] | None, tool_call_id: str | None,
+                status: str = "complete") -> bool:
         """Message `index` is now this (appended, or the last one changed); False when the chain
         cannot follow without the whole transcript (an earlier message changed): call `put`."""
         s = self._sessions.get(session_id)
@@ -125,7 +128,7 @@ class Chains:
         if s.indices and s.indices[-1] == index:
             s.links.pop()
             s.indices.pop()
-        if said(content, tool_calls):
+        if said(content, tool_calls, status):
             prev = s.links[-1] if s.links else root(s.system)
             s.links.append(link(prev, role, content, tool_calls, tool_call_id))
             s.indices.append(index)
@@ -198,15 +201,15 @@ class Chains:
                 del self._ends[end]
 
 
-def build(rows: Iterable[tuple[str, str | None, int, str, str, Any, str | None]]) -> Chains:
-    """A Chains from (session_id, system, index, role, content, tool_calls, tool_call_id) rows,
+def build(rows: Iterable[tuple[str, str | None, int, str, str, Any, str | None, str]]) -> Chains:
+    """A Chains from (session_id, system, index, role, content, tool_calls, tool_call_id, status) rows,
     ordered by session recency (least recent first) then index; a session with no messages has
     one row with index -1."""
     chains = Chains()
     current: str | None = None
     system: str | None = None
     messages: list[dict[str, Any]] = []
-    for sid, sys_prompt, index, role, content, tool_calls, tool_call_id in rows:
+    for sid, sys_prompt, index, role, content, tool_calls, tool_call_id, status in rows:
         if sid != current:
             if current is not None:
                 chains.put(current, system, messages)
@@ -214,7 +217,7 @@ def build(rows: Iterable[tuple[str, str | None, int, str, str, Any, str | None]]
         if index >= 0:
             calls = json.loads(tool_calls) if isinstance(tool_calls, str) else tool_calls
             messages.append({"index": index, "role": role, "content": content, "tool_calls": calls,
-                             "tool_call_id": tool_call_id})
+                             "tool_call_id": tool_call_id, "status": status})
     if current is not None:
         chains.put(current, system, messages)
     return chains

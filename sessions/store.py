@@ -379,11 +379,11 @@ class Store:
                 [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers)],
             )
 
-    def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None]]:
+    def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None, str]]:
         """Every session's messages, least recently used session first, for sessions.chains.build
         (a session without messages: one row with index -1)."""
         yield from self.db.execute(
-            "SELECT s.id, s.system, coalesce(m.idx, -1), m.role, m.content, m.tool_calls, m.tool_call_id "
+            "SELECT s.id, s.system, coalesce(m.idx, -1), m.role, m.content, m.tool_calls, m.tool_call_id, m.status "
             "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id "
             "ORDER BY s.updated_at, s.rowid, m.idx")
 

@@ -111,7 +111,7 @@ def test_the_longest_stored_prefix_of_a_request_is_found() -> None:
 def test_the_chain_follows_appends_changes_and_truncation() -> None:
     chains = Chains()
     chains.put("a", None, said("q1"))
-    assert chains.message("a", 1, "assistant", "", None, None)  # the placeholder: not said
+    assert chains.message("a", 1, "assistant", "", None, None, "streaming")  # the placeholder: not said
     assert chains.longest(chain(None, said("q1", "a1", "q2"))) == ("a", 1)
     assert chains.message("a", 1, "assistant", "a1", None, None)  # the answer's end
     assert chains.longest(chain(None, said("q1", "a1", "q2"))) == ("a", 2)
@@ -137,8 +137,19 @@ def test_the_index_built_from_the_store_matches_one_kept_as_it_was_written(store
     a = store.create_session(title="a", system="sys")["id"]
     for text in ("hi", "hello", "more"):
         store.append_message(a, "user" if text != "hello" else "assistant", text)
-    store.append_message(a, "assistant", "")  # cut before any text: not said
+    store.append_message(a, "assistant", "", status="cancelled")  # cut before any text: not said
     empty = store.create_session(title="empty")["id"]
     built = build(store.chain_rows())
     assert empty in built and built.said_count(empty) == 0
     assert built.longest(chain("sys", said("hi", "hello", "more", "next"))) == (a, 3)
+
+
+def test_an_answer_that_ended_at_once_is_said_one_cut_before_any_text_is_not() -> None:
+    """An API client gets an empty answer that ended (and sends it back); it never saw one it hung up on."""
+    chains = Chains()
+    chains.put("a", None, [{"index": 0, "role": "user", "content": "q"},
+                           {"index": 1, "role": "assistant", "content": "", "status": "complete"}])
+    chains.put("b", None, [{"index": 0, "role": "user", "content": "q"},
+                           {"index": 1, "role": "assistant", "content": "", "status": "cancelled"}])
+    assert chains.longest(chain(None, said("q", "", "next"))) == ("a", 2)
+    assert chains.longest(chain(None, said("q", "next"))) == ("b", 1)

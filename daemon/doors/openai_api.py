@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
-from sessions import is_valid_session_id
+from sessions import chains, is_valid_session_id
 
 from ..config import Config
 from ..engine.thread import Engine
@@ -174,7 +174,7 @@ class OpenAIDoor:
             return error_response(ApiError(HTTPStatus.NOT_FOUND, f"no session {session_id!r}",
                                            code="session_not_found"))
         stored = await self.turns.transcripts.read(lambda store: store.messages(session_id))
-        said = [m for m in stored if m["content"] or m["tool_calls"]]
+        said = [m for m in stored if chains.said(m["content"], m["tool_calls"], m["status"])]  # as placement compares
         messages: list[dict[str, Any]] = (
             [{"role": "system", "content": session["system"]}] if session["system"] is not None else [])
         for m in said:

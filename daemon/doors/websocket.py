@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -37,7 +38,7 @@ from protocol.requests import (
     parse_request,
 )
 from protocol.shapes import merge, resolve
-from sessions import KEEP, Keep, Session, is_disk_full
+from sessions import KEEP, Keep, Message, Session, Store, is_disk_full
 
 from .. import __version__
 from ..config import Config
@@ -138,8 +139,11 @@ class WebSocketDoor:
                 conn.publish({"type": p.SESSIONS, "id": rid,
                               "sessions": [self._session_object(s) for s in sessions]})
             elif isinstance(req, SessionGet):
-                session = await self.turns.session(req.session, rid)
-                messages = await self.turns.transcripts.read(lambda store: store.messages(req.session))
+                found = await self.turns.transcripts.read(partial(_session_and_messages, req.session))
+                if found is None:
+                    raise RequestError(p.UNKNOWN_SESSION, f"no session {req.session!r}; list sessions with "
+                                       "session.list", rid)
+                session, messages = found
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session),
                               "messages": [wire.message_object(m) for m in messages]})
             elif isinstance(req, SessionUpdate):
@@ -208,6 +212,12 @@ class WebSocketDoor:
         conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session, "generating": True,
                       "request": turn.request_id, "message_index": turn.message_index})
         turn.attach(conn, req.after_seq)
+
+
+def _session_and_messages(session_id: str, store: Store) -> tuple[Session, list[Message]] | None:
+    """session.get's reply in one trip to the transcript's writer."""
+    session = store.get_session(session_id)
+    return None if session is None else (session, store.messages(session_id))
 
 
 def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> dict[str, Any]:
