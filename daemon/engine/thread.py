@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from cachestore import SessionCaches
 
     from .lockstep import Lockstep
-    from .speculate import Speculation
 
 
 log = logging.getLogger("kvd.engine")
@@ -46,7 +45,7 @@ MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 
 
 class Engine(TurnSteps):
-    """Owns the model; serves TurnJobs through one BatchGenerator."""
+    """Owns the model; serves TurnJobs through one decode batch (decode.py)."""
 
     def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
         """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
@@ -63,8 +62,6 @@ class Engine(TurnSteps):
         self._turns: Scheduler[TurnJob, RunningTurn] = Scheduler(
             max_running=config.max_generations, prefill_step=config.prefill_step_size,
             prefill_slice=config.prefill_slice)
-        self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
-        self._speculating: dict[int, Speculation] = {}  # of those, the ones that may draft (by uid)
         self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
@@ -133,9 +130,9 @@ class Engine(TurnSteps):
                     block_tokens=c.block_tokens),
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
-        self._new_generator()
+        self._new_decoder()
         if self.lockstep is not None:
-            self.lockstep.stream = self.generator.stream
+            self.lockstep.stream = self.decoder.stream
             self.lockstep.open_doorbell()
         self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits))
         if self.lockstep is not None:
