@@ -5,7 +5,7 @@ then joins this batch with the first token its prefill chose. The batch is
 built on mlx-lm's public surfaces only: the model called as a function,
 mlx-lm's batch cache classes (`BatchKVCache`, `BatchRotatingKVCache`, and
 kvd's `BatchQuantizedKVCache`) through their public `merge`, `extend`,
-`filter`, `extract`, `trim` and `state`, and `apply_top_p` (draws.py).
+`filter`, `extract` and `trim`, and `apply_top_p` (draws.py).
 Rows of different lengths share one forward through the batch caches' left
 padding, exactly as mlx-lm's own batching does.
 
@@ -16,12 +16,14 @@ position, so a seeded answer is the same alone or batched), its grammar
 max_tokens, and its speculation (speculate.py: drafts verified in the batch's
 own forward, rejected positions rolled back row by row).
 
-The order of work is mlx-lm's `GenerationBatch`'s, kept so answers stay
-exactly what they were: a joining row's first token is fed in a forward of
-its own (its cache merged into a batch of one), then the row is appended to
-the batch; each step feeds every row's pending token, draws the next one
-and starts computing it (`mx.async_eval`) before reporting the fed tokens,
-so the bookkeeping and the events overlap the next forward. Every reported
+The order of work is mlx-lm's `BatchGenerator`'s, kept so answers stay
+exactly what they were: a row that joins waits for the next step; that step
+first moves the batch, then feeds the joining row's first token in a forward
+of its own (its cache merged into a batch of one) and appends the row to the
+batch (a cancel before then finds its cache holding just the prompt); each
+step feeds every row's pending token, draws the next one and starts
+computing it (`mx.async_eval`) before reporting the fed tokens, so the
+bookkeeping and the events overlap the next forward. Every reported
 token is in the cache: a finished row's cache holds its stop token too.
 """
 
@@ -78,27 +80,30 @@ class Decoder:
         self.rows: list[Row] = []
         self.cache: list[Any] = []  # one batch cache per layer; empty while no row decodes
         self.pending: mx.array | None = None  # (rows,): each row's next token, drawn, not yet fed
+        self.joining: list[tuple[Row, list[Any], int]] = []  # rows that join at the next step
         self.steps = 0
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self.joining)
 
     def keys(self) -> list[str]:
-        return [r.key for r in self.rows]
+        return [r.key for r in self.rows] + [r.key for r, _, _ in self.joining]
 
     def join(self, row: Row, cache: list[Any], first: int) -> None:
-        """Add a row whose `cache` holds `row.tokens`; `first` (its first answer token) is fed now."""
+        """Add a row whose `cache` holds `row.tokens`; `first` (its first answer token) is fed at the next step."""
+        self.joining.append((row, cache, first))
+
+    def _enter(self, row: Row, cache: list[Any], first: int) -> None:
         from .quantized import as_batchable
 
-        with mx.stream(self.stream):
-            merged = [c.merge([c]) for c in as_batchable(cache)]
-            logits = self.model(mx.array([[first]]), cache=merged)[:, -1, :]
-            if row.constraint is not None:
-                row.constraint.take(first)
-                logits = row.constraint.mask(logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            nxt = row.draws.take(logprobs)
-            mx.async_eval(nxt)
+        merged = [c.merge([c]) for c in as_batchable(cache)]
+        logits = self.model(mx.array([[first]]), cache=merged)[:, -1, :]
+        if row.constraint is not None:
+            row.constraint.take(first)
+            logits = row.constraint.mask(logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        nxt = row.draws.take(logprobs)
+        mx.async_eval(nxt)
         row.tokens.append(first)
         if not self.rows:
             self.cache, self.pending = merged, nxt
@@ -109,27 +114,33 @@ class Decoder:
             self.pending = mx.concatenate([self.pending, nxt])
         self.rows.append(row)
 
-    def remove(self, key: str) -> tuple[list[Any], list[int]]:
-        """Take a row out (a cancel): its cache and the ids it holds."""
-        i = self.keys().index(key)
+    def remove(self, key: str) -> tuple[list[Any], list[int], list[int]]:
+        """Take a row out (a cancel): its cache, the ids it holds, and its first token if never fed."""
+        for j, (row, cache, first) in enumerate(self.joining):
+            if row.key == key:
+                del self.joining[j]
+                return cache, row.tokens, [first]
+        i = [r.key for r in self.rows].index(key)
         row = self.rows[i]
         with mx.stream(self.stream):
             cache = [c.extract(i) for c in self.cache]
             self._keep([j for j in range(len(self.rows)) if j != i])
-        return cache, row.tokens
+        return cache, row.tokens, []
 
     def reset(self) -> None:
         """Drop every row (after a failed step, the batch's state is unknown)."""
-        self.rows, self.cache, self.pending = [], [], None
+        self.rows, self.cache, self.pending, self.joining = [], [], None, []
 
     def step(self) -> list[Out]:
-        """One step: a speculative one where some row has a draft, a plain one otherwise."""
-        if not self.rows:
-            return []
+        """One step of the batch (a speculative one where some row has a draft), then the joining rows enter."""
+        out: list[Out] = []
         with mx.stream(self.stream):
-            out = self._speculative() if any(r.spec is not None for r in self.rows) else None
-            if out is None:
-                out = self._plain()
+            if self.rows:
+                spec = self._speculative() if any(r.spec is not None for r in self.rows) else None
+                out = spec if spec is not None else self._plain()
+            while self.joining:  # one that fails stays listed: the caller fails every key
+                self._enter(*self.joining[0])
+                del self.joining[0]
         self.steps += 1
         if self.steps % CLEAR_EVERY == 0:
             mx.clear_cache()
@@ -199,7 +210,7 @@ class Decoder:
         K = max(len(d) for d in drafts)
         if K == 0:
             return None
-        speculate.in_temporal_order(self.cache)
+        self.cache = speculate.in_temporal_order(self.cache)
         inputs = mx.array([[p, *d, *[p] * (K - len(d))] for p, d in zip(pending, drafts)], dtype=mx.uint32)
         logits = self.model(inputs, cache=self.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -214,7 +225,7 @@ class Decoder:
                 spec.budget.record(len(drafts[i]), len(fed[-1]) - 1)
                 spec.steps += 1
                 spec.k_sum += len(drafts[i])
-        speculate.rollback(self.cache, fed=1 + K, keep=[len(t) for t in fed])
+        self.cache = speculate.rollback(self.cache, fed=1 + K, keep=[len(t) for t in fed])
         self.pending = mx.array([v.token for v in verdicts], dtype=mx.uint32)
         return self._report(fed)
 

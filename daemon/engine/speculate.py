@@ -23,9 +23,9 @@ rotating layer in temporal order with its whole window plus the new
 positions (mlx-lm's rotating batch cache concatenates a multi-token update
 onto the ring rather than writing into it), so its rejected positions are the
 array's tail, cut like the others, even after the window wrapped; nothing
-needs a snapshot. A rotating layer is reached through its public `state`
-(`in_temporal_order`, `_drop_tail`), whose layout tests/test_speculate.py
-exercises on builtin:tiny-swa.
+needs a snapshot. A wrapped ring is put in temporal order, and a rotating
+layer's cut tail dropped, by rebuilding the layer from its rows with the
+batch cache's public `extract` and `merge` (`_remade`).
 Array (recurrent) layers cannot drop positions: a batch holding one is never
 speculated (`supported`).
 
@@ -98,8 +98,8 @@ def width(rows: int, wanted: int) -> int:
     return max(0, min(wanted, POSITION_BUDGET // rows - 1)) if rows > 1 else wanted
 
 
-def rollback(cache: Sequence[Any], *, fed: int, keep: Sequence[int]) -> None:
-    """Take back, in every layer of a batch cache, the positions each row did not keep.
+def rollback(cache: Sequence[Any], *, fed: int, keep: Sequence[int]) -> list[Any]:
+    """Take back, in every layer of a batch cache, the positions each row did not keep: the layers after.
 
     Each row was just fed `fed` positions; row i keeps the first `keep[i]`.
     """
@@ -108,34 +108,32 @@ def rollback(cache: Sequence[Any], *, fed: int, keep: Sequence[int]) -> None:
     shifts = [most - k for k in keep]
     rolled = any(shifts)
     shift = mx.array(shifts)[:, None]
+    out: list[Any] = []
     for c in cache:
         if cut:
             c.trim(cut)
-        if type(c) is BatchRotatingKVCache:
-            _drop_tail(c)
         if rolled:
             _roll(c, shift)
+        # A rotating layer is in temporal order after a multi-token forward: its trimmed tail
+        # is cut for good, so a later in-place write never mistakes it for part of the window.
+        out.append(_remade(c) if type(c) is BatchRotatingKVCache and (cut or rolled) else c)
+    return out
 
 
-def in_temporal_order(cache: Sequence[Any]) -> None:
-    """Put every wrapped rotating layer's ring in temporal order before a multi-token forward.
+def in_temporal_order(cache: Sequence[Any]) -> list[Any]:
+    """The layers, every wrapped rotating ring put in temporal order, for a multi-token forward.
 
     mlx-lm masks a multi-token forward by the ring's pre-update index; a ring written
     in place has to be in temporal order first, or a left-padded row's mask is off by one.
     """
-    for c in cache:
-        if type(c) is BatchRotatingKVCache and c.rotated:
-            keys, values, offset, left_padding, max_size, total, idx, _ = c.state
-            keys = mx.roll(keys, -idx, 2)
-            values = mx.roll(values, -idx, 2)
-            c.state = (keys, values, offset, left_padding, max_size, total, keys.shape[2], False)
+    return [_remade(c) if type(c) is BatchRotatingKVCache and c.rotated else c for c in cache]
 
 
-def _drop_tail(c: Any) -> None:
-    """A rotating layer is in temporal order after a multi-token forward: cut the trimmed tail for good,
-    so a later in-place write never mistakes it for part of the window."""
-    keys, values, offset, left_padding, max_size, total, idx, rotated = c.state
-    c.state = (keys[..., :idx, :], values[..., :idx, :], offset, left_padding, max_size, total, idx, rotated)
+def _remade(c: Any) -> Any:
+    """A rotating batch layer rebuilt from its rows (public `extract` and `merge`): in temporal
+    order, each row's window right-aligned, nothing past the last position kept."""
+    rows = c.offset.shape[0]
+    return type(c).merge([c.extract(i) for i in range(rows)])
 
 
 def _roll(c: Any, shift: mx.array) -> None:

@@ -187,19 +187,11 @@ class TurnSteps:
 
             if speculable(prefill.cache):
                 act.spec = Speculation(PromptLookup(prior=self._answers.get(session_id)))
-        # The first token is fed as the row joins; the row's max_tokens counts from the second token.
-        try:
-            assert act.draws is not None
-            self.decoder.join(Row(session_id, list(prefill.tokens), act.draws, job.max_tokens - 1,
-                                  frozenset(self.tokenizer.eos_token_ids), act.constraint, act.spec),
-                              prefill.cache, token)
-        except Exception as e:
-            if self.lockstep is not None:
-                self.lockstep.lost(e)
-            log.exception("joining the decode batch for %s failed", session_id)
-            act.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
-            self._forget(session_id)
-            return
+        # The next decode step feeds the first token; the row's max_tokens counts from the second token.
+        assert act.draws is not None
+        self.decoder.join(Row(session_id, list(prefill.tokens), act.draws, job.max_tokens - 1,
+                              frozenset(self.tokenizer.eos_token_ids), act.constraint, act.spec),
+                          prefill.cache, token)
         self._turns.decode(session_id)
 
     def _constraint(self, grammar: str, width: int) -> Constraint:
@@ -247,8 +239,10 @@ class TurnSteps:
             self._finish(act, "cancelled", pre.cache if pre.fed else None, pre.tokens[:pre.fed],
                          changed=False)
             return
-        cache, tokens = self.decoder.remove(session_id)
-        self._finish(act, "cancelled", cache, list(tokens))
+        cache, tokens, unfed = self.decoder.remove(session_id)
+        # Cancelled before the decode step that feeds the first token: it was shown, so it
+        # belongs to the history, but the cache ends with the prompt.
+        self._finish(act, "cancelled", cache, list(tokens), unfed=unfed)
 
     def _finish(self, act: RunningTurn, reason: str, cache: list[Any] | None, tokens: list[int],
                 *, changed: bool = True, unfed: Sequence[int] = ()) -> None:
