@@ -58,6 +58,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_kvchat_commands", "test_kvchat_daily", "test_loading", "test_openai_http", "test_openai_json",
         "test_openai_tools",
         "test_packing", "test_quantized", "test_resume", "test_security", "test_session_requests", "test_shared",
+        "test_seeds",
         "test_speculate",
     }),
     "e2e": frozenset({

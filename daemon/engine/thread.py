@@ -4,7 +4,8 @@ Jobs come in through a queue; events go out through a callback the server
 supplies (it hops them onto the event loop with `call_soon_threadsafe`).
 This file is the thread: its loop, its inbox, loading the model, idle
 upkeep and the statistics; what a step does to the turns (admit, prefill,
-decode, finish, cancel) is turnsteps.py, which `Engine` inherits.
+decode, finish, cancel) is a `TurnSteps` (turnsteps.py), made once the model
+is loaded, which the engine owns and calls.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import protocol as p
+
 from ..config import Config
-from .draft import Answers
 from .jobs import (
     Cancel,
+    Failed,
     Forget,
     Status,
     Stop,
@@ -44,7 +47,7 @@ log = logging.getLogger("kvd.engine")
 MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 
 
-class Engine(TurnSteps):
+class Engine:
     """Owns the model; serves TurnJobs through one decode batch (decode.py)."""
 
     def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
@@ -62,13 +65,23 @@ class Engine(TurnSteps):
         self._turns: Scheduler[TurnJob, RunningTurn] = Scheduler(
             max_running=config.max_generations, prefill_step=config.prefill_step_size,
             prefill_slice=config.prefill_slice)
-        self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
-        self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
+        self.steps: TurnSteps | None = None  # what moves the turns along, once the model is loaded
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        """A new config (tests swap one in between turns) reaches the turn steps too."""
+        self._config = config
+        if (steps := getattr(self, "steps", None)) is not None:
+            steps.config = config
 
     # --- called from other threads ---
 
@@ -130,9 +143,11 @@ class Engine(TurnSteps):
                     block_tokens=c.block_tokens),
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
-        self._new_decoder()
+        self.steps = TurnSteps(c, self.model, self.tokenizer, self.caches, turns=self._turns,
+                               lockstep=self.lockstep, max_context=self.max_context,
+                               publish=self._publish_stats)
         if self.lockstep is not None:
-            self.lockstep.stream = self.decoder.stream
+            self.lockstep.stream = self.steps.decoder.stream
             self.lockstep.open_doorbell()
         self.warm_up_ms = warm_up(self.model, self.tokenizer, make_cache(self.model, kv_bits))
         if self.lockstep is not None:
@@ -203,10 +218,11 @@ class Engine(TurnSteps):
 
     def close(self) -> None:
         """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
-        for job in self._turns.waiting():
-            self._cancel(job.session_id)
-        for sid in list(self._turns.running):
-            self._cancel(sid)
+        if self.steps is not None:
+            for job in self._turns.waiting():
+                self.steps.cancel(job.session_id)
+            for sid in list(self._turns.running):
+                self.steps.cancel(sid)
         if self.caches is not None:
             self.caches.page_out_all()
             self.caches.close()
@@ -219,9 +235,11 @@ class Engine(TurnSteps):
 
     def _advance(self) -> None:
         """Start what may start, then one step of the running turns."""
-        self._admit_waiting()
+        if self.steps is None:
+            return
+        self.steps.admit_waiting()
         if self._turns.running:
-            self._step()
+            self.steps.step()
 
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
@@ -241,9 +259,13 @@ class Engine(TurnSteps):
 
     def _handle(self, cmd: TurnJob | Cancel | Forget | Status) -> None:
         if isinstance(cmd, TurnJob):
-            self._start(cmd)
+            if self.steps is None:
+                cmd.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
+            else:
+                self.steps.start(cmd)
         elif isinstance(cmd, Cancel):
-            self._cancel(cmd.session_id)
+            if self.steps is not None:
+                self.steps.cancel(cmd.session_id)
         elif isinstance(cmd, Forget):
             if self.caches is not None and cmd.session_id not in self._turns.running:
                 self.caches.forget(cmd.session_id)

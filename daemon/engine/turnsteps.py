@@ -1,9 +1,12 @@
 """What one engine step does to the turns: admit, prefill a chunk, decode the batch, finish, cancel.
 
 The engine thread (thread.py) owns the loop, the inbox, the model's loading
-and the statistics; this is the part of `Engine` that moves turns along,
-kept in a file of its own (`Engine` inherits it). Everything here runs on
-the engine thread.
+and the statistics; once the model is loaded it makes one `TurnSteps`, which
+moves the turns along, and calls it. `TurnSteps` owns the decode batch
+(decode.py), the recent answers speculation drafts from, and the grammar
+view; the scheduler's register of turns is the engine's, handed in (the
+engine reads it for its statistics and its idle waits). Everything here runs
+on the engine thread.
 
 A turn has two phases. Prefill: the session's restored cache is fed the rest
 of its prompt a chunk per step (prefill.py), first come first served, and the
@@ -34,7 +37,6 @@ from .scheduler import Scheduler
 if TYPE_CHECKING:
     from cachestore import SessionCaches
 
-    from .decode import Decoder
     from .grammar import Constraint
     from .lockstep import Lockstep
 
@@ -45,30 +47,31 @@ PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a
 
 
 class TurnSteps:
-    """The turns' half of `Engine` (thread.py sets every attribute below and defines _publish_stats)."""
+    """Moves the turns along, one engine step at a time: made by the engine once its model is loaded."""
 
-    config: Config
-    lockstep: Lockstep | None
-    caches: SessionCaches | None
-    model: Any
-    tokenizer: Any
-    decoder: Decoder
-    load_error: BaseException | None
-    max_context: int | None
-    _turns: Scheduler[TurnJob, RunningTurn]
-    _answers: Answers
-    _grammar_view: tuple[int, Any] | None
-    _publish_stats: Callable[[], None]  # the engine's method: statistics for other threads, after a turn is kept
-
-    def _new_decoder(self) -> None:
+    def __init__(self, config: Config, model: Any, tokenizer: Any, caches: SessionCaches, *,
+                 turns: Scheduler[TurnJob, RunningTurn], lockstep: Lockstep | None, max_context: int | None,
+                 publish: Callable[[], None]):
+        """`turns`: the engine's register of running and waiting turns; `publish`: the engine's
+        statistics for other threads, refreshed after a turn is kept."""
         from .decode import Decoder
 
-        self.decoder = Decoder(self.model)
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.caches: SessionCaches | None = caches
+        self.lockstep = lockstep
+        self.max_context = max_context
+        self._turns = turns
+        self._publish_stats = publish
+        self.decoder = Decoder(model)
+        self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
+        self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
 
-    def _start(self, job: TurnJob) -> None:
-        if self.load_error is not None:
-            job.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
-            return
+    # --- what the engine calls ---
+
+    def start(self, job: TurnJob) -> None:
+        """A new job: start it, queue it, or refuse it (its session is busy)."""
         if self._turns.holds(job.session_id):
             job.emit(Failed(p.BUSY, "this session is already generating"))
             return
@@ -77,7 +80,7 @@ class TurnSteps:
             return
         self._admit(job)
 
-    def _admit_waiting(self) -> None:
+    def admit_waiting(self) -> None:
         """Start waiting jobs while there is room; tell the rest their new places."""
         for job in self._turns.admissible():
             self._admit(job)
@@ -126,7 +129,7 @@ class TurnSteps:
         ))
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
 
-    def _step(self) -> None:
+    def step(self) -> None:
         """One decode step for every session in the batch, then one prefill chunk."""
         if self._turns.any_decoding():
             self._decode()
@@ -225,7 +228,7 @@ class TurnSteps:
     def _took(self, act: RunningTurn, token: int, now: float, *, shown: bool = True) -> None:
         act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)  # a stop token never shows
 
-    def _cancel(self, session_id: str) -> None:
+    def cancel(self, session_id: str) -> None:
         job = self._turns.withdraw(session_id)
         if job is not None:
             job.emit(Done("cancelled", RunningTurn.never_started(job).usage(self.max_context), None))
