@@ -45,8 +45,14 @@ class Draws:
         return self.temperature == 0
 
     def logits(self, logprobs: mx.array) -> mx.array:
-        """Log-weights whose softmax is the distribution this turn samples from (top_p, then temperature)."""
+        """Log-weights whose softmax is the distribution this turn samples from (top_p, then temperature).
+
+        Renormalised first: a grammar's mask (grammar.py) leaves log-probabilities that no longer
+        sum to one, and mlx-lm's `apply_top_p` before 0.32.2 assumed they did (its main branch at
+        d78bf58 still does), cutting every allowed token when the allowed mass was under 1 - top_p.
+        """
         if self.top_p < 1:
+            logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
             logprobs = apply_top_p(logprobs, self.top_p)
         return logprobs * (1.0 / self.temperature)
 
