@@ -47,7 +47,7 @@ def anyio_backend() -> str:
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
         "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_cost", "test_direct",
-        "test_durable", "test_cli", "test_complexity", "test_device", "test_lockstep",
+        "test_durable", "test_cli", "test_complexity", "test_device", "test_lockstep", "test_private_surfaces",
         "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
         "test_segment_compat", "test_segments", "test_shapes", "test_snapshot", "test_store", "test_store_tiers",
         "test_table", "test_transcript_writer", "test_tui_render", "test_wire", "test_writeback_plan",
@@ -58,7 +58,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_kvchat_commands", "test_kvchat_daily", "test_loading", "test_openai_http", "test_openai_json",
         "test_openai_tools",
         "test_packing", "test_quantized", "test_restore_admission", "test_resume", "test_security",
-        "test_session_requests", "test_shared",
+        "test_session_requests", "test_shared", "test_seeds",
         "test_speculate",
         "test_fed_checksum", "test_tool_turns",
     }),

@@ -1,4 +1,4 @@
-"""Speculative decoding: drafts, the exact accept rules, and rollback in mlx-lm's batch, on the built-in models."""
+"""Speculative decoding: drafts, the exact accept rules, and rollback in kvd's decode batch, on the built-in models."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator
 
 from cachestore.snapshot import restore, snapshot
 from daemon.engine import speculate
+from daemon.engine.decode import Decoder, Row
 from daemon.engine.draft import MISS_PAUSE, PAUSE_STEPS, WINDOW, Answers, DraftBudget, PromptLookup
+from daemon.engine.draws import Draws
+from daemon.engine.prefill import Prefill, first_token
 from daemon.engine.quantized import as_batchable, make_cache
 from daemon.engine.speculate import Speculation
 from daemon.engine.verify import Target, target_logits, verify
@@ -77,23 +79,36 @@ PROMPTS = [
 
 def decode(model: Any, prompts: list[list[int]], *, spec: bool, bits: int | None,
            caches: list[list[Any]] | None = None, all_tokens: list[list[int]] | None = None,
-           n: int = N) -> tuple[list[list[int]], list[tuple[list[Any], list[int]]], list[Speculation]]:
-    """Greedy decoding in one BatchGenerator: each prompt's tokens, its final cache and ids, its speculation."""
-    gen = BatchGenerator(model)
-    uids = gen.insert(prompts, max_tokens=[n] * len(prompts),
-                      caches=caches or [make_cache(model, bits) for _ in prompts], all_tokens=all_tokens)
-    rows = {u: Speculation(Target(0.0, 1.0)) for u in uids} if spec else {}
-    toks: dict[int, list[int]] = {u: [] for u in uids}
-    done: dict[int, tuple[list[Any], list[int]]] = {}
-    while len(done) < len(uids):
-        responses = speculate.step(gen, rows) if rows else None
-        if responses is None:
-            _, responses = gen.next()
-        for r in responses:
-            toks[r.uid].append(int(r.token))
-            if r.finish_reason is not None:
-                done[r.uid] = (r.prompt_cache, list(r.all_tokens))
-    return [toks[u] for u in uids], [done[u] for u in uids], list(rows.values())
+           n: int = N, temperature: float = 0.0, seeds: list[int] | None = None,
+           ) -> tuple[list[list[int]], list[tuple[list[Any], list[int]]], list[Speculation]]:
+    """Decoding in one batch, the way the engine runs it (each prompt prefilled alone, then joined):
+    each prompt's tokens, its final cache and ids, its speculation."""
+    dec = Decoder(model)
+    specs: list[Speculation] = []
+    toks: dict[str, list[int]] = {}
+    done: dict[str, tuple[list[Any], list[int]]] = {}
+    for i, prompt in enumerate(prompts):
+        cache = caches[i] if caches else make_cache(model, bits)
+        before = all_tokens[i] if all_tokens else []
+        ids = [*before, *prompt]
+        pre = Prefill(model, cache, ids, len(before), step=4096)
+        logprobs = pre.advance()
+        assert logprobs is not None
+        draws = Draws(temperature, 1.0, seed=seeds[i] if seeds else None, size=n + 16)
+        first = first_token(logprobs, draws.take)
+        sp = Speculation() if spec else None
+        if sp is not None:
+            specs.append(sp)
+        dec.join(Row(str(i), ids, draws, n - 1, frozenset(), spec=sp), cache, first)
+        toks[str(i)] = [first]
+    while len(done) < len(prompts):
+        for r in dec.step():
+            toks[r.key].append(r.token)
+            if r.finish is not None:
+                assert r.cache is not None and r.tokens is not None
+                done[r.key] = (r.cache, list(r.tokens))
+    keys = [str(i) for i in range(len(prompts))]
+    return [toks[k] for k in keys], [done[k] for k in keys], specs
 
 
 CASES = [("builtin:tiny", None), ("builtin:tiny", 8), ("builtin:tiny-swa", None), ("builtin:tiny-swa", 8)]
@@ -127,6 +142,21 @@ def test_after_a_speculative_turn_the_next_turn_equals_a_fresh_prefill(models: d
         for kept in (cache, as_batchable(restore(snapshot(cache)))):
             (got,), _, _ = decode(model, [suffix], spec=False, bits=bits, caches=[kept], all_tokens=[ids], n=12)
             assert got == fresh
+
+
+@pytest.mark.parametrize(("name", "bits"), [("builtin:tiny", None), ("builtin:tiny-swa", 8)])
+def test_a_seeded_sampled_answer_is_the_same_alone_batched_and_speculated(models: dict[str, Any], name: str,
+                                                                          bits: int | None) -> None:
+    """Each draw uses the turn's own key for its answer position: nothing else moves it."""
+    model = models[name]
+    seeds = [11, 22, 33]
+    (alone,), _, _ = decode(model, PROMPTS[:1], spec=False, bits=bits, temperature=0.5, seeds=seeds[:1])
+    batched, _, _ = decode(model, PROMPTS, spec=False, bits=bits, temperature=0.5, seeds=seeds)
+    fast, _, specs = decode(model, PROMPTS, spec=True, bits=bits, temperature=0.5, seeds=seeds)
+    assert batched[0] == alone and fast == batched
+    assert any(s.budget.accepted > 0 for s in specs)  # drafts were kept, so verification drew the tokens
+    (other,), _, _ = decode(model, PROMPTS[:1], spec=False, bits=bits, temperature=0.5, seeds=[12])
+    assert other != alone  # the test can fail: another seed draws another answer
 
 
 # --- sampling: the target's distribution, whatever the draft -------------------------
@@ -167,7 +197,7 @@ def test_speculative_sampling_keeps_the_target_distribution(models: dict[str, An
         both = mx.concatenate([lp, lp], axis=1)
         counts: dict[int, int] = {}
         for _ in range(SAMPLES):
-            (v,) = verify(both, [[draft]], [target], plain=[lambda x: x])
+            (v,) = verify(both, [[draft]], [Draws(target.temperature, target.top_p, seed=None, size=2)])
             first = draft if v.accepted else v.token
             counts[first] = counts.get(first, 0) + 1
         stat, bins = chi_square(counts, p, SAMPLES)

@@ -9,10 +9,10 @@ only tokens that keep the answer valid; once the value is whole, only an
 end-of-turn token is allowed and the answer ends.
 
 The first token is sampled from the prefill's last logits (`Constraint.mask`);
-every later one inside BatchGenerator's batched step, as the sequence's logits
-processor (`Constraint.__call__`), which first takes the token just fed. Only
-the rows that carry a constraint pay for it. A batch with a constrained row
-does not speculate (speculate.step), so the matcher sees every token once.
+every later one inside the decode batch's step (decode.py), which first
+hands the matcher the token just fed (`Constraint.take`), then masks that
+row's logits. Only the rows that carry a constraint pay for it. A batch with
+a constrained row does not speculate, so the matcher sees every token once.
 
 Engine thread only: the tokenizer view and the matchers are used there.
 """
@@ -75,12 +75,6 @@ class Constraint:
     def take(self, token: int) -> None:
         """The token the answer continued with (one the mask allowed)."""
         self.matcher.consume_token(token)
-
-    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
-        """BatchGenerator's logits processor: `context` ends with the token this step feeds."""
-        fed: Any = context.reshape(-1)[-1].item()
-        self.take(int(fed))
-        return self.mask(logits)
 
     def accepting(self) -> bool:
         return bool(self.matcher.is_accepting())

@@ -1,7 +1,7 @@
-"""Quantized KV caches that mlx-lm's ``BatchGenerator`` can batch.
+"""Quantized KV caches that kvd's decode batch (decode.py) can batch.
 
 mlx-lm has a single-sequence ``QuantizedKVCache`` but no batched counterpart,
-and ``BatchGenerator`` merges per-sequence caches with ``type(c).merge(...)``.
+and the decode batch merges per-sequence caches with ``c.merge([c])``.
 ``BatchQuantizedKVCache`` is the quantized analogue of ``BatchKVCache`` (left
 padding, per-row offsets, right-padding prepare/finalize, filter/extend/extract);
 ``KvdQuantizedKVCache`` is a ``QuantizedKVCache`` that knows how to merge into
@@ -20,7 +20,6 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
-    _BaseCache,
     dynamic_roll,
     make_prompt_cache,
 )
@@ -39,15 +38,19 @@ def _tmap(f: Any, t: Any) -> Any:
 
 
 class KvdQuantizedKVCache(QuantizedKVCache):
-    """A ``QuantizedKVCache`` that ``BatchGenerator`` can merge into a batch."""
+    """A ``QuantizedKVCache`` that the decode batch can merge into a batch."""
 
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchQuantizedKVCache:
         return BatchQuantizedKVCache.merge(caches)
 
 
-class BatchQuantizedKVCache(_BaseCache):
-    """A left-padded batch of quantized KV caches (cf. mlx-lm's ``BatchKVCache``)."""
+class BatchQuantizedKVCache:
+    """A left-padded batch of quantized KV caches (cf. mlx-lm's ``BatchKVCache``).
+
+    A class of its own, not a subclass of mlx-lm's private cache base: it defines every
+    method a batch cache is called with (the model's attention, the decode batch).
+    """
 
     step = 256
 
@@ -56,7 +59,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.values: _Triple | None = None
         self.left_padding = mx.array(left_padding)
         self.offset = mx.array([-p for p in left_padding])
-        self._idx = 0
+        self.used = 0
         self._right_padding: mx.array | None = None
         self.group_size = group_size
         self.bits = bits
@@ -66,7 +69,7 @@ class BatchQuantizedKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[_Triple, _Triple]:
         B, H, n, Dk = keys.shape
         Dv = values.shape[-1]
-        prev = self._idx
+        prev = self.used
         if self.keys is None or self.values is None or prev + n > self.keys[0].shape[2]:
             el_per_int = 8 * mx.uint32.size // self.bits
             new_steps = (self.step + n - 1) // self.step * self.step
@@ -94,17 +97,17 @@ class BatchQuantizedKVCache(_BaseCache):
                 self.keys, self.values = init_quant(Dk), init_quant(Dv)
 
         self.offset = self.offset + n
-        self._idx += n
+        self.used += n
         qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
         for i in range(3):
-            self.keys[i][..., prev:self._idx, :] = qk[i]
-            self.values[i][..., prev:self._idx, :] = qv[i]
+            self.keys[i][..., prev:self.used, :] = qk[i]
+            self.values[i][..., prev:self.used, :] = qv[i]
         return self.keys_and_values()
 
     def keys_and_values(self) -> tuple[_Triple, _Triple]:
         assert self.keys is not None and self.values is not None
-        idx = self._idx
+        idx = self.used
         return (_tmap(lambda x: x[..., :idx, :], self.keys),
                 _tmap(lambda x: x[..., :idx, :], self.values))
 
@@ -131,7 +134,7 @@ class BatchQuantizedKVCache(_BaseCache):
             self._right_padding = None
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        mask: mx.array = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        mask: mx.array = create_causal_mask(N, offset=self.used, left_padding=self.left_padding, **kwargs)
         return mask
 
     # -- batch management --------------------------------------------------------
@@ -147,7 +150,7 @@ class BatchQuantizedKVCache(_BaseCache):
             if self.keys is not None and self.values is not None:
                 self.keys = _tmap(lambda x: x[..., min_left_pad:, :], self.keys)
                 self.values = _tmap(lambda x: x[..., min_left_pad:, :], self.values)
-            self._idx -= min_left_pad
+            self.used -= min_left_pad
             self.left_padding = self.left_padding - min_left_pad
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
@@ -158,7 +161,7 @@ class BatchQuantizedKVCache(_BaseCache):
         template = self if self.keys is not None else other
         assert template.keys is not None and template.values is not None
         tk, tv = template.keys, template.values
-        max_idx = max(self._idx, other._idx)
+        max_idx = max(self.used, other.used)
         max_size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
 
         def pad(c: BatchQuantizedKVCache) -> tuple[_Triple, _Triple, mx.array, mx.array]:
@@ -168,7 +171,7 @@ class BatchQuantizedKVCache(_BaseCache):
                 v = _tmap(lambda t: mx.zeros((Bc, t.shape[1], 0, t.shape[3]), t.dtype), tv)
             else:
                 k, v = c.keys, c.values
-            left = max_idx - c._idx
+            left = max_idx - c.used
             right = max_size - k[0].shape[2] - left
             if right < 0:
                 k = _tmap(lambda x: x[..., :right, :], k)
@@ -185,7 +188,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.values = tuple(mx.concatenate([a, b]) for a, b in zip(va, vb))  # type: ignore[assignment]
         self.offset = mx.concatenate([oa, ob])
         self.left_padding = mx.concatenate([la, lb])
-        self._idx = max_idx
+        self.used = max_idx
 
     def extract(self, idx: int) -> KvdQuantizedKVCache:
         cache = KvdQuantizedKVCache(group_size=self.group_size, bits=self.bits)
@@ -193,9 +196,9 @@ class BatchQuantizedKVCache(_BaseCache):
             return cache
         mx.eval(self.left_padding)
         padding = _ints(self.left_padding)[idx]
-        if padding >= self._idx:
+        if padding >= self.used:
             return cache
-        end = self._idx
+        end = self.used
         cache.keys = _tmap(lambda x: mx.contiguous(x[idx:idx + 1, :, padding:end]), self.keys)
         cache.values = _tmap(lambda x: mx.contiguous(x[idx:idx + 1, :, padding:end]), self.values)
         cache.offset = end - padding
@@ -229,30 +232,30 @@ class BatchQuantizedKVCache(_BaseCache):
         cache = cls(padding, group_size, bits)
         cache.keys, cache.values = keys, values
         cache.offset = cache.offset + max_length
-        cache._idx = max_length
+        cache.used = max_length
         return cache
 
     # -- bookkeeping -------------------------------------------------------------
 
     @property
     def state(self) -> Any:
-        return self.keys, self.values, self.offset, self.left_padding, self._idx
+        return self.keys, self.values, self.offset, self.left_padding, self.used
 
     @state.setter
     def state(self, v: Any) -> None:
-        self.keys, self.values, self.offset, self.left_padding, self._idx = v
+        self.keys, self.values, self.offset, self.left_padding, self.used = v
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
-        n = min(self._idx, n)
-        self._idx -= n
+        n = min(self.used, n)
+        self.used -= n
         self.offset = self.offset - n
         return n
 
     def size(self) -> int:
-        return self._idx
+        return self.used
 
     def empty(self) -> bool:
         return self.keys is None
@@ -268,7 +271,7 @@ def as_batchable(cache: list[Any]) -> list[Any]:
     """Re-class plain ``QuantizedKVCache`` layers (from ``snapshot.restore``) in place.
 
     ``KvdQuantizedKVCache`` adds no state, so changing the class is safe; the
-    layers can then go back into ``BatchGenerator.insert(caches=...)``.
+    layers can then join the decode batch (``Decoder.join``).
     """
     for c in cache:
         if type(c) is QuantizedKVCache:

@@ -1,6 +1,6 @@
 """A running turn as the engine holds it: its prompt, its place in the prefill, its timings.
 
-Engine-thread state (the detokenizer, the sampler and the prefill's cache are
+Engine-thread state (the detokenizer, the draws and the prefill's cache are
 live objects); what leaves the thread is a copy: the `usage` of the Done
 event and the TurnStatistics of `Engine.statistics()` (what `kvd status` shows of an answer in progress).
 """
@@ -16,6 +16,7 @@ import protocol as p
 from .jobs import Delta, TurnJob
 
 if TYPE_CHECKING:
+    from .draws import Draws
     from .grammar import Constraint
     from .prefill import Prefill
     from .speculate import Speculation
@@ -49,10 +50,8 @@ class RunningTurn:
     restored_from: str
     restore_ms: float
     inserted: float
-    sampler: Any
+    draws: Draws | None  # how its tokens are chosen (None: never started)
     prefill: Prefill | None  # while the prompt is being fed; then the session decodes in the batch
-    uid: int | None = None  # its sequence in the BatchGenerator once decoding
-    first: int | None = None  # the token sampled from the prompt's last chunk, fed by the first decode step
     progress_at: float | None = None  # when the last Progress event was sent
     generated: int = 0
     t_first: float | None = None
@@ -66,7 +65,7 @@ class RunningTurn:
     def never_started(cls, job: TurnJob) -> RunningTurn:
         """A job cancelled while it waited: what its Done event reports."""
         return cls(job=job, detokenizer=None, prompt=[], cached_len=0, restored_from=p.NO_CACHE,
-                   restore_ms=0.0, inserted=job.arrived, sampler=None, prefill=None)
+                   restore_ms=0.0, inserted=job.arrived, draws=None, prefill=None)
 
     def took(self, token: int, now: float, *, shown: bool) -> None:
         """One generated token: counted and timed; streamed as text if `shown` (not a stop token)."""

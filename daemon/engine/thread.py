@@ -4,7 +4,8 @@ Jobs come in through a queue; events go out through a callback the server
 supplies (it hops them onto the event loop with `call_soon_threadsafe`).
 This file is the thread: its loop, its inbox, loading the model, idle
 upkeep and the statistics; what a step does to the turns (admit, prefill,
-decode, finish, cancel) is turnsteps.py, which `Engine` inherits.
+decode, finish, cancel) is a `TurnSteps` (turnsteps.py), made once the model
+is loaded, which the engine owns and calls.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import protocol as p
+
 from ..config import Config
-from .draft import Answers
 from .jobs import (
     Cancel,
+    Failed,
     Forget,
     Status,
     Stop,
@@ -37,7 +40,6 @@ if TYPE_CHECKING:
     from cachestore import SessionCaches
 
     from .lockstep import Lockstep
-    from .speculate import Speculation
 
 
 log = logging.getLogger("kvd.engine")
@@ -46,8 +48,8 @@ log = logging.getLogger("kvd.engine")
 MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 
 
-class Engine(TurnSteps):
-    """Owns the model; serves TurnJobs through one BatchGenerator."""
+class Engine:
+    """Owns the model; serves TurnJobs through one decode batch (decode.py)."""
 
     def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
         """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
@@ -67,16 +69,24 @@ class Engine(TurnSteps):
             # Running caches count against the resident budget (not across ranks: each rank's share
             # differs, and every rank must admit alike).
             budget=config.resident_bytes if lockstep is None else None)
-        self._by_uid: dict[int, str] = {}  # sessions decoding in the batch
-        self._speculating: dict[int, Speculation] = {}  # of those, the ones that may draft (by uid)
-        self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
-        self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
+        self.steps: TurnSteps | None = None  # what moves the turns along, once the model is loaded
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        """A new config (tests swap one in between turns) reaches the turn steps too."""
+        self._config = config
+        if (steps := getattr(self, "steps", None)) is not None:
+            steps.config = config
 
     # --- called from other threads ---
 
@@ -141,9 +151,11 @@ class Engine(TurnSteps):
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
-        self._new_generator()
+        self.steps = TurnSteps(c, self.model, self.tokenizer, self.caches, turns=self._turns,
+                               lockstep=self.lockstep, max_context=self.max_context,
+                               publish=self._publish_stats)
         if self.lockstep is not None:
-            self.lockstep.stream = self.generator.stream
+            self.lockstep.stream = self.steps.decoder.stream
             self.lockstep.open_doorbell()
         from ..device import current
 
@@ -177,7 +189,21 @@ class Engine(TurnSteps):
             log.warning("cache budgets cut to what %s has room for: resident %d bytes, warm %d bytes "
                         "(configured %d and %d)", current().device.label(), resident, warm,
                         c.resident_bytes, c.warm_bytes)
+        if self.lockstep is None:
+            self._turns.budget = resident  # running caches count against what the resident tier may hold
         return resident, warm
+
+    def _connect_caches(self, probe: list[Any]) -> None:
+        """What the cache store and the admission need from the engine, once the model is warm:
+        a cache's bytes by its length (from the warm-up's cache), the bytes the running turns hold,
+        and a wake-up when the I/O worker has read a cache (not across ranks: they wait, in step)."""
+        from cachestore.cost import cache_cost
+
+        assert self.caches is not None and self.steps is not None
+        self.steps.cost = cache_cost(probe)
+        self.caches.running_bytes = self._turns.held_bytes
+        if self.lockstep is None:
+            self.caches.on_read = lambda: self._inbox.put(Wake())
 
     def open(self) -> None:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
@@ -239,10 +265,11 @@ class Engine(TurnSteps):
 
     def close(self) -> None:
         """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
-        for job in self._turns.waiting():
-            self._cancel(job.session_id)
-        for sid in [*self._turns.restoring_keys(), *self._turns.running]:
-            self._cancel(sid)
+        if self.steps is not None:
+            for job in self._turns.waiting():
+                self.steps.cancel(job.session_id)
+            for sid in [*self._turns.restoring_keys(), *self._turns.running]:
+                self.steps.cancel(sid)
         if self.caches is not None:
             self.caches.page_out_all()
             self.caches.close()
@@ -255,9 +282,11 @@ class Engine(TurnSteps):
 
     def _advance(self) -> None:
         """Start what may start, then one step of the running turns."""
-        self._admit_waiting()
+        if self.steps is None:
+            return
+        self.steps.admit_waiting()
         if self._turns.running:
-            self._step()
+            self.steps.step()
 
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
@@ -277,9 +306,13 @@ class Engine(TurnSteps):
 
     def _handle(self, cmd: TurnJob | Cancel | Forget | Status | Wake) -> None:
         if isinstance(cmd, TurnJob):
-            self._start(cmd)
+            if self.steps is None:
+                cmd.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
+            else:
+                self.steps.start(cmd)
         elif isinstance(cmd, Cancel):
-            self._cancel(cmd.session_id)
+            if self.steps is not None:
+                self.steps.cancel(cmd.session_id)
         elif isinstance(cmd, Forget):
             if self.caches is not None and cmd.session_id not in self._turns.running:
                 self.caches.forget(cmd.session_id)
@@ -292,18 +325,6 @@ class Engine(TurnSteps):
                 return
             self._publish_stats()
             cmd.reply(self.stats)
-
-    def _connect_caches(self, probe: list[Any]) -> None:
-        """What the cache store and the admission need from the engine, once the model is warm:
-        a cache's bytes by its length (from the warm-up's cache), the bytes the running turns hold,
-        and a wake-up when the I/O worker has read a cache (not across ranks: they wait, in step)."""
-        from cachestore.cost import cache_cost
-
-        assert self.caches is not None
-        self._cost = cache_cost(probe)
-        self.caches.running_bytes = self._turns.held_bytes
-        if self.lockstep is None:
-            self.caches.on_read = lambda: self._inbox.put(Wake())
 
     def _prefetch_one(self) -> None:
         """Hand the planned sessions to the cache store, which pages them into memory one read at

@@ -1,18 +1,21 @@
 """What one engine step does to the turns: admit, prefill a chunk, decode the batch, finish, cancel.
 
 The engine thread (thread.py) owns the loop, the inbox, the model's loading
-and the statistics; this is the part of `Engine` that moves turns along,
-kept in a file of its own (`Engine` inherits it). Everything here runs on
-the engine thread.
+and the statistics; once the model is loaded it makes one `TurnSteps`, which
+moves the turns along, and calls it. `TurnSteps` owns the decode batch
+(decode.py), the recent answers speculation drafts from, and the grammar
+view; the scheduler's register of turns is the engine's, handed in (the
+engine reads it for its statistics and its idle waits). Everything here runs
+on the engine thread.
 
 A turn has two phases. Prefill: the session's restored cache is fed the rest
 of its prompt a chunk per step (prefill.py), first come first served, and the
 last chunk's logits give the first token (held to the answer's grammar, if
-it has one: grammar.py). Decode: the session joins mlx-lm's BatchGenerator
-with that token as its one-token prompt and its cache passed in with
-`insert(..., caches=...)`; the cache comes back out of the finished or
-removed sequence. Each step runs one decode step for every session in the
-batch, then one prefill chunk, so a long prefill never freezes the others.
+it has one: grammar.py). Decode: the session joins kvd's decode batch
+(decode.py) with that token, fed first, and its cache; the cache comes back
+out of the finished or removed row. Each step runs one decode step for every
+session in the batch, then one prefill chunk, so a long prefill never
+freezes the others.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
-from common.limits import top_p_filters
 
 from ..config import Config
 from .draft import Answers
@@ -38,7 +40,6 @@ if TYPE_CHECKING:
 
     from .grammar import Constraint
     from .lockstep import Lockstep
-    from .speculate import Speculation
 
 
 log = logging.getLogger("kvd.engine")
@@ -47,38 +48,32 @@ PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a
 
 
 class TurnSteps:
-    """The turns' half of `Engine` (thread.py sets every attribute below and defines _publish_stats)."""
+    """Moves the turns along, one engine step at a time: made by the engine once its model is loaded."""
 
-    config: Config
-    lockstep: Lockstep | None
-    caches: SessionCaches | None
-    model: Any
-    tokenizer: Any
-    generator: Any
-    load_error: BaseException | None
-    max_context: int | None
-    _turns: Scheduler[TurnJob, RunningTurn]
-    _cost: CacheCost | None = None  # a cache's bytes by its length, once the model is loaded
-    _by_uid: dict[int, str]  # sessions decoding in the batch
-    _speculating: dict[int, Speculation]  # of those, the ones that may draft (by uid)
-    _answers: Answers
-    _grammar_view: tuple[int, Any] | None
-    _publish_stats: Callable[[], None]  # the engine's method: statistics for other threads, after a turn is kept
+    def __init__(self, config: Config, model: Any, tokenizer: Any, caches: SessionCaches, *,
+                 turns: Scheduler[TurnJob, RunningTurn], lockstep: Lockstep | None, max_context: int | None,
+                 publish: Callable[[], None]):
+        """`turns`: the engine's register of running and waiting turns; `publish`: the engine's
+        statistics for other threads, refreshed after a turn is kept."""
+        from .decode import Decoder
 
-    def _new_generator(self) -> None:
-        from mlx_lm.generate import BatchGenerator
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.caches: SessionCaches | None = caches
+        self.lockstep = lockstep
+        self.max_context = max_context
+        self._turns = turns
+        self._publish_stats = publish
+        self.decoder = Decoder(model)
+        self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
+        self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
+        self.cost: CacheCost | None = None  # a cache's bytes by its length (the engine sets it after warm-up)
 
-        self.generator = BatchGenerator(
-            self.model,
-            stop_tokens=[[t] for t in sorted(self.tokenizer.eos_token_ids)],
-            prefill_step_size=self.config.prefill_step_size,
-            completion_batch_size=self.config.max_generations,
-        )
+    # --- what the engine calls ---
 
-    def _start(self, job: TurnJob) -> None:
-        if self.load_error is not None:
-            job.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
-            return
+    def start(self, job: TurnJob) -> None:
+        """A new job: start it, queue it, or refuse it (its session is busy)."""
         if self._turns.holds(job.session_id):
             job.emit(Failed(p.BUSY, "this session is already generating"))
             return
@@ -90,9 +85,9 @@ class TurnSteps:
 
     def _need(self, job: TurnJob) -> int:
         """The bytes the turn's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
-        return self._cost(len(job.tokens) + job.max_tokens) if self._cost is not None else 0
+        return self.cost(len(job.tokens) + job.max_tokens) if self.cost is not None else 0
 
-    def _admit_waiting(self) -> None:
+    def admit_waiting(self) -> None:
         """Start the turns whose cache was read from disk, then waiting jobs while there is room;
         tell the rest their new places."""
         self._restored()
@@ -166,26 +161,22 @@ class TurnSteps:
 
     def _begin(self, job: TurnJob, out: Checkout) -> None:
         """Start a turn from its checked-out cache: its prompt is fed next."""
-        from mlx_lm.sample_utils import make_sampler
-
+        from .draws import Draws
         from .prefill import Prefill
         from .quantized import make_cache
+        from .speculate import POSITION_BUDGET
 
         assert self.caches is not None
         tokens, retokenized = job.tokens, job.retokenized
         if self.lockstep is not None:
             out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
-        if job.seed is not None:
-            import mlx.core as mx
-
-            mx.random.seed(job.seed)
         cache, cached, shared = out.cache, out.tokens, out.shared_tokens
         if cache is None or cached == 0:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
         self._turns.start(job.session_id, RunningTurn(
             job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
             restored_from=out.restored_from, restore_ms=out.restore_ms, inserted=time.perf_counter(),
-            sampler=make_sampler(job.temperature, top_p=job.top_p if top_p_filters(job.top_p) else 0.0),
+            draws=Draws(job.temperature, job.top_p, seed=job.seed, size=job.max_tokens + POSITION_BUDGET),
             prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
                             boundary=self.caches.boundary(cache),
                             at_boundary=functools.partial(self.caches.capture, job.session_id)),
@@ -193,7 +184,7 @@ class TurnSteps:
         ))
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
 
-    def _step(self) -> None:
+    def step(self) -> None:
         """One decode step for every session in the batch, then one prefill chunk."""
         if self._turns.any_decoding():
             self._decode()
@@ -212,12 +203,14 @@ class TurnSteps:
             n = self.lockstep.share(n)  # sized by rank 0's clock
         try:
             t0 = time.perf_counter()
-            with mx.stream(self.generator.stream):
+            with mx.stream(self.decoder.stream):
                 logprobs = act.prefill.advance(n)
                 if logprobs is not None and act.job.grammar is not None:
                     act.constraint = self._constraint(act.job.grammar, logprobs.shape[-1])
                     logprobs = act.constraint.mask(logprobs)
-                token = first_token(logprobs, act.sampler) if logprobs is not None else None
+                draws = act.draws
+                assert draws is not None
+                token = first_token(logprobs, draws.take) if logprobs is not None else None
             now = time.perf_counter()
             self._turns.chunk_fed(act.prefill.fed - before, now - t0)
             if token is None:
@@ -234,7 +227,6 @@ class TurnSteps:
             return
         prefill, act.prefill = act.prefill, None
         self._took(act, token, time.perf_counter())
-        act.first = token
         job = act.job
         if token in self.tokenizer.eos_token_ids:
             # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
@@ -244,26 +236,20 @@ class TurnSteps:
             # A one-token answer: shown, so part of the history, but never fed to the cache.
             self._finish(act, "length", prefill.cache, prefill.tokens, unfed=[token])
             return
-        from .quantized import as_batchable
+        from .decode import Row
 
-        # The first token is the sequence's one-token prompt: BatchGenerator feeds it and
-        # samples on; its max_tokens counts from the second token.
-        (uid,) = self.generator.insert(
-            [[token]], max_tokens=[job.max_tokens - 1], caches=[as_batchable(prefill.cache)],
-            all_tokens=[prefill.tokens], samplers=[act.sampler],
-            logits_processors=[[act.constraint]] if act.constraint is not None else None,
-        )
-        act.uid = uid
-        self._by_uid[uid] = session_id
         # Speculation runs on one rank only (docs/distributed.md).
         if self.config.speculate == "auto" and act.constraint is None and self.lockstep is None:
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
-            from .verify import Target
 
             if speculable(prefill.cache):
-                act.spec = self._speculating[uid] = Speculation(
-                    Target(job.temperature, job.top_p), PromptLookup(prior=self._answers.get(session_id)))
+                act.spec = Speculation(PromptLookup(prior=self._answers.get(session_id)))
+        # The next decode step feeds the first token; the row's max_tokens counts from the second token.
+        assert act.draws is not None
+        self.decoder.join(Row(session_id, list(prefill.tokens), act.draws, job.max_tokens - 1,
+                              frozenset(self.tokenizer.eos_token_ids), act.constraint, act.spec),
+                          prefill.cache, token)
         self._turns.decode(session_id)
 
     def _constraint(self, grammar: str, width: int) -> Constraint:
@@ -275,37 +261,29 @@ class TurnSteps:
         return Constraint(self._grammar_view[1], grammar, width)
 
     def _decode(self) -> None:
-        from . import speculate
-
         try:
-            # A step that verifies drafts where some session has one; a plain step otherwise.
-            responses = speculate.step(self.generator, self._speculating) if self._speculating else None
-            if responses is None:
-                _, responses = self.generator.next()
+            out = self.decoder.step()
         except Exception as e:
             if self.lockstep is not None:
                 self.lockstep.lost(e)  # a dead rank, or ranks no longer in step
             # The batch is in an unknown state: fail everyone in it, start afresh.
             log.exception("generation step failed")
-            for sid in list(self._by_uid.values()):
+            for sid in self.decoder.keys():
                 self._turns.running[sid].job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
                 self._forget(sid)
-            self._new_generator()
+            self.decoder.reset()
             return
         now = time.perf_counter()
-        for r in responses:
-            owner = self._by_uid.get(r.uid)
-            if owner is None:
-                continue
-            act = self._turns.running[owner]
-            self._took(act, r.token, now, shown=r.finish_reason != "stop")
-            if r.finish_reason is not None:
-                self._finish(act, r.finish_reason, r.prompt_cache, list(r.all_tokens))
+        for r in out:
+            act = self._turns.running[r.key]
+            self._took(act, r.token, now, shown=r.finish != "stop")
+            if r.finish is not None:
+                self._finish(act, r.finish, r.cache, list(r.tokens or ()))
 
     def _took(self, act: RunningTurn, token: int, now: float, *, shown: bool = True) -> None:
         act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)  # a stop token never shows
 
-    def _cancel(self, session_id: str) -> None:
+    def cancel(self, session_id: str) -> None:
         if self._cancel_restoring(session_id):
             return
         job = self._turns.withdraw(session_id)
@@ -321,13 +299,10 @@ class TurnSteps:
             self._finish(act, "cancelled", pre.cache if pre.fed else None, pre.tokens[:pre.fed],
                          changed=False)
             return
-        removed = self.generator.remove([act.uid], return_prompt_caches=True)
-        cache, tokens = removed.get(act.uid, (None, []))
-        tokens = list(tokens)
-        # Cancelled before the first decode step fed the first token: it was shown, so it
+        cache, tokens, unfed = self.decoder.remove(session_id)
+        # Cancelled before the decode step that feeds the first token: it was shown, so it
         # belongs to the history, but the cache ends with the prompt.
-        unfed = [act.first] if act.first is not None and len(tokens) == len(act.prompt) else []
-        self._finish(act, "cancelled", cache, tokens, unfed=unfed)
+        self._finish(act, "cancelled", cache, list(tokens), unfed=unfed)
 
     def _finish(self, act: RunningTurn, reason: str, cache: list[Any] | None, tokens: list[int],
                 *, changed: bool = True, unfed: Sequence[int] = ()) -> None:
@@ -362,7 +337,4 @@ class TurnSteps:
         self._publish_stats()
 
     def _forget(self, session_id: str) -> None:
-        act = self._turns.end(session_id)
-        if act is not None and act.uid is not None:
-            self._by_uid.pop(act.uid, None)
-            self._speculating.pop(act.uid, None)
+        self._turns.end(session_id)

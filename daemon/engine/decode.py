@@ -1,0 +1,283 @@
+"""kvd's batched decode step: the sessions decoding together, one forward of the model per step.
+
+The engine (thread.py) prefills each session alone (prefill.py); the session
+then joins this batch with the first token its prefill chose. The batch is
+built on mlx-lm's public surfaces only: the model called as a function,
+mlx-lm's batch cache classes (`BatchKVCache`, `BatchRotatingKVCache`, and
+kvd's `BatchQuantizedKVCache`) through their public `merge`, `extend`,
+`filter`, `extract` and `trim`, and `apply_top_p` (draws.py).
+Rows of different lengths share one forward through the batch caches' left
+padding, exactly as mlx-lm's own batching does.
+
+What the step owns, per row: the ids its cache holds, its pending token
+(drawn, not yet fed), how it draws (draws.py: its own key per answer
+position, so a seeded answer is the same alone or batched), its grammar
+(grammar.py, applied to its logits before the draw), its stop tokens, its
+max_tokens, and its speculation (speculate.py: drafts verified in the batch's
+own forward, rejected positions rolled back row by row).
+
+The order of work is mlx-lm's `BatchGenerator`'s, kept so answers stay
+exactly what they were: a row that joins waits for the next step; that step
+first moves the batch, then feeds the joining row's first token in a forward
+of its own (its cache merged into a batch of one) and appends the row to the
+batch (a cancel before then finds its cache holding just the prompt); each
+step feeds every row's pending token, draws the next one and starts
+computing it (`mx.async_eval`) before reporting the fed tokens, so the
+bookkeeping and the events overlap the next forward. Every reported
+token is in the cache: a finished row's cache holds its stop token too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from . import speculate
+from .draws import Draws
+from .verify import verify
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
+    from .speculate import Speculation
+
+CLEAR_EVERY = 512  # steps between returns of MLX's buffer cache to the allocator (as mlx-lm's generator does)
+
+
+@dataclass
+class Row:
+    """One decoding sequence."""
+
+    key: str  # the session
+    tokens: list[int]  # the ids its cache holds
+    draws: Draws
+    max_tokens: int  # the tokens this batch may report for it (its first token is not one)
+    stops: frozenset[int]  # tokens that end the answer (reported, fed, and then the row leaves)
+    constraint: Constraint | None = None
+    spec: Speculation | None = None
+    reported: int = 0
+
+
+@dataclass(frozen=True)
+class Out:
+    """A token the step fed for a row; `finish` set on its last, with the row's cache and ids."""
+
+    key: str
+    token: int
+    finish: str | None = None
+    cache: list[Any] | None = None
+    tokens: list[int] | None = None
+
+
+class Decoder:
+    """The batch: its rows, their batch cache and their pending tokens. Engine thread only."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.stream = mx.new_stream(mx.default_device())
+        self.rows: list[Row] = []
+        self.cache: list[Any] = []  # one batch cache per layer; empty while no row decodes
+        self.pending: mx.array | None = None  # (rows,): each row's next token, drawn, not yet fed
+        self.joining: list[tuple[Row, list[Any], int]] = []  # rows that join at the next step
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.joining)
+
+    def keys(self) -> list[str]:
+        return [r.key for r in self.rows] + [r.key for r, _, _ in self.joining]
+
+    def join(self, row: Row, cache: list[Any], first: int) -> None:
+        """Add a row whose `cache` holds `row.tokens`; `first` (its first answer token) is fed at the next step."""
+        self.joining.append((row, cache, first))
+
+    def _enter(self, row: Row, cache: list[Any], first: int) -> None:
+        from .quantized import as_batchable
+
+        merged = [c.merge([c]) for c in as_batchable(cache)]
+        logits = self.model(mx.array([[first]]), cache=merged)[:, -1, :]
+        if row.constraint is not None:
+            row.constraint.take(first)
+            logits = row.constraint.mask(logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        nxt = row.draws.take(logprobs)
+        mx.async_eval(nxt)
+        row.tokens.append(first)
+        if not self.rows:
+            self.cache, self.pending = merged, nxt
+        else:
+            assert self.pending is not None
+            for mine, theirs in zip(self.cache, merged):
+                mine.extend(theirs)
+            self.pending = mx.concatenate([self.pending, nxt])
+        self.rows.append(row)
+
+    def remove(self, key: str) -> tuple[list[Any], list[int], list[int]]:
+        """Take a row out (a cancel): its cache, the ids it holds, and its first token if never fed."""
+        for j, (row, cache, first) in enumerate(self.joining):
+            if row.key == key:
+                del self.joining[j]
+                return cache, row.tokens, [first]
+        i = [r.key for r in self.rows].index(key)
+        row = self.rows[i]
+        with mx.stream(self.stream):
+            cache = [c.extract(i) for c in self.cache]
+            self._keep([j for j in range(len(self.rows)) if j != i])
+        return cache, row.tokens, []
+
+    def reset(self) -> None:
+        """Drop every row (after a failed step, the batch's state is unknown)."""
+        self.rows, self.cache, self.pending, self.joining = [], [], None, []
+
+    def step(self) -> list[Out]:
+        """One step of the batch (a speculative one where some row has a draft), then the joining rows enter."""
+        out: list[Out] = []
+        with mx.stream(self.stream):
+            if self.rows:
+                spec = self._speculative() if any(r.spec is not None for r in self.rows) else None
+                out = spec if spec is not None else self._plain()
+            while self.joining:  # one that fails stays listed: the caller fails every key
+                self._enter(*self.joining[0])
+                del self.joining[0]
+        self.steps += 1
+        if self.steps % CLEAR_EVERY == 0:
+            mx.clear_cache()
+        return out
+
+    # --- a plain step ---
+
+    def _plain(self) -> list[Out]:
+        assert self.pending is not None
+        inputs = self.pending
+        logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
+        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
+        fed: list[int] | None = None
+        if constrained:
+            fed = _ints(inputs)
+            parts = [logits[i:i + 1] for i in range(len(self.rows))]
+            for i in constrained:
+                c = self.rows[i].constraint
+                assert c is not None
+                c.take(fed[i])
+                parts[i] = c.mask(parts[i])
+            logits = mx.concatenate(parts, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if all(r.draws.greedy for r in self.rows):
+            nxt = mx.argmax(logprobs, axis=-1)
+            for r in self.rows:
+                r.draws.drawn += 1
+        else:
+            nxt = mx.concatenate([r.draws.take(logprobs[i:i + 1]) for i, r in enumerate(self.rows)])
+        self.pending = nxt
+        mx.async_eval(nxt)
+        if fed is None:
+            fed = _ints(inputs)
+        return self._report([[t] for t in fed])
+
+    # --- a speculative step ---
+
+    def _speculative(self) -> list[Out] | None:
+        """Feed each row's pending token and its draft (if any) in one forward; None: no row drafts.
+
+        Declines when a layer cannot roll back or a row is held to a grammar (its
+        matcher must see every token once, in order).
+        """
+        rows = self.rows
+        if not speculate.supported(self.cache) or any(r.constraint is not None for r in rows):
+            return None
+        n = len(rows)
+        wanted: dict[int, int] = {}
+        for i, r in enumerate(rows):
+            if (spec := r.spec) is not None and (k := spec.budget.wanted()) > 0:
+                spec.sync(r.tokens)
+                if spec.drafter.may_propose():
+                    wanted[i] = k
+        k_max = speculate.width(n, max(wanted.values(), default=0))
+        if k_max == 0:
+            return None
+        assert self.pending is not None
+        pending = _ints(self.pending)
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        for i, k in wanted.items():
+            spec = rows[i].spec
+            assert spec is not None
+            room = rows[i].max_tokens - rows[i].reported - 1  # tokens this row may still take
+            k = min(k, k_max, room)
+            if k > 0:
+                drafts[i] = spec.drafter.propose(k, after=[pending[i]])
+        K = max(len(d) for d in drafts)
+        if K == 0:
+            return None
+        self.cache = speculate.in_temporal_order(self.cache)
+        inputs = mx.array([[p, *d, *[p] * (K - len(d))] for p, d in zip(pending, drafts)], dtype=mx.uint32)
+        logits = self.model(inputs, cache=self.cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        verdicts = verify(logprobs, drafts, [r.draws for r in rows])
+
+        fed: list[list[int]] = []
+        for i, v in enumerate(verdicts):
+            rows[i].draws.drawn += v.accepted + 1
+            toks = [pending[i], *drafts[i][:v.accepted]]
+            fed.append(_cut(rows[i], toks))
+            if (spec := rows[i].spec) is not None and drafts[i]:
+                spec.budget.record(len(drafts[i]), len(fed[-1]) - 1)
+                spec.steps += 1
+                spec.k_sum += len(drafts[i])
+        self.cache = speculate.rollback(self.cache, fed=1 + K, keep=[len(t) for t in fed])
+        self.pending = mx.array([v.token for v in verdicts], dtype=mx.uint32)
+        return self._report(fed)
+
+    # --- both ---
+
+    def _report(self, fed: Sequence[Sequence[int]]) -> list[Out]:
+        """Record what each row was fed (already cut at its end), finish the rows that ended."""
+        out: list[Out] = []
+        keep: list[int] = []
+        for i, (r, toks) in enumerate(zip(self.rows, fed)):
+            r.tokens.extend(toks)
+            finish = _finish(r, toks)
+            out.extend(Out(r.key, t) for t in toks)
+            if finish is None:
+                keep.append(i)
+            else:
+                last = out[-1]
+                out[-1] = Out(last.key, last.token, finish, [c.extract(i) for c in self.cache], r.tokens)
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+        return out
+
+    def _keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache, self.pending = [], None
+            return
+        for c in self.cache:
+            c.filter(keep)
+        assert self.pending is not None
+        self.pending = self.pending[mx.array(keep)]
+
+
+def _cut(row: Row, toks: list[int]) -> list[int]:
+    """`toks` up to the first that ends the row (a stop token, or its max_tokens reached)."""
+    room = row.max_tokens - row.reported
+    for j, t in enumerate(toks):
+        if j + 1 >= room or t in row.stops:
+            return toks[:j + 1]
+    return toks
+
+
+def _finish(row: Row, toks: Sequence[int]) -> str | None:
+    """Count the fed tokens; why the row ends with them, if it does (a stop token wins)."""
+    row.reported += len(toks)
+    if toks and toks[-1] in row.stops:
+        return "stop"
+    if row.reported >= row.max_tokens:
+        return "length"
+    return None
+
+
+def _ints(a: mx.array) -> list[int]:
+    out: Any = a.tolist()
+    return [int(x) for x in out]
