@@ -47,6 +47,30 @@ STATUS_TIMEOUT = 5.0  # a busy engine answers status between steps; past this, t
 GRACEFUL_SHUTDOWN = 10  # seconds uvicorn waits for open HTTP responses when kvd stops
 
 
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The port's socket, made with protocol IPPROTO_TCP rather than `socket.create_server`'s 0.
+
+    asyncio turns Nagle's algorithm off (TCP_NODELAY) on each accepted
+    connection only when the socket says it is TCP by its protocol number
+    (`asyncio.base_events._set_nodelay` checks `sock.proto`), and accepted
+    sockets inherit the listener's. With protocol 0 a turn's first delta,
+    written a few milliseconds after its `chat.start`, waited for the client's
+    delayed ACK of that frame: 40 ms added to every turn (bench/overhead.py).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as create_server: a restart rebinds at once
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class _Server(uvicorn.Server):
     """uvicorn's own `serve()`, minus its signal handlers (`kvd serve` owns SIGTERM and SIGINT), and
     an event for when it listens."""
@@ -88,8 +112,7 @@ class Daemon:
         so a port in use ends it with one line and no thread in the middle of
         MLX work (exiting under one aborts the process).
         """
-        self._sock = socket.create_server((self.config.host, self.config.port),
-                                          family=socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
+        self._sock = listening_socket(self.config.host, self.config.port)
 
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until `shutdown()`; then cut every answer short, keep it, and return."""
