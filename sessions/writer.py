@@ -126,10 +126,7 @@ class Writer:
         self.batches += 1
         self.operations += len(batch)
         for op, result, error in results:
-            if error is not None:
-                op.future.set_exception(error)
-            else:
-                op.future.set_result(result)
+            _settle(op.future, result, error)
 
     def _together(self, batch: list[_Op]) -> list[tuple[_Op, Any, BaseException | None]]:
         """One transaction, one commit (fsynced if any operation is durable); each in a savepoint."""
@@ -170,3 +167,20 @@ class Writer:
         if crash_hook is not None:
             for label in {op.label for op in batch if op.label}:
                 crash_hook(f"{point}:{label}")
+
+
+def _settle(future: concurrent.futures.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Hand an operation's outcome to whoever waits for it.
+
+    A waiter that stopped waiting (an awaiting task cancelled, as at shutdown:
+    `asyncio.wrap_future` cancels the future it wraps) has cancelled the future;
+    the operation ran all the same (a write is kept), and nobody reads its
+    outcome. Setting one on a cancelled future raises, which would end this thread.
+    """
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled, by now or just now

@@ -153,3 +153,20 @@ def test_an_answer_that_ended_at_once_is_said_one_cut_before_any_text_is_not() -
                            {"index": 1, "role": "assistant", "content": "", "status": "cancelled"}])
     assert chains.longest(chain(None, said("q", "", "next"))) == ("a", 2)
     assert chains.longest(chain(None, said("q", "next"))) == ("b", 1)
+
+
+def test_a_cancelled_wait_neither_drops_the_write_nor_stops_the_writer(store: Store) -> None:
+    """A task awaiting `run` that is cancelled (shutdown) cancels its future; the write still happens."""
+    sid = store.create_session(title="t")["id"]
+    writer = Writer(store)
+    writer.start()
+    try:
+        gate = threading.Event()
+        writer.submit(lambda s: gate.wait(30))
+        abandoned = writer.submit(lambda s: s.append_message(sid, "user", "kept"), durable=True)
+        assert abandoned.cancel()  # still queued behind the gate: nobody waits for it any more
+        gate.set()
+        after = writer.submit(lambda s: [m["content"] for m in s.messages(sid)])
+        assert after.result(30) == ["kept"]  # the writer lived on, and the abandoned write was made
+    finally:
+        writer.close()
