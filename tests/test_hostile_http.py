@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -277,23 +277,37 @@ EVENT_LOOP_CASES: list[tuple[str, bytes | dict[str, Any]]] = [
 ]
 
 
+def beside_pings(d: DaemonProcess, label: str, request: Callable[[], None], *,
+                 at_least: int = 5, seconds: float = 2.0) -> int:
+    """Send `request` again and again for `seconds` (at least `at_least` times) while another client
+    pings; assert the pings' p99 stayed under 100 ms. Returns how many were sent.
+
+    Enough requests for a p99 that one scheduling hiccup of this shared machine cannot make (a few
+    hundred pings), while a stall every request would.
+    """
+    pinger = Pinger(d)
+    try:
+        started, sent = time.monotonic(), 0
+        while sent < at_least or time.monotonic() - started < seconds:
+            request()
+            sent += 1
+    finally:
+        p99 = pinger.stop()
+    print(f"{label}: {sent} requests, ping p99 {p99:.1f} ms over {len(pinger.rtts)} pings")  # pytest -s shows it
+    assert p99 < 100, f"{label}: p99 of {len(pinger.rtts)} pings was {p99:.0f} ms"
+    return sent
+
+
 @pytest.mark.parametrize("case, body", EVENT_LOOP_CASES, ids=[c[0] for c in EVENT_LOOP_CASES])
 def test_a_costly_request_does_not_stall_another_clients_pings(
         daemon: DaemonProcess, case: str, body: bytes | dict[str, Any]) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()  # before the pings begin
-    pinger = Pinger(daemon)
-    try:
-        # Requests one after another, enough of them for a p99 that one scheduling hiccup of this
-        # shared machine cannot make (a few hundred pings), while a stall every request would.
-        started, sent = time.monotonic(), 0
-        while sent < 5 or time.monotonic() - started < 2.0:
-            r = post(daemon, content)
-            sent += 1
-            assert r.status_code in (200, 400), (case, r.status_code, r.text[:200])
-    finally:
-        p99 = pinger.stop()
-    print(f"{case}: {sent} requests, ping p99 {p99:.1f} ms over {len(pinger.rtts)} pings")  # pytest -s shows it
-    assert p99 < 100, f"{case}: p99 of {len(pinger.rtts)} pings was {p99:.0f} ms"
+
+    def request() -> None:
+        r = post(daemon, content)
+        assert r.status_code in (200, 400), (case, r.status_code, r.text[:200])
+
+    beside_pings(daemon, case, request)
 
 
 @pytest.mark.parametrize("n", [401, 1_999])
@@ -303,17 +317,12 @@ def test_placing_a_long_conversation_does_not_stall_another_clients_pings(daemon
     body = {**HI, "max_tokens": 1, "messages": msgs(n)}
     content = json.dumps(body).encode()
     post(daemon, content)  # stored before the pings begin: what each request below is compared with
-    pinger = Pinger(daemon)
-    try:
-        started, sent = time.monotonic(), 0
-        while sent < 5 or time.monotonic() - started < 2.0:
-            r = post(daemon, content)
-            sent += 1
-            assert r.status_code in (200, 400), (n, r.status_code, r.text[:200])  # 400: past the context
-    finally:
-        p99 = pinger.stop()
-    print(f"{n} messages: {sent} requests, ping p99 {p99:.1f} ms over {len(pinger.rtts)} pings")
-    assert p99 < 100, f"{n} messages: p99 of {len(pinger.rtts)} pings was {p99:.0f} ms"
+
+    def request() -> None:
+        r = post(daemon, content)
+        assert r.status_code in (200, 400), (n, r.status_code, r.text[:200])  # 400: past the context
+
+    beside_pings(daemon, f"{n} messages", request)
 
 
 # --- bursts and half-open connections ---------------------------------------------------------

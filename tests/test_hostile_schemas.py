@@ -6,13 +6,12 @@ fast beside them (compiled on a worker within a deadline: daemon/doors/jsonoutpu
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
 
 from daemonproc import DaemonProcess
-from test_hostile_http import HI, Pinger, daemon, post, stored
+from test_hostile_http import HI, beside_pings, daemon, post, stored
 
 __all__ = ["daemon"]  # the module's daemon, shared with test_hostile_http's fixture
 
@@ -51,19 +50,14 @@ def test_a_schema_kvd_cannot_hold_is_a_400_that_stores_nothing_and_stalls_no_one
     content = json.dumps(asking(schema)).encode()
     assert len(content) < 1 << 20  # under the body limit: the schema itself is what is refused
     before = stored(daemon)
-    pinger = Pinger(daemon)
-    try:
-        started, sent = time.monotonic(), 0
-        while sent < 3 or time.monotonic() - started < 3.0:
-            r = post(daemon, content)
-            sent += 1
-            error = r.json().get("error", {})
-            assert r.status_code == 400, (case, r.status_code, r.text[:300])
-            assert error.get("param") == "response_format.json_schema.schema" and says in error["message"], error
-    finally:
-        p99 = pinger.stop()
-    print(f"{case}: {sent} requests, ping p99 {p99:.1f} ms over {len(pinger.rtts)} pings")  # pytest -s shows it
-    assert p99 < 100, f"{case}: p99 of {len(pinger.rtts)} pings was {p99:.0f} ms"
+
+    def request() -> None:
+        r = post(daemon, content)
+        error = r.json().get("error", {})
+        assert r.status_code == 400, (case, r.status_code, r.text[:300])
+        assert error.get("param") == "response_format.json_schema.schema" and says in error["message"], error
+
+    beside_pings(daemon, case, request, at_least=3, seconds=3.0)
     assert stored(daemon) == before
 
 
