@@ -7,10 +7,17 @@ that it answers 429 in OpenAI's shape with `Retry-After`, before anything
 is stored (OpenAI's clients wait and retry by themselves). That is the
 back-pressure: a burst waits in order up to the depth, and the rest is
 told when to come back instead of piling up connections.
+
+A request is counted from the moment it is admitted, not from the moment
+its turn starts: between the two it decodes, compiles its grammar and is
+placed on worker threads, and a burst that arrives at once would otherwise
+all pass the check before any of its turns is running.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http import HTTPStatus
 
 from ..config import Config
@@ -20,10 +27,31 @@ from .openai_schema import ApiError
 RETRY_AFTER_MIN = 1  # seconds
 
 
-def admit(config: Config, turns: Turns) -> None:
-    """Raise the 429 when the engine's queue is as deep as the config allows."""
+class Admission:
+    """The door's count of requests admitted whose turns have not started yet."""
+
+    def __init__(self, config: Config, turns: Turns):
+        self.config = config
+        self.turns = turns
+        self.pending = 0
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold a place in the queue while the request is prepared; 429 when there is none.
+
+        The place is the request's until the block ends: by then its turn is
+        in `turns.active` (and counted there), or the request was refused."""
+        admit(self.config, len(self.turns.active) + self.pending)
+        self.pending += 1
+        try:
+            yield
+        finally:
+            self.pending -= 1
+
+
+def admit(config: Config, active: int) -> None:
+    """Raise the 429 when `active` turns (running, waiting, or admitted and being prepared) fill the queue."""
     depth = config.max_generations + config.max_queued
-    active = len(turns.active)
     if active < depth:
         return
     # A rough wait: every running generation ahead must end once per max_generations places.

@@ -32,15 +32,15 @@ from sessions import chains, is_valid_session_id
 from ..config import Config
 from ..engine.thread import Engine
 from ..prompt import Conversation
-from ..turns import Turns
-from .admission import admit
+from ..turns import Turn, Turns
+from .admission import Admission
 from .asgi import headers_of
 from .guards import check
 from .jsonoutput import output_grammar
 from .loading import LoadingWatch
 from .openai_answer import Answer
 from .openai_schema import ApiError, ChatRequest, api_error, instructions, parse, served_names, stops
-from .placement import Diverged, Said, place
+from .placement import Diverged, Placement, Said, place
 from .toolcalls import ToolFormat, openai_calls, split
 from .toolturns import check_tool_turns
 
@@ -119,6 +119,7 @@ class OpenAIDoor:
         self.loading = loading
         self.engine = engine
         self.turns = turns
+        self.admission = Admission(config, turns)
         self._token = token
         self._created = int(time.time())
         self._router = Starlette(
@@ -197,49 +198,55 @@ class OpenAIDoor:
             if body is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             req = await anyio.to_thread.run_sync(_decode, body, self.config)
-            admit(self.config, self.turns)  # before the work below: a burst past the queue costs little
-            if not self.engine.ready.is_set():
-                with anyio.move_on_after(LOAD_WAIT):
-                    await self.loading.settled.wait()
-            self._check_ready()
-            pinned = request.headers.get(SESSION_HEADER)
-            if pinned is not None and not is_valid_session_id(pinned):
-                raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
-                               "(16 lowercase hex characters)", param=SESSION_HEADER)
-            system = instructions(req)
-            convo = [Said(m.role, m.text(), tuple(c.stored() for c in m.tool_calls or ()), m.tool_call_id)
-                     for m in req.messages if not m.instructs]
-            grammar = await output_grammar(req.response_format)  # on a worker, within bounds
-            tools = req.offered_tools()
-            tool_format = ToolFormat.of(self.engine.tokenizer, tools)
-            if tools and tool_format is None:
-                raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
-                               "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
-                               "serve a model that calls tools (docs/openai.md lists them)", param="tools")
-            rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
-            try:
-                placement = await place(self.turns, system, convo, pinned, rewind=rewind,
-                                        origin=api_origin(request.headers.get("user-agent")))
-            except Diverged as e:
-                raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
-                               code="session_diverged") from None
-            headers[SESSION_HEADER] = placement.session_id
-            events = _Events()
-            rid = f"chatcmpl-{secrets.token_hex(12)}"
-            turn = self.turns.start(
-                events, rid, placement.session_id, placement.first_new,
-                max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-                top_p=req.top_p, stop=stops(req), seed=req.seed,
-                prompt=Conversation(convo, system, tools or None),
-                door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-                split=(lambda text: split(tool_format, text)) if tool_format is not None else None,
-            )
+            with self.admission.slot():  # a place in the queue from here until the turn has started
+                turn, events, placement, tool_format = await self._start(request, req, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
         return Answer(self.turns, self.config, turn, events.receive, req, headers,
                       created=placement.kind == "new", tool_format=tool_format)
+
+    async def _start(self, request: Request, req: ChatRequest,
+                     headers: dict[str, str]) -> tuple[Turn, _Events, Placement, ToolFormat | None]:
+        """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
+        if not self.engine.ready.is_set():
+            with anyio.move_on_after(LOAD_WAIT):
+                await self.loading.settled.wait()
+        self._check_ready()
+        pinned = request.headers.get(SESSION_HEADER)
+        if pinned is not None and not is_valid_session_id(pinned):
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
+                           "(16 lowercase hex characters)", param=SESSION_HEADER)
+        system = instructions(req)
+        convo = [Said(m.role, m.text(), tuple(c.stored() for c in m.tool_calls or ()), m.tool_call_id)
+                 for m in req.messages if not m.instructs]
+        grammar = await output_grammar(req.response_format)  # on a worker, within bounds
+        tools = req.offered_tools()
+        tool_format = ToolFormat.of(self.engine.tokenizer, tools)
+        if tools and tool_format is None:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
+                           "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
+                           "serve a model that calls tools (docs/openai.md lists them)", param="tools")
+        rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
+        try:
+            placement = await place(self.turns, system, convo, pinned, rewind=rewind,
+                                    origin=api_origin(request.headers.get("user-agent")))
+        except Diverged as e:
+            raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
+                           code="session_diverged") from None
+        headers[SESSION_HEADER] = placement.session_id
+        events = _Events()
+        rid = f"chatcmpl-{secrets.token_hex(12)}"
+        turn = self.turns.start(
+            events, rid, placement.session_id, placement.first_new,
+            max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
+            top_p=req.top_p, stop=stops(req), seed=req.seed,
+            prompt=Conversation(convo, system, tools or None),
+            door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
+            split=(lambda text: split(tool_format, text)) if tool_format is not None else None,
+        )
+        return turn, events, placement, tool_format
 
     async def _body(self, request: Request) -> bytes | None:
         """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
