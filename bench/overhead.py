@@ -14,7 +14,9 @@ answer per turn, back to back (no pause between an answer and the next message):
   content chunk.
 
 For the websocket it also reports kvd's own `ttft_ms` (from the job reaching
-the engine) and the client's TTFT minus it: the part spent outside the engine.
+the engine), the client's TTFT minus it (the part spent outside the engine),
+and `prefill_ms` (of `ttft_ms`, the forward of the new tokens and the first
+draw, from the cache's checkout).
 
 Reported per door: the median (and range) of 15 turns around turn 5 and of
 15 around turn 200, and their ratio (a turn must cost the same at turn 5
@@ -49,6 +51,8 @@ from daemonproc import DaemonProcess, SyncClient  # noqa: E402
 FIRST = " ".join(["the cache keeps every session warm and pages cold ones out"] * 70)  # ~700 tokens
 WINDOW = 15
 ENGINE_TTFT: list[float] = []  # kvd's own ttft_ms of each websocket turn: from the job reaching the engine
+PAUSE = [0.0]  # seconds between an answer and the next message (--pause)
+PREFILL: list[float] = []  # its prefill_ms: from the turn's cache being checked out to its first token
 
 
 def windows(ttfts: list[float], at: tuple[int, ...]) -> dict[int, list[float]]:
@@ -62,7 +66,9 @@ def ws_turns(d: DaemonProcess, turns: int) -> list[float]:
         session = c.request("session.create", title="overhead")["session"]["id"]
         c.chat(session, FIRST, max_tokens=1)  # untimed: the first prefill
         ENGINE_TTFT.clear()
+        PREFILL.clear()
         for n in range(turns):
+            time.sleep(PAUSE[0])
             out.append(_ws_turn(c, session, f"next {n}"))
     return out
 
@@ -81,6 +87,7 @@ def _ws_turn(c: SyncClient, session: str, text: str) -> float:
             raise SystemExit(f"turn failed: {e}")
         elif e["type"] == "chat.done":
             ENGINE_TTFT.append((e["usage"].get("ttft_ms") or 0) / 1000)
+            PREFILL.append((e["usage"].get("prefill_ms") or 0) / 1000)
             return first if first is not None else time.perf_counter() - started
 
 
@@ -91,6 +98,7 @@ def api_turns(d: DaemonProcess, turns: int) -> list[float]:
     out: list[float] = []
     for n in range(turns):
         messages.append({"role": "user", "content": f"next {n}"})
+        time.sleep(PAUSE[0])
         ttft, text = _api_turn(client, messages)
         messages.append({"role": "assistant", "content": text})
         out.append(ttft)
@@ -190,13 +198,17 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=214, help="timed turns per door (>= 214 for the turn-200 window)")
     ap.add_argument("--profile", type=Path, help="write py-spy's summary of each door's run to PROFILE-<door>.txt")
     ap.add_argument("--doors", nargs="+", default=["websocket", "openai"], choices=["websocket", "openai"])
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds between an answer and the next message (default 0: back to back)")
+    ap.add_argument("--config", type=Path, help="a config.toml for the daemon (to compare settings)")
     args = ap.parse_args()
+    PAUSE[0] = args.pause
     at = (5, 200) if args.turns >= 200 + WINDOW - 1 else (5,)
     print(f"load before: {os.getloadavg()[0]:.2f} (1-minute average), {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "kvd"
         data.mkdir()
-        d = DaemonProcess(data)
+        d = DaemonProcess(data, *(("--config", str(args.config.resolve())) if args.config else ()))
         try:
             with d.client():
                 pass  # the model has loaded
@@ -205,6 +217,7 @@ def main() -> None:
                 report("websocket", ttfts, at)
                 report("ws engine", ENGINE_TTFT, at)  # kvd's own ttft_ms: the part inside the engine
                 report("ws outside", [c - e for c, e in zip(ttfts, ENGINE_TTFT)], at)
+                report("ws prefill", PREFILL, at)  # of ttft_ms, the forward of the new tokens and the first draw
             if "openai" in args.doors:
                 report("openai", profiled(d, args.profile, "openai", lambda: api_turns(d, args.turns), args.turns), at)
         finally:
