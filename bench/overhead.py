@@ -48,7 +48,7 @@ import openai  # noqa: E402
 
 from daemonproc import DaemonProcess, SyncClient  # noqa: E402
 
-FIRST = " ".join(["the cache keeps every session warm and pages cold ones out"] * 70)  # ~700 tokens
+FIRST = " ".join(["the cache keeps every session warm and pages cold ones out"] * 33)  # ~700 tokens (tiny)
 WINDOW = 15
 ENGINE_TTFT: list[float] = []  # kvd's own ttft_ms of each websocket turn: from the job reaching the engine
 PAUSE = [0.0]  # seconds between an answer and the next message (--pause)

@@ -19,25 +19,31 @@ from typing import Any
 
 from .errors import CorruptSegment
 from .index import BlockRow, DiskNews, SegmentIndex, SegmentRow
-from .ioworker import IOWorker
+from .ioworker import FirstTokens, IOWorker
 from .snapshot import Snapshot, cuttable
 from .table import BlockTable
 from .writeback import NOTHING, Promise, Writeback, evaluate, plan, promise_of
 
 log = logging.getLogger("kvd.cache")
 
+DROPPING = "drop"  # the I/O worker's key for a block drop's job (session keys are hex: never this)
+
 
 class DiskTier:
     def __init__(self, index: Callable[[], SegmentIndex], table: BlockTable, writer: Writeback, *,
-                 max_segments: int, on_idle: Callable[[], None]) -> None:
+                 max_segments: int, on_idle: Callable[[], None], first_tokens: FirstTokens | None = None) -> None:
         self._index = index  # the calling thread's own connection
         self.table = table
         self.writer = writer
-        self.io = IOWorker()
+        self.io = IOWorker(first_tokens=first_tokens)
         writer.indexed = lambda: self.io.report(self._index().news())
+        writer.pause = self.io.pause
         self.max_segments = max_segments
         self._on_idle = on_idle
         self._promised: dict[str, Promise] = {}  # disk chains as they will be once queued jobs are done
+        # A block drop is queued: until it has run, the table still lists the block, so every plan
+        # assumes disk holds nothing (and the worker writes what the index lacks, reusing the rest).
+        self._dropping = False
 
     def settle(self) -> list[object]:
         """Take in the worker's reports: the index rows its jobs changed, and which sessions have
@@ -53,12 +59,15 @@ class DiskTier:
                 others.append(news)
         for key in done:
             self._promised.pop(key, None)
+        if DROPPING in done:
+            self._dropping = False
         if idle:
             self._on_idle()
         return others
 
-    def later(self, job: Callable[[SegmentIndex], object], key: str | None = None) -> None:
-        """An index write: run on the worker, after the jobs before it, reporting the rows it changed."""
+    def later(self, job: Callable[[SegmentIndex], object], key: str | None = None, *, defer: bool = False) -> None:
+        """An index write: run on the worker, after the jobs before it, reporting the rows it changed
+        (`defer`: a write-behind's, which gives way to turns: IOWorker.submit)."""
         if self.io.on_worker():
             job(self._index())
             return
@@ -71,10 +80,12 @@ class DiskTier:
                 log.exception("a cache disk job failed")
             return index.news()
 
-        self.io.submit(run, key=key)
+        self.io.submit(run, key=key, defer=defer)
 
     def promise(self, key: str) -> Promise:
         held = self._promised.get(key)
+        if held is None and self._dropping:
+            return NOTHING
         if held is None:
             blocks, tail = self.table.disk_rows(key)
             held = promise_of(blocks, tail, block=self.table.block, fingerprint=self.writer.fingerprint)
@@ -95,7 +106,8 @@ class DiskTier:
         pieces = evaluate(cache, tokens, blocks_from, private_from, after, self.table.block, captured)
         self._promised[key] = after
         writer = self.writer
-        self.later(lambda _: writer.persist(key, pieces, tokens, keys, evict=evict, rewrite=rewrite), key)
+        self.later(lambda _: writer.persist(key, pieces, tokens, keys, evict=evict, rewrite=rewrite), key,
+                   defer=True)
 
     def dropped(self, key: str, row: BlockRow | SegmentRow, e: CorruptSegment) -> None:
         """A file failed verification: unlist it and what follows it (a block: in every chain)."""
@@ -103,8 +115,9 @@ class DiskTier:
             block = row.block
             log.warning("dropping cache block %s: %s; every session that lists it will prefill "
                         "from token %d", row.path, e, row.start)
-            self.later(lambda index: index.drop_block(block), None)
+            self.later(lambda index: index.drop_block(block), DROPPING)
             self._promised.clear()  # any chain may list it: plan from what the worker reports
+            self._dropping = True
         else:
             log.warning("dropping cache file %s: %s; the session will prefill instead", row.path, e)
             start = row.start

@@ -57,6 +57,7 @@ from . import pagein
 from .blocks import BLOCK_TOKENS, root_key, whole_blocks
 from .disktier import DiskTier
 from .index import SegmentIndex
+from .ioworker import FirstTokens
 from .lru import DiskStats, Tier
 from .packing import unpack
 from .pagein import PREFETCH_ROOM, DiskPlan, PageIn, Reading, ReadReport
@@ -112,9 +113,12 @@ class _Restoring:
     prefetched: bool
 
 
+WRITTEN_WAIT = 5.0  # seconds a checkout waits at most for its session's own queued writes (_written)
+
+
 class SessionCaches:
     def __init__(self, root: Path, fingerprint: str, budgets: Budgets,
-                 *, clock: Callable[[], float] = time.time):
+                 *, clock: Callable[[], float] = time.time, first_tokens: FirstTokens | None = None):
         if budgets.block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
         self.fingerprint = fingerprint
@@ -139,7 +143,8 @@ class SessionCaches:
         self.table.load(*self.index.load_all())
         self.index.news()  # what start-up changed is loaded already
         self._disktier = DiskTier(lambda: self.index, self.table, self._writer,
-                                  max_segments=budgets.max_segments, on_idle=self._on_idle)
+                                  max_segments=budgets.max_segments, on_idle=self._on_idle,
+                                  first_tokens=first_tokens)
         self._io = self._disktier.io
         self.resident: Tier[Cache] = Tier("resident", budgets.resident_bytes, budgets.resident_sessions)
         self.warm = WarmTier(self.table, budgets.warm_bytes, bits=budgets.warm_bits,
@@ -205,6 +210,23 @@ class SessionCaches:
         the reader with it, to show what runs while a read is under way)."""
         self._io.read(fn)
 
+    def _written(self, key: str) -> bool:
+        """Wait for the session's own writes still queued (engine thread), at most WRITTEN_WAIT
+        seconds; whether there were any. Its live cache and warm snapshot could not serve the turn
+        (a window cache rewound, a cache paged out), and those writes hold what could. Rare, and a
+        few milliseconds: the writes neither give way to turns nor linger meanwhile."""
+        if not self._io.queued(key):
+            return False
+        deadline = time.monotonic() + WRITTEN_WAIT
+        with self._io.hurry():
+            while (left := deadline - time.monotonic()) > 0:
+                seen = self._io.done_count()
+                self._settle()
+                if not self._io.queued(key):
+                    break
+                self._io.wait_done(seen, timeout=left)
+        return True
+
     def _settle(self) -> None:
         """Take in the worker's reports (disktier.py) and the reader's: a read's next step, or its end."""
         for report in self._disktier.settle():
@@ -266,6 +288,8 @@ class SessionCaches:
             self.warm.discard(key)
             self.table.detach(key)  # the live cache is the engine's now
         own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
+        if own is None and own_warm_n < limit and self._written(key):
+            own_warm_n = self.warm.usable(key, wanted, limit)
         best_n = max(own.tokens if own else 0, own_warm_n)
         other, disk = self._others(key, wanted, limit, best_n)
         if disk.end > max(best_n, other[0] if other else 0):

@@ -180,6 +180,9 @@ class Writeback:
         #: Called after each file is indexed (worker thread), so the engine sees a block as soon as
         #: it is durable and listed, not only when the whole turn is written.
         self.indexed: Callable[[], None] = lambda: None
+        #: Called between files (worker thread): where a write gives way to a turn that wants its
+        #: first token (IOWorker.pause).
+        self.pause: Callable[[], None] = lambda: None
 
     @property
     def index(self) -> SegmentIndex:
@@ -302,6 +305,7 @@ class Writeback:
                 self.index.drop_segments(target.key, snap.start)  # the segments this one replaces
         owner = target.key
         evicted: set[str] = set()
+        self.pause()
         while True:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)

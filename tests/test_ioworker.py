@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from cachestore import SessionCaches
+from cachestore import SessionCaches, ioworker
 from cachestore.index import BlockRow, SegmentRow
+from cachestore.ioworker import FirstTokens
 from test_direct import greedy
 from test_store_tiers import A, B, Clock, budgets, grow
 
@@ -211,4 +212,100 @@ def test_a_session_forgotten_while_its_blocks_are_queued_leaves_no_block(model: 
     caches.flush()
     assert disk_ids(caches, A) == [] and caches.locations() == {}
     assert not list((tmp_path / "blocks").rglob("*.safetensors")) and files(tmp_path, A) == []
+    caches.close()
+
+
+# --- writes give way to a turn that wants its first token (issue 32) ---------------------------
+
+
+class WatchedTokens(FirstTokens):
+    """FirstTokens that says when the worker starts waiting on it: the test's gate, not a sleep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float) -> float:
+        if not self.calm():
+            self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_a_write_waits_while_a_turn_wants_its_first_token(model: Any, tmp_path: Path) -> None:
+    turns = WatchedTokens()
+    caches = SessionCaches(tmp_path, "fp", budgets(), clock=Clock(), first_tokens=turns)
+    turns.arrived()  # the next turn was sent: the answer's write-behind must not take its CPU
+    cache, toks = grow(model, None, [], list(range(10, 40)))
+    caches.checkin(A, cache, toks)
+    assert turns.waiting.wait(10)
+    assert caches.index.chain(A) == [] and files(tmp_path, A) == []  # held back
+    turns.taken(busy=True)  # the engine has it: prefilling
+    assert caches.index.chain(A) == []
+    turns.engine(busy=False)  # its first token is out
+    caches.flush()
+    assert [(r.start, r.end) for r in caches.index.chain(A)] == [(0, 30)] and len(files(tmp_path, A)) == 1
+    caches.close()
+
+
+def test_a_write_waits_for_turns_only_so_long(model: Any, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream of turns that never lets up does not starve the disk tier: each job waits YIELD_MAX at most."""
+    monkeypatch.setattr(ioworker, "YIELD_MAX", 0.05)
+    turns = FirstTokens()
+    caches = SessionCaches(tmp_path, "fp", budgets(), clock=Clock(), first_tokens=turns)
+    turns.arrived()  # and never taken
+    for key in (A, B):
+        cache, toks = grow(model, None, [], list(range(10, 40)))
+        caches.checkin(key, cache, toks)
+    done = threading.Thread(target=caches.flush, daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive() and not turns.calm()
+    assert {k for k, _ in caches.index.keys_by_use()} == {A, B}
+    caches.close()
+
+
+def test_a_restore_does_not_wait_for_turns(model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader is not held back: a restore is what a waiting turn waits for."""
+    monkeypatch.setattr(ioworker, "YIELD_MAX", 3600.0)  # a read held back like a write would hang here
+    cache, toks = grow(model, None, [], list(range(10, 40)))
+    caches = SessionCaches(tmp_path, "fp", budgets(), clock=Clock())
+    caches.checkin(A, cache, toks)
+    caches.close()  # on disk only, as after a restart
+    turns = FirstTokens()
+    again = SessionCaches(tmp_path, "fp", budgets(), clock=Clock(), first_tokens=turns)
+    turns.arrived()
+    turns.taken(busy=True)  # this very turn is restoring
+    got: list[Any] = []
+    reading = threading.Thread(target=lambda: got.append(again.checkout(A, toks + [7])), daemon=True)
+    reading.start()
+    reading.join(30)
+    assert not reading.is_alive() and not turns.calm()
+    assert got[0].restored_from == "disk" and got[0].tokens == len(toks)
+    turns.engine(busy=False)  # let whatever the checkout queued run, for close()
+    again.close()
+
+
+def test_a_turn_that_needs_its_sessions_queued_write_gets_it_at_once(models: dict[str, Any], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window cache cannot be rewound in place: a regenerate restores from what the last write holds.
+    That write is still queued behind the turn's arrival; the checkout has it written, hurried, at once."""
+    monkeypatch.setattr(ioworker, "YIELD_MAX", 3600.0)  # a write that gave way here would hang the checkout
+    model = models["builtin:tiny-swa"]
+    turns = FirstTokens()
+    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8), clock=Clock(), first_tokens=turns)
+    turns.arrived()  # turn two was sent as turn one ended; its write waits for turn two's first token
+    cache, one = grow(model, None, [], list(range(10, 110)))  # past the 64-token window: it has wrapped
+    caches.checkin(A, cache, one)
+    again = caches.checkout(A, one + [7])
+    assert again.restored_from == "resident"
+    cache, two = grow(model, again.cache, one, [7, 8, 9, 10])
+    caches.checkin(A, cache, two)
+    got: list[Any] = []  # the regenerate of turn two: turn one and a new token
+    regen = threading.Thread(target=lambda: got.append(caches.checkout(A, one + [11])), daemon=True)
+    regen.start()
+    regen.join(30)
+    turns.taken(busy=False)  # whatever happened, the writes may go on: close() runs them
+    assert not regen.is_alive()
+    assert got[0].restored_from == "disk" and got[0].tokens == len(one)
     caches.close()

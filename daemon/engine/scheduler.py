@@ -184,6 +184,10 @@ class Scheduler(Generic[J, T]):
         """How long the last chunk took: the rate the next chunk beside decoding turns is sized by."""
         self._prefill_tps = tokens / max(seconds, 1e-6)
 
+    def before_first_tokens(self) -> bool:
+        """Some turn waits, restores or prefills: it has not had its first token yet."""
+        return bool(self._waiting or self._restoring or self._prefilling)
+
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(running=len(self.running) + len(self._restoring), waiting=len(self._waiting),
                                    prefilling=len(self._prefilling), decoding=len(self._decoding),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
+from cachestore.ioworker import FirstTokens
 
 from ..config import Config
 from .jobs import (
@@ -76,6 +77,8 @@ class Engine:
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
+        #: Whether a turn wants its first token: the cache store's writes give way to it (ioworker.py).
+        self.first_tokens = FirstTokens()
 
     @property
     def config(self) -> Config:
@@ -94,6 +97,7 @@ class Engine:
         self._thread.start()
 
     def submit(self, job: TurnJob) -> None:
+        self.first_tokens.arrived()
         self._inbox.put(job)
 
     def cancel(self, session_id: str) -> None:
@@ -148,6 +152,7 @@ class Engine:
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
                     resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
                     block_tokens=c.block_tokens),
+            first_tokens=self.first_tokens,
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
@@ -287,6 +292,7 @@ class Engine:
         self.steps.admit_waiting()
         if self._turns.running:
             self.steps.step()
+        self.first_tokens.engine(self._turns.before_first_tokens())
 
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
@@ -310,6 +316,7 @@ class Engine:
                 cmd.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
+            self.first_tokens.taken(self._turns.before_first_tokens())
         elif isinstance(cmd, Cancel):
             if self.steps is not None:
                 self.steps.cancel(cmd.session_id)
