@@ -105,6 +105,7 @@ class Placement:
     session_id: str
     first_new: int  # the first message this turn added
     kind: Kind
+    chain: Sequence[bytes] | None = None  # the request's chain, rooted in its system prompt (renders.py)
 
 
 def title_for(messages: Sequence[Said]) -> str:
@@ -193,4 +194,4 @@ async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinn
         rewind_from=decision.rewind_from, new_system=decision.new_system,
         title=title_for(messages), origin=origin,
         links=None if decision.new_system or root != system else request[decision.agree:], prepared=new)
-    return Placement(session_id, first_new, decision.kind)
+    return Placement(session_id, first_new, decision.kind, chain=request if root == system else None)
