@@ -20,7 +20,7 @@ from daemon.models.builtin import ensure_builtin
 from daemon.prompt import conversation_ids
 from daemon.renders import Renders, anchors
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
                                            "parameters": {"type": "object", "properties": {
                                                "a": {"type": "number"}, "b": {"type": "number"}}}}}]
 # Pieces that stress the cut: the anchors' own text, whitespace at message ends, text NFC composes.

@@ -39,7 +39,16 @@ from .guards import check
 from .jsonoutput import output_grammar
 from .loading import LoadingWatch
 from .openai_answer import Answer
-from .openai_schema import ApiError, ChatRequest, api_error, instructions, parse, served_names, stops
+from .openai_schema import (
+    ApiError,
+    ChatRequest,
+    api_error,
+    instructions,
+    may_hold_surrogates,
+    parse,
+    served_names,
+    stops,
+)
 from .placement import Diverged, Placement, Said, place
 from .toolcalls import ToolFormat, openai_calls, split
 from .toolturns import check_tool_turns
@@ -80,7 +89,7 @@ def _decode(body: bytes, config: Config) -> ChatRequest:
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
     try:
-        req = parse(decoded, config)
+        req = parse(decoded, config, surrogates=may_hold_surrogates(body))
         check_tool_turns(req.messages)
         return req
     except ApiError as e:
