@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import anyio.to_thread
 
@@ -69,10 +69,10 @@ class Diverged(Exception):
         self.index = index
 
 
-@dataclass(frozen=True)
-class Said:
+class Said(NamedTuple):
     """One message of a conversation as the transcript keeps it: role and text, an assistant's
-    tool calls ({"id", "name", "arguments"}) and the call a tool message answers."""
+    tool calls ({"id", "name", "arguments"}) and the call a tool message answers. A named tuple:
+    a request makes one per message, and it is made in half a frozen dataclass's time."""
 
     role: str
     content: str
