@@ -3,8 +3,9 @@
 An OpenAI client sends the whole conversation each time, and its ids must
 be exactly the conversation rendered and tokenized whole (placement.py says
 why: a greedy answer is then the same whichever cache it came from). Doing
-that each request costs work that grows with the conversation: 10 ms of
-rendering and encoding at 400 messages on a 2-core CPU, every turn.
+that each request costs work that grows with the conversation: 5-9 ms of
+rendering and encoding at 240 messages (5k tokens) on a 2-core CPU, every
+turn, against 0.3-0.8 ms here.
 
 Here the tokenizer stage remembers each request's ids, keyed by the hash
 chain of its messages (sessions/chains.py; placement computes it anyway)
