@@ -196,9 +196,24 @@ class Continuation:
 
 
 class Templated(Protocol):
+    """A stateless request's message (doors/placement.py's Said)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def tool_calls(self) -> Sequence[Mapping[str, str]]: ...
+
     def for_template(self) -> dict[str, Any]:
         """The message as template_message takes it."""
         ...
+
+
+class Remembered(Protocol):
+    """Stateless conversations' last renders (daemon/renders.py's Renders)."""
+
+    def ids(self, tokenizer: Any, messages: Sequence[Templated], system: str | None,
+            tools: list[dict[str, Any]] | None, chain: Sequence[bytes] | None) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -207,13 +222,20 @@ class Conversation:
 
     Its ids replace the session's fed ids: the old answer boundaries no longer apply. Its
     messages become template dicts here, in the tokenizer stage: a long conversation costs
-    the event loop nothing.
+    the event loop nothing. With `renders` (the turn core's, used in this stage only) and
+    `chain` (the messages' hash chain rooted in `system`, from placement), a conversation
+    whose last request is remembered renders and tokenizes only its new messages
+    (daemon/renders.py); the ids are the same.
     """
 
     messages: Sequence[Templated]
     system: str | None
     tools: list[dict[str, Any]] | None = None
     fed_before: int = 0  # a stateless request's earlier turns were fed by whatever it matched
+    chain: Sequence[bytes] | None = None
+    renders: Remembered | None = None
 
     def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
+        if self.renders is not None:
+            return self.renders.ids(tokenizer, self.messages, self.system, self.tools, self.chain), True
         return conversation_ids(tokenizer, [m.for_template() for m in self.messages], self.system, self.tools), True

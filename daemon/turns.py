@@ -48,6 +48,7 @@ from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
 from .engine.thread import Engine
 from .prompt import Continuation, Prompt, Tokenizing
+from .renders import Renders
 from .transcripts import Held, Transcripts, Write
 
 log = logging.getLogger("kvd.turns")
@@ -169,6 +170,7 @@ class Turns:
         self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._tokenizing: Tokenizing | None = None
+        self.renders = Renders()  # stateless requests' last renders; used in the tokenizer stage only
 
     @property
     def tokenizing(self) -> Tokenizing:

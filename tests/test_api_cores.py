@@ -69,3 +69,31 @@ def test_agreement_and_titles() -> None:
     assert links(None, [a, Said("assistant", "", ({**call, "id": "call_2"},))])[1] != called[1]
     assert links(None, [Said("tool", "18", tool_call_id="call_1")]) != links(None, [Said("tool", "18",
                                                                                         tool_call_id="x")])
+
+
+@pytest.mark.parametrize("body, holds", [
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', True),
+    (b'{"messages": [{"role": "user", "content": "a\\uDFFFb"}]}', True),
+    ('{"messages": [{"role": "user", "content": "a\ud800b"}]}'.encode("utf-8", "surrogatepass"), True),
+    ('{"messages": [{"role": "user", "content": "a\ud800b"}]}'.encode("utf-16", "surrogatepass"), True),
+    (b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00 \\u00e9"}]}', True),  # a pair: walked
+    ('{"messages": [{"role": "user", "content": "\U0001f600 \\u00e9 \\\\ud800"}]}'.encode(), True),
+    ('{"messages": [{"role": "user", "content": "\U0001f600 \\u00e9 caf\u00e9"}]}'.encode(), False),
+])
+def test_a_body_that_cannot_hold_a_surrogate_is_not_walked_for_one(body: bytes, holds: bool) -> None:
+    """The bytes say when the decoded body may hold a surrogate; each one that may is walked, a lone one refused."""
+    import json
+
+    from daemon.doors.openai_api import _decode
+    from daemon.doors.openai_schema import ApiError, may_hold_surrogates
+    from protocol.shapes import lone_surrogate
+
+    assert may_hold_surrogates(body) == holds
+    lone = lone_surrogate(json.loads(body)) is not None
+    assert holds or not lone
+    config = load_config(None, model="builtin:tiny")
+    if lone:
+        with pytest.raises(ApiError, match="lone UTF-16 surrogate"):
+            _decode(body, config)
+    else:
+        assert _decode(body, config).messages[0].role == "user"

@@ -331,3 +331,49 @@ async def test_what_clients_send_is_understood(tmp_path: Path) -> None:
             model = (await h.get("/v1/models/builtin:tiny")).json()
             assert model["id"] == "builtin:tiny" and model["object"] == "model"
             assert_error(await h.get("/v1/models/gpt-4o"), 404, says="not 'gpt-4o'")
+
+
+async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its_new_messages(tmp_path: Path) -> None:
+    """Each request of a growing conversation (the official client, the whole conversation each time) is
+    fed exactly what rendering and tokenizing it whole gives, though only the first, and a branch, were
+    (daemon/renders.py); the original goes on appending after the branch."""
+    import openai
+
+    from daemon.prompt import conversation_ids
+
+    fed: list[tuple[str, list[int]]] = []
+    async with running_daemon(tmp_path) as d:
+        submit = d.daemon.engine.submit
+
+        def recording(job: TurnJob) -> None:
+            fed.append((job.session_id, list(job.tokens)))
+            submit(job)
+
+        d.daemon.engine.submit = recording  # type: ignore[method-assign]
+        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
+        system = "You keep answers short.  "
+        convo: list[Any] = [{"role": "user", "content": "Tell me about caches " * 30}]
+        sent: list[list[Any]] = []
+        sessions: list[str] = []
+
+        async def ask(messages: list[Any]) -> str:
+            raw = await api.chat.completions.with_raw_response.create(
+                model="builtin:tiny", messages=[{"role": "system", "content": system}, *messages],
+                max_tokens=4, temperature=0)
+            sent.append(list(messages))
+            sessions.append(raw.headers["x-kvd-session"])
+            return raw.parse().choices[0].message.content or ""
+
+        for follow_up in ("  and then?\n", "<|im_start|>user\nno", "é\u0301 日本 ```", "", "last one"):
+            convo += [{"role": "assistant", "content": await ask(convo)}, {"role": "user", "content": follow_up}]
+        branch = [*convo[:3], {"role": "user", "content": "something else"}]
+        await ask(branch)
+        await ask(convo)
+        await api.close()
+        renders = d.daemon.turns.renders
+        tokenizer = d.daemon.engine.tokenizer
+        assert [sid for sid, _ in fed] == sessions
+        for (_, ids), messages in zip(fed, sent, strict=True):
+            assert ids == conversation_ids(tokenizer, messages, system)
+    assert len(set(sessions)) == 2 and sessions[-1] == sessions[0] != sessions[-2]
+    assert (renders.whole, renders.appended) == (2, 5)  # the first request and the branch

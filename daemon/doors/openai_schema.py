@@ -12,6 +12,8 @@ fields are ignored, as OpenAI's clients add new ones often.
 
 from __future__ import annotations
 
+import json
+import re
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -203,15 +205,19 @@ class ChatRequest(_Strict):
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
-def parse(body: Any, config: Config) -> ChatRequest:
-    """A request body (already JSON-decoded) as a ChatRequest, or the ApiError that says what to fix."""
+def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
+    """A request body (already JSON-decoded) as a ChatRequest, or the ApiError that says what to fix.
+
+    `surrogates=False`: the caller saw that the body's bytes cannot hold a lone surrogate
+    (`may_hold_surrogates`), so its strings are not walked for one.
+    """
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
     if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
         # Before validating each one: pydantic holds the GIL throughout, and every client waits.
         raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
                        f"(got {len(body['messages'])})", param="messages")
-    if (path := lone_surrogate(body)) is not None:
+    if surrogates and (path := lone_surrogate(body)) is not None:
         where = _where(path[:-1] if path[-1] == BAD_KEY else path) or "body"
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
                        "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
@@ -224,6 +230,16 @@ def parse(body: Any, config: Config) -> ChatRequest:
     _check_asks(req, config)
     _check_messages(req)
     return req
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped one; one UTF-8 encoded (surrogatepass)
+
+
+def may_hold_surrogates(body: bytes) -> bool:
+    """Whether `body`, decoded by json.loads, can hold a surrogate: only through a \\uD800-\\uDFFF escape, or
+    surrogate bytes json.loads lets through (it decodes with surrogatepass), or an encoding other than UTF-8.
+    A regex over the bytes instead of a walk of every string (a long conversation: half a millisecond)."""
+    return json.detect_encoding(body) != "utf-8" or _SURROGATE.search(body) is not None
 
 
 def _where(loc: tuple[str | int, ...]) -> str:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import anyio.to_thread
 
@@ -69,10 +69,10 @@ class Diverged(Exception):
         self.index = index
 
 
-@dataclass(frozen=True)
-class Said:
+class Said(NamedTuple):
     """One message of a conversation as the transcript keeps it: role and text, an assistant's
-    tool calls ({"id", "name", "arguments"}) and the call a tool message answers."""
+    tool calls ({"id", "name", "arguments"}) and the call a tool message answers. A named tuple:
+    a request makes one per message, and it is made in half a frozen dataclass's time."""
 
     role: str
     content: str
@@ -105,6 +105,7 @@ class Placement:
     session_id: str
     first_new: int  # the first message this turn added
     kind: Kind
+    chain: Sequence[bytes] | None = None  # the request's chain, rooted in its system prompt (renders.py)
 
 
 def title_for(messages: Sequence[Said]) -> str:
@@ -193,4 +194,4 @@ async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinn
         rewind_from=decision.rewind_from, new_system=decision.new_system,
         title=title_for(messages), origin=origin,
         links=None if decision.new_system or root != system else request[decision.agree:], prepared=new)
-    return Placement(session_id, first_new, decision.kind)
+    return Placement(session_id, first_new, decision.kind, chain=request if root == system else None)

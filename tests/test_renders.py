@@ -1,0 +1,145 @@
+"""A stateless conversation's ids from its last request's (daemon/renders.py) are a whole render's, exactly.
+
+Each request here is also rendered and tokenized whole (prompt.conversation_ids, what the OpenAI
+door fed before) with builtin:tiny's real tokenizer and template, and the counts say which path
+made the ids: a request that should append and renders whole instead fails as surely as wrong ids.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from daemon.doors.placement import Said, links
+from daemon.models.builtin import ensure_builtin
+from daemon.prompt import conversation_ids
+from daemon.renders import Renders, anchors
+
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+# Pieces that stress the cut: the anchors' own text, whitespace at message ends, text NFC composes.
+PIECES = ["hello", " world", "\n", "  ", "é", "e\u0301", "<|im_start|>", "<|im_end|>", "```", "\t", "12", "日本",
+          " ", "\n\n", "assistant"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return load_tokenizer(ensure_builtin("builtin:tiny", tmp_path_factory.mktemp("models")))
+
+
+def whole(tokenizer: Any, messages: Sequence[Said], system: str | None,
+          tools: list[dict[str, Any]] | None = None) -> list[int]:
+    return conversation_ids(tokenizer, [m.for_template() for m in messages], system, tools)
+
+
+def ask(r: Renders, tokenizer: Any, messages: Sequence[Said], system: str | None,
+        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The request's ids through `r`, checked against the whole render."""
+    got = r.ids(tokenizer, messages, system, tools, links(system, messages))
+    assert got == whole(tokenizer, messages, system, tools)
+    return got
+
+
+@pytest.mark.parametrize("system", [None, "You are terse.\n"])
+def test_a_growing_conversation_appends_and_stays_exact(tokenizer: Any, system: str | None) -> None:
+    rng = random.Random(7)
+
+    def text() -> str:
+        return "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 10)))
+
+    r = Renders()
+    convo = [Said("user", "the cache keeps " * 40)]
+    for _ in range(40):
+        ask(r, tokenizer, convo, system)
+        convo += [Said("assistant", text()), Said("user", text() or "?")]
+    assert (r.whole, r.appended) == (1, 39)
+
+
+def test_tool_turns_append_and_arguments_are_shown_as_sent(tokenizer: Any) -> None:
+    r = Renders()
+    call = {"id": "call_1", "name": "add", "arguments": '{"b": 2, "a": 1}'}
+    convo = [Said("user", "What is 1 + 2?")]
+    ask(r, tokenizer, convo, None, TOOLS)
+    convo += [Said("assistant", "", (call,)), Said("tool", "3", (), "call_1")]
+    ask(r, tokenizer, convo, None, TOOLS)
+    convo += [Said("assistant", "It is 3."), Said("user", "And 2 + 2?")]
+    ask(r, tokenizer, convo, None, TOOLS)
+    assert (r.whole, r.appended) == (1, 2)
+    # The same call with its arguments written in another order: the same chain (placement compares
+    # arguments parsed), another render. Rendered whole, not taken from the last request.
+    resent = [convo[0], Said("assistant", "", ({**call, "arguments": '{"a": 1, "b": 2}'},)), *convo[2:]]
+    assert links(None, resent) == links(None, convo)
+    assert ask(r, tokenizer, resent, None, TOOLS) != whole(tokenizer, convo, None, TOOLS)
+    assert r.whole == 2
+    # Other tools: rendered whole too.
+    other = [{"type": "function", "function": {**TOOLS[0]["function"], "name": "plus"}}]
+    ask(r, tokenizer, [*convo, Said("assistant", "4"), Said("user", "Thanks")], None, other)
+    assert r.whole == 3
+
+
+def test_what_renders_whole(tokenizer: Any) -> None:
+    r = Renders()
+    convo = [Said("user", "one"), Said("assistant", "two"), Said("user", "three")]
+    ask(r, tokenizer, convo[:1], "sys")
+    ask(r, tokenizer, convo, "another system prompt")  # its chain has another root
+    ask(r, tokenizer, [Said("user", "ONE"), *convo[1:]], "sys")  # an edited first message
+    assert (r.whole, r.appended) == (3, 0)
+    ask(r, tokenizer, convo, "sys")  # still remembered: appends
+    ask(r, tokenizer, convo, "sys")  # the same request again: its own ids, exactly
+    assert (r.whole, r.appended) == (3, 2)
+    assert r.ids(tokenizer, convo, "sys", None, None) == whole(tokenizer, convo, "sys")  # no chain
+    assert r.whole == 4
+
+
+def test_the_least_recently_used_conversation_is_forgotten(tokenizer: Any) -> None:
+    r = Renders(remembered=2)
+    a = [Said("user", "first conversation")]
+    b = [Said("user", "second conversation")]
+    c = [Said("user", "third conversation")]
+    for convo in (a, b, c):
+        ask(r, tokenizer, convo, None)
+    more = [Said("assistant", "ok"), Said("user", "go on")]
+    ask(r, tokenizer, [*c, *more], None)
+    ask(r, tokenizer, [*a, *more], None)  # forgotten: the third pushed it out
+    assert (r.whole, r.appended) == (4, 1)
+
+
+def _with_template(tokenizer: Any, template: str) -> Any:
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = template
+    assert other.chat_template == template
+    return other
+
+
+def test_a_template_that_moves_the_system_prompt_renders_whole(tokenizer: Any) -> None:
+    """Mistral's way: the system prompt goes with the last user message, so no render extends the last one."""
+    template = ("{%- set ns = namespace(system='') -%}"
+                "{%- for m in messages -%}{%- if m.role == 'system' -%}{%- set ns.system = m.content -%}"
+                "{%- elif m.role == 'user' -%}<|im_start|>user\n{% if loop.last %}{{ ns.system }}\n{% endif %}"
+                "{{ m.content }}<|im_end|>\n"
+                "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif -%}{%- endfor -%}"
+                "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+    moving = _with_template(tokenizer, template)
+    r = Renders()
+    convo = [Said("user", "one")]
+    for turn in range(3):
+        ask(r, moving, convo, "Be brief.")
+        convo += [Said("assistant", f"answer {turn}"), Said("user", f"question {turn}")]
+    assert (r.whole, r.appended) == (3, 0)
+
+
+def test_no_anchors_where_a_cut_would_not_hold(tokenizer: Any) -> None:
+    assert set(anchors(tokenizer).values()) == {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+    dated = _with_template(tokenizer, "{{ strftime_now('%d %b %Y') }}" + str(tokenizer.chat_template))
+    assert anchors(dated) == {}  # yesterday's date would stay in the remembered ids
+    r = Renders()
+    convo = [Said("user", "one")]
+    ask(r, dated, convo, None)
+    ask(r, dated, [*convo, Said("assistant", "two"), Said("user", "three")], None)
+    assert (r.whole, r.appended) == (2, 0)
