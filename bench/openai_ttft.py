@@ -32,6 +32,13 @@ reader would; kvd is also asked for its status first, which it answers
 only once the last turn's cache is written (on the engine thread today).
 
 TTFT is measured at the client: request sent to the first content chunk.
+
+With `--bare`, each length also gets stock mlx-lm's bare forward in this
+process (`mlx_lm.load`, the same directory, OpenBLAS preloaded as kvd does,
+mlx-lm's own attention): the same number of new tokens kvd prefilled for
+its next turns, over a cache as long as their cached prefix, timed to the
+first token's argmax, median of 5. The table's last column is kvd's next
+turn (same process, as the client sees it) over that forward.
 """
 
 from __future__ import annotations
@@ -223,6 +230,28 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
             "same": same, "restart": restarted, "usages": usages}
 
 
+def bare_forward(model_dir: Path, cached: int, new: int, repeat: int = 5) -> float:
+    """Stock mlx-lm's forward of `new` tokens over a cache of `cached`, to the first token (seconds)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = load(str(model_dir))[0]
+    cache = make_prompt_cache(model)
+    for i in range(0, cached, PREFILL_STEP):
+        model(mx.array([[7] * min(PREFILL_STEP, cached - i)]), cache=cache)
+        mx.eval([c.state for c in cache])
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        logits = model(mx.array([[9] * new]), cache=cache)[:, -1, :]
+        mx.eval(mx.argmax(logits, axis=-1))
+        times.append(time.perf_counter() - t0)
+        for c in cache:
+            c.trim(new)
+    return statistics.median(times[1:])  # the first one compiles
+
+
 def span(values: list[float]) -> str:
     """The median, and the range when there are several."""
     mid = f"{statistics.median(values) * 1000:.0f} ms"
@@ -236,7 +265,12 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=8, help="tokens per answer")
     parser.add_argument("--servers", nargs="+", default=["kvd", "mlx_lm.server"])
     parser.add_argument("--repeat", type=int, default=3, help="turns per case (medians are reported)")
+    parser.add_argument("--bare", action="store_true", help="also stock mlx-lm's bare forward of kvd's next turn")
     args = parser.parse_args()
+    if args.bare:
+        from daemon.service.blas import preload_blas
+
+        print(preload_blas("auto").reason)  # before MLX is imported, as kvd and MlxServer do
     root = Path(os.environ.get("KVD_BENCH_DIR") or tempfile.mkdtemp(prefix="kvd-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     if args.model == "05b":
@@ -254,16 +288,27 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}\n")
+    bare: dict[int, tuple[float, int, int]] = {}
+    for r in rows:
+        if args.bare and r["server"].startswith("kvd") and r["tokens"] not in bare:
+            nexts = r["usages"][:len(r["same"])]
+            cached = int(statistics.median([(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                                            for u in nexts]))
+            new = int(statistics.median([u["prompt_tokens"] for u in nexts])) - cached
+            bare[r["tokens"]] = (bare_forward(model, cached, new), new, cached)
+    for seconds, new, cached in bare.values():
+        print(f"stock mlx-lm bare forward, {new} new tokens over {cached}: {seconds * 1000:.0f} ms")
     print("| conversation | server | first turn, cold | next turn, same process | after a restart "
-          "| restart / same | cached after restart |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+          "| restart / same | cached after restart | next turn / bare forward |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         last = r["usages"][-1]
-        cached = (last.get("prompt_tokens_details") or {}).get("cached_tokens")
+        restored = (last.get("prompt_tokens_details") or {}).get("cached_tokens")
         same, restart = statistics.median(r["same"]), statistics.median(r["restart"])
+        ratio = f"{same / bare[r['tokens']][0]:.2f}x" if r["tokens"] in bare else "-"
         print(f"| {last.get('prompt_tokens')} tok | {r['server']} | {r['cold'] * 1000:.0f} ms "
               f"| {span(r['same'])} | {span(r['restart'])} "
-              f"| {restart / same:.1f}x | {cached} tok |")
+              f"| {restart / same:.2f}x | {restored} tok | {ratio} |")
     return 0
 
 

@@ -1,28 +1,36 @@
 """A turn's own overhead: the client's time to first token of the next turn on `builtin:tiny`.
 
-Run: .venv/bin/python bench/overhead.py [--turns 210] [--profile OUT.txt]
+Run: .venv/bin/python bench/overhead.py [--turns 214] [--pause S] [--config FILE] [--profile OUT]
 
-`builtin:tiny`'s forward takes about a millisecond, so what the client waits
-for is kvd's own work per turn. A real `kvd serve` (prefetch off, the
-defaults otherwise) and two conversations, one per door, each starting with
-a ~700-token message and then growing by one short message and a one-token
-answer per turn, back to back (no pause between an answer and the next message):
+`builtin:tiny` is a 4-layer model with a hidden size of 128, so what the
+client waits for is mostly kvd's own work per turn: its forward of a short
+turn takes about 5 ms over a 0.8k-token cache on this project's 2-core CPU
+and about 11 ms over 5k (attention grows with the cache). A real `kvd serve`
+(prefetch off, the defaults otherwise) and two conversations, one per door,
+each starting with a ~700-token message and then growing by one short
+message and a one-token answer per turn, back to back (no pause between an
+answer and the next message; `--pause S` waits S seconds, as a reader would):
 
 - websocket: `chat.send` on one session; TTFT is the frame sent to the first `chat.delta`;
 - OpenAI: the official `openai` client, streaming, the whole conversation each
   time (as a stateless client sends it); TTFT is the request to the first
-  content chunk.
+  content chunk. The client's own preparation of a long request is part of it
+  (bench/api_client.py measures it: ~58 ms of a turn-200 request here).
 
-For the websocket it also reports kvd's own `ttft_ms` (from the job reaching
-the engine), the client's TTFT minus it (the part spent outside the engine),
-and `prefill_ms` (of `ttft_ms`, the forward of the new tokens and the first
-draw, from the cache's checkout).
+For the websocket it also reports kvd's own `ttft_ms` (from the turn's start
+in the turn core, before its tokenizing), the client's TTFT minus it (the
+part spent outside it), `prefill_ms` (of `ttft_ms`, the forward of the new
+tokens and the first draw, from the cache's checkout), and the *bare
+forward*: the same model loaded in this process as kvd loads it, the same
+number of new tokens fed over a cache as long as the turn's, timed to the
+first token's draw, median of 15. The client's TTFT minus the bare forward
+is what kvd adds to the model's own work ("kvd's part").
 
 Reported per door: the median (and range) of 15 turns around turn 5 and of
-15 around turn 200, and their ratio (a turn must cost the same at turn 5
-and at turn 500). With `--profile OUT`, py-spy (on PATH or KVD_PYSPY) records
-the daemon at 500 Hz during each door's run and writes milliseconds per turn
-in each thread and the event loop's top functions to OUT-<door>.txt.
+15 around turn 200, and their ratio. With `--profile OUT`, py-spy (on PATH or
+KVD_PYSPY) records the daemon at 500 Hz during each door's run and writes
+milliseconds per turn in each thread and the event loop's top functions to
+OUT-<door>.txt.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ FIRST = " ".join(["the cache keeps every session warm and pages cold ones out"] 
 WINDOW = 15
 ENGINE_TTFT: list[float] = []  # kvd's own ttft_ms of each websocket turn: from the job reaching the engine
 PAUSE = [0.0]  # seconds between an answer and the next message (--pause)
+WS_TTFT: list[float] = []  # the client's TTFT of each websocket turn
+USAGE: list[tuple[int, int]] = []  # each websocket turn's (cached_tokens, prompt_tokens)
 PREFILL: list[float] = []  # its prefill_ms: from the turn's cache being checked out to its first token
 
 
@@ -67,6 +77,7 @@ def ws_turns(d: DaemonProcess, turns: int) -> list[float]:
         c.chat(session, FIRST, max_tokens=1)  # untimed: the first prefill
         ENGINE_TTFT.clear()
         PREFILL.clear()
+        USAGE.clear()
         for n in range(turns):
             time.sleep(PAUSE[0])
             out.append(_ws_turn(c, session, f"next {n}"))
@@ -88,6 +99,7 @@ def _ws_turn(c: SyncClient, session: str, text: str) -> float:
         elif e["type"] == "chat.done":
             ENGINE_TTFT.append((e["usage"].get("ttft_ms") or 0) / 1000)
             PREFILL.append((e["usage"].get("prefill_ms") or 0) / 1000)
+            USAGE.append((e["usage"]["cached_tokens"], e["usage"]["prompt_tokens"]))
             return first if first is not None else time.perf_counter() - started
 
 
@@ -116,6 +128,39 @@ def _api_turn(client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[fl
             first = first if first is not None else time.perf_counter() - started
             text += chunk.choices[0].delta.content
     return (first if first is not None else time.perf_counter() - started), text
+
+
+def bare_forwards(at: tuple[int, ...]) -> dict[int, float]:
+    """By window, the median bare forward of its middle turn (see the module docstring), in seconds."""
+    from daemon.service.blas import preload_blas
+
+    print(preload_blas("auto").reason)  # before MLX is imported, as kvd serve does
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from daemon.engine.modelload import load_model
+    from daemon.models.builtin import ensure_builtin
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model("builtin:tiny", ensure_builtin("builtin:tiny", Path(tmp))).model
+    out = {}
+    for n in at:
+        cached, prompt = USAGE[n - 1 + WINDOW // 2]
+        cache = make_prompt_cache(model)
+        for i in range(0, cached, 512):
+            model(mx.array([[7] * min(512, cached - i)]), cache=cache)
+            mx.eval([c.state for c in cache])
+        times = []
+        for _ in range(WINDOW + 1):
+            t0 = time.perf_counter()
+            logits = model(mx.array([[9] * (prompt - cached)]), cache=cache)[:, -1, :]
+            mx.eval(mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1))
+            times.append(time.perf_counter() - t0)
+            for c in cache:
+                c.trim(prompt - cached)
+        out[n] = statistics.median(times[1:])  # the first one compiles
+        print(f"bare fwd  turn {n:3}: median {out[n] * 1000:6.1f} ms ({prompt - cached} new tokens over {cached})")
+    return out
 
 
 def report(name: str, ttfts: list[float], at: tuple[int, ...]) -> None:
@@ -213,7 +258,7 @@ def main() -> None:
             with d.client():
                 pass  # the model has loaded
             if "websocket" in args.doors:
-                ttfts = profiled(d, args.profile, "websocket", lambda: ws_turns(d, args.turns), args.turns)
+                ttfts = WS_TTFT[:] = profiled(d, args.profile, "websocket", lambda: ws_turns(d, args.turns), args.turns)
                 report("websocket", ttfts, at)
                 report("ws engine", ENGINE_TTFT, at)  # kvd's own ttft_ms: the part inside the engine
                 report("ws outside", [c - e for c, e in zip(ttfts, ENGINE_TTFT)], at)
@@ -222,6 +267,12 @@ def main() -> None:
                 report("openai", profiled(d, args.profile, "openai", lambda: api_turns(d, args.turns), args.turns), at)
         finally:
             d.terminate()
+    if "websocket" in args.doors:
+        bare = bare_forwards(at)  # with the daemon gone: nothing beside it
+        parts = {n: statistics.median(xs) - bare[n] for n, xs in windows(WS_TTFT, at).items()}
+        for n, part in parts.items():
+            print(f"kvd part  turn {n:3}: {part * 1000:6.1f} ms (the websocket's median minus the bare forward)")
+        print(f"kvd part  turn {at[-1]} / turn {at[0]}: {parts[at[-1]] / parts[at[0]]:.2f}x")
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
