@@ -112,7 +112,10 @@ def gaps(mb: int, steps: int) -> None:
         on_disk = sum(f.stat().st_size for f in files)
         e = engine(c)  # a restart: A is only on disk
         assert e.caches is not None and e.caches.locations().get(A) == "disk"
-        e.max_context = None  # A's ~250k tokens are past the tiny model's context; it only feeds one
+        # A's ~250k tokens are past the tiny model's context; it only feeds one (the turn steps check it)
+        e.max_context = None
+        assert e.steps is not None
+        e.steps.max_context = None
         b_events: list[EngineEvent] = []
         e.submit(job(e, B, first(e, "Hi."), b_events, max_tokens=100_000))
 
@@ -121,6 +124,8 @@ def gaps(mb: int, steps: int) -> None:
             return t.generated if t is not None else 0
 
         while b_tokens() < 4:
+            if ended(b_events) is not None:
+                raise SystemExit(f"B ended before decoding: {b_events}")
             e.step()
 
         def gaps_until(stop: Any, most: int) -> list[float]:
