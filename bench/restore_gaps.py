@@ -14,7 +14,10 @@ limit is lifted for A's turn, which only restores and feeds one token).
 Reported: B's gaps (the time between two of its tokens) over `--steps` steps
 alone, then from A's submission until A starts (the read under way on the
 I/O worker's reader, and the engine's own steps for it: planning, allocating
-the buffers, building the cache), p50 / p99 / max; then A's restore time
+the buffers, building the cache), p50 / p99 / max; apart from them the gap
+over the step A starts in, which also runs A's first prefill chunk (its new
+token over the whole restored cache: A's own work, whatever restored it);
+then A's restore time
 and a plain read of the same files (`read_bytes`), for the disk's speed.
 
 `budget`: eight sessions of the tiny model, each turn's cache reckoned at
@@ -128,13 +131,16 @@ def gaps(mb: int, steps: int) -> None:
                 raise SystemExit(f"B ended before decoding: {b_events}")
             e.step()
 
+        last_counted = [False]  # whether the last step gave B tokens (its gap is the list's last)
+
         def gaps_until(stop: Any, most: int) -> list[float]:
             out: list[float] = []
             last = time.perf_counter()
             count = b_tokens()
             while not stop() and len(out) < most:
                 e.step()
-                if (now_count := b_tokens()) > count:
+                last_counted[0] = (now_count := b_tokens()) > count
+                if last_counted[0]:
                     now = time.perf_counter()
                     out.append((now - last) / (now_count - count))
                     last, count = now, now_count
@@ -142,10 +148,22 @@ def gaps(mb: int, steps: int) -> None:
 
         alone = gaps_until(lambda: False, steps)
         a_events: list[EngineEvent] = []
+        started_at: list[float] = []
+
+        def a_emit(ev: EngineEvent) -> None:
+            if isinstance(ev, Started):
+                started_at.append(time.perf_counter())
+            a_events.append(ev)
+
         t0 = time.perf_counter()
-        e.submit(job(e, A, ids + [5], a_events, max_tokens=2))
+        a_job = job(e, A, ids + [5], a_events, max_tokens=2)
+        a_job.emit = a_emit
+        e.submit(a_job)
         during = gaps_until(lambda: bool(a_events), 10**9)
-        restore_s = time.perf_counter() - t0
+        restore_s = (started_at[0] if started_at else time.perf_counter()) - t0
+        # The step A started in also ran A's first prefill chunk (its one new token over the whole
+        # restored cache): A's own work, not the read, reported apart.
+        first_step = during.pop() if during and last_counted[0] else 0.0
         started = a_events[0] if a_events else None
         after = gaps_until(lambda: ended(a_events) is not None, 10**9)
         end = ended(a_events)
@@ -162,6 +180,7 @@ def gaps(mb: int, steps: int) -> None:
           f"restored_from {end.usage['restored_from']}, cached_tokens {started.cached_tokens}")
     print(f"B alone:                  {fmt(alone)}")
     print(f"B while A's cache is read: {fmt(during)}")
+    print(f"B's gap over the step A started in (A's first prefill chunk in it): {first_step * 1000:.1f} ms")
     print(f"B while A feeds and ends:  {fmt(after) if after else '-'} (A's one-token prefill over "
           f"{n} tokens is an ordinary prefill chunk)")
     print(f"A submitted -> started: {restore_s * 1000:.0f} ms ({on_disk / 1e6 / restore_s / 1000:.2f} GB/s); "

@@ -10,9 +10,18 @@ from collections.abc import Hashable, Sequence
 MIN_SHARED = 16
 
 
+#: Ids compared a slice at a time (a slice's comparison runs in C): a restore plans over a whole
+#: conversation's ids, 256k of them for a large cache, on the engine thread.
+_CHUNK = 512
+
+
 def common_prefix_len(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
+    start = 0
+    if type(a) is type(b) and isinstance(a, (list, tuple)):
+        while start + _CHUNK <= n and a[start:start + _CHUNK] == b[start:start + _CHUNK]:
+            start += _CHUNK
+    for i in range(start, n):
         if a[i] != b[i]:
             return i
     return n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,20 @@ def test_the_disk_mirror_counts_each_block_once_and_follows_the_worker() -> None
     assert t.sharing()["blocks"] == 1 and t.disk_bytes == 100 and set(t.blocks) == {chain[0]}
     blocks, tail = t.disk_rows("aaaa")
     assert [r.block for r in blocks] == chain[:1] and tail == []
+
+
+def test_the_common_prefix_is_found_at_every_cut_across_the_compared_slices() -> None:
+    from cachestore.prefix import common_prefix_len
+
+    rng = random.Random(7)
+    for n in (0, 1, 511, 512, 513, 1025, 3000):
+        a = [rng.randrange(3) for _ in range(n)]
+        for cut in sorted({0, 1, 511, 512, 513, n // 2, n - 1, n}):
+            if not 0 <= cut <= n:
+                continue
+            b = a[:cut] + ([7] if cut < n else []) + a[cut + 1:]
+            assert common_prefix_len(a, b) == cut
+            assert common_prefix_len(b, a) == cut
+            assert common_prefix_len(a, b[:cut]) == cut  # one is a prefix of the other
+            assert common_prefix_len(tuple(a), tuple(b)) == cut
+            assert common_prefix_len(a, tuple(b)) == cut  # mixed sequences compare id by id
