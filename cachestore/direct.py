@@ -44,8 +44,8 @@ from .errors import ChecksumMismatch, CorruptSegment, SegmentMissing, SegmentTru
 from .segformat import Hasher
 from .segread import check_header, hasher_for, read_raw_header
 
-__all__ = ["Allocation", "Buffers", "Direct", "FileSpan", "FillRate", "Filled", "Scan", "allocate", "capacity",
-           "fill", "finish", "read_direct", "scan"]
+__all__ = ["Allocation", "Buffers", "Direct", "FileSpan", "FillRate", "Filled", "Filling", "Scan", "allocate",
+           "capacity", "fill", "finish", "read_direct", "scan"]
 
 STEP = KVCache.step  # mlx-lm grows a KVCache by this many tokens at a time
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
@@ -116,16 +116,29 @@ class Scan:
     pieces: list[FileSpan]
     shape: tuple[int, int, int, str] | None  # (layers, heads, head dim, dtype)
     bad: tuple[FileSpan, CorruptSegment] | None
+    order: tuple[int, ...] = ()  # the buffers (2 * layer + 0 for keys, 1 for values) in the first file's order
 
 
 @dataclass
 class Buffers:
-    """The live cache's buffers, allocated and evaluated on the engine thread at their final size,
-    and the byte views of them that `fill` writes into (released by `finish`)."""
+    """The live cache's buffers, made and evaluated on the engine thread at their final size, by
+    slot (2 * layer, + 1 for the values), and the byte views of them that the reader writes into
+    (released by `finish`). A slot not made yet is None."""
 
-    arrays: list[tuple[mx.array, mx.array]]
-    views: list[tuple[memoryview, memoryview]]
+    arrays: list[mx.array | None]
+    views: list[memoryview | None]
     capacity: int
+
+    def release(self) -> None:
+        """Let go of the views (the arrays may be freed then): the reader is done with them."""
+        for v in self.views:
+            if v is not None:
+                v.release()
+        self.views = [None] * len(self.views)
+
+    def made(self) -> dict[int, memoryview]:
+        """The views of the slots made so far (a copy the reader can keep)."""
+        return {k: v for k, v in enumerate(self.views) if v is not None}
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,7 @@ def scan(pieces: Sequence[FileSpan], *, fingerprint: str) -> Scan | None:
     if not pieces or pieces[0].start != 0:
         return None
     shape: tuple[int, int, int, str] | None = None
+    order: tuple[int, ...] = ()
     done = 0
     ok: list[FileSpan] = []
     try:
@@ -155,18 +169,19 @@ def scan(pieces: Sequence[FileSpan], *, fingerprint: str) -> Scan | None:
                 if shape is not None and shape != (len(layout), heads, dim, dtype):
                     raise _Unsupported
                 shape = (len(layout), heads, dim, dtype)
+                order = order or tuple(_slot(name, len(layout)) for _, _, name in offsets)
             except CorruptSegment as e:
-                return Scan(ok, shape, (piece, e))
+                return Scan(ok, shape, (piece, e), order)
             except OSError as e:
                 return Scan(ok, shape, (piece, SegmentMissing(f"cannot read it: {e.strerror or e}",
-                                                              path=piece.path)))
+                                                              path=piece.path)), order)
             ok.append(piece)
             done = piece.use
             if piece.use < piece.end:
                 break
     except _Unsupported:
         return None
-    return Scan(ok, shape, None)
+    return Scan(ok, shape, None, order)
 
 
 def allocate(found: Scan, room: int) -> Buffers | None:
@@ -207,6 +222,11 @@ class Allocation:
     (`eval`) only once it should be done at the rate fills have gone at so far
     (`FillRate`, shared by the allocations of one store): a large restore
     then delays the other sessions' steps by little, not by all of it.
+
+    Buffers are made in the order the files hold them (`Scan.order`), and
+    each one made is exposed at once (`made`, `buffers.views`), so the reader
+    can read the files' first tensors into it while the next are being made
+    (`Filling`): the reading and the allocating overlap.
     """
 
     def __init__(self, found: Scan, room: int, stream: Any = None, rate: FillRate | None = None) -> None:
@@ -215,110 +235,195 @@ class Allocation:
         self.capacity = capacity(max(p.end for p in found.pieces), room)
         self.stream = stream
         self.rate = rate or FillRate()
-        self.arrays: list[mx.array] = []  # made (evaluated)
-        self.launched: list[mx.array] = []  # being filled on `stream`
+        n = 2 * self.layers
+        order = list(found.order) if sorted(found.order) == list(range(n)) else list(range(n))
+        self.todo = order  # slots not launched yet, in the order they are made
+        self.launched: list[tuple[int, mx.array]] = []  # being filled on `stream`
         self.since = 0.0  # when they were launched
+        self.buffers = Buffers([None] * n, [None] * n, self.capacity)
+        self.made: list[int] = []  # slots made (evaluated, viewed), in the order they were
 
-    def step(self, nbytes: int | None) -> Buffers | bool | None:
-        """Take in the buffers launched before once they should be filled, and launch the next,
-        worth at least `nbytes` (None: make all now); the Buffers once all are made, None while
-        more are to come, False if MLX does not expose them as plain bytes."""
+    @property
+    def complete(self) -> bool:
+        return not self.todo and not self.launched
+
+    def step(self, nbytes: int | None, *, now: bool = False) -> Buffers | bool | None:
+        """Take in the buffers launched before once they should be filled (`now`: at once, waiting
+        for them), and launch the next, worth at least `nbytes` (None: make all now); the Buffers
+        once all are made, None while more are to come, False if MLX does not expose them as plain
+        bytes (found on the first, before any was exposed)."""
         if self.launched:
-            size = sum(a.nbytes for a in self.launched)
-            if nbytes is not None and time.perf_counter() - self.since < size / self.rate.bytes_per_s:
+            size = sum(a.nbytes for _, a in self.launched)
+            if not now and nbytes is not None and time.perf_counter() - self.since < size / self.rate.bytes_per_s:
                 return None  # not yet: the decode steps go on meanwhile
             t0 = time.perf_counter()
-            mx.eval(self.launched)
+            mx.eval([a for _, a in self.launched])
             self.rate.took(size, time.perf_counter() - self.since, waited=time.perf_counter() - t0)
-            self.arrays += self.launched
-            self.launched = []
-        todo = 2 * self.layers - len(self.arrays)
-        if todo and nbytes is None:
-            self.arrays += [self._zeros() for _ in range(todo)]
-            mx.eval(self.arrays)
-        elif todo and nbytes is not None:
-            made = 0
-            while len(self.arrays) + len(self.launched) < 2 * self.layers and made < nbytes:
+            launched, self.launched = self.launched, []
+            if not self._take(launched):
+                return False
+        if self.todo and nbytes is None:
+            made = [(k, self._zeros()) for k in self.todo]
+            self.todo = []
+            mx.eval([a for _, a in made])
+            if not self._take(made):
+                return False
+        elif self.todo:
+            size = 0
+            while self.todo and size < nbytes:  # type: ignore[operator]
                 with mx.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                     a = self._zeros()
                     mx.async_eval(a)
-                self.launched.append(a)
-                made += a.nbytes
+                self.launched.append((self.todo.pop(0), a))
+                size += a.nbytes
             self.since = time.perf_counter()
             return None
-        arrays = list(zip(self.arrays[0::2], self.arrays[1::2], strict=True))
-        views = []
-        for k, v in arrays:
-            # Fresh, evaluated, referenced by nothing else yet: MLX's buffer protocol
-            # exposes its memory, which readinto fills in place (on the reader: the
-            # bytes are written there, no MLX call is made off the engine thread).
-            kv, vv = memoryview(k).cast("B"), memoryview(v).cast("B")  # type: ignore[arg-type]
-            views.append((kv, vv))
-            if not (kv.contiguous and vv.contiguous and kv.nbytes == k.nbytes == vv.nbytes):
-                for x, y in views:
-                    x.release()
-                    y.release()
-                return False
-        return Buffers(arrays, views, self.capacity)
+        return self.buffers if self.complete else None
+
+    def _take(self, made: list[tuple[int, mx.array]]) -> bool:
+        """Buffers made: viewed as bytes, for the reader to fill in place. False if MLX does not
+        expose the first as plain bytes (nothing has been read into any then)."""
+        for k, a in made:
+            # Fresh, evaluated, referenced by nothing else yet: MLX's buffer protocol exposes its
+            # memory, which readinto fills in place (on the reader: the bytes are written there,
+            # no MLX call is made off the engine thread).
+            view = memoryview(a).cast("B")  # type: ignore[arg-type]
+            if not (view.contiguous and view.nbytes == a.nbytes):
+                view.release()
+                if not self.made:
+                    self.buffers.release()
+                    return False
+                raise RuntimeError("MLX exposed one restore buffer as plain bytes and not the next")
+            self.buffers.arrays[k], self.buffers.views[k] = a, view
+            self.made.append(k)
+        return True
 
     def _zeros(self) -> mx.array:
         return mx.zeros((1, self.heads, self.capacity, self.dim), _DTYPE[self.dtype])
 
 
-def fill(found: Scan, buffers: Buffers, *, fingerprint: str) -> Filled:
-    """Every scanned piece's data into the buffers, hashed where it lands (no MLX: the reader runs this).
+class Filling:
+    """The reader's side of a direct read: the files read into the buffers as they are made.
 
-    Each header is read and checked again (the bytes are hashed in file
-    order, and a file replaced since the scan must not pass as the old one).
+    `advance` reads, for every piece, its tensors in file order up to the
+    first whose buffer is not made yet, hashing every byte where it lands;
+    called again with more buffers made, it goes on from there (each file's
+    hash and position are kept here; the file is opened again, and a file
+    replaced meanwhile fails its hash). With every buffer made (`last`), it
+    reads the rest, checks each file's hash and answers what the buffers hold.
+    A piece that fails ends the chain there: the pieces after it are not
+    read any more. Only the reader touches this (its jobs run one at a time).
     """
-    assert found.shape is not None
-    _, heads, dim, dtype = found.shape
-    done, nbytes = 0, 0
-    for piece in found.pieces:
-        try:
-            f = open(piece.path, "rb", buffering=0)
-        except OSError as e:
-            return Filled(done, nbytes, (piece, SegmentMissing(f"cannot open it: {e.strerror or e}",
-                                                               path=piece.path)))
-        with f:
+
+    def __init__(self, found: Scan, capacity: int, *, fingerprint: str) -> None:
+        assert found.shape is not None
+        self.found = found
+        self.capacity = capacity
+        self.fingerprint = fingerprint
+        self.limit = len(found.pieces)  # pieces from here on are not read (one before failed)
+        self.bad: tuple[FileSpan, CorruptSegment] | None = None
+        self._state: dict[int, _PieceRead] = {}
+
+    def advance(self, views: dict[int, memoryview], *, last: bool) -> Filled | None:
+        """Read what the made buffers (`views`, by slot) can take; the Filled once `last`."""
+        for i, piece in enumerate(self.found.pieces):
+            if i >= self.limit:
+                break
             try:
-                hasher, want_digest = hasher_for(piece.checksum, piece.path)
+                self._piece(i, piece, views, last)
+            except CorruptSegment as e:
+                self._fail(i, piece, e)
+            except OSError as e:
+                self._fail(i, piece, SegmentMissing(f"cannot read it: {e.strerror or e}", path=piece.path))
+        if not last:
+            return None
+        done, nbytes = 0, 0
+        for i in range(self.limit):
+            done, nbytes = self.found.pieces[i].use, nbytes + self._state[i].size
+        return Filled(done, nbytes, self.bad or self.found.bad)
+
+    def _fail(self, i: int, piece: FileSpan, e: CorruptSegment) -> None:
+        if i < self.limit:
+            self.limit, self.bad = i, (piece, e)
+
+    def _piece(self, i: int, piece: FileSpan, views: dict[int, memoryview], last: bool) -> None:
+        st = self._state.get(i)
+        if st is not None and st.finished:
+            return
+        _, heads, dim, dtype = self.found.shape  # type: ignore[misc]
+        with open(piece.path, "rb", buffering=0) as f:
+            if st is None:
+                hasher, want = hasher_for(piece.checksum, piece.path)
                 header = read_raw_header(f, piece.path, hasher)
                 try:
-                    layout, specs, offsets = _plain_kv(header, piece, fingerprint)
-                    if (len(layout), *_layer_shape(specs)) != found.shape:
+                    layout, specs, offsets = _plain_kv(header, piece, self.fingerprint)
+                    if (len(layout), *_layer_shape(specs)) != self.found.shape:
                         raise _Unsupported
-                    n = _read_data(f, piece, offsets, buffers.views, (heads, dim, dtype), buffers.capacity,
-                                   hasher)
+                    _check_offsets(offsets, piece, heads * (piece.end - piece.start) * dim * _ITEMSIZE[dtype])
+                    slots = [_slot(name, len(layout)) for _, _, name in offsets]
                 except _Unsupported:
                     raise SegmentTruncated("changed since its header was read", path=piece.path) from None
-            except CorruptSegment as e:
-                return Filled(done, nbytes, (piece, e))
-            except OSError as e:
-                return Filled(done, nbytes, (piece, SegmentMissing(f"cannot read it: {e.strerror or e}",
-                                                                   path=piece.path)))
-        if (got := hasher.hexdigest()) != want_digest:
-            return Filled(done, nbytes, (piece, ChecksumMismatch(f"its hash is {got}, the index says "
-                                                                 f"{piece.checksum}", path=piece.path)))
-        nbytes += n
-        done = piece.use
-    return Filled(done, nbytes, found.bad)
+                st = self._state[i] = _PieceRead(hasher, want, slots, f.tell())
+            f.seek(st.at)
+            while st.next < len(st.slots) and (view := views.get(st.slots[st.next])) is not None:
+                _read_tensor(f, piece, view, (heads, dim, dtype), self.capacity, st.hasher)
+                st.next += 1
+            st.at = f.tell()
+            if st.next < len(st.slots):
+                if last:
+                    raise RuntimeError("a restore's buffers were all made but not all given to the reader")
+                return
+            tail = f.read()  # bytes after the last tensor are part of the file's checksum
+            st.hasher.update(tail)
+            st.size = st.at + len(tail)
+            st.finished = True
+        if (got := st.hasher.hexdigest()) != st.want:
+            raise ChecksumMismatch(f"its hash is {got}, the index says {piece.checksum}", path=piece.path)
+
+
+@dataclass
+class _PieceRead:
+    """How far one file has been read into the buffers, and its hash so far."""
+
+    hasher: Hasher
+    want: str
+    slots: list[int]  # the buffer each tensor goes to, in file order
+    at: int  # the file's position after what was read
+    next: int = 0  # the next tensor to read
+    size: int = 0
+    finished: bool = False
+
+
+def fill(found: Scan, buffers: Buffers, *, fingerprint: str) -> Filled:
+    """Every scanned piece's data into the buffers, all made, hashed where it lands (no MLX: the
+    reader runs this). Each header is read and checked again (the bytes are hashed in file order,
+    and a file replaced since the scan must not pass as the old one)."""
+    got = Filling(found, buffers.capacity, fingerprint=fingerprint).advance(buffers.made(), last=True)
+    assert got is not None
+    return got
 
 
 def finish(buffers: Buffers, filled: Filled) -> Direct:
-    """The live caches holding what `fill` read (engine thread); the views are released."""
-    for k, v in buffers.views:
-        k.release()
-        v.release()
-    buffers.views = []
+    """The live caches holding what the reader read (engine thread); the views are released."""
+    buffers.release()
     if filled.tokens == 0:
         return Direct(None, 0, filled.bytes_read, filled.bad)
     caches = []
-    for keys, values in buffers.arrays:
+    for keys, values in zip(buffers.arrays[0::2], buffers.arrays[1::2], strict=True):
+        assert keys is not None and values is not None
         c = KVCache()
         c.keys, c.values, c.offset = keys, values, filled.tokens
         caches.append(c)
     return Direct(caches, filled.tokens, filled.bytes_read, filled.bad)
+
+
+def _slot(name: str, layers: int) -> int:
+    """The buffer a tensor named ``L<layer>.<0 keys | 1 values>`` goes to: 2 * layer + which."""
+    layer, which = name[1:].split(".")
+    k, w = int(layer), int(which)
+    if not (0 <= k < layers and w in (0, 1)):
+        raise _Unsupported
+    return 2 * k + w
 
 
 def _plain_kv(header: dict[str, Any], piece: FileSpan, fingerprint: str
@@ -357,28 +462,16 @@ def _check_offsets(offsets: list[tuple[int, int, str]], piece: FileSpan, size: i
         pos = end
 
 
-def _read_data(f: io.FileIO, piece: FileSpan, offsets: list[tuple[int, int, str]],
-               views: list[tuple[memoryview, memoryview]], shape: tuple[int, int, str], capacity: int,
-               hasher: Hasher) -> int:
-    """Every tensor's bytes, in file order, into its layer's buffer, hashed where they land; the file's size."""
+def _read_tensor(f: io.FileIO, piece: FileSpan, view: memoryview, shape: tuple[int, int, str], capacity: int,
+                 hasher: Hasher) -> None:
+    """One tensor's bytes, from the file's position, into its buffer's token range, hashed where they land."""
     heads, dim, dtype = shape
     itemsize = _ITEMSIZE[dtype]
-    base = f.tell()
-    length = piece.end - piece.start
-    run = length * dim * itemsize  # one head's tokens: contiguous in the file and in the buffer
+    run = (piece.end - piece.start) * dim * itemsize  # one head's tokens: contiguous in the file and the buffer
     row = capacity * dim * itemsize
-    _check_offsets(offsets, piece, heads * run)
-    pos = 0
-    for _, end, name in offsets:
-        layer, which = name[1:].split(".")
-        view = views[int(layer)][int(which)]
-        for h in range(heads):
-            at = h * row + piece.start * dim * itemsize
-            dest = view[at:at + run]
-            if f.readinto(dest) != run:
-                raise SegmentTruncated("shorter than its header describes", path=piece.path)
-            hasher.update(dest)
-        pos = end
-    tail = f.read()  # bytes after the last tensor are part of the file's checksum
-    hasher.update(tail)
-    return base + pos + len(tail)
+    for h in range(heads):
+        at = h * row + piece.start * dim * itemsize
+        dest = view[at:at + run]
+        if f.readinto(dest) != run:
+            raise SegmentTruncated("shorter than its header describes", path=piece.path)
+        hasher.update(dest)

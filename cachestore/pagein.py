@@ -26,6 +26,7 @@ store merges them on read) and changes no state of the store's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -81,7 +82,10 @@ class Reading:
     stage: str = "scan"  # "scan" -> "alloc" -> "fill" (direct), or "verify" (the general path)
     scan: direct.Scan | None = None
     allocation: direct.Allocation | None = None  # the live buffers, made a few per engine step
-    buffers: direct.Buffers | None = None
+    buffers: direct.Buffers | None = None  # the reader writes into their views until `pending` is 0
+    filling: direct.Filling | None = None  # the reader's state, handed to each of its fill jobs
+    pending: int = 0  # fill jobs with the reader (each reads into the buffers made before it)
+    given: int = 0  # buffers handed to the reader so far
     abandoned: bool = False
     done: bool = False
     result: tuple[Cache | Snapshot, int, int] | None = None  # (held, tokens held, of those the session's own)
@@ -243,38 +247,48 @@ class PageIn:
         if r is None:
             return None
         got = report.payload
+        if r.filling is not None:  # one of its fill jobs
+            r.pending -= 1
         if r.abandoned:
             _discard(got)
-            if r.buffers is not None:
-                direct.finish(r.buffers, direct.Filled(0, 0, None))  # the views released
-                r.buffers = None
-            self._end(r, None)
-            return r
+            self._drop(r)
+            return r if r.done else None
         try:
             if isinstance(got, BaseException):
                 raise got
             if r.stage == "scan":
                 assert got is None or isinstance(got, direct.Scan)
                 self._scanned(r, got)
-            elif r.stage == "fill":
-                assert isinstance(got, direct.Filled)
-                self._filled(r, got)
+            elif r.stage in ("alloc", "fill"):
+                if got is not None:  # the last job's: every buffer is made and read
+                    assert isinstance(got, direct.Filled) and r.stage == "fill" and r.pending == 0
+                    self._filled(r, got)
             else:
                 assert isinstance(got, Checked)
                 self._checked(r, got)
         except Exception:
             log.exception("reading the cache of %s failed; it will prefill instead", r.key)
-            if r.buffers is not None:
-                direct.finish(r.buffers, direct.Filled(0, 0, None))
             _discard(got)
-            self._end(r, None)
+            self._drop(r)
         return r if r.done else None
 
     def abandon(self, r: Reading) -> None:
         """Nobody wants this reading any more (its turn was cancelled): its result is dropped."""
         r.abandoned = True
-        if r.stage == "alloc":  # nothing of it is with the reader: it ends here
-            r.allocation = None
+        if r.stage == "alloc":  # no more buffers are made; it ends once the reader has no job of it
+            self._drop(r)
+
+    def _drop(self, r: Reading) -> None:
+        """End a reading that failed or that nobody wants, with nothing: at once, or, while the
+        reader still has fill jobs of it (writing into its buffers), once the last reports."""
+        r.abandoned = True
+        r.allocation = None
+        if r.pending > 0:
+            return
+        if r.buffers is not None:
+            r.buffers.release()
+            r.buffers = None
+        if not r.done:
             self._end(r, None)
 
     def reading(self) -> bool:
@@ -315,36 +329,52 @@ class PageIn:
 
             self._stream = mx.new_stream(mx.default_device())  # buffers filled beside the decode
         r.allocation = direct.Allocation(found, r.room, self._stream, self._fill_rate)
+        r.buffers = r.allocation.buffers
+        r.filling = direct.Filling(found, r.allocation.capacity, fingerprint=self.fingerprint)
         self._allocate(r)
 
     def allocate(self, *, all_of_it: bool = False) -> None:
         """Make the next few buffers of the readings waiting for them (once per engine step), or
         all of them (a caller that waits for the read anyway)."""
-        for r in [r for r in self._reading.values() if r.stage == "alloc"]:
+        for r in [r for r in self._reading.values() if r.stage == "alloc" and r.allocation is not None]:
             try:
                 self._allocate(r, all_of_it=all_of_it)
             except Exception:
                 log.exception("reading the cache of %s failed; it will prefill instead", r.key)
-                r.allocation = None
-                self._end(r, None)
+                self._drop(r)
 
     def _allocate(self, r: Reading, *, all_of_it: bool = False) -> None:
-        assert r.allocation is not None and r.scan is not None
-        got = r.allocation.step(None if all_of_it else ALLOC_STEP)
-        if got is None:
-            return  # more next step
-        r.allocation = None
-        if got is False:
-            self._verify(r)
-            return
-        assert isinstance(got, direct.Buffers)
-        r.buffers = got
-        r.stage = "fill"
-        found, buffers, fingerprint = r.scan, r.buffers, self.fingerprint
-        self._submit(r, lambda: direct.fill(found, buffers, fingerprint=fingerprint))
+        """Make the next of the reading's buffers (`all_of_it`: until all are) and hand them to the
+        reader.
+
+        With nobody else running (`all_of_it`), each group made goes to the reader at once: it
+        reads the files into them while MLX's stream makes the next, and the restore takes about
+        the longer of the two instead of their sum. Beside running turns, the buffers go to the
+        reader once all are made: reading, hashing and making buffers at once would leave the
+        decode steps less of a small machine's cores for the whole read.
+        """
+        a = r.allocation
+        assert a is not None and r.filling is not None
+        while True:
+            got = a.step(ALLOC_STEP, now=all_of_it)
+            if got is False:  # not plain bytes: nothing was handed to the reader; the general path
+                r.allocation, r.buffers, r.filling = None, None, None
+                self._verify(r)
+                return
+            if len(a.made) > r.given and (all_of_it or a.complete):
+                r.given = len(a.made)
+                r.pending += 1
+                self._submit(r, functools.partial(r.filling.advance, a.buffers.made(), last=a.complete))
+            if a.complete:
+                r.allocation = None
+                r.stage = "fill"  # the last job is with the reader: it answers the Filled
+                return
+            if not all_of_it:
+                return  # more next step
 
     def _filled(self, r: Reading, filled: direct.Filled) -> None:
         assert r.buffers is not None
+        r.filling = None
         got = direct.finish(r.buffers, filled)
         r.buffers = None
         self.stats.bytes_read += got.bytes_read

@@ -185,3 +185,76 @@ def test_bfloat16_takes_the_direct_path_exactly(bf16_model: Any, tmp_path: Path)
     nxt = [140, 141, 142]
     assert greedy(bf16_model, got.cache, nxt) == greedy(bf16_model, make_prompt_cache(bf16_model), toks + nxt)
     caches.close()
+
+
+def _made_a_few_at_a_time(found: Any, filling: Any, allocation: Any) -> tuple[Any, int]:
+    """Make the buffers one at a time, reading after each what the made ones can take (as the
+    engine hands them to the reader); the Filled and how many reads ran before all were made."""
+    from cachestore.direct import Filled
+
+    reads_before_all = 0
+    given = 0
+    while True:
+        got = allocation.step(1, now=True)  # one buffer a step
+        assert got is not False
+        if len(allocation.made) > given:
+            given = len(allocation.made)
+            out = filling.advance(allocation.buffers.made(), last=allocation.complete)
+            if not allocation.complete:
+                assert out is None
+                reads_before_all += 1
+            else:
+                assert isinstance(out, Filled)
+                return out, reads_before_all
+
+
+def test_the_files_are_read_into_the_buffers_as_they_are_made(model: Any, tmp_path: Path) -> None:
+    from cachestore.direct import Allocation, Filling, finish, scan
+
+    caches, toks = written(model, tmp_path)
+    found = scan(pieces(caches), fingerprint="fp")
+    assert found is not None and found.shape is not None
+    assert sorted(found.order) == list(range(2 * len(model.layers)))  # every buffer, in the files' order
+    allocation = Allocation(found, 20)
+    filled, early = _made_a_few_at_a_time(found, Filling(found, allocation.capacity, fingerprint="fp"), allocation)
+    assert early == 2 * len(model.layers) - 1  # a read after every buffer but the last
+    assert filled.bad is None and filled.tokens == len(toks)
+    got = finish(allocation.buffers, filled)
+    whole = read_direct(pieces(caches), fingerprint="fp", room=20)
+    assert whole is not None and whole.cache is not None and got.cache is not None
+    assert got.bytes_read == whole.bytes_read
+    for a, b in zip(got.cache, whole.cache, strict=True):
+        assert a.offset == b.offset == len(toks)
+        for x, y in zip(a.state[:2], b.state[:2], strict=True):
+            assert mx.array_equal(x, y).item()
+    caches.close()
+
+
+def test_a_flipped_byte_read_before_all_buffers_are_made_still_stops_the_chain(model: Any, tmp_path: Path) -> None:
+    from cachestore.direct import Allocation, Filling, scan
+
+    caches, _ = written(model, tmp_path)
+    second = caches.index.chain(KEY)[1]
+    raw = bytearray(second.path.read_bytes())
+    raw[-100] ^= 0x01
+    second.path.write_bytes(bytes(raw))
+    found = scan(pieces(caches), fingerprint="fp")
+    assert found is not None
+    allocation = Allocation(found, 0)
+    filled, _ = _made_a_few_at_a_time(found, Filling(found, allocation.capacity, fingerprint="fp"), allocation)
+    assert filled.tokens == 40 and filled.bad is not None
+    assert filled.bad[0].start == 40 and isinstance(filled.bad[1], ChecksumMismatch)
+    allocation.buffers.release()
+    caches.close()
+
+
+def test_a_restore_made_a_buffer_per_step_equals_a_fresh_prefill(model: Any, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import cachestore.pagein as pagein
+
+    monkeypatch.setattr(pagein, "ALLOC_STEP", 1)  # one buffer at a time: the reader reads between
+    caches, toks = written(model, tmp_path)
+    out = caches.checkout(KEY, toks + [5])
+    assert out.restored_from == "disk" and out.tokens == len(toks) and out.cache is not None
+    assert greedy(model, out.cache, [5]) == greedy(model, make_prompt_cache(model), toks + [5])
+    caches.close()
