@@ -152,6 +152,7 @@ class Daemon:
                     await self._loading.run(self.websocket.broadcast)
                 if self._loading.ready:
                     await self.turns.tokenizing.prepare()
+                    await self.api.seed()
 
             async def serve() -> None:
                 try:

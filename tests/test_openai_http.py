@@ -377,3 +377,49 @@ async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its
             assert ids == conversation_ids(tokenizer, messages, system)
     assert len(set(sessions)) == 2 and sessions[-1] == sessions[0] != sessions[-2]
     assert (renders.whole, renders.appended) == (2, 5)  # the first request and the branch
+
+
+async def test_after_a_restart_the_next_request_of_a_conversation_renders_only_its_new_messages(
+        tmp_path: Path) -> None:
+    """The last request of each recent API conversation is rendered again after a start (OpenAIDoor.seed),
+    so the first request after a restart renders only its new messages, and is still fed exactly a whole
+    render's ids; a websocket session is not seeded."""
+    import openai
+
+    from daemon.prompt import conversation_ids
+
+    system = "Be brief."
+    convo: list[Any] = [{"role": "user", "content": "Tell me about caches " * 20}]
+    async with running_daemon(tmp_path) as d:
+        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
+        for follow_up in ("and then?", "one more"):
+            answer = await api.chat.completions.create(
+                model="builtin:tiny", messages=[{"role": "system", "content": system}, *convo], max_tokens=4,
+                temperature=0)
+            convo += [{"role": "assistant", "content": answer.choices[0].message.content or ""},
+                      {"role": "user", "content": follow_up}]
+        await api.close()
+        async with client(d) as c:  # a kvchat-like session: fed ids, nothing to seed
+            sid = (await c.request("session.create", title="ws"))["session"]["id"]
+            await c.chat(sid, "hello", max_tokens=2)
+    fed: list[list[int]] = []
+    async with running_daemon(tmp_path) as d:
+        renders = d.daemon.turns.renders
+        with anyio.fail_after(30):
+            while renders.whole < 1:  # the seed runs once the model is ready
+                await anyio.sleep(0.02)
+        submit = d.daemon.engine.submit
+
+        def recording(job: TurnJob) -> None:
+            fed.append(list(job.tokens))
+            submit(job)
+
+        d.daemon.engine.submit = recording  # type: ignore[method-assign]
+        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
+        raw = await api.chat.completions.with_raw_response.create(
+            model="builtin:tiny", messages=[{"role": "system", "content": system}, *convo], max_tokens=4,
+            temperature=0)
+        await api.close()
+        assert raw.headers["x-kvd-session"] != sid
+        assert (renders.whole, renders.appended) == (1, 1)  # the seed, then only the new messages
+        assert fed == [conversation_ids(d.daemon.engine.tokenizer, convo, system)]
