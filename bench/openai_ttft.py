@@ -33,12 +33,14 @@ only once the last turn's cache is written (on the engine thread today).
 
 TTFT is measured at the client: request sent to the first content chunk.
 
-With `--bare`, each length also gets stock mlx-lm's bare forward in this
-process (`mlx_lm.load`, the same directory, OpenBLAS preloaded as kvd does,
-mlx-lm's own attention): the same number of new tokens kvd prefilled for
-its next turns, over a cache as long as their cached prefix, timed to the
-first token's argmax, median of 5. The table's last column is kvd's next
-turn (same process, as the client sees it) over that forward.
+With `--bare`, stock mlx-lm's bare forward is measured in this process
+(`mlx_lm.load`, the same directory, OpenBLAS preloaded as kvd does, mlx-lm's
+own attention) right after each of kvd's same-process next turns, during the
+reader's pause: as many new tokens as kvd prefilled for that turn, over a
+cache as long as its cached prefix, timed to the first token's argmax,
+median of 3. The table's last column is the median over the turns of kvd's
+next turn (as the client saw it) over the bare forward measured beside it:
+measured minutes apart, the two drift more than the ratio's margin.
 """
 
 from __future__ import annotations
@@ -185,7 +187,8 @@ def warm_up(base_url: str, key: str, *, name: str = "kvd") -> None:
     turn(base_url, key, [{"role": "user", "content": "hi"}], 1, name=name)
 
 
-def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int) -> dict[str, Any]:
+def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int,
+        bare: Bare | None = None) -> dict[str, Any]:
     """`repeat` next turns in one process, then `repeat` restarts with one turn each (kvd; one for
     mlx_lm.server, whose every restart re-reads the whole conversation)."""
     messages = conversation(model, tokens)
@@ -196,6 +199,7 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
     else:
         start = lambda: MlxServer(model)  # noqa: E731
     same: list[float] = []
+    beside: list[float] = []  # stock mlx-lm's bare forward right after each same-process turn
     restarted: list[float] = []
     usages: list[dict[str, Any]] = []
     s = start()
@@ -210,6 +214,10 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
             ttft, answer, usage = turn(s.base_url, key, messages, new, name=s.name)
             same.append(ttft)
             usages.append(usage)
+            if bare is not None and server.startswith("kvd"):
+                s.settle()  # the turn's cache is written: nothing of kvd's runs beside the bare forward
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                beside.append(bare.forward(cached, usage["prompt_tokens"] - cached))
         s.settle()
     finally:
         s.stop()
@@ -227,29 +235,43 @@ def run(server: str, model: Path, tokens: int, new: int, root: Path, repeat: int
         finally:
             s.stop()
     return {"server": server, "tokens": tokens, "prompt_1": first.get("prompt_tokens"), "cold": cold,
-            "same": same, "restart": restarted, "usages": usages}
+            "same": same, "bare": beside, "restart": restarted, "usages": usages}
 
 
-def bare_forward(model_dir: Path, cached: int, new: int, repeat: int = 5) -> float:
-    """Stock mlx-lm's forward of `new` tokens over a cache of `cached`, to the first token (seconds)."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
+class Bare:
+    """Stock mlx-lm's forward in this process, over a cache kept between calls (grown as the
+    conversation grows, so each call prefills only what is new to it)."""
 
-    model = load(str(model_dir))[0]
-    cache = make_prompt_cache(model)
-    for i in range(0, cached, PREFILL_STEP):
-        model(mx.array([[7] * min(PREFILL_STEP, cached - i)]), cache=cache)
-        mx.eval([c.state for c in cache])
-    times = []
-    for _ in range(repeat + 1):
-        t0 = time.perf_counter()
-        logits = model(mx.array([[9] * new]), cache=cache)[:, -1, :]
-        mx.eval(mx.argmax(logits, axis=-1))
-        times.append(time.perf_counter() - t0)
-        for c in cache:
-            c.trim(new)
-    return statistics.median(times[1:])  # the first one compiles
+    def __init__(self, model_dir: Path) -> None:
+        from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model = load(str(model_dir))[0]
+        self.cache = make_prompt_cache(self.model)
+        self.length = 0
+
+    def forward(self, cached: int, new: int, repeat: int = 3) -> float:
+        """Seconds for `new` tokens over a cache of `cached`, to the first token's argmax (median)."""
+        import mlx.core as mx
+
+        if cached < self.length:
+            for c in self.cache:
+                c.trim(self.length - cached)
+            self.length = cached
+        while self.length < cached:
+            n = min(PREFILL_STEP, cached - self.length)
+            self.model(mx.array([[7] * n]), cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.length += n
+        times = []
+        for _ in range(repeat + 1):
+            t0 = time.perf_counter()
+            logits = self.model(mx.array([[9] * new]), cache=self.cache)[:, -1, :]
+            mx.eval(mx.argmax(logits, axis=-1))
+            times.append(time.perf_counter() - t0)
+            for c in self.cache:
+                c.trim(new)
+        return statistics.median(times[1:])  # the first one after a growth allocates
 
 
 def span(values: list[float]) -> str:
@@ -282,22 +304,17 @@ def main() -> int:
         model = Path(args.model).resolve()
     print(f"model {model}; load average {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
+    bare = Bare(model) if args.bare else None
     for tokens in args.lengths:
         for server in args.servers:
-            row = run(server, model, tokens, args.new, Path(tempfile.mkdtemp(dir=root)), args.repeat)
+            row = run(server, model, tokens, args.new, Path(tempfile.mkdtemp(dir=root)), args.repeat, bare)
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}\n")
-    bare: dict[int, tuple[float, int, int]] = {}
     for r in rows:
-        if args.bare and r["server"].startswith("kvd") and r["tokens"] not in bare:
-            nexts = r["usages"][:len(r["same"])]
-            cached = int(statistics.median([(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                                            for u in nexts]))
-            new = int(statistics.median([u["prompt_tokens"] for u in nexts])) - cached
-            bare[r["tokens"]] = (bare_forward(model, cached, new), new, cached)
-    for seconds, new, cached in bare.values():
-        print(f"stock mlx-lm bare forward, {new} new tokens over {cached}: {seconds * 1000:.0f} ms")
+        if r["bare"]:
+            print(f"{r['server']} {r['tokens']}: stock mlx-lm's bare forward beside each next turn: "
+                  + ", ".join(f"{x * 1000:.0f}" for x in r["bare"]) + " ms")
     print("| conversation | server | first turn, cold | next turn, same process | after a restart "
           "| restart / same | cached after restart | next turn / bare forward |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -305,7 +322,8 @@ def main() -> int:
         last = r["usages"][-1]
         restored = (last.get("prompt_tokens_details") or {}).get("cached_tokens")
         same, restart = statistics.median(r["same"]), statistics.median(r["restart"])
-        ratio = f"{same / bare[r['tokens']][0]:.2f}x" if r["tokens"] in bare else "-"
+        pairs = [t / b for t, b in zip(r["same"], r["bare"], strict=False)]
+        ratio = f"{statistics.median(pairs):.2f}x" if pairs else "-"
         print(f"| {last.get('prompt_tokens')} tok | {r['server']} | {r['cold'] * 1000:.0f} ms "
               f"| {span(r['same'])} | {span(r['restart'])} "
               f"| {restart / same:.2f}x | {restored} tok | {ratio} |")

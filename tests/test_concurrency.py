@@ -6,6 +6,7 @@ Every answer generated beside others must equal the same request run alone
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -111,9 +112,11 @@ async def test_eight_clients_at_once_each_equal_to_alone(tmp_path: Path) -> None
             for i in range(len(PROMPTS)):
                 tg.start_soon(one, i)
         assert all(a.done["type"] == "chat.done" for a in answers), [a.done for a in answers]
-        # The answers were generated side by side: their streams overlapped in time (at least two
-        # do when the engine batches, none when it serves one at a time).
-        assert sum(a.first < min(b.last for b in answers) for a in answers) >= 2
+        # The answers were generated side by side: some two streams overlapped in time (none do when
+        # the engine serves one at a time). Pairs, not "before the first to end": a short answer can
+        # end before a late one has begun while the others still overlap.
+        streamed = [a for a in answers if a.first]
+        assert any(a.first < b.last and b.first < a.last for a, b in itertools.combinations(streamed, 2))
         # The stalled client was cut off, but its answer runs on into the transcript.
         (sid,) = stalled
         gen = d.daemon.turns.active.get(sid)
