@@ -423,3 +423,18 @@ async def test_after_a_restart_the_next_request_of_a_conversation_renders_only_i
         assert raw.headers["x-kvd-session"] != sid
         assert (renders.whole, renders.appended) == (1, 1)  # the seed, then only the new messages
         assert fed == [conversation_ids(d.daemon.engine.tokenizer, convo, system)]
+
+
+async def test_a_seed_that_cannot_read_the_transcripts_is_one_warning_and_kvd_serves_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with running_daemon(tmp_path) as d:
+        async def unreadable(fn: Any) -> Any:
+            raise OSError("disk I/O error")
+
+        read = d.daemon.turns.transcripts.read
+        d.daemon.turns.transcripts.read = unreadable  # type: ignore[method-assign]
+        assert await d.daemon.api.seed() == 0
+        d.daemon.turns.transcripts.read = read  # type: ignore[method-assign]
+        assert any("could not render the recent API conversations ahead" in r.getMessage() and "disk I/O error"
+                   in r.getMessage() for r in caplog.records)
+        await still_serving(d)

@@ -104,8 +104,8 @@ def _decode(body: bytes, config: Config) -> ChatRequest:
 
 
 def _read(body: bytes, config: Config) -> tuple[ChatRequest, str | None, list[Said]]:
-    """The body as a validated request, its system prompt and its conversation (a worker thread:
-    all three grow with the conversation)."""
+    """The body as a validated request, its system prompt and its conversation (all three grow with
+    the conversation: on a worker thread unless the body is at most INLINE_BYTES)."""
     req = _decode(body, config)
     convo = [Said(m.role, m.content if type(m.content) is str else m.text(),  # the common case first: 2x faster
                   tuple(c.stored() for c in m.tool_calls) if m.tool_calls else (), m.tool_call_id)
@@ -314,6 +314,14 @@ class OpenAIDoor:
         tool calls are left out (their arguments are remembered as the client wrote them, which the
         transcript does not keep). Returns how many were seeded.
         """
+        try:
+            return await self._seed(count)
+        except Exception as e:  # an optimisation: whatever keeps it from running, requests render whole
+            log.warning("could not render the recent API conversations ahead after the start (%s); their "
+                        "next requests render them whole", e)
+            return 0
+
+    async def _seed(self, count: int) -> int:
         sessions = await self.turns.transcripts.read(lambda store: store.list_sessions(limit=4 * count))
         seeded = 0
         for session in sessions:

@@ -52,7 +52,7 @@ from ..transcripts import Held, prepared
 from ..turns import Turns
 
 #: A conversation this short is hashed on the event loop (~2 µs a message), not on a worker thread,
-#: whose round trip costs more (~0.15 ms idle, milliseconds beside a busy engine).
+#: whose round trip costs more (the same rule as the door's body: openai_api.INLINE_BYTES).
 INLINE_MESSAGES = 64
 
 TITLE_CHARS = 60
@@ -122,7 +122,7 @@ def title_for(messages: Sequence[Said]) -> str:
 
 def links(system: str | None, messages: Sequence[Said]) -> list[bytes]:
     """The request's chain (sessions/chains.py): its cost grows with the conversation, so it runs
-    on a worker thread."""
+    on a worker thread past INLINE_MESSAGES."""
     return chain(system, ({"role": m.role, "content": m.content, "tool_calls": m.tool_calls,
                            "tool_call_id": m.tool_call_id} for m in messages))
 
