@@ -82,7 +82,9 @@ def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
 
 
 def test_first_token_path_is_exact(engine: Engine, tmp_path: Path) -> None:
-    """The first token comes from the last chunk's logits; the whole answer equals mlx-lm's own."""
+    """The first token comes from the last chunk's logits (the head run over its last position only:
+    prefill.last_position); the whole answer equals mlx-lm's own."""
+    assert engine.steps is not None and engine.steps.last is not None
     events: list[EngineEvent] = []
     engine.submit(job(engine, "b" * 16, LONG, events, max_tokens=24))
     run_to_end(engine)

@@ -166,6 +166,10 @@ class Engine:
 
         probe = make_cache(self.model, kv_bits)
         self.warm_up_ms = warm_up(self.model, self.tokenizer, probe, current().warm_up_tokens)
+        if self.lockstep is None:  # (ranks run one graph: each would decide alone)
+            from .prefill import last_position
+
+            self.steps.last = last_position(self.model, lambda: make_cache(self.model, kv_bits))
         self._connect_caches(probe)
         if self.lockstep is not None:
             import random

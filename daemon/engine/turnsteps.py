@@ -69,6 +69,7 @@ class TurnSteps:
         self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
         self.cost: CacheCost | None = None  # a cache's bytes by its length (the engine sets it after warm-up)
+        self.last: Any | None = None  # the model for a prompt's last chunk (prefill.last_position), after warm-up
 
     # --- what the engine calls ---
 
@@ -179,7 +180,8 @@ class TurnSteps:
             draws=Draws(job.temperature, job.top_p, seed=job.seed, size=job.max_tokens + POSITION_BUDGET),
             prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
                             boundary=self.caches.boundary(cache),
-                            at_boundary=functools.partial(self.caches.capture, job.session_id)),
+                            at_boundary=functools.partial(self.caches.capture, job.session_id),
+                            last=self.last),
             shared_tokens=shared, prefetched=out.prefetched and cached > 0,
         ))
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
