@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -118,6 +119,17 @@ class StopScan:
 # --- one turn -------------------------------------------------------------
 
 
+def _after_sends(callback: Callable[[], None], turns_of_the_loop: int = 3) -> None:
+    """Call `callback` on the event loop once the listeners have sent what was just published to
+    them: their writers take a turn of the loop to receive it (a memory stream), one more where a door
+    adds a layer, and send in the same turn."""
+    loop = asyncio.get_running_loop()
+    if turns_of_the_loop <= 0:
+        callback()
+    else:
+        loop.call_soon(_after_sends, callback, turns_of_the_loop - 1)
+
+
 @dataclass
 class Turn:
     request_id: Any
@@ -136,6 +148,8 @@ class Turn:
     split: Split | None = None  # the answer's text -> its content and tool calls (the OpenAI door's)
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
     calls: list[dict[str, str]] = field(default_factory=list)  # the kept answer's tool calls (by `split`)
+    # Set once the first delta has been published; the engine waits for it (TurnJob.handed).
+    handed: threading.Event = field(default_factory=threading.Event)
 
     def publish(self, event: dict[str, Any]) -> None:
         event = {"id": self.request_id, "session": self.session_id, **event}
@@ -366,7 +380,7 @@ class Turns:
         job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
                       history=first_new > 1 if history is None else history,
                       max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                      emit=emit, grammar=grammar)
+                      emit=emit, grammar=grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)
         turn.publish({"type": p.CHAT_START, "message_index": index})
@@ -437,6 +451,8 @@ class Turns:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
                         if text:
                             self._delta(turn, text)
+                        if not turn.handed.is_set():
+                            _after_sends(turn.handed.set)
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()

@@ -179,3 +179,27 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
     running = status["tiers"]["running"]  # the answer's cache counts against the resident budget
     assert 0 < running["bytes"] <= running["budget"] == status["tiers"]["resident"]["budget"]
     assert "running and resident caches together stay within" in shown
+
+
+async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The turn core sets a job's `handed` once its first delta is published (the engine waits for it
+    after the first token, FIRST_HANDOFF_S at most: unset, every turn would pay that bound)."""
+    from daemon.engine.jobs import TurnJob
+    from daemon.engine.thread import Engine
+
+    jobs: list[TurnJob] = []
+    submit = Engine.submit
+
+    def recorded(self: Engine, job: TurnJob) -> None:
+        jobs.append(job)
+        submit(self, job)
+
+    monkeypatch.setattr(Engine, "submit", recorded)
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as c:
+            sid = (await c.request("session.create", title="handed"))["session"]["id"]
+            for text in ["Hello, who are you?", "And then?"]:
+                deltas, done = await c.chat(sid, text, max_tokens=8, temperature=0)
+                assert done["type"] == "chat.done" and deltas
+    assert len(jobs) == 2 and all(j.handed is not None and j.handed.is_set() for j in jobs)

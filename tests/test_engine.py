@@ -96,6 +96,42 @@ def test_first_token_path_is_exact(engine: Engine, tmp_path: Path) -> None:
     assert answer == greedy_reference(tmp_path / "models" / "tiny", end.tokens[:prompt_len], len(answer))
 
 
+def test_after_the_first_token_the_engine_waits_for_it_to_be_handed_out(engine: Engine,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first delta is out before the engine's next step: the engine waits for the turn core's
+    `handed` (here set by the test when it has the delta), and at most FIRST_HANDOFF_S when it never comes."""
+    import threading
+    import time
+
+    from daemon.engine import turnsteps
+
+    monkeypatch.setattr(turnsteps, "FIRST_HANDOFF_S", 0.3)
+    for hand_over in (True, False):
+        handed = threading.Event()
+        events: list[EngineEvent] = []
+        times: list[float] = []
+
+        def emit(event: EngineEvent, events: list[EngineEvent] = events, times: list[float] = times,
+                 handed: threading.Event = handed, hand_over: bool = hand_over) -> None:
+            events.append(event)
+            times.append(time.monotonic())
+            if isinstance(event, Delta) and hand_over:
+                handed.set()
+
+        j = job(engine, f"hand-{hand_over}", "Hello there", events, max_tokens=2)
+        j.emit, j.handed = emit, handed
+        engine.submit(j)
+        t0 = time.monotonic()
+        run_to_end(engine)
+        took = time.monotonic() - t0
+        first = next(i for i, e in enumerate(events) if isinstance(e, Delta))
+        assert isinstance(events[-1], Done) and events[-1].usage["completion_tokens"] == 2
+        if hand_over:
+            assert handed.is_set()
+        else:  # nobody handed it out: the engine went on after its bound
+            assert not handed.is_set() and times[-1] - times[first] >= 0.3 and took >= 0.3
+
+
 def test_speculation_changes_no_token_and_can_be_turned_off(engine: Engine, tmp_path: Path) -> None:
     """The tiny model's greedy answer loops, so prompt lookup drafts it; off, nothing is drafted."""
     answers = {}

@@ -67,8 +67,9 @@ class RunningTurn:
         return cls(job=job, detokenizer=None, prompt=[], cached_len=0, restored_from=p.NO_CACHE,
                    restore_ms=0.0, inserted=job.arrived, draws=None, prefill=None)
 
-    def took(self, token: int, now: float, *, shown: bool) -> None:
-        """One generated token: counted and timed; streamed as text if `shown` (not a stop token)."""
+    def took(self, token: int, now: float, *, shown: bool) -> bool:
+        """One generated token: counted and timed; streamed as text if `shown` (not a stop token).
+        Whether a delta went out (a token that ends inside a character shows nothing yet)."""
         self.generated += 1
         self.t_first = self.t_first or now
         self.t_last = now
@@ -76,6 +77,8 @@ class RunningTurn:
             self.detokenizer.add_token(token)
             if text := self.detokenizer.last_segment:
                 self.job.emit(Delta(text))
+                return True
+        return False
 
     def statistics(self) -> TurnStatistics:
         pre = self.prefill

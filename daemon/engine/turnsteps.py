@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.engine")
 
+# The most the engine waits, after a turn's first token, for the event loop to have sent it
+# (TurnJob.handed): on a 2-core machine the next step (the turn's own decode, its finish, another
+# session's) took a core and the GIL from the loop and held the first token back 1-12 ms; handed
+# over, it leaves ~1 ms after it is sampled. Bounded, so a stalled loop costs the others little.
+FIRST_HANDOFF_S = 0.01
 PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a second is enough to watch
 
 
@@ -228,8 +233,9 @@ class TurnSteps:
             self._forget(session_id)
             return
         prefill, act.prefill = act.prefill, None
-        self._took(act, token, time.perf_counter())
         job = act.job
+        if self._took(act, token, time.perf_counter()) and job.handed is not None:
+            job.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
         if token in self.tokenizer.eos_token_ids:
             # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
             self._finish(act, "stop", prefill.cache, prefill.tokens)
@@ -282,8 +288,9 @@ class TurnSteps:
             if r.finish is not None:
                 self._finish(act, r.finish, r.cache, list(r.tokens or ()))
 
-    def _took(self, act: RunningTurn, token: int, now: float, *, shown: bool = True) -> None:
-        act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)  # a stop token never shows
+    def _took(self, act: RunningTurn, token: int, now: float, *, shown: bool = True) -> bool:
+        """Whether a delta went out; a stop token never shows."""
+        return act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)
 
     def cancel(self, session_id: str) -> None:
         if self._cancel_restoring(session_id):
