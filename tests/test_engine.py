@@ -281,3 +281,29 @@ def test_the_model_is_warmed_up_before_ready(tmp_path: Path) -> None:
         assert e.config.prefill_step_size == 512 and e.config.speculate == "auto"
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_the_warm_up_draws_a_token_as_the_configured_sampling_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   temperature: float) -> None:
+    """A sampled turn's kernels (MLX compiles each with g++ the first time, ~1 s on this CPU with an
+    empty kernel cache) are compiled by the warm-up, not by the first sampled turn; greedy needs none."""
+    from daemon.engine import draws
+
+    drawn: list[tuple[float, float, tuple[int, ...]]] = []
+    take = draws.Draws.take
+
+    def recorded(self: draws.Draws, logprobs: Any) -> Any:
+        drawn.append((self.temperature, self.top_p, tuple(logprobs.shape)))
+        return take(self, logprobs)
+
+    monkeypatch.setattr(draws.Draws, "take", recorded)
+    e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny", temperature=temperature, top_p=0.9))
+    e.load()
+    try:
+        assert e.load_error is None
+        vocab = e.model.args.vocab_size  # the logits' width (the tokenizer may know a few ids fewer)
+        assert drawn == ([(temperature, 0.9, (1, vocab))] if temperature else [])
+    finally:
+        assert e.caches is not None
+        e.caches.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,13 +83,19 @@ def check_template(tokenizer: Any) -> None:
                             "tokenizer.chat_template in the model, or use another model") from None
 
 
-def warm_up(model: Any, tokenizer: Any, cache: list[Any], tokens: tuple[int, ...] = (WARM_UP_TOKENS,)) -> float:
+def warm_up(model: Any, tokenizer: Any, cache: list[Any], tokens: tuple[int, ...] = (WARM_UP_TOKENS,), *,
+            draw: Callable[[Any], Any] | None = None) -> float:
     """Run short prefills and one decode step on a throwaway cache; the milliseconds it took.
 
     MLX's first forward after a load pays for allocating its buffers and
     waking the BLAS threads: measured on SmolLM2-135M, a 13-token turn
     over a 2k context took 687 ms as the first forward and 480 ms after.
     That cost belongs to start-up (before `ready`), not to the first user's turn.
+    `draw`: a token drawn as a turn with the configured sampling draws it
+    (Draws.take), from the prefill's last logits: on the CPU, MLX compiles
+    each fused kernel with g++ the first time it meets it (kept under /tmp,
+    so again after a reboot), and the sampler's cost the first sampled turn
+    ~1 s where only the greedy argmax was warmed up.
     `tokens`: the prefills' lengths, the device policy's (daemon/device.py): on a
     GPU a whole prefill chunk first, whose kernels a long first turn needs.
     """
@@ -102,6 +109,9 @@ def warm_up(model: Any, tokenizer: Any, cache: list[Any], tokens: tuple[int, ...
         mx.eval([c.state for c in cache])
     logits = model(last, cache=cache)
     token = mx.argmax(logits[:, -1, :], axis=-1)
+    if draw is not None:
+        lp = logits[:, -1, :]
+        mx.eval(draw(lp - mx.logsumexp(lp, axis=-1, keepdims=True)))
     mx.eval(model(token[:, None], cache=cache))
     ms = (time.perf_counter() - t0) * 1000
     log.info("warmed up in %.0f ms (%s-token prefill%s and a decode step)", ms,

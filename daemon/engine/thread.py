@@ -165,7 +165,12 @@ class Engine:
         from ..device import current
 
         probe = make_cache(self.model, kv_bits)
-        self.warm_up_ms = warm_up(self.model, self.tokenizer, probe, current().warm_up_tokens)
+        from .draws import Draws
+
+        s = c.sampling()
+        draws = Draws(s.temperature, s.top_p, seed=0, size=1) if s.temperature > 0 else None
+        self.warm_up_ms = warm_up(self.model, self.tokenizer, probe, current().warm_up_tokens,
+                                  draw=draws.take if draws is not None else None)
         if self.lockstep is None:  # (ranks run one graph: each would decide alone)
             from .prefill import last_position
 
