@@ -93,9 +93,9 @@ def warm_up(model: Any, tokenizer: Any, cache: list[Any], tokens: tuple[int, ...
     That cost belongs to start-up (before `ready`), not to the first user's turn.
     `draw`: a token drawn as a turn with the configured sampling draws it
     (Draws.take), from the prefill's last logits: on the CPU, MLX compiles
-    each fused kernel with g++ the first time it meets it (kept under /tmp,
-    so again after a reboot), and the sampler's cost the first sampled turn
-    ~1 s where only the greedy argmax was warmed up.
+    each fused kernel with g++ the first time it meets it (and keeps it under
+    /tmp, so again after a reboot); with only the greedy argmax warmed up, the
+    sampler's kernels cost the first sampled turn ~1 s.
     `tokens`: the prefills' lengths, the device policy's (daemon/device.py): on a
     GPU a whole prefill chunk first, whose kernels a long first turn needs.
     """
