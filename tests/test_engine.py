@@ -128,8 +128,8 @@ def test_after_the_first_token_the_engine_waits_for_it_to_be_handed_out(engine: 
         assert isinstance(events[-1], Done) and events[-1].usage["completion_tokens"] == 2
         if hand_over:
             assert handed.is_set()
-        else:  # nobody handed it out: the engine went on after its bound
-            assert not handed.is_set() and times[-1] - times[first] >= 0.3 and took >= 0.3
+        else:  # nobody handed it out: the engine went on after its bound (0.3 s, less a clock's grain)
+            assert not handed.is_set() and times[-1] - times[first] >= 0.25 and took >= 0.25
 
 
 def test_speculation_changes_no_token_and_can_be_turned_off(engine: Engine, tmp_path: Path) -> None:
