@@ -430,6 +430,7 @@ class Turns:
         answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
+        handing = False
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
@@ -451,7 +452,8 @@ class Turns:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
                         if text:
                             self._delta(turn, text)
-                        if not turn.handed.is_set():
+                        if not handing:  # the first delta: the engine waits for it to be sent
+                            handing = True
                             _after_sends(turn.handed.set)
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
