@@ -216,16 +216,23 @@ def quiet_terminal() -> Iterator[None]:
 
 
 def echo_off() -> contextlib.AbstractContextManager[None]:
-    """Keys typed while an answer streams are not echoed into it.
+    """Keys typed while an answer streams are not echoed into it, and Ctrl-C keeps what was printed.
 
     They stay in the terminal's buffer and show up at the next prompt, and
-    Ctrl-C is not echoed as "^C" in the middle of the answer.
+    Ctrl-C is not echoed as "^C" in the middle of the answer. A Ctrl-C also
+    makes the kernel flush the terminal's queues unless NOFLSH is set: the
+    output kvchat wrote that the terminal had not read yet (the answer's last
+    lines, a redraw's erase) would be thrown away, and the screen would lose
+    lines of the answer (a CI run in tmux under load lost the "kvd>" line).
+    So NOFLSH is set whenever echo is off (tests/test_terminal_modes.py
+    shows the flush on a real pty).
     """
     return _echo(False)
 
 
 @contextlib.contextmanager
 def _echo(on: bool) -> Iterator[None]:
+    """Echo on (reading a line) or off (anything else, with NOFLSH: see echo_off)."""
     fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else -1
     if termios is None or fd < 0:
         yield
@@ -236,7 +243,10 @@ def _echo(on: bool) -> Iterator[None]:
         yield
         return
     changed = list(saved)
-    changed[3] = changed[3] | termios.ECHO if on else changed[3] & ~termios.ECHO
+    if on:
+        changed[3] = (changed[3] | termios.ECHO) & ~termios.NOFLSH
+    else:
+        changed[3] = (changed[3] & ~termios.ECHO) | termios.NOFLSH
     termios.tcsetattr(fd, termios.TCSANOW, changed)
     try:
         yield
