@@ -123,11 +123,10 @@ def _after_sends(callback: Callable[[], None], turns_of_the_loop: int = 3) -> No
     """Call `callback` on the event loop once the listeners have sent what was just published to
     them: their writers take a turn of the loop to receive it (a memory stream), one more where a door
     adds a layer, and send in the same turn."""
-    loop = asyncio.get_running_loop()
     if turns_of_the_loop <= 0:
         callback()
     else:
-        loop.call_soon(_after_sends, callback, turns_of_the_loop - 1)
+        asyncio.get_running_loop().call_soon(_after_sends, callback, turns_of_the_loop - 1)
 
 
 @dataclass

@@ -18,6 +18,7 @@ prompt batch, for two reasons measured on the CPU backend:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -126,10 +127,6 @@ def last_position(model: Any, make_cache: Callable[[], list[Any]]) -> Any | None
     whose twin fails or differs (another structure, another `__call__`) keeps
     the whole head.
     """
-    import copy
-
-    import mlx.core as mx
-
     inner = model.get("model") if isinstance(model, dict) else None
     if inner is None or not callable(inner):
         return None
