@@ -1,0 +1,82 @@
+"""A turn's events: what the turn core publishes, as typed values each door encodes in its own shape.
+
+The turn core (turns.py) publishes these to every listener of a turn, in this
+order: `AnswerStarted` once; `AnswerQueued` and `AnswerProgress` while it waits
+or reads a long prompt; `AnswerDelta` for each piece of shown text; then
+`AnswerToolCall` for each call the answer made (parsed once, by the turn core,
+when the request offered tools; their text never arrives as a delta); then
+exactly one of `AnswerDone` (committed, whatever its finish) or `AnswerError`.
+
+The websocket door turns them into protocol frames (`protocol.wire`), the
+OpenAI doors into their JSON bodies and server-sent events, the Anthropic door
+into its own. No door reads another door's wire format. Plain data: no MLX,
+no I/O, frozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerStarted:
+    """The answer has a place in the session: its message index (the assistant message to come)."""
+
+    message_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerQueued:
+    position: int  # 1: the next to start; published again whenever it moves up
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerProgress:
+    """How far a long prompt's reading has got (a few a second at most)."""
+
+    fed: int  # prompt tokens in the cache now (restored ones included)
+    total: int  # prompt tokens in all
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerDelta:
+    seq: int  # per turn, from 0, no gaps: a client that reattaches asks for what it missed by seq
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerToolCall:
+    """One function call of the answer, as kept in the transcript (its id is made once, by the turn core)."""
+
+    index: int  # its place among the answer's calls, from 0
+    id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it (re-serialized when the parser gave an object)
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerDone:
+    """The answer is committed (durably). `finish_reason`: "stop", "length" or "cancelled"; a door that
+    offered tools and got calls says so in its own words (OpenAI "tool_calls", Anthropic "tool_use")."""
+
+    message_index: int
+    finish_reason: str
+    usage: Mapping[str, Any]  # the wire's usage object (docs/protocol.md, chat.done): every figure kvd has
+    content: str = ""  # the kept answer's text without its tool calls' text
+    calls: tuple[AnswerToolCall, ...] = field(default=())
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerError:
+    """The turn failed or was refused; `code` is one of protocol's error codes, `message` says what to do.
+    `answered`: some text had been published before (a door that has not begun its response may still
+    answer with an HTTP error status)."""
+
+    code: str
+    message: str
+    answered: bool = False
+
+
+TurnEvent = AnswerStarted | AnswerQueued | AnswerProgress | AnswerDelta | AnswerToolCall | AnswerDone | AnswerError
