@@ -385,7 +385,7 @@ def _serve_command(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"kvd: error: {e}", file=sys.stderr)
         return 2
     if args.detach:
-        return detach([a for a in argv if a != "--detach"], config.log_path)
+        return detach([a for a in argv if a != "--detach"], config.log_path, config.data_dir)
     if rank is None and (args.ranks or 1) > 1:
         return ranks.launch(argv, config, args.ranks)
     if rank:

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import anyio
@@ -34,6 +34,7 @@ from . import __version__
 from .config import Config
 from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
+from .doors.guards import asked
 from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
 from .doors.openai_api import OpenAIDoor
@@ -46,6 +47,29 @@ log = logging.getLogger("kvd.server")
 STATUS_TIMEOUT = 5.0  # a busy engine answers status between steps; past this, the last figures
 GRACEFUL_SHUTDOWN = 10  # seconds uvicorn waits for open HTTP responses when kvd stops
 
+
+
+# Answers an operator should see with who asked and for what: a refused token or Host, and a path kvd
+# does not serve (a client pointed at an endpoint kvd lacks, e.g. /v1/messages, failed unseen).
+LOGGED_STATUSES = {401: "refused", 403: "refused", 404: "no such path:"}
+
+
+def _logging_refusals(scope: Scope, send: Send) -> Send:
+    """`send`, logging the response's status when it is one of LOGGED_STATUSES (the doors say why)."""
+    started = False
+
+    async def logged(message: MutableMapping[str, Any]) -> None:
+        nonlocal started
+        if not started and message["type"] in ("http.response.start", "websocket.http.response.start"):
+            started = True
+            status = message.get("status")
+            if status in LOGGED_STATUSES:
+                log.warning("%s %s: HTTP %d", LOGGED_STATUSES[status], asked(scope), status)
+        elif not started and message["type"] == "websocket.accept":
+            started = True
+        await send(message)
+
+    return logged
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -194,10 +218,10 @@ class Daemon:
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Route by kind: websockets to kvchat's door, HTTP to the API's."""
         if scope["type"] == "websocket":
-            await self.websocket(scope, receive, send)
+            await self.websocket(scope, receive, _logging_refusals(scope, send))
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
-            await self.api.app(scope, receive, send)
+            await self.api.app(scope, receive, _logging_refusals(scope, send))
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the model, the connections, every cache tier."""

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio.from_thread
+import anyio.to_thread
 import pytest
+from rich.console import Console
 
 from conftest import client, running_daemon
 from kvchat_harness import Screen, data_file, kvchat
@@ -459,3 +461,24 @@ async def test_sessions_say_who_made_them_and_last_resumes_kvchat_s_own(tmp_path
     rows = [line for line in picker.lines if line.lstrip().startswith("1 ")]
     assert len(rows) == 1 and "from the api" in rows[0] and " api " in rows[0]
     assert not any("from kvchat" in line for line in picker.lines)
+
+
+async def test_last_opens_the_chat_typed_in_not_a_one_shot(tmp_path: Path) -> None:
+    """After `echo "Say OK." | kvchat`, `kvchat --last` opened that one-shot, not the chat you were in."""
+    import io
+
+    from daemon.service.control import write_daemon_file
+    from tui.cli import build_parser
+    from tui.oneshot import answer_one
+
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        await kvchat(d, "--new", "--max-tokens", "2", script=["typed in here", "/quit"])
+        write_daemon_file(Path(d.config.data_dir), d.url, d.config.log_path)
+        args = build_parser().parse_args(["--data-dir", str(d.config.data_dir), "--max-tokens", "2", "-"])
+        code = await anyio.to_thread.run_sync(lambda: answer_one(args, io.StringIO("Say OK."), io.StringIO(),
+                                                                 Console(file=io.StringIO())))
+        assert code == 0 and d.store.list_sessions()[0]["title"] == "Say OK."
+        last = await kvchat(d, "--last", script=["/quit"])
+        scripted = await kvchat(d, "--last", "--from", "one-shot", script=["/quit"])
+    assert last.lines[0] == "typed in here", last.text
+    assert scripted.lines[0] == "Say OK.", scripted.text

@@ -433,3 +433,14 @@ def test_up_at_the_first_line_of_a_recalled_message_goes_to_older_history(
     p.wait_for("the empty prompt", lambda lines: lines[-1] == "you>")
     p.keys("C-d")
     assert p.wait_for_exit() == 0
+
+
+def test_piped_text_and_a_question_travel_together(kvd: Kvd) -> None:
+    """`printf 'a\\nb\\n' | kvchat --json "Summarize this."` stored only the question: the piped text went
+    nowhere. Now it is sent first, then a blank line and the question (llm's order), titled by the question."""
+    result = kvchat(kvd, "--json", "--max-tokens", "2", "Summarize this.", stdin="line one\nline two\n")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    got = request(kvd, "session.get", session=out["session"])
+    assert got["messages"][0]["content"] == "line one\nline two\n\nSummarize this."
+    assert got["session"]["title"] == "Summarize this."

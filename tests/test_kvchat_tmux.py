@@ -516,3 +516,32 @@ def test_no_daemon_json_names_no_port(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert result.stderr == (f"error: kvd is not running for {tmp_path} (it has no daemon.json); start it with "
                              f"`kvd serve --data-dir {tmp_path}` (or `make serve` in its source tree)\n")
+
+
+def test_a_daemon_that_does_not_come_back_is_named_where_it_was(tmp_path: Path) -> None:
+    """kvchat, whose kvd ran on another port, said `kvd at ws://127.0.0.1:8765/v1 did not come back`: a stopped
+    kvd removes its daemon.json, and kvchat fell back to the default URL. It names where kvd was, and how to
+    start it there (data dir and port)."""
+    from daemonproc import DaemonProcess
+    from tui.errors import GaveUp
+    from tui.link import Link
+
+    data_dir = tmp_path / "kvd"
+    data_dir.mkdir()
+    d = DaemonProcess(data_dir)
+    port = int(d.url.rsplit(":", 1)[1].split("/")[0])
+
+    async def go() -> str:
+        link = Link(data_dir=data_dir, reconnect_for=0.5)
+        await link.connect()
+        assert await asyncio.to_thread(d.terminate) == 0
+        try:
+            with pytest.raises(GaveUp) as gave_up:
+                await link.reconnect()
+        finally:
+            await link.close()
+        return str(gave_up.value)
+
+    said = asyncio.run(go())
+    assert said.startswith(f"kvd at {d.url} did not come back within 0.5 s ("), said
+    assert f"start it with `kvd serve --data-dir {data_dir} --port {port}`" in said, said

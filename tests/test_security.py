@@ -160,3 +160,36 @@ async def test_client_that_stops_reading_is_cut_off(tmp_path: Path) -> None:
                 except ConnectionResetError:
                     pass
             writer.close()
+
+
+async def test_the_log_names_who_was_refused_and_what_they_asked_for(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A refused token was logged without the path or the client; a 404 not at all (Claude Code's requests to
+    /v1/messages went unseen). The official openai client, a wrong key, a path kvd lacks, a wrong websocket path."""
+    import logging
+    import re
+
+    import openai
+
+    caplog.set_level(logging.WARNING, logger="kvd.server")
+    async with running_daemon(tmp_path) as d:
+        base = d.url.replace("ws://", "http://", 1)
+        wrong = openai.AsyncOpenAI(base_url=base, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.chat.completions.create(model="kvd", messages=[{"role": "user", "content": "hi"}])
+        right = openai.AsyncOpenAI(base_url=base, api_key=d.token, max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await right.post("/messages", cast_to=object, body={"model": "kvd", "max_tokens": 1, "messages": []})
+        with pytest.raises(InvalidStatus):
+            async with connect(d.url.replace("/v1", "/v2"), additional_headers={"Authorization": f"Bearer {d.token}"}):
+                pass
+        await wrong.close()
+        await right.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "kvd.server"]
+    agent = r"\(User-Agent 'AsyncOpenAI/Python [^']+'\)"
+    assert any(re.fullmatch(rf"refused POST /v1/chat/completions from 127\.0\.0\.1:\d+ {agent}: HTTP 401", line)
+               for line in said), said
+    assert any(re.fullmatch(rf"no such path: POST /v1/messages from 127\.0\.0\.1:\d+ {agent}: HTTP 404", line)
+               for line in said), said
+    assert any(re.fullmatch(r"no such path: websocket /v2 from 127\.0\.0\.1:\d+ \(User-Agent '[^']+'\): HTTP 404",
+                            line) for line in said), said

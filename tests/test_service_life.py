@@ -7,6 +7,7 @@ import json
 import os
 import plistlib
 import queue
+import shlex
 import socket
 import subprocess
 import sys
@@ -102,7 +103,11 @@ def test_detach_status_logs_stop(tmp_path: Path) -> None:
         follower.wait(timeout=TIMEOUT)
     shown = kvd("logs", "-n", "3", "--data-dir", str(tmp_path))
     assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 3
-    stopped = kvd("stop", "--data-dir", str(tmp_path))
+    # The banner's stop hint, run as written, stops this daemon (`kvd stop` alone looked in the default dir).
+    hint = started.stderr.split("stop it with: ", 1)[1].split("\n", 1)[0]
+    assert hint == f"kvd stop --data-dir {shlex.quote(str(tmp_path))}", started.stderr
+    assert f"chat: kvchat --data-dir {shlex.quote(str(tmp_path))};" in started.stderr
+    stopped = kvd(*shlex.split(hint)[1:])
     assert stopped.returncode == 0, stopped.stderr
     assert stopped.stderr.splitlines()[-1].startswith(f"kvd stop: stopped (pid {pid}, ")
     assert not is_locked(tmp_path) and not (tmp_path / "daemon.json").exists()

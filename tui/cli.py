@@ -56,11 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     which = parser.add_argument_group("session").add_mutually_exclusive_group()
     which.add_argument("--session", metavar="ID", help="resume the session with this id")
     which.add_argument("--last", action="store_true",
-                       help="resume the most recently used kvchat session (--from any: of any client)")
+                       help="resume the chat you last typed in (not a one-shot; --from any: of any client); "
+                            "with MESSAGE, the most recent kvchat session, one-shots included")
     which.add_argument("--new", action="store_true", help="start a new session without the list")
     parser.add_argument("--from", dest="origin", choices=listing.ORIGINS, metavar="ORIGIN",
                         help="only sessions made by: kvchat (its one-shots too), one-shot, api (OpenAI clients), "
-                             "ws (other websocket clients) or any (default: any for the list, kvchat for --last)")
+                             "ws (other websocket clients) or any (default: any for the list, your chats for --last)")
     new = parser.add_argument_group("new session")
     new.add_argument("--title", help="title of the new session")
     new.add_argument("--system", help="system prompt of the new session")

@@ -28,12 +28,14 @@ def locate(
     url: str | None = None,
     data_dir: Path | None = None,
     token_file: Path | None = None,
+    known: str | None = None,
 ) -> Endpoint:
-    """The URL and token from flags, else the daemon's data directory, else defaults."""
+    """The URL and token from flags, else the daemon's data directory, else where kvd was last
+    found (`known`: a stopped kvd removes its daemon.json, and comes back where it was), else defaults."""
     data_dir = data_dir if data_dir is not None else protocol.default_data_dir()
     token_path = token_file if token_file is not None else data_dir / protocol.TOKEN_FILE
     if url is None:
-        url = protocol.read_daemon_url(data_dir) or protocol.default_url()
+        url = protocol.read_daemon_url(data_dir) or known or protocol.default_url()
     return Endpoint(url=url, token=read_token(token_path), token_path=token_path)
 
 

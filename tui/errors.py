@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import protocol
 
@@ -26,9 +27,19 @@ class KvchatError(Exception):
     """An error the user should read; its text says what to do."""
 
 
-def start_command(data_dir: Path | None = None) -> str:
-    """`kvd serve`, with the --data-dir kvchat was given: the daemon must use the same one."""
-    return "kvd serve" if data_dir is None else f"kvd serve --data-dir {shlex.quote(str(data_dir))}"
+def start_command(data_dir: Path | None = None, url: str | None = None) -> str:
+    """`kvd serve`, with the --data-dir kvchat was given (the daemon must use the same one) and, for a
+    daemon kvchat talked to (`url`), its port when it is not the default."""
+    command = "kvd serve" if data_dir is None else f"kvd serve --data-dir {shlex.quote(str(data_dir))}"
+    port = _port(url)
+    return command if port is None or port == protocol.DEFAULT_PORT else f"{command} --port {port}"
+
+
+def _port(url: str | None) -> int | None:
+    try:
+        return urlsplit(url).port if url else None
+    except ValueError:
+        return None
 
 
 class NoDaemon(KvchatError):
@@ -75,7 +86,8 @@ class TokenRefused(KvchatError):
 class ConnectionLost(KvchatError):
     def __init__(self, url: str, why: str = "") -> None:
         detail = f" ({why})" if why else ""
-        super().__init__(f"lost the connection to kvd at {url}{detail}. If it stopped, start it with: kvd serve")
+        super().__init__(f"lost the connection to kvd at {url}{detail}. If it stopped, start it with: "
+                         f"{start_command(None, url)}")
         self.url = url
 
 
@@ -83,7 +95,8 @@ class GaveUp(ConnectionLost):
     def __init__(self, url: str, seconds: float, why: str, data_dir: Path | None = None) -> None:
         KvchatError.__init__(
             self,
-            f"kvd at {url} did not come back within {seconds:g} s ({why}); start it with `{start_command(data_dir)}`, "
+            f"kvd at {url} did not come back within {seconds:g} s ({why}); start it with "
+            f"`{start_command(data_dir, url)}`, "
             "then carry on: kvchat reconnects on your next message (/attach shows an answer it missed)",
         )
         self.url = url

@@ -37,6 +37,7 @@ class Link:
         self.token_file = token_file
         self.reconnect_for = reconnect_for
         self._client: Client | None = None
+        self.known: str | None = None  # where kvd answered last: tried again while it is away
 
     @property
     def client(self) -> Client:
@@ -45,13 +46,14 @@ class Link:
 
     async def connect(self) -> Client:
         """One attempt; KvchatError says what is wrong."""
-        endpoint = locate(url=self.url, data_dir=self.data_dir, token_file=self.token_file)
+        endpoint = locate(url=self.url, data_dir=self.data_dir, token_file=self.token_file, known=self.known)
         try:
             client = await Client.connect(endpoint.url, endpoint.token, token_path=endpoint.token_path)
         except NoDaemon as exc:
             if self.data_dir is None:
                 raise
             raise NoDaemon(exc.url, self.data_dir) from exc
+        self.known = client.url
         old, self._client = self._client, client
         if old is not None:
             await old.close()
@@ -76,7 +78,7 @@ class Link:
                 why = str(exc)
                 url = getattr(exc, "url", self.url or "?")
             if time.monotonic() + delay > give_up:
-                raise GaveUp(url, self.reconnect_for, _short(why), self.data_dir)
+                raise GaveUp(self.known or url, self.reconnect_for, _short(why), self.data_dir)
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_DELAY)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.table import Table
 from rich.text import Text
@@ -20,6 +20,12 @@ ORIGIN = origins.KVCHAT
 ONE_SHOT = origins.ONE_SHOT
 ORIGINS = origins.KINDS
 made_by = origins.made_by
+S = TypeVar("S", bound=Mapping[str, Any])
+
+
+def chats(sessions: Sequence[S]) -> list[S]:
+    """The sessions someone typed in with kvchat (not its one-shots), in their order: what --last resumes."""
+    return [s for s in sessions if origins.kind(s.get("origin")) == "kvchat"]
 
 SHOWN = 30  # rows in the table; older sessions are reachable by id
 PREVIEW_CHARS = 80

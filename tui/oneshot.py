@@ -15,7 +15,13 @@ short answer got what it asked for, and a pipeline should not fail because
 a model is wordy. `--strict` is for scripts that need the whole answer.
 
 Without --session or --last the message starts a new session, titled after
-it and kept like any other (`kvchat --last` continues it).
+it and kept like any other (`kvchat --last "and then?"` continues it; the
+interactive `kvchat --last` opens the last chat typed in, not a one-shot).
+
+Piped text and a question travel together: ``git diff | kvchat "Review
+this."`` sends the piped text, a blank line, then the question, the order
+`llm` uses (it joins them with a space; the blank line keeps the question off
+the file's last line). The session is titled after the question.
 """
 
 from __future__ import annotations
@@ -83,17 +89,27 @@ def _message(args: argparse.Namespace, stdin: TextIO) -> str:
         raise UsageProblem("--system and --title set up a new session; with --session or --last, "
                            "change the session's system prompt in kvchat with /system")
     if args.message == "-":
-        try:
-            text = stdin.read()
-        except UnicodeDecodeError as exc:
-            raise UsageProblem(f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        text = _read(stdin)
     else:
-        text = args.message
-    text = text.strip("\n")
+        text = args.message.strip("\n")
+        # `cmd | kvchat "question"`: the piped text, then the question (llm's order), a blank line between.
+        piped = _read(stdin) if stdin is not None and not stdin.isatty() else ""
+        if piped.strip() and text.strip():
+            text = f"{piped}\n\n{text}"
+        elif piped.strip():
+            text = piped
     if not text.strip():
         empty = " (stdin was empty)" if args.message == "-" else ""
         raise UsageProblem(f"nothing to send: the message is empty{empty}")
     return text
+
+
+def _read(stdin: TextIO) -> str:
+    """All of stdin, its leading and trailing newlines dropped."""
+    try:
+        return stdin.read().strip("\n")
+    except UnicodeDecodeError as exc:
+        raise UsageProblem(f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
 
 
 def _explained(exc: KvchatError) -> str:
@@ -163,7 +179,9 @@ async def _session(client: Client, args: argparse.Namespace, text: str) -> tuple
         sessions = listing.made_by(listed, args.origin or "kvchat")
         if sessions:
             return str(sessions[0]["id"]), False
-    title = args.title or listing.one_line(text, TITLE_CHARS) or None
+    # Titled after what was typed: the question, not the file piped in before it.
+    typed = args.message if args.message not in (None, "-") and args.message.strip() else text
+    title = args.title or listing.one_line(typed, TITLE_CHARS) or None
     fields = {k: v for k, v in (("title", title), ("system", args.system)) if v}
     return str((await client.request(protocol.SESSION_CREATE, origin=ONE_SHOT, **fields))["session"]["id"]), True
 

@@ -199,7 +199,10 @@ class Chat:
         if new:
             self.create(title=title, system=system)
             return True
-        sessions = listing.made_by(self.list_sessions(), origin or ("kvchat" if last else "any"))
+        if last and origin is None:  # the last chat typed in: kvchat's own, not a one-shot or a script's
+            sessions = listing.chats(self.list_sessions())
+        else:
+            sessions = listing.made_by(self.list_sessions(), origin or "any")
         if last:
             if sessions:
                 self.switch(sessions[0]["id"])

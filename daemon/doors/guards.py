@@ -12,18 +12,24 @@ handshake and the HTTP API cannot drift apart:
 - Token: `Authorization: Bearer <token>` (the token file in the data
   directory; OpenAI clients send their API key exactly so), compared in
   constant time.
+
+`asked` says in a log line who asked for what (a refusal, a 404), so an
+operator can tell which client is misconfigured.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 from ..config import Config
 
 LOOPBACK_NAMES = ("localhost",)
+LOGGED_CHARS = 200  # of a path or User-Agent in a log line
 
 
 @dataclass(frozen=True)
@@ -71,3 +77,19 @@ def check(headers: dict[str, str], config: Config, token: str) -> Refusal | None
         return Refusal(HTTPStatus.UNAUTHORIZED,
                        "missing or wrong token; it is in the token file of kvd's data directory")
     return None
+
+
+def asked(scope: Mapping[str, Any]) -> str:
+    """`POST /v1/messages from 127.0.0.1:52344 (User-Agent 'claude-cli/1.0')`: what a log line says a
+    client asked for. The path and the agent are the client's bytes: non-printable characters escaped."""
+    method = str(scope.get("method", "GET")) if scope.get("type") == "http" else "websocket"
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "an unknown client"
+    agent = next((v for k, v in scope.get("headers", ()) if k.lower() == b"user-agent"), None)
+    said = f" (User-Agent '{_printable(agent.decode('latin-1'))}')" if agent else ""
+    return f"{method} {_printable(str(scope.get('path', '?')))} from {who}{said}"
+
+
+def _printable(text: str) -> str:
+    text = text[:LOGGED_CHARS] + ("…" if len(text) > LOGGED_CHARS else "")
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common import durable
-from protocol import DAEMON_FILE
+from protocol import DAEMON_FILE, default_data_dir
 
 from .. import __version__
 from .lockfile import holder_pid, is_locked
@@ -55,7 +56,15 @@ def running_line(data_dir: Path) -> str:
     return f"kvd is already running ({where}) for {data_dir}; stop it with: kvd stop --data-dir {data_dir}"
 
 
-def detach(argv: list[str], log_file: Path) -> int:
+def data_dir_flag(data_dir: Path) -> str:
+    """` --data-dir D` for a hint's command, or nothing for the default one: a command run as written must
+    reach this daemon (`kvd stop` alone looks in the default data directory)."""
+    if data_dir.expanduser().resolve() == default_data_dir().expanduser().resolve():
+        return ""
+    return f" --data-dir {shlex.quote(str(data_dir))}"
+
+
+def detach(argv: list[str], log_file: Path, data_dir: Path) -> int:
     """Start `kvd serve` in its own session and return once it can answer (or has failed).
 
     The child writes its start-up lines to a pipe read here, so a failure
@@ -75,8 +84,10 @@ def detach(argv: list[str], log_file: Path) -> int:
             url = line.split(READY_MARK, 1)[1].split()[0]
         if ANSWERING_MARK in line:
             child.stderr.close()
+            where = data_dir_flag(data_dir)
             print(f"kvd: started (pid {child.pid}) on {url}, ready to answer\n"
-                  f"kvd: logs: {log_file} (kvd logs -f); stop it with: kvd stop", file=sys.stderr)
+                  f"kvd: logs: {log_file} (kvd logs -f{where}); chat: kvchat{where}; "
+                  f"stop it with: kvd stop{where}", file=sys.stderr)
             return 0
         sys.stderr.write(line)
         told = told or said_why(line)
