@@ -171,7 +171,11 @@ async def test_a_long_prefill_shows_progress(tmp_path: Path) -> None:
         assert all(a[0] < b[0] for a, b in zip(progress, progress[1:])) and progress[-1][0] < total
         # Another beginning: the same text would start from the first session's cache (shared).
         screen = await kvchat(d, "--new", "--max-tokens", "2", script=["Again: " + long, "/quit"])
+        # A question, then the long paste on top of its cache: the status line says what reading it cost.
+        pasted = await kvchat(d, "--new", "--max-tokens", "2", script=["hello", "Now: " + long, "/quit"])
     assert re.match(r"\(kvd is reading \d+ tokens of history…\)$", screen.after(f"you> Again: {long}")[0])
+    _, status = answer_lines(pasted, f"you> Now: {long}")
+    assert re.search(r" · cache: resident \d+ tok in [\d.]+ ms · read \d{3} tok in [\d.]+ m?s · ", status), status
 
 
 async def test_a_first_message_too_long_says_to_shorten_it_not_to_compact(tmp_path: Path) -> None:

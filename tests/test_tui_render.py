@@ -59,6 +59,20 @@ def test_status_line_says_where_the_cache_came_from(cache: dict[str, object], sa
     assert render.status_line({"completion_tokens": 3, **cache}) == f"3 tokens · {says}"
 
 
+def test_status_line_says_what_a_long_read_cost() -> None:
+    """A 4,946-token paste read on top of a 201-token cache in 98 s: the line said only `cache: resident 201 tok
+    in 0.6 ms`. A short message read on top of a cache is not worth a part."""
+    paste = {"completion_tokens": 3, "restored_from": "resident", "restored_tokens": 201, "restore_ms": 0.6,
+             "prefill_tokens": 4745, "prefill_ms": 98_450.0}
+    assert render.status_line(paste) == "3 tokens · cache: resident 201 tok in 0.6 ms · read 4745 tok in 98 s"
+    slow = {**paste, "prefill_tokens": 90, "prefill_ms": 3140.0}  # few tokens, but a wait the user noticed
+    assert render.status_line(slow).endswith(" · read 90 tok in 3.1 s")
+    quick = {**paste, "prefill_tokens": 12, "prefill_ms": 40.0}
+    assert render.status_line(quick) == "3 tokens · cache: resident 201 tok in 0.6 ms"
+    none = {"completion_tokens": 3, "restored_from": "none", "prefill_tokens": 4946, "prefill_ms": 98_500.0}
+    assert render.status_line(none) == "3 tokens · cache: none, prefilled 4946 tok in 98 s"
+
+
 def test_status_line_shows_the_acceptance_when_speculation_ran() -> None:
     ran = {**USAGE, "drafted_tokens": 52, "accepted_tokens": 41}
     assert render.status_line(ran) == (
