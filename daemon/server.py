@@ -69,6 +69,7 @@ def _logging_refusals(scope: Scope, send: Send) -> Send:
             started = True
         await send(message)
 
+    logged.__wrapped__ = send  # type: ignore[attr-defined]  # abort_transport cuts the connection behind it
     return logged
 
 

@@ -23,7 +23,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypedDict, cast
+from typing import Any, Literal, NotRequired, TypedDict, cast
 
 from sqlite_utils import Database
 
@@ -57,6 +57,9 @@ class Session(TypedDict):
     tokens: int
     params: dict[str, Any]
     origin: str | None  # who made it: "kvchat", "kvchat one-shot", "api (<User-Agent>)", "websocket"
+    # list_sessions(branches=True): the API conversation this session is a branch of (a retry, an edit):
+    # the oldest API session whose first request this one's messages start with; None for the first.
+    branch_of: NotRequired[str | None]
 
 
 class Message(TypedDict):
@@ -88,6 +91,9 @@ SELECT s.id, s.title, s.system, s.created_at, s.updated_at,
     s.origin
 FROM sessions s
 """
+# An assistant message kvd wrote (not one a client sent along with its conversation): it has usage, a
+# finish_reason, or did not complete.
+_ANSWERED = "g.usage IS NOT NULL OR g.finish_reason IS NOT NULL OR g.status != 'complete'"
 _SESSION_KEYS = (
     "id", "title", "system", "created_at", "updated_at",
     "message_count", "last_message", "tokens", "params", "origin",
@@ -164,15 +170,64 @@ class Store:
         ).fetchone()
         return _session_dict(row) if row else None
 
-    def list_sessions(self, *, limit: int | None = None) -> list[Session]:
-        """Most recently updated first (ties: most recently created first)."""
+    def list_sessions(self, *, limit: int | None = None, branches: bool = False) -> list[Session]:
+        """Most recently updated first (ties: most recently created first); with `branches`, each
+        session says which API conversation it is a branch of (`branch_of`, see `_branches`)."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0, not {limit}")
         rows = self.db.execute(
             _SESSION_SELECT + "ORDER BY s.updated_at DESC, s.rowid DESC LIMIT ?",
             [-1 if limit is None else limit],
         )
-        return [_session_dict(row) for row in rows]
+        sessions = [_session_dict(row) for row in rows]
+        if branches:
+            found = self._branches()
+            for session in sessions:
+                session["branch_of"] = found.get(session["id"])
+        return sessions
+
+    def _branches(self) -> dict[str, str]:
+        """Each API session that branches an older one: its id -> the conversation's first session's id.
+
+        An API client sends the whole conversation every time; a retry or an edited message does not
+        extend the stored session, so placement starts a new one holding the request's conversation,
+        and the list filled with look-alike rows (four "What is the capital of France?" of 14 messages
+        each). A conversation is named by its first request: the messages its first session holds
+        before kvd's first answer (assistant messages the client sent along are part of it). A later
+        API session whose messages start with that request (same system prompt) is a branch of it.
+        Messages compare by role, length and their first 500 characters (and tool calls).
+        """
+        rows = self.db.execute(f"""
+            WITH cut AS (
+                SELECT s.id AS sid, coalesce((SELECT min(g.idx) FROM messages g WHERE g.session_id = s.id
+                    AND g.role = 'assistant' AND ({_ANSWERED})), {2**62}) AS answered
+                FROM sessions s WHERE s.origin LIKE 'api%')
+            SELECT m.session_id, m.role, length(m.content), substr(m.content, 1, 500),
+                coalesce(substr(m.tool_calls, 1, 500), '')
+            FROM cut JOIN messages m ON m.session_id = cut.sid AND m.idx < cut.answered
+            ORDER BY m.session_id, m.idx""").fetchall()
+        firsts: dict[str, list[tuple[Any, ...]]] = {}
+        for sid, *said in rows:
+            firsts.setdefault(sid, []).append(tuple(said))
+        order = self.db.execute("SELECT id, system FROM sessions WHERE origin LIKE 'api%' "
+                                "ORDER BY created_at, rowid").fetchall()
+        first_of: dict[tuple[Any, ...], str] = {}  # (system, its first request) -> the conversation's first session
+        for sid, system in order:
+            if firsts.get(sid):
+                first_of.setdefault((system, *firsts[sid]), sid)
+        lengths = sorted({len(key) - 1 for key in first_of})
+        made = {sid: n for n, (sid, _) in enumerate(order)}
+        out: dict[str, str] = {}
+        for sid, system in order:
+            said = firsts.get(sid, [])
+            for n in lengths:
+                if n > len(said):
+                    break
+                found = first_of.get((system, *said[:n]))
+                if found is not None and made[found] < made[sid]:  # a branch is younger than what it branches
+                    out[sid] = out.get(found, found)
+                    break
+        return out
 
     def update_session(
         self,

@@ -353,7 +353,8 @@ async def test_reconnecting_gives_up_with_what_to_do(tmp_path: Path) -> None:
         await link.reconnect()
     assert str(info.value).startswith(f"kvd at {url} did not come back within 0.5 s "
                                       f"(nothing answers at {url}: kvd is not running there)")
-    assert f"start it with `kvd serve --data-dir {tmp_path}`" in str(info.value)  # the same data dir
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    assert f"start it with `kvd serve --data-dir {tmp_path} --port {port}`" in str(info.value)  # the same dir, port
 
 
 async def test_a_connection_lost_between_answers_is_made_again(tmp_path: Path) -> None:

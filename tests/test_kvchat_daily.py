@@ -184,6 +184,8 @@ async def test_a_first_message_too_long_says_to_shorten_it_not_to_compact(tmp_pa
         screen = await kvchat(d, "--new", "--max-tokens", "4096", script=[long, "/quit"])
         sessions = d.store.list_sessions()
     after = screen.after(f"you> {long}")
+    said = [line for line in after if not line.startswith("waiting for kvd")]
+    assert said[0].startswith("error: "), after  # the refusal comes after chat.start: no empty `kvd>` first
     error = next(line for line in after if line.startswith("error: "))
     assert error.endswith("; lower max_tokens to " + error.split("lower max_tokens to ")[1].split()[0]
                           + " or less, or send a shorter message"), error
@@ -486,3 +488,96 @@ async def test_last_opens_the_chat_typed_in_not_a_one_shot(tmp_path: Path) -> No
         scripted = await kvchat(d, "--last", "--from", "one-shot", script=["/quit"])
     assert last.lines[0] == "typed in here", last.text
     assert scripted.lines[0] == "Say OK.", scripted.text
+
+
+async def test_the_list_groups_an_api_conversation_s_branches_and_titles_by_what_was_typed(tmp_path: Path) -> None:
+    """Every retry and edit of an API conversation was a row of its own (four identical "What is the capital
+    of France?" rows), every one-shot too, and aider's runs were titled by the example message its requests
+    begin with. The official openai client, a real daemon, kvchat's picker."""
+    import io
+
+    import openai
+
+    from daemon.service.control import write_daemon_file
+    from tui.cli import build_parser
+    from tui.oneshot import answer_one
+
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://", 1), api_key=d.token, max_retries=0)
+
+        async def ask(*said: tuple[str, str], system: str | None = None) -> str:
+            messages: list[Any] = [{"role": "system", "content": system}] if system else []
+            messages += [{"role": role, "content": text} for role, text in said]
+            got = await api.chat.completions.create(model="kvd", messages=messages, max_tokens=3, temperature=0)
+            return got.choices[0].message.content or ""
+
+        q1 = ("user", "What is the capital of France?")
+        a1 = await ask(q1)
+        a2 = await ask(q1, ("assistant", a1), ("user", "And of Spain?"))  # continues the session
+        await ask(q1, ("assistant", a1), ("user", "And of Spain?"))  # a retry: a branch
+        await ask(q1, ("assistant", a1), ("user", "And of Italy?"))  # an edit: a branch
+        await ask(q1, ("assistant", a1), ("user", "And of Spain?"), ("assistant", a2), ("user", "Thanks."))
+        aider = "You are an expert software developer. Follow the examples."
+        example = [("user", "Change the greeting to be more casual"), ("assistant", "Ok, I will change it.")]
+        await ask(*example, ("user", "Add a docstring to main"), system=aider)
+        await ask(*example, ("user", "Rename foo to bar"), system=aider)
+        await api.close()
+        write_daemon_file(Path(d.config.data_dir), d.url, d.config.log_path)
+        args = build_parser().parse_args(["--data-dir", str(d.config.data_dir), "--max-tokens", "2", "Say OK."])
+        assert await anyio.to_thread.run_sync(lambda: answer_one(args, io.StringIO(""), io.StringIO(),
+                                                                 Console(file=io.StringIO()))) == 0
+        listed = await kvchat(d, script=[""], width=120)
+        everything = await kvchat(d, "--all", script=[""], width=120)
+    table = listed.lines[:next(i for i, line in enumerate(listed.lines) if line.startswith("number or title"))]
+    rows = [line for line in table if re.match(r"\s*\d+ ", line)]
+    assert len(rows) == 3, table
+    # The retry and the edit are branches (the last request continued the retry: at temperature 0 it holds
+    # the same answer, and placement takes the most recently used).
+    assert any(re.match(r"\s*\d +What is the capital of France\? \(\+2 branches\) ", r) for r in rows), rows
+    assert any(re.match(r"\s*\d +Add a docstring to main ", r) for r in rows), rows
+    assert any(re.match(r"\s*\d +Rename foo to bar ", r) for r in rows), rows
+    assert not any("Change the greeting" in r or "Say OK." in r for r in rows), rows
+    assert "(1 one-shot not listed: kvchat --all lists them)" in table, table
+    every = [line for line in everything.lines if re.match(r"\s*\d+ ", line)]
+    assert len(every) == 3 + 2 + 1 and any("Say OK." in r for r in every), every
+
+
+async def test_a_narrow_terminal_keeps_the_number_to_type_and_whole_counts(tmp_path: Path) -> None:
+    """At 60 columns or fewer the `#` column disappeared while the prompt still asked for a number; at 40 the
+    token counts read `5…`. Columns are left out instead, the least needed first."""
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        for question in ("What is the capital of France, and why is it there?", "Name three colours please"):
+            await kvchat(d, "--new", "--max-tokens", "3", script=[question, "/quit"])
+        tokens = {s["title"][:10]: s["tokens"] for s in d.store.list_sessions()}
+        screens = {width: await kvchat(d, script=["2", "/quit"], width=width) for width in (60, 40)}
+    for width, screen in screens.items():
+        rows = [line for line in screen.lines if re.match(r"\s*\d+ ", line)]
+        assert [int(row.split()[0]) for row in rows] == [1, 2], (width, screen.text)
+        for row in rows:
+            assert len(row) <= width and "…" not in row.split("  ", 2)[-1], (width, row)  # counts whole
+            assert str(tokens[row.split(None, 1)[1][:10]]) in row.split(), (width, row)
+        assert screen.lines[0] == "#  title" or screen.lines[0].split()[:2] == ["#", "title"], screen.text
+        assert any(line.startswith("session ") and "2 messages" in line for line in screen.lines), screen.text
+        assert any(line.startswith("you> What is the capital of France,") for line in screen.lines), screen.text
+
+
+async def test_resume_shows_the_last_exchanges_and_the_cache_up_front(tmp_path: Path) -> None:
+    """Resuming replayed the whole transcript, a 200-line paste included, and said nothing of the cache
+    until the next answer. Now: the cache in the header, the last two exchanges, a long message cut."""
+    paste = "\n".join(f"log line {i:03d}: the disk on /var filled up" for i in range(200))
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        first = await kvchat(d, "--new", "--max-tokens", "2", script=["hello there", paste, "and now?", "/quit"])
+        sid = session_id(first)
+        tokens = d.store.get_session(sid)["tokens"]  # type: ignore[index]
+        again = await kvchat(d, "--session", sid, script=["/history", "/quit"])
+    header = next(line for line in again.lines if line.startswith(f"session {sid}"))
+    assert f" · 6 messages · cache: resident {tokens} tok · " in header, header
+    shown = again.lines[:again.lines.index("you> /history")]
+    assert "(2 earlier messages not shown; /history shows them all)" in shown, shown
+    assert "you> hello there" not in shown
+    assert "you> log line 000: the disk on /var filled up" in shown and "     log line 005: the disk on /var " \
+        "filled up" in shown and not any("log line 006" in line for line in shown), shown
+    assert "… (194 more lines; /history shows them all)" in shown, shown
+    assert any(line == "you> and now?" for line in shown), shown
+    history = again.lines[again.lines.index("you> /history"):]
+    assert "you> hello there" in history and sum("log line" in line for line in history) == 200, history

@@ -444,3 +444,34 @@ def test_piped_text_and_a_question_travel_together(kvd: Kvd) -> None:
     got = request(kvd, "session.get", session=out["session"])
     assert got["messages"][0]["content"] == "line one\nline two\n\nSummarize this."
     assert got["session"]["title"] == "Summarize this."
+
+
+@pytest.mark.tmux
+def test_a_paste_past_the_limit_is_not_echoed_whole_and_questions_wrap_at_words(
+        kvd: Kvd, pane: Callable[..., Pane], tmp_path: Path) -> None:
+    """At 40 columns: a 33,000-character paste was written back whole before kvd refused it (the refusal
+    scrolled away under it); prompt_toolkit broke a y/N question mid-word."""
+    title = "A rather long title for a trip to Lisbon in the spring"
+    p = pane("--data-dir", str(kvd.data_dir), "--new", "--max-tokens", "2", "--title", title, size=(40, 30))
+    p.wait_for_prompt()
+    rows = [f"paste row {i:03d} " + "x" * 68 for i in range(400)]
+    pasted = tmp_path / "huge.txt"
+    pasted.write_text("\n".join(rows))
+    p.tmux("load-buffer", str(pasted))
+    p.tmux("paste-buffer", "-p", "-t", "kvchat")
+    p.wait_for("the paste on the prompt", lambda lines: any(rows[-1][-20:] in line for line in lines), timeout=60)
+    p.keys("Enter")
+    lines = p.wait_for("the refusal", lambda lines: any("longer than 32000" in line for line in lines), timeout=60)
+    p.wait_for_prompt()
+    assert sum("paste row" in line for line in p.screen()) <= 10, lines  # its first lines, then its size
+    assert any(line.startswith("… (33,199 characters, 400 lines in all;") for line in lines), lines
+    p.type("/delete")
+    question = f"delete '{title}'? [y/N]"
+    shown = p.wait_for("the question", lambda lines: lines[-1].endswith("[y/N]"))
+    start = max(i for i, line in enumerate(shown) if line.startswith("delete '"))
+    assert " ".join(shown[start:]) == question, shown[start:]  # broken between words, never inside one
+    assert all(len(line) <= 40 for line in shown[start:]), shown[start:]
+    p.type("n")
+    p.wait_for("kept", lambda lines: lines[-2:] == ["kept", "you>"])
+    p.keys("C-d")
+    assert p.wait_for_exit() == 0

@@ -474,3 +474,23 @@ def test_a_narrow_list_gives_the_title_the_room() -> None:
     lines = output(console).splitlines()
     assert lines[0].split() == ["#", "title", "msgs", "tokens", "cache", "from", "last", "used"], lines
     assert "What is the capital of P…" in lines[4], lines  # not `What is …`
+
+
+def test_an_answer_made_only_of_html_is_visible_as_it_arrives() -> None:
+    """`</strong>` 197 times rendered as nothing (Rich drops inline HTML): an empty `kvd>` for 80 s."""
+    from tui.answer import AnswerPrinter
+
+    console = Console(width=60, file=io.StringIO(), force_terminal=True, color_system=None)
+    printer = AnswerPrinter(console, "kvd> ", "bold")
+    printer.start()
+    try:
+        for _ in range(30):
+            printer.feed("</strong>")
+        live = "".join(seg.text for line in printer.tail_lines(room=6) for seg in line)
+        assert live.count("</strong>") >= 10, live  # on screen while it streams
+        printer.feed("\n\n<div class=\"x\">\n<b>bold</b>\n</div>\n\nsome <!-- a comment --> text\n")
+    finally:
+        printer.finish()
+    assert isinstance(console.file, io.StringIO)
+    plain = console.file.getvalue()
+    assert '<div class="x">' in plain and "<b>bold</b>" in plain and "some <!-- a comment --> text" in plain, plain

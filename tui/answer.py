@@ -97,16 +97,25 @@ class _CodeBlock(CodeBlock):
 
 class _Markdown(Markdown):
     """Rich's Markdown, but a single newline stays a line break: models mean one (a poem's lines, an
-    address, JSON outside a fence), where CommonMark would join the lines with a space."""
+    address, JSON outside a fence), where CommonMark would join the lines with a space.
+
+    And no text is hidden: Rich drops HTML (an inline tag renders as nothing, an HTML block as an empty
+    element), so an answer of `</strong>` 197 times showed an empty `kvd>` for 80 s. Inline HTML is
+    shown as the text it is, an HTML block as code (it is markup the model wrote, not a paragraph).
+    """
 
     elements = {**Markdown.elements, "fence": _CodeBlock, "code_block": _CodeBlock}
 
     def __init__(self, markup: str, **options: Any) -> None:
         super().__init__(markup, **options)
         for block in self.parsed:
+            if block.type == "html_block":
+                block.type = "code_block"
             for token in block.children or ():
                 if token.type == "softbreak":
                     token.type = "hardbreak"
+                elif token.type == "html_inline":
+                    token.type = "text"
 
 
 def markdown(source: str) -> Markdown:
@@ -393,8 +402,9 @@ class AnswerPrinter:
         with self._drawing():
             self.console.print(Text(message, style="dim"), soft_wrap=True)
 
-    def finish(self) -> None:
-        """Print what is left and end the live region; nothing for an answer that never started."""
+    def finish(self, *, label: bool = True) -> None:
+        """Print what is left and end the live region; nothing for an answer that never started, and
+        without `label` nothing for one that got no text (a refusal after chat.start: its error says it)."""
         if not self.started:
             return
         held = self._sanitizer.flush()
@@ -404,7 +414,7 @@ class AnswerPrinter:
             self._live.stop()
             self._live = None
         lines = self.tail_lines()
-        if self.lines_printed == 0 and not lines:
+        if self.lines_printed == 0 and not lines and label:
             lines = [[]]  # an empty answer still shows its label
         self._print(lines)
         self._pending, self._continued = "", False

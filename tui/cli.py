@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="resume the chat you last typed in (not a one-shot; --from any: of any client); "
                             "with MESSAGE, the most recent kvchat session, one-shots included")
     which.add_argument("--new", action="store_true", help="start a new session without the list")
+    parser.add_argument("--all", action="store_true", dest="everything",
+                        help="list every session: one-shots too, and each branch of an API conversation "
+                             "(a retry, an edit) on its own row")
     parser.add_argument("--from", dest="origin", choices=listing.ORIGINS, metavar="ORIGIN",
                         help="only sessions made by: kvchat (its one-shots too), one-shot, api (OpenAI clients), "
                              "ws (other websocket clients) or any (default: any for the list, your chats for --last)")
@@ -133,7 +136,7 @@ def run(
                     # A title or system prompt asks for a new session: no list to pick from.
                     new = args.new or (not args.session and not args.last and (args.title or args.system))
                     if not chat.open(session_id=args.session, last=args.last, new=bool(new), origin=args.origin,
-                                     title=args.title, system=args.system):
+                                     title=args.title, system=args.system, everything=args.everything):
                         return 0
                 except KvchatError as exc:
                     render.print_error(errors, str(exc))

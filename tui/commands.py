@@ -109,13 +109,19 @@ def _help(chat: ChatView, args: str) -> None:
     chat.console.print(Text(INPUT_HELP, style=render.DIM))
 
 
-@command("/sessions", "/sessions", "list sessions (numbers are what /switch and /delete take)")
+@command("/sessions", "/sessions [all]", "list sessions (numbers are what /switch and /delete take); "
+         "all: one-shots too, and each branch of an API conversation on its own row")
 def _sessions(chat: ChatView, args: str) -> None:
-    sessions = chat.list_sessions()
+    if args not in ("", "all"):
+        raise UsageError("/sessions lists your chats and API conversations, /sessions all every session")
+    sessions = chat.list_sessions(everything=args == "all")
     current = chat.session.get("id")
     chat.console.print(listing.sessions_table(sessions, width=chat.console.width, current=current), soft_wrap=True)
     if len(sessions) > listing.SHOWN:
         render.print_note(chat.console, f"… and {len(sessions) - listing.SHOWN} older; /switch ID opens one")
+    if chat.hidden_one_shots:
+        n = chat.hidden_one_shots
+        render.print_note(chat.console, f"({n} one-shot{'' if n == 1 else 's'} not listed: /sessions all lists them)")
 
 
 @command("/new", "/new [title]", "start a new session")
@@ -153,7 +159,11 @@ def _delete(chat: ChatView, args: str) -> None:
     else:
         targets = [chat.session]
     titles = [render.sanitize(str(t.get("title") or t["id"])) for t in targets]
-    if len(targets) == 1:
+    # A row that stands for an API conversation's branches deletes them all: the row goes.
+    ids = [i for t in targets for i in (t.get("members") or [t["id"]])]
+    if len(targets) == 1 and len(ids) > 1:
+        question = f"delete {titles[0]!r} and its {len(ids) - 1} branch{'' if len(ids) == 2 else 'es'}? [y/N] "
+    elif len(targets) == 1:
         question = f"delete {titles[0]!r}? [y/N] "
     else:
         shown = ", ".join(repr(t) for t in titles[:3]) + (", …" if len(titles) > 3 else "")
@@ -162,11 +172,11 @@ def _delete(chat: ChatView, args: str) -> None:
         render.print_note(chat.console, "kept")
         return
     current = chat.session.get("id")
-    for target in targets:
-        chat.request(protocol.SESSION_DELETE, session=target["id"])
+    for session_id in ids:
+        chat.request(protocol.SESSION_DELETE, session=session_id)
     chat.listed = []  # their numbers have moved
     what = f"{titles[0]!r}" if len(targets) == 1 else f"{len(targets)} sessions"
-    if any(t["id"] == current for t in targets):
+    if current in ids:
         chat.forget_current()
         render.print_note(chat.console, f"deleted {what}; here is a new chat")
         chat.console.print()
@@ -325,6 +335,15 @@ def _edit(chat: ChatView, args: str) -> None:
         render.print_note(chat.console, "left as it was")
         return
     chat.turn(protocol.CHAT_EDIT, message_index=old["index"], text=text.strip("\n"))
+
+
+@command("/history", "/history", "show every message of this session, whole")
+def _history(chat: ChatView, args: str) -> None:
+    messages = chat.request(protocol.SESSION_GET, session=chat.session_id).get("messages") or []
+    if not messages:
+        render.print_note(chat.console, "no messages yet")
+        return
+    render.print_history(chat.console, messages)
 
 
 @command("/attach", "/attach", "show the answer this session is writing (e.g. asked for in another window)")

@@ -73,13 +73,53 @@ def compacted_from(session: Mapping[str, Any]) -> str | None:
     return m[1] if m else None
 
 
-def _title_cell(s: Mapping[str, Any], numbers: Mapping[str, int]) -> Text:
-    """The whole title, then what tells it from a look-alike: which listed session it was compacted from."""
-    title = Text(one_line(str(s.get("title") or protocol.DEFAULT_TITLE), 200))
+def rows(sessions: Sequence[Mapping[str, Any]], *, everything: bool = False,
+         one_shots: bool = False) -> list[dict[str, Any]]:
+    """The rows of the sessions table, most recently used first: what its numbers count.
+
+    An API conversation's branches (a retry, an edited message: each a session of its own, `branch_of`
+    naming the conversation's first) are one row: its most recently used session, under the
+    conversation's title, with `members` (every session of it, newest first). One-shots are left out
+    unless `one_shots`. With `everything`, every session is a row of its own, one-shots included.
+    """
+    titles = {s.get("id"): s.get("title") for s in sessions}
+    out: list[dict[str, Any]] = []
+    groups: dict[Any, dict[str, Any]] = {}
+    for s in sessions:
+        if not (everything or one_shots) and origins.kind(s.get("origin")) == "one-shot":
+            continue
+        key = s.get("id") if everything else s.get("branch_of") or s.get("id")
+        if key in groups:
+            groups[key]["members"].append(s.get("id"))
+            continue
+        row = {**s, "title": titles.get(key) or s.get("title"), "members": [s.get("id")]}
+        groups[key] = row
+        out.append(row)
+    return out
+
+
+def hidden_one_shots(sessions: Sequence[Mapping[str, Any]]) -> int:
+    return sum(origins.kind(s.get("origin")) == "one-shot" for s in sessions)
+
+
+def _title_cell(s: Mapping[str, Any], numbers: Mapping[str, int], width: int = 200) -> Text:
+    """The title, then what tells it from a look-alike: which listed session it was compacted from, how many
+    branches of an API conversation the row stands for. In `width` cells: the title is cut, not those."""
+    marks = Text()
     source = compacted_from(s)
     if source is not None:
-        title.append(f" ← #{numbers[source]}" if source in numbers else f" ← {source[:8]}", style="dim")
-    return title
+        marks.append(f" ← #{numbers[source]}" if source in numbers else f" ← {source[:8]}", style="dim")
+    branches = len(s.get("members") or ()) - 1
+    if branches > 0:
+        marks.append(f" (+{branches} branch{'' if branches == 1 else 'es'})", style="dim")
+    title = Text(one_line(str(s.get("title") or protocol.DEFAULT_TITLE), max(width - marks.cell_len, 8)))
+    return title.append_text(marks)
+
+
+# The table's columns after the number and the title, the first left out first when the terminal is
+# narrow: the number a user is asked to type, and the title, are never left out, and no count is cut.
+OPTIONAL = ("last message", "from", "cache", "last used", "msgs", "tokens")
+TITLE_MIN = 20  # cells the title keeps before columns are left out
 
 
 def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current: str | None = None,
@@ -87,50 +127,63 @@ def sessions_table(sessions: Sequence[Mapping[str, Any]], *, width: int, current
     """Numbered rows, most recently used first; the number is what /switch and /delete take.
 
     The title gets the terminal's width first (up to its whole length), the last message what is left:
-    four sessions that start "What is the capital of" must read as four different ones.
+    four sessions that start "What is the capital of" must read as four different ones. A narrow
+    terminal leaves out whole columns (OPTIONAL's order) rather than squeezing any: a count cut to
+    `5…` or a missing number is worse than no column.
     """
     now = time.time() if now is None else now
     shown = sessions[:SHOWN]
     numbers = {str(s.get("id")): n for n, s in enumerate(shown, 1)}
-    rows = []
+    cells: list[dict[str, Any]] = []
     for n, s in enumerate(shown, 1):
-        updated = s.get("updated_at")
-        count = s.get("message_count")
-        rows.append((
-            f"{n}{'*' if s.get('id') == current else ''}",
-            _title_cell(s, numbers),
-            one_line(s.get("last_message")) or "—",
-            str(count) if isinstance(count, int) else "?",
-            str(s.get("tokens", 0)),
-            str(s.get("cache", protocol.NO_CACHE)),
-            origin_label(s.get("origin")),
-            relative_time(float(updated), now) if isinstance(updated, (int, float)) else "?",
-        ))
+        updated, count = s.get("updated_at"), s.get("message_count")
+        current_here = current is not None and current in (s.get("members") or [s.get("id")])
+        cells.append({
+            "#": f"{n}{'*' if current_here else ''}",
+            "title": _title_cell(s, numbers),
+            "last message": Text(one_line(s.get("last_message")) or "—", style="dim"),
+            "msgs": str(count) if isinstance(count, int) else "?",
+            "tokens": str(s.get("tokens", 0)),
+            "cache": str(s.get("cache", protocol.NO_CACHE)),
+            "from": origin_label(s.get("origin")),
+            "last used": relative_time(float(updated), now) if isinstance(updated, (int, float)) else "?",
+        })
+
+    def widest(name: str) -> int:
+        return max([len(name), *(Text(c[name]).cell_len if isinstance(c[name], str) else c[name].cell_len
+                                 for c in cells)])
+
+    columns = ["#", "title", "msgs", "tokens", "cache", "from", "last used"]  # the last message goes after the title
+    with_last = True
+
+    def room() -> int:  # cells left for the title (and the last message), 2 between each pair of columns
+        fixed = [widest(c) for c in columns if c not in ("title",)]
+        return width - sum(fixed) - 2 * (len(columns) - 1 + with_last)
+
+    for name in OPTIONAL:  # drop columns, least needed first, until the title has its room
+        if room() >= (NARROW if with_last else TITLE_MIN):
+            break
+        if name == "last message":
+            with_last = False
+        else:
+            columns.remove(name)
+    left = max(room(), 8)
     table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
-
-    def widest(i: int, header: str) -> int:
-        return max([len(header), *(len(str(row[i])) for row in rows)])
-
-    # Rich squeezes every no_wrap column alike; the numbers must not be, so widths are set here.
-    fixed = [widest(0, "#"), widest(3, "msgs"), widest(4, "tokens"), widest(5, "cache"), widest(6, "from"),
-             widest(7, "last used")]
-    room = max(width - sum(fixed) - 2 * 7, 16)  # 2 cells between each of the 8 columns
-    with_last = room >= NARROW  # a narrow terminal drops the last message: the title tells sessions apart
-    if not with_last:
-        room += 2
-    title_width = max(min(widest(1, "title"), room - LAST_MESSAGE_MIN), min(widest(1, "title"), room // 2), 8)
-    table.add_column("#", justify="right", no_wrap=True, width=fixed[0])
-    table.add_column("title", no_wrap=True, overflow="ellipsis", width=title_width if with_last else room)
+    title_width = left
     if with_last:
-        table.add_column("last message", no_wrap=True, overflow="ellipsis", width=max(room - title_width, 8))
-    table.add_column("msgs", justify="right", no_wrap=True, width=fixed[1])
-    table.add_column("tokens", justify="right", no_wrap=True, width=fixed[2])
-    table.add_column("cache", no_wrap=True, width=fixed[3])
-    table.add_column("from", no_wrap=True, width=fixed[4])
-    table.add_column("last used", no_wrap=True, width=fixed[5])
-    for number, title, last, count, tokens, cache, origin, used in rows:
-        table.add_row(number, title, *([Text(last, style="dim")] if with_last else []), count, tokens, cache,
-                      origin, used)
+        longest = widest("title")
+        title_width = max(min(longest, left - LAST_MESSAGE_MIN), min(longest, left // 2), 8)
+    for name in columns:
+        if name == "title":
+            table.add_column("title", no_wrap=True, overflow="ellipsis", width=title_width)
+            if with_last:
+                table.add_column("last message", no_wrap=True, overflow="ellipsis", width=max(left - title_width, 8))
+        else:
+            table.add_column(name, justify="right" if name in ("#", "msgs", "tokens") else "left", no_wrap=True,
+                             width=widest(name))
+    for s, c in zip(shown, cells):
+        title = _title_cell(s, numbers, title_width)
+        table.add_row(c["#"], title, *([c["last message"]] if with_last else []), *[c[name] for name in columns[2:]])
     return table
 
 

@@ -9,7 +9,7 @@ style itself. Answers stream through :class:`tui.answer.AnswerPrinter`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.cells import cell_len
@@ -69,12 +69,43 @@ def print_message(console: Console, role: str, content: str, status: str = "comp
         console.print(Text(f"({sanitize(status)})", style=DIM), soft_wrap=True)
 
 
-def print_history(console: Console, messages: Iterable[Mapping[str, Any]]) -> None:
-    """A resumed session's transcript, a blank line after each answer as in a live chat."""
-    for message in messages:
+RECENT_TURNS = 2  # exchanges a resumed session shows (/history shows all)
+CLIP_LINES = 12  # a shown message longer than this (a paste) is cut to its first CLIP_KEPT lines
+CLIP_KEPT = 6
+CLIP_CHARS = 2000
+
+
+def clipped(content: str) -> tuple[str, int]:
+    """A message's first lines, and how many lines were left out (0: all of it)."""
+    lines = content.split("\n")
+    if len(lines) <= CLIP_LINES and len(content) <= CLIP_CHARS:
+        return content, 0
+    kept = "\n".join(lines[:CLIP_KEPT])[:CLIP_CHARS // 2]
+    return kept, len(lines) - kept.count("\n") - 1
+
+
+def print_history(console: Console, messages: Sequence[Mapping[str, Any]], *, recent: int | None = None) -> None:
+    """A session's transcript, a blank line after each answer as in a live chat.
+
+    With `recent`, only the last `recent` exchanges (from the user message that starts each), each long
+    message of the user's (a paste) cut to its first lines: resuming a session with a 200-line paste
+    replayed all of it.
+    """
+    start = 0
+    if recent is not None:
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        start = users[-recent] if len(users) >= recent else 0
+        if start:
+            print_note(console, f"({start} earlier message{'' if start == 1 else 's'} not shown; "
+                                "/history shows them all)")
+    for message in messages[start:]:
         role = str(message.get("role", ""))
-        print_message(console, role, str(message.get("content", "")), str(message.get("status", "complete")),
-                      message.get("tool_calls"))
+        content, cut = str(message.get("content", "")), 0
+        if recent is not None and role == "user":  # a paste; answers are what a resumed chat is reread for
+            content, cut = clipped(content)
+        print_message(console, role, content, str(message.get("status", "complete")), message.get("tool_calls"))
+        if cut:
+            print_note(console, f"… ({cut} more line{'' if cut == 1 else 's'}; /history shows them all)")
         if role == "assistant":
             console.print()
 
@@ -234,6 +265,8 @@ def print_header(
         count = session.get("message_count")
         if isinstance(count, int):
             details.append(f"{count} message" + ("" if count == 1 else "s"))
+        if (cache := held_part(session)) is not None:
+            details.append(cache)
     server = hello.get("server")
     if server:
         details.append(sanitize(str(server)))
@@ -250,6 +283,17 @@ def print_header(
     console.print(Text("/help for commands · Ctrl-C stops an answer · Ctrl-D quits", style=DIM),
                   soft_wrap=unwrapped(console))
     console.print()
+
+
+def held_part(session: Mapping[str, Any]) -> str | None:
+    """Where a resumed session's cache is, before its next answer: ``cache: disk 5312 tok``, or
+    ``cache: none (the next answer re-reads 5312 tok)``."""
+    tier, tokens = session.get("cache"), session.get("tokens")
+    if not isinstance(tier, str) or not isinstance(tokens, int) or not tokens:
+        return None
+    if tier == protocol.NO_CACHE:
+        return f"cache: none (the next answer re-reads {tokens} tok)"
+    return f"cache: {sanitize(tier)} {tokens} tok"
 
 
 def format_params(params: Mapping[str, Any]) -> str:

@@ -67,6 +67,7 @@ class Chat:
         self.options = options or ChatOptions()
         self.session: dict[str, Any] = {}
         self.listed: list[dict[str, Any]] = []  # the rows of the last sessions table shown
+        self.hidden_one_shots = 0  # one-shots that table left out
         self.last_index = -1  # the open session's last message
         self._created: set[str] = set()  # sessions this run created (an empty one is not kept)
         self.prompt = render.prompt(console, render.YOU, render.YOU_STYLE)
@@ -183,7 +184,8 @@ class Chat:
     # -- sessions ------------------------------------------------------------------
 
     def open(self, *, session_id: str | None = None, last: bool = False, new: bool = False,
-             title: str | None = None, system: str | None = None, origin: str | None = None) -> bool:
+             title: str | None = None, system: str | None = None, origin: str | None = None,
+             everything: bool = False) -> bool:
         """Choose the session to start in; False if the user left at the picker."""
         if session_id is not None:
             if not protocol.SESSION_ID_RE.fullmatch(session_id):
@@ -199,10 +201,11 @@ class Chat:
         if new:
             self.create(title=title, system=system)
             return True
-        if last and origin is None:  # the last chat typed in: kvchat's own, not a one-shot or a script's
-            sessions = listing.chats(self.list_sessions())
+        if last:  # the last chat typed in: kvchat's own, not a one-shot (unless --from says otherwise)
+            every = self.all_sessions()
+            sessions = listing.chats(every) if origin is None else listing.made_by(every, origin)
         else:
-            sessions = listing.made_by(self.list_sessions(), origin or "any")
+            sessions = self.list_sessions(origin=origin, everything=everything)
         if last:
             if sessions:
                 self.switch(sessions[0]["id"])
@@ -219,6 +222,9 @@ class Chat:
              system: str | None = None) -> bool:
         """The sessions table and a question: which one (Enter: a new chat); False if input ended."""
         self.console.print(listing.sessions_table(sessions, width=self.console.width), soft_wrap=True)
+        if self.hidden_one_shots:
+            render.print_note(self.console, f"({self.hidden_one_shots} one-shot"
+                              f"{'' if self.hidden_one_shots == 1 else 's'} not listed: kvchat --all lists them)")
         while True:
             try:
                 answer = self.input.ask(PICK).strip()
@@ -235,8 +241,17 @@ class Chat:
             self.switch(str(found["id"]))
             return True
 
-    def list_sessions(self) -> list[dict[str, Any]]:
-        self.listed = list(self.request(protocol.SESSION_LIST).get("sessions") or [])
+    def all_sessions(self) -> list[dict[str, Any]]:
+        """Every session, most recently used first."""
+        return list(self.request(protocol.SESSION_LIST).get("sessions") or [])
+
+    def list_sessions(self, *, origin: str | None = None, everything: bool = False) -> list[dict[str, Any]]:
+        """The table's rows, what its numbers count (listing.rows): an API conversation's branches as one,
+        one-shots left out (counted in `hidden_one_shots`) unless `everything` or --from one-shot."""
+        made = listing.made_by(self.all_sessions(), origin or "any")
+        one_shots = origin == "one-shot"
+        self.hidden_one_shots = 0 if everything or one_shots else listing.hidden_one_shots(made)
+        self.listed = listing.rows(made, everything=everything, one_shots=one_shots)
         return self.listed
 
     def switch(self, session_id: str) -> None:
@@ -257,7 +272,7 @@ class Chat:
         self.session = session
         self.last_index = int(messages[-1]["index"]) if messages else -1
         render.print_header(self.console, session, self.link.client.hello, resumed=resumed)
-        render.print_history(self.console, messages)
+        render.print_history(self.console, messages, recent=render.RECENT_TURNS)
 
     def adopt(self, session: dict[str, Any]) -> None:
         """Open a session this run made with content of its own (/compact's)."""

@@ -9,7 +9,9 @@ and piped kvchat do not pay for it.
 
 from __future__ import annotations
 
+import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 
 from prompt_toolkit import PromptSession
@@ -92,7 +94,7 @@ class Terminal:
         self._left = text
 
     def ask(self, prompt: str) -> str:
-        return self._answers.prompt(ANSI(prompt))
+        return self._answers.prompt(ANSI(wrapped(prompt, shutil.get_terminal_size().columns)))
 
 
 def _blank_drawing() -> None:
@@ -116,9 +118,35 @@ def _blank_drawing() -> None:
     app.output.flush()
 
 
+def wrapped(prompt: str, width: int) -> str:
+    """A question (`delete 'Lisbon trip'? [y/N] `) broken between words to fit `width`: prompt_toolkit
+    breaks a prompt wherever the row ends, mid-word. A prompt with escapes (a coloured label) is left as is."""
+    if "\x1b" in prompt or len(prompt) < width or width < 10:
+        return prompt
+    lines = textwrap.wrap(prompt, width=width - 1, break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines) + (" " if prompt.endswith(" ") else "")
+
+
+# kvd's default limits.max_text_chars: a message longer than this is refused unless the limit was raised,
+# and writing it back whole first buried the refusal under it.
+ECHOED_CHARS = 32_000
+ECHOED_LINES = 6
+
+
+def echoed(text: str) -> str:
+    """The message as written back once sent: whole, or a very long one's first lines and its size."""
+    text = sanitize(text.rstrip("\n"))
+    if len(text) <= ECHOED_CHARS:
+        return text
+    lines = text.split("\n")
+    head = "\n".join(lines[:ECHOED_LINES])[:ECHOED_LINES * 200]
+    return (head + f"\n\x1b[2m… ({len(text):,} characters, {len(lines):,} lines in all; "
+                   "Up recalls it whole)\x1b[0m")
+
+
 def _leave(prompt: str, text: str) -> None:
     """Over the prompt the editor drew last (one row: its buffer was emptied), the prompt and the text."""
-    sys.stdout.write("\x1b[A\r\x1b[2K" + prompt + sanitize(text.rstrip("\n")) + "\n")
+    sys.stdout.write("\x1b[A\r\x1b[2K" + prompt + echoed(text) + "\n")
     sys.stdout.flush()
 
 

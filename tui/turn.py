@@ -130,7 +130,9 @@ class Turn:
                               "(stopped waiting; kvd may still be finishing this answer: /attach shows it)")
             return None
         finally:
-            printer.finish()
+            # A refusal after chat.start (the conversation does not fit, a full disk) shows only its
+            # error: no empty `kvd>` label before it.
+            printer.finish(label=failure is None or bool(printer.text))
         if failure is not None:
             raise _friendly(failure, self.kind)
         if done is not None:

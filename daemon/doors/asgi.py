@@ -25,7 +25,9 @@ def headers_of(scope: Scope) -> dict[str, str]:
 
 
 def abort_transport(send: Any) -> None:
-    """Drop the connection behind an ASGI `send` at once, buffered data and all."""
+    """Drop the connection behind an ASGI `send` at once, buffered data and all (through a wrapper that
+    names the `send` it wraps as `__wrapped__`, as server.py's logging one does)."""
+    send = getattr(send, "__wrapped__", send)
     transport = getattr(getattr(send, "__self__", None), "transport", None)
     if isinstance(transport, asyncio.WriteTransport):
         transport.abort()

@@ -113,8 +113,15 @@ class Placement:
 
 
 def title_for(messages: Sequence[Said]) -> str:
-    first = next((m.content for m in messages if m.role == "user" and m.content.strip()), "")
-    line = first.strip().splitlines()[0] if first.strip() else ""
+    """A new session's title: the first line of the request's last user message with text.
+
+    What a person typed ends the request their typing caused; what a client sends before it is its
+    own: few-shot examples (aider sends its "Change the greeting to be more casual" as a user message,
+    which titled every aider session), a repository map, files it was given. A request that holds a
+    whole earlier conversation (a retry, an edit, another server's history) is titled by its latest
+    question; the session list shows it under the conversation it branches (store._branches)."""
+    last = next((m.content for m in reversed(messages) if m.role == "user" and m.content.strip()), "")
+    line = last.strip().splitlines()[0] if last.strip() else ""
     if not line:
         return DEFAULT_TITLE
     return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1] + "…"

@@ -135,9 +135,10 @@ class WebSocketDoor:
                                                                       origin=req.origin)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
             elif isinstance(req, SessionList):
-                sessions = await self.turns.transcripts.read(lambda store: store.list_sessions())
+                sessions = await self.turns.transcripts.read(lambda store: store.list_sessions(branches=True))
                 conn.publish({"type": p.SESSIONS, "id": rid,
-                              "sessions": [self._session_object(s) for s in sessions]})
+                              "sessions": [{**self._session_object(s), "branch_of": s.get("branch_of")}
+                                           for s in sessions]})
             elif isinstance(req, SessionGet):
                 found = await self.turns.transcripts.read(partial(_session_and_messages, req.session))
                 if found is None:
