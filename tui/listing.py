@@ -111,14 +111,16 @@ def _title_cell(s: Mapping[str, Any], numbers: Mapping[str, int], width: int = 2
         marks.append(f" ← #{numbers[source]}" if source in numbers else f" ← {source[:8]}", style="dim")
     branches = len(s.get("members") or ()) - 1
     if branches > 0:
-        marks.append(f" (+{branches} branch{'' if branches == 1 else 'es'})", style="dim")
+        said = f" (+{branches} branch{'' if branches == 1 else 'es'})"
+        short = width - marks.cell_len - len(said) < TITLE_MIN  # a narrow terminal: the title first
+        marks.append(f" (+{branches})" if short else said, style="dim")
     title = Text(one_line(str(s.get("title") or protocol.DEFAULT_TITLE), max(width - marks.cell_len, 8)))
     return title.append_text(marks)
 
 
 # The table's columns after the number and the title, the first left out first when the terminal is
 # narrow: the number a user is asked to type, and the title, are never left out, and no count is cut.
-OPTIONAL = ("last message", "from", "cache", "last used", "msgs", "tokens")
+OPTIONAL = ("last message", "cache", "from", "last used", "msgs", "tokens")
 TITLE_MIN = 20  # cells the title keeps before columns are left out
 
 

@@ -270,7 +270,10 @@ def print_header(
     server = hello.get("server")
     if server:
         details.append(sanitize(str(server)))
-    console.print(Text(" · ".join(details), style=DIM), soft_wrap=unwrapped(console))
+    if unwrapped(console):
+        console.print(Text(" · ".join(details), style=DIM), soft_wrap=True)
+    else:  # broken between its parts (`4 messages`, `cache: disk 5312 tok` stay whole)
+        console.print(Text("\n".join(packed(details, console.width)), style=DIM))
     system = session.get("system")
     if system:
         shown = sanitize(str(system))
