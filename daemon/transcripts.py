@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sessions import DamagedFedIds, Message, Session, Store
-from sessions.chains import Chains, build
+from sessions.chains import Chains, build, said
 from sessions.writer import Writer
 
 from .prompt import template_message
@@ -51,18 +51,20 @@ class Held:
     messages: list[Message]  # message i at position i (indices are contiguous)
     fed: list[int]
     covers: int  # how many leading messages `fed` stands for
-    said_index: list[int] = field(default_factory=list)  # messages with text, as a prompt renders them
+    said_index: list[int] = field(default_factory=list)  # said messages (chains.said), as a prompt renders them
     said_template: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.resay()
 
     def resay(self) -> None:
-        self.said_index = [m["index"] for m in self.messages if m["content"]]
-        self.said_template = [template_message(m) for m in self.messages if m["content"]]
+        # An answer that ended empty is said: its fed ids hold it, and the API door keeps it too.
+        said_ones = [m for m in self.messages if said(m["content"], m["tool_calls"], m["status"])]
+        self.said_index = [m["index"] for m in said_ones]
+        self.said_template = [template_message(m) for m in said_ones]
 
     def said_before(self, index: int) -> int:
-        """How many messages with text come before message `index`."""
+        """How many said messages come before message `index`."""
         return bisect.bisect_left(self.said_index, index)
 
     def said_changed(self, m: Message) -> None:
@@ -70,11 +72,11 @@ class Held:
         i = m["index"]
         last = self.said_index[-1] if self.said_index else -1
         if i > last:
-            if m["content"]:
+            if said(m["content"], m["tool_calls"], m["status"]):
                 self.said_index.append(i)
                 self.said_template.append(template_message(m))
         elif i == last:
-            if m["content"]:
+            if said(m["content"], m["tool_calls"], m["status"]):
                 self.said_template[-1] = template_message(m)
             else:
                 self.said_index.pop()
