@@ -475,11 +475,10 @@ class Turns:
             self.engine.cancel(sid)  # nobody is left to keep what it generates
             if is_disk_full(e):
                 log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
-                turn.publish({"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE})
+                error = {"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE}
             else:
                 log.exception("answer for session %s failed", sid)
-                turn.publish({"type": p.ERROR, "code": p.INTERNAL,
-                              "message": "kvd hit an internal error; it is logged"})
+                error = {"type": p.ERROR, "code": p.INTERNAL, "message": "kvd hit an internal error; it is logged"}
             if not turn.writes:  # they all committed: keep what was generated, marked cut
                 turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                             status="error", finish_reason="error"))
@@ -488,6 +487,9 @@ class Turns:
                 except Exception as again:  # the answer keeps what was committed before; recovered at start
                     log.warning("could not mark the answer of %s as cut: %s", sid, again)
             t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
+            if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
+                del self.active[sid]
+            turn.publish(error)
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]

@@ -51,6 +51,10 @@ async def test_full_transcript_disk_is_disk_full_and_loses_nothing(tmp_path: Pat
             assert "disk holding kvd's data directory is full" in created["message"]
             _, refused = await c.chat(sid, "a message that does not fit " * 40, max_tokens=4)
             assert (refused["type"], refused.get("code")) == ("error", "disk_full"), refused
+            # Sent again at once: the turn had ended before its error was published, so the retry gets the
+            # real state (the disk, still full), never `busy`.
+            _, again = await c.chat(sid, "a message that does not fit " * 40, max_tokens=4)
+            assert (again["type"], again.get("code")) == ("error", "disk_full"), again
             assert (await c.request("ping"))["type"] == "pong"  # still serving
             # Nothing acknowledged was lost, and the refused message was not half-kept.
             assert (await c.request("session.get", session=sid))["messages"] == before
