@@ -44,16 +44,8 @@ CANNOT_LOAD = {
                                            "(and `datetime`, which transformers' sandbox lacks)",
 }
 #: Templates that never take the incremental path, and why (checked both ways: one that starts taking it
-#: must leave this list).
-WHOLE = {
-    "Apertus-8B-Instruct": "writes today's date (strftime_now)",
-    "Mistral-Small-3.2-24B-Instruct-2506": "writes today's date (strftime_now)",
-    "ibm-granite-granite-3.3-2B-Instruct": "writes today's date (strftime_now)",
-    "meta-llama-Llama-3.2-3B-Instruct": "writes today's date (strftime_now)",
-    "muse-glimmer": "writes today's date (strftime_now)",
-    "openai-gpt-oss-120b": "writes today's date (strftime_now)",
-    "upstage-Solar-Open-100B": "writes today's date (strftime_now)",
-}
+#: must leave this list). None: those that write today's date take it too (tomorrow's render is other text).
+WHOLE: dict[str, str] = {}
 
 _SPECIAL = re.compile(r"<\|[^|<>'\"\s]{1,40}\|>|<｜[^｜<>'\"]{1,40}｜>|\[/?[A-Z_]{2,30}\]|<\|?[a-z_]{2,30}\|>"
                       r"|<\|[a-z_]{2,30}>|</?[a-z][a-z_]{0,30}>|\[gMASK\]")

@@ -186,12 +186,31 @@ def test_a_template_that_moves_the_system_prompt_continues_from_before_it(tokeni
     assert (r.whole, r.appended) == (1, 2)
 
 
-def test_no_anchors_where_a_cut_would_not_hold(tokenizer: Any) -> None:
+def test_anchors_are_the_added_tokens_every_occurrence_of_which_is_cut_out(tokenizer: Any) -> None:
     assert set(anchors(tokenizer).values()) == {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
-    dated = _with_template(tokenizer, "{{ strftime_now('%d %b %Y') }}" + str(tokenizer.chat_template))
-    assert anchors(dated) == {}  # yesterday's date would stay in the remembered ids
+    from tokenizers import AddedToken
+
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens([AddedToken(t, normalized=False) for t in ["<|im_start|>user", "x<|im_end|>", "x<|end"]])
+    # One begins with <|im_start|> (the longest match wins), one holds <|im_end|> past its start, and one
+    # may end inside <|endoftext|> (a leftmost match): none of the three is an anchor any more.
+    assert set(anchors(other).values()) == {"<|im_start|>user", "x<|im_end|>", "x<|end"}
+
+
+def test_a_template_that_writes_the_date_continues_only_on_the_same_day(tokenizer: Any) -> None:
+    """Llama 3.2's and others' `strftime_now`: the same day, the render agrees; the next, it is other text
+    from its first line, and its ids are the new render's."""
+    def on(day: str) -> Any:
+        return _with_template(tokenizer, f"Today is {day}.\n" + str(tokenizer.chat_template))
+
     r = Renders()
     convo = [Said("user", "one")]
-    ask(r, dated, convo, None)
-    ask(r, dated, [*convo, Said("assistant", "two"), Said("user", "three")], None)
-    assert (r.whole, r.appended) == (2, 0)
+    ask(r, on("26 Nov 2026"), convo, None)
+    convo += [Said("assistant", "two"), Said("user", "three")]
+    ask(r, on("26 Nov 2026"), convo, None)
+    assert (r.whole, r.appended) == (1, 1)
+    convo += [Said("assistant", "four"), Said("user", "five")]
+    ask(r, on("27 Nov 2026"), convo, None)
+    assert (r.whole, r.appended) == (2, 1)
+    dated = _with_template(tokenizer, "{{ strftime_now('%d %b %Y') }}" + str(tokenizer.chat_template))
+    assert anchors(dated) == anchors(tokenizer)
