@@ -33,8 +33,8 @@ from daemon.prompt import conversation_ids
 from daemon.renders import Renders, anchors
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
-CONVERSATIONS = 4  # per template
-REQUESTS = 14  # per conversation, at most
+CONVERSATIONS = 6  # per template
+REQUESTS = 20  # per conversation, at most
 
 #: Templates kvd cannot serve, and why (the test checks that each still fails, so the list stays true).
 CANNOT_LOAD = {
