@@ -335,8 +335,9 @@ async def test_what_clients_send_is_understood(tmp_path: Path) -> None:
 
 async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its_new_messages(tmp_path: Path) -> None:
     """Each request of a growing conversation (the official client, the whole conversation each time) is
-    fed exactly what rendering and tokenizing it whole gives, though only the first, and a branch, were
-    (daemon/renders.py); the original goes on appending after the branch."""
+    fed exactly what rendering and tokenizing it whole gives, though only the first was encoded whole
+    (daemon/renders.py): a branch continues the request it branches from, and the original goes on
+    appending after the branch."""
     import openai
 
     from daemon.prompt import conversation_ids
@@ -376,7 +377,7 @@ async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its
         for (_, ids), messages in zip(fed, sent, strict=True):
             assert ids == conversation_ids(tokenizer, messages, system)
     assert len(set(sessions)) == 2 and sessions[-1] == sessions[0] != sessions[-2]
-    assert (renders.whole, renders.appended) == (2, 5)  # the first request and the branch
+    assert (renders.whole, renders.appended) == (1, 6)  # the first request
 
 
 async def test_after_a_restart_the_next_request_of_a_conversation_renders_only_its_new_messages(
