@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import client, running_daemon
-from daemon.engine.jobs import TurnJob
 from daemon.models.builtin import ensure_builtin
 from daemon.prompt import conversation_ids
+from test_render_exact import fed_ids
 
 pytestmark = pytest.mark.anyio
 
@@ -51,15 +51,8 @@ def _silent_model(root: Path) -> Path:
 
 async def test_an_answer_that_ends_at_once_keeps_the_whole_cache_for_the_next_turn(tmp_path: Path) -> None:
     model = _silent_model(tmp_path)
-    fed: list[list[int]] = []
     async with running_daemon(tmp_path / "kvd", model=str(model)) as d:
-        submit = d.daemon.engine.submit
-
-        def recording(job: TurnJob) -> None:
-            fed.append(list(job.tokens))
-            submit(job)
-
-        d.daemon.engine.submit = recording  # type: ignore[method-assign]
+        fed = fed_ids(d)
         async with client(d) as c:
             sid = (await c.request("session.create", system="Be brief."))["session"]["id"]
             before = 0

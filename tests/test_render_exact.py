@@ -17,10 +17,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import running_daemon
+from conftest import RunningDaemon, running_daemon
 from daemon.engine.jobs import TurnJob
 from daemon.models.builtin import ensure_builtin
 from daemon.prompt import conversation_ids
+from test_renders import reordered
 
 pytestmark = pytest.mark.anyio
 
@@ -33,13 +34,17 @@ ADD_TOOL: dict[str, Any] = {"type": "function", "function": {
                                   "b": {"type": "number", "description": "the second"}}}}}
 
 
-def _reordered(value: Any) -> Any:
-    """The same JSON, every object's keys in reverse order (a client's dict merge, another code path)."""
-    if isinstance(value, dict):
-        return {k: _reordered(value[k]) for k in reversed(value)}
-    if isinstance(value, list):
-        return [_reordered(v) for v in value]
-    return value
+def fed_ids(d: RunningDaemon) -> list[list[int]]:
+    """The prompt ids of every job the daemon's engine is handed from now on, as it is handed them."""
+    fed: list[list[int]] = []
+    submit = d.daemon.engine.submit
+
+    def recording(job: TurnJob) -> None:
+        fed.append(list(job.tokens))
+        submit(job)
+
+    d.daemon.engine.submit = recording  # type: ignore[method-assign]
+    return fed
 
 
 def _qwen3_model(root: Path) -> Path:
@@ -76,15 +81,8 @@ async def _answers(data_dir: Path, model: str, requests: list[dict[str, Any]]) -
     and the daemon's renders (its counters)."""
     import openai
 
-    fed: list[list[int]] = []
     async with running_daemon(data_dir, model=model) as d:
-        submit = d.daemon.engine.submit
-
-        def recording(job: TurnJob) -> None:
-            fed.append(list(job.tokens))
-            submit(job)
-
-        d.daemon.engine.submit = recording  # type: ignore[method-assign]
+        fed = fed_ids(d)
         api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
         answers = []
         for request in requests:
@@ -130,7 +128,7 @@ async def test_a_follow_up_whose_tools_keys_come_in_another_order_is_fed_its_own
         convo += [{"role": "assistant", "content": f"It is {turn}."}, {"role": "user", "content": follow_up}]
         if turn % 2 == 0:  # the parameters' keys reversed (the door keeps the other fields in its own order)
             tools = [{**tools[0], "function": {**tools[0]["function"],
-                                               "parameters": _reordered(tools[0]["function"]["parameters"])}}]
+                                               "parameters": reordered(tools[0]["function"]["parameters"])}}]
     assert requests[1]["tools"] == requests[0]["tools"]
     assert json.dumps(requests[1]["tools"]) != json.dumps(requests[0]["tools"])
     # Request 1 comes with the keys reversed and renders whole; 2 (as 1) continues 1's render; 3, in the

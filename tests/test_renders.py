@@ -86,12 +86,12 @@ def test_tool_turns_append_and_arguments_are_shown_as_sent(tokenizer: Any) -> No
     assert r.whole == 2
 
 
-def _reordered(value: Any) -> Any:
+def reordered(value: Any) -> Any:
     """The same JSON with every object's keys in reverse order."""
     if isinstance(value, dict):
-        return {k: _reordered(value[k]) for k in reversed(value)}
+        return {k: reordered(value[k]) for k in reversed(value)}
     if isinstance(value, list):
-        return [_reordered(v) for v in value]
+        return [reordered(v) for v in value]
     return value
 
 
@@ -102,12 +102,12 @@ def test_tools_whose_keys_come_in_another_order_are_rendered_as_sent(tokenizer: 
     convo = [Said("user", "What is 1 + 2?")]
     ask(r, tokenizer, convo, None, TOOLS)
     convo += [Said("assistant", "3"), Said("user", "And 2 + 2?")]
-    reordered = _reordered(TOOLS)
-    assert reordered == TOOLS and list(reordered[0]) != list(TOOLS[0])
-    assert ask(r, tokenizer, convo, None, reordered) != whole(tokenizer, convo, None, TOOLS)
+    other_order = reordered(TOOLS)
+    assert other_order == TOOLS and list(other_order[0]) != list(TOOLS[0])
+    assert ask(r, tokenizer, convo, None, other_order) != whole(tokenizer, convo, None, TOOLS)
     assert (r.whole, r.appended) == (2, 0)
     convo += [Said("assistant", "4"), Said("user", "Thanks")]
-    ask(r, tokenizer, convo, None, reordered)  # the same order again: continued
+    ask(r, tokenizer, convo, None, other_order)  # the same order again: continued
     assert (r.whole, r.appended) == (2, 1)
 
 
