@@ -40,8 +40,9 @@ REQUESTS = 20  # per conversation, at most
 CANNOT_LOAD = {
     "CohereForAI-c4ai-command-r-plus-tool_use": "needs tools, in Cohere's shape (a top-level `description`, "
                                                 "`parameter_definitions`); kvd passes OpenAI's",
-    "fireworks-ai-llama-3-firefunction-v2": "renders a `functions` variable that no Hugging Face caller passes "
-                                           "(and `datetime`, which transformers' sandbox lacks)",
+    "fireworks-ai-llama-3-firefunction-v2": "adds `functions` and `datetime` to the system prompt, strings its "
+                                           "caller must pass; kvd (like transformers' chat template call) "
+                                           "passes `tools`",
 }
 #: Templates that never take the incremental path, and why (checked both ways: one that starts taking it
 #: must leave this list). None: those that write today's date take it too (tomorrow's render is other text).
