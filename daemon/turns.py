@@ -139,16 +139,6 @@ class StopScan:
 # --- one turn -------------------------------------------------------------
 
 
-def _after_sends(callback: Callable[[], None], turns_of_the_loop: int = 3) -> None:
-    """Call `callback` on the event loop once the listeners have sent what was just published to
-    them: their writers take a turn of the loop to receive it (a memory stream), one more where a door
-    adds a layer, and send in the same turn."""
-    if turns_of_the_loop <= 0:
-        callback()
-    else:
-        asyncio.get_running_loop().call_soon(_after_sends, callback, turns_of_the_loop - 1)
-
-
 @dataclass
 class Turn:
     request_id: Any
@@ -166,7 +156,8 @@ class Turn:
     held: Held | None = None  # the session as the turn core holds it
     tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
-    # Set once the first delta has been published; the engine waits for it (TurnJob.handed).
+    # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
+    # write one; the engine waits for it (TurnJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
     def publish(self, event: TurnEvent) -> None:
@@ -446,7 +437,7 @@ class Turns:
         answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
-        handing = False
+        first = True
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
@@ -466,10 +457,8 @@ class Turns:
                             text = turn.stop.feed(text)
                             if turn.stop.hit and not stopped:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
-                        self._said(turn, text)
-                        if not handing:  # the first delta: the engine waits for it to be sent
-                            handing = True
-                            _after_sends(turn.handed.set)
+                        self._said(turn, text, first=first)
+                        first = False
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()
@@ -509,15 +498,23 @@ class Turns:
                 del self.active[sid]
             turn.finished.set()
 
-    def _said(self, turn: Turn, text: str) -> None:
-        """Add `text` to the answer and publish what of it may be shown (not a tool call's text)."""
-        turn.text += text
-        self._show(turn, turn.tools.feed(text) if turn.tools is not None else text)
+    def _said(self, turn: Turn, text: str, *, first: bool = False) -> None:
+        """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
 
-    def _show(self, turn: Turn, text: str) -> None:
+        The engine waits after the answer's first token until it is written
+        (TurnJob.handed): the listener that writes it sets that, or this does
+        when there is nothing to write or nobody to write it.
+        """
+        turn.text += text
+        shown = turn.tools.feed(text) if turn.tools is not None else text
+        if first and not (shown and turn.subscribers):
+            turn.handed.set()
+        self._show(turn, shown, written=turn.handed.set if first else None)
+
+    def _show(self, turn: Turn, text: str, written: Callable[[], None] | None = None) -> None:
         if text:
             turn.deltas.append(text)
-            turn.publish(AnswerDelta(turn.seq, text))
+            turn.publish(AnswerDelta(turn.seq, text, written))
             turn.seq += 1
 
     async def _done(self, turn: Turn, ev: Done) -> None:

@@ -130,7 +130,9 @@ class Answer(Response):
 
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
         async for event in self.events:
-            if isinstance(event, AnswerDone):
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()  # nothing is sent before the end: the engine need not wait
+            elif isinstance(event, AnswerDone):
                 calls = event.calls
                 message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
                 if calls:
@@ -170,8 +172,12 @@ class Answer(Response):
 
         async for event in self.events:
             if isinstance(event, AnswerDelta):
-                await begin()
-                await sse(self._chunk({"content": event.text}))
+                try:
+                    await begin()
+                    await sse(self._chunk({"content": event.text}))
+                finally:
+                    if event.written is not None:
+                        event.written()  # the answer's first token is out: the engine goes on
             elif isinstance(event, AnswerDone):
                 await begin()
                 if event.calls:

@@ -32,7 +32,7 @@ from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import TurnEvent
+from ..events import AnswerDelta, TurnEvent
 from ..prompt import Conversation
 from ..turns import Turn, Turns
 from .admission import Admission
@@ -137,8 +137,9 @@ class _Events:
     def publish(self, event: TurnEvent) -> None:
         try:
             self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()
 
 
 class OpenAIDoor:

@@ -94,7 +94,7 @@ class Frames:
 
     def publish(self, event: TurnEvent) -> None:
         if (out := frame(self.request_id, self.session, event)) is not None:
-            self.conn.publish(out)
+            self.conn.publish(out, event.written if isinstance(event, AnswerDelta) else None)
 
 
 class WebSocketDoor:
