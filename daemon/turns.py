@@ -41,7 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 import protocol as p
 from protocol.requests import RequestError, RequestId
-from protocol.shapes import resolve
+from protocol.shapes import Sampling, resolve
 from sessions import Session, Store, is_disk_full, new_session_id
 from sessions.chains import said
 
@@ -64,6 +64,7 @@ from .transcripts import Held, Transcripts, Write
 
 log = logging.getLogger("kvd.turns")
 
+ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the session's params and the config
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
@@ -268,15 +269,15 @@ class Turns:
     # --- what a client asks for: a new message, an answer again, an edited message ---
 
     async def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
-                   **sampling: Any) -> Turn:
+                   sampling: Sampling = ASKED_NOTHING) -> Turn:
         """The user's message and its answer (written together: a full disk stores neither)."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling)
 
     async def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str,
-                         **sampling: Any) -> Turn:
+                         sampling: Sampling = ASKED_NOTHING) -> Turn:
         """Answer the last message again: the old answer and its fed ids go, the cache is rewound."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
@@ -285,10 +286,10 @@ class Turns:
                                "there is nothing to regenerate", rid)
         last = held.messages[-1]["index"]
         self.rewind(held, last)
-        return self.start(listener, rid, session_id, last, **sampling)
+        return self.start(listener, rid, session_id, last, sampling=sampling)
 
     async def edit(self, listener: Listener | None, rid: RequestId, session_id: str, index: int, text: str,
-                   **sampling: Any) -> Turn:
+                   sampling: Sampling = ASKED_NOTHING) -> Turn:
         """Replace user message `index` (and everything after it) with `text`, and answer it."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
@@ -298,7 +299,7 @@ class Turns:
                                "of this session; session.get lists them", rid)
         self.rewind(held, index)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling)
 
     def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
               rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
@@ -344,8 +345,7 @@ class Turns:
     # --- a turn's life ---
 
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
-              max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-              prompt: Prompt | None = None, stop: Sequence[str] = (),
+              sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
               grammar: str | None = None, tools: CallSplit | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
@@ -363,8 +363,8 @@ class Turns:
         if held is None:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
-        sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, held.params,
-                           self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
+        resolved = resolve(sampling.given(), held.params, self.config.sampling(),
+                           max_tokens_limit=self.config.max_tokens_limit)
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(held, index)
@@ -386,7 +386,7 @@ class Turns:
 
         job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
                       history=first_new > 1 if history is None else history,
-                      max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                      sampling=resolved,
                       emit=emit, grammar=grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
+from protocol.shapes import Sampling
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
@@ -269,8 +270,9 @@ class OpenAIDoor:
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         turn = self.turns.start(
             events, rid, placement.session_id, placement.first_new,
-            max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, stop=stops(req), seed=req.seed,
+            sampling=Sampling.model_construct(max_tokens=req.max_completion_tokens or req.max_tokens,
+                                              temperature=req.temperature, top_p=req.top_p),
+            stop=stops(req), seed=req.seed,
             prompt=Conversation(convo, system, tools or None, chain=placement.chain, renders=self.turns.renders),
             door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None,

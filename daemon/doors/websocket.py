@@ -40,7 +40,7 @@ from protocol.requests import (
     Status,
     parse_request,
 )
-from protocol.shapes import merge, resolve
+from protocol.shapes import Sampling, merge, resolve
 from sessions import KEEP, Keep, Message, Session, Store, is_disk_full
 
 from .. import __version__
@@ -200,12 +200,12 @@ class WebSocketDoor:
                 await self._chat_attach(conn, req)
             elif isinstance(req, ChatSend):
                 await self.turns.send(Frames(conn, req.id, req.session), req.id, req.session, req.text,
-                                      **_sampling(req))
+                                      _sampling(req))
             elif isinstance(req, ChatRegenerate):
-                await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, **_sampling(req))
+                await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, _sampling(req))
             elif isinstance(req, ChatEdit):
                 await self.turns.edit(Frames(conn, req.id, req.session), req.id, req.session, req.message_index,
-                                      req.text, **_sampling(req))
+                                      req.text, _sampling(req))
             elif isinstance(req, ChatCancel):
                 if req.session not in self.turns.active:
                     await self.turns.session(req.session, rid)
@@ -267,5 +267,6 @@ def _session_and_messages(session_id: str, store: Store) -> tuple[Session, list[
     return None if session is None else (session, store.messages(session_id))
 
 
-def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> dict[str, Any]:
-    return {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p}
+def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> Sampling:
+    """The request's sampling values as the one value the turn core resolves (checked by its parser)."""
+    return Sampling.model_construct(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p)
