@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -157,6 +158,9 @@ class Turn:
     held: Held | None = None  # the session as the turn core holds it
     tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
+    # A new session's rows (its own, its first messages), queued once the engine takes the turn:
+    # a first turn refused before that leaves nothing stored, so nothing has to be deleted.
+    unstored: list[Callable[[], Write]] = field(default_factory=list)
     # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
     # write one; the engine waits for it (TurnJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
@@ -191,6 +195,7 @@ class Turns:
         self.active: dict[str, Turn] = {}
         self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
+        self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
         self._tokenizing: Tokenizing | None = None
         self.renders = Renders()  # stateless requests' last renders; used in the tokenizer stage only
 
@@ -314,7 +319,8 @@ class Turns:
         """
         if prepared is not None:
             session_id = prepared.session_id
-            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin, held=prepared)
+            held, self._unstored[session_id] = self.transcripts.create(session_id, title=title, system=system,
+                                                                        origin=origin, held=prepared)
             if links is not None and len(links) == len(held.messages) and all(
                     said(m["content"], m["tool_calls"], m["status"]) for m in held.messages):
                 self.transcripts.chains.extend(session_id, links, range(len(links)))
@@ -323,7 +329,8 @@ class Turns:
             return session_id, 0
         if session_id is None:
             session_id = new_session_id()
-            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin)
+            held, self._unstored[session_id] = self.transcripts.create(session_id, title=title, system=system,
+                                                                        origin=origin)
         else:
             found = self.transcripts.get(session_id)
             assert found is not None, "placement holds the session before it applies its plan"
@@ -370,7 +377,11 @@ class Turns:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools)
-        turn.writes.append(self.transcripts.write_new(held, first_new))
+        write_new = partial(self.transcripts.write_new, held, first_new)
+        if (new := self._unstored.pop(session_id, None)) is not None:
+            turn.unstored = [new, write_new]  # a new session: stored once the engine takes its turn
+        else:
+            turn.writes.append(write_new())
         self.active[session_id] = turn
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
         loop = asyncio.get_running_loop()
@@ -443,6 +454,9 @@ class Turns:
         try:
             async with events:
                 async for ev in events:
+                    if turn.unstored and isinstance(ev, Started | Done):  # the engine took it
+                        turn.writes += [write() for write in turn.unstored]
+                        turn.unstored.clear()
                     if isinstance(ev, Queued):
                         turn.publish(AnswerQueued(ev.position))
                     elif isinstance(ev, Progress):
@@ -466,7 +480,9 @@ class Turns:
                         await self._done(turn, ev)
                         return
                     elif isinstance(ev, Failed):
-                        if ev.code == p.TOO_LARGE and not turn.text:
+                        if turn.unstored:  # refused before the engine took it: a new session, never stored
+                            t.forget(sid)
+                        elif ev.code == p.TOO_LARGE and not turn.text:
                             # Nothing was generated and the turn can never fit: take it back,
                             # so the session stays usable (the client still has the text).
                             turn.writes.append(t.truncate(held, turn.first_new))
@@ -485,7 +501,7 @@ class Turns:
                 log.exception("answer for session %s failed", sid)
                 turn.publish(AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged",
                                          answered=turn.seq > 0))
-            if not turn.writes:  # they all committed: keep what was generated, marked cut
+            if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
                 turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                             status="error", finish_reason="error"))
                 try:

@@ -47,10 +47,8 @@ class Answer(Response):
     """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str], *,
-                 created: bool):
+                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str]):
         self.turns, self.config = turns, config
-        self.created_session = created  # this request made the session: a refusal takes it back
         self.turn = turn
         self.events = events
         self.req = req
@@ -116,10 +114,8 @@ class Answer(Response):
         await send({"type": "http.response.body", "body": data})
 
     async def _error(self, send: Callable[[dict[str, Any]], Any], event: AnswerError) -> None:
-        """An error before the answer began: a refusal, which leaves nothing behind."""
-        if self.created_session and not self.turn.text:
-            await self.turn.finished.wait()  # its answer is committed (as an error) first
-            await self.turns.delete_session(self.turn.session_id)
+        """An error before the answer began: a refusal (the turn core stored nothing of a session this
+        request made, and took back what it added to a pinned one)."""
         e = api_error(event.code, event.message)
         await self._body(send, e.status, e.body())
 

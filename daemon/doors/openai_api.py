@@ -52,7 +52,7 @@ from .openai_schema import (
     served_names,
     stops,
 )
-from .placement import Diverged, Placement, Said, links, place
+from .placement import Diverged, Said, links, place
 from .toolcalls import StreamSplit, ToolFormat, openai_calls
 from .toolturns import check_tool_turns
 
@@ -233,15 +233,15 @@ class OpenAIDoor:
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
             with self.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events, placement = await self._start(request, req, system, convo, headers)
+                turn, events = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
+        return Answer(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, _Events, Placement]:
+                     headers: dict[str, str]) -> tuple[Turn, _Events]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         if not self.engine.ready.is_set():
             with anyio.move_on_after(LOAD_WAIT):
@@ -277,7 +277,7 @@ class OpenAIDoor:
             door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None,
         )
-        return turn, events, placement
+        return turn, events
 
     async def _body(self, request: Request) -> bytes | None:
         """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
