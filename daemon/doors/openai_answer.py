@@ -38,9 +38,10 @@ def usage_of(u: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def finish_reason_of(reason: str) -> str:
-    # OpenAI's stop and length; an answer cut short (kvd stopping, chat.cancel from kvchat on the same
-    # session) says "cancelled", so a client never takes a cut answer for a finished one.
-    return reason if reason in ("length", "cancelled") else "stop"
+    """OpenAI's finish_reason for kvd's. An answer cut short (kvd stopping, chat.cancel from kvchat on the
+    same session) says "length", OpenAI's value for an answer that ended before the model ended it, so a
+    client never takes it for a whole one; the `kvd` object keeps kvd's own reason ("cancelled")."""
+    return "length" if reason in ("length", "cancelled") else "stop"
 
 
 class Answer(Response):
@@ -95,10 +96,15 @@ class Answer(Response):
 
     def _kvd(self, done: AnswerDone) -> dict[str, Any]:
         u = done.usage
-        return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
+        return {"session": self.turn.session_id, "finish_reason": done.finish_reason,
+                "restored_from": u.get("restored_from"),
                 "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
                 "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
                 "accepted_tokens": u.get("accepted_tokens")}
+
+    def _usage(self, done: AnswerDone) -> dict[str, Any]:
+        """OpenAI's usage with the `kvd` object in it (where a client that logs usage keeps it)."""
+        return {**usage_of(done.usage), "kvd": self._kvd(done)}
 
     async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]
@@ -138,7 +144,7 @@ class Answer(Response):
                     "model": self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None,
                                  "finish_reason": self._called(event)}],
-                    "usage": usage_of(event.usage), "kvd": self._kvd(event)})
+                    "usage": self._usage(event), "kvd": self._kvd(event)})
                 return
             elif isinstance(event, AnswerError):
                 await self._error(send, event)
@@ -182,7 +188,7 @@ class Answer(Response):
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.config.model, "choices": [],
-                               "usage": usage_of(event.usage), "kvd": self._kvd(event)})
+                               "usage": self._usage(event), "kvd": self._kvd(event)})
                 break
             elif isinstance(event, AnswerError):
                 if not self.started:
