@@ -439,7 +439,7 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 19:
+    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
         # one branch per engine event kind, all sharing the answer's commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
@@ -480,17 +480,7 @@ class Turns:
                         await self._done(turn, ev)
                         return
                     elif isinstance(ev, Failed):
-                        if turn.unstored:  # refused before the engine took it: a new session, never stored
-                            t.forget(sid)
-                        elif ev.code == p.TOO_LARGE and not turn.text:
-                            # Nothing was generated and the turn can never fit: take it back,
-                            # so the session stays usable (the client still has the text).
-                            turn.writes.append(t.truncate(held, turn.first_new))
-                        else:
-                            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
-                                                        status="error", finish_reason="error"))
-                        await self._committed(turn)
-                        turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
+                        await self._failed(turn, ev)
                         return
         except Exception as e:
             self.engine.cancel(sid)  # nobody is left to keep what it generates
@@ -513,6 +503,21 @@ class Turns:
             if self.active.get(sid) is turn:
                 del self.active[sid]
             turn.finished.set()
+
+    async def _failed(self, turn: Turn, ev: Failed) -> None:
+        t, held = self.transcripts, turn.held
+        assert held is not None
+        if turn.unstored:  # refused before the engine took it: a new session, never stored
+            t.forget(turn.session_id)
+        elif ev.code == p.TOO_LARGE and not turn.text:
+            # Nothing was generated and the turn can never fit: take it back,
+            # so the session stays usable (the client still has the text).
+            turn.writes.append(t.truncate(held, turn.first_new))
+        else:
+            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                        status="error", finish_reason="error"))
+        await self._committed(turn)
+        turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
 
     def _said(self, turn: Turn, text: str, *, first: bool = False) -> None:
         """Add `text` to the answer and publish what of it may be shown (not a tool call's text).

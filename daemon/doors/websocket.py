@@ -44,17 +44,9 @@ from protocol.shapes import Sampling, merge, resolve
 from sessions import KEEP, Keep, Message, Session, Store, is_disk_full
 
 from .. import __version__
+from .. import events as ev
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import (
-    AnswerDelta,
-    AnswerDone,
-    AnswerError,
-    AnswerProgress,
-    AnswerQueued,
-    AnswerStarted,
-    TurnEvent,
-)
 from ..turns import DISK_FULL_MESSAGE, Turns
 from .asgi import abort_transport, headers_of
 from .connection import Connection
@@ -64,22 +56,22 @@ from .loading import LoadingWatch
 log = logging.getLogger("kvd.server")
 
 
-def frame(request_id: RequestId, session: str, event: TurnEvent) -> dict[str, Any] | None:
+def frame(request_id: RequestId, session: str, event: ev.TurnEvent) -> dict[str, Any] | None:
     """A turn's event as its protocol frame (docs/protocol.md); None for what the protocol does not carry
     (an answer's tool calls: the websocket offers no tools)."""
     head = {"id": request_id, "session": session}
-    if isinstance(event, AnswerDelta):
+    if isinstance(event, ev.AnswerDelta):
         return {**head, "type": p.CHAT_DELTA, "seq": event.seq, "text": event.text}
-    if isinstance(event, AnswerStarted):
+    if isinstance(event, ev.AnswerStarted):
         return {**head, "type": p.CHAT_START, "message_index": event.message_index}
-    if isinstance(event, AnswerQueued):
+    if isinstance(event, ev.AnswerQueued):
         return {**head, "type": p.CHAT_QUEUED, "position": event.position}
-    if isinstance(event, AnswerProgress):
+    if isinstance(event, ev.AnswerProgress):
         return {**head, "type": p.CHAT_PROGRESS, "fed": event.fed, "total": event.total}
-    if isinstance(event, AnswerDone):
+    if isinstance(event, ev.AnswerDone):
         return {**head, "type": p.CHAT_DONE, "message_index": event.message_index,
                 "finish_reason": event.finish_reason, "usage": event.usage}
-    if isinstance(event, AnswerError):
+    if isinstance(event, ev.AnswerError):
         return {**head, "type": p.ERROR, "code": event.code, "message": event.message}
     return None
 
@@ -92,9 +84,9 @@ class Frames:
     request_id: RequestId
     session: str
 
-    def publish(self, event: TurnEvent) -> None:
+    def publish(self, event: ev.TurnEvent) -> None:
         if (out := frame(self.request_id, self.session, event)) is not None:
-            self.conn.publish(out, event.written if isinstance(event, AnswerDelta) else None)
+            self.conn.publish(out, event.written if isinstance(event, ev.AnswerDelta) else None)
 
 
 class WebSocketDoor:
@@ -165,7 +157,7 @@ class WebSocketDoor:
 
     # --- requests ---
 
-    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:  # noqa: C901 - 17: one short branch
+    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:  # noqa: C901 - 19: one short branch
         # per request type under the one try that turns every failure into that request's error event
         rid = None
         try:
