@@ -2,8 +2,9 @@
 
 A turn is a session's next answer: its messages are added to the session the
 turn core holds in memory and queued to the transcript's writer, the engine
-is handed a job at once, the answer's events stream to whoever listens
-(websocket connections, an HTTP response) while its text is written behind
+is handed a job at once, the answer's events (typed values, events.py) go to
+whoever listens (websocket connections, an HTTP response: each door encodes
+them in its own shape) while its text is written behind
 as it grows, and it ends committed as complete, cancelled or failed, which
 is announced only once that commit is back. No turn reads its transcript
 or waits on the disk before its first token (transcripts.py). The websocket protocol
@@ -73,7 +74,8 @@ DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was
 
 class Listener(Protocol):
     """Whoever wants a turn's events (a websocket client, an HTTP response): it encodes them in its
-    door's own shape (events.py); must not block."""
+    door's own shape (events.py) and calls the first delta's `written` once it has written it (or
+    knows it never will); must not block."""
 
     def publish(self, event: TurnEvent) -> None: ...
 
@@ -315,7 +317,8 @@ class Turns:
         `links`, when given, are the new messages' links in the session's chain (sessions/chains.py),
         made off the loop; `prepared`, a new session already holding `messages` (transcripts.prepared,
         made off the loop too): then nothing here grows with a long conversation.
-        Nothing is waited for: the rows follow on the writer, with the turn's.
+        Nothing is waited for: the rows follow on the writer, with the turn's; a new session's
+        are queued only once the engine takes its turn (a refused first turn stores nothing).
         """
         if prepared is not None:
             session_id = prepared.session_id
