@@ -13,7 +13,6 @@ import functools
 import json
 import json.scanner
 import logging
-import math
 import secrets
 import time
 from http import HTTPStatus
@@ -33,9 +32,8 @@ from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import AnswerDelta, TurnEvent
 from ..prompt import Conversation
-from ..turns import Turn, Turns
+from ..turns import EventStream, Turn, Turns
 from .admission import Admission
 from .asgi import headers_of
 from .guards import check
@@ -126,21 +124,6 @@ def _cooperative_decoder() -> json.JSONDecoder:
 
 
 _COOPERATIVE = _cooperative_decoder()
-
-
-class _Events:
-    """A turn's events for one HTTP response. Unbounded, but a turn publishes at most
-    max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
-
-    def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
-
-    def publish(self, event: TurnEvent) -> None:
-        try:
-            self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
-            if isinstance(event, AnswerDelta) and event.written is not None:
-                event.written()
 
 
 class OpenAIDoor:
@@ -241,7 +224,7 @@ class OpenAIDoor:
         return Answer(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, _Events]:
+                     headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         if not self.engine.ready.is_set():
             with anyio.move_on_after(LOAD_WAIT):
@@ -266,7 +249,7 @@ class OpenAIDoor:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
         headers[SESSION_HEADER] = placement.session_id
-        events = _Events()
+        events = EventStream()
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         turn = self.turns.start(
             events, rid, placement.session_id, placement.first_new,
