@@ -2,8 +2,9 @@
 
 A turn is a session's next answer: its messages are added to the session the
 turn core holds in memory and queued to the transcript's writer, the engine
-is handed a job at once, the answer's events stream to whoever listens
-(websocket connections, an HTTP response) while its text is written behind
+is handed a job at once, the answer's events (typed values, events.py) go to
+whoever listens (websocket connections, an HTTP response: each door encodes
+them in its own shape) while its text is written behind
 as it grows, and it ends committed as complete, cancelled or failed, which
 is announced only once that commit is back. No turn reads its transcript
 or waits on the disk before its first token (transcripts.py). The websocket protocol
@@ -33,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -41,30 +43,71 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 import protocol as p
 from protocol.requests import RequestError, RequestId
-from protocol.shapes import resolve
+from protocol.shapes import Sampling, resolve
 from sessions import Session, Store, is_disk_full, new_session_id
 from sessions.chains import said
 
 from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
 from .engine.thread import Engine
+from .events import (
+    AnswerDelta,
+    AnswerDone,
+    AnswerError,
+    AnswerProgress,
+    AnswerQueued,
+    AnswerStarted,
+    AnswerToolCall,
+    TurnEvent,
+)
 from .prompt import Continuation, Prompt, Tokenizing
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
 
 log = logging.getLogger("kvd.turns")
 
-Split = Callable[[str], tuple[str, list[dict[str, str]]]]
-
+ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the session's params and the config
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
 
 
 class Listener(Protocol):
-    """Whoever wants a turn's events (a websocket connection, an HTTP response); must not block."""
+    """Whoever wants a turn's events (a websocket client, an HTTP response): it encodes them in its
+    door's own shape (events.py) and calls the first delta's `written` once it has written it (or
+    knows it never will); must not block."""
 
-    def publish(self, event: dict[str, Any]) -> None: ...
+    def publish(self, event: TurnEvent) -> None: ...
+
+
+class EventStream:
+    """A turn's events for one HTTP response (its Listener): the response reads them from `receive`.
+
+    Unbounded, but a turn publishes at most max_tokens deltas plus a handful
+    of others, and max_tokens is bounded by config. A first delta published
+    after the response has closed its end is handed off at once (nobody will write it).
+    """
+
+    def __init__(self) -> None:
+        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
+
+    def publish(self, event: TurnEvent) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()
+
+
+class CallSplit(Protocol):
+    """An answer's tool calls taken out of its text as it streams (doors/toolcalls.py's StreamSplit,
+    made by the door that offered tools): text before a call streams, the calls come at the end."""
+
+    content: str  # after `finish`: the kept answer's text without its calls' text
+
+    def feed(self, delta: str) -> str: ...  # the text that may be shown now
+
+    def finish(self) -> tuple[str, list[dict[str, str]]]: ...  # the text left to show, and the calls
 
 
 # --- stop sequences -------------------------------------------------------
@@ -119,16 +162,6 @@ class StopScan:
 # --- one turn -------------------------------------------------------------
 
 
-def _after_sends(callback: Callable[[], None], turns_of_the_loop: int = 3) -> None:
-    """Call `callback` on the event loop once the listeners have sent what was just published to
-    them: their writers take a turn of the loop to receive it (a memory stream), one more where a door
-    adds a layer, and send in the same turn."""
-    if turns_of_the_loop <= 0:
-        callback()
-    else:
-        asyncio.get_running_loop().call_soon(_after_sends, callback, turns_of_the_loop - 1)
-
-
 @dataclass
 class Turn:
     request_id: Any
@@ -136,7 +169,7 @@ class Turn:
     message_index: int
     first_new: int  # the first message this turn added (taken back if it can never fit)
     subscribers: set[Listener] = field(default_factory=set)
-    text: str = ""
+    text: str = ""  # the answer so far, as kept while it streams (a tool call's text included)
     seq: int = 0
     deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
     stop: StopScan | None = None
@@ -144,14 +177,16 @@ class Turn:
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
     door: str = "websocket"  # which front door asked for it (the log's turn line says)
     held: Held | None = None  # the session as the turn core holds it
-    split: Split | None = None  # the answer's text -> its content and tool calls (the OpenAI door's)
+    tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
-    calls: list[dict[str, str]] = field(default_factory=list)  # the kept answer's tool calls (by `split`)
-    # Set once the first delta has been published; the engine waits for it (TurnJob.handed).
+    # A new session's rows (its own, its first messages), queued once the engine takes the turn:
+    # a first turn refused before that leaves nothing stored, so nothing has to be deleted.
+    unstored: list[Callable[[], Write]] = field(default_factory=list)
+    # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
+    # write one; the engine waits for it (TurnJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
-    def publish(self, event: dict[str, Any]) -> None:
-        event = {"id": self.request_id, "session": self.session_id, **event}
+    def publish(self, event: TurnEvent) -> None:
         for listener in list(self.subscribers):
             listener.publish(event)
 
@@ -163,8 +198,7 @@ class Turn:
         duplicate.
         """
         for seq in range(after_seq + 1, len(self.deltas)):
-            listener.publish({"type": p.CHAT_DELTA, "id": self.request_id, "session": self.session_id,
-                              "seq": seq, "text": self.deltas[seq]})
+            listener.publish(AnswerDelta(seq, self.deltas[seq]))
         self.subscribers.add(listener)
 
 
@@ -182,6 +216,7 @@ class Turns:
         self.active: dict[str, Turn] = {}
         self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
+        self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
         self._tokenizing: Tokenizing | None = None
         self.renders = Renders()  # stateless requests' last renders; used in the tokenizer stage only
 
@@ -260,15 +295,15 @@ class Turns:
     # --- what a client asks for: a new message, an answer again, an edited message ---
 
     async def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
-                   **sampling: Any) -> Turn:
+                   sampling: Sampling = ASKED_NOTHING) -> Turn:
         """The user's message and its answer (written together: a full disk stores neither)."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling)
 
     async def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str,
-                         **sampling: Any) -> Turn:
+                         sampling: Sampling = ASKED_NOTHING) -> Turn:
         """Answer the last message again: the old answer and its fed ids go, the cache is rewound."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
@@ -277,10 +312,10 @@ class Turns:
                                "there is nothing to regenerate", rid)
         last = held.messages[-1]["index"]
         self.rewind(held, last)
-        return self.start(listener, rid, session_id, last, **sampling)
+        return self.start(listener, rid, session_id, last, sampling=sampling)
 
     async def edit(self, listener: Listener | None, rid: RequestId, session_id: str, index: int, text: str,
-                   **sampling: Any) -> Turn:
+                   sampling: Sampling = ASKED_NOTHING) -> Turn:
         """Replace user message `index` (and everything after it) with `text`, and answer it."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
@@ -290,7 +325,7 @@ class Turns:
                                "of this session; session.get lists them", rid)
         self.rewind(held, index)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling)
 
     def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
               rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
@@ -301,11 +336,13 @@ class Turns:
         `links`, when given, are the new messages' links in the session's chain (sessions/chains.py),
         made off the loop; `prepared`, a new session already holding `messages` (transcripts.prepared,
         made off the loop too): then nothing here grows with a long conversation.
-        Nothing is waited for: the rows follow on the writer, with the turn's.
+        Nothing is waited for: the rows follow on the writer, with the turn's; a new session's
+        are queued only once the engine takes its turn (a refused first turn stores nothing).
         """
         if prepared is not None:
             session_id = prepared.session_id
-            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin, held=prepared)
+            held, self._unstored[session_id] = self.transcripts.create(session_id, title=title, system=system,
+                                                                        origin=origin, held=prepared)
             if links is not None and len(links) == len(held.messages) and all(
                     said(m["content"], m["tool_calls"], m["status"]) for m in held.messages):
                 self.transcripts.chains.extend(session_id, links, range(len(links)))
@@ -314,7 +351,8 @@ class Turns:
             return session_id, 0
         if session_id is None:
             session_id = new_session_id()
-            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin)
+            held, self._unstored[session_id] = self.transcripts.create(session_id, title=title, system=system,
+                                                                        origin=origin)
         else:
             found = self.transcripts.get(session_id)
             assert found is not None, "placement holds the session before it applies its plan"
@@ -336,33 +374,36 @@ class Turns:
     # --- a turn's life ---
 
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
-              max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-              prompt: Prompt | None = None, stop: Sequence[str] = (),
+              sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
-              grammar: str | None = None, split: Split | None = None) -> Turn:
+              grammar: str | None = None, tools: CallSplit | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
         as one operation; the job goes to the engine without waiting for it.
         `prompt` defaults to the transcript under the fed-token rule. The
         cache comes from wherever the longest prefix of its ids is held: the
-        session's own or any other's (cachestore's checkout). `split` (the
-        OpenAI door's, when the request offered tools) makes the answer's text
-        its content and tool calls when it is kept.
+        session's own or any other's (cachestore's checkout). `tools` (from a
+        door whose request offered tools) takes the answer's calls out of its
+        text: they are published once the answer ends, and kept as its calls.
         """
         assert self.tg is not None, "the daemon is not serving"
         held = self.transcripts.get(session_id)
         if held is None:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
-        sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, held.params,
-                           self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
+        resolved = resolve(sampling.given(), held.params, self.config.sampling(),
+                           max_tokens_limit=self.config.max_tokens_limit)
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None, door=door, held=held, split=split)
-        turn.writes.append(self.transcripts.write_new(held, first_new))
+                    stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools)
+        write_new = partial(self.transcripts.write_new, held, first_new)
+        if (new := self._unstored.pop(session_id, None)) is not None:
+            turn.unstored = [new, write_new]  # a new session: stored once the engine takes its turn
+        else:
+            turn.writes.append(write_new())
         self.active[session_id] = turn
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
         loop = asyncio.get_running_loop()
@@ -378,11 +419,11 @@ class Turns:
 
         job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
                       history=first_new > 1 if history is None else history,
-                      max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                      sampling=resolved,
                       emit=emit, grammar=grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)
-        turn.publish({"type": p.CHAT_START, "message_index": index})
+        turn.publish(AnswerStarted(index))
         return turn
 
     async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
@@ -420,7 +461,7 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 19:
+    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
         # one branch per engine event kind, all sharing the answer's commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
@@ -429,16 +470,19 @@ class Turns:
         answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
-        handing = False
+        first = True
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
             async with events:
                 async for ev in events:
+                    if turn.unstored and isinstance(ev, Started | Done):  # the engine took it
+                        turn.writes += [write() for write in turn.unstored]
+                        turn.unstored.clear()
                     if isinstance(ev, Queued):
-                        turn.publish({"type": p.CHAT_QUEUED, "position": ev.position})
+                        turn.publish(AnswerQueued(ev.position))
                     elif isinstance(ev, Progress):
-                        turn.publish({"type": p.CHAT_PROGRESS, "fed": ev.fed, "total": ev.total})
+                        turn.publish(AnswerProgress(ev.fed, ev.total))
                     elif isinstance(ev, Started):
                         if ev.retokenized:
                             turn.writes.append(t.forget_fed_ends(held, turn.message_index))
@@ -449,11 +493,8 @@ class Turns:
                             text = turn.stop.feed(text)
                             if turn.stop.hit and not stopped:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
-                        if text:
-                            self._delta(turn, text)
-                        if not handing:  # the first delta: the engine waits for it to be sent
-                            handing = True
-                            _after_sends(turn.handed.set)
+                        self._said(turn, text, first=first)
+                        first = False
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()
@@ -461,25 +502,17 @@ class Turns:
                         await self._done(turn, ev)
                         return
                     elif isinstance(ev, Failed):
-                        if ev.code == p.TOO_LARGE and not turn.text:
-                            # Nothing was generated and the turn can never fit: take it back,
-                            # so the session stays usable (the client still has the text).
-                            turn.writes.append(t.truncate(held, turn.first_new))
-                        else:
-                            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
-                                                        status="error", finish_reason="error"))
-                        await self._committed(turn)
-                        turn.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
+                        await self._failed(turn, ev)
                         return
         except Exception as e:
             self.engine.cancel(sid)  # nobody is left to keep what it generates
             if is_disk_full(e):
                 log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
-                error = {"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE}
+                error = AnswerError(p.DISK_FULL, DISK_FULL_MESSAGE, answered=turn.seq > 0)
             else:
                 log.exception("answer for session %s failed", sid)
-                error = {"type": p.ERROR, "code": p.INTERNAL, "message": "kvd hit an internal error; it is logged"}
-            if not turn.writes:  # they all committed: keep what was generated, marked cut
+                error = AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged", answered=turn.seq > 0)
+            if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
                 turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                             status="error", finish_reason="error"))
                 try:
@@ -495,18 +528,45 @@ class Turns:
                 del self.active[sid]
             turn.finished.set()
 
-    def _delta(self, turn: Turn, text: str) -> None:
+    async def _failed(self, turn: Turn, ev: Failed) -> None:
+        t, held = self.transcripts, turn.held
+        assert held is not None
+        if turn.unstored:  # refused before the engine took it: a new session, never stored
+            t.forget(turn.session_id)
+        elif ev.code == p.TOO_LARGE and not turn.text:
+            # Nothing was generated and the turn can never fit: take it back,
+            # so the session stays usable (the client still has the text).
+            turn.writes.append(t.truncate(held, turn.first_new))
+        else:
+            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                        status="error", finish_reason="error"))
+        await self._committed(turn)
+        turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
+
+    def _said(self, turn: Turn, text: str, *, first: bool = False) -> None:
+        """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
+
+        The engine waits after the answer's first token until it is written
+        (TurnJob.handed): the listener that writes it sets that, or this does
+        when there is nothing to write or nobody to write it.
+        """
         turn.text += text
-        turn.deltas.append(text)
-        turn.publish({"type": p.CHAT_DELTA, "seq": turn.seq, "text": text})
-        turn.seq += 1
+        shown = turn.tools.feed(text) if turn.tools is not None else text
+        if first and not (shown and turn.subscribers):
+            turn.handed.set()
+        self._show(turn, shown, written=turn.handed.set if first else None)
+
+    def _show(self, turn: Turn, text: str, written: Callable[[], None] | None = None) -> None:
+        if text:
+            turn.deltas.append(text)
+            turn.publish(AnswerDelta(turn.seq, text, written))
+            turn.seq += 1
 
     async def _done(self, turn: Turn, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
         if turn.stop is not None:
-            if rest := turn.stop.flush():
-                self._delta(turn, rest)
+            self._said(turn, turn.stop.flush())
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
@@ -516,14 +576,19 @@ class Turns:
                  f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else u.get("restored_from"),
                  u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
-        content, calls = turn.split(turn.text) if turn.split is not None else (turn.text, [])
-        turn.calls = calls  # what the door shows is what is kept (a call's id is made once, here)
+        content, calls = turn.text, list[dict[str, str]]()
+        if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
+            rest, calls = turn.tools.finish()
+            self._show(turn, rest)
+            content = turn.tools.content if calls else turn.text
         held = turn.held
         assert held is not None
         fed_end = self._record(turn, held, ev.tokens, exact=not stopped)
         turn.writes.append(self.transcripts.update(
-            held, turn.message_index, durable=True, content=content if calls else turn.text, status=status,
+            held, turn.message_index, durable=True, content=content, status=status,
             finish_reason=reason, usage=ev.usage, fed_end=fed_end, tool_calls=calls or None))
         await self._committed(turn)  # acknowledged only once it is durable
-        turn.publish({"type": p.CHAT_DONE, "message_index": turn.message_index,
-                      "finish_reason": reason, "usage": ev.usage})
+        made = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(calls))
+        for call in made:
+            turn.publish(call)
+        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made))
