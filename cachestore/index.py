@@ -27,7 +27,6 @@ import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from sqlite_utils import Database
@@ -38,48 +37,12 @@ from common.tokenids import pack_tokens, unpack_tokens
 from .blocks import BLOCK_RE
 from .layout import BLOCKS, INDEX, SEGMENTS
 from .migrations import known, migrate
+from .rows import BlockRow, DiskNews, SegmentRow
 
 log = logging.getLogger("kvd.cache")
 
 KEY_RE = re.compile(r"[0-9a-f]{1,64}")
 SEGMENT_SUFFIX = ".safetensors"
-
-
-@dataclass(frozen=True)
-class SegmentRow:
-    key: str
-    start: int
-    end: int
-    path: Path
-    nbytes: int
-    checksum: str
-    fingerprint: str
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BlockRow:
-    block: str  # its key: the hash chain of every id up to its end (blocks.py)
-    parent: str  # the previous block's key, or the fingerprint for the first block
-    start: int
-    end: int
-    path: Path
-    nbytes: int
-    checksum: str
-    fingerprint: str
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DiskNews:
-    """What index writes changed (one I/O job's): sessions' chains and tails, blocks added or gone.
-
-    The I/O worker sends it to the engine thread, whose block table (table.py)
-    mirrors the index without reading it.
-    """
-
-    sessions: dict[str, tuple[list[str], list[SegmentRow]]]  # key -> (its chain's blocks, its segments)
-    blocks: dict[str, BlockRow | None]  # None: gone
 
 
 def check_key(key: str) -> str:

@@ -28,9 +28,10 @@ import mlx.core as mx
 from common.diskfull import is_disk_full
 
 from .blocks import whole_blocks
-from .index import BlockRow, SegmentIndex, SegmentRow
+from .index import SegmentIndex
 from .lru import DiskStats
 from .prefix import common_prefix_len
+from .rows import BlockRow, SegmentRow
 from .segments import write_segment
 from .snapshot import Snapshot, cuttable, section, snapshot
 

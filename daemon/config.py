@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cachestore.blocks import BLOCK_TOKENS
+from common.sizes import BLOCK_TOKENS
 from protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
 from protocol import PARAMS as SAMPLING  # [generation]'s keys, validated as a request's sampling values are
 

@@ -16,8 +16,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cachestore import SessionCaches, ioworker
-from cachestore.index import BlockRow, SegmentRow
 from cachestore.ioworker import FirstTokens
+from cachestore.rows import BlockRow, SegmentRow
 from test_direct import greedy
 from test_store_tiers import A, B, Clock, budgets, grow
 

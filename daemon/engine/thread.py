@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
-from cachestore.ioworker import FirstTokens
+from cachestore import FirstTokens
 
 from ..config import Config
 from .jobs import (
@@ -211,7 +211,7 @@ class Engine:
         """What the cache store and the admission need from the engine, once the model is warm:
         a cache's bytes by its length (from the warm-up's cache), the bytes the running turns hold,
         and a wake-up when the I/O worker has read a cache (not across ranks: they wait, in step)."""
-        from cachestore.cost import cache_cost
+        from cachestore import cache_cost
 
         assert self.caches is not None and self.steps is not None
         self.steps.cost = cache_cost(probe)
