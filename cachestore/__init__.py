@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .cost import CacheCost, cache_cost
-from .index import disk_ids
 from .ioworker import FirstTokens
-from .layout import cached_session_ids, check_usable
+from .layout import cached_session_ids, check_usable, disk_ids
 from .prefix import common_prefix_len
 
 if TYPE_CHECKING:

@@ -154,7 +154,7 @@ class DiskTier:
             self.later(lambda index: index.drop_from(key, start), key)
 
     def forget(self, key: str) -> None:
-        self.later(lambda index: index.drop_from(key, 0), key)  # after its queued writes, which it undoes
+        self.later(lambda index: index.forget(key), key)  # every model's; after its queued writes, which it undoes
         self._promised[key] = NOTHING
 
     def page_out(self, resident: Tier[list[Any]], warm: WarmTier) -> None:

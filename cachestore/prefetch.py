@@ -34,22 +34,27 @@ log = logging.getLogger("kvd.cache")
 PREFETCH_ROOM = 64  # tokens a prefetched live cache can take before it grows: a typical next message
 
 
-def prefetch_plan(disk: PageIn, by_use: list[tuple[str, int]], resident: Tier[Cache], warm: WarmTier) -> list[str]:
+def prefetch_plan(disk: PageIn, by_use: list[tuple[str, int]], resident: Tier[Cache], warm: WarmTier,
+                  limit: int | None = None) -> list[str]:
     """Sessions only on disk that memory has room for, most recently used first.
 
     `by_use`: the index's sessions, least recently used first. Only free room
-    is planned (the resident tier's, then the warm tier's).
+    is planned (the resident tier's, then the warm tier's), and at most `limit`
+    bytes in all (the device's share of the memory free at start: daemon/device.py).
     """
     resident_room = resident.budget - resident.nbytes - resident.reserved
     warm_room = warm.budget - warm.nbytes
+    left = limit if limit is not None else resident_room + warm_room
     plan = []
     for key, nbytes in reversed(by_use):
         if key in resident or key in warm or nbytes <= 0:
             continue
-        if (live := live_bytes(disk.rows(key))) <= resident_room:
+        if (live := live_bytes(disk.rows(key))) <= min(resident_room, left):
             resident_room -= live
-        elif nbytes <= warm_room:
+            left -= live
+        elif nbytes <= min(warm_room, left):
             warm_room -= nbytes
+            left -= nbytes
         else:
             continue
         plan.append(key)
@@ -111,8 +116,8 @@ class Prefetcher:
         self.kept.discard(key)
         return was
 
-    def plan(self, by_use: list[tuple[str, int]]) -> list[str]:
-        plan = prefetch_plan(self.disk, by_use, self.resident, self.warm)
+    def plan(self, by_use: list[tuple[str, int]], limit: int | None = None) -> list[str]:
+        plan = prefetch_plan(self.disk, by_use, self.resident, self.warm, limit)
         self.stats["planned"] += len(plan)
         return plan
 

@@ -48,6 +48,7 @@ from .prefix import MIN_SHARED, common_prefix_len
 from .rebuild import rebuild_index
 from .sharing import Found, find_shared
 from .snapshot import Snapshot, cuttable, rewind
+from .sweep import sweep
 from .table import BlockTable
 from .terms import Budgets, Checkout, Pending
 from .warm import Cache, WarmTier, cache_nbytes
@@ -62,7 +63,8 @@ log = logging.getLogger("kvd.cache")
 
 class SessionCaches:
     def __init__(self, root: Path, fingerprint: str, budgets: Budgets,
-                 *, clock: Callable[[], float] = time.time, first_tokens: FirstTokens | None = None):
+                 *, clock: Callable[[], float] = time.time, first_tokens: FirstTokens | None = None,
+                 model: str = ""):
         if budgets.block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
         self.fingerprint = fingerprint
@@ -72,16 +74,16 @@ class SessionCaches:
         self._clock = clock
         self._dir = root
         self._indexes = threading.local()  # each thread's own connection to the index
-        self._indexes.index = SegmentIndex(root)
+        self._indexes.index = SegmentIndex(root, fingerprint)
         if self.index.lost is not None:
-            rebuild_index(self.index, self.root, self.index.lost)
-        if removed := self.index.sweep():
+            rebuild_index(self.index, self.index.lost)
+        if removed := sweep(self.index):
             log.info("removed %d cache file(s) left incomplete by a crash", removed)
         self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
                                  block=self.block, disk_bytes=budgets.disk_bytes,
                                  max_segments=budgets.max_segments, clock=clock)
-        for key in self.index.foreign(fingerprint):
-            self._writer.valid_chain(key)  # another model's or layout's files: never loaded, never kept
+        if model:
+            self.index.name_model(model)
         self._writer.enforce_disk_budget(keep=None)
         self.table = BlockTable(self.root, self.block, self.index.blocks)
         self.table.load(*self.index.load_all())
@@ -114,7 +116,7 @@ class SessionCaches:
         """This thread's connection to the index (a SQLite connection stays on its thread)."""
         index: SegmentIndex | None = getattr(self._indexes, "index", None)
         if index is None:
-            index = self._indexes.index = SegmentIndex(self._dir)
+            index = self._indexes.index = SegmentIndex(self._dir, self.fingerprint)
         return index
 
     @property
@@ -311,9 +313,9 @@ class SessionCaches:
 
     # --- prefetch after a restart ---
 
-    def prefetch_plan(self) -> list[str]:
-        """Sessions only on disk that memory has room for, most recently used first (prefetch.py)."""
-        return self._prefetch.plan(self.index.keys_by_use())
+    def prefetch_plan(self, limit: int | None = None) -> list[str]:
+        """Sessions only on disk that memory has room for (`limit`: bytes at most), latest first (prefetch.py)."""
+        return self._prefetch.plan(self.index.keys_by_use(), limit)
 
     def prefetch(self, key: str) -> str | None:
         """Page one session's whole disk chain into memory if it fits, waiting for the read here
@@ -426,6 +428,10 @@ class SessionCaches:
         where.update({key: WARM for key in self.warm.held_or_warm()})
         where.update({key: RESIDENT for key in self.resident})
         return where
+
+    def kept_for(self) -> dict[str, list[str]]:
+        """By session, the other models disk keeps its cache for (never restored here), latest first."""
+        return self.index.models_of()
 
     def statistics(self) -> dict[str, Any]:
         self._settle()

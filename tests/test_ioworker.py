@@ -35,7 +35,7 @@ def gate() -> Iterator[threading.Event]:
 
 
 def files(root: Path, key: str) -> list[Path]:
-    return sorted((root / "segments" / key).glob("*.safetensors")) if (root / "segments" / key).exists() else []
+    return sorted((root / "segments" / key).rglob("*.safetensors")) if (root / "segments" / key).exists() else []
 
 
 def test_a_checkin_does_not_wait_for_disk(model: Any, tmp_path: Path, gate: threading.Event) -> None:
