@@ -107,8 +107,9 @@ class Stop:
 
 
 @dataclass
-class Wake:
-    """The I/O worker read a cache (cachestore's `on_read`): the engine wakes to take it in."""
+class ReadReported:
+    """The I/O worker's reader reported on a read (cachestore's `on_read`): the engine takes the
+    report in and starts the answers whose read has ended (`TurnSteps.read_reported`)."""
 
 
 @dataclass

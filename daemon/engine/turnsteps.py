@@ -1,21 +1,24 @@
-"""What one engine step does to the turns: admit, prefill a chunk, decode the batch, finish, cancel.
+"""What one engine step does to the answers: admit, prefill a chunk, decode the batch, finish, cancel.
 
 The engine thread (thread.py) owns the loop, the inbox, the model's loading
 and the statistics; once the model is loaded it makes one `TurnSteps`, which
-moves the turns along, and calls it. `TurnSteps` owns the decode batch
+moves the answers along, and calls it. `TurnSteps` owns the decode batch
 (decode.py), the recent answers speculation drafts from, and the grammar
-view; the scheduler's register of turns is the engine's, handed in (the
+view; the scheduler and its list of answers are the engine's, handed in (the
 engine reads it for its statistics and its idle waits). Everything here runs
 on the engine thread.
 
-A turn has two phases. Prefill: the session's restored cache is fed the rest
-of its prompt a chunk per step (prefill.py), first come first served, and the
-last chunk's logits give the first token (held to the answer's grammar, if
-it has one: grammar.py). Decode: the session joins kvd's decode batch
-(decode.py) with that token, fed first, and its cache; the cache comes back
-out of the finished or removed row. Each step runs one decode step for every
-session in the batch, then one prefill chunk, so a long prefill never
-freezes the others.
+An answer (running.py) is in one phase (scheduler.py). Waiting: no room yet.
+Restoring: admitted, its cache checked out; a cache on disk is read by the
+I/O worker, and the answer holds the pending read until the reader reports
+its end (`read_reported`). Prefilling: the session's restored cache is fed
+the rest of its prompt a chunk per step (prefill.py), first come first
+served, and the last chunk's logits give the first token (held to the
+answer's grammar, if it has one: grammar.py). Decoding: its row joins kvd's
+decode batch (decode.py) with that token, fed first, and its cache; the
+cache comes back out of the finished or removed row. Each step runs one
+decode step for every row in the batch, then one prefill chunk, so a long
+prefill never freezes the others.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ import protocol as p
 from ..config import Config
 from .draft import Answers
 from .jobs import Delta, Done, Failed, Progress, PromptTooLong, Queued, Started, TurnJob
-from .running import RunningTurn, fit_advice
-from .scheduler import Scheduler
+from .running import Answer, fit_advice
+from .scheduler import Phase, Scheduler
 
 if TYPE_CHECKING:
     from cachestore import CacheCost, Checkout, SessionCaches
@@ -55,10 +58,10 @@ class TurnSteps:
     """Moves the turns along, one engine step at a time: made by the engine once its model is loaded."""
 
     def __init__(self, config: Config, model: Any, tokenizer: Any, caches: SessionCaches, *,
-                 turns: Scheduler[TurnJob, RunningTurn], lockstep: Lockstep | None, max_context: int | None,
+                 scheduler: Scheduler[Answer], lockstep: Lockstep | None, max_context: int | None,
                  publish: Callable[[], None]):
-        """`turns`: the engine's register of running and waiting turns; `publish`: the engine's
-        statistics for other threads, refreshed after a turn is kept."""
+        """`scheduler`: the engine's, with its list of answers; `publish`: the engine's statistics
+        for other threads, refreshed after an answer's cache is kept."""
         from .decode import Decoder
 
         self.config = config
@@ -67,10 +70,10 @@ class TurnSteps:
         self.caches: SessionCaches | None = caches
         self.lockstep = lockstep
         self.max_context = max_context
-        self._turns = turns
+        self.scheduler = scheduler
         self._publish_stats = publish
         self.decoder = Decoder(model)
-        self._answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
+        self._last_answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
         self.cost: CacheCost | None = None  # a cache's bytes by its length (the engine sets it after warm-up)
         self.last: Any | None = None  # the model for a prompt's last chunk (prefill.last_position), after warm-up
@@ -78,75 +81,68 @@ class TurnSteps:
     # --- what the engine calls ---
 
     def start(self, job: TurnJob) -> None:
-        """A new job: start it, queue it, or refuse it (its session is busy)."""
-        if self._turns.holds(job.session_id):
+        """A new job: its answer starts, waits, or is refused (its session is busy)."""
+        if self.scheduler.holds(job.session_id):
             job.emit(Failed(p.BUSY, "this session is already generating"))
             return
-        need = self._need(job)
-        if not self._turns.has_room(need) or self._turns.waiting():  # first come, first served
-            job.emit(Queued(self._turns.wait(job.session_id, job, need)))
+        a = Answer(job, need=self._need(job))
+        if not self.scheduler.has_room(a.need) or self.scheduler.phase(Phase.WAITING):  # first come, first served
+            job.emit(Queued(self.scheduler.wait(a)))
             return
-        self._admit(job)
+        self._admit(a)
 
     def _need(self, job: TurnJob) -> int:
-        """The bytes the turn's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
+        """The bytes the answer's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
         return self.cost(len(job.tokens) + job.max_tokens) if self.cost is not None else 0
 
     def admit_waiting(self) -> None:
-        """Start the turns whose cache was read from disk, then waiting jobs while there is room;
+        """Make the next buffers of the reads under way, start waiting answers while there is room;
         tell the rest their new places."""
-        self._restored()
-        for job in self._turns.admissible():
-            self._admit(job)
-        for job, position in self._turns.moved():
-            job.emit(Queued(position))
+        if self.caches is not None and (self.scheduler.phase(Phase.RESTORING) or self.caches.prefetching()):
+            self.caches.allocate(others=bool(self.scheduler.running()))
+        for a in self.scheduler.admissible():
+            self._admit(a)
+        for a in self.scheduler.moved():
+            a.job.emit(Queued(a.told))
 
-    def _admit(self, job: TurnJob) -> None:
-        need = self._need(job)
-        if self._turns.alone(need):
+    def _admit(self, a: Answer) -> None:
+        job = a.job
+        if self.scheduler.alone(a.need):
             log.info("the cache of %s may reach %d MiB, more than cache.resident_bytes (%d MiB): it runs "
-                     "alone", job.session_id, need >> 20, (self._turns.budget or 0) >> 20)
-        self._turns.admit(job.session_id, need)
+                     "alone", job.session_id, a.need >> 20, (self.scheduler.budget or 0) >> 20)
+        self.scheduler.admit(a)
         try:
-            self._insert(job)
+            self._insert(a)
         except PromptTooLong as e:
-            self._turns.end(job.session_id)
+            self.scheduler.end(job.session_id)
             job.emit(Failed(p.TOO_LARGE, str(e)))
         except Exception as e:
-            self._turns.end(job.session_id)
+            self.scheduler.end(job.session_id)
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("starting generation for %s failed", job.session_id)
             job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
 
-    def _restored(self) -> None:
-        """Start the turns whose cache the I/O worker has read since (their reads were planned in
-        `_insert`); a turn cancelled meanwhile has left the scheduler, and its read is dropped."""
+    def read_reported(self) -> None:
+        """The I/O worker's reader reported on a read: take the report in, and start the answers
+        whose read has ended (their reads were planned in `_insert`; a cancelled answer's read was
+        abandoned with it)."""
         if self.caches is None:
             return
-        for sid, out in self.caches.restored(others=bool(self._turns.running)):
-            job = self._turns.restored(sid)
-            if job is None:
+        self.caches.take_reports()
+        for a in self.scheduler.phase(Phase.RESTORING):
+            if a.read is None or (out := self.caches.read_out(a.read)) is None:
                 continue
+            a.read = None
             try:
-                self._begin(job, out)
+                self._begin(a, out)
             except Exception as e:
-                self._turns.end(sid)
-                log.exception("starting generation for %s failed", sid)
-                job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+                self.scheduler.end(a.key)
+                log.exception("starting generation for %s failed", a.key)
+                a.job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
 
-    def _cancel_restoring(self, session_id: str) -> bool:
-        """Cancel a turn waiting for its cache's read; False if the session has none."""
-        job = self._turns.restored(session_id)
-        if job is None:
-            return False
-        self._turns.end(session_id)
-        if self.caches is not None:
-            self.caches.abandon(session_id)
-        job.emit(Done("cancelled", RunningTurn.never_started(job).usage(self.max_context), None))
-        return True
-
-    def _insert(self, job: TurnJob) -> None:
+    def _insert(self, a: Answer) -> None:
+        job = a.job
         tokens = job.tokens
         if self.max_context and len(tokens) + job.max_tokens > self.max_context:
             raise PromptTooLong(
@@ -155,56 +151,55 @@ class TurnSteps:
                 + fit_advice(len(tokens), self.max_context, history=job.history)
             )
         assert self.caches is not None
-        # The engine never waits for disk: a cache on disk is read by the I/O worker and the turn
-        # starts when the read reports (`_restored`); ranks in lockstep wait, to stay in step.
+        # The engine never waits for disk: a cache on disk is read by the I/O worker and the answer
+        # starts when the read has ended (`read_reported`); ranks in lockstep wait, to stay in step.
         out = self.caches.checkout(job.session_id, tokens, wait=self.lockstep is not None)
-        self.caches.make_room()  # idle caches leave memory for what the admitted turns may reach
-        if out.reading:
-            self._turns.restoring(job.session_id, job)
+        self.caches.make_room()  # idle caches leave memory for what the admitted answers may reach
+        if out.read is not None:
+            a.read = out.read  # it stays restoring
             return
-        self._begin(job, out)
+        self._begin(a, out)
 
-    def _begin(self, job: TurnJob, out: Checkout) -> None:
-        """Start a turn from its checked-out cache: its prompt is fed next."""
+    def _begin(self, a: Answer, out: Checkout) -> None:
+        """Start an answer from its checked-out cache: its prompt is fed next."""
         from .draws import Draws
         from .prefill import Prefill
         from .quantized import make_cache
         from .speculate import POSITION_BUDGET
 
         assert self.caches is not None
+        job = a.job
         tokens, retokenized = job.tokens, job.retokenized
         if self.lockstep is not None:
             out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
         cache, cached, shared = out.cache, out.tokens, out.shared_tokens
         if cache is None or cached == 0:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
-        self._turns.start(job.session_id, RunningTurn(
-            job=job, detokenizer=self.tokenizer.detokenizer, prompt=tokens, cached_len=cached,
-            restored_from=out.restored_from, restore_ms=out.restore_ms, inserted=time.perf_counter(),
-            draws=Draws(job.temperature, job.top_p, seed=job.seed, size=job.max_tokens + POSITION_BUDGET),
-            prefill=Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
+        a.detokenizer, a.prompt, a.cached_len = self.tokenizer.detokenizer, tokens, cached
+        a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
+        a.draws = Draws(job.temperature, job.top_p, seed=job.seed, size=job.max_tokens + POSITION_BUDGET)
+        a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
                             boundary=self.caches.boundary(cache),
-                            at_boundary=functools.partial(self.caches.capture, job.session_id),
-                            last=self.last),
-            shared_tokens=shared, prefetched=out.prefetched and cached > 0,
-        ))
+                            at_boundary=functools.partial(self.caches.capture, job.session_id), last=self.last)
+        a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
+        self.scheduler.prefill(a)
         job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
 
     def step(self) -> None:
-        """One decode step for every session in the batch, then one prefill chunk."""
-        if self._turns.any_decoding():
+        """One decode step for every row in the batch, then one prefill chunk."""
+        if self.scheduler.any_decoding():
             self._decode()
-        if (sid := self._turns.next_prefill()) is not None:
-            self._prefill(sid)
+        if (a := self.scheduler.next_prefill()) is not None:
+            self._prefill(a)
 
-    def _prefill(self, session_id: str) -> None:
+    def _prefill(self, act: Answer) -> None:
         import mlx.core as mx
 
         from .prefill import first_token
 
-        act = self._turns.running[session_id]
+        session_id = act.key
         assert act.prefill is not None
-        n, before = self._turns.chunk_size(), act.prefill.fed
+        n, before = self.scheduler.chunk_size(), act.prefill.fed
         if self.lockstep is not None:
             n = self.lockstep.share(n)  # sized by rank 0's clock
         try:
@@ -218,7 +213,7 @@ class TurnSteps:
                 assert draws is not None
                 token = first_token(logprobs, draws.take) if logprobs is not None else None
             now = time.perf_counter()
-            self._turns.chunk_fed(act.prefill.fed - before, now - t0)
+            self.scheduler.chunk_fed(act.prefill.fed - before, now - t0)
             if token is None:
                 if act.progress_at is None or now - act.progress_at >= PROGRESS_EVERY:
                     act.progress_at = now
@@ -251,13 +246,13 @@ class TurnSteps:
             from .speculate import Speculation, speculable
 
             if speculable(prefill.cache):
-                act.spec = Speculation(PromptLookup(prior=self._answers.get(session_id)))
+                act.spec = Speculation(PromptLookup(prior=self._last_answers.get(session_id)))
         # The next decode step feeds the first token; the row's max_tokens counts from the second token.
         assert act.draws is not None
-        self.decoder.join(Row(session_id, list(prefill.tokens), act.draws, job.max_tokens - 1,
-                              frozenset(self.tokenizer.eos_token_ids), act.constraint, act.spec),
-                          prefill.cache, token)
-        self._turns.decode(session_id)
+        act.row = Row(session_id, list(prefill.tokens), act.draws, job.max_tokens - 1,
+                      frozenset(self.tokenizer.eos_token_ids), act.constraint, act.spec,
+                      cache=prefill.cache, first=token)  # it enters the batch at the next decode step
+        self.scheduler.decode(act)
 
     def _constraint(self, grammar: str, width: int) -> Constraint:
         """A matcher for one answer's grammar over the model's tokens (the tokenizer's view made once)."""
@@ -268,51 +263,55 @@ class TurnSteps:
         return Constraint(self._grammar_view[1], grammar, width)
 
     def _decode(self) -> None:
+        decoding = self.scheduler.phase(Phase.DECODING)
         try:
-            out = self.decoder.step()
+            out = self.decoder.step([a.row for a in decoding if a.row is not None and a.row.entering])
         except Exception as e:
             if self.lockstep is not None:
                 self.lockstep.lost(e)  # a dead rank, or ranks no longer in step
-            # The batch is in an unknown state: fail everyone in it, start afresh.
+            # The batch is in an unknown state: fail every answer in it, start afresh.
             log.exception("generation step failed")
-            for sid in self.decoder.keys():
-                self._turns.running[sid].job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
-                self._forget(sid)
+            for a in decoding:
+                a.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+                self._forget(a.key)
             self.decoder.reset()
             return
         now = time.perf_counter()
+        answers = {a.key: a for a in decoding}
         for r in out:
-            act = self._turns.running[r.key]
+            act = answers[r.key]
             self._took(act, r.token, now, shown=r.finish != "stop")
             if r.finish is not None:
                 self._finish(act, r.finish, r.cache, list(r.tokens or ()))
 
-    def _took(self, act: RunningTurn, token: int, now: float, *, shown: bool = True) -> bool:
+    def _took(self, act: Answer, token: int, now: float, *, shown: bool = True) -> bool:
         """Whether a delta went out; a stop token never shows."""
         return act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)
 
     def cancel(self, session_id: str) -> None:
-        if self._cancel_restoring(session_id):
+        """End the session's answer, in whatever phase, with a cancelled Done."""
+        a = self.scheduler.get(session_id)
+        if a is None:
             return
-        job = self._turns.withdraw(session_id)
-        if job is not None:
-            job.emit(Done("cancelled", RunningTurn.never_started(job).usage(self.max_context), None))
-            return
-        act = self._turns.running.get(session_id)
-        if act is None:
-            return
-        if act.prefill is not None:
-            # Keep what was prefilled for next time; the fed ids stay as they were.
-            pre = act.prefill
-            self._finish(act, "cancelled", pre.cache if pre.fed else None, pre.tokens[:pre.fed],
-                         changed=False)
-            return
-        cache, tokens, unfed = self.decoder.remove(session_id)
-        # Cancelled before the decode step that feeds the first token: it was shown, so it
-        # belongs to the history, but the cache ends with the prompt.
-        self._finish(act, "cancelled", cache, list(tokens), unfed=unfed)
+        match a.phase:
+            case Phase.WAITING | Phase.RESTORING:  # never started: nothing to keep
+                self.scheduler.end(session_id)
+                if a.read is not None and self.caches is not None:
+                    self.caches.abandon(a.read)
+                a.job.emit(Done("cancelled", a.usage(self.max_context), None))
+            case Phase.PREFILLING:
+                # Keep what was prefilled for next time; the fed ids stay as they were.
+                pre = a.prefill
+                assert pre is not None
+                self._finish(a, "cancelled", pre.cache if pre.fed else None, pre.tokens[:pre.fed], changed=False)
+            case Phase.DECODING:
+                assert a.row is not None
+                cache, tokens, unfed = self.decoder.remove(a.row)
+                # Cancelled before the decode step that feeds the first token: it was shown, so it
+                # belongs to the history, but the cache ends with the prompt.
+                self._finish(a, "cancelled", cache, list(tokens), unfed=unfed)
 
-    def _finish(self, act: RunningTurn, reason: str, cache: list[Any] | None, tokens: list[int],
+    def _finish(self, act: Answer, reason: str, cache: list[Any] | None, tokens: list[int],
                 *, changed: bool = True, unfed: Sequence[int] = ()) -> None:
         """Send the end of the answer, then keep the cache (which holds `tokens`).
 
@@ -328,7 +327,7 @@ class TurnSteps:
         self._forget(sid)
         history = [*tokens, *unfed]
         if changed and len(history) > len(act.prompt):
-            self._answers.keep(sid, history[len(act.prompt):])
+            self._last_answers.keep(sid, history[len(act.prompt):])
         failure = act.constraint.failure if act.constraint is not None and reason != "cancelled" else None
         if failure is not None:  # ended because it left its grammar: not JSON, so never a normal finish
             act.job.emit(Failed(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
@@ -345,4 +344,4 @@ class TurnSteps:
         self._publish_stats()
 
     def _forget(self, session_id: str) -> None:
-        self._turns.end(session_id)
+        self.scheduler.end(session_id)
