@@ -123,7 +123,7 @@ def gaps(mb: int, steps: int) -> None:
         e.submit(job(e, B, first(e, "Hi."), b_events, max_tokens=100_000))
 
         def b_tokens() -> int:
-            t = e.statistics().turns.get(B)
+            t = e.statistics().answers.get(B)
             return t.generated if t is not None else 0
 
         while b_tokens() < 4:

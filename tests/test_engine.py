@@ -59,11 +59,11 @@ def run_to_end(engine: Engine) -> None:
 
 
 def generated(engine: Engine, sid: str) -> int:
-    return engine.statistics().turns[sid].generated
+    return engine.statistics().answers[sid].generated
 
 
 def fed(engine: Engine, sid: str) -> int:
-    return engine.statistics().turns[sid].fed
+    return engine.statistics().answers[sid].fed
 
 
 def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
@@ -103,9 +103,9 @@ def test_after_the_first_token_the_engine_waits_for_it_to_be_handed_out(engine: 
     import threading
     import time
 
-    from daemon.engine import turnsteps
+    from daemon.engine import steps
 
-    monkeypatch.setattr(turnsteps, "FIRST_HANDOFF_S", 0.3)
+    monkeypatch.setattr(steps, "FIRST_HANDOFF_S", 0.3)
     for hand_over in (True, False):
         handed = threading.Event()
         events: list[EngineEvent] = []
@@ -252,7 +252,7 @@ def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -
     # Another prompt: the same one would start from session 1's cache (shared), with nothing to slice.
     e.submit(job(e, "3" * 16, "Something else. " + LONG, []))
     e.step()
-    assert e.statistics().turns["3" * 16].phase == "prefill"
+    assert e.statistics().answers["3" * 16].phase == "prefill"
     seen = [fed(e, "3" * 16)]
     for _ in range(3):
         e.step()

@@ -75,7 +75,7 @@ def assert_exact(tmp_path: Path, end: Done) -> None:
 
 
 def generated(e: Engine, sid: str) -> int:
-    return e.statistics().turns[sid].generated
+    return e.statistics().answers[sid].generated
 
 
 def test_a_restore_from_disk_never_stops_the_other_sessions(tmp_path: Path, gate: threading.Event) -> None:
@@ -91,7 +91,7 @@ def test_a_restore_from_disk_never_stops_the_other_sessions(tmp_path: Path, gate
     assert e.caches is not None and e.caches.locations() == {a: "disk"}
     b_events: list[EngineEvent] = []
     e.submit(first_turn(e, b, "Hi.", b_events, max_tokens=400))
-    while b not in e.statistics().turns or generated(e, b) < 2:
+    while b not in e.statistics().answers or generated(e, b) < 2:
         e.step()
     e.caches.before_reads(gate.wait)  # the reader is busy: A's read waits behind this
     job = next_turn(e, a, LONG, events, first, max_tokens=8)

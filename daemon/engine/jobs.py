@@ -109,7 +109,7 @@ class Stop:
 @dataclass
 class ReadReported:
     """The I/O worker's reader reported on a read (cachestore's `on_read`): the engine takes the
-    report in and starts the answers whose read has ended (`TurnSteps.read_reported`)."""
+    report in and starts the answers whose read has ended (`Steps.read_reported`)."""
 
 
 @dataclass

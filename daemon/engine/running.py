@@ -2,7 +2,7 @@
 
 Engine-thread state (the detokenizer, the draws and the prefill's cache are
 live objects); what leaves the thread is a copy: the `usage` of the Done
-event and the TurnStatistics of `Engine.statistics()` (what `kvd status` shows of an answer in progress).
+event and the AnswerStatistics of `Engine.statistics()` (what `kvd status` shows of an answer in progress).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggestin
 
 
 @dataclass(frozen=True)
-class TurnStatistics:
+class AnswerStatistics:
     phase: str  # "prefill" | "decode"
     prompt_tokens: int
     fed: int  # prompt tokens in the cache so far (restored ones included)
@@ -42,7 +42,7 @@ class EngineStatistics:
     waiting: int
     prefilling: int
     decoding: int
-    turns: Mapping[str, TurnStatistics]  # the running turns, by session id
+    answers: Mapping[str, AnswerStatistics]  # the running answers (prefilling or decoding), by session id
 
 
 @dataclass(eq=False)
@@ -97,9 +97,9 @@ class Answer:
                 return True
         return False
 
-    def statistics(self) -> TurnStatistics:
+    def statistics(self) -> AnswerStatistics:
         pre = self.prefill if self.phase is Phase.PREFILLING else None
-        return TurnStatistics(phase="prefill" if pre is not None else "decode", prompt_tokens=len(self.prompt),
+        return AnswerStatistics(phase="prefill" if pre is not None else "decode", prompt_tokens=len(self.prompt),
                               fed=pre.fed if pre is not None else len(self.prompt), generated=self.generated)
 
     def usage(self, context_window: int | None) -> dict[str, Any]:

@@ -4,29 +4,30 @@ The engine's policy without the engine: no MLX, no threads, no clock of its
 own (the engine reports how long each chunk took), so it is tested with plain
 objects like cachestore/lru.py is. The engine thread is its only caller.
 
-- At most `max_running` turns run at once, and their caches fit `budget`
-  bytes together (running caches count against the memory budget, as
-  vLLM's `allocate_slots` counts a request's blocks before it runs): a turn
-  is admitted with the bytes its cache reaches at its prompt plus
-  `max_tokens` (`need`, reckoned by the engine), held until it ends. The
-  rest wait first come first served, and each waiting job learns its place
-  again whenever it moves up. A turn whose cache alone is larger than the
-  budget waits until nothing else runs, then runs alone: memory then holds
-  that one cache, over the budget by what it needs (a budget of 0, "keep
-  no idle cache resident", still runs one turn at a time). Idle caches do
-  not count here: the cache store evicts them to make room for what runs.
 - The scheduler holds one list of answers, each with one `phase`: waiting,
   restoring (admitted, its cache checked out of the tiers: from disk, for as
   long as the read takes), prefilling, decoding (vLLM v1's one `Request` per
   request, with no prefill or decode lists). The list is in the order each
   answer entered its phase: waiting ones in arrival order, prefilling ones
-  in the order they started. A restoring answer holds its slot and its bytes.
-- Running turns' prompts are fed one at a time, first come first (a prompt is
-  one unpadded sequence: prefill.py), one chunk per engine step.
-- Alone, a chunk is `prefill_step` tokens. Beside decoding turns, a chunk is
-  as many tokens as take about `prefill_slice` seconds at the last chunk's
-  rate, never below MIN_CHUNK, so the decoding streams keep moving through a
-  long prefill.
+  in the order they started.
+- At most `max_running` answers are admitted at once, and their caches fit
+  `budget` bytes together (running caches count against the memory budget,
+  as vLLM's `allocate_slots` counts a request's blocks before it runs): an
+  answer is admitted with the bytes its cache reaches at its prompt plus
+  `max_tokens` (`need`, reckoned by the engine), held until it ends; a
+  restoring one holds its slot and its bytes too. The rest wait first come
+  first served, and each waiting answer learns its place again whenever it
+  moves up. An answer whose cache alone is larger than the budget waits
+  until nothing else runs, then runs alone: memory then holds that one
+  cache, over the budget by what it needs (a budget of 0, "keep no idle
+  cache resident", still runs one answer at a time). Idle caches do not
+  count here: the cache store evicts them to make room for what runs.
+- Prompts are fed one at a time, first come first (a prompt is one unpadded
+  sequence: prefill.py), one chunk per engine step.
+- Alone, a chunk is `prefill_step` tokens. Beside decoding answers, a chunk
+  is as many tokens as take about `prefill_slice` seconds at the last
+  chunk's rate, never below MIN_CHUNK, so the decoding streams keep moving
+  through a long prefill.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class Scheduler(Generic[A]):
         each leaves the list until the engine `admit`s it.
 
         First come first served: an answer that does not fit yet keeps those
-        behind it waiting (no small turn overtakes a large one forever).
+        behind it waiting (no small answer overtakes a large one forever).
         Room is checked again before each one: the engine admits each
         before the next is considered.
         """

@@ -3,8 +3,8 @@
 Jobs come in through a queue; events go out through a callback the server
 supplies (it hops them onto the event loop with `call_soon_threadsafe`).
 This file is the thread: its loop, its inbox, loading the model, idle
-upkeep and the statistics; what a step does to the turns (admit, prefill,
-decode, finish, cancel) is a `TurnSteps` (turnsteps.py), made once the model
+upkeep and the statistics; what a step does to the answers (admit, prefill,
+decode, finish, cancel) is a `Steps` (steps.py), made once the model
 is loaded, which the engine owns and calls.
 """
 
@@ -36,7 +36,7 @@ from .jobs import (
 from .lockstep import Kind
 from .running import Answer, EngineStatistics
 from .scheduler import Phase, Scheduler
-from .turnsteps import TurnSteps
+from .steps import Steps
 
 if TYPE_CHECKING:
     from cachestore import SessionCaches
@@ -73,13 +73,13 @@ class Engine:
             # differs, and every rank must admit alike).
             budget=config.resident_bytes if lockstep is None else None)
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
-        self.steps: TurnSteps | None = None  # what moves the turns along, once the model is loaded
+        self.steps: Steps | None = None  # what moves the answers along, once the model is loaded
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
-        #: Whether a turn wants its first token: the cache store's writes give way to it (ioworker.py).
+        #: Whether an answer wants its first token: the cache store's writes give way to it (ioworker.py).
         self.first_tokens = FirstTokens()
 
     @property
@@ -88,7 +88,7 @@ class Engine:
 
     @config.setter
     def config(self, config: Config) -> None:
-        """A new config (tests swap one in between turns) reaches the turn steps too."""
+        """A new config (tests swap one in between turns) reaches the steps too."""
         self._config = config
         if (steps := getattr(self, "steps", None)) is not None:
             steps.config = config
@@ -110,7 +110,7 @@ class Engine:
         self._inbox.put(Forget(session_id))
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
-        """Ask for fresh statistics: answered between steps, once any finished turn is kept (on disk too)."""
+        """Ask for fresh statistics: answered between steps, once any finished answer's cache is kept (on disk too)."""
         self._inbox.put(Status(reply))
 
     def stop(self, timeout: float | None = None) -> None:
@@ -119,11 +119,11 @@ class Engine:
         self._thread.join(timeout)
 
     def statistics(self) -> EngineStatistics:
-        """The turns running and waiting now: read on the engine thread, or while it is not running."""
+        """The answers running and waiting now: read on the engine thread, or while it is not running."""
         s = self.scheduler.statistics()
-        turns = {a.key: a.statistics() for a in self.scheduler.running()}
+        answers = {a.key: a.statistics() for a in self.scheduler.running()}
         return EngineStatistics(running=s.running, waiting=s.waiting, prefilling=s.prefilling,
-                                decoding=s.decoding, turns=turns)
+                                decoding=s.decoding, answers=answers)
 
     # --- the engine thread (tests drive them on their own thread, without start()) ---
 
@@ -158,7 +158,7 @@ class Engine:
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
-        self.steps = TurnSteps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
+        self.steps = Steps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
                                lockstep=self.lockstep, max_context=self.max_context,
                                publish=self._publish_stats)
         if self.lockstep is not None:
@@ -307,7 +307,7 @@ class Engine:
         self._handle(cmd)
 
     def _advance(self) -> None:
-        """Start what may start, then one step of the running turns."""
+        """Start what may start, then one step of the running answers."""
         if self.steps is None:
             return
         self.steps.admit_waiting()
@@ -387,7 +387,7 @@ class Engine:
         kept_for = self.caches.kept_for() if self.caches is not None else {}  # other models' caches
         s = self.statistics()
         self.stats = {"generating": s.running, "waiting": s.waiting,
-                      "answering": {sid: asdict(turn) for sid, turn in s.turns.items()},
+                      "answering": {sid: asdict(a) for sid, a in s.answers.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
                       "kept_for": kept_for,
                       "warm_up_ms": self.warm_up_ms, "device": self.device}

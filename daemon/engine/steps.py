@@ -1,8 +1,8 @@
 """What one engine step does to the answers: admit, prefill a chunk, decode the batch, finish, cancel.
 
 The engine thread (thread.py) owns the loop, the inbox, the model's loading
-and the statistics; once the model is loaded it makes one `TurnSteps`, which
-moves the answers along, and calls it. `TurnSteps` owns the decode batch
+and the statistics; once the model is loaded it makes one `Steps`, which
+moves the answers along, and calls it. `Steps` owns the decode batch
 (decode.py), the recent answers speculation drafts from, and the grammar
 view; the scheduler and its list of answers are the engine's, handed in (the
 engine reads it for its statistics and its idle waits). Everything here runs
@@ -46,16 +46,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.engine")
 
-# The most the engine waits, after a turn's first token, for the event loop to have sent it
-# (TurnJob.handed): on a 2-core machine the next step (the turn's own decode, its finish, another
+# The most the engine waits, after an answer's first token, for the event loop to have sent it
+# (TurnJob.handed): on a 2-core machine the next step (the answer's own decode, its finish, another
 # session's) took a core and the GIL from the loop and held the first token back 1-12 ms; handed
 # over, it leaves ~1 ms after it is sampled. Bounded, so a stalled loop costs the others little.
 FIRST_HANDOFF_S = 0.01
 PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a second is enough to watch
 
 
-class TurnSteps:
-    """Moves the turns along, one engine step at a time: made by the engine once its model is loaded."""
+class Steps:
+    """Moves the answers along, one engine step at a time: made by the engine once its model is loaded."""
 
     def __init__(self, config: Config, model: Any, tokenizer: Any, caches: SessionCaches, *,
                  scheduler: Scheduler[Answer], lockstep: Lockstep | None, max_context: int | None,
@@ -192,67 +192,67 @@ class TurnSteps:
         if (a := self.scheduler.next_prefill()) is not None:
             self._prefill(a)
 
-    def _prefill(self, act: Answer) -> None:
+    def _prefill(self, answer: Answer) -> None:
         import mlx.core as mx
 
         from .prefill import first_token
 
-        session_id = act.key
-        assert act.prefill is not None
-        n, before = self.scheduler.chunk_size(), act.prefill.fed
+        session_id = answer.key
+        assert answer.prefill is not None
+        n, before = self.scheduler.chunk_size(), answer.prefill.fed
         if self.lockstep is not None:
             n = self.lockstep.share(n)  # sized by rank 0's clock
         try:
             t0 = time.perf_counter()
             with mx.stream(self.decoder.stream):
-                logprobs = act.prefill.advance(n)
-                if logprobs is not None and act.job.grammar is not None:
-                    act.constraint = self._constraint(act.job.grammar, logprobs.shape[-1])
-                    logprobs = act.constraint.mask(logprobs)
-                draws = act.draws
+                logprobs = answer.prefill.advance(n)
+                if logprobs is not None and answer.job.grammar is not None:
+                    answer.constraint = self._constraint(answer.job.grammar, logprobs.shape[-1])
+                    logprobs = answer.constraint.mask(logprobs)
+                draws = answer.draws
                 assert draws is not None
                 token = first_token(logprobs, draws.take) if logprobs is not None else None
             now = time.perf_counter()
-            self.scheduler.chunk_fed(act.prefill.fed - before, now - t0)
+            self.scheduler.chunk_fed(answer.prefill.fed - before, now - t0)
             if token is None:
-                if act.progress_at is None or now - act.progress_at >= PROGRESS_EVERY:
-                    act.progress_at = now
-                    act.job.emit(Progress(fed=act.prefill.fed, total=len(act.prefill.tokens)))
+                if answer.progress_at is None or now - answer.progress_at >= PROGRESS_EVERY:
+                    answer.progress_at = now
+                    answer.job.emit(Progress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
                 return
         except Exception as e:
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("prefill for %s failed", session_id)
-            act.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
-            self._forget(session_id)
+            answer.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+            self._end(session_id)
             return
-        prefill, act.prefill = act.prefill, None
-        job = act.job
-        if self._took(act, token, time.perf_counter()) and job.handed is not None:
+        prefill, answer.prefill = answer.prefill, None
+        job = answer.job
+        if self._took(answer, token, time.perf_counter()) and job.handed is not None:
             job.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
         if token in self.tokenizer.eos_token_ids:
             # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
-            self._finish(act, "stop", prefill.cache, prefill.tokens)
+            self._finish(answer, "stop", prefill.cache, prefill.tokens)
             return
         if job.max_tokens == 1:
             # A one-token answer: shown, so part of the history, but never fed to the cache.
-            self._finish(act, "length", prefill.cache, prefill.tokens, unfed=[token])
+            self._finish(answer, "length", prefill.cache, prefill.tokens, unfed=[token])
             return
         from .decode import Row
 
         # Speculation runs on one rank only (docs/distributed.md).
-        if self.config.speculate == "auto" and act.constraint is None and self.lockstep is None:
+        if self.config.speculate == "auto" and answer.constraint is None and self.lockstep is None:
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
 
             if speculable(prefill.cache):
-                act.spec = Speculation(PromptLookup(prior=self._last_answers.get(session_id)))
+                answer.spec = Speculation(PromptLookup(prior=self._last_answers.get(session_id)))
         # The next decode step feeds the first token; the row's max_tokens counts from the second token.
-        assert act.draws is not None
-        act.row = Row(session_id, list(prefill.tokens), act.draws, job.max_tokens - 1,
-                      frozenset(self.tokenizer.eos_token_ids), act.constraint, act.spec,
+        assert answer.draws is not None
+        answer.row = Row(session_id, list(prefill.tokens), answer.draws, job.max_tokens - 1,
+                      frozenset(self.tokenizer.eos_token_ids), answer.constraint, answer.spec,
                       cache=prefill.cache, first=token)  # it enters the batch at the next decode step
-        self.scheduler.decode(act)
+        self.scheduler.decode(answer)
 
     def _constraint(self, grammar: str, width: int) -> Constraint:
         """A matcher for one answer's grammar over the model's tokens (the tokenizer's view made once)."""
@@ -273,20 +273,20 @@ class TurnSteps:
             log.exception("generation step failed")
             for a in decoding:
                 a.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
-                self._forget(a.key)
+                self._end(a.key)
             self.decoder.reset()
             return
         now = time.perf_counter()
         answers = {a.key: a for a in decoding}
         for r in out:
-            act = answers[r.key]
-            self._took(act, r.token, now, shown=r.finish != "stop")
+            answer = answers[r.key]
+            self._took(answer, r.token, now, shown=r.finish != "stop")
             if r.finish is not None:
-                self._finish(act, r.finish, r.cache, list(r.tokens or ()))
+                self._finish(answer, r.finish, r.cache, list(r.tokens or ()))
 
-    def _took(self, act: Answer, token: int, now: float, *, shown: bool = True) -> bool:
+    def _took(self, answer: Answer, token: int, now: float, *, shown: bool = True) -> bool:
         """Whether a delta went out; a stop token never shows."""
-        return act.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)
+        return answer.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)
 
     def cancel(self, session_id: str) -> None:
         """End the session's answer, in whatever phase, with a cancelled Done."""
@@ -311,7 +311,7 @@ class TurnSteps:
                 # belongs to the history, but the cache ends with the prompt.
                 self._finish(a, "cancelled", cache, list(tokens), unfed=unfed)
 
-    def _finish(self, act: Answer, reason: str, cache: list[Any] | None, tokens: list[int],
+    def _finish(self, answer: Answer, reason: str, cache: list[Any] | None, tokens: list[int],
                 *, changed: bool = True, unfed: Sequence[int] = ()) -> None:
         """Send the end of the answer, then keep the cache (which holds `tokens`).
 
@@ -320,20 +320,20 @@ class TurnSteps:
         them first. `changed` is False when the session's fed ids stay as they were
         (nothing was generated).
         """
-        act.detokenizer.finalize()
-        if text := act.detokenizer.last_segment:
-            act.job.emit(Delta(text))
-        sid = act.job.session_id
-        self._forget(sid)
+        answer.detokenizer.finalize()
+        if text := answer.detokenizer.last_segment:
+            answer.job.emit(Delta(text))
+        sid = answer.job.session_id
+        self._end(sid)
         history = [*tokens, *unfed]
-        if changed and len(history) > len(act.prompt):
-            self._last_answers.keep(sid, history[len(act.prompt):])
-        failure = act.constraint.failure if act.constraint is not None and reason != "cancelled" else None
+        if changed and len(history) > len(answer.prompt):
+            self._last_answers.keep(sid, history[len(answer.prompt):])
+        failure = answer.constraint.failure if answer.constraint is not None and reason != "cancelled" else None
         if failure is not None:  # ended because it left its grammar: not JSON, so never a normal finish
-            act.job.emit(Failed(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
+            answer.job.emit(Failed(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
                                 "try a simpler schema"))
         else:
-            act.job.emit(Done(reason, act.usage(self.max_context), history if tokens and changed else None))
+            answer.job.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
         # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
         if cache is not None and tokens and self.caches is not None:
@@ -343,5 +343,5 @@ class TurnSteps:
                 log.exception("keeping the cache of %s failed; it will prefill next time", sid)
         self._publish_stats()
 
-    def _forget(self, session_id: str) -> None:
+    def _end(self, session_id: str) -> None:
         self.scheduler.end(session_id)
