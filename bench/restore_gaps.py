@@ -51,7 +51,7 @@ from daemon.service.blas import preload_blas  # noqa: E402
 preload_blas()
 
 from daemon.config import Config, load_config  # noqa: E402
-from daemon.engine.jobs import Delta, Done, EngineEvent, Started, TurnJob  # noqa: E402
+from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Started  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
 from daemon.prompt import Continuation  # noqa: E402
 
@@ -68,8 +68,8 @@ def engine(c: Config) -> Engine:
     return e
 
 
-def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> TurnJob:
-    return TurnJob(session_id=sid, tokens=tokens, max_tokens=max_tokens, temperature=0.0, top_p=1.0,
+def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> AnswerJob:
+    return AnswerJob(session_id=sid, tokens=tokens, max_tokens=max_tokens, temperature=0.0, top_p=1.0,
                    emit=events.append)
 
 

@@ -46,7 +46,7 @@ from sessions import Session, Store, is_disk_full, new_session_id
 from sessions.chains import said
 
 from .config import Config
-from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
+from .engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed, Progress, Queued, Started
 from .engine.thread import Engine
 from .prompt import Continuation, Prompt, Tokenizing
 from .renders import Renders
@@ -147,7 +147,7 @@ class Turn:
     split: Split | None = None  # the answer's text -> its content and tool calls (the OpenAI door's)
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
     calls: list[dict[str, str]] = field(default_factory=list)  # the kept answer's tool calls (by `split`)
-    # Set once the first delta has been published; the engine waits for it (TurnJob.handed).
+    # Set once the first delta has been published; the engine waits for it (AnswerJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
     def publish(self, event: dict[str, Any]) -> None:
@@ -376,7 +376,7 @@ class Turns:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
 
-        job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
+        job = AnswerJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
                       history=first_new > 1 if history is None else history,
                       max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                       emit=emit, grammar=grammar, handed=turn.handed)
@@ -385,7 +385,7 @@ class Turns:
         turn.publish({"type": p.CHAT_START, "message_index": index})
         return turn
 
-    async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
+    async def _submit(self, turn: Turn, prompt: Prompt, job: AnswerJob, events: Any) -> None:
         """Make the turn's ids in the tokenizer stage, then hand the job to the engine."""
         while not self.engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile

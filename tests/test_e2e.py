@@ -185,13 +185,13 @@ async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The turn core sets a job's `handed` once its first delta is published (the engine waits for it
     after the first token, FIRST_HANDOFF_S at most: unset, every turn would pay that bound)."""
-    from daemon.engine.jobs import TurnJob
+    from daemon.engine.jobs import AnswerJob
     from daemon.engine.thread import Engine
 
-    jobs: list[TurnJob] = []
+    jobs: list[AnswerJob] = []
     submit = Engine.submit
 
-    def recorded(self: Engine, job: TurnJob) -> None:
+    def recorded(self: Engine, job: AnswerJob) -> None:
         jobs.append(job)
         submit(self, job)
 

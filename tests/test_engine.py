@@ -15,7 +15,7 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import load_config
-from daemon.engine.jobs import Delta, Done, EngineEvent, Started, TurnJob
+from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Started
 from daemon.engine.scheduler import MIN_CHUNK
 from daemon.engine.thread import Engine
 from daemon.prompt import Continuation
@@ -33,7 +33,7 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
     e.caches.close()
 
 
-def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> TurnJob:
+def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> AnswerJob:
     """A first turn's job, its ids made as the turn core's tokenizer stage makes them."""
     fields.setdefault("max_tokens", 32)
     prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
@@ -41,9 +41,9 @@ def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fi
 
 
 def submitted(engine: Engine, session: str, prompt: Continuation, events: list[EngineEvent],
-              **fields: Any) -> TurnJob:
+              **fields: Any) -> AnswerJob:
     tokens, retokenized = prompt.ids(engine.tokenizer)
-    return TurnJob(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
+    return AnswerJob(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
                    temperature=0.0, top_p=1.0, emit=events.append, **fields)
 
 

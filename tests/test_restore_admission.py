@@ -17,7 +17,7 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import Config, load_config
-from daemon.engine.jobs import Delta, Done, EngineEvent, Queued, Started, TurnJob
+from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Queued, Started
 from daemon.engine.thread import Engine
 from daemon.prompt import Continuation
 
@@ -41,12 +41,12 @@ def loaded(cfg: Config) -> Engine:
     return e
 
 
-def first_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], max_tokens: int) -> TurnJob:
+def first_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], max_tokens: int) -> AnswerJob:
     prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
     return turn(e, sid, prompt, events, max_tokens)
 
 
-def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Done, max_tokens: int) -> TurnJob:
+def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Done, max_tokens: int) -> AnswerJob:
     """The turn after `end`, whose ids append to exactly the ones that turn fed."""
     answer = "".join(x.text for x in events if isinstance(x, Delta))
     assert end.tokens is not None
@@ -56,9 +56,9 @@ def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Do
     return turn(e, sid, prompt, [], max_tokens)
 
 
-def turn(e: Engine, sid: str, prompt: Continuation, events: list[EngineEvent], max_tokens: int) -> TurnJob:
+def turn(e: Engine, sid: str, prompt: Continuation, events: list[EngineEvent], max_tokens: int) -> AnswerJob:
     tokens, retokenized = prompt.ids(e.tokenizer)
-    return TurnJob(session_id=sid, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
+    return AnswerJob(session_id=sid, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
                    max_tokens=max_tokens, temperature=0.0, top_p=1.0, emit=events.append)
 
 
@@ -163,7 +163,7 @@ def test_sessions_whose_caches_exceed_the_budget_run_within_it_exactly(tmp_path:
     assert e.caches is not None
     caches = e.caches
 
-    def run(jobs: list[TurnJob], events: list[list[EngineEvent]]) -> list[Done]:
+    def run(jobs: list[AnswerJob], events: list[list[EngineEvent]]) -> list[Done]:
         for j in jobs:
             e.submit(j)
         most = 0

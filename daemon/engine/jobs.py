@@ -1,6 +1,6 @@
 """What goes into the engine and what comes out of it: the types the turn core shares with the engine.
 
-A turn core (turns.py) submits a TurnJob; the engine thread answers
+A turn core (turns.py) submits an AnswerJob; the engine thread answers
 through the job's `emit` with EngineEvents, in this order: `Queued` (only
 past max_generations, again whenever its place moves up), `Started`,
 `Progress` (long prefills), `Delta`s, then exactly one `Done` or `Failed`.
@@ -19,7 +19,7 @@ from typing import Any
 
 
 @dataclass
-class TurnJob:
+class AnswerJob:
     """A turn's prompt as token ids, made by the turn core's tokenizer stage: the engine never tokenizes."""
 
     session_id: str
@@ -88,7 +88,7 @@ class Failed:
 EngineEvent = Queued | Started | Progress | Delta | Done | Failed
 
 
-# --- the engine's inbox, besides TurnJobs ------------------------------
+# --- the engine's inbox, besides AnswerJobs ------------------------------
 
 
 @dataclass

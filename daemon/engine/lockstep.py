@@ -38,7 +38,7 @@ from typing import Any, NoReturn, cast
 from common.tiers import NO_CACHE
 
 from .doorbell import Doorbell, rank0_address
-from .jobs import Cancel, Forget, Stop, TurnJob
+from .jobs import AnswerJob, Cancel, Forget, Stop
 
 log = logging.getLogger("kvd.lockstep")
 
@@ -51,7 +51,7 @@ POLL = 1.0  # seconds between the watchdog's looks
 class Kind(IntEnum):
     STEP = 1  # one engine step (Engine.advance)
     IDLE = 2  # idle upkeep: tier demotion or a prefetch (Engine.idle)
-    JOB = 3  # a TurnJob: fields, then its token ids and session id as payload
+    JOB = 3  # an AnswerJob: fields, then its token ids and session id as payload
     CANCEL = 4
     FORGET = 5
     STOP = 6
@@ -84,7 +84,7 @@ def _i32(u: int) -> int:
     return u - (1 << 32) if u >= 1 << 31 else u
 
 
-def encode(cmd: TurnJob | Cancel | Forget | Stop | Kind) -> Message:
+def encode(cmd: AnswerJob | Cancel | Forget | Stop | Kind) -> Message:
     """A command as rank 0 sends it (Kind.STEP and Kind.IDLE stand for themselves)."""
     if isinstance(cmd, Kind):
         return Message(cmd, [], [])
@@ -101,7 +101,7 @@ def encode(cmd: TurnJob | Cancel | Forget | Stop | Kind) -> Message:
     return Message(Kind.JOB, fields, [*cmd.tokens, *grammar, *sid])
 
 
-def decode_job(m: Message, emit: Any) -> TurnJob | Cancel | Forget:
+def decode_job(m: Message, emit: Any) -> AnswerJob | Cancel | Forget:
     """A follower's copy of rank 0's command; its events go to `emit` (nowhere)."""
     n_sid = m.fields[0]
     sid = bytes(m.payload[len(m.payload) - n_sid:]).decode()
@@ -111,7 +111,7 @@ def decode_job(m: Message, emit: Any) -> TurnJob | Cancel | Forget:
         return Forget(sid)
     _, n, max_tokens, t0, t1, p0, p1, has_seed, s0, s1, retok, fed_before, history, has_grammar = m.fields[:14]
     grammar = bytes(m.payload[n:len(m.payload) - n_sid]).decode() if has_grammar else None
-    return TurnJob(session_id=sid, tokens=m.payload[:n], max_tokens=max_tokens, temperature=_from_f64(t0, t1),
+    return AnswerJob(session_id=sid, tokens=m.payload[:n], max_tokens=max_tokens, temperature=_from_f64(t0, t1),
                    top_p=_from_f64(p0, p1), emit=emit,
                    seed=(s0 & 0xFFFFFFFF) | ((s1 & 0xFFFFFFFF) << 32) if has_seed else None,
                    retokenized=bool(retok), fed_before=fed_before, history=bool(history), grammar=grammar)
@@ -164,7 +164,7 @@ class Lockstep:
             self.send(Kind.SLEEP)
             self._asleep = True
 
-    def send(self, cmd: TurnJob | Cancel | Forget | Stop | Kind) -> None:
+    def send(self, cmd: AnswerJob | Cancel | Forget | Stop | Kind) -> None:
         assert self.rank == 0
         m = encode(cmd)
         self._sum([m.kind, len(m.payload), *m.fields], HEADER)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import protocol as p
 
-from .jobs import Delta, TurnJob
+from .jobs import AnswerJob, Delta
 from .scheduler import Phase
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class Answer:
     """One answer as the engine holds it, from its job's arrival to its Done: the one object, with
     the one field saying where it is (`phase`, moved by the scheduler only)."""
 
-    job: TurnJob
+    job: AnswerJob
     phase: Phase = Phase.WAITING
     need: int = 0  # bytes its cache may reach (its prompt plus max_tokens): held while admitted
     told: int = 0  # the queue position it was last told, while it waits

@@ -33,7 +33,7 @@ import protocol as p
 
 from ..config import Config
 from .draft import Answers
-from .jobs import Delta, Done, Failed, Progress, PromptTooLong, Queued, Started, TurnJob
+from .jobs import AnswerJob, Delta, Done, Failed, Progress, PromptTooLong, Queued, Started
 from .running import Answer, fit_advice
 from .scheduler import Phase, Scheduler
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.engine")
 
 # The most the engine waits, after an answer's first token, for the event loop to have sent it
-# (TurnJob.handed): on a 2-core machine the next step (the answer's own decode, its finish, another
+# (AnswerJob.handed): on a 2-core machine the next step (the answer's own decode, its finish, another
 # session's) took a core and the GIL from the loop and held the first token back 1-12 ms; handed
 # over, it leaves ~1 ms after it is sampled. Bounded, so a stalled loop costs the others little.
 FIRST_HANDOFF_S = 0.01
@@ -80,7 +80,7 @@ class Steps:
 
     # --- what the engine calls ---
 
-    def start(self, job: TurnJob) -> None:
+    def start(self, job: AnswerJob) -> None:
         """A new job: its answer starts, waits, or is refused (its session is busy)."""
         if self.scheduler.holds(job.session_id):
             job.emit(Failed(p.BUSY, "this session is already generating"))
@@ -91,7 +91,7 @@ class Steps:
             return
         self._admit(a)
 
-    def _need(self, job: TurnJob) -> int:
+    def _need(self, job: AnswerJob) -> int:
         """The bytes the answer's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
         return self.cost(len(job.tokens) + job.max_tokens) if self.cost is not None else 0
 

@@ -25,13 +25,13 @@ from common.sizes import human_bytes
 
 from ..config import Config
 from .jobs import (
+    AnswerJob,
     Cancel,
     Failed,
     Forget,
     ReadReported,
     Status,
     Stop,
-    TurnJob,
 )
 from .lockstep import Kind
 from .running import Answer, EngineStatistics
@@ -51,7 +51,7 @@ MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 
 
 class Engine:
-    """Owns the model; serves TurnJobs through one decode batch (decode.py)."""
+    """Owns the model; serves AnswerJobs through one decode batch (decode.py)."""
 
     def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
         """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
@@ -62,7 +62,7 @@ class Engine:
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[TurnJob | Cancel | Forget | Stop | Status | ReadReported] = \
+        self._inbox: queue.SimpleQueue[AnswerJob | Cancel | Forget | Stop | Status | ReadReported] = \
             queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         # Every answer, in its phase: running, restoring, and waiting past max_generations.
@@ -98,7 +98,7 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: TurnJob) -> None:
+    def submit(self, job: AnswerJob) -> None:
         self.first_tokens.arrived()
         self._inbox.put(job)
 
@@ -303,7 +303,7 @@ class Engine:
     def advance(self) -> None:
         self._advance()
 
-    def apply(self, cmd: TurnJob | Cancel | Forget | Status | ReadReported) -> None:
+    def apply(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
         self._handle(cmd)
 
     def _advance(self) -> None:
@@ -331,8 +331,8 @@ class Engine:
             self._handle(cmd)
         self._advance()
 
-    def _handle(self, cmd: TurnJob | Cancel | Forget | Status | ReadReported) -> None:
-        if isinstance(cmd, TurnJob):
+    def _handle(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
+        if isinstance(cmd, AnswerJob):
             if self.steps is None:
                 cmd.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
