@@ -11,7 +11,7 @@ import pytest
 
 from daemon.engine import lockstep
 from daemon.engine.jobs import AnswerJob, Cancel, Forget, Stop
-from daemon.engine.lockstep import HEADER, Kind, decode_job, encode
+from daemon.engine.lockstep import HEADER, Op, decode_job, encode
 
 
 def _nowhere(event: object) -> None:
@@ -23,7 +23,7 @@ def test_a_job_arrives_whole() -> None:
                   top_p=0.95, emit=_nowhere, seed=2**64 - 1, retokenized=True, fed_before=300, history=False,
                   grammar='{"type": "object", "x": "ü"}')
     m = encode(job)
-    assert m.kind == Kind.JOB and 2 + len(m.fields) <= HEADER
+    assert m.op == Op.JOB and 2 + len(m.fields) <= HEADER
     assert all(-(2**31) <= v < 2**31 for v in [*m.fields, *m.payload])  # every value fits the int32 buffer
     got = decode_job(m, _nowhere)
     assert isinstance(got, AnswerJob)
@@ -38,9 +38,9 @@ def test_a_job_arrives_whole() -> None:
 def test_commands_and_ticks() -> None:
     assert decode_job(encode(Cancel("abc")), _nowhere) == Cancel("abc")
     assert decode_job(encode(Forget("abc")), _nowhere) == Forget("abc")
-    assert encode(Stop()).kind == Kind.STOP
-    tick = encode(Kind.STEP)
-    assert tick.kind == Kind.STEP and not tick.fields and not tick.payload  # a step is one 64-byte header
+    assert encode(Stop()).op == Op.STOP
+    tick = encode(Op.STEP)
+    assert tick.op == Op.STEP and not tick.fields and not tick.payload  # a step is one 64-byte header
     assert HEADER * 4 == 64
 
 

@@ -33,7 +33,7 @@ from .jobs import (
     Status,
     Stop,
 )
-from .lockstep import Kind
+from .lockstep import Op
 from .running import Answer, EngineStatistics
 from .scheduler import Phase, Scheduler
 from .steps import Steps
@@ -262,7 +262,7 @@ class Engine:
             with ls.watched() if ls is not None else contextlib.nullcontext():
                 if cmd is None and not self.scheduler.running():
                     if ls is not None:
-                        ls.send(Kind.IDLE)
+                        ls.send(Op.IDLE)
                     self.idle()
                 if isinstance(cmd, Stop):
                     if ls is not None:
@@ -275,7 +275,7 @@ class Engine:
                     self.apply(cmd)
                 if self._inbox.empty():  # every request so far handled: the engine moves one step
                     if ls is not None:
-                        ls.send(Kind.STEP)
+                        ls.send(Op.STEP)
                     self.advance()
 
     # --- what rank 0's loop does, and a follower on rank 0's word (follower.py) ---
