@@ -91,7 +91,7 @@ def test_prompts_are_fed_one_at_a_time_first_come_first() -> None:
     assert s.next_prefill() is b and s.any_decoding()
     s.end("b")  # cancelled mid-prefill
     assert s.next_prefill() is None
-    assert s.end("a") is a and not s.any_decoding() and s.running() == []
+    assert s.end("a") is a and not s.any_decoding() and s.started() == []
     assert s.end("a") is None
 
 
@@ -167,7 +167,7 @@ def test_a_turn_restoring_from_disk_holds_its_slot_and_bytes_until_it_ends() -> 
     assert a.phase is Phase.RESTORING and s.holds("a") and not s.has_room(40)
     assert s.statistics() == SchedulerStatistics(running=1, waiting=0, prefilling=0, decoding=0, restoring=1,
                                                  running_bytes=70, budget=100)
-    assert s.next_prefill() is None and s.running() == []  # nothing to feed until the read ends
+    assert s.next_prefill() is None and s.started() == []  # nothing to feed until the read ends
     assert s.before_first_tokens()
     s.prefill(a)
     assert s.held_bytes() == 70 and s.next_prefill() is a

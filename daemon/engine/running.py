@@ -42,7 +42,7 @@ class EngineStatistics:
     waiting: int
     prefilling: int
     decoding: int
-    answers: Mapping[str, AnswerStatistics]  # the running answers (prefilling or decoding), by session id
+    answers: Mapping[str, AnswerStatistics]  # the started answers (prefilling or decoding), by session id
 
 
 @dataclass(eq=False)

@@ -89,8 +89,9 @@ class Scheduler(Generic[A]):
         """The answers in `phase`, in the order they entered it."""
         return [a for a in self.answers if a.phase is phase]
 
-    def running(self) -> list[A]:
-        """The answers started: prefilling or decoding."""
+    def started(self) -> list[A]:
+        """The answers started: prefilling or decoding (`running`, in the statistics, counts the
+        restoring ones too: every admitted answer)."""
         return [a for a in self.answers if a.phase is Phase.PREFILLING or a.phase is Phase.DECODING]
 
     def _to(self, a: A, phase: Phase) -> None:

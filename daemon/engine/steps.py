@@ -99,7 +99,7 @@ class Steps:
         """Make the next buffers of the reads under way, start waiting answers while there is room;
         tell the rest their new places."""
         if self.caches is not None and (self.scheduler.phase(Phase.RESTORING) or self.caches.prefetching()):
-            self.caches.allocate(others=bool(self.scheduler.running()))
+            self.caches.allocate(others=bool(self.scheduler.started()))
         for a in self.scheduler.admissible():
             self._admit(a)
         for a in self.scheduler.moved():

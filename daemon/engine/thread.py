@@ -121,7 +121,7 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         """The answers running and waiting now: read on the engine thread, or while it is not running."""
         s = self.scheduler.statistics()
-        answers = {a.key: a.statistics() for a in self.scheduler.running()}
+        answers = {a.key: a.statistics() for a in self.scheduler.started()}
         return EngineStatistics(running=s.running, waiting=s.waiting, prefilling=s.prefilling,
                                 decoding=s.decoding, answers=answers)
 
@@ -251,7 +251,7 @@ class Engine:
         idle_wait = MAINTAIN_EVERY if ls is None else min(MAINTAIN_EVERY, ls.heartbeat)
         while True:
             try:
-                if self.scheduler.running() or self._prefetch:
+                if self.scheduler.started() or self._prefetch:
                     cmd = self._inbox.get(block=False)
                 else:
                     if ls is not None:
@@ -260,7 +260,7 @@ class Engine:
             except queue.Empty:
                 cmd = None
             with ls.watched() if ls is not None else contextlib.nullcontext():
-                if cmd is None and not self.scheduler.running():
+                if cmd is None and not self.scheduler.started():
                     if ls is not None:
                         ls.send(Op.IDLE)
                     self.idle()
@@ -282,7 +282,7 @@ class Engine:
 
     def idle(self) -> None:
         """Upkeep while nothing runs: the next planned prefetch, else demote idle caches."""
-        if self.scheduler.running() or self.caches is None:
+        if self.scheduler.started() or self.caches is None:
             return
         if self._prefetch:
             self._prefetch_one()
@@ -294,7 +294,7 @@ class Engine:
         """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
         if self.steps is not None:
             s = self.scheduler
-            for a in [*s.phase(Phase.WAITING), *s.phase(Phase.RESTORING), *s.running()]:
+            for a in [*s.phase(Phase.WAITING), *s.phase(Phase.RESTORING), *s.started()]:
                 self.steps.cancel(a.key)
         if self.caches is not None:
             self.caches.page_out_all()
@@ -311,7 +311,7 @@ class Engine:
         if self.steps is None:
             return
         self.steps.admit_waiting()
-        if self.scheduler.running():
+        if self.scheduler.started():
             self.steps.step()
         self.first_tokens.engine(self.scheduler.before_first_tokens())
 
