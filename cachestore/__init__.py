@@ -24,9 +24,10 @@ from .prefix import common_prefix_len
 if TYPE_CHECKING:
     from .snapshot import rewind
     from .store import Budgets, Checkout, SessionCaches
+    from .terms import Pending
 
-__all__ = ["Budgets", "CacheCost", "Checkout", "FirstTokens", "SessionCaches", "cache_cost", "cached_session_ids",
-           "check_usable", "common_prefix_len", "disk_ids", "model_fingerprint", "rewind"]
+__all__ = ["Budgets", "CacheCost", "Checkout", "FirstTokens", "Pending", "SessionCaches", "cache_cost",
+           "cached_session_ids", "check_usable", "common_prefix_len", "disk_ids", "model_fingerprint", "rewind"]
 
 
 def __getattr__(name: str) -> Any:
@@ -35,6 +36,10 @@ def __getattr__(name: str) -> Any:
         from .store import Budgets, Checkout, SessionCaches
 
         return {"Budgets": Budgets, "Checkout": Checkout, "SessionCaches": SessionCaches}[name]
+    if name == "Pending":
+        from .terms import Pending
+
+        return Pending
     if name == "rewind":
         from .snapshot import rewind
 

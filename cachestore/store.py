@@ -3,8 +3,9 @@
 The engine thread holds the live caches and only evaluates what a turn
 writes; the I/O worker writes it (writeback.py, queued by disktier.py), and
 its reader reads what a restore or a prefetch (prefetch.py) needs, planned
-by pagein.py: `restored()` hands out the checkouts whose read has reported,
-so no decode step waits on disk. Each thread has its own index connection.
+by pagein.py: a checkout that needs disk returns its pending read, which the
+caller holds and turns into the checkout once it has ended (`read_out`), so
+no decode step waits on disk. Each thread has its own index connection.
 
 - After a turn the live cache stays *resident*, and what the turn added is
   written *behind* it: the whole blocks it completed and a private tail, so
@@ -98,11 +99,14 @@ class SessionCaches:
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
                             dropped=self._disktier.dropped, clock=clock,
                             read=lambda job: self._io.read(job, done=self._read_done))
-        #: Called on the I/O worker's reader when a read is done (it must not block): the engine
-        #: wakes up to admit the turn whose cache it was. None: nobody is told (tests, tools).
+        #: Called on the I/O worker's reader when a read reported (it must not block): the engine
+        #: takes the report in (`take_reports`) and starts the answers whose read ended. None: nobody
+        #: is told (tests, tools).
         self.on_read: Callable[[], None] | None = None
         self._read_event = threading.Event()  # a read reported: what a waiting `checkout` waits for
-        self._restoring: dict[str, Pending] = {}  # checkouts waiting for their read, by session
+        #: Whether a session's checkout waits for its read (the engine's answers say): a prefetch
+        #: leaves it alone.
+        self.restoring: Callable[[str], bool] = lambda key: False
         #: What the running turns' caches may reach together (the engine's scheduler says): they
         #: count against the resident budget, so idle resident caches make room for them.
         self.running_bytes: Callable[[], int] = lambda: 0
@@ -156,7 +160,7 @@ class SessionCaches:
         """Take in the worker's reports (disktier.py) and the reader's: a read's next step, or its end."""
         for report in self._disktier.settle():
             if isinstance(report, ReadReport) and (r := self._disk.arrived(report)) is not None:
-                self._prefetch.arrived(r, busy=self._restoring.__contains__)
+                self._prefetch.arrived(r, busy=self.restoring)
 
     def _read_done(self) -> None:
         """On the reader: a read reported."""
@@ -190,8 +194,8 @@ class SessionCaches:
 
         Disk is read by the I/O worker's reader, never here: with `wait`,
         this waits for the read (tools, tests, ranks in lockstep); without, a
-        checkout that needs disk returns at once with `reading` set, and its
-        result comes out of `restored()` once the read reports (the engine
+        checkout that needs disk returns at once with its pending `read`, which
+        `read_out` turns into the checkout once the read has ended (the engine
         keeps stepping the other sessions meanwhile).
         """
         t0 = time.perf_counter()
@@ -220,30 +224,27 @@ class SessionCaches:
             if wait:
                 self._wait(r)
                 return self._read_out(pending)
-            self._restoring[key] = pending
-            return Checkout(None, 0, DISK, 0.0, reading=True)
+            return Checkout(None, 0, DISK, 0.0, read=pending)
         return self._from_memory(key, wanted, t0, own, own_warm_n, other, prefetched)
 
-    def restored(self, *, others: bool = True) -> list[tuple[str, Checkout]]:
-        """The checkouts whose disk read ended since the last call, by session (engine thread, once
-        per step). `others`: other turns are running, so the buffers reads fill are made a few per
-        call, beside their steps; with none, all at once (nobody waits on this thread meanwhile)."""
-        if not self._restoring and self._prefetch.reading is None:
-            return []
+    def take_reports(self) -> None:
+        """Take in what the I/O worker and its reader reported (`on_read`): a read goes on, or ends."""
         self._settle()
-        self._disk.allocate(all_of_it=not others)
-        out = []
-        for key, pending in list(self._restoring.items()):
-            if pending.reading.done:
-                del self._restoring[key]
-                out.append((key, self._read_out(pending)))
-        return out
 
-    def abandon(self, key: str) -> None:
-        """A checkout waiting for its read is not wanted any more (its turn was cancelled)."""
-        pending = self._restoring.pop(key, None)
-        if pending is not None:
-            self._disk.abandon(pending.reading)
+    def allocate(self, *, others: bool) -> None:
+        """Make the buffers the reads under way wait for (engine thread, once per step while a
+        checkout's read is pending or a prefetch's is under way). `others`: other answers are
+        running, so they are made a few per call, beside their steps; with none, all at once
+        (nobody waits on this thread meanwhile)."""
+        self._disk.allocate(all_of_it=not others)
+
+    def read_out(self, pending: Pending) -> Checkout | None:
+        """The checkout a pending read ends in, once it has (None: still reading)."""
+        return self._read_out(pending) if pending.reading.done else None
+
+    def abandon(self, pending: Pending) -> None:
+        """A checkout waiting for its read is not wanted any more (its answer was cancelled)."""
+        self._disk.abandon(pending.reading)
 
     def _read_out(self, pending: Pending) -> Checkout:
         """A checkout whose read ended: what it read, or, if that failed, the best memory holds now."""
@@ -331,7 +332,7 @@ class SessionCaches:
         """Page sessions' whole disk chains into memory where they fit, one read at a time on the
         reader, without waiting for any: each is kept as it arrives (`_settle`), unless the session
         was checked out since."""
-        self._prefetch.later(keys, busy=self._restoring.__contains__)
+        self._prefetch.later(keys, busy=self.restoring)
 
     def prefetching(self) -> bool:
         """Whether prefetch reads are planned or under way."""
@@ -411,7 +412,6 @@ class SessionCaches:
 
     def forget(self, key: str) -> None:
         """A deleted session: its caches go, and every block no other session lists."""
-        self.abandon(key)
         if self.resident.discard(key) is not None:
             self.table.set_live(key, False)
         self.warm.discard(key)

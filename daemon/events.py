@@ -12,7 +12,7 @@ the listener that writes it to its client calls right after that write (or
 as soon as it knows it never will: its client has gone, it sends nothing
 before the end). The engine waits for the first of those calls, a few
 milliseconds at most, before its next step, so that step does not hold the
-first token back (engine/turnsteps.py, FIRST_HANDOFF_S). A door that forgets
+first token back (engine/steps.py, FIRST_HANDOFF_S). A door that forgets
 it costs its clients that bound on every answer's first token.
 
 The websocket door turns them into protocol frames (`protocol.wire`), the

@@ -48,7 +48,7 @@ from sessions import Session, Store, is_disk_full, new_session_id
 from sessions.chains import said
 
 from .config import Config
-from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
+from .engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed, Progress, Queued, Started
 from .engine.thread import Engine
 from .events import (
     AnswerDelta,
@@ -183,7 +183,7 @@ class Turn:
     # a first turn refused before that leaves nothing stored, so nothing has to be deleted.
     unstored: list[Callable[[], Write]] = field(default_factory=list)
     # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
-    # write one; the engine waits for it (TurnJob.handed).
+    # write one; the engine waits for it (AnswerJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
     def publish(self, event: TurnEvent) -> None:
@@ -417,7 +417,7 @@ class Turns:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
 
-        job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
+        job = AnswerJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
                       history=first_new > 1 if history is None else history,
                       sampling=resolved,
                       emit=emit, grammar=grammar, handed=turn.handed)
@@ -426,7 +426,7 @@ class Turns:
         turn.publish(AnswerStarted(index))
         return turn
 
-    async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
+    async def _submit(self, turn: Turn, prompt: Prompt, job: AnswerJob, events: Any) -> None:
         """Make the turn's ids in the tokenizer stage, then hand the job to the engine."""
         while not self.engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
@@ -547,7 +547,7 @@ class Turns:
         """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
 
         The engine waits after the answer's first token until it is written
-        (TurnJob.handed): the listener that writes it sets that, or this does
+        (AnswerJob.handed): the listener that writes it sets that, or this does
         when there is nothing to write or nobody to write it.
         """
         turn.text += text

@@ -15,7 +15,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from conftest import RunningDaemon, client, running_daemon
-from daemon.engine.jobs import Done, TurnJob
+from daemon.engine.jobs import AnswerJob, Done
 
 pytestmark = pytest.mark.anyio
 
@@ -31,7 +31,7 @@ class HeldEnds:
         self._lock = threading.Lock()
         submit = d.daemon.engine.submit
 
-        def submit_holding(job: TurnJob) -> None:
+        def submit_holding(job: AnswerJob) -> None:
             emit = job.emit
 
             def emit_or_hold(event: Any) -> None:  # engine thread
@@ -379,7 +379,7 @@ async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its
     async with running_daemon(tmp_path) as d:
         submit = d.daemon.engine.submit
 
-        def recording(job: TurnJob) -> None:
+        def recording(job: AnswerJob) -> None:
             fed.append((job.session_id, list(job.tokens)))
             submit(job)
 
@@ -444,7 +444,7 @@ async def test_after_a_restart_the_next_request_of_a_conversation_renders_only_i
                 await anyio.sleep(0.02)
         submit = d.daemon.engine.submit
 
-        def recording(job: TurnJob) -> None:
+        def recording(job: AnswerJob) -> None:
             fed.append(list(job.tokens))
             submit(job)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import RunningDaemon, running_daemon
-from daemon.engine.jobs import TurnJob
+from daemon.engine.jobs import AnswerJob
 from daemon.models.builtin import ensure_builtin
 from daemon.prompt import conversation_ids
 from test_renders import reordered
@@ -39,7 +39,7 @@ def fed_ids(d: RunningDaemon) -> list[list[int]]:
     fed: list[list[int]] = []
     submit = d.daemon.engine.submit
 
-    def recording(job: TurnJob) -> None:
+    def recording(job: AnswerJob) -> None:
         fed.append(list(job.tokens))
         submit(job)
 

@@ -1,6 +1,6 @@
 """What goes into the engine and what comes out of it: the types the turn core shares with the engine.
 
-A turn core (turns.py) submits a TurnJob; the engine thread answers
+A turn core (turns.py) submits an AnswerJob; the engine thread answers
 through the job's `emit` with EngineEvents, in this order: `Queued` (only
 past max_generations, again whenever its place moves up), `Started`,
 `Progress` (long prefills), `Delta`s, then exactly one `Done` or `Failed`.
@@ -21,7 +21,7 @@ from protocol.shapes import Resolved
 
 
 @dataclass
-class TurnJob:
+class AnswerJob:
     """A turn's prompt as token ids, made by the turn core's tokenizer stage: the engine never tokenizes."""
 
     session_id: str
@@ -101,7 +101,7 @@ class Failed:
 EngineEvent = Queued | Started | Progress | Delta | Done | Failed
 
 
-# --- the engine's inbox, besides TurnJobs ------------------------------
+# --- the engine's inbox, besides AnswerJobs ------------------------------
 
 
 @dataclass
@@ -120,8 +120,9 @@ class Stop:
 
 
 @dataclass
-class Wake:
-    """The I/O worker read a cache (cachestore's `on_read`): the engine wakes to take it in."""
+class ReadReported:
+    """The I/O worker's reader reported on a read (cachestore's `on_read`): the engine takes the
+    report in and starts the answers whose read has ended (`Steps.read_reported`)."""
 
 
 @dataclass

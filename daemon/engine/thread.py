@@ -3,8 +3,8 @@
 Jobs come in through a queue; events go out through a callback the server
 supplies (it hops them onto the event loop with `call_soon_threadsafe`).
 This file is the thread: its loop, its inbox, loading the model, idle
-upkeep and the statistics; what a step does to the turns (admit, prefill,
-decode, finish, cancel) is a `TurnSteps` (turnsteps.py), made once the model
+upkeep and the statistics; what a step does to the answers (admit, prefill,
+decode, finish, cancel) is a `Steps` (steps.py), made once the model
 is loaded, which the engine owns and calls.
 """
 
@@ -25,18 +25,18 @@ from common.sizes import human_bytes
 
 from ..config import Config
 from .jobs import (
+    AnswerJob,
     Cancel,
     Failed,
     Forget,
+    ReadReported,
     Status,
     Stop,
-    TurnJob,
-    Wake,
 )
-from .lockstep import Kind
-from .running import EngineStatistics, RunningTurn
-from .scheduler import Scheduler
-from .turnsteps import TurnSteps
+from .lockstep import Op
+from .running import Answer, EngineStatistics
+from .scheduler import Phase, Scheduler
+from .steps import Steps
 
 if TYPE_CHECKING:
     from cachestore import SessionCaches
@@ -51,7 +51,7 @@ MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 
 
 class Engine:
-    """Owns the model; serves TurnJobs through one decode batch (decode.py)."""
+    """Owns the model; serves AnswerJobs through one decode batch (decode.py)."""
 
     def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
         """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
@@ -62,23 +62,24 @@ class Engine:
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[TurnJob | Cancel | Forget | Stop | Status | Wake] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[AnswerJob | Cancel | Forget | Stop | Status | ReadReported] = \
+            queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
-        # Running turns (by session id) and the jobs past max_generations.
-        self._turns: Scheduler[TurnJob, RunningTurn] = Scheduler(
+        # Every answer, in its phase: running, restoring, and waiting past max_generations.
+        self.scheduler: Scheduler[Answer] = Scheduler(
             max_running=config.max_generations, prefill_step=config.prefill_step_size,
             prefill_slice=config.prefill_slice,
             # Running caches count against the resident budget (not across ranks: each rank's share
             # differs, and every rank must admit alike).
             budget=config.resident_bytes if lockstep is None else None)
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
-        self.steps: TurnSteps | None = None  # what moves the turns along, once the model is loaded
+        self.steps: Steps | None = None  # what moves the answers along, once the model is loaded
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
-        #: Whether a turn wants its first token: the cache store's writes give way to it (ioworker.py).
+        #: Whether an answer wants its first token: the cache store's writes give way to it (ioworker.py).
         self.first_tokens = FirstTokens()
 
     @property
@@ -87,7 +88,7 @@ class Engine:
 
     @config.setter
     def config(self, config: Config) -> None:
-        """A new config (tests swap one in between turns) reaches the turn steps too."""
+        """A new config (tests swap one in between turns) reaches the steps too."""
         self._config = config
         if (steps := getattr(self, "steps", None)) is not None:
             steps.config = config
@@ -97,7 +98,7 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: TurnJob) -> None:
+    def submit(self, job: AnswerJob) -> None:
         self.first_tokens.arrived()
         self._inbox.put(job)
 
@@ -109,7 +110,7 @@ class Engine:
         self._inbox.put(Forget(session_id))
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
-        """Ask for fresh statistics: answered between steps, once any finished turn is kept (on disk too)."""
+        """Ask for fresh statistics: answered between steps, once any finished answer's cache is kept (on disk too)."""
         self._inbox.put(Status(reply))
 
     def stop(self, timeout: float | None = None) -> None:
@@ -118,11 +119,11 @@ class Engine:
         self._thread.join(timeout)
 
     def statistics(self) -> EngineStatistics:
-        """The turns running and waiting now: read on the engine thread, or while it is not running."""
-        s = self._turns.statistics()
-        turns = {sid: act.statistics() for sid, act in self._turns.running.items()}
+        """The answers running and waiting now: read on the engine thread, or while it is not running."""
+        s = self.scheduler.statistics()
+        answers = {a.key: a.statistics() for a in self.scheduler.started()}
         return EngineStatistics(running=s.running, waiting=s.waiting, prefilling=s.prefilling,
-                                decoding=s.decoding, turns=turns)
+                                decoding=s.decoding, answers=answers)
 
     # --- the engine thread (tests drive them on their own thread, without start()) ---
 
@@ -157,7 +158,7 @@ class Engine:
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
-        self.steps = TurnSteps(c, self.model, self.tokenizer, self.caches, turns=self._turns,
+        self.steps = Steps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
                                lockstep=self.lockstep, max_context=self.max_context,
                                publish=self._publish_stats)
         if self.lockstep is not None:
@@ -190,7 +191,7 @@ class Engine:
         from ..device import configured, current
 
         c = configured(c, current())
-        self._turns.prefill_step = c.prefill_step_size
+        self.scheduler.prefill_step = c.prefill_step_size
         return c
 
     def _tier_budgets(self, c: Config) -> tuple[int, int]:
@@ -210,20 +211,22 @@ class Engine:
             log.info("cache budgets from %s's memory: resident %s, warm %s", current().device.label(),
                      human_bytes(resident), human_bytes(warm))
         if self.lockstep is None:
-            self._turns.budget = resident  # running caches count against what the resident tier may hold
+            self.scheduler.budget = resident  # running caches count against what the resident tier may hold
         return resident, warm
 
     def _connect_caches(self, probe: list[Any]) -> None:
         """What the cache store and the admission need from the engine, once the model is warm:
-        a cache's bytes by its length (from the warm-up's cache), the bytes the running turns hold,
-        and a wake-up when the I/O worker has read a cache (not across ranks: they wait, in step)."""
+        a cache's bytes by its length (from the warm-up's cache), the bytes the admitted answers hold,
+        which sessions wait for a read, and a message when the I/O worker's reader reported (not across
+        ranks: they wait, in step)."""
         from cachestore import cache_cost
 
         assert self.caches is not None and self.steps is not None
         self.steps.cost = cache_cost(probe)
-        self.caches.running_bytes = self._turns.held_bytes
+        self.caches.running_bytes = self.scheduler.held_bytes
+        self.caches.restoring = lambda key: (a := self.scheduler.get(key)) is not None and a.read is not None
         if self.lockstep is None:
-            self.caches.on_read = lambda: self._inbox.put(Wake())
+            self.caches.on_read = lambda: self._inbox.put(ReadReported())
 
     def open(self) -> None:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
@@ -248,7 +251,7 @@ class Engine:
         idle_wait = MAINTAIN_EVERY if ls is None else min(MAINTAIN_EVERY, ls.heartbeat)
         while True:
             try:
-                if self._turns.running or self._prefetch:
+                if self.scheduler.started() or self._prefetch:
                     cmd = self._inbox.get(block=False)
                 else:
                     if ls is not None:
@@ -257,9 +260,9 @@ class Engine:
             except queue.Empty:
                 cmd = None
             with ls.watched() if ls is not None else contextlib.nullcontext():
-                if cmd is None and not self._turns.running:
+                if cmd is None and not self.scheduler.started():
                     if ls is not None:
-                        ls.send(Kind.IDLE)
+                        ls.send(Op.IDLE)
                     self.idle()
                 if isinstance(cmd, Stop):
                     if ls is not None:
@@ -267,19 +270,19 @@ class Engine:
                     self.close()
                     return
                 if cmd is not None:
-                    if ls is not None and not isinstance(cmd, (Status, Wake)):
+                    if ls is not None and not isinstance(cmd, (Status, ReadReported)):
                         ls.send(cmd)
                     self.apply(cmd)
                 if self._inbox.empty():  # every request so far handled: the engine moves one step
                     if ls is not None:
-                        ls.send(Kind.STEP)
+                        ls.send(Op.STEP)
                     self.advance()
 
     # --- what rank 0's loop does, and a follower on rank 0's word (follower.py) ---
 
     def idle(self) -> None:
         """Upkeep while nothing runs: the next planned prefetch, else demote idle caches."""
-        if self._turns.running or self.caches is None:
+        if self.scheduler.started() or self.caches is None:
             return
         if self._prefetch:
             self._prefetch_one()
@@ -290,10 +293,9 @@ class Engine:
     def close(self) -> None:
         """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
         if self.steps is not None:
-            for job in self._turns.waiting():
-                self.steps.cancel(job.session_id)
-            for sid in [*self._turns.restoring_keys(), *self._turns.running]:
-                self.steps.cancel(sid)
+            s = self.scheduler
+            for a in [*s.phase(Phase.WAITING), *s.phase(Phase.RESTORING), *s.started()]:
+                self.steps.cancel(a.key)
         if self.caches is not None:
             self.caches.page_out_all()
             self.caches.close()
@@ -301,17 +303,17 @@ class Engine:
     def advance(self) -> None:
         self._advance()
 
-    def apply(self, cmd: TurnJob | Cancel | Forget | Status | Wake) -> None:
+    def apply(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
         self._handle(cmd)
 
     def _advance(self) -> None:
-        """Start what may start, then one step of the running turns."""
+        """Start what may start, then one step of the running answers."""
         if self.steps is None:
             return
         self.steps.admit_waiting()
-        if self._turns.running:
+        if self.scheduler.started():
             self.steps.step()
-        self.first_tokens.engine(self._turns.before_first_tokens())
+        self.first_tokens.engine(self.scheduler.before_first_tokens())
 
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
@@ -329,18 +331,24 @@ class Engine:
             self._handle(cmd)
         self._advance()
 
-    def _handle(self, cmd: TurnJob | Cancel | Forget | Status | Wake) -> None:
-        if isinstance(cmd, TurnJob):
+    def _handle(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
+        if isinstance(cmd, AnswerJob):
             if self.steps is None:
                 cmd.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
-            self.first_tokens.taken(self._turns.before_first_tokens())
+            self.first_tokens.taken(self.scheduler.before_first_tokens())
         elif isinstance(cmd, Cancel):
             if self.steps is not None:
                 self.steps.cancel(cmd.session_id)
+        elif isinstance(cmd, ReadReported):
+            if self.steps is not None:
+                self.steps.read_reported()
         elif isinstance(cmd, Forget):
-            if self.caches is not None and cmd.session_id not in self._turns.running:
+            a = self.scheduler.get(cmd.session_id)
+            if self.caches is not None and (a is None or a.phase in (Phase.WAITING, Phase.RESTORING)):
+                if a is not None and a.read is not None:
+                    self.caches.abandon(a.read)  # its answer starts without what the read held
                 self.caches.forget(cmd.session_id)
                 self._publish_stats()
         elif isinstance(cmd, Status):
@@ -379,7 +387,7 @@ class Engine:
         kept_for = self.caches.kept_for() if self.caches is not None else {}  # other models' caches
         s = self.statistics()
         self.stats = {"generating": s.running, "waiting": s.waiting,
-                      "answering": {sid: asdict(turn) for sid, turn in s.turns.items()},
+                      "answering": {sid: asdict(a) for sid, a in s.answers.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
                       "kept_for": kept_for,
                       "warm_up_ms": self.warm_up_ms, "device": self.device}
