@@ -51,6 +51,7 @@ class Held:
     messages: list[Message]  # message i at position i (indices are contiguous)
     fed: list[int]
     covers: int  # how many leading messages `fed` stands for
+    model: str | None = None  # the model serving it (`fed` holds its tokens); None: the daemon's default
     said_index: list[int] = field(default_factory=list)  # messages with text, as a prompt renders them
     said_template: list[dict[str, Any]] = field(default_factory=list)
 
@@ -123,7 +124,8 @@ def _load(session_id: str) -> Callable[[Store], Held | None]:
         if session is None:
             return None
         fed, covers = _fed(store, session_id)
-        return Held(session_id, session["system"], session["params"], store.messages(session_id), fed, covers)
+        return Held(session_id, session["system"], session["params"], store.messages(session_id), fed, covers,
+                    model=session["model"])
 
     return load
 
@@ -189,14 +191,15 @@ class Transcripts:
         return self.writer.submit(fn, durable=durable, label=label)
 
     def create(self, session_id: str, *, title: str, system: str | None, origin: str | None,
-               held: Held | None = None) -> tuple[Held, Write]:
+               held: Held | None = None, model: str | None = None) -> tuple[Held, Write]:
         """A new session, held at once (`held`: made by `prepared`, its messages chained by the
         caller); its row is queued (durable with the turn's answer)."""
         held = self._held[session_id] = held or Held(session_id, system, {}, [], [], 0)
+        held.model = model
         self.chains.put(session_id, system, [])
         self._let_go()
         return held, self._write(lambda s: s.create_session(title=title, system=system, origin=origin,
-                                                            session_id=session_id), durable=False)
+                                                            session_id=session_id, model=model), durable=False)
 
     def append(self, held: Held, role: str, content: str, *, status: str = "complete",
                tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
@@ -267,10 +270,13 @@ class Transcripts:
 
     # --- session-level changes, acknowledged to whoever asked: waited for ---
 
-    async def create_session(self, *, title: str, system: str | None, origin: str | None) -> Session:
-        session = await self.writer.run(lambda s: s.create_session(title=title, system=system, origin=origin))
+    async def create_session(self, *, title: str, system: str | None, origin: str | None,
+                             model: str | None = None) -> Session:
+        session = await self.writer.run(lambda s: s.create_session(title=title, system=system, origin=origin,
+                                                                   model=model))
         self.chains.put(session["id"], system, [])
-        self._held[session["id"]] = Held(session["id"], system, {}, [], [], 0)  # its first turn loads nothing
+        # its first turn loads nothing
+        self._held[session["id"]] = Held(session["id"], system, {}, [], [], 0, model=model)
         self._let_go()
         return session
 
@@ -302,6 +308,15 @@ class Transcripts:
         self._held.pop(session_id, None)
         self.chains.remove(session_id)
         return await self.writer.run(lambda s: s.delete_session(session_id))
+
+    def model_changed(self, held: Held, model: str | None) -> list[Write]:
+        """The session is served by another model from its next turn: its fed ids were the old model's
+        tokens, so they go (the next turn renders the transcript with the new model's tokenizer)."""
+        held.model = model
+        sid = held.session_id
+        return [self._write(lambda s: s.update_session(sid, model=model), durable=False),
+                self.set_tokens(held, [], covers=0),
+                self.forget_fed_ends(held, len(held.messages))]
 
     def system_changed(self, held: Held, system: str | None) -> list[Write]:
         """A pinned request's new system prompt (placement): as update_session's, not waited for."""

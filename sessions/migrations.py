@@ -169,3 +169,11 @@ def m007_fed_ids_checksum(db: Database) -> None:
     for session_id, tokens, covers in rows:
         db.execute("UPDATE session_tokens SET checksum = ? WHERE session_id = ?",
                    [fed_checksum(session_id, bytes(tokens), int(covers)), session_id])
+
+
+@migration
+def m008_session_model(db: Database) -> None:
+    # The model that serves the session, as kvd names it (`kvd models`; an alias already resolved):
+    # its fed ids are that model's tokens. NULL: the daemon's default model (`--model`), as every
+    # session made before a daemon served several models.
+    db.execute("ALTER TABLE sessions ADD COLUMN model TEXT")

@@ -57,6 +57,7 @@ class Session(TypedDict):
     tokens: int
     params: dict[str, Any]
     origin: str | None  # who made it: "kvchat", "kvchat one-shot", "api (<User-Agent>)", "websocket"
+    model: str | None  # the model that serves it (its fed ids are that model's); None: the daemon's default
 
 
 class Message(TypedDict):
@@ -85,12 +86,13 @@ SELECT s.id, s.title, s.system, s.created_at, s.updated_at,
     coalesce((SELECT length(t.tokens) / 4 FROM session_tokens t
         WHERE t.session_id = s.id), 0),
     s.params,
-    s.origin
+    s.origin,
+    s.model
 FROM sessions s
 """
 _SESSION_KEYS = (
     "id", "title", "system", "created_at", "updated_at",
-    "message_count", "last_message", "tokens", "params", "origin",
+    "message_count", "last_message", "tokens", "params", "origin", "model",
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
@@ -141,21 +143,21 @@ class Store:
 
     def create_session(
         self, *, title: str, system: str | None = None, origin: str | None = None,
-        session_id: str | None = None,
+        session_id: str | None = None, model: str | None = None,
     ) -> Session:
         """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE),
         and may choose its id (new_session_id()) before the row is written, as the turn core does."""
         now = self._clock()
         session_id = session_id or new_session_id()
         self.db.execute(
-            "INSERT INTO sessions (id, title, system, created_at, updated_at, origin) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            [session_id, title, system, now, now, origin],
+            "INSERT INTO sessions (id, title, system, created_at, updated_at, origin, model) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [session_id, title, system, now, now, origin, model],
         )
         return Session(
             id=session_id, title=title, system=system, created_at=now,
             updated_at=now, message_count=0, last_message=None, tokens=0,
-            params={}, origin=origin,
+            params={}, origin=origin, model=model,
         )  # fmt: skip
 
     def get_session(self, session_id: str) -> Session | None:
@@ -181,6 +183,7 @@ class Store:
         title: str | Keep = KEEP,
         system: str | None | Keep = KEEP,
         params: Mapping[str, Any] | Keep = KEEP,
+        model: str | None | Keep = KEEP,
     ) -> None:
         """Change the given fields in one statement; this is not use (`updated_at`, so the list order, stays).
 
@@ -198,6 +201,9 @@ class Store:
         if not isinstance(params, Keep):
             sets.append("params = ?")
             values.append(json.dumps(dict(params)) if params else None)
+        if not isinstance(model, Keep):
+            sets.append("model = ?")
+            values.append(model)
         if sets:
             self._update_session(session_id, ", ".join(sets), values)
         else:
