@@ -47,6 +47,7 @@ from sessions.chains import said
 
 from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
+from .engine.registry import Engines, ModelRefused
 from .engine.thread import Engine
 from .prompt import Continuation, Prompt, Tokenizing
 from .renders import Renders
@@ -143,6 +144,8 @@ class Turn:
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
     door: str = "websocket"  # which front door asked for it (the log's turn line says)
+    model: str = ""  # the model answering it (the session's)
+    engine: Engine | None = None  # that model's engine, once loaded
     held: Held | None = None  # the session as the turn core holds it
     split: Split | None = None  # the answer's text -> its content and tool calls (the OpenAI door's)
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
@@ -176,21 +179,48 @@ class Turns:
     transcript and waits for no commit until it acknowledges its answer.
     """
 
-    def __init__(self, config: Config, store: Store, engine: Engine):
+    def __init__(self, config: Config, store: Store, engine: Engine, engines: Engines | None = None):
+        """`engine`: the default model's; `engines`: every loaded model's (made here around `engine` if
+        not given)."""
         self.config = config
-        self.engine = engine
         self.active: dict[str, Turn] = {}
+        self.engines = engines or Engines(config, engine, busy=self.answering)
+        self._first = engine
         self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
-        self._tokenizing: Tokenizing | None = None
-        self.renders = Renders()  # stateless requests' last renders; used in the tokenizer stage only
+        self._tokenizing: dict[Engine, Tokenizing] = {}
+        self._renders: dict[str, Renders] = {}  # stateless requests' last renders, per model (tokenizer stage)
+
+    @property
+    def engine(self) -> Engine:
+        """The default model's engine (the one kvd started with, while it is loaded)."""
+        return self.engines.default_engine or self._first
+
+    def answering(self, model: str) -> bool:
+        """Whether a turn runs on `model` now (the registry never unloads such a model)."""
+        return any(t.model == model for t in self.active.values())
 
     @property
     def tokenizing(self) -> Tokenizing:
-        """The tokenizer stage (the model must be loaded: the stage copies its tokenizer)."""
-        if self._tokenizing is None:
-            self._tokenizing = Tokenizing(self.engine.tokenizer)
-        return self._tokenizing
+        """The default model's tokenizer stage (it must be loaded: the stage copies its tokenizer)."""
+        return self.tokenizing_for(self.engine)
+
+    def tokenizing_for(self, engine: Engine) -> Tokenizing:
+        """A loaded model's tokenizer stage (made on first use; unloaded models' stages let go)."""
+        if engine not in self._tokenizing:
+            loaded = set(self.engines.engines())
+            self._tokenizing = {e: t for e, t in self._tokenizing.items() if e in loaded}
+            self._tokenizing[engine] = Tokenizing(engine.tokenizer)
+        return self._tokenizing[engine]
+
+    @property
+    def renders(self) -> Renders:
+        """The default model's renders (stateless requests' last renders)."""
+        return self.renders_for(self.engines.default)
+
+    def renders_for(self, model: str) -> Renders:
+        """A model's renders: ids are its tokenizer's, so each model remembers its own."""
+        return self._renders.setdefault(model, Renders())
 
     # --- sessions ---
 
@@ -220,7 +250,8 @@ class Turns:
         if not await self.transcripts.delete_session(session_id):
             raise RequestError(p.UNKNOWN_SESSION,
                                f"no session {session_id!r}; list sessions with session.list", rid)
-        self.engine.forget(session_id)  # queued behind any turn that is still keeping its cache
+        for engine in self.engines.engines():  # each model's cache of it; queued behind any turn keeping one
+            engine.forget(session_id)
 
     # --- the fed-token rule ---
 
@@ -260,12 +291,13 @@ class Turns:
     # --- what a client asks for: a new message, an answer again, an edited message ---
 
     async def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
-                   **sampling: Any) -> Turn:
-        """The user's message and its answer (written together: a full disk stores neither)."""
+                   model: str | None = None, **sampling: Any) -> Turn:
+        """The user's message and its answer (written together: a full disk stores neither).
+        `model`: the model to answer it from now on (resolved by the registry); None: the session's."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, model=model, **sampling)
 
     async def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str,
                          **sampling: Any) -> Turn:
@@ -339,7 +371,7 @@ class Turns:
               max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
               prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
-              grammar: str | None = None, split: Split | None = None) -> Turn:
+              grammar: str | None = None, split: Split | None = None, model: str | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
@@ -348,7 +380,9 @@ class Turns:
         cache comes from wherever the longest prefix of its ids is held: the
         session's own or any other's (cachestore's checkout). `split` (the
         OpenAI door's, when the request offered tools) makes the answer's text
-        its content and tool calls when it is kept.
+        its content and tool calls when it is kept. `model` (resolved by the
+        registry): the model that answers, from now on, for the session; None:
+        the session's own (the default for a session that has none).
         """
         assert self.tg is not None, "the daemon is not serving"
         held = self.transcripts.get(session_id)
@@ -357,11 +391,14 @@ class Turns:
                                "session.list", rid)
         sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, held.params,
                            self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
+        serving = model or held.model or self.engines.default
+        switched = self._serve_with(held, serving)
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None, door=door, held=held, split=split)
+                    stop=StopScan(stop) if stop else None, door=door, held=held, split=split, model=serving)
+        turn.writes += switched
         turn.writes.append(self.transcripts.write_new(held, first_new))
         self.active[session_id] = turn
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
@@ -385,22 +422,41 @@ class Turns:
         turn.publish({"type": p.CHAT_START, "message_index": index})
         return turn
 
+    def _serve_with(self, held: Held, model: str) -> list[Write]:
+        """The session is answered by `model` from this turn on: recorded, and its fed ids dropped when
+        they were another model's tokens (a session without a model was the default's)."""
+        if held.model == model:
+            return []
+        if held.model is None and model == self.engines.default:
+            held.model = model
+            return [self.transcripts.writer.submit(lambda s: s.update_session(held.session_id, model=model),
+                                                   durable=False)]
+        log.info("session %s is answered by %s from now on (was %s)", held.session_id, model,
+                 held.model or self.engines.default)
+        return self.transcripts.model_changed(held, model)
+
     async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
-        """Make the turn's ids in the tokenizer stage, then hand the job to the engine."""
-        while not self.engine.ready.is_set():  # the tokenizer comes with the model
+        """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
+        job to its engine."""
+        try:
+            engine = turn.engine = await self.engines.engine(turn.model)
+        except ModelRefused as e:  # nothing was generated: the turn's messages are taken back
+            events.send_nowait(Failed(p.TOO_LARGE, str(e)))
+            return
+        while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
-        if self.engine.load_error is not None:
-            self.engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
+        if engine.load_error is not None:
+            engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
             return
         try:
-            job.tokens, job.retokenized = await self.tokenizing.run(prompt.ids)
+            job.tokens, job.retokenized = await self.tokenizing_for(engine).run(prompt.ids)
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
             events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
-        self.engine.submit(job)
+        engine.submit(job)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
-            self.engine.cancel(turn.session_id)
+            engine.cancel(turn.session_id)
 
     def cancel(self, session_id: str, turn: Turn | None = None) -> None:
         """Stop the session's answer (only if it is still `turn`, when given); what was generated is kept."""
@@ -408,7 +464,8 @@ class Turns:
             current = self.active.get(session_id)
             if current is not None:
                 current.cancelled = True
-            self.engine.cancel(session_id)
+                if current.engine is not None:  # else it has not reached an engine: _submit cancels it there
+                    current.engine.cancel(session_id)
 
     async def _committed(self, turn: Turn) -> None:
         """Wait until the turn's writes are committed; raise the first that failed."""
@@ -472,7 +529,8 @@ class Turns:
                         turn.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
                         return
         except Exception as e:
-            self.engine.cancel(sid)  # nobody is left to keep what it generates
+            if turn.engine is not None:
+                turn.engine.cancel(sid)  # nobody is left to keep what it generates
             if is_disk_full(e):
                 log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
                 turn.publish({"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE})
@@ -491,6 +549,7 @@ class Turns:
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]
+            self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
     def _delta(self, turn: Turn, text: str) -> None:

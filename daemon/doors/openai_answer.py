@@ -143,7 +143,7 @@ class Answer(Response):
                     message["tool_calls"] = openai_calls(calls)
                 await self._body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
-                    "model": self.config.model,
+                    "model": self.turn.model or self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
                     "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
                 return
@@ -154,7 +154,7 @@ class Answer(Response):
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.turn.request_id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.config.model,
+            "model": self.turn.model or self.config.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         if self._usage_wanted():
             chunk["usage"] = None
@@ -192,7 +192,7 @@ class Answer(Response):
                 await sse(self._chunk({}, self._called(event, calls)))
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
-                               "created": self.created, "model": self.config.model, "choices": [],
+                               "created": self.created, "model": self.turn.model or self.config.model, "choices": [],
                                "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
                 break
             elif kind == p.ERROR:

@@ -76,6 +76,7 @@ class Engine:
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
+        self.weights_bytes: int | None = None  # the model's weights in memory, once loaded (the registry's)
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
         #: Whether a turn wants its first token: the cache store's writes give way to it (ioworker.py).
         self.first_tokens = FirstTokens()
@@ -156,6 +157,10 @@ class Engine:
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
+        from mlx.utils import tree_flatten
+
+        params: Any = tree_flatten(loaded.model.parameters())
+        self.weights_bytes = sum(int(v.nbytes) for _, v in params)
         self.steps = TurnSteps(c, self.model, self.tokenizer, self.caches, turns=self._turns,
                                lockstep=self.lockstep, max_context=self.max_context,
                                publish=self._publish_stats)
@@ -255,6 +260,7 @@ class Engine:
                     if ls is not None:
                         ls.send(cmd)
                     self.close()
+                    self._release()
                     return
                 if cmd is not None:
                     if ls is not None and not isinstance(cmd, (Status, Wake)):
@@ -287,6 +293,19 @@ class Engine:
         if self.caches is not None:
             self.caches.page_out_all()
             self.caches.close()
+
+    def _release(self) -> None:
+        """After close: let the model and its arrays go, and MLX's buffer cache with them (an unloaded
+        model's memory is another's to use; daemon/engine/registry.py)."""
+        self.steps = None
+        self.caches = None
+        self.model = self.tokenizer = None
+        import gc
+
+        import mlx.core as mx
+
+        gc.collect()
+        mx.clear_cache()
 
     def advance(self) -> None:
         self._advance()
