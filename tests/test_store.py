@@ -95,10 +95,16 @@ def test_create_and_get_session(store: Store) -> None:
         "tokens": 0,
         "params": {},
         "origin": None,
+        "model": None,
     }
     assert store.get_session(created["id"]) == created
     api = store.create_session(title="From a client", origin="api (curl/8.5)")
     assert store.get_session(api["id"]) == api and api["origin"] == "api (curl/8.5)"
+
+    tiny = store.create_session(title="Tiny", model="builtin:tiny")
+    assert get(store, tiny["id"])["model"] == "builtin:tiny"
+    store.update_session(tiny["id"], model="builtin:tiny-swa")
+    assert get(store, tiny["id"])["model"] == "builtin:tiny-swa"
 
     other = store.create_session(title="Plans", system="Be brief.")
     got = get(store, other["id"])
@@ -408,7 +414,7 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
     names = [r[0] for r in raw_query(db_path, "SELECT name FROM _sqlite_migrations "
                                                "WHERE migration_set = 'kvd.sessions' ORDER BY id")]
     assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks",
-                     "m005_session_origin", "m006_tool_messages", "m007_fed_ids_checksum"]
+                     "m005_session_origin", "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model"]
 
 
 def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
@@ -431,7 +437,7 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
                "created_at, updated_at) VALUES (?, 0, 'user', 'kept', 'complete', NULL, NULL, 7, 1, 1)", [MISSING])
     db.conn.commit()
     assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks", "m005_session_origin",
-                           "m006_tool_messages", "m007_fed_ids_checksum"]
+                           "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model"]
     assert LEGACY_TABLE not in db.table_names() and MIGRATIONS.pending(db) == []
     assert migrate(db) == []
     db.close()
