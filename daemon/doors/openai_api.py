@@ -258,7 +258,10 @@ class OpenAIDoor:
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
                      headers: dict[str, str]) -> tuple[Turn, _Events, Placement, ToolFormat | None]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        model = await self.turns.engines.resolve(req.model)
+        try:
+            model = await self.turns.engines.resolve(req.model)
+        except RequestError as e:
+            raise ApiError(HTTPStatus.NOT_FOUND, e.message, param="model", code="model_not_found") from None
         if model == self.turns.engines.default and not self.turns.engine.ready.is_set():
             with anyio.move_on_after(LOAD_WAIT):
                 await self.loading.settled.wait()
