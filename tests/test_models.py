@@ -10,6 +10,7 @@ other; a model that can never fit is refused in one line; and the fields that
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,9 @@ import anyio
 import openai
 import pytest
 
+from conftest import Client, RunningDaemon, client, running_daemon
 from daemon.models.footprint import weights_bytes
 from daemon.models.sources import prepare_model
-
-from conftest import Client, RunningDaemon, client, running_daemon
 
 pytestmark = pytest.mark.anyio
 
@@ -60,7 +60,8 @@ async def answers_alone(data_dir: Path, model: str) -> tuple[list[str], list[str
         history: list[dict[str, str]] = []
         for text in PROMPTS:
             history.append({"role": "user", "content": text})
-            r = await api(d).chat.completions.create(model="kvd", messages=history, **GREEDY)  # type: ignore[arg-type]
+            r = await api(d).chat.completions.create(model="kvd", messages=history,  # type: ignore[arg-type]
+                                                    temperature=0.0, max_tokens=12)
             history.append({"role": "assistant", "content": r.choices[0].message.content or ""})
             http.append(r.choices[0].message.content or "")
         return ws, http
@@ -81,7 +82,8 @@ async def test_two_models_alternate_across_two_doors_and_answer_as_alone(tmp_pat
                 loads += seen
                 got[m][0].append(said)
                 history[m].append({"role": "user", "content": text})
-                r = await api(d).chat.completions.create(model=m, messages=history[m], **GREEDY)  # type: ignore[arg-type]
+                r = await api(d).chat.completions.create(model=m, messages=history[m],  # type: ignore[arg-type]
+                                                        temperature=0.0, max_tokens=12)
                 assert r.model == m
                 history[m].append({"role": "assistant", "content": r.choices[0].message.content or ""})
                 got[m][1].append(r.choices[0].message.content or "")
@@ -98,7 +100,8 @@ async def test_two_models_alternate_across_two_doors_and_answer_as_alone(tmp_pat
         assert loaded[TINY]["default"] and not loaded[SWA]["default"]
 
         listed = (await c.request("session.list"))["sessions"]
-        assert {s["id"]: s["model"] for s in listed}.items() >= {sessions[TINY]["id"]: TINY, sessions[SWA]["id"]: SWA}.items()
+        shown = {s["id"]: s["model"] for s in listed}
+        assert shown[sessions[TINY]["id"]] == TINY and shown[sessions[SWA]["id"]] == SWA
         assert all("model" in s for s in listed)  # the API's sessions too
 
         models = (await api(d).models.list()).model_dump()["data"]
@@ -171,3 +174,22 @@ async def test_a_model_that_can_never_fit_is_refused_in_one_line(tmp_path: Path)
         with anyio.fail_after(30):  # the default still answers
             _, done, _ = await turn(c, (await c.request("session.create"))["session"]["id"], "still here?")
         assert done["type"] == "chat.done"
+
+
+async def test_kvchat_model_flag_and_model_command(tmp_path: Path) -> None:
+    from kvchat_harness import kvchat
+
+    async with running_daemon(tmp_path, model=TINY) as d:
+        screen = await kvchat(d, "--new", "--model", "tiny-swa", "--temperature", "0", "--max-tokens", "4", script=[
+            "/model", "Hello there", "/model builtin:tiny", "/model", "And now?", "/model nonsense", "Again?",
+            "/quit"])
+        lines = screen.lines
+        assert "model: tiny-swa; /model NAME answers from another" in lines
+        assert "the next answer comes from builtin:tiny (kvd loads it on first use)" in lines
+        assert "model: builtin:tiny; /model NAME answers from another" in lines
+        assert any(line.startswith("error: kvd cannot serve a model named 'nonsense'") for line in lines), lines
+        sid = re.search(r"session ([0-9a-f]{16}) · model builtin:tiny-swa", screen.text).group(1)  # type: ignore[union-attr]
+        async with client(d) as c:
+            got = await c.request("session.get", session=sid)
+        assert got["session"]["model"] == TINY
+        assert [m["role"] for m in got["messages"]] == ["user", "assistant", "user", "assistant"]  # "Again?" refused

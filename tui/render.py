@@ -199,7 +199,7 @@ def print_header(
     title = sanitize(str(session.get("title") or protocol.DEFAULT_TITLE))
     console.print(Text(title, style="bold"), soft_wrap=True)
     details = [f"session {sanitize(str(session.get('id', '?')))}"]
-    model = hello.get("model")
+    model = session.get("model") or hello.get("model")  # the session's own (older daemons: the daemon's)
     if model:
         details.append(f"model {sanitize(str(model))}" + ("" if hello.get("ready", True) else " (loading)"))
     if resumed:

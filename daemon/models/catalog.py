@@ -161,10 +161,14 @@ def _human(size: int | None) -> str:
     return "-"
 
 
-def render(found: list[Entry]) -> list[str]:
-    """One line per model, in columns; the reason a model cannot run ends its line."""
-    rows: list[tuple[str, ...]] = [("model", "from", "architecture", "size", "encoding", "caches", "runs")]
-    rows += [tuple(printable(cell) for cell in (e.name, e.where, e.architecture, _human(e.size), e.encoding,
-                                                 e.caches, e.runs)) for e in found]
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r[:6], widths)) + "  " + r[6] for r in rows]
+def render(found: list[Entry], loaded: dict[str, str] | None = None) -> list[str]:
+    """One line per model, in columns; the reason a model cannot run ends its line. `loaded`: the running
+    daemon's models and their states (None: no daemon answered; the column says "-")."""
+    rows: list[tuple[str, ...]] = [("model", "from", "architecture", "size", "encoding", "caches", "context",
+                                    "loaded", "runs")]
+    rows += [tuple(printable(cell) for cell in (
+        e.name, e.where, e.architecture, _human(e.size), e.encoding, e.caches,
+        str(e.context) if e.context else "-", "-" if loaded is None else loaded.get(e.name, "no"), e.runs))
+        for e in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(8)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r[:8], widths)) + "  " + r[8] for r in rows]

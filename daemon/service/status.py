@@ -71,7 +71,11 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
             doing = f"reading its prompt, {turn['fed']}/{turn['prompt_tokens']} tokens"
         else:
             doing = f"answering, {turn['generated']} token(s) so far after a {turn['prompt_tokens']}-token prompt"
-        console.print(f"  session {sid}: {doing}", soft_wrap=True)
+        on = f" ({m})" if (m := turn.get("model")) else ""
+        console.print(f"  session {sid}{on}: {doing}", soft_wrap=True)
+    if len(loaded := status.get("models") or []) > 1:
+        console.print("models loaded: " + ", ".join(f"{m['model']} ({m['state']})" for m in loaded)
+                      + " · kvd ps shows more", soft_wrap=True)
     if device := status.get("device"):
         console.print(device, soft_wrap=True)
     if blas := status.get("blas"):
@@ -119,6 +123,52 @@ def _render_tiers(status: dict[str, Any], console: Console) -> None:
         console.print(f"* one budget: running and resident caches together stay within "
                       f"{_human(running['budget'])} (cache.resident_bytes); running counts what each "
                       "admitted turn's cache may reach, its prompt plus max_tokens", soft_wrap=True)
+
+
+def render_ps(models: list[dict[str, Any]], console: Console) -> None:
+    """`kvd ps`: each loaded model, its weights' memory, its context length, how long it has been idle."""
+    table = Table(show_edge=False)
+    for col in ("model", "state", "memory", "context", "idle", "unloads in"):
+        table.add_column(col, justify="left" if col in ("model", "state") else "right")
+    for m in models:
+        idle, until = m.get("idle_s"), m.get("unloads_in_s")
+        table.add_row(m["model"] + (" (default)" if m.get("default") else ""), m["state"],
+                      _human(m["weights_bytes"]) if m.get("weights_bytes") else "-",
+                      str(m["context_length"]) if m.get("context_length") else "-",
+                      _duration(idle) if idle is not None else "-",
+                      _duration(until) if until is not None else "-")
+    console.print(table)
+
+
+def loaded_models(data_dir: Path, timeout: float = 2.0) -> dict[str, str] | None:
+    """The running daemon's models and their states (`kvd models`'s "loaded" column); None: no daemon answers."""
+    url = p.read_daemon_url(data_dir)
+    if url is None:
+        return None
+    try:
+        status = fetch_status(url, (data_dir / p.TOKEN_FILE).read_text().strip(), timeout)
+    except (OSError, RuntimeError, WebSocketException):
+        return None
+    return {m["model"]: m["state"] for m in status.get("models") or []}
+
+
+def ps_main(data_dir: Path, url: str | None, as_json: bool) -> int:
+    """`kvd ps`: the loaded models of the daemon in `data_dir` (or at `url`)."""
+    url = url or p.read_daemon_url(data_dir)
+    if url is None:
+        return _gone(data_dir, f"no running daemon found in {data_dir}")
+    try:
+        status = fetch_status(url, (data_dir / p.TOKEN_FILE).read_text().strip())
+    except OSError as e:
+        return _gone(data_dir, f"cannot reach kvd at {url}: {e}")
+    except (RuntimeError, WebSocketException) as e:
+        print(f"kvd ps: {e}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(status.get("models") or [], indent=2))
+    else:
+        render_ps(status.get("models") or [], Console(width=max(Console().width, 100)))
+    return 0
 
 
 LAST_LINES = 10  # of the log, shown when the daemon is not there
