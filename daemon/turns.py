@@ -49,13 +49,21 @@ from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
 from .engine.registry import Engines, ModelRefused
 from .engine.thread import Engine
+from .events import (
+    AnswerDelta,
+    AnswerDone,
+    AnswerError,
+    AnswerProgress,
+    AnswerQueued,
+    AnswerStarted,
+    AnswerToolCall,
+    TurnEvent,
+)
 from .prompt import Continuation, Prompt, Tokenizing
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
 
 log = logging.getLogger("kvd.turns")
-
-Split = Callable[[str], tuple[str, list[dict[str, str]]]]
 
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
@@ -63,9 +71,21 @@ DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was
 
 
 class Listener(Protocol):
-    """Whoever wants a turn's events (a websocket connection, an HTTP response); must not block."""
+    """Whoever wants a turn's events (a websocket client, an HTTP response): it encodes them in its
+    door's own shape (events.py); must not block."""
 
-    def publish(self, event: dict[str, Any]) -> None: ...
+    def publish(self, event: TurnEvent) -> None: ...
+
+
+class CallSplit(Protocol):
+    """An answer's tool calls taken out of its text as it streams (doors/toolcalls.py's StreamSplit,
+    made by the door that offered tools): text before a call streams, the calls come at the end."""
+
+    content: str  # after `finish`: the kept answer's text without its calls' text
+
+    def feed(self, delta: str) -> str: ...  # the text that may be shown now
+
+    def finish(self) -> tuple[str, list[dict[str, str]]]: ...  # the text left to show, and the calls
 
 
 # --- stop sequences -------------------------------------------------------
@@ -120,16 +140,6 @@ class StopScan:
 # --- one turn -------------------------------------------------------------
 
 
-def _after_sends(callback: Callable[[], None], turns_of_the_loop: int = 3) -> None:
-    """Call `callback` on the event loop once the listeners have sent what was just published to
-    them: their writers take a turn of the loop to receive it (a memory stream), one more where a door
-    adds a layer, and send in the same turn."""
-    if turns_of_the_loop <= 0:
-        callback()
-    else:
-        asyncio.get_running_loop().call_soon(_after_sends, callback, turns_of_the_loop - 1)
-
-
 @dataclass
 class Turn:
     request_id: Any
@@ -137,7 +147,7 @@ class Turn:
     message_index: int
     first_new: int  # the first message this turn added (taken back if it can never fit)
     subscribers: set[Listener] = field(default_factory=set)
-    text: str = ""
+    text: str = ""  # the answer so far, as kept while it streams (a tool call's text included)
     seq: int = 0
     deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
     stop: StopScan | None = None
@@ -147,14 +157,13 @@ class Turn:
     model: str = ""  # the model answering it (the session's)
     engine: Engine | None = None  # that model's engine, once loaded
     held: Held | None = None  # the session as the turn core holds it
-    split: Split | None = None  # the answer's text -> its content and tool calls (the OpenAI door's)
+    tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
-    calls: list[dict[str, str]] = field(default_factory=list)  # the kept answer's tool calls (by `split`)
-    # Set once the first delta has been published; the engine waits for it (TurnJob.handed).
+    # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
+    # write one; the engine waits for it (TurnJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
-    def publish(self, event: dict[str, Any]) -> None:
-        event = {"id": self.request_id, "session": self.session_id, **event}
+    def publish(self, event: TurnEvent) -> None:
         for listener in list(self.subscribers):
             listener.publish(event)
 
@@ -166,8 +175,7 @@ class Turn:
         duplicate.
         """
         for seq in range(after_seq + 1, len(self.deltas)):
-            listener.publish({"type": p.CHAT_DELTA, "id": self.request_id, "session": self.session_id,
-                              "seq": seq, "text": self.deltas[seq]})
+            listener.publish(AnswerDelta(seq, self.deltas[seq]))
         self.subscribers.add(listener)
 
 
@@ -371,18 +379,19 @@ class Turns:
               max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
               prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
-              grammar: str | None = None, split: Split | None = None, model: str | None = None) -> Turn:
+              grammar: str | None = None, tools: CallSplit | None = None,
+              model: str | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
         as one operation; the job goes to the engine without waiting for it.
         `prompt` defaults to the transcript under the fed-token rule. The
         cache comes from wherever the longest prefix of its ids is held: the
-        session's own or any other's (cachestore's checkout). `split` (the
-        OpenAI door's, when the request offered tools) makes the answer's text
-        its content and tool calls when it is kept. `model` (resolved by the
-        registry): the model that answers, from now on, for the session; None:
-        the session's own (the default for a session that has none).
+        session's own or any other's (cachestore's checkout). `tools` (from a
+        door whose request offered tools) takes the answer's calls out of its
+        text: they are published once the answer ends, and kept as its calls. `model`
+        (resolved by the registry): the model that answers, from now on, for the
+        session; None: the session's own (the default for a session that has none).
         """
         assert self.tg is not None, "the daemon is not serving"
         held = self.transcripts.get(session_id)
@@ -397,7 +406,8 @@ class Turns:
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None, door=door, held=held, split=split, model=serving)
+                    stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
+                    model=serving)
         turn.writes += switched
         turn.writes.append(self.transcripts.write_new(held, first_new))
         self.active[session_id] = turn
@@ -419,7 +429,7 @@ class Turns:
                       emit=emit, grammar=grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)
-        turn.publish({"type": p.CHAT_START, "message_index": index})
+        turn.publish(AnswerStarted(index))
         return turn
 
     def _serve_with(self, held: Held, model: str) -> list[Write]:
@@ -486,16 +496,16 @@ class Turns:
         answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
-        handing = False
+        first = True
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
             async with events:
                 async for ev in events:
                     if isinstance(ev, Queued):
-                        turn.publish({"type": p.CHAT_QUEUED, "position": ev.position})
+                        turn.publish(AnswerQueued(ev.position))
                     elif isinstance(ev, Progress):
-                        turn.publish({"type": p.CHAT_PROGRESS, "fed": ev.fed, "total": ev.total})
+                        turn.publish(AnswerProgress(ev.fed, ev.total))
                     elif isinstance(ev, Started):
                         if ev.retokenized:
                             turn.writes.append(t.forget_fed_ends(held, turn.message_index))
@@ -506,11 +516,8 @@ class Turns:
                             text = turn.stop.feed(text)
                             if turn.stop.hit and not stopped:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
-                        if text:
-                            self._delta(turn, text)
-                        if not handing:  # the first delta: the engine waits for it to be sent
-                            handing = True
-                            _after_sends(turn.handed.set)
+                        self._said(turn, text, first=first)
+                        first = False
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()
@@ -526,18 +533,18 @@ class Turns:
                             turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                                         status="error", finish_reason="error"))
                         await self._committed(turn)
-                        turn.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
+                        turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
                         return
         except Exception as e:
             if turn.engine is not None:
                 turn.engine.cancel(sid)  # nobody is left to keep what it generates
             if is_disk_full(e):
                 log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
-                turn.publish({"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE})
+                turn.publish(AnswerError(p.DISK_FULL, DISK_FULL_MESSAGE, answered=turn.seq > 0))
             else:
                 log.exception("answer for session %s failed", sid)
-                turn.publish({"type": p.ERROR, "code": p.INTERNAL,
-                              "message": "kvd hit an internal error; it is logged"})
+                turn.publish(AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged",
+                                         answered=turn.seq > 0))
             if not turn.writes:  # they all committed: keep what was generated, marked cut
                 turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                             status="error", finish_reason="error"))
@@ -552,18 +559,30 @@ class Turns:
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
-    def _delta(self, turn: Turn, text: str) -> None:
+    def _said(self, turn: Turn, text: str, *, first: bool = False) -> None:
+        """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
+
+        The engine waits after the answer's first token until it is written
+        (TurnJob.handed): the listener that writes it sets that, or this does
+        when there is nothing to write or nobody to write it.
+        """
         turn.text += text
-        turn.deltas.append(text)
-        turn.publish({"type": p.CHAT_DELTA, "seq": turn.seq, "text": text})
-        turn.seq += 1
+        shown = turn.tools.feed(text) if turn.tools is not None else text
+        if first and not (shown and turn.subscribers):
+            turn.handed.set()
+        self._show(turn, shown, written=turn.handed.set if first else None)
+
+    def _show(self, turn: Turn, text: str, written: Callable[[], None] | None = None) -> None:
+        if text:
+            turn.deltas.append(text)
+            turn.publish(AnswerDelta(turn.seq, text, written))
+            turn.seq += 1
 
     async def _done(self, turn: Turn, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
         if turn.stop is not None:
-            if rest := turn.stop.flush():
-                self._delta(turn, rest)
+            self._said(turn, turn.stop.flush())
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
@@ -573,14 +592,19 @@ class Turns:
                  f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else u.get("restored_from"),
                  u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
-        content, calls = turn.split(turn.text) if turn.split is not None else (turn.text, [])
-        turn.calls = calls  # what the door shows is what is kept (a call's id is made once, here)
+        content, calls = turn.text, list[dict[str, str]]()
+        if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
+            rest, calls = turn.tools.finish()
+            self._show(turn, rest)
+            content = turn.tools.content if calls else turn.text
         held = turn.held
         assert held is not None
         fed_end = self._record(turn, held, ev.tokens, exact=not stopped)
         turn.writes.append(self.transcripts.update(
-            held, turn.message_index, durable=True, content=content if calls else turn.text, status=status,
+            held, turn.message_index, durable=True, content=content, status=status,
             finish_reason=reason, usage=ev.usage, fed_end=fed_end, tool_calls=calls or None))
         await self._committed(turn)  # acknowledged only once it is durable
-        turn.publish({"type": p.CHAT_DONE, "message_index": turn.message_index,
-                      "finish_reason": reason, "usage": ev.usage})
+        made = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(calls))
+        for call in made:
+            turn.publish(call)
+        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made))

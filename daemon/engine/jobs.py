@@ -33,9 +33,10 @@ class TurnJob:
     fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
     history: bool = True  # earlier turns come before this one's messages (what a too-long error advises)
     grammar: str | None = None  # llguidance's grammar the answer must follow (the API's response_format)
-    # Set by the turn core once the first delta has gone to the clients: the engine waits for it (at most
-    # FIRST_HANDOFF_S) before its next step, so the event loop sends the first token without
-    # waiting behind that step for a core and the GIL. None: nobody sends it (a follower rank, a test).
+    # Set by the listener that wrote the first delta to its client (events.py, AnswerDelta.written): the
+    # engine waits for it (at most FIRST_HANDOFF_S) before its next step, so the event loop sends the
+    # first token without waiting behind that step for a core and the GIL. None: nobody sends it (a
+    # follower rank, a test).
     handed: threading.Event | None = None
     arrived: float = field(default_factory=time.perf_counter)
 

@@ -71,8 +71,8 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
             doing = f"reading its prompt, {turn['fed']}/{turn['prompt_tokens']} tokens"
         else:
             doing = f"answering, {turn['generated']} token(s) so far after a {turn['prompt_tokens']}-token prompt"
-        on = f" ({m})" if (m := turn.get("model")) else ""
-        console.print(f"  session {sid}{on}: {doing}", soft_wrap=True)
+        on = f" · {m}" if (m := turn.get("model")) else ""
+        console.print(f"  session {sid}: {doing}{on}", soft_wrap=True)
     if len(loaded := status.get("models") or []) > 1:
         console.print("models loaded: " + ", ".join(f"{m['model']} ({m['state']})" for m in loaded)
                       + " · kvd ps shows more", soft_wrap=True)
