@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cachestore.blocks import BLOCK_TOKENS
+from common.sizes import BLOCK_TOKENS
 from protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
 from protocol import PARAMS as SAMPLING  # [generation]'s keys, validated as a request's sampling values are
 
@@ -57,8 +57,8 @@ class Config:
     # Decode: "auto" speculates (prompt-lookup drafts, verified exactly) where it pays; "off" never
     speculate: str = "auto"
     # Cache tiers: byte budgets (hard limits) and idle times
-    resident_bytes: int = 4 << 30
-    warm_bytes: int = 2 << 30
+    resident_bytes: int | None = None  # None: from the machine's memory (daemon/device.py, docs/caches.md)
+    warm_bytes: int | None = None
     disk_bytes: int = 20 << 30
     resident_idle: float = 600.0
     warm_idle: float = 3600.0

@@ -578,6 +578,16 @@ class Turns:
             turn.publish(AnswerDelta(turn.seq, text, written))
             turn.seq += 1
 
+    @staticmethod
+    def _usage(turn: Turn, usage: dict[str, Any]) -> dict[str, Any]:
+        """The answer's usage, plus the model that answered and, when it had no cache of the session,
+        the other models that keep one (the cache store's `kept_for`): said, never restored from."""
+        usage = {**usage, "model": turn.model}
+        if usage.get("restored_from") == p.NO_CACHE and turn.engine is not None:
+            if others := turn.engine.stats.get("kept_for", {}).get(turn.session_id):
+                usage["kept_for"] = list(others)
+        return usage
+
     async def _done(self, turn: Turn, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
@@ -586,10 +596,12 @@ class Turns:
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
-        u = ev.usage
+        u = ev.usage = self._usage(turn, ev.usage)
         log.info("turn in session %s (%s): cache %s, %s tok restored, %s prefilled, TTFT %s ms, %s tok, %s",
                  turn.session_id, turn.door,
-                 f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else u.get("restored_from"),
+                 f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else
+                 f"none for {turn.model} (kept for {', '.join(u['kept_for'])})" if u.get("kept_for") else
+                 u.get("restored_from"),
                  u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
         content, calls = turn.text, list[dict[str, str]]()

@@ -176,3 +176,37 @@ def test_a_model_kept_out_by_busy_ones_is_refused_saying_so() -> None:
     assert room.unload == ()
     assert room.refusal is not None and "there is 2.00 GiB of the 4.00 GiB" in room.refusal
     assert "answering now" in room.refusal
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("device, in_use, resident, warm, prefetch", [
+    # The CPU: an eighth of the host resident, half that warm, within their floors and caps.
+    (Device("cpu", "laptop", memory_total=8 * GiB, memory_free=5 * GiB), 1 * GiB, 1 * GiB, 512 * MiB, 256 * MiB),
+    (Device("cpu", "this box", memory_total=24 * GiB, memory_free=20 * GiB), 0, 3 * GiB, 1536 * MiB, 1280 * MiB),
+    (Device("cpu", "big", memory_total=256 * GiB, memory_free=200 * GiB), 0, 4 * GiB, 2 * GiB, 200 * GiB // 16),
+    (Device("cpu", "tiny", memory_total=1 * GiB, memory_free=512 * MiB), 0, 256 * MiB, 128 * MiB, 32 * MiB),
+    (CPU, 0, 4 * GiB, 2 * GiB, None),  # memory unknown: the caps, and no prefetch limit but the tiers'
+    # A GPU: 60% of what is free after the weights, two thirds resident.
+    (H200, 19 * GiB, 48 * GiB, 24 * GiB, 120 * GiB // 16),
+    (Device("metal", "Apple M1", memory_total=8 * GiB, memory_free=5 * GiB), 2 * GiB,
+     int(3 * GiB * 0.6) * 2 // 3, int(3 * GiB * 0.6) - int(3 * GiB * 0.6) * 2 // 3, 3 * GiB // 16),
+    (Device("cuda", "?"), 0, 4 * GiB, 2 * GiB, None),
+])  # fmt: skip
+def test_unset_budgets_and_the_prefetch_follow_the_devices_memory(device: Device, in_use: int, resident: int,
+                                                                  warm: int, prefetch: int | None) -> None:
+    p = policy(device, env={})
+    assert p.budgets(None, None, in_use=in_use) == (resident, warm)
+    assert p.prefetch_bytes(in_use=in_use) == prefetch
+    # One set, the other from the machine: a set budget is kept as it is where it fits.
+    assert p.budgets(64 * MiB, None, in_use=in_use) == (64 * MiB, warm)
+
+
+def test_the_host_memory_is_read_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684092 kB\nMemFree:        13694012 kB\nMemAvailable:   20287388 kB\n")
+    assert device.host_memory(meminfo) == (24684092 * 1024, 20287388 * 1024)
+    total, available = device.host_memory(tmp_path / "missing")  # elsewhere: the pages sysconf counts
+    assert total is None or total > 0
+    assert available is None or available > 0

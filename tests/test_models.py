@@ -120,11 +120,15 @@ async def test_a_session_switched_to_another_model_retokenizes_and_records_it(tm
         _, done, _ = await turn(c, session["id"], "first")
         assert done["type"] == "chat.done"
         _, done, _ = await turn(c, session["id"], "second", model="tiny-swa")  # a name without its prefix
-        assert done["type"] == "chat.done" and done["usage"]["restored_from"] == "none"  # another model's cache
+        assert done["type"] == "chat.done"
+        usage = done["usage"]  # no cache for this model, and it says which model keeps one
+        assert (usage["restored_from"], usage["model"], usage["kept_for"]) == ("none", SWA, [TINY])
         got = (await c.request("session.get", session=session["id"]))["session"]
         assert got["model"] == SWA
         _, done, _ = await turn(c, session["id"], "third")  # the session's model from now on
         assert done["type"] == "chat.done" and done["usage"]["restored_from"] != "none"
+        _, done, _ = await turn(c, session["id"], "back", model=TINY)  # tiny's cache was kept meanwhile
+        assert done["type"] == "chat.done" and done["usage"]["restored_from"] != "none", done["usage"]
 
 
 async def test_names_kvd_cannot_serve_are_refused_clearly(tmp_path: Path) -> None:

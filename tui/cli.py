@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 import protocol
+from common.limits import TEMPERATURE
 
 from . import commands, listing, render
 from .chatview import ChatOptions
@@ -192,8 +193,8 @@ def _temperature(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value <= 2:
-        raise argparse.ArgumentTypeError("must be between 0 and 2")
+    if value not in TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"must be in {TEMPERATURE.describe()}")
     return value
 
 

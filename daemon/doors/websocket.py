@@ -227,14 +227,15 @@ class WebSocketDoor:
 
     def _session_object(self, session: Session) -> dict[str, Any]:
         """The protocol's session object: the stored one, its model (the default's name where it has none)
-        and the fastest tier holding its cache for that model now (only a loaded model's engine knows:
-        a session of a model not loaded shows none; the cache store's per-model query will say more)."""
+        and the fastest tier holding its cache for that model now: its engine's word where it is loaded,
+        else disk where a loaded model's cache store says disk keeps one for it (`kept_for`)."""
         model = session["model"] or self.turns.engines.default
         engine = self.turns.engines.get(model)
         if session["id"] in self.turns.active:
             tier = p.TIERS[0]  # resident: in the engine's batch
         elif engine is None:
-            tier = p.NO_CACHE
+            kept = {m for e in self.turns.engines.engines() for m in e.stats.get("kept_for", {}).get(session["id"], ())}
+            tier = p.TIERS[-1] if model in kept else p.NO_CACHE
         else:
             tier = engine.stats.get("locations", {}).get(session["id"], p.NO_CACHE)
         return wire.session_object({**session, "model": model}, tier)

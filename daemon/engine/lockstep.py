@@ -220,7 +220,7 @@ class Lockstep:
         (a wrapped sliding window) every rank starts from nothing: the rest is
         prefilled, never guessed.
         """
-        from cachestore.snapshot import rewind
+        from cachestore import rewind
 
         held = out.tokens if out.cache is not None else 0
         n = self.minimum(held)

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
-from cachestore.ioworker import FirstTokens
+from cachestore import FirstTokens
+from common.sizes import human_bytes
 
 from ..config import Config
 from .jobs import (
@@ -153,7 +154,7 @@ class Engine:
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
                     resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
                     block_tokens=c.block_tokens),
-            first_tokens=self.first_tokens,
+            first_tokens=self.first_tokens, model=c.model,
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
@@ -204,10 +205,15 @@ class Engine:
         from ..device import current
 
         resident, warm = current().budgets(c.resident_bytes, c.warm_bytes, in_use=mx.get_active_memory())
-        if (resident, warm) != (c.resident_bytes, c.warm_bytes):
+        configured = [(got, want) for got, want in ((resident, c.resident_bytes), (warm, c.warm_bytes))
+                      if want is not None]
+        if any(got != want for got, want in configured):
             log.warning("cache budgets cut to what %s has room for: resident %d bytes, warm %d bytes "
-                        "(configured %d and %d)", current().device.label(), resident, warm,
+                        "(configured %s and %s)", current().device.label(), resident, warm,
                         c.resident_bytes, c.warm_bytes)
+        if len(configured) < 2:
+            log.info("cache budgets from %s's memory: resident %s, warm %s", current().device.label(),
+                     human_bytes(resident), human_bytes(warm))
         if self.lockstep is None:
             self._turns.budget = resident  # running caches count against what the resident tier may hold
         return resident, warm
@@ -216,7 +222,7 @@ class Engine:
         """What the cache store and the admission need from the engine, once the model is warm:
         a cache's bytes by its length (from the warm-up's cache), the bytes the running turns hold,
         and a wake-up when the I/O worker has read a cache (not across ranks: they wait, in step)."""
-        from cachestore.cost import cache_cost
+        from cachestore import cache_cost
 
         assert self.caches is not None and self.steps is not None
         self.steps.cost = cache_cost(probe)
@@ -232,7 +238,11 @@ class Engine:
             log.debug("loading model %s failed", self.config.model, exc_info=True)
             self.load_error = e
         if self.caches is not None and self.config.prefetch:
-            self._prefetch = self.caches.prefetch_plan()
+            import mlx.core as mx
+
+            from ..device import current
+
+            self._prefetch = self.caches.prefetch_plan(limit=current().prefetch_bytes(in_use=mx.get_active_memory()))
         self._publish_stats()
         self.ready.set()
 
@@ -384,11 +394,13 @@ class Engine:
 
     def _publish_stats(self) -> None:
         caches = self.caches.statistics() if self.caches is not None else {}
-        where = self.caches.locations() if self.caches is not None else {}
+        where = self.caches.locations() if self.caches is not None else {}  # for this model only
+        kept_for = self.caches.kept_for() if self.caches is not None else {}  # other models' caches
         s = self.statistics()
         self.stats = {"generating": s.running, "waiting": s.waiting,
                       "answering": {sid: asdict(turn) for sid, turn in s.turns.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
+                      "kept_for": kept_for,
                       "warm_up_ms": self.warm_up_ms, "device": self.device}
         if (ls := self.lockstep) is not None:  # the control channel's traffic, from this rank's side
             self.stats["ranks"] = {"world_size": ls.size, "messages": ls.messages, "bytes": ls.bytes}

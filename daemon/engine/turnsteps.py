@@ -35,8 +35,7 @@ from .running import RunningTurn, fit_advice
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from cachestore import Checkout, SessionCaches
-    from cachestore.cost import CacheCost
+    from cachestore import CacheCost, Checkout, SessionCaches
 
     from .grammar import Constraint
     from .lockstep import Lockstep
