@@ -52,6 +52,10 @@ class Held:
     fed: list[int]
     covers: int  # how many leading messages `fed` stands for
     model: str | None = None  # the model serving it (`fed` holds its tokens); None: the daemon's default
+    # Other models' fed ids and what they covered, from before the session moved on (memory only): a switch
+    # back appends to them, so the cache that model kept still matches exactly (an answer's generated ids
+    # need not be what tokenizing its text gives, and a sliding window past its size cannot be rewound).
+    stashed: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     said_index: list[int] = field(default_factory=list)  # messages with text, as a prompt renders them
     said_template: list[dict[str, Any]] = field(default_factory=list)
 
@@ -244,6 +248,7 @@ class Transcripts:
                            label="answer" if fields.get("status") else "")
 
     def truncate(self, held: Held, from_index: int) -> Write:
+        held.stashed = {m: (fed, covers) for m, (fed, covers) in held.stashed.items() if covers <= from_index}
         del held.messages[from_index:]
         if held.said_index and held.said_index[-1] >= from_index:
             held.resay()
@@ -299,6 +304,7 @@ class Transcripts:
                 held.params = dict(fields["params"])
             if new_system:
                 held.system, held.covers = fields["system"], 0
+                held.stashed.clear()
                 for m in held.messages:
                     m["fed_end"] = None
         if messages is not None:
@@ -309,18 +315,23 @@ class Transcripts:
         self.chains.remove(session_id)
         return await self.writer.run(lambda s: s.delete_session(session_id))
 
-    def model_changed(self, held: Held, model: str | None) -> list[Write]:
-        """The session is served by another model from its next turn: its fed ids were the old model's
-        tokens, so they go (the next turn renders the transcript with the new model's tokenizer)."""
+    def model_changed(self, held: Held, model: str, previous: str) -> list[Write]:
+        """The session is served by `model` from its next turn, `previous` before: the fed ids were
+        `previous`'s tokens, so they are put aside and `model`'s own from before come back (none: the next
+        turn renders the transcript with its tokenizer). The answers' boundaries are forgotten (they
+        were positions in whichever model's ids fed them)."""
+        held.stashed[previous] = (held.fed, held.covers)
+        fed, covers = held.stashed.pop(model, ([], 0))
         held.model = model
         sid = held.session_id
         return [self._write(lambda s: s.update_session(sid, model=model), durable=False),
-                self.set_tokens(held, [], covers=0),
+                self.set_tokens(held, fed, covers=covers),
                 self.forget_fed_ends(held, len(held.messages))]
 
     def system_changed(self, held: Held, system: str | None) -> list[Write]:
         """A pinned request's new system prompt (placement): as update_session's, not waited for."""
         held.system = system
+        held.stashed.clear()  # every model's ids began with the old prompt
         self.chains.put(held.session_id, system, held.messages)
         sid = held.session_id
         return [self._write(lambda s: s.update_session(sid, system=system), durable=False),

@@ -441,9 +441,9 @@ class Turns:
             held.model = model
             return [self.transcripts.writer.submit(lambda s: s.update_session(held.session_id, model=model),
                                                    durable=False)]
-        log.info("session %s is answered by %s from now on (was %s)", held.session_id, model,
-                 held.model or self.engines.default)
-        return self.transcripts.model_changed(held, model)
+        previous = held.model or self.engines.default
+        log.info("session %s is answered by %s from now on (was %s)", held.session_id, model, previous)
+        return self.transcripts.model_changed(held, model, previous)
 
     async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
         """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
