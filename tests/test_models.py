@@ -197,3 +197,19 @@ async def test_kvchat_model_flag_and_model_command(tmp_path: Path) -> None:
             got = await c.request("session.get", session=sid)
         assert got["session"]["model"] == TINY
         assert [m["role"] for m in got["messages"]] == ["user", "assistant", "user", "assistant"]  # "Again?" refused
+
+
+async def test_an_idle_model_is_unloaded_after_keep_alive_and_loaded_again_on_use(tmp_path: Path) -> None:
+    import dataclasses
+
+    async with running_daemon(tmp_path, model=TINY) as d, client(d) as c:
+        session = (await c.request("session.create", model=SWA))["session"]["id"]
+        _, done, _ = await turn(c, session, "hi")
+        assert done["type"] == "chat.done"
+        engines = d.daemon.engines
+        assert await engines.expire() == []  # idle for less than keep_alive (300 s)
+        engines.config = dataclasses.replace(engines.config, keep_alive=1e-9)
+        assert await engines.expire() == [SWA]  # the default is never unloaded by keep_alive
+        assert [m["model"] for m in (await c.request("status"))["models"]] == [TINY]
+        _, done, _ = await turn(c, session, "again")  # loaded again, and its cache was kept on disk
+        assert done["type"] == "chat.done" and done["usage"]["restored_from"] == "disk", done["usage"]

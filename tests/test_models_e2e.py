@@ -79,3 +79,11 @@ def test_switches_and_restarts_keep_each_models_cache_and_the_listings_show_them
         d.terminate()
     gone = loaded_column(kvd(data, "models"))
     assert gone[TINY] == "-"  # no daemon answers: the loaded column says nothing
+
+
+def test_models_pull_prepares_a_model_before_its_first_use(tmp_path: Path) -> None:
+    out = kvd(tmp_path, "models", "pull", "builtin:tiny-swa")
+    assert out.startswith("kvd: builtin:tiny-swa is ready in ") and (tmp_path / "models" / "tiny-swa").is_dir()
+    missing = subprocess.run([sys.executable, "-m", "daemon.cli", "models", "pull", "--data-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "kvd models pull needs a NAME" in missing.stderr

@@ -209,7 +209,7 @@ class OpenAIDoor:
         except RequestError as e:
             return error_response(api_error(e.code, e.message))
         found = [m for m in await self._model_objects() if m["id"] == name]
-        return JSONResponse({**found[0], "id": asked} if found else {"id": asked, "object": "model"})
+        return JSONResponse(found[0] if found else {"id": name, "object": "model", "owned_by": "kvd"})
 
     # --- GET /v1/kvd/sessions/{id}: a session's transcript, read-only ---
 

@@ -44,6 +44,7 @@ NAMES_FRESH = 10.0  # seconds a listing of the servable models is reused before 
 POLL = 0.05  # seconds between looks at a loading engine's `ready` (a threading.Event)
 ANNOUNCE = 1.0  # seconds between `loading` events while a model loads
 KEEP_ALIVE_CHECK = 5.0  # seconds between looks for models idle past keep_alive, at most
+KEEP_ALIVE_MIN_CHECK = 0.5  # and at least
 
 
 class ModelRefused(Exception):
@@ -127,7 +128,8 @@ class Engines:
         found = (await self.names()).get(name)
         if found is None:
             raise RequestError(p.UNKNOWN_MODEL, f"kvd cannot serve a model named {name!r}: `kvd models` lists "
-                               "the models it can, and [models] aliases in config.toml adds names", rid)
+                               f"the models it can (the default, {self.default!r}, is also {SERVED_ALIAS!r}), "
+                               "and [models] aliases in config.toml adds names", rid)
         return found
 
     async def names(self) -> dict[str, str]:
@@ -254,13 +256,19 @@ class Engines:
 
     async def keep_alive(self) -> None:
         """Unload every model but the default once it has been idle for [models] keep_alive seconds."""
-        keep = self.config.keep_alive
         while True:
-            await anyio.sleep(min(KEEP_ALIVE_CHECK, keep / 2) if keep != float("inf") else KEEP_ALIVE_CHECK)
-            for m in self._view():
-                if m.name != self.default and m.idle_s is not None and m.idle_s >= keep:
-                    log.info("unloading model %s: idle for %.0f s ([models] keep_alive)", m.name, m.idle_s)
-                    await self.unload(m.name)
+            await anyio.sleep(min(KEEP_ALIVE_CHECK, max(KEEP_ALIVE_MIN_CHECK, self.config.keep_alive / 2)))
+            await self.expire()
+
+    async def expire(self) -> list[str]:
+        """One look for models idle past keep_alive (the default stays); the ones unloaded."""
+        gone = []
+        for m in self._view():
+            if m.name != self.default and m.idle_s is not None and m.idle_s >= self.config.keep_alive:
+                log.info("unloading model %s: idle for %.0f s ([models] keep_alive)", m.name, m.idle_s)
+                if await self.unload(m.name):
+                    gone.append(m.name)
+        return gone
 
     # --- what `kvd ps` and /v1/models show ---
 
