@@ -24,7 +24,7 @@ from protocol import TOKEN_FILE, api_url, default_data_dir, default_url
 
 from . import __version__
 from .config import Config, ConfigError, load_config
-from .service import backup, preflight
+from .service import backup, models, preflight
 from .service.control import (
     ANSWERING_MARK,
     DETACHED_FLAG,
@@ -140,18 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="sessions made by kvchat (its one-shots too), one-shot (kvchat \"question\"), api "
                     "(OpenAI clients), ws (other websocket clients): the session list's words; default any")
     pr.add_argument("--yes", action="store_true", help="delete them (without it: only list them)")
-    md = sub.add_parser("models", help="list the models kvd can find here (built-in, its store, Ollama, "
-                        "the Hugging Face cache), whether each runs, its context length and whether the running "
-                        "daemon has it loaded; `kvd models pull NAME` fetches one")
-    md.set_defaults(func=_models_command, parser=md)
-    md.add_argument("action", nargs="?", choices=["pull"], help="pull: fetch (and convert) NAME now, not on first use")
-    md.add_argument("name", nargs="?", help="the model to pull: a built-in, a Hugging Face repo id, a .gguf file")
-    md.add_argument("--data-dir", type=Path, help="the data directory whose model store to list")
-    ps = sub.add_parser("ps", help="the models the running daemon has loaded: memory, idle time, when each unloads")
-    ps.set_defaults(func=_ps_command, parser=ps)
-    ps.add_argument("--data-dir", type=Path, help="the daemon's data directory")
-    ps.add_argument("--url", help="the daemon's URL (default: from the data directory)")
-    ps.add_argument("--json", action="store_true", help="print the loaded models as JSON")
+    models.add_commands(sub)  # kvd models [pull NAME], kvd ps
     sv = sub.add_parser("service", help="run kvd at login (systemd user unit or launchd agent)")
     sv.set_defaults(func=_service_command, parser=sv)
     sv.add_argument("action", choices=["install"], help="write the unit file")
@@ -418,42 +407,6 @@ def _logs_command(args: argparse.Namespace, argv: list[str]) -> int:
     data_dir = _data_dir(args)
     return logs(args.log_file or Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log"),
                 args.lines, args.follow)
-
-
-def _models_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from .models.catalog import entries, render
-    from .service.status import loaded_models
-
-    data_dir = _data_dir(args)
-    if args.action == "pull":
-        return _pull(args, data_dir)
-    if args.name is not None:
-        args.parser.error(f"unrecognized arguments: {args.name} (to fetch a model: kvd models pull NAME)")
-    for line in render(list(entries(data_dir / "models")), loaded=loaded_models(data_dir)):
-        print(line)
-    return 0
-
-
-def _pull(args: argparse.Namespace, data_dir: Path) -> int:
-    """`kvd models pull NAME`: fetch and convert it now (what a first use would do), or say in one line why not."""
-    from .models.sources import ModelError, prepare_model, progress_bar
-
-    if not args.name:
-        args.parser.error("kvd models pull needs a NAME (kvd models lists them)")
-    try:
-        with progress_bar() as progress:
-            path = prepare_model(args.name, data_dir / "models", progress=progress)
-    except ModelError as e:
-        print(f"kvd models pull: {e}", file=sys.stderr)
-        return 1
-    print(f"kvd: {args.name} is ready in {path}; a request that names it loads it")
-    return 0
-
-
-def _ps_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from .service.status import ps_main
-
-    return ps_main(_data_dir(args), args.url, args.json)
 
 
 def _service_command(args: argparse.Namespace, argv: list[str]) -> int:

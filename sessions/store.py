@@ -190,22 +190,12 @@ class Store:
         `params` replaces the session's generation defaults as a whole (an
         empty mapping clears them); merging a partial change is the caller's.
         """
-        sets: list[str] = []
-        values: list[Any] = []
-        if not isinstance(title, Keep):
-            sets.append("title = ?")
-            values.append(title)
-        if not isinstance(system, Keep):
-            sets.append("system = ?")
-            values.append(system)
-        if not isinstance(params, Keep):
-            sets.append("params = ?")
-            values.append(json.dumps(dict(params)) if params else None)
-        if not isinstance(model, Keep):
-            sets.append("model = ?")
-            values.append(model)
-        if sets:
-            self._update_session(session_id, ", ".join(sets), values)
+        stored = json.dumps(dict(params)) if not isinstance(params, Keep) and params else None
+        given = {"title": title, "system": system, "params": params if isinstance(params, Keep) else stored,
+                 "model": model}
+        changed = {column: value for column, value in given.items() if not isinstance(value, Keep)}
+        if changed:
+            self._update_session(session_id, ", ".join(f"{column} = ?" for column in changed), list(changed.values()))
         else:
             self._require_session(session_id)
 

@@ -175,6 +175,9 @@ class Engines:
     async def engine(self, name: str) -> Engine:
         """The loaded engine of `name`, loading it first (the caller waits); ModelRefused when it cannot be."""
         slot = self._slots.get(name)
+        if slot is None and self.config.world_size > 1:
+            raise ModelRefused(f"this kvd splits {self.default} across {self.config.world_size} ranks and serves "
+                               f"only it; start another kvd for {name}")
         if slot is None:
             slot = self._slots[name] = Slot(name)
             assert self.tg is not None, "the daemon is not serving"
