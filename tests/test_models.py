@@ -213,3 +213,35 @@ async def test_an_idle_model_is_unloaded_after_keep_alive_and_loaded_again_on_us
         assert [m["model"] for m in (await c.request("status"))["models"]] == [TINY]
         _, done, _ = await turn(c, session, "again")  # loaded again, and its cache was kept on disk
         assert done["type"] == "chat.done" and done["usage"]["restored_from"] == "disk", done["usage"]
+
+
+async def test_loading_a_model_never_stops_another_models_answer(tmp_path: Path) -> None:
+    """A long answer on the default streams on while another model loads and answers beside it, and both
+    answers are the ones each model gives alone (one engine thread per model: MLX on two threads at once)."""
+    long = {"temperature": 0.0, "max_tokens": 48}
+    alone: dict[str, str] = {}
+    for m in (TINY, SWA):
+        async with running_daemon(tmp_path / f"alone-{m[-4:]}", model=m) as d, client(d) as c:
+            sid = (await c.request("session.create"))["session"]["id"]
+            alone[m] = (await turn(c, sid, "Tell me a long story.", **long))[0]
+    async with running_daemon(tmp_path / "both", model=TINY) as d, client(d) as a, client(d) as b:
+        first = (await a.request("session.create"))["session"]["id"]
+        other = (await b.request("session.create", model=SWA))["session"]["id"]
+        await a.send({"id": "long", "type": "chat.send", "session": first, "text": "Tell me a long story.", **long})
+        while (await a.recv())["type"] != "chat.delta":
+            pass  # the default is answering
+        got: dict[str, str] = {}
+
+        async def on_default() -> None:
+            text = ""
+            while (e := await a.recv())["type"] != "chat.done":
+                if e.get("id") == "long" and e["type"] == "chat.delta":
+                    text += e["text"]
+            got[TINY] = text
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(on_default)
+            said, done, _ = await turn(b, other, "Tell me a long story.", **long)  # loads tiny-swa meanwhile
+            assert done["type"] == "chat.done"
+            got[SWA] = said
+        assert got[SWA] == alone[SWA] and alone[TINY].endswith(got[TINY])  # the default's first delta was read above
