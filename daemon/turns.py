@@ -155,6 +155,7 @@ class Turn:
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
     door: str = "websocket"  # which front door asked for it (the log's turn line says)
     model: str = ""  # the model answering it (the session's)
+    switched_from: str | None = None  # the session's model before this turn, when this turn changed it
     engine: Engine | None = None  # that model's engine, once loaded
     held: Held | None = None  # the session as the turn core holds it
     tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
@@ -401,13 +402,14 @@ class Turns:
         sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, held.params,
                            self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
         serving = model or held.model or self.engines.default
+        previous = held.model or self.engines.default
         switched = self._serve_with(held, serving)
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
-                    model=serving)
+                    model=serving, switched_from=previous if previous != serving else None)
         turn.writes += switched
         turn.writes.append(self.transcripts.write_new(held, first_new))
         self.active[session_id] = turn
@@ -451,7 +453,9 @@ class Turns:
         try:
             engine = turn.engine = await self.engines.engine(turn.model)
         except ModelRefused as e:  # nothing was generated: the turn's messages are taken back
-            events.send_nowait(Failed(p.TOO_LARGE, str(e)))
+            if turn.switched_from is not None and turn.held is not None:  # and the session keeps its model
+                turn.writes += self.transcripts.model_changed(turn.held, turn.switched_from, turn.model)
+            events.send_nowait(Failed(e.code, str(e)))
             return
         while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
@@ -525,7 +529,7 @@ class Turns:
                         await self._done(turn, ev)
                         return
                     elif isinstance(ev, Failed):
-                        if ev.code == p.TOO_LARGE and not turn.text:
+                        if ev.code in (p.TOO_LARGE, p.UNKNOWN_MODEL) and not turn.text:
                             # Nothing was generated and the turn can never fit: take it back,
                             # so the session stays usable (the client still has the text).
                             turn.writes.append(t.truncate(held, turn.first_new))

@@ -178,6 +178,14 @@ async def test_a_model_that_can_never_fit_is_refused_in_one_line(tmp_path: Path)
         with anyio.fail_after(30):  # the default still answers
             _, done, _ = await turn(c, (await c.request("session.create"))["session"]["id"], "still here?")
         assert done["type"] == "chat.done"
+        kept = (await c.request("session.create"))["session"]["id"]
+        await turn(c, kept, "first")
+        _, done, _ = await turn(c, kept, "on tiny-swa?", model=SWA)  # refused: the session keeps its model
+        assert done["code"] == "too_large"
+        got = await c.request("session.get", session=kept)
+        assert got["session"]["model"] == TINY and len(got["messages"]) == 2
+        _, done, _ = await turn(c, kept, "and on")
+        assert done["type"] == "chat.done" and done["usage"]["restored_from"] != "none"
 
 
 async def test_kvchat_model_flag_and_model_command(tmp_path: Path) -> None:

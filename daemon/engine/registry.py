@@ -48,7 +48,12 @@ KEEP_ALIVE_MIN_CHECK = 0.5  # and at least
 
 
 class ModelRefused(Exception):
-    """The model cannot be loaded now: no room for it (make_room's line), or it failed to load."""
+    """The model cannot be loaded now: `too_large` when there is no room for it (make_room's line),
+    `unknown_model` when it cannot be loaded at all (its files, a sharded kvd)."""
+
+    def __init__(self, message: str, code: str = p.UNKNOWN_MODEL) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Slot:
     last_used: float = field(default_factory=time.monotonic)
     settled: anyio.Event = field(default_factory=anyio.Event)  # the load ended, loaded or failed
     error: str | None = None
+    refused: bool = False  # the error is "no room" (too_large), not "cannot be loaded"
 
     @property
     def ready(self) -> bool:
@@ -184,7 +190,7 @@ class Engines:
             self.tg.start_soon(self._load, slot)
         await slot.settled.wait()
         if slot.error is not None:
-            raise ModelRefused(slot.error)
+            raise ModelRefused(slot.error, p.TOO_LARGE if slot.refused else p.UNKNOWN_MODEL)
         self.used(name)
         assert slot.engine is not None
         return slot.engine
@@ -198,7 +204,7 @@ class Engines:
                 slot.error = f"the model {name} cannot be loaded: {e}"
                 return
             if (refusal := await self._make_room(name, slot.nbytes)) is not None:
-                slot.error = refusal
+                slot.error, slot.refused = refusal, True
                 return
             log.info("loading model %s (%s of weights) on first use", name, _size(slot.nbytes))
             engine = slot.engine = self._make(dataclasses.replace(self.config, model=name), path)
