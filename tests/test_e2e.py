@@ -205,11 +205,11 @@ async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: 
             for text in ["Hello, who are you?", "And then?"]:
                 deltas, done = await c.chat(sid, text, max_tokens=8, temperature=0)
                 assert done["type"] == "chat.done" and deltas
-        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
-        whole = await api.chat.completions.create(model="kvd", max_tokens=8,
-                                                  messages=[{"role": "user", "content": "Hello, who are you?"}])
-        assert whole.choices[0].message.content
-        stream = await api.chat.completions.create(model="kvd", max_tokens=8, stream=True,
-                                                   messages=[{"role": "user", "content": "Hello, who are you?"}])
-        assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        async with openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token,
+                                      max_retries=0) as api:
+            said: list[Any] = [{"role": "user", "content": "Hello, who are you?"}]
+            whole = await api.chat.completions.create(model="kvd", max_tokens=8, messages=said)
+            assert whole.choices[0].message.content
+            stream = await api.chat.completions.create(model="kvd", max_tokens=8, stream=True, messages=said)
+            assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert len(jobs) == 4 and all(j.handed is not None and j.handed.is_set() for j in jobs)

@@ -38,19 +38,18 @@ def usage_of(u: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def finish_reason_of(reason: str) -> str:
-    # OpenAI's stop and length; an answer cut short (kvd stopping, chat.cancel from kvchat on the same
-    # session) says "cancelled", so a client never takes a cut answer for a finished one.
-    return reason if reason in ("length", "cancelled") else "stop"
+    """OpenAI's finish_reason for kvd's. An answer cut short (kvd stopping, chat.cancel from kvchat on the
+    same session) says "length", OpenAI's value for an answer that ended before the model ended it, so a
+    client never takes it for a whole one; the `kvd` object keeps kvd's own reason ("cancelled")."""
+    return "length" if reason in ("length", "cancelled") else "stop"
 
 
 class Answer(Response):
     """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str], *,
-                 created: bool):
+                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str]):
         self.turns, self.config = turns, config
-        self.created_session = created  # this request made the session: a refusal takes it back
         self.turn = turn
         self.events = events
         self.req = req
@@ -97,10 +96,15 @@ class Answer(Response):
 
     def _kvd(self, done: AnswerDone) -> dict[str, Any]:
         u = done.usage
-        return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
+        return {"session": self.turn.session_id, "finish_reason": done.finish_reason,
+                "restored_from": u.get("restored_from"),
                 "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
                 "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
                 "accepted_tokens": u.get("accepted_tokens")}
+
+    def _usage(self, done: AnswerDone) -> dict[str, Any]:
+        """OpenAI's usage with the `kvd` object in it (where a client that logs usage keeps it)."""
+        return {**usage_of(done.usage), "kvd": self._kvd(done)}
 
     async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]
@@ -116,10 +120,8 @@ class Answer(Response):
         await send({"type": "http.response.body", "body": data})
 
     async def _error(self, send: Callable[[dict[str, Any]], Any], event: AnswerError) -> None:
-        """An error before the answer began: a refusal, which leaves nothing behind."""
-        if self.created_session and not self.turn.text:
-            await self.turn.finished.wait()  # its answer is committed (as an error) first
-            await self.turns.delete_session(self.turn.session_id)
+        """An error before the answer began: a refusal (the turn core stored nothing of a session this
+        request made, and took back what it added to a pinned one)."""
         e = api_error(event.code, event.message)
         await self._body(send, e.status, e.body())
 
@@ -142,7 +144,7 @@ class Answer(Response):
                     "model": self.turn.model or self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None,
                                  "finish_reason": self._called(event)}],
-                    "usage": usage_of(event.usage), "kvd": self._kvd(event)})
+                    "usage": self._usage(event), "kvd": self._kvd(event)})
                 return
             elif isinstance(event, AnswerError):
                 await self._error(send, event)
@@ -186,7 +188,7 @@ class Answer(Response):
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.turn.model or self.config.model, "choices": [],
-                               "usage": usage_of(event.usage), "kvd": self._kvd(event)})
+                               "usage": self._usage(event), "kvd": self._kvd(event)})
                 break
             elif isinstance(event, AnswerError):
                 if not self.started:

@@ -13,7 +13,6 @@ import functools
 import json
 import json.scanner
 import logging
-import math
 import secrets
 import time
 from http import HTTPStatus
@@ -29,14 +28,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
+from protocol.shapes import Sampling
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
-from ..events import AnswerDelta, TurnEvent
 from ..prompt import Conversation
-from ..turns import Turn, Turns
+from ..turns import EventStream, Turn, Turns
 from .admission import Admission
 from .asgi import headers_of
 from .guards import check
@@ -52,7 +51,7 @@ from .openai_schema import (
     parse,
     stops,
 )
-from .placement import Diverged, Placement, Said, links, place
+from .placement import Diverged, Said, links, place
 from .toolcalls import StreamSplit, ToolFormat, openai_calls
 from .toolturns import check_tool_turns
 
@@ -126,21 +125,6 @@ def _cooperative_decoder() -> json.JSONDecoder:
 
 
 _COOPERATIVE = _cooperative_decoder()
-
-
-class _Events:
-    """A turn's events for one HTTP response. Unbounded, but a turn publishes at most
-    max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
-
-    def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
-
-    def publish(self, event: TurnEvent) -> None:
-        try:
-            self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
-            if isinstance(event, AnswerDelta) and event.written is not None:
-                event.written()
 
 
 class OpenAIDoor:
@@ -249,15 +233,15 @@ class OpenAIDoor:
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
             with self.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events, placement = await self._start(request, req, system, convo, headers)
+                turn, events = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
+        return Answer(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, _Events, Placement]:
+                     headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         try:
             model = await self.turns.engines.resolve(req.model)
@@ -286,18 +270,19 @@ class OpenAIDoor:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
         headers[SESSION_HEADER] = placement.session_id
-        events = _Events()
+        events = EventStream()
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         turn = self.turns.start(
             events, rid, placement.session_id, placement.first_new,
-            max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, stop=stops(req), seed=req.seed,
+            sampling=Sampling.model_construct(max_tokens=req.max_completion_tokens or req.max_tokens,
+                                              temperature=req.temperature, top_p=req.top_p),
+            stop=stops(req), seed=req.seed,
             prompt=Conversation(convo, system, tools or None, chain=placement.chain,
                                 renders=self.turns.renders_for(model)),
             door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None, model=model,
         )
-        return turn, events, placement
+        return turn, events
 
     async def _body(self, request: Request) -> bytes | None:
         """The whole body, within limits.body_timeout; None if the client hung up mid-body."""

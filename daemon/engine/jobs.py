@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.shapes import Resolved
+
 # --- jobs in ---------------------------------------------------------------
 
 
@@ -24,9 +26,7 @@ class TurnJob:
 
     session_id: str
     tokens: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
+    sampling: Resolved  # max_tokens, temperature, top_p: resolved once, by the turn core
     emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
     seed: int | None = None  # seeds MLX's sampler when the turn starts
     retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
@@ -39,6 +39,18 @@ class TurnJob:
     # follower rank, a test).
     handed: threading.Event | None = None
     arrived: float = field(default_factory=time.perf_counter)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.sampling.top_p
 
 
 class PromptTooLong(Exception):
