@@ -51,6 +51,7 @@ class DiskTier:
         # A block drop is queued: until it has run, the table still lists the block, so every plan
         # assumes disk holds nothing (and the worker writes what the index lacks, reusing the rest).
         self._dropping = False
+        self._kept_for: dict[str, list[str]] | None = None  # other models' caches by session, read when changed
 
     def settle(self) -> list[object]:
         """Take in the worker's reports: the index rows its jobs changed, and which sessions have
@@ -62,6 +63,7 @@ class DiskTier:
         for news in results:
             if isinstance(news, DiskNews):
                 self.table.apply(news)
+                self._kept_for = None if news.others else self._kept_for
             else:
                 others.append(news)
         for key in done:
@@ -152,6 +154,13 @@ class DiskTier:
             start = row.start
             self._promised[key] = self.promise(key).cut(start)
             self.later(lambda index: index.drop_from(key, start), key)
+
+    def kept_for(self) -> dict[str, list[str]]:
+        """By session, the other models disk keeps a cache for: read from the index at start and again
+        only once the worker reported a change to another model's rows (an eviction, a deletion)."""
+        if self._kept_for is None:
+            self._kept_for = self._index().models_of()
+        return self._kept_for
 
     def forget(self, key: str) -> None:
         self.later(lambda index: index.forget(key), key)  # every model's; after its queued writes, which it undoes

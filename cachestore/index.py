@@ -245,7 +245,8 @@ class SegmentIndex:
         mine = {key for key, model in keys if self.model is None or model == self.model}
         return DiskNews({key: ([b.block for b in self.blocks_of(key)], self.chain(key)) for key in mine},
                         {b: row for b in blocks if (row := found.get(b)) is None or self.model is None
-                         or row.fingerprint == self.model})
+                         or row.fingerprint == self.model},
+                        frozenset(key for key, model in keys if self.model is not None and model != self.model))
 
     # --- writes ---
 

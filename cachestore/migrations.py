@@ -90,56 +90,19 @@ def m003_per_model(db: Database) -> None:
     # A session's cache is kept per model (issue 42): its private segments, its chain and its
     # place in the disk LRU are keyed by (session, fingerprint), so loading another model leaves
     # a cache valid for the model that wrote it. Existing rows take their own files' fingerprint
-    # (a chain its blocks'); a session with none left is forgotten (it held no file).
-    db.execute(
-        """
-        CREATE TABLE keys_m (
-            key TEXT NOT NULL,
-            fingerprint TEXT NOT NULL,
-            last_used REAL NOT NULL,
-            PRIMARY KEY (key, fingerprint)
-        )
-        """
-    )
-    db.execute(
-        "INSERT INTO keys_m (key, fingerprint, last_used) SELECT k.key, f.fingerprint, k.last_used FROM keys k "
-        "JOIN (SELECT key, fingerprint FROM segments UNION SELECT c.key, b.fingerprint FROM chains c "
-        "JOIN blocks b ON b.block = c.block) f ON f.key = k.key"
-    )
-    db.execute(
-        """
-        CREATE TABLE chains_m (
-            key TEXT NOT NULL,
-            fingerprint TEXT NOT NULL,
-            n INTEGER NOT NULL CHECK (n >= 0),  -- the block covering [n * B, (n + 1) * B)
-            block TEXT NOT NULL REFERENCES blocks (block),
-            PRIMARY KEY (key, fingerprint, n)
-        )
-        """
-    )
-    db.execute("INSERT INTO chains_m (key, fingerprint, n, block) SELECT c.key, b.fingerprint, c.n, c.block "
-               "FROM chains c JOIN blocks b ON b.block = c.block")
-    db.execute(
-        """
-        CREATE TABLE segments_m (
-            key TEXT NOT NULL,
-            start INTEGER NOT NULL CHECK (start >= 0),
-            "end" INTEGER NOT NULL CHECK ("end" > start),
-            file TEXT NOT NULL,
-            nbytes INTEGER NOT NULL,
-            checksum TEXT NOT NULL,
-            fingerprint TEXT NOT NULL,
-            tokens BLOB NOT NULL,
-            created_at REAL NOT NULL,
-            PRIMARY KEY (key, fingerprint, start)
-        )
-        """
-    )
-    db.execute("INSERT INTO segments_m SELECT key, start, \"end\", file, nbytes, checksum, fingerprint, tokens, "
-               "created_at FROM segments")
-    for table in ("keys", "chains", "segments"):
-        db.execute(f"DROP TABLE {table}")
-        db.execute(f"ALTER TABLE {table}_m RENAME TO {table}")
-    db.execute("CREATE INDEX chains_block ON chains (block)")
+    # (a chain its blocks'); a session with no file left is forgotten.
+    db.table("segments").transform(pk=("key", "fingerprint", "start"))
+    db.table("chains").add_column("fingerprint", str)
+    db.execute("UPDATE chains SET fingerprint = (SELECT b.fingerprint FROM blocks b WHERE b.block = chains.block)")
+    db.execute("DELETE FROM chains WHERE fingerprint IS NULL")
+    first = ["key", "fingerprint"]
+    db.table("chains").transform(pk=("key", "fingerprint", "n"), not_null={"fingerprint"}, column_order=first)
+    held = "SELECT key, fingerprint FROM segments UNION SELECT key, fingerprint FROM chains"
+    db.table("keys").add_column("fingerprint", str)
+    db.execute(f"UPDATE keys SET fingerprint = (SELECT h.fingerprint FROM ({held}) h WHERE h.key = keys.key)")
+    db.execute("DELETE FROM keys WHERE fingerprint IS NULL")
+    db.table("keys").transform(pk=tuple(first), not_null={"fingerprint"}, column_order=first)
+    db.execute("INSERT OR IGNORE INTO keys (key, fingerprint, last_used) SELECT h.key, h.fingerprint, k.last_used "
+               f"FROM ({held}) h JOIN keys k ON k.key = h.key")
     # The models that wrote caches, by fingerprint: what "kept for <model>" names.
     db.execute("CREATE TABLE models (fingerprint TEXT PRIMARY KEY, name TEXT NOT NULL)")

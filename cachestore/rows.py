@@ -42,3 +42,4 @@ class DiskNews:
 
     sessions: dict[str, tuple[list[str], list[SegmentRow]]]  # key -> (its chain's blocks, its segments)
     blocks: dict[str, BlockRow | None]  # None: gone
+    others: frozenset[str] = frozenset()  # sessions whose cache for another model changed (was dropped)

@@ -30,6 +30,8 @@ from typing import Any, TypeGuard
 
 import mlx.core as mx
 
+import cachestore.segformat as fmt  # not `from . import`: that names the package, whose door imports this
+
 from .errors import (
     ChecksumMismatch,
     FingerprintMismatch,
@@ -40,21 +42,6 @@ from .errors import (
 )
 from .kinds import KINDS
 from .layers import BadLayer, Spec
-from .segformat import (
-    CHECKSUM,
-    END,
-    FINGERPRINT,
-    FORMAT,
-    FORMAT_VERSION,
-    HASHERS,
-    LAYOUT,
-    START,
-    TOKENS,
-    Hasher,
-    decode_tokens,
-    digest,
-)
-from .segformat import hasher_for as format_hasher
 from .snapshot import LayerSnapshot, Snapshot
 
 __all__ = ["SegmentHeader", "Verified", "check_header", "hasher_for", "load_verified", "read_header",
@@ -106,7 +93,7 @@ def verify_segment(path: Path, *, checksum: str, fingerprint: str) -> Verified:
         raise SegmentMissing(f"cannot open it: {e.strerror or e}", path=path) from None
     try:
         try:
-            size, got = digest(f, algo)
+            size, got = fmt.digest(f, algo)
             if got != want:
                 claimed = _claimed_size(f)
                 if claimed is not None and claimed > size:
@@ -158,34 +145,34 @@ def read_header(path: Path) -> SegmentHeader:
         raise SegmentMissing(f"cannot open it: {e.strerror or e}", path=path) from None
     with f:
         try:
-            size, hexdigest = digest(f, CHECKSUM)
+            size, digest = fmt.digest(f, fmt.CHECKSUM)
             header = _read_header(f, size, path)
         except OSError as e:
             raise SegmentMissing(f"cannot read it: {e.strerror or e}", path=path) from None
     meta, start, end, layout, specs = _checked(header, path)
-    if not isinstance(meta.get(TOKENS), str):
+    if not isinstance(meta.get(fmt.TOKENS), str):
         raise UnsupportedFormat("written by an older kvd: no token ids in its header", path=path)
     try:
-        ids = decode_tokens(meta[TOKENS])
+        ids = fmt.decode_tokens(meta[fmt.TOKENS])
     except ValueError:
         raise UnsupportedFormat("unreadable token ids in its header", path=path) from None
     if len(ids) != end - start:
         raise InvariantViolation(f"{len(ids)} token ids for the range [{start}, {end})", path=path)
-    return SegmentHeader(start, end, meta[FINGERPRINT], tuple(ids), size, f"{CHECKSUM}:{hexdigest}")
+    return SegmentHeader(start, end, meta[fmt.FINGERPRINT], tuple(ids), size, f"{fmt.CHECKSUM}:{digest}")
 
 
-def hasher_for(checksum: str, path: Path) -> tuple[Hasher, str]:
+def hasher_for(checksum: str, path: Path) -> tuple[fmt.Hasher, str]:
     """A fresh hasher of the index's checksum kind and the digest it must reach, or ChecksumMismatch."""
-    got = format_hasher(checksum)
+    got = fmt.hasher_for(checksum)
     if got is None:
         raise ChecksumMismatch(
-            f"unknown checksum {checksum!r} (expected one of {', '.join(f'{a}:<hex>' for a in HASHERS)})",
+            f"unknown checksum {checksum!r} (expected one of {', '.join(f'{a}:<hex>' for a in fmt.HASHERS)})",
             path=path,
         )
     return got
 
 
-def read_raw_header(f: io.FileIO, path: Path, hasher: Hasher) -> dict[str, Any]:
+def read_raw_header(f: io.FileIO, path: Path, hasher: fmt.Hasher) -> dict[str, Any]:
     """A segment's parsed safetensors header, its bytes fed to ``hasher``, ``f`` left at the data.
 
     For readers that hash the data as they place it (cachestore/direct.py):
@@ -215,15 +202,15 @@ def _checked(header: dict[str, Any], path: Path, *, fingerprint: str | None = No
     With `fingerprint`, a segment written for another model is refused first.
     """
     meta = header.pop("__metadata__", None)
-    if not isinstance(meta, dict) or not isinstance(meta.get(FINGERPRINT), str):
+    if not isinstance(meta, dict) or not isinstance(meta.get(fmt.FINGERPRINT), str):
         raise UnsupportedFormat("not a kvd segment: no fingerprint in its metadata", path=path)
-    if fingerprint is not None and meta[FINGERPRINT] != fingerprint:
+    if fingerprint is not None and meta[fmt.FINGERPRINT] != fingerprint:
         raise FingerprintMismatch(
-            f"written for fingerprint {meta[FINGERPRINT]}, this model's is {fingerprint}", path=path
+            f"written for fingerprint {meta[fmt.FINGERPRINT]}, this model's is {fingerprint}", path=path
         )
-    if meta.get(FORMAT) != str(FORMAT_VERSION):
+    if meta.get(fmt.FORMAT) != str(fmt.FORMAT_VERSION):
         raise UnsupportedFormat(
-            f"format version {meta.get(FORMAT)!r}, this kvd reads {FORMAT_VERSION}", path=path
+            f"format version {meta.get(fmt.FORMAT)!r}, this kvd reads {fmt.FORMAT_VERSION}", path=path
         )
     start, end, layout = _parse_layout(meta, path)
     specs = _parse_specs(header, path)
@@ -312,8 +299,8 @@ def _parse_layout(meta: dict[str, Any], path: Path) -> tuple[int, int, tuple[_No
         return _Node(kind, dict(m), arrays, tuple(node(c, depth + 1) for c in children))
 
     try:
-        start, end = int(meta[START]), int(meta[END])
-        raw = json.loads(meta[LAYOUT])
+        start, end = int(meta[fmt.START]), int(meta[fmt.END])
+        raw = json.loads(meta[fmt.LAYOUT])
         if not isinstance(raw, list):
             raise ValueError("the layout is not a list")
         return start, end, tuple(node(x, 0) for x in raw)

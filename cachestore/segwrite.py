@@ -17,22 +17,9 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+import cachestore.segformat as fmt  # not `from . import`: that names the package, whose door imports this
 import common.durable as durable
 
-from .segformat import (
-    CHECKSUM,
-    END,
-    FINGERPRINT,
-    FORMAT,
-    FORMAT_VERSION,
-    HASHERS,
-    LAYOUT,
-    START,
-    TOKENS,
-    Hasher,
-    digest,
-    encode_tokens,
-)
 from .snapshot import LayerSnapshot, Snapshot
 
 __all__ = ["SegmentFile", "write_segment"]
@@ -60,27 +47,27 @@ def write_segment(path: Path, snap: Snapshot, *, fingerprint: str,
     path = Path(path)
     tensors, layout = _flatten(snap)
     metadata = {
-        FORMAT: str(FORMAT_VERSION),
-        FINGERPRINT: fingerprint,
-        START: str(snap.start),
-        END: str(snap.end),
-        LAYOUT: json.dumps(layout, separators=(",", ":")),
+        fmt.FORMAT: str(fmt.FORMAT_VERSION),
+        fmt.FINGERPRINT: fingerprint,
+        fmt.START: str(snap.start),
+        fmt.END: str(snap.end),
+        fmt.LAYOUT: json.dumps(layout, separators=(",", ":")),
     }
     if tokens is not None:
         if len(tokens) != snap.end - snap.start:
             raise ValueError("a segment's token ids must cover exactly [start, end)")
-        metadata[TOKENS] = encode_tokens(tokens)
+        metadata[fmt.TOKENS] = fmt.encode_tokens(tokens)
     with durable.replacing(path) as f:
-        shim = _ChecksumWriter(f, HASHERS[CHECKSUM]())
+        shim = _ChecksumWriter(f, fmt.HASHERS[fmt.CHECKSUM]())
         # A file object, not a name: MLX would append ".safetensors" to a name.
         mx.save_safetensors(shim, tensors, metadata)  # type: ignore[arg-type]
         nbytes = f.tell()
         if shim.sequential:
-            checksum = f"{CHECKSUM}:{shim.hasher.hexdigest()}"
+            checksum = f"{fmt.CHECKSUM}:{shim.hasher.hexdigest()}"
         else:  # a future MLX that seeks while writing: read it back instead
             f.flush()
             f.seek(0)
-            checksum = f"{CHECKSUM}:{digest(f, CHECKSUM)[1]}"
+            checksum = f"{fmt.CHECKSUM}:{fmt.digest(f, fmt.CHECKSUM)[1]}"
     return SegmentFile(path, nbytes, checksum)
 
 
@@ -113,7 +100,7 @@ class _Writable(Protocol):
 class _ChecksumWriter:
     """The file object MLX writes to: forwards every write and hashes it on the way."""
 
-    def __init__(self, f: _Writable, hasher: Hasher) -> None:
+    def __init__(self, f: _Writable, hasher: fmt.Hasher) -> None:
         self._f = f
         self.hasher = hasher
         self.pos = 0

@@ -149,8 +149,7 @@ class SessionCaches:
         self._io.submit(fn)
 
     def before_reads(self, fn: Callable[[], object]) -> None:
-        """Call `fn` on the I/O worker's reader before any read asked for after this (a test holds
-        the reader with it, to show what runs while a read is under way)."""
+        """Call `fn` on the I/O worker's reader before any later read (a test holds the reader so)."""
         self._io.read(fn)
 
     def _settle(self) -> None:
@@ -431,7 +430,8 @@ class SessionCaches:
 
     def kept_for(self) -> dict[str, list[str]]:
         """By session, the other models disk keeps its cache for (never restored here), latest first."""
-        return self.index.models_of()
+        self._settle()
+        return self._disktier.kept_for()
 
     def statistics(self) -> dict[str, Any]:
         self._settle()

@@ -109,6 +109,25 @@ def test_another_models_cache_is_never_loaded_and_is_kept_for_its_model(model: A
     again.close()
 
 
+def test_the_disk_budget_evicts_least_recently_used_across_models(model: Any, tmp_path: Path) -> None:
+    clock = Clock()
+    first = SessionCaches(tmp_path, "model-one", budgets(), clock=clock, model="one")
+    cache, toks = grow(model, None, [], list(range(10, 40)))
+    first.checkin(A, cache, toks)
+    first.flush()
+    one_session = first.index.total_bytes()
+    first.close()
+    clock.now += 10
+    second = SessionCaches(tmp_path, "model-two", budgets(disk_bytes=one_session * 3 // 2), clock=clock, model="two")
+    assert second.kept_for() == {A: ["one"]}
+    cache, toks = grow(model, None, [], list(range(50, 80)))
+    second.checkin(B, cache, toks)  # over the budget: the least recently used cache goes, whichever model's
+    second.flush()
+    assert second.kept_for() == {} and second.locations() == {B: "resident"}
+    assert [(key, fp) for key, fp, _ in second.index.by_use()] == [(B, "model-two")]
+    second.close()
+
+
 def test_a_cache_from_before_caches_per_model_is_kept_and_restores_exactly(model: Any, tmp_path: Path) -> None:
     """An index and files as kvd wrote them before m003_per_model: migrated, kept under another
     model, and restored exactly under its own (the files stay where they were)."""
