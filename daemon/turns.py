@@ -178,7 +178,8 @@ class Turn:
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
     door: str = "websocket"  # which front door asked for it (the log's turn line says)
     model: str = ""  # the model answering it (the session's)
-    switched_from: str | None = None  # the session's model before this turn, when this turn changed it
+    # (the session's chosen model, its fed ids' model) before this turn, when this turn changed them
+    switched_from: tuple[str | None, str | None] | None = None
     engine: Engine | None = None  # that model's engine, once loaded
     held: Held | None = None  # the session as the turn core holds it
     tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
@@ -430,15 +431,15 @@ class Turns:
                                "session.list", rid)
         resolved = resolve(sampling.given(), held.params, self.config.sampling(),
                            max_tokens_limit=self.config.max_tokens_limit)
-        serving = model or held.model or self.engines.default
-        previous = held.model or self.engines.default
-        switched = self._serve_with(held, serving)
+        previous = (held.model, held.fed_model)
+        switched = self._serve_with(held, model)
+        serving = held.model or self.engines.default
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
-                    model=serving, switched_from=previous if previous != serving else None)
+                    model=serving, switched_from=previous if switched else None)
         turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
@@ -467,21 +468,24 @@ class Turns:
         turn.publish(AnswerStarted(index))
         return turn
 
-    def _serve_with(self, held: Held, model: str) -> list[Write]:
-        """The session is answered by `model` from this turn on: recorded, and its fed ids dropped when
-        they were another model's tokens (a session without a model was the default's)."""
-        if held.model == model:
-            return []
-        if held.session_id in self._unstored:  # a new session not stored yet: its row will carry the model
-            held.model = model
-            return []
-        if held.model is None and model == self.engines.default:
-            held.model = model
-            return [self.transcripts.writer.submit(lambda s: s.update_session(held.session_id, model=model),
-                                                   durable=False)]
-        previous = held.model or self.engines.default
-        log.info("session %s is answered by %s from now on (was %s)", held.session_id, model, previous)
-        return self.transcripts.model_changed(held, model, previous)
+    def _serve_with(self, held: Held, model: str | None) -> list[Write]:
+        """The turn's model: the one the request chose (recorded as the session's), else the session's, else
+        the default. Its fed ids, when another model's tokens, are put aside for that model and the turn's
+        model's own come back (transcripts.feed_for)."""
+        writes = []
+        if model is not None and model != held.model:
+            if held.session_id in self._unstored:  # a new session not stored yet: its row carries the model
+                held.model = model
+            else:
+                writes.append(self.transcripts.choose_model(held, model))
+        serving = held.model or self.engines.default
+        if held.fed_model is None:  # no ids, or ids from before models were recorded: the serving model's
+            held.fed_model = serving
+        elif held.fed_model != serving and held.session_id not in self._unstored:
+            log.info("session %s is answered by %s (its fed ids were %s's)", held.session_id, serving,
+                     held.fed_model)
+            writes += self.transcripts.feed_for(held, serving)
+        return writes
 
     async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
         """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
@@ -489,8 +493,12 @@ class Turns:
         try:
             engine = turn.engine = await self.engines.engine(turn.model)
         except ModelRefused as e:  # nothing was generated: the turn's messages are taken back
-            if turn.switched_from is not None and turn.held is not None and not turn.unstored:  # it keeps its model
-                turn.writes += self.transcripts.model_changed(turn.held, turn.switched_from, turn.model)
+            if turn.switched_from is not None and turn.held is not None:  # the session stays as it was
+                chosen, fed_by = turn.switched_from
+                if chosen != turn.held.model:
+                    turn.writes.append(self.transcripts.choose_model(turn.held, chosen))
+                if fed_by is not None and fed_by != turn.held.fed_model:
+                    turn.writes += self.transcripts.feed_for(turn.held, fed_by)
             events.send_nowait(Failed(e.code, str(e)))
             return
         while not engine.ready.is_set():  # the tokenizer comes with the model

@@ -356,8 +356,8 @@ class Store:
         self.set_tokens(session_id, [], covers=0)
         self.forget_fed_ends(session_id, 1 << 62)
 
-    def set_tokens(self, session_id: str, tokens: Sequence[int], *, covers: int = 0) -> None:
-        """Replace the session's token ids; each must satisfy 0 <= t < 2**32.
+    def set_tokens(self, session_id: str, tokens: Sequence[int], *, covers: int = 0, model: str | None = None) -> None:
+        """Replace the session's token ids (`model`'s tokens); each must satisfy 0 <= t < 2**32.
 
         `covers` says how many leading messages of the transcript the ids
         stand for, so a later turn knows whether it may append to them.
@@ -368,11 +368,11 @@ class Store:
         self._require_session(session_id)
         with self.db.atomic():
             self.db.execute(
-                "INSERT INTO session_tokens (session_id, tokens, covers, updated_at, checksum) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
-                "tokens = excluded.tokens, covers = excluded.covers, "
-                "updated_at = excluded.updated_at, checksum = excluded.checksum",
-                [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers)],
+                "INSERT INTO session_tokens (session_id, tokens, covers, updated_at, checksum, model) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET tokens = excluded.tokens, "
+                "covers = excluded.covers, updated_at = excluded.updated_at, checksum = excluded.checksum, "
+                "model = excluded.model",
+                [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers), model],
             )
 
     def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None, str]]:

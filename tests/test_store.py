@@ -535,3 +535,23 @@ def test_fed_end_marks_turn_boundaries_until_forgotten(tmp_path: Path) -> None:
     assert [m["fed_end"] for m in store.messages(sid)] == [None, None, None, 90]
     store.set_tokens(sid, list(range(90)), covers=4)
     assert store.fed(sid) == (list(range(90)), 4)
+
+
+def test_other_models_fed_ids_are_put_aside_and_checked(store: Store) -> None:
+    from sessions import stash
+
+    sid = store.create_session(title="two models")["id"]
+    store.set_tokens(sid, [1, 2, 3], covers=2, model="builtin:tiny")
+    assert stash.fed_model(store, sid) == "builtin:tiny" and store.fed(sid) == ([1, 2, 3], 2)
+    stash.stash(store, sid, "builtin:tiny", [1, 2, 3], 2)
+    stash.stash(store, sid, "builtin:gemma3", [7, 8], 2)
+    assert stash.stashed(store, sid) == {"builtin:tiny": ([1, 2, 3], 2), "builtin:gemma3": ([7, 8], 2)}
+    stash.unstash(store, sid, "builtin:tiny")
+    store.db.execute("UPDATE session_stash SET covers = 1 WHERE model = 'builtin:gemma3'")  # no longer its sum
+    assert stash.stashed(store, sid) == {}  # a damaged row is dropped, not used
+    assert store.db.execute("SELECT COUNT(*) FROM session_stash").fetchone()[0] == 0
+    stash.stash(store, sid, "builtin:gemma3", [7, 8], 2)
+    stash.drop_stash(store, sid)
+    assert stash.stashed(store, sid) == {}
+    stash.stash(store, sid, "builtin:gemma3", [7, 8], 2)
+    assert store.delete_session(sid) and store.db.execute("SELECT COUNT(*) FROM session_stash").fetchone()[0] == 0
