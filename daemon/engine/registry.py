@@ -196,39 +196,56 @@ class Engines:
         return slot.engine
 
     async def _load(self, slot: Slot) -> None:
-        name, t0 = slot.name, time.monotonic()
+        """Load `slot`'s model (its waiters wait on `settled`), telling every client how long it takes."""
+        t0 = time.monotonic()
         try:
-            try:
-                path, slot.nbytes = await anyio.to_thread.run_sync(_prepare, name, self.config.models_dir)
-            except Exception as e:  # ModelError: one line; anything else from a model file: still one
-                slot.error = f"the model {name} cannot be loaded: {e}"
-                return
-            if (refusal := await self._make_room(name, slot.nbytes)) is not None:
-                slot.error, slot.refused = refusal, True
-                return
-            log.info("loading model %s (%s of weights) on first use", name, _size(slot.nbytes))
-            engine = slot.engine = self._make(dataclasses.replace(self.config, model=name), path)
-            engine.start()
-            announced = -ANNOUNCE
-            while not engine.ready.is_set():
-                if time.monotonic() - announced >= ANNOUNCE:
-                    announced = time.monotonic()
-                    self.broadcast({"type": p.LOADING, "model": name, "stage": f"loading {name}",
-                                    "elapsed_s": round(announced - t0, 1)})
-                await anyio.sleep(POLL)
-            if engine.load_error is not None:
-                slot.error = f"the model {name} failed to load: {engine.load_error}; kvd's log has the details"
-                await anyio.to_thread.run_sync(engine.stop)
-                return
-            slot.nbytes = engine.weights_bytes or slot.nbytes
-            log.info("model %s loaded in %.1f s (%s of weights)", name, time.monotonic() - t0, _size(slot.nbytes))
-            self.broadcast({"type": p.READY, "model": name})
+            async with anyio.create_task_group() as announcing:
+                announcing.start_soon(self._announce, slot.name, t0)
+                try:
+                    await self._load_now(slot)
+                finally:
+                    announcing.cancel_scope.cancel()
+            if slot.error is None:
+                log.info("model %s loaded in %.1f s (%s of weights)", slot.name, time.monotonic() - t0,
+                         _size(slot.nbytes))
+                self.broadcast({"type": p.READY, "model": slot.name})
         finally:
             if slot.error is not None:
                 log.warning("%s", slot.error)
-                del self._slots[name]  # a later request tries again
+                del self._slots[slot.name]  # a later request tries again
             slot.last_used = time.monotonic()
             slot.settled.set()
+
+    async def _announce(self, name: str, t0: float) -> None:
+        """A `loading` event about once a second (fetching, converting, loading, warming up), as at start;
+        none for a load (or a refusal) quicker than that."""
+        while True:
+            await anyio.sleep(ANNOUNCE)
+            self.broadcast({"type": p.LOADING, "model": name, "stage": f"loading {name}",
+                            "elapsed_s": round(time.monotonic() - t0, 1)})
+
+    async def _load_now(self, slot: Slot) -> None:
+        """Prepare the model, make room for it, start its engine and wait until it is ready; a failure or a
+        refusal is left in `slot.error`."""
+        name = slot.name
+        try:
+            path, slot.nbytes = await anyio.to_thread.run_sync(_prepare, name, self.config.models_dir)
+        except Exception as e:  # ModelError: one line; anything else from a model file: still one
+            slot.error = f"the model {name} cannot be loaded: {e}"
+            return
+        if (refusal := await self._make_room(name, slot.nbytes)) is not None:
+            slot.error, slot.refused = refusal, True
+            return
+        log.info("loading model %s (%s of weights) on first use", name, _size(slot.nbytes))
+        engine = slot.engine = self._make(dataclasses.replace(self.config, model=name), path)
+        engine.start()
+        while not engine.ready.is_set():  # a threading.Event the engine thread sets
+            await anyio.sleep(POLL)
+        if engine.load_error is not None:
+            slot.error = f"the model {name} failed to load: {engine.load_error}; kvd's log has the details"
+            await anyio.to_thread.run_sync(engine.stop)
+            return
+        slot.nbytes = engine.weights_bytes or slot.nbytes
 
     def _view(self) -> list[LoadedModel]:
         now = time.monotonic()
