@@ -36,6 +36,10 @@ class Config:
     model: str = "builtin:smollm2"
     blas: str = "auto"  # "auto", "off" or a library's path (daemon/service/blas.py)
     blas_threads: int = 0  # 0: the CPUs this process may use
+    # Models: several in one daemon, loaded by name on first use (daemon/engine/registry.py)
+    keep_alive: float = 300.0  # seconds an idle model stays loaded (inf: until another needs its memory)
+    models_memory: int = 0  # bytes the loaded models' weights may take together; 0: the device's (device.py)
+    aliases: tuple[tuple[str, str], ...] = ()  # (alias, model) pairs: names a request may use for a model
     # Where kvd keeps its database, token, caches and built-in models
     data_dir: Path = field(default_factory=default_data_dir)
     log_file: Path | None = None  # None: <data_dir>/kvd.log
@@ -124,6 +128,9 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"),
     "blas": (None, "blas"),
     "blas_threads": (None, "blas_threads"),
+    "keep_alive": ("models", "keep_alive"),
+    "models_memory": ("models", "memory"),
+    "aliases": ("models", "aliases"),
     "data_dir": (None, "data_dir"),
     "log_file": (None, "log_file"),
     "host": ("server", "host"),
@@ -198,6 +205,13 @@ def _strings(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _aliases(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                              for k, v in value.items()):
+        raise _Bad('must be a table of names to models, e.g. {code = "builtin:gemma3"}')
+    return tuple(sorted(value.items()))
+
+
 def _kind(kind: type | tuple[type, ...], name: str, words: str | None = None, *,
           ok: Callable[[Any], bool] = lambda v: True) -> Check:
     """A value of exactly `kind` (true is not 1) for which `ok` holds, else `words`."""
@@ -229,6 +243,9 @@ _CHECKS: dict[str, Check] = {
     "model": _STRING,
     "blas": _kind(str, '"auto", "off" or the path of a BLAS library', ok=bool),
     "blas_threads": _integer(0, "must be >= 0 (0: the CPUs kvd may use)"),
+    "keep_alive": _positive_number,
+    "models_memory": _integer(0, "must be >= 0 (0: what the device has)"),
+    "aliases": _aliases,
     "data_dir": _path,
     "log_file": _path,
     "host": _STRING,

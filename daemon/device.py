@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["ATTENTION_ENV", "KINDS", "Device", "Policy", "SpeculationLimits", "configured", "current", "describe",
-           "installed_backend", "missing_backend", "policy"]
+__all__ = ["ATTENTION_ENV", "KINDS", "Device", "LoadedModel", "Policy", "Room", "SpeculationLimits", "configured",
+           "current", "describe", "installed_backend", "make_room", "missing_backend", "policy"]
 
 KINDS = ("cpu", "metal", "cuda")
 #: `KVD_ATTENTION=mlx` keeps MLX's own attention on the CPU too (a benchmark's A/B, a suspected bug).
@@ -48,6 +48,9 @@ SPECULATE_ENV = "KVD_SPECULATE"
 # oversubscribing it can hang the GPU, so on CUDA this is a hard ceiling on any configured budget.
 GPU_CACHE_SHARE = 0.6
 GiB = 1 << 30
+# The share of the machine's memory the loaded models' weights may take on the CPU when [models] memory
+# is 0: the rest is the cache tiers', the prefill's activations and everything else the machine runs.
+CPU_MODELS_SHARE = 0.5
 MiB = 1 << 20
 # The memory tiers' default budgets where config.toml sets none, as a share of the memory the device
 # has (the host's total on the CPU, GPU_CACHE_SHARE of what is free after the weights on a GPU), the
@@ -176,9 +179,75 @@ class Policy:
         free = self.device.memory_free
         return None if free is None else int(max(0, free - in_use) * PREFETCH_SHARE)
 
+    def models_memory(self, configured: int) -> int | None:
+        """The bytes the loaded models' weights may take together; None: no limit known.
+
+        `configured` ([models] memory) wins where it is set, but on a GPU never past what it had
+        free. Unset: a GPU's free memory (Metal: its recommended working set), or CPU_MODELS_SHARE
+        of the machine's memory on the CPU.
+        """
+        free = self.device.memory_free if self.device.gpu else None
+        if configured > 0:
+            return configured if free is None else min(configured, free)
+        if self.device.gpu:
+            return free if free is not None else self.device.memory_total
+        total = self.device.memory_total
+        return int(total * CPU_MODELS_SHARE) if total is not None else None
+
 
 def _within(n: int, bounds: tuple[int, int]) -> int:
     return min(max(n, bounds[0]), bounds[1])
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded (or loading) model as the memory decision sees it."""
+
+    name: str
+    nbytes: int  # its weights' bytes in memory (an estimate while it loads)
+    idle_s: float | None  # seconds since its last answer ended; None: answering or loading now
+
+
+@dataclass(frozen=True)
+class Room:
+    """What loading a model takes: the idle models to unload first, least recently used first, or a
+    one-line refusal ("no room" is a return value, never an exception)."""
+
+    unload: tuple[str, ...] = ()
+    refusal: str | None = None
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 100 else f"{n / (1 << 20):.1f} MiB"
+
+
+def make_room(name: str, need: int, budget: int | None, loaded: list[LoadedModel]) -> Room:
+    """Whether `name`, whose weights take `need` bytes, fits beside the `loaded` models within `budget`
+    (Policy.models_memory), and which idle ones go first if it does not.
+
+    Idle models are unloaded least recently used first, only as many as make room; busy ones (answering,
+    loading) are never touched. A model that cannot fit even with every idle one unloaded is refused.
+    """
+    if budget is None:
+        return Room()
+    used = sum(m.nbytes for m in loaded)
+    if used + need <= budget:
+        return Room()
+    idle = sorted((m for m in loaded if m.idle_s is not None), key=lambda m: -(m.idle_s or 0.0))
+    unload: list[str] = []
+    for m in idle:
+        unload.append(m.name)
+        used -= m.nbytes
+        if used + need <= budget:
+            return Room(tuple(unload))
+    busy = sum(m.nbytes for m in loaded if m.idle_s is None)
+    if need > budget:
+        why = f"the models may take {_gib(budget)} together"
+    else:
+        why = (f"there is {_gib(max(0, budget - busy))} of the {_gib(budget)} the models may take, "
+               "the rest held by models answering now (try again when they finish)")
+    return Room(refusal=f"{name} needs {_gib(need)} for its weights and {why}; raise [models] memory in "
+                        "config.toml, or use a smaller model")
 
 
 def policy(device: Device, *, env: dict[str, str] | None = None) -> Policy:

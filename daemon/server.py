@@ -94,6 +94,7 @@ class Daemon:
         self.store = store
         self.engine = engine
         self.turns = Turns(config, store, engine)
+        self.engines = self.turns.engines  # every loaded model's engine (engine/registry.py)
         self._loading = LoadingWatch(engine, config.model)
         self.websocket = WebSocketDoor(config, engine, self.turns, token, self._loading, self.status)
         self.api = OpenAIDoor(config, engine, self.turns, token, self._loading)
@@ -144,7 +145,8 @@ class Daemon:
 
     async def _serve(self, server: _Server, sock: socket.socket, task_status: TaskStatus[str]) -> None:
         async with anyio.create_task_group() as tg:
-            self.turns.tg = tg
+            self.turns.tg = self.engines.tg = tg
+            self.engines.broadcast = self.websocket.broadcast
             loading = anyio.CancelScope()
 
             async def watch_loading() -> None:
@@ -165,6 +167,13 @@ class Daemon:
             if not server.started:
                 raise RuntimeError("the HTTP server did not start; its log lines say why")
             tg.start_soon(watch_loading)
+            keep_alive = anyio.CancelScope()
+
+            async def unload_idle() -> None:
+                with keep_alive:
+                    await self.engines.keep_alive()
+
+            tg.start_soon(unload_idle)
             self.url = p.default_url(self.config.host, sock.getsockname()[1])
             task_status.started(self.url)
             await self._stopping.wait()
@@ -177,10 +186,12 @@ class Daemon:
             else:
                 log.info("shutting down: paging caches out")
             loading.cancel()
+            keep_alive.cancel()
             for listener in server.servers:
                 listener.close()  # no new clients: one could attach to an answer about to be cut
             await self.websocket.close_all()
-            await anyio.to_thread.run_sync(self.engine.stop)  # every running turn ends, cancelled
+            for engine in {self.engine, *self.engines.engines()}:  # every running turn ends, cancelled
+                await anyio.to_thread.run_sync(engine.stop)
             server.should_exit = True
             # Leaving the task group waits for every turn to commit its answer and for uvicorn's
             # own shutdown (open HTTP responses get GRACEFUL_SHUTDOWN seconds).
@@ -200,9 +211,32 @@ class Daemon:
             await self.api.app(scope, receive, send)
 
     async def status(self) -> dict[str, Any]:
-        """What `kvd status` shows: the model, the connections, every cache tier."""
-        stats = self.engine.stats
-        if self.engine.ready.is_set():
+        """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,
+        and every loaded model (`models`, what `kvd ps` shows), each answering session with its model."""
+        engine = self.turns.engine
+        stats = await self._engine_status(engine)
+        answering = {sid: {**turn, "model": self.engines.default} for sid, turn in stats.get("answering", {}).items()}
+        for other in self.engines.engines():
+            if other is not engine:
+                answering.update({sid: {**turn, "model": other.config.model}
+                                  for sid, turn in other.stats.get("answering", {}).items()})
+        return {"server": f"kvd {__version__}", "model": self.config.model, "pid": os.getpid(),
+                "uptime": time.monotonic() - self._started, "log_file": str(self.config.log_path),
+                "data_dir": str(self.config.data_dir),
+                "ready": engine.ready.is_set() and engine.load_error is None,
+                "connections": len(self.websocket.connections),
+                "generating": sum(e.stats.get("generating", 0) for e in self.engines.engines() if e is not engine)
+                + stats.get("generating", 0),
+                "waiting": stats.get("waiting", 0), "answering": answering,
+                "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
+                "locations": stats.get("locations", {}),
+                "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
+                "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded()}
+
+    async def _engine_status(self, engine: Engine) -> dict[str, Any]:
+        """The engine's statistics, fresh where it answers within STATUS_TIMEOUT."""
+        stats = engine.stats
+        if engine.ready.is_set():
             # Through the engine's queue, so a turn that just finished is counted.
             loop = asyncio.get_running_loop()
             fresh: asyncio.Future[dict[str, Any]] = loop.create_future()
@@ -214,16 +248,7 @@ class Daemon:
                 if not fresh.done():
                     fresh.set_result(s)
 
-            self.engine.query_status(deliver)
+            engine.query_status(deliver)
             with anyio.move_on_after(STATUS_TIMEOUT):
                 stats = await fresh
-        return {"server": f"kvd {__version__}", "model": self.config.model, "pid": os.getpid(),
-                "uptime": time.monotonic() - self._started, "log_file": str(self.config.log_path),
-                "data_dir": str(self.config.data_dir),
-                "ready": self.engine.ready.is_set() and self.engine.load_error is None,
-                "connections": len(self.websocket.connections), "generating": stats.get("generating", 0),
-                "waiting": stats.get("waiting", 0), "answering": stats.get("answering", {}),
-                "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
-                "locations": stats.get("locations", {}),
-                "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
-                "ranks": stats.get("ranks", {"world_size": 1})}
+        return stats

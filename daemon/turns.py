@@ -49,6 +49,7 @@ from sessions.chains import said
 
 from .config import Config
 from .engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed, Progress, Queued, Started
+from .engine.registry import Engines, ModelRefused
 from .engine.thread import Engine
 from .events import (
     AnswerDelta,
@@ -176,6 +177,10 @@ class Turn:
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
     door: str = "websocket"  # which front door asked for it (the log's turn line says)
+    model: str = ""  # the model answering it (the session's)
+    # (the session's chosen model, its fed ids' model) before this turn, when this turn changed them
+    switched_from: tuple[str | None, str | None] | None = None
+    engine: Engine | None = None  # that model's engine, once loaded
     held: Held | None = None  # the session as the turn core holds it
     tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
@@ -210,22 +215,49 @@ class Turns:
     transcript and waits for no commit until it acknowledges its answer.
     """
 
-    def __init__(self, config: Config, store: Store, engine: Engine):
+    def __init__(self, config: Config, store: Store, engine: Engine, engines: Engines | None = None):
+        """`engine`: the default model's; `engines`: every loaded model's (made here around `engine` if
+        not given)."""
         self.config = config
-        self.engine = engine
         self.active: dict[str, Turn] = {}
+        self.engines = engines or Engines(config, engine, busy=self.answering)
+        self._first = engine
         self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
-        self._tokenizing: Tokenizing | None = None
-        self.renders = Renders()  # stateless requests' last renders; used in the tokenizer stage only
+        self._tokenizing: dict[Engine, Tokenizing] = {}
+        self._renders: dict[str, Renders] = {}  # stateless requests' last renders, per model (tokenizer stage)
+
+    @property
+    def engine(self) -> Engine:
+        """The default model's engine (the one kvd started with, while it is loaded)."""
+        return self.engines.default_engine or self._first
+
+    def answering(self, model: str) -> bool:
+        """Whether a turn runs on `model` now (the registry never unloads such a model)."""
+        return any(t.model == model for t in self.active.values())
 
     @property
     def tokenizing(self) -> Tokenizing:
-        """The tokenizer stage (the model must be loaded: the stage copies its tokenizer)."""
-        if self._tokenizing is None:
-            self._tokenizing = Tokenizing(self.engine.tokenizer)
-        return self._tokenizing
+        """The default model's tokenizer stage (it must be loaded: the stage copies its tokenizer)."""
+        return self.tokenizing_for(self.engine)
+
+    def tokenizing_for(self, engine: Engine) -> Tokenizing:
+        """A loaded model's tokenizer stage (made on first use; unloaded models' stages let go)."""
+        if engine not in self._tokenizing:
+            loaded = set(self.engines.engines())
+            self._tokenizing = {e: t for e, t in self._tokenizing.items() if e in loaded}
+            self._tokenizing[engine] = Tokenizing(engine.tokenizer)
+        return self._tokenizing[engine]
+
+    @property
+    def renders(self) -> Renders:
+        """The default model's renders (stateless requests' last renders)."""
+        return self.renders_for(self.engines.default)
+
+    def renders_for(self, model: str) -> Renders:
+        """A model's renders: ids are its tokenizer's, so each model remembers its own."""
+        return self._renders.setdefault(model, Renders())
 
     # --- sessions ---
 
@@ -255,7 +287,8 @@ class Turns:
         if not await self.transcripts.delete_session(session_id):
             raise RequestError(p.UNKNOWN_SESSION,
                                f"no session {session_id!r}; list sessions with session.list", rid)
-        self.engine.forget(session_id)  # queued behind any turn that is still keeping its cache
+        for engine in self.engines.engines():  # each model's cache of it; queued behind any turn keeping one
+            engine.forget(session_id)
 
     # --- the fed-token rule ---
 
@@ -295,12 +328,13 @@ class Turns:
     # --- what a client asks for: a new message, an answer again, an edited message ---
 
     async def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
-                   sampling: Sampling = ASKED_NOTHING) -> Turn:
-        """The user's message and its answer (written together: a full disk stores neither)."""
+                   sampling: Sampling = ASKED_NOTHING, model: str | None = None) -> Turn:
+        """The user's message and its answer (written together: a full disk stores neither).
+        `model`: the model to answer it from now on (resolved by the registry); None: the session's."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, sampling=sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling, model=model)
 
     async def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str,
                          sampling: Sampling = ASKED_NOTHING) -> Turn:
@@ -376,7 +410,8 @@ class Turns:
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
               sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
-              grammar: str | None = None, tools: CallSplit | None = None) -> Turn:
+              grammar: str | None = None, tools: CallSplit | None = None,
+              model: str | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
@@ -385,7 +420,9 @@ class Turns:
         cache comes from wherever the longest prefix of its ids is held: the
         session's own or any other's (cachestore's checkout). `tools` (from a
         door whose request offered tools) takes the answer's calls out of its
-        text: they are published once the answer ends, and kept as its calls.
+        text: they are published once the answer ends, and kept as its calls. `model`
+        (resolved by the registry): the model that answers, from now on, for the
+        session; None: the session's own (the default for a session that has none).
         """
         assert self.tg is not None, "the daemon is not serving"
         held = self.transcripts.get(session_id)
@@ -394,11 +431,16 @@ class Turns:
                                "session.list", rid)
         resolved = resolve(sampling.given(), held.params, self.config.sampling(),
                            max_tokens_limit=self.config.max_tokens_limit)
+        previous = (held.model, held.fed_model)
+        switched = self._serve_with(held, model)
+        serving = held.model or self.engines.default
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools)
+                    stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
+                    model=serving, switched_from=previous if switched else None)
+        turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
             turn.unstored = [new, write_new]  # a new session: stored once the engine takes its turn
@@ -426,22 +468,53 @@ class Turns:
         turn.publish(AnswerStarted(index))
         return turn
 
+    def _serve_with(self, held: Held, model: str | None) -> list[Write]:
+        """The turn's model: the one the request chose (recorded as the session's), else the session's, else
+        the default. Its fed ids, when another model's tokens, are put aside for that model and the turn's
+        model's own come back (transcripts.feed_for)."""
+        writes = []
+        if model is not None and model != held.model:
+            if held.session_id in self._unstored:  # a new session not stored yet: its row carries the model
+                held.model = model
+            else:
+                writes.append(self.transcripts.choose_model(held, model))
+        serving = held.model or self.engines.default
+        if held.fed_model is None:  # no ids, or ids from before models were recorded: the serving model's
+            held.fed_model = serving
+        elif held.fed_model != serving and held.session_id not in self._unstored:
+            log.info("session %s is answered by %s (its fed ids were %s's)", held.session_id, serving,
+                     held.fed_model)
+            writes += self.transcripts.feed_for(held, serving)
+        return writes
+
     async def _submit(self, turn: Turn, prompt: Prompt, job: AnswerJob, events: Any) -> None:
-        """Make the turn's ids in the tokenizer stage, then hand the job to the engine."""
-        while not self.engine.ready.is_set():  # the tokenizer comes with the model
+        """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
+        job to its engine."""
+        try:
+            engine = turn.engine = await self.engines.engine(turn.model)
+        except ModelRefused as e:  # nothing was generated: the turn's messages are taken back
+            if turn.switched_from is not None and turn.held is not None:  # the session stays as it was
+                chosen, fed_by = turn.switched_from
+                if chosen != turn.held.model:
+                    turn.writes.append(self.transcripts.choose_model(turn.held, chosen))
+                if fed_by is not None and fed_by != turn.held.fed_model:
+                    turn.writes += self.transcripts.feed_for(turn.held, fed_by)
+            events.send_nowait(Failed(e.code, str(e)))
+            return
+        while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
-        if self.engine.load_error is not None:
-            self.engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
+        if engine.load_error is not None:
+            engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
             return
         try:
-            job.tokens, job.retokenized = await self.tokenizing.run(prompt.ids)
+            job.tokens, job.retokenized = await self.tokenizing_for(engine).run(prompt.ids)
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
             events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
-        self.engine.submit(job)
+        engine.submit(job)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
-            self.engine.cancel(turn.session_id)
+            engine.cancel(turn.session_id)
 
     def cancel(self, session_id: str, turn: Turn | None = None) -> None:
         """Stop the session's answer (only if it is still `turn`, when given); what was generated is kept."""
@@ -449,7 +522,8 @@ class Turns:
             current = self.active.get(session_id)
             if current is not None:
                 current.cancelled = True
-            self.engine.cancel(session_id)
+                if current.engine is not None:  # else it has not reached an engine: _submit cancels it there
+                    current.engine.cancel(session_id)
 
     async def _committed(self, turn: Turn) -> None:
         """Wait until the turn's writes are committed; raise the first that failed."""
@@ -505,7 +579,8 @@ class Turns:
                         await self._failed(turn, ev)
                         return
         except Exception as e:
-            self.engine.cancel(sid)  # nobody is left to keep what it generates
+            if turn.engine is not None:
+                turn.engine.cancel(sid)  # nobody is left to keep what it generates
             if is_disk_full(e):
                 log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
                 error = AnswerError(p.DISK_FULL, DISK_FULL_MESSAGE, answered=turn.seq > 0)
@@ -526,6 +601,7 @@ class Turns:
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]
+            self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
     async def _failed(self, turn: Turn, ev: Failed) -> None:
@@ -533,7 +609,7 @@ class Turns:
         assert held is not None
         if turn.unstored:  # refused before the engine took it: a new session, never stored
             t.forget(turn.session_id)
-        elif ev.code == p.TOO_LARGE and not turn.text:
+        elif ev.code in (p.TOO_LARGE, p.UNKNOWN_MODEL) and not turn.text:
             # Nothing was generated and the turn can never fit: take it back,
             # so the session stays usable (the client still has the text).
             turn.writes.append(t.truncate(held, turn.first_new))
@@ -562,6 +638,16 @@ class Turns:
             turn.publish(AnswerDelta(turn.seq, text, written))
             turn.seq += 1
 
+    @staticmethod
+    def _usage(turn: Turn, usage: dict[str, Any]) -> dict[str, Any]:
+        """The answer's usage, plus the model that answered and, when it had no cache of the session,
+        the other models that keep one (the cache store's `kept_for`): said, never restored from."""
+        usage = {**usage, "model": turn.model}
+        if usage.get("restored_from") == p.NO_CACHE and turn.engine is not None:
+            if others := turn.engine.stats.get("kept_for", {}).get(turn.session_id):
+                usage["kept_for"] = list(others)
+        return usage
+
     async def _done(self, turn: Turn, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
@@ -570,10 +656,12 @@ class Turns:
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
-        u = ev.usage
+        u = ev.usage = self._usage(turn, ev.usage)
         log.info("turn in session %s (%s): cache %s, %s tok restored, %s prefilled, TTFT %s ms, %s tok, %s",
                  turn.session_id, turn.door,
-                 f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else u.get("restored_from"),
+                 f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else
+                 f"none for {turn.model} (kept for {', '.join(u['kept_for'])})" if u.get("kept_for") else
+                 u.get("restored_from"),
                  u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
         content, calls = turn.text, list[dict[str, str]]()

@@ -57,6 +57,7 @@ class Session(TypedDict):
     tokens: int
     params: dict[str, Any]
     origin: str | None  # who made it: "kvchat", "kvchat one-shot", "api (<User-Agent>)", "websocket"
+    model: str | None  # the model that serves it (its fed ids are that model's); None: the daemon's default
 
 
 class Message(TypedDict):
@@ -85,12 +86,13 @@ SELECT s.id, s.title, s.system, s.created_at, s.updated_at,
     coalesce((SELECT length(t.tokens) / 4 FROM session_tokens t
         WHERE t.session_id = s.id), 0),
     s.params,
-    s.origin
+    s.origin,
+    s.model
 FROM sessions s
 """
 _SESSION_KEYS = (
     "id", "title", "system", "created_at", "updated_at",
-    "message_count", "last_message", "tokens", "params", "origin",
+    "message_count", "last_message", "tokens", "params", "origin", "model",
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
@@ -141,21 +143,21 @@ class Store:
 
     def create_session(
         self, *, title: str, system: str | None = None, origin: str | None = None,
-        session_id: str | None = None,
+        session_id: str | None = None, model: str | None = None,
     ) -> Session:
         """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE),
         and may choose its id (new_session_id()) before the row is written, as the turn core does."""
         now = self._clock()
         session_id = session_id or new_session_id()
         self.db.execute(
-            "INSERT INTO sessions (id, title, system, created_at, updated_at, origin) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            [session_id, title, system, now, now, origin],
+            "INSERT INTO sessions (id, title, system, created_at, updated_at, origin, model) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [session_id, title, system, now, now, origin, model],
         )
         return Session(
             id=session_id, title=title, system=system, created_at=now,
             updated_at=now, message_count=0, last_message=None, tokens=0,
-            params={}, origin=origin,
+            params={}, origin=origin, model=model,
         )  # fmt: skip
 
     def get_session(self, session_id: str) -> Session | None:
@@ -181,25 +183,19 @@ class Store:
         title: str | Keep = KEEP,
         system: str | None | Keep = KEEP,
         params: Mapping[str, Any] | Keep = KEEP,
+        model: str | None | Keep = KEEP,
     ) -> None:
         """Change the given fields in one statement; this is not use (`updated_at`, so the list order, stays).
 
         `params` replaces the session's generation defaults as a whole (an
         empty mapping clears them); merging a partial change is the caller's.
         """
-        sets: list[str] = []
-        values: list[Any] = []
-        if not isinstance(title, Keep):
-            sets.append("title = ?")
-            values.append(title)
-        if not isinstance(system, Keep):
-            sets.append("system = ?")
-            values.append(system)
-        if not isinstance(params, Keep):
-            sets.append("params = ?")
-            values.append(json.dumps(dict(params)) if params else None)
-        if sets:
-            self._update_session(session_id, ", ".join(sets), values)
+        stored = json.dumps(dict(params)) if not isinstance(params, Keep) and params else None
+        given = {"title": title, "system": system, "params": params if isinstance(params, Keep) else stored,
+                 "model": model}
+        changed = {column: value for column, value in given.items() if not isinstance(value, Keep)}
+        if changed:
+            self._update_session(session_id, ", ".join(f"{column} = ?" for column in changed), list(changed.values()))
         else:
             self._require_session(session_id)
 
@@ -360,8 +356,8 @@ class Store:
         self.set_tokens(session_id, [], covers=0)
         self.forget_fed_ends(session_id, 1 << 62)
 
-    def set_tokens(self, session_id: str, tokens: Sequence[int], *, covers: int = 0) -> None:
-        """Replace the session's token ids; each must satisfy 0 <= t < 2**32.
+    def set_tokens(self, session_id: str, tokens: Sequence[int], *, covers: int = 0, model: str | None = None) -> None:
+        """Replace the session's token ids (`model`'s tokens); each must satisfy 0 <= t < 2**32.
 
         `covers` says how many leading messages of the transcript the ids
         stand for, so a later turn knows whether it may append to them.
@@ -372,11 +368,11 @@ class Store:
         self._require_session(session_id)
         with self.db.atomic():
             self.db.execute(
-                "INSERT INTO session_tokens (session_id, tokens, covers, updated_at, checksum) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
-                "tokens = excluded.tokens, covers = excluded.covers, "
-                "updated_at = excluded.updated_at, checksum = excluded.checksum",
-                [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers)],
+                "INSERT INTO session_tokens (session_id, tokens, covers, updated_at, checksum, model) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET tokens = excluded.tokens, "
+                "covers = excluded.covers, updated_at = excluded.updated_at, checksum = excluded.checksum, "
+                "model = excluded.model",
+                [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers), model],
             )
 
     def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None, str]]:

@@ -63,6 +63,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_session_requests", "test_shared", "test_seeds",
         "test_speculate",
         "test_fed_checksum", "test_tool_turns", "test_prefill", "test_render_exact", "test_empty_answers",
+        "test_models",
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
@@ -70,7 +71,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_kvchat_tmux", "test_docs_run",
         "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
-        "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas",
+        "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_models_e2e",
     }),
 }  # fmt: skip
 

@@ -135,7 +135,7 @@ BAD: list[tuple[Any, int, str, str | None]] = [
     ({"messages": [{"role": "system", "content": "only a system prompt"}]}, 400, "no user or assistant", "messages"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}, 400,
      "only before the conversation", "messages[1].role"),
-    ({**HI, "model": "gpt-4o"}, 404, "kvd serves the model 'builtin:tiny', not 'gpt-4o'", "model"),
+    ({**HI, "model": "gpt-4o"}, 404, "kvd cannot serve a model named 'gpt-4o'", "model"),
     ({**HI, "response_format": {"type": "yaml"}}, 400, "'text', 'json_object' or 'json_schema'",
      "response_format.type"),
     ({**HI, "max_tokens": "5"}, 400, "valid integer", "max_tokens"),
@@ -363,7 +363,7 @@ async def test_what_clients_send_is_understood(tmp_path: Path) -> None:
             assert [m["content"] for m in d.store.messages(session["id"])][:3] == ["hi", "", "and?"]
             model = (await h.get("/v1/models/builtin:tiny")).json()
             assert model["id"] == "builtin:tiny" and model["object"] == "model"
-            assert_error(await h.get("/v1/models/gpt-4o"), 404, says="not 'gpt-4o'")
+            assert_error(await h.get("/v1/models/gpt-4o"), 404, says="kvd cannot serve a model named 'gpt-4o'")
 
 
 async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its_new_messages(tmp_path: Path) -> None:

@@ -460,3 +460,10 @@ def test_a_narrow_list_gives_the_title_the_room() -> None:
     lines = output(console).splitlines()
     assert lines[0].split() == ["#", "title", "msgs", "tokens", "cache", "from", "last", "used"], lines
     assert "What is the capital of P…" in lines[4], lines  # not `What is …`
+
+
+def test_a_turn_without_a_cache_for_its_model_says_which_models_keep_one() -> None:
+    usage = {"restored_from": "none", "prefill_tokens": 40, "model": "builtin:gemma3", "kept_for": ["builtin:smollm2"]}
+    assert render.cache_part(usage) == "cache: none for gemma3 (kept for smollm2), prefilled 40 tok"
+    alone = {"restored_from": "none", "prefill_tokens": 40, "model": "x"}
+    assert render.cache_part(alone) == "cache: none, prefilled 40 tok"

@@ -141,7 +141,7 @@ class Answer(Response):
                     message["tool_calls"] = openai_calls(_stored(calls))
                 await self._body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
-                    "model": self.config.model,
+                    "model": self.turn.model or self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None,
                                  "finish_reason": self._called(event)}],
                     "usage": self._usage(event), "kvd": self._kvd(event)})
@@ -153,7 +153,7 @@ class Answer(Response):
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.turn.request_id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.config.model,
+            "model": self.turn.model or self.config.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         if self._usage_wanted():
             chunk["usage"] = None
@@ -187,7 +187,7 @@ class Answer(Response):
                 await sse(self._chunk({}, self._called(event)))
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
-                               "created": self.created, "model": self.config.model, "choices": [],
+                               "created": self.created, "model": self.turn.model or self.config.model, "choices": [],
                                "usage": self._usage(event), "kvd": self._kvd(event)})
                 break
             elif isinstance(event, AnswerError):

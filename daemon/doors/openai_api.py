@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -31,6 +32,7 @@ from protocol.shapes import Sampling
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
+from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
 from ..prompt import Conversation
 from ..turns import EventStream, Turn, Turns
@@ -47,7 +49,6 @@ from .openai_schema import (
     instructions,
     may_hold_surrogates,
     parse,
-    served_names,
     stops,
 )
 from .placement import Diverged, Said, links, place
@@ -165,18 +166,34 @@ class OpenAIDoor:
 
     # --- GET /v1/models ---
 
-    def _model_object(self) -> dict[str, Any]:
-        return {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "kvd"}
+    async def _model_objects(self) -> list[dict[str, Any]]:
+        """Every model kvd can serve, the default first, with its context length in the fields clients read:
+        `context_length` (OpenRouter's, which litellm and many clients read), `max_model_len` (vLLM's),
+        `max_context_length` / `loaded_context_length` and `state` (LM Studio's)."""
+        engines = self.turns.engines
+        loaded = {m["model"]: m for m in engines.loaded()}
+        contexts = await anyio.to_thread.run_sync(_contexts, self.config.models_dir)
+        out = []
+        for name in await engines.servable():
+            here = loaded.get(name)
+            context = (here or {}).get("context_length") or contexts.get(name)
+            out.append({"id": name, "object": "model", "created": self._created, "owned_by": "kvd",
+                        "context_length": context, "max_model_len": context, "max_context_length": context,
+                        "loaded_context_length": context if here is not None else None,
+                        "state": "loaded" if here is not None else "not-loaded"})
+        return out
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_object()]})
+        return JSONResponse({"object": "list", "data": await self._model_objects()})
 
     async def model(self, request: Request) -> Response:
         asked = request.path_params["model_id"]
-        if asked not in served_names(self.config.model):
-            return error_response(ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {self.config.model!r}, "
-                                           f"not {asked!r}", code="model_not_found"))
-        return JSONResponse(self._model_object())
+        try:
+            name = await self.turns.engines.resolve(asked)
+        except RequestError as e:
+            return error_response(api_error(e.code, e.message))
+        found = [m for m in await self._model_objects() if m["id"] == name]
+        return JSONResponse(found[0] if found else {"id": name, "object": "model", "owned_by": "kvd"})
 
     # --- GET /v1/kvd/sessions/{id}: a session's transcript, read-only ---
 
@@ -226,19 +243,23 @@ class OpenAIDoor:
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
                      headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        if not self.engine.ready.is_set():
+        try:
+            model = await self.turns.engines.resolve(req.model)
+        except RequestError as e:
+            raise ApiError(HTTPStatus.NOT_FOUND, e.message, param="model", code="model_not_found") from None
+        if model == self.turns.engines.default and not self.turns.engine.ready.is_set():
             with anyio.move_on_after(LOAD_WAIT):
                 await self.loading.settled.wait()
-        self._check_ready()
+        engine = await self._engine(model)
         pinned = request.headers.get(SESSION_HEADER)
         if pinned is not None and not is_valid_session_id(pinned):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
                            "(16 lowercase hex characters)", param=SESSION_HEADER)
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds
         tools = req.offered_tools()
-        tool_format = ToolFormat.of(self.engine.tokenizer, tools)
+        tool_format = ToolFormat.of(engine.tokenizer, tools)
         if tools and tool_format is None:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {model}'s chat template has no "
                            "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
                            "serve a model that calls tools (docs/openai.md lists them)", param="tools")
         rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
@@ -256,9 +277,10 @@ class OpenAIDoor:
             sampling=Sampling.model_construct(max_tokens=req.max_completion_tokens or req.max_tokens,
                                               temperature=req.temperature, top_p=req.top_p),
             stop=stops(req), seed=req.seed,
-            prompt=Conversation(convo, system, tools or None, chain=placement.chain, renders=self.turns.renders),
+            prompt=Conversation(convo, system, tools or None, chain=placement.chain,
+                                renders=self.turns.renders_for(model)),
             door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            tools=StreamSplit(tool_format) if tool_format is not None else None,
+            tools=StreamSplit(tool_format) if tool_format is not None else None, model=model,
         )
         return turn, events
 
@@ -324,7 +346,7 @@ class OpenAIDoor:
             system = session["system"]
             prompt = Conversation(asked, system, None, chain=links(system, asked), renders=self.turns.renders)
             try:
-                await self.turns.tokenizing.run(prompt.ids)
+                await self.turns.tokenizing.run(prompt.ids)  # the default model's (seeded at start)
             except Exception:  # a template that refuses it: its next request renders whole
                 log.debug("seeding the render of session %s failed", session["id"], exc_info=True)
                 continue
@@ -333,11 +355,30 @@ class OpenAIDoor:
             log.info("rendered the last request of %d API conversation(s) ahead of their next", seeded)
         return seeded
 
-    def _check_ready(self) -> None:
-        if not self.engine.ready.is_set():
+    async def _engine(self, model: str) -> Engine:
+        """The model's engine, loaded (a request for a model not loaded yet waits for its load)."""
+        try:
+            with anyio.move_on_after(LOAD_WAIT):
+                engine = await self.turns.engines.engine(model)
+                self._check_ready(engine, model)
+                return engine
+        except ModelRefused as e:
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(e), code="model_not_loaded") from None
+        raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading the model {model} after "
+                       f"{LOAD_WAIT:.0f} s; retry later", code="model_loading")
+
+    def _check_ready(self, engine: Engine, model: str) -> None:
+        if not engine.ready.is_set():
             raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading its model "
-                           f"({self.config.model}) after {LOAD_WAIT:.0f} s; retry later", code="model_loading")
-        if self.engine.load_error is not None:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {self.engine.load_error}; "
+                           f"({model}) after {LOAD_WAIT:.0f} s; retry later", code="model_loading")
+        if engine.load_error is not None:
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {engine.load_error}; "
                            "kvd's log has the details, fix the model setting and restart kvd",
                            code="model_not_loaded")
+
+
+def _contexts(models_dir: Path) -> dict[str, int | None]:
+    """Each listed model's context length as its files say, loaded or not (a worker thread)."""
+    from ..models.catalog import entries
+
+    return {e.name: e.context for e in entries(models_dir)}

@@ -40,6 +40,7 @@ from protocol.shapes import (
 from protocol.shapes import stops as stop_list
 
 from ..config import Config
+from ..models.catalog import SERVED_ALIAS, model_names
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in error paths
 
@@ -80,6 +81,7 @@ _STATUS = {
     p.BAD_REQUEST: (HTTPStatus.BAD_REQUEST, None),
     p.TOO_LARGE: (HTTPStatus.BAD_REQUEST, "context_length_exceeded"),
     p.UNKNOWN_SESSION: (HTTPStatus.NOT_FOUND, "session_not_found"),
+    p.UNKNOWN_MODEL: (HTTPStatus.NOT_FOUND, "model_not_found"),
     p.BUSY: (HTTPStatus.CONFLICT, "session_busy"),
 }
 
@@ -181,7 +183,7 @@ class StreamOptions(_Strict):
 
 
 class ChatRequest(_Strict):
-    model: str | None = None  # the served model's name (or left out); see served_names
+    model: str | None = None  # a model `kvd models` lists, an alias, or none (the default): the registry resolves it
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None  # wins over max_tokens when both are given
@@ -264,7 +266,7 @@ def _refusal(error: ErrorDetails) -> ApiError:
 
 
 def _check_asks(req: ChatRequest, config: Config) -> None:
-    """What the request asks for that kvd does not do, and the model it names."""
+    """What the request asks for that kvd does not do (the model it names: the door asks the registry)."""
     if req.n not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd generates one choice per request; send n = 1 "
                        "(or leave it out) and make several requests for several answers", param="n")
@@ -276,10 +278,6 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
     if req.tool_choice == "auto" and not req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")
-    if req.model is not None and req.model not in served_names(config.model):
-        raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {req.model!r}; "
-                       f"send {config.model!r} or {SERVED_ALIAS!r} (or leave model out)",
-                       param="model", code="model_not_found")
 
 
 def _check_messages(req: ChatRequest) -> None:
@@ -302,21 +300,9 @@ def _check_messages(req: ChatRequest) -> None:
                        param="messages")
 
 
-SERVED_ALIAS = "kvd"  # the one name that always means "the model kvd loaded" (docs/openai.md's examples use it)
-
-
 def served_names(model: str) -> set[str]:
-    """The names a request may give the served model: the setting itself, a path's file or folder name,
-    a prefixed name without its prefix, and the alias `kvd`, as a single-model local server should;
-    any other name stays a 404, so a client that meant another model is told instead of answered."""
-    names = {model, SERVED_ALIAS}
-    for prefix in ("ollama:", "hf:", "builtin:"):  # Ollama's name for it (llama3.2:1b), the repo's, smollm2
-        if model.startswith(prefix):
-            return names | {model[len(prefix):]}
-    if "/" in model or model.endswith(".gguf"):
-        tail = model.rstrip("/").rsplit("/", 1)[-1]
-        names |= {tail, tail.removesuffix(".gguf")}
-    return names
+    """The names a request may give the default model: its own (catalog.model_names) and the alias `kvd`."""
+    return model_names(model) | {SERVED_ALIAS}
 
 
 def instructions(req: ChatRequest) -> str | None:

@@ -168,8 +168,9 @@ class WebSocketDoor:
             elif isinstance(req, Status):
                 conn.start_slow(rid, lambda: self._reply_status(conn, rid))
             elif isinstance(req, SessionCreate):
+                model = await self.turns.engines.resolve(req.model, rid) if req.model is not None else None
                 session = await self.turns.transcripts.create_session(title=req.title, system=req.system,
-                                                                      origin=req.origin)
+                                                                      origin=req.origin, model=model)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
             elif isinstance(req, SessionList):
                 sessions = await self.turns.transcripts.read(lambda store: store.list_sessions())
@@ -191,8 +192,9 @@ class WebSocketDoor:
             elif isinstance(req, ChatAttach):
                 await self._chat_attach(conn, req)
             elif isinstance(req, ChatSend):
+                model = await self.turns.engines.resolve(req.model, rid) if req.model is not None else None
                 await self.turns.send(Frames(conn, req.id, req.session), req.id, req.session, req.text,
-                                      _sampling(req))
+                                      _sampling(req), model=model)
             elif isinstance(req, ChatRegenerate):
                 await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, _sampling(req))
             elif isinstance(req, ChatEdit):
@@ -216,12 +218,19 @@ class WebSocketDoor:
             conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
 
     def _session_object(self, session: Session) -> dict[str, Any]:
-        """The protocol's session object: the stored one plus the fastest tier holding its cache now."""
+        """The protocol's session object: the stored one, its model (the default's name where it has none)
+        and the fastest tier holding its cache for that model now: its engine's word where it is loaded,
+        else disk where a loaded model's cache store says disk keeps one for it (`kept_for`)."""
+        model = session["model"] or self.turns.engines.default
+        engine = self.turns.engines.get(model)
         if session["id"] in self.turns.active:
             tier = p.TIERS[0]  # resident: in the engine's batch
+        elif engine is None:
+            kept = {m for e in self.turns.engines.engines() for m in e.stats.get("kept_for", {}).get(session["id"], ())}
+            tier = p.TIERS[-1] if model in kept else p.NO_CACHE
         else:
-            tier = self.engine.stats.get("locations", {}).get(session["id"], p.NO_CACHE)
-        return wire.session_object(session, tier)
+            tier = engine.stats.get("locations", {}).get(session["id"], p.NO_CACHE)
+        return wire.session_object({**session, "model": model}, tier)
 
     async def _session_update(self, conn: Connection, req: SessionUpdate) -> None:
         session = await self.turns.session(req.session, req.id)
