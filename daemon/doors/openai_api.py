@@ -46,8 +46,9 @@ from .openai_schema import (
     api_error,
     instructions,
     may_hold_surrogates,
+    not_served,
     parse,
-    served_names,
+    serves,
     stops,
 )
 from .placement import Diverged, Placement, Said, links, place
@@ -187,9 +188,8 @@ class OpenAIDoor:
 
     async def model(self, request: Request) -> Response:
         asked = request.path_params["model_id"]
-        if asked not in served_names(self.config.model):
-            return error_response(ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {self.config.model!r}, "
-                                           f"not {asked!r}", code="model_not_found"))
+        if not serves(asked, self.config):
+            return error_response(not_served(asked, self.config))
         return JSONResponse(self._model_object())
 
     # --- GET /v1/kvd/sessions/{id}: a session's transcript, read-only ---

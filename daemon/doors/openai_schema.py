@@ -218,7 +218,7 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
                        f"(got {len(body['messages'])})", param="messages")
     if surrogates and (path := lone_surrogate(body)) is not None:
-        where = _where(path[:-1] if path[-1] == BAD_KEY else path) or "body"
+        where = where_of(path[:-1] if path[-1] == BAD_KEY else path) or "body"
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
                        "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
     try:
@@ -226,7 +226,7 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
     except ValidationError as e:
         # A union (content: a string or a list of parts) reports one error per member; the
         # deepest says most (a part's wrong type, rather than "not a string").
-        raise _refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
+        raise refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
     _check_asks(req, config)
     _check_messages(req)
     return req
@@ -242,14 +242,14 @@ def may_hold_surrogates(body: bytes) -> bool:
     return json.detect_encoding(body) != "utf-8" or _SURROGATE.search(body) is not None
 
 
-def _where(loc: tuple[str | int, ...]) -> str:
+def where_of(loc: tuple[str | int, ...]) -> str:
     """A field's path as OpenAI's `param` spells it: messages[0].content."""
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
-def _refusal(error: ErrorDetails) -> ApiError:
+def refusal(error: ErrorDetails) -> ApiError:
     """One validation error as a 400; the shared shapes' own errors keep the wording docs/openai.md shows."""
-    where = _where(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
+    where = where_of(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
                          and part not in _UNION_TAGS))
     kind = error["type"]
     if kind == TEXT_TOO_LONG:
@@ -276,10 +276,8 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
     if req.tool_choice == "auto" and not req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")
-    if req.model is not None and req.model not in served_names(config.model):
-        raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {req.model!r}; "
-                       f"send {config.model!r} or {SERVED_ALIAS!r} (or leave model out)",
-                       param="model", code="model_not_found")
+    if req.model is not None and not serves(req.model, config):
+        raise not_served(req.model, config)
 
 
 def _check_messages(req: ChatRequest) -> None:
@@ -317,6 +315,20 @@ def served_names(model: str) -> set[str]:
         tail = model.rstrip("/").rsplit("/", 1)[-1]
         names |= {tail, tail.removesuffix(".gguf")}
     return names
+
+
+def serves(name: str, config: Config) -> bool:
+    """Whether a request naming the model `name` is answered by the served model: one of its own names
+    (served_names), or an alias from config.toml's [api] model_aliases ("*": every name)."""
+    aliases = config.model_aliases
+    return name in served_names(config.model) or name in aliases or "*" in aliases
+
+
+def not_served(name: str, config: Config) -> ApiError:
+    """The 404 for a model name the served model does not answer to (every HTTP door's words)."""
+    return ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {name!r}; send "
+                    f"{config.model!r} or {SERVED_ALIAS!r} (or leave model out), or list {name!r} in "
+                    "model_aliases under [api] in config.toml", param="model", code="model_not_found")
 
 
 def instructions(req: ChatRequest) -> str | None:

@@ -1,0 +1,288 @@
+"""The Anthropic Messages request, validated and read as kvd's conversation; errors in Anthropic's shape.
+
+pydantic in strict mode, with the shared shapes of protocol/shapes.py for a
+turn's parameters and text (the same bounds as the chat door's, whose
+wording of a validation error, openai_schema._refusal, is reused). What a
+request says becomes what every door hands placement: a system prompt and
+the user, assistant and tool messages the transcript keeps (`Said`):
+
+- ``system``: a string, or text blocks joined by blank lines;
+- a user message's text blocks are joined into one user message, and each
+  ``tool_result`` block becomes a tool message answering its ``tool_use_id``
+  (an ``is_error`` result says so to the model: "Error: " before its text);
+- an assistant message's text is its content and its ``tool_use`` blocks its
+  calls, their ``input`` as JSON text (as the turn core keeps a call);
+- ``thinking`` and ``redacted_thinking`` blocks are accepted and dropped: kvd
+  keeps no reasoning in a transcript, so no template is shown them;
+- ``image`` and ``document`` blocks are refused: kvd serves text models.
+
+``cache_control`` on any block is accepted and means nothing: kvd caches every
+conversation. Unknown fields are ignored, as Anthropic's clients add new ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from http import HTTPStatus
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from common.limits import MAX_MESSAGES, MAX_TOOLS
+from protocol.shapes import BAD_KEY, Limits, Stop, Temperature, TopP, fits_text, lone_surrogate
+
+from ..config import Config
+from .openai_schema import ApiError, not_served, refusal, serves, where_of
+from .placement import Said
+from .toolturns import stray_result
+
+#: Anthropic's error type for each status kvd answers with.
+ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.FORBIDDEN: "permission_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
+    HTTPStatus.CONFLICT: "invalid_request_error",
+    HTTPStatus.REQUEST_TIMEOUT: "timeout_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "request_too_large",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "overloaded_error",
+}
+
+#: Content block types a request may carry, for the refusal of any other.
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+MEDIA_TYPES = ("image", "document")  # refused by name: kvd serves text models
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    """An ApiError (every door's refusal) in Anthropic's shape."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=128)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+    def text(self) -> str:
+        body = self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content or ())
+        return f"Error: {body}" if self.is_error else body
+
+
+class ThinkingBlock(_Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    @field_validator("content")
+    @classmethod
+    def _fits(cls, content: str | list[Any], info: ValidationInfo) -> str | list[Any]:
+        """The same bound as every door's message text (limits.max_text_chars), on the text joined."""
+        if isinstance(info.context, Limits):
+            fits_text(content if isinstance(content, str) else "".join(_texts(content)), info.context)
+        return content
+
+
+def _texts(blocks: list[Any]) -> Iterator[str]:
+    for b in blocks:
+        if isinstance(b, TextBlock):
+            yield b.text
+        elif isinstance(b, ToolResultBlock):
+            yield b.text()
+
+
+class Tool(_Strict):
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, bash...) are not kvd's to run
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    def as_function(self) -> dict[str, Any]:
+        """As the chat template is shown a tool (the chat door's function tools)."""
+        function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_Strict):
+    user_id: str | None = None
+
+
+class MessagesRequest(_Strict):
+    model: str | None = None  # the served model's name or an alias (openai_schema.serves)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: str | list[TextBlock] | None = None
+    max_tokens: int = Field(ge=1)  # required, as Anthropic's; more than kvd's limit is lowered to it (docs)
+    stop_sequences: Stop = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = Field(default=None, ge=0)  # accepted; kvd samples with temperature and top_p only
+    stream: bool = False
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    metadata: Metadata | None = None
+
+    @field_validator("system")
+    @classmethod
+    def _fits(cls, system: str | list[TextBlock] | None, info: ValidationInfo) -> str | list[TextBlock] | None:
+        if isinstance(info.context, Limits) and system is not None:
+            fits_text(system if isinstance(system, str) else "".join(b.text for b in system), info.context)
+        return system
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model: none when tool_choice is "none"."""
+        if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
+            return None
+        return [tool.as_function() for tool in self.tools]
+
+    def instructions(self) -> str | None:
+        if self.system is None or isinstance(self.system, str):
+            return self.system or None
+        return "\n\n".join(b.text for b in self.system) or None
+
+
+class CountRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages request without max_tokens."""
+
+    max_tokens: int = Field(default=1, ge=1)
+
+
+def parse(body: Any, config: Config, *, count: bool = False, surrogates: bool = True) -> MessagesRequest:
+    """A decoded body as a Messages request (a CountRequest with `count`), or the ApiError saying what to fix."""
+    if not isinstance(body, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
+                       f"(got {len(body['messages'])})", param="messages")
+    if surrogates and (path := lone_surrogate(body)) is not None:
+        where = where_of(path[:-1] if path[-1] == BAD_KEY else path) or "body"
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
+                       "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
+    _check_media(body)
+    shape = CountRequest if count else MessagesRequest
+    try:
+        req = shape.model_validate(body, context=config.request_limits())
+    except ValidationError as e:
+        raise refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
+    if req.model is not None and not serves(req.model, config):
+        raise not_served(req.model, config)
+    _check_tools(req)
+    return req
+
+
+def _check_media(body: dict[str, Any]) -> None:
+    """Image and document blocks, refused by name before validation (whose words for them would be a
+    list of the block types it expected)."""
+    messages = body.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, block in enumerate(content if isinstance(content, list) else ()):
+            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+            for where, b in [(f"messages[{i}].content[{j}]", block),
+                             *((f"messages[{i}].content[{j}].content[{k}]", b)
+                               for k, b in enumerate(inner if isinstance(inner, list) else ()))]:
+                kind = b.get("type") if isinstance(b, dict) else None
+                if kind in MEDIA_TYPES:
+                    raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} is an {kind} block; kvd serves text models "
+                                   "and reads text only: send its text as a text block, or leave it out",
+                                   param=where)
+                if isinstance(kind, str) and kind not in BLOCK_TYPES:
+                    raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} is a {kind!r} block, which kvd does not "
+                                   f"take; it takes {', '.join(BLOCK_TYPES)}", param=where)
+
+
+def _check_tools(req: MessagesRequest) -> None:
+    choice = req.tool_choice
+    if choice is not None and choice.type != "none" and not req.tools:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"tool_choice is {choice.type!r} but there are no tools; send "
+                       "tools or leave tool_choice out", param="tool_choice")
+    if choice is not None and choice.type == "tool" and choice.name not in {t.name for t in req.tools or ()}:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"tool_choice names the tool {choice.name!r}, which is not "
+                       "among tools", param="tool_choice.name")
+
+
+def conversation(req: MessagesRequest) -> list[Said]:
+    """The request's messages as the transcript keeps them (module docstring); ApiError for a tool result
+    that answers no call of the assistant message before it."""
+    said: list[Said] = []
+    origin: list[str] = []  # where each Said came from, for an error's param
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            said.append(Said(m.role, m.content))
+            origin.append(f"messages[{i}]")
+            continue
+        text: list[str] = []
+        calls: list[dict[str, str]] = []
+        for j, b in enumerate(m.content):
+            if isinstance(b, TextBlock):
+                text.append(b.text)
+            elif isinstance(b, ToolUseBlock):
+                _only(m.role, "assistant", i, j, "tool_use")
+                calls.append({"id": b.id, "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)})
+            elif isinstance(b, ToolResultBlock):
+                _only(m.role, "user", i, j, "tool_result")
+                if text:  # text before a result: its own message, in order
+                    said.append(Said("user", "\n".join(text)))
+                    origin.append(f"messages[{i}]")
+                    text = []
+                said.append(Said("tool", b.text(), tool_call_id=b.tool_use_id))
+                origin.append(f"messages[{i}].content[{j}]")
+        if text or calls or not any(isinstance(b, ToolResultBlock) for b in m.content):
+            said.append(Said(m.role, "\n".join(text), tuple(calls)))
+            origin.append(f"messages[{i}]")
+    if said[-1].role == "assistant":
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the last message is the assistant's; kvd answers a user message "
+                       "(or tool results) and does not continue a partial answer: end with a user message",
+                       param=f"messages[{len(req.messages) - 1}]")
+    if (stray := stray_result(said)) is not None:
+        where = origin[stray.index]
+        issued = f"its calls: {', '.join(sorted(stray.issued))[:200]}" if stray.issued else "it made no call"
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} is a tool_result for {stray.call_id!r}, which answers no "
+                       f"tool_use of the assistant message before it ({issued})", param=f"{where}.tool_use_id")
+    return said
+
+
+def _only(role: str, allowed: str, i: int, j: int, kind: str) -> None:
+    if role != allowed:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content[{j}] is a {kind} block in a {role} "
+                       f"message; only {allowed} messages hold {kind} blocks", param=f"messages[{i}].content[{j}]")
