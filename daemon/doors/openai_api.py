@@ -32,6 +32,7 @@ from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
 from ..engine.thread import Engine
+from ..events import TurnEvent
 from ..prompt import Conversation
 from ..turns import Turn, Turns
 from .admission import Admission
@@ -52,7 +53,7 @@ from .openai_schema import (
     stops,
 )
 from .placement import Diverged, Placement, Said, links, place
-from .toolcalls import ToolFormat, openai_calls, split
+from .toolcalls import StreamSplit, ToolFormat, openai_calls
 from .toolturns import check_tool_turns
 
 log = logging.getLogger("kvd.api")
@@ -132,9 +133,9 @@ class _Events:
     max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
 
     def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
 
-    def publish(self, event: dict[str, Any]) -> None:
+    def publish(self, event: TurnEvent) -> None:
         try:
             self._send.send_nowait(event)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -230,16 +231,15 @@ class OpenAIDoor:
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
             with self.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events, placement, tool_format = await self._start(request, req, system, convo, headers)
+                turn, events, placement = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers,
-                      created=placement.kind == "new", tool_format=tool_format)
+        return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, _Events, Placement, ToolFormat | None]:
+                     headers: dict[str, str]) -> tuple[Turn, _Events, Placement]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         if not self.engine.ready.is_set():
             with anyio.move_on_after(LOAD_WAIT):
@@ -272,9 +272,9 @@ class OpenAIDoor:
             top_p=req.top_p, stop=stops(req), seed=req.seed,
             prompt=Conversation(convo, system, tools or None, chain=placement.chain, renders=self.turns.renders),
             door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            split=(lambda text: split(tool_format, text)) if tool_format is not None else None,
+            tools=StreamSplit(tool_format) if tool_format is not None else None,
         )
-        return turn, events, placement, tool_format
+        return turn, events, placement
 
     async def _body(self, request: Request) -> bytes | None:
         """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
