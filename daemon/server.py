@@ -32,6 +32,8 @@ from sessions import Store
 
 from . import __version__
 from .config import Config
+from .doors.anthropic_api import AnthropicDoor, is_anthropic
+from .doors.apiturns import ApiTurns
 from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
 from .doors.h11guard import guarded_h11
@@ -96,7 +98,9 @@ class Daemon:
         self.turns = Turns(config, store, engine)
         self._loading = LoadingWatch(engine, config.model)
         self.websocket = WebSocketDoor(config, engine, self.turns, token, self._loading, self.status)
-        self.api = OpenAIDoor(config, engine, self.turns, token, self._loading)
+        api = ApiTurns(config, engine, self.turns, self._loading)
+        self.api = OpenAIDoor(config, api, token)
+        self.messages = AnthropicDoor(config, api, token)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -197,7 +201,8 @@ class Daemon:
             await self.websocket(scope, receive, send)
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
-            await self.api.app(scope, receive, send)
+            door = self.messages if is_anthropic(scope["path"]) else self.api
+            await door.app(scope, receive, send)
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the model, the connections, every cache tier."""

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerQueued, AnswerToolCall, TurnEvent
+from ..events import AnswerDelta, AnswerDone, AnswerProgress, AnswerQueued, AnswerToolCall, TurnEvent
 
 Sse = tuple[str, dict[str, Any]]  # (event name, data)
 
@@ -70,11 +70,6 @@ def whole(message_id: str, model: str, done: AnswerDone, stop_sequence: str | No
                     stop_sequence if not done.calls else None, usage_of(done.usage))
 
 
-def error_event(message: str, kind: str = "api_error") -> Sse:
-    """An error once the stream has begun (its HTTP status is sent already)."""
-    return "error", {"type": "error", "error": {"type": kind, "message": message}}
-
-
 class MessageStream:
     """One streamed answer's events, as Anthropic sends them. `begin` once, then `feed` each turn event;
     a call's text never arrives as a delta (the turn core parses calls), only as an `AnswerToolCall`."""
@@ -116,9 +111,11 @@ class MessageStream:
                 "delta": {"stop_reason": reason, "stop_sequence": stop_sequence if reason == "stop_sequence" else None},
                 "usage": usage_of(event.usage)}))
             return [*out, ("message_stop", {"type": "message_stop"})]
-        if isinstance(event, AnswerError):
-            return [*self.begin(), error_event(event.message)]
-        return []  # AnswerStarted: nothing to say yet
+        return []  # AnswerStarted: nothing to say yet; an AnswerError: the door words it (`error`)
+
+    def error(self, body: dict[str, Any]) -> list[Sse]:
+        """An error once the stream has begun (its HTTP status is sent already), in Anthropic's error shape."""
+        return [*self.begin(), ("error", body)]
 
     def _open(self, kind: str, block: dict[str, Any]) -> list[Sse]:
         if self.open == kind:

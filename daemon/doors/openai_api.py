@@ -10,11 +10,7 @@ to openai_answer.py, which makes them OpenAI's response or server-sent events.
 from __future__ import annotations
 
 import functools
-import json
-import json.scanner
 import logging
-import math
-import secrets
 import time
 from http import HTTPStatus
 from typing import Any
@@ -22,7 +18,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -31,15 +27,12 @@ from protocol.requests import RequestError
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
-from ..engine.thread import Engine
-from ..events import TurnEvent
 from ..prompt import Conversation
-from ..turns import Turn, Turns
-from .admission import Admission
+from ..turns import Turn
+from .apiturns import INLINE_BYTES, ApiTurns, Ask, TurnEvents, decode_json, read_body
 from .asgi import headers_of
 from .guards import check
 from .jsonoutput import output_grammar
-from .loading import LoadingWatch
 from .openai_answer import Answer
 from .openai_schema import (
     ApiError,
@@ -52,27 +45,13 @@ from .openai_schema import (
     serves,
     stops,
 )
-from .placement import Diverged, Placement, Said, links, place
-from .toolcalls import StreamSplit, ToolFormat, openai_calls
+from .placement import Placement, Said, links
+from .toolcalls import openai_calls
 from .toolturns import check_tool_turns
 
 log = logging.getLogger("kvd.api")
 
-SESSION_HEADER = "X-Kvd-Session"
-REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
-LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
-C_PARSE_BYTES = 64 << 10  # bodies up to this are parsed by the C parser (a stall of a millisecond or so)
-# Bodies up to this are read on the event loop itself (~0.1 ms for a dozen messages): a worker
-# thread's round trip costs more than that (~0.15 ms idle, milliseconds beside a busy engine).
-INLINE_BYTES = 16 << 10
 SEEDED = 8  # API conversations whose last request is rendered again after a start (`OpenAIDoor.seed`)
-DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
-
-
-def api_origin(user_agent: str | None) -> str:
-    """A session's origin for the list: "api (<the client's User-Agent>)", cut to a readable length."""
-    agent = " ".join((user_agent or "").split())[:80]
-    return f"api ({agent})" if agent else "api"
 
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -80,21 +59,9 @@ def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONRe
 
 
 def _decode(body: bytes, config: Config) -> ChatRequest:
-    """The body as a validated request (a worker thread: its cost grows with the body's size).
-
-    The C parser holds the GIL from start to end, and the event loop waits
-    for it even from here (a 1 MiB body of small objects: tens of ms); so a
-    large body goes through the standard library's Python scanner instead,
-    slower but handing the GIL back every few milliseconds. Its objects are
-    freed here too, not on the loop, when the request is refused.
-    """
-    try:
-        decoded = json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
-    except RecursionError:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply; a chat request "
-                       "is at most a few levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
+    """The body as a validated request (a worker thread: its cost grows with the body's size). Its
+    objects are freed here too, not on the loop, when the request is refused."""
+    decoded = decode_json(body)
     try:
         req = parse(decoded, config, surrogates=may_hold_surrogates(body))
         check_tool_turns(req.messages)
@@ -119,37 +86,12 @@ def _messages(session_id: str, store: Store) -> list[Message]:
     return store.messages(session_id)
 
 
-def _cooperative_decoder() -> json.JSONDecoder:
-    decoder = json.JSONDecoder()
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
-    return decoder
-
-
-_COOPERATIVE = _cooperative_decoder()
-
-
-class _Events:
-    """A turn's events for one HTTP response. Unbounded, but a turn publishes at most
-    max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
-
-    def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
-
-    def publish(self, event: TurnEvent) -> None:
-        try:
-            self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
-
-
 class OpenAIDoor:
-    def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
-                 loading: LoadingWatch):
+    def __init__(self, config: Config, api: ApiTurns, token: str):
         self.config = config
-        self.loading = loading
-        self.engine = engine
-        self.turns = turns
-        self.admission = Admission(config, turns)
+        self.engine = api.engine
+        self.turns = api.turns
+        self.api = api  # shared with the Anthropic door: one admission queue for both
         self._token = token
         self._created = int(time.time())
         self._router = Starlette(
@@ -223,14 +165,14 @@ class OpenAIDoor:
     async def chat(self, request: Request) -> Response:
         headers: dict[str, str] = {}
         try:
-            body = await self._body(request)
+            body = await read_body(request, self.config)
             if body is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             if len(body) <= INLINE_BYTES:
                 req, system, convo = _read(body, self.config)
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
-            with self.admission.slot():  # a place in the queue from here until the turn has started
+            with self.api.admission.slot():  # a place in the queue from here until the turn has started
                 turn, events, placement = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
@@ -239,67 +181,13 @@ class OpenAIDoor:
         return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, _Events, Placement]:
+                     headers: dict[str, str]) -> tuple[Turn, TurnEvents, Placement]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        if not self.engine.ready.is_set():
-            with anyio.move_on_after(LOAD_WAIT):
-                await self.loading.settled.wait()
-        self._check_ready()
-        pinned = request.headers.get(SESSION_HEADER)
-        if pinned is not None and not is_valid_session_id(pinned):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
-                           "(16 lowercase hex characters)", param=SESSION_HEADER)
+        await self.api.ready()
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds
-        tools = req.offered_tools()
-        tool_format = ToolFormat.of(self.engine.tokenizer, tools)
-        if tools and tool_format is None:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
-                           "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
-                           "serve a model that calls tools (docs/openai.md lists them)", param="tools")
-        rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
-        try:
-            placement = await place(self.turns, system, convo, pinned, rewind=rewind,
-                                    origin=api_origin(request.headers.get("user-agent")))
-        except Diverged as e:
-            raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
-                           code="session_diverged") from None
-        headers[SESSION_HEADER] = placement.session_id
-        events = _Events()
-        rid = f"chatcmpl-{secrets.token_hex(12)}"
-        turn = self.turns.start(
-            events, rid, placement.session_id, placement.first_new,
-            max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, stop=stops(req), seed=req.seed,
-            prompt=Conversation(convo, system, tools or None, chain=placement.chain, renders=self.turns.renders),
-            door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            tools=StreamSplit(tool_format) if tool_format is not None else None,
-        )
-        return turn, events, placement
-
-    async def _body(self, request: Request) -> bytes | None:
-        """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
-        limit = self.config.max_message_bytes
-        body, size = bytearray(), 0
-        try:
-            with anyio.fail_after(self.config.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size <= limit:
-                        body += chunk
-                    elif size > DRAIN_LIMIT:
-                        break
-        except TimeoutError:
-            raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive whole within "
-                           f"{self.config.body_timeout:g} s (limits.body_timeout in config.toml); send "
-                           "all the bytes its Content-Length announces", code="request_timeout") from None
-        except ClientDisconnect:
-            log.info("a client hung up before sending its whole request body")
-            return None
-        if size > limit:
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           f"the request body is {size} bytes, more than kvd accepts ({limit}; "
-                           "limits.max_message_bytes in config.toml)", code="request_too_large")
-        return bytes(body)
+        ask = Ask(system, convo, req.offered_tools(), max_tokens=req.max_completion_tokens or req.max_tokens,
+                  temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar)
+        return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
 
     async def seed(self, count: int = SEEDED) -> int:
         """After a start: render the last request of the most recently used API conversations once, in
@@ -346,12 +234,3 @@ class OpenAIDoor:
         if seeded:
             log.info("rendered the last request of %d API conversation(s) ahead of their next", seeded)
         return seeded
-
-    def _check_ready(self) -> None:
-        if not self.engine.ready.is_set():
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading its model "
-                           f"({self.config.model}) after {LOAD_WAIT:.0f} s; retry later", code="model_loading")
-        if self.engine.load_error is not None:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {self.engine.load_error}; "
-                           "kvd's log has the details, fix the model setting and restart kvd",
-                           code="model_not_loaded")

@@ -84,8 +84,17 @@ _STATUS = {
 }
 
 
-def api_error(code: str, message: str) -> ApiError:
+#: A built-in model with a longer context than the default's, for the advice of a conversation too long.
+LONGER_CONTEXT = "builtin:gemma3"
+
+
+def api_error(code: str, message: str, *, model: str | None = None) -> ApiError:
+    """The turn core's error as the HTTP doors' refusal. A conversation past the served `model`'s context
+    also says which model to serve instead (agents' first requests are long: Claude Code's ~15-25k tokens)."""
     status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
+    if code == p.TOO_LARGE and model is not None and model != LONGER_CONTEXT:
+        message = (f"{message}; or serve a model with a longer context: `kvd serve --model {LONGER_CONTEXT}` "
+                   "has 32k tokens (docs/models.md)")
     return ApiError(status, message, code=api_code)
 
 
