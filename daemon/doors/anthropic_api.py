@@ -18,6 +18,7 @@ much as you like"), and the answer says `max_tokens` if it is cut there.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from http import HTTPStatus
 
 import anyio
@@ -38,6 +39,7 @@ from .anthropic_schema import MessagesRequest, conversation, error_body, parse
 from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, read_body
 from .asgi import headers_of
 from .guards import check
+from .jsonoutput import output_grammar
 from .openai_schema import ApiError, api_error, may_hold_surrogates
 
 log = logging.getLogger("kvd.api")
@@ -117,6 +119,8 @@ class AnthropicDoor:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             req, ask = read
             with self.api.admission.slot():  # a place in the queue from here until the turn has started
+                await self.api.ready()
+                ask = replace(ask, grammar=await output_grammar(req.response_format()))  # a worker, within bounds
                 turn, events, placement = await self.api.start(request, ask, headers, rid_prefix="msg_")
         except ApiError as e:
             return error_response(e, headers)

@@ -33,7 +33,7 @@ from common.limits import MAX_MESSAGES, MAX_TOOLS
 from protocol.shapes import BAD_KEY, Limits, Stop, Temperature, TopP, fits_text, lone_surrogate
 
 from ..config import Config
-from .openai_schema import ApiError, not_served, refusal, serves, where_of
+from .openai_schema import ApiError, JsonSchemaFormat, ResponseFormat, not_served, refusal, serves, where_of
 from .placement import Said
 from .toolturns import stray_result
 
@@ -148,6 +148,18 @@ class Metadata(_Strict):
     user_id: str | None = None
 
 
+class OutputFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: OutputFormat | None = None  # structured output: the answer held to the schema (jsonoutput.py)
+    effort: str | None = None  # accepted; kvd's model answers with the effort it has
+
+
 class MessagesRequest(_Strict):
     model: str | None = None  # the served model's name or an alias (openai_schema.serves)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -161,6 +173,7 @@ class MessagesRequest(_Strict):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
 
     @field_validator("system")
     @classmethod
@@ -174,6 +187,14 @@ class MessagesRequest(_Strict):
         if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
             return None
         return [tool.as_function() for tool in self.tools]
+
+    def response_format(self) -> ResponseFormat | None:
+        """output_config.format as the chat door's JSON output asks for it (the same grammar, compiled once)."""
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is None:
+            return None
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(name="output", schema=fmt.schema_,
+                                                                               strict=True))
 
     def instructions(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
