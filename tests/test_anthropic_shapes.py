@@ -55,6 +55,16 @@ def test_a_conversation_with_tools_reads_as_the_transcript_keeps_it() -> None:
     ]
 
 
+def test_a_system_message_in_the_conversation_is_text_in_the_users_turn() -> None:
+    """Claude Code's mid-conversation system messages: one user turn, as chat templates want turns to alternate."""
+    req = parse({**ASK, "messages": [USER, {"role": "system", "content": [{"type": "text", "text": "Agents: x"}]},
+                                     {"role": "assistant", "content": "Hello."},
+                                     {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go"}]},
+                CONFIG)
+    assert conversation(req) == [Said("user", "hi\n\nAgents: x"), Said("assistant", "Hello."),
+                                 Said("user", "Be brief.\n\nGo")]
+
+
 def test_tool_choice_none_offers_no_tools_and_the_others_offer_them() -> None:
     for choice, offered in (("none", False), ("auto", True), ("any", True)):
         req = parse({**ASK, "tools": [WEATHER], "tool_choice": {"type": choice}}, CONFIG)
@@ -83,7 +93,10 @@ REFUSALS: list[tuple[str, Any, str, str]] = [
      "messages[0].content[0]", "only assistant messages"),
     ("an assistant message last", {**ASK, "messages": [USER, {"role": "assistant", "content": "Sure"}]},
      "messages[1]", "does not continue a partial answer"),
-    ("a system message role", {**ASK, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role", ""),
+    ("a tool_result in a system message", {**ASK, "messages": [
+        USER, {"role": "assistant", "content": [CALL]},
+        {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}]},
+     "messages[2].content[0]", "only user messages"),
     ("a string max_tokens", {**ASK, "max_tokens": "8"}, "max_tokens", ""),
     ("a surrogate", json.loads('{"max_tokens": 8, "messages": [{"role": "user", "content": "a\\ud800"}]}'),
      "messages[0].content", "surrogate"),

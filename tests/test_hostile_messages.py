@@ -60,7 +60,7 @@ REFUSALS: list[tuple[str, bytes | dict[str, Any], dict[str, str], int, str]] = [
     ("wrong type", {**HI, "max_tokens": "5"}, {}, 400, "invalid_request_error"),
     ("temperature NaN", b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
      {}, 400, "invalid_request_error"),
-    ("a system role", {**HI, "messages": [{"role": "system", "content": "x"}]}, {}, 400, "invalid_request_error"),
+    ("an unknown role", {**HI, "messages": [{"role": "robot", "content": "x"}]}, {}, 400, "invalid_request_error"),
     ("no messages", {**HI, "messages": []}, {}, 400, "invalid_request_error"),
     ("an image", {**HI, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}, {}, 400,

@@ -13,6 +13,9 @@ chat door's are, so its cache is found again, also after a restart.
 nothing. `max_tokens` is required, as Anthropic's; more than kvd's
 `limits.max_tokens_limit` is lowered to it (agents ask for 32,000 meaning "as
 much as you like"), and the answer says `max_tokens` if it is cut there.
+Tools offered to a model whose chat template cannot call them are left out
+(the log says so) rather than refused: Claude Code offers its tools with
+every request, and a model without tools can still answer the question.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def _read(body: bytes, config: Config, *, count: bool = False) -> tuple[Messages
         req = parse(decoded, config, count=count, surrogates=may_hold_surrogates(body))
         ask = Ask(req.instructions(), conversation(req), req.offered_tools(),
                   max_tokens=min(req.max_tokens, config.max_tokens_limit), temperature=req.temperature,
-                  top_p=req.top_p, stop=stops(req.stop_sequences))
+                  top_p=req.top_p, stop=stops(req.stop_sequences), tools_optional=True)
         return req, ask
     except ApiError as e:
         refused = e
@@ -140,7 +143,8 @@ class AnthropicDoor:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)
             _, ask = read
             await self.api.ready()
-            prompt = Conversation(ask.convo, ask.system, ask.tools)
+            shown = ask.tools if self.api.tool_format(ask.tools, refuse=False) is not None else None  # as answered
+            prompt = Conversation(ask.convo, ask.system, shown)
             ids, _ = await self.api.turns.tokenizing.run(prompt.ids)
         except ApiError as e:
             return error_response(e)

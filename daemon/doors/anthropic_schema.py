@@ -7,6 +7,8 @@ request says becomes what every door hands placement: a system prompt and
 the user, assistant and tool messages the transcript keeps (`Said`):
 
 - ``system``: a string, or text blocks joined by blank lines;
+- a message whose role is ``system`` (Claude Code sends them mid-conversation)
+  is text in the user's turn: consecutive user texts are one user message;
 - a user message's text blocks are joined into one user message, and each
   ``tool_result`` block becomes a tool message answering its ``tool_use_id``
   (an ``is_error`` result says so to the model: "Error: " before its text);
@@ -104,7 +106,8 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | R
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code's mid-conversation system messages (its beta mid-conversation-system-2026-04-07)
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
     @field_validator("content")
@@ -265,12 +268,10 @@ def _check_tools(req: MessagesRequest) -> None:
 def conversation(req: MessagesRequest) -> list[Said]:
     """The request's messages as the transcript keeps them (module docstring); ApiError for a tool result
     that answers no call of the assistant message before it."""
-    said: list[Said] = []
-    origin: list[str] = []  # where each Said came from, for an error's param
+    said = _Said()
     for i, m in enumerate(req.messages):
         if isinstance(m.content, str):
-            said.append(Said(m.role, m.content))
-            origin.append(f"messages[{i}]")
+            said.add(m.role, m.content, f"messages[{i}]")
             continue
         text: list[str] = []
         calls: list[dict[str, str]] = []
@@ -283,24 +284,42 @@ def conversation(req: MessagesRequest) -> list[Said]:
             elif isinstance(b, ToolResultBlock):
                 _only(m.role, "user", i, j, "tool_result")
                 if text:  # text before a result: its own message, in order
-                    said.append(Said("user", "\n".join(text)))
-                    origin.append(f"messages[{i}]")
+                    said.add("user", "\n".join(text), f"messages[{i}]")
                     text = []
-                said.append(Said("tool", b.text(), tool_call_id=b.tool_use_id))
-                origin.append(f"messages[{i}].content[{j}]")
+                said.add("tool", b.text(), f"messages[{i}].content[{j}]", call_id=b.tool_use_id)
         if text or calls or not any(isinstance(b, ToolResultBlock) for b in m.content):
-            said.append(Said(m.role, "\n".join(text), tuple(calls)))
-            origin.append(f"messages[{i}]")
-    if said[-1].role == "assistant":
+            said.add(m.role, "\n".join(text), f"messages[{i}]", calls=tuple(calls))
+    if said.messages[-1].role == "assistant":
         raise ApiError(HTTPStatus.BAD_REQUEST, "the last message is the assistant's; kvd answers a user message "
                        "(or tool results) and does not continue a partial answer: end with a user message",
                        param=f"messages[{len(req.messages) - 1}]")
-    if (stray := stray_result(said)) is not None:
-        where = origin[stray.index]
+    if (stray := stray_result(said.messages)) is not None:
+        where = said.origin[stray.index]
         issued = f"its calls: {', '.join(sorted(stray.issued))[:200]}" if stray.issued else "it made no call"
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} is a tool_result for {stray.call_id!r}, which answers no "
                        f"tool_use of the assistant message before it ({issued})", param=f"{where}.tool_use_id")
-    return said
+    return said.messages
+
+
+class _Said:
+    """The conversation being read, with where each message came from (an error's param). A system
+    message in the conversation is text for the model in the user's turn, and consecutive user texts
+    are one message, as Anthropic reads them (the chat templates want turns to alternate)."""
+
+    def __init__(self) -> None:
+        self.messages: list[Said] = []
+        self.origin: list[str] = []
+
+    def add(self, role: str, content: str, where: str, *, calls: tuple[dict[str, str], ...] = (),
+            call_id: str | None = None) -> None:
+        if role == "system":
+            role = "user"
+        last = self.messages[-1] if self.messages else None
+        if role == "user" and last is not None and last.role == "user":
+            self.messages[-1] = Said("user", f"{last.content}\n\n{content}")
+            return
+        self.messages.append(Said(role, content, calls, call_id))
+        self.origin.append(where)
 
 
 def _only(role: str, allowed: str, i: int, j: int, kind: str) -> None:

@@ -17,7 +17,7 @@ import logging
 import math
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -135,6 +135,9 @@ class Ask:
     stop: Sequence[str] = ()
     seed: int | None = None
     grammar: str | None = None  # the answer held to a JSON schema (jsonoutput.py)
+    # A model that cannot call tools answers without them, instead of the request being refused: coding
+    # agents offer tools with every request, also when asked something a model without tools can answer.
+    tools_optional: bool = False
 
 
 class ApiTurns:
@@ -157,10 +160,11 @@ class ApiTurns:
                            "kvd's log has the details, fix the model setting and restart kvd",
                            code="model_not_loaded")
 
-    def tool_format(self, tools: list[dict[str, Any]] | None) -> ToolFormat | None:
-        """How the model writes a call of `tools`; ApiError when tools are offered to a model that has none."""
+    def tool_format(self, tools: list[dict[str, Any]] | None, *, refuse: bool = True) -> ToolFormat | None:
+        """How the model writes a call of `tools`; ApiError when tools are offered to a model that has none
+        (unless not `refuse`: then the answer is asked for without them)."""
         tool_format = ToolFormat.of(self.engine.tokenizer, tools)
-        if tools and tool_format is None:
+        if tools and tool_format is None and refuse:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
                            "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
                            "serve a model that calls tools (docs/openai.md lists them)", param="tools")
@@ -175,7 +179,11 @@ class ApiTurns:
         if pinned is not None and not is_valid_session_id(pinned):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
                            "(16 lowercase hex characters)", param=SESSION_HEADER)
-        tool_format = self.tool_format(ask.tools)
+        tool_format = self.tool_format(ask.tools, refuse=not ask.tools_optional)
+        if ask.tools and tool_format is None:
+            log.info("the model %s calls no tools: answering a request that offered %d without them",
+                     self.config.model, len(ask.tools))
+            ask = replace(ask, tools=None)
         rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
         try:
             placement = await place(self.turns, ask.system, ask.convo, pinned, rewind=rewind,
