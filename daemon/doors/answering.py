@@ -79,7 +79,7 @@ class TurnAnswer(Response):
                 turns.cancel(turn.session_id, turn)
             tg.cancel_scope.cancel()
 
-    async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
+    async def begin_response(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
         if content_type.startswith("text/event-stream"):
@@ -87,9 +87,9 @@ class TurnAnswer(Response):
         await send({"type": "http.response.start", "status": status, "headers": headers})
         self.started = True
 
-    async def _body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
+    async def send_body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body, ensure_ascii=False).encode()
-        await self._start(send, status, "application/json")
+        await self.begin_response(send, status, "application/json")
         await send({"type": "http.response.body", "body": data})
 
 

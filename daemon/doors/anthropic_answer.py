@@ -41,13 +41,13 @@ class MessagesAnswer(TurnAnswer):
         """An error before the answer began: a refusal, which leaves nothing behind."""
         await self._take_back()
         e = api_error(event.code, event.message, model=self.config.model)
-        await self._body(send, e.status, error_body(e))
+        await self.send_body(send, e.status, error_body(e))
 
     async def _whole(self, send: Send) -> None:
         async for event in self.events:
             if isinstance(event, AnswerDone):
                 body = whole(self.message_id, self.config.model, event, self._stop_sequence())
-                await self._body(send, 200, body)
+                await self.send_body(send, 200, body)
                 return
             if isinstance(event, AnswerError):
                 await self._error(send, event)
@@ -62,7 +62,7 @@ class MessagesAnswer(TurnAnswer):
                 await self._error(send, event)
                 return
             if not self.started:
-                await self._start(send, 200, "text/event-stream; charset=utf-8")
+                await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
             if isinstance(event, AnswerError):
                 e = api_error(event.code, event.message, model=self.config.model)
                 out = stream.error(error_body(e))

@@ -25,12 +25,9 @@ from dataclasses import replace
 from http import HTTPStatus
 
 import anyio
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.routing import BaseRoute, Route
 
 from protocol.requests import RequestError
 from protocol.shapes import stops
@@ -39,9 +36,7 @@ from ..config import Config
 from ..prompt import Conversation
 from .anthropic_answer import MessagesAnswer
 from .anthropic_schema import MessagesRequest, conversation, error_body, parse
-from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, read_body
-from .asgi import headers_of
-from .guards import check
+from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
 from .openai_schema import ApiError, api_error, may_hold_surrogates
 
@@ -79,29 +74,9 @@ class AnthropicDoor:
     def __init__(self, config: Config, api: ApiTurns, token: str):
         self.config = config
         self.api = api  # shared with the chat door: one admission queue for both
-        self._token = token
-        self._router = Starlette(
-            routes=[Route(PATH, self.messages, methods=["POST"]),
-                    Route(f"{PATH}/count_tokens", self.count_tokens, methods=["POST"])],
-            exception_handlers={HTTPException: self._http_error},
-        )
-
-    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = check(headers_of(scope), self.config, self._token)
-        if refused is not None:
-            log.warning("refused an HTTP request: %s", refused.message)
-            await error_response(ApiError(HTTPStatus(refused.status), refused.message))(scope, receive, send)
-            return
-        await self._router(scope, receive, send)
-
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        status = HTTPStatus(exc.status_code)
-        if status == HTTPStatus.NOT_FOUND:
-            message = f"no such endpoint {request.url.path}; kvd serves {PATH} and {PATH}/count_tokens"
-        else:
-            message = f"{request.method} is not allowed on {request.url.path}"
-        return error_response(ApiError(status, message))
+        routes: list[BaseRoute] = [Route(PATH, self.messages, methods=["POST"]),
+                                   Route(f"{PATH}/count_tokens", self.count_tokens, methods=["POST"])]
+        self.app = guarded(routes, config, token, error_response, f"{PATH} and {PATH}/count_tokens")
 
     async def _request(self, request: Request, *, count: bool = False) -> tuple[MessagesRequest, Ask] | None:
         """The request's body, read and validated (None: the client hung up mid-body)."""

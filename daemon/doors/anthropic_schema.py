@@ -29,13 +29,13 @@ from collections.abc import Iterator
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from common.limits import MAX_MESSAGES, MAX_TOOLS
-from protocol.shapes import BAD_KEY, Limits, Stop, Temperature, TopP, fits_text, lone_surrogate
+from protocol.shapes import Stop, Temperature, TopP
 
 from ..config import Config
-from .openai_schema import ApiError, JsonSchemaFormat, ResponseFormat, not_served, refusal, serves, where_of
+from .openai_schema import ApiError, JsonSchemaFormat, ResponseFormat, checked_body, fits, not_served, serves, validated
 from .placement import Said
 from .toolturns import stray_result
 
@@ -113,10 +113,7 @@ class Message(_Strict):
     @field_validator("content")
     @classmethod
     def _fits(cls, content: str | list[Any], info: ValidationInfo) -> str | list[Any]:
-        """The same bound as every door's message text (limits.max_text_chars), on the text joined."""
-        if isinstance(info.context, Limits):
-            fits_text(content if isinstance(content, str) else "".join(_texts(content)), info.context)
-        return content
+        return fits(content, info, _texts)
 
 
 def _texts(blocks: list[Any]) -> Iterator[str]:
@@ -181,9 +178,7 @@ class MessagesRequest(_Strict):
     @field_validator("system")
     @classmethod
     def _fits(cls, system: str | list[TextBlock] | None, info: ValidationInfo) -> str | list[TextBlock] | None:
-        if isinstance(info.context, Limits) and system is not None:
-            fits_text(system if isinstance(system, str) else "".join(b.text for b in system), info.context)
-        return system
+        return fits(system, info)
 
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model: none when tool_choice is "none"."""
@@ -213,21 +208,9 @@ class CountRequest(MessagesRequest):
 
 def parse(body: Any, config: Config, *, count: bool = False, surrogates: bool = True) -> MessagesRequest:
     """A decoded body as a Messages request (a CountRequest with `count`), or the ApiError saying what to fix."""
-    if not isinstance(body, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
-    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
-                       f"(got {len(body['messages'])})", param="messages")
-    if surrogates and (path := lone_surrogate(body)) is not None:
-        where = where_of(path[:-1] if path[-1] == BAD_KEY else path) or "body"
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
-                       "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
-    _check_media(body)
-    shape = CountRequest if count else MessagesRequest
-    try:
-        req = shape.model_validate(body, context=config.request_limits())
-    except ValidationError as e:
-        raise refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
+    checked = checked_body(body, surrogates=surrogates)
+    _check_media(checked)
+    req = validated(CountRequest if count else MessagesRequest, checked, config)
     if req.model is not None and not serves(req.model, config):
         raise not_served(req.model, config)
     _check_tools(req)

@@ -16,13 +16,18 @@ import json.scanner
 import logging
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
 import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sessions import is_valid_session_id
 
@@ -32,6 +37,8 @@ from ..events import TurnEvent
 from ..prompt import Conversation
 from ..turns import Turn, Turns
 from .admission import Admission
+from .asgi import headers_of
+from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError
 from .placement import Diverged, Placement, Said, place
@@ -106,6 +113,38 @@ async def read_body(request: Request, config: Config) -> bytes | None:
                        f"the request body is {size} bytes, more than kvd accepts ({limit}; "
                        "limits.max_message_bytes in config.toml)", code="request_too_large")
     return bytes(body)
+
+
+def guard_refusal(scope: Scope, config: Config, token: str) -> ApiError | None:
+    """Who may ask (guards.py), as the refusal each door words in its own shape; logged."""
+    refused = check(headers_of(scope), config, token)
+    if refused is None:
+        return None
+    log.warning("refused an HTTP request: %s", refused.message)
+    status = HTTPStatus(refused.status)
+    return ApiError(status, refused.message, code="invalid_api_key" if status == HTTPStatus.UNAUTHORIZED else None)
+
+
+def guarded(routes: list[BaseRoute], config: Config, token: str, refuse: Callable[[ApiError], Response],
+            endpoints: str) -> ASGIApp:
+    """A door's routes behind the guards (guards.py), every refusal worded by the door (`refuse`), an
+    unknown path or method too (saying what the door serves: `endpoints`)."""
+    async def route_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        status = HTTPStatus(exc.status_code)
+        if status == HTTPStatus.NOT_FOUND:
+            return refuse(ApiError(status, f"no such endpoint {request.url.path}; kvd serves {endpoints}"))
+        return refuse(ApiError(status, f"{request.method} is not allowed on {request.url.path}"))
+
+    router = Starlette(routes=routes, exception_handlers={HTTPException: route_error})
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if (refused := guard_refusal(scope, config, token)) is not None:
+            await refuse(refused)(scope, receive, send)
+            return
+        await router(scope, receive, send)
+
+    return app
 
 
 class TurnEvents:

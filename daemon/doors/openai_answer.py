@@ -59,7 +59,7 @@ class Answer(TurnAnswer):
         """An error before the answer began: a refusal, which leaves nothing behind."""
         await self._take_back()
         e = api_error(event.code, event.message, model=self.config.model)
-        await self._body(send, e.status, e.body())
+        await self.send_body(send, e.status, e.body())
 
     def _called(self, event: AnswerDone) -> str:
         """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""
@@ -73,7 +73,7 @@ class Answer(TurnAnswer):
                 message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
                 if calls:
                     message["tool_calls"] = openai_calls(_stored(calls))
-                await self._body(send, 200, {
+                await self.send_body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
                     "model": self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None,
@@ -103,7 +103,7 @@ class Answer(TurnAnswer):
 
         async def begin() -> None:
             if not self.started:
-                await self._start(send, 200, "text/event-stream; charset=utf-8")
+                await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
                 await sse(self._chunk({"role": "assistant", "content": ""}))
 
         async for event in self.events:

@@ -16,12 +16,9 @@ from http import HTTPStatus
 from typing import Any
 
 import anyio
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.routing import BaseRoute, Route
 
 from protocol.requests import RequestError
 from sessions import Message, Store, chains, is_valid_session_id
@@ -29,9 +26,7 @@ from sessions import Message, Store, chains, is_valid_session_id
 from ..config import Config
 from ..prompt import Conversation
 from ..turns import Turn
-from .apiturns import INLINE_BYTES, ApiTurns, Ask, TurnEvents, decode_json, read_body
-from .asgi import headers_of
-from .guards import check
+from .apiturns import INLINE_BYTES, ApiTurns, Ask, TurnEvents, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
 from .openai_answer import Answer
 from .openai_schema import (
@@ -92,34 +87,13 @@ class OpenAIDoor:
         self.engine = api.engine
         self.turns = api.turns
         self.api = api  # shared with the Anthropic door: one admission queue for both
-        self._token = token
         self._created = int(time.time())
-        self._router = Starlette(
-            routes=[Route("/v1/models", self.models, methods=["GET"]),
-                    Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-                    Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                    Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])],
-            exception_handlers={HTTPException: self._http_error},
-        )
-
-    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = check(headers_of(scope), self.config, self._token)
-        if refused is not None:
-            log.warning("refused an HTTP request: %s", refused.message)
-            status = HTTPStatus(refused.status)
-            await error_response(ApiError(status, refused.message,
-                                          code="invalid_api_key" if status == 401 else None))(scope, receive, send)
-            return
-        await self._router(scope, receive, send)
-
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        status = HTTPStatus(exc.status_code)
-        if status == HTTPStatus.NOT_FOUND:
-            message = f"no such endpoint {request.url.path}; kvd serves /v1/chat/completions and /v1/models"
-        else:
-            message = f"{request.method} is not allowed on {request.url.path}"
-        return error_response(ApiError(status, message))
+        routes: list[BaseRoute] = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
+        self.app = guarded(routes, config, token, error_response, "/v1/chat/completions and /v1/models")
 
     # --- GET /v1/models ---
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
@@ -133,10 +134,7 @@ class ChatMessage(_Strict):
     @field_validator("content")
     @classmethod
     def _fits(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
-        """The same bound as the websocket door's text (limits.max_text_chars), on the parts joined."""
-        if isinstance(info.context, Limits) and content is not None:
-            fits_text(content if isinstance(content, str) else "".join(part.text for part in content), info.context)
-        return content
+        return fits(content, info)
 
     @property
     def instructs(self) -> bool:
@@ -148,6 +146,21 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+Content = TypeVar("Content", bound=str | Sequence[Any] | None)
+
+
+def _part_texts(parts: Any) -> Iterable[str]:
+    return (part.text for part in parts)
+
+
+def fits(content: Content, info: ValidationInfo, texts: Callable[[Any], Iterable[str]] = _part_texts) -> Content:
+    """The same bound as the websocket door's text (limits.max_text_chars), on a message's parts joined
+    (their `texts`), in every HTTP door."""
+    if isinstance(info.context, Limits) and content is not None:
+        fits_text(content if isinstance(content, str) else "".join(texts(content)), info.context)
+    return content
 
 
 class JsonSchemaFormat(_Strict):
@@ -220,25 +233,39 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
     `surrogates=False`: the caller saw that the body's bytes cannot hold a lone surrogate
     (`may_hold_surrogates`), so its strings are not walked for one.
     """
+    req = validated(ChatRequest, checked_body(body, surrogates=surrogates), config)
+    _check_asks(req, config)
+    _check_messages(req)
+    return req
+
+
+def checked_body(body: Any, *, surrogates: bool = True) -> dict[str, Any]:
+    """What every HTTP door checks of a decoded body before validating it: an object, a bounded number of
+    messages (before validating each one: pydantic holds the GIL throughout, and every client waits),
+    no lone surrogate (unless the caller saw that its bytes cannot hold one)."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
     if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
-        # Before validating each one: pydantic holds the GIL throughout, and every client waits.
         raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
                        f"(got {len(body['messages'])})", param="messages")
     if surrogates and (path := lone_surrogate(body)) is not None:
         where = where_of(path[:-1] if path[-1] == BAD_KEY else path) or "body"
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
                        "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
+    return body
+
+
+Shape = TypeVar("Shape", bound=BaseModel)
+
+
+def validated(shape: type[Shape], body: dict[str, Any], config: Config) -> Shape:
+    """The body as `shape`, checked against config's limits; the ApiError naming the field otherwise."""
     try:
-        req = ChatRequest.model_validate(body, context=config.request_limits())
+        return shape.model_validate(body, context=config.request_limits())
     except ValidationError as e:
         # A union (content: a string or a list of parts) reports one error per member; the
         # deepest says most (a part's wrong type, rather than "not a string").
         raise refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
-    _check_asks(req, config)
-    _check_messages(req)
-    return req
 
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped one; one UTF-8 encoded (surrogatepass)
