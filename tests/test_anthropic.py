@@ -131,6 +131,7 @@ def test_a_conversation_continued_after_a_restart_reads_its_cache(tmp_path: Path
         assert d.terminate() == 0
     usage = again.usage
     read = usage.cache_read_input_tokens or 0
+    print(f"after a restart: {read} of {usage.input_tokens + read} prompt tokens restored")  # pytest -s shows it
     assert read >= 0.9 * (usage.input_tokens + read), usage  # restored from disk, not prefilled
     assert [s["id"] for s in sessions] == [raw.headers["x-kvd-session"]]  # one conversation, one session
 
