@@ -4,7 +4,6 @@ round trip, count_tokens, the model names it answers to, and a conversation's ca
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from daemonproc import DaemonProcess
-from toolmodel import WEATHER_TOOL, write_tool_model
+from toolmodel import WEATHER_TOOL, write_plain_model, write_tool_model
 
 MODEL = "builtin:tiny"
 # The client has no temperature argument any more (Anthropic's newest models take none); the API still does.
@@ -219,13 +218,7 @@ def test_a_long_prompt_is_pinged_while_it_is_read(daemon: DaemonProcess) -> None
 def test_tools_offered_to_a_model_that_cannot_call_them_are_left_out(tool_model: Path, tmp_path: Path) -> None:
     """An agent offers its tools with every request; a model without tool calling answers without them
     (the chat door refuses them instead: test_openai_tools.py)."""
-    plain = shutil.copytree(tool_model, tmp_path / "plain-chatml")
-    config_path = plain / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + "
-                               "message['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
-                               "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
-    config_path.write_text(json.dumps(config))
+    plain = write_plain_model(tool_model, tmp_path)
     d = DaemonProcess(tmp_path / "kvd", "--model", str(plain))
     try:
         ask: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
