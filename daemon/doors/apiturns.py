@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import json.scanner
 import logging
-import math
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -29,19 +28,19 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from protocol.shapes import Sampling
 from sessions import is_valid_session_id
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import TurnEvent
 from ..prompt import Conversation
-from ..turns import Turn, Turns
+from ..turns import EventStream, Turn, Turns
 from .admission import Admission
 from .asgi import headers_of
 from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError
-from .placement import Diverged, Placement, Said, place
+from .placement import Diverged, Said, place
 from .toolcalls import StreamSplit, ToolFormat
 
 log = logging.getLogger("kvd.api")
@@ -147,20 +146,6 @@ def guarded(routes: list[BaseRoute], config: Config, token: str, refuse: Callabl
     return app
 
 
-class TurnEvents:
-    """A turn's events for one HTTP response. Unbounded, but a turn publishes at most
-    max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
-
-    def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
-
-    def publish(self, event: TurnEvent) -> None:
-        try:
-            self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
-
-
 @dataclass(frozen=True)
 class Ask:
     """A request for an answer in kvd's terms, whichever door it came through."""
@@ -210,7 +195,7 @@ class ApiTurns:
         return tool_format
 
     async def start(self, request: Request, ask: Ask, headers: dict[str, str], *,
-                    rid_prefix: str) -> tuple[Turn, TurnEvents, Placement]:
+                    rid_prefix: str) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be); `headers` gets
         the session's id. The caller holds an admission slot (`self.admission.slot()`)."""
         await self.ready()
@@ -231,13 +216,14 @@ class ApiTurns:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
         headers[SESSION_HEADER] = placement.session_id
-        events = TurnEvents()
+        events = EventStream()
         turn = self.turns.start(
             events, f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
-            max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p, stop=ask.stop, seed=ask.seed,
+            sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p),
+            stop=ask.stop, seed=ask.seed,
             prompt=Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                 renders=self.turns.renders),
             door=f"api, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None,
         )
-        return turn, events, placement
+        return turn, events

@@ -25,8 +25,8 @@ from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
 from ..prompt import Conversation
-from ..turns import Turn
-from .apiturns import INLINE_BYTES, ApiTurns, Ask, TurnEvents, decode_json, guarded, read_body
+from ..turns import EventStream, Turn
+from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
 from .openai_answer import Answer
 from .openai_schema import (
@@ -40,7 +40,7 @@ from .openai_schema import (
     serves,
     stops,
 )
-from .placement import Placement, Said, links
+from .placement import Said, links
 from .toolcalls import openai_calls
 from .toolturns import check_tool_turns
 
@@ -147,15 +147,15 @@ class OpenAIDoor:
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
             with self.api.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events, placement = await self._start(request, req, system, convo, headers)
+                turn, events = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
+        return Answer(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, TurnEvents, Placement]:
+                     headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         await self.api.ready()
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds
