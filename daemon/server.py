@@ -1,12 +1,13 @@
-"""The daemon: one port, two front doors, one turn core.
+"""The daemon: one port, three front doors, one turn core.
 
 uvicorn serves the port. Its websocket implementation is the websockets
 package's own protocol (`ws="websockets-sansio"`), so kvchat's protocol on
 `/v1` keeps the framing, size limit (1009 on an oversize frame) and keepalive
 it had, and it parses HTTP requests with bodies, which the websockets server
 cannot (it refuses a request body). On top: the websocket door
-(websocket.py) and the OpenAI-compatible HTTP door (openai_api.py, a Starlette
-app), both thin layers over the turn core (turns.py).
+(websocket.py), the OpenAI-compatible HTTP door (openai_api.py, a Starlette
+app) and the Anthropic Messages door (anthropic_api.py, `/v1/messages...`), all
+thin layers over the turn core (turns.py).
 
 The asyncio side never calls MLX: turns are handed to the engine thread.
 """
@@ -32,6 +33,8 @@ from sessions import Store
 
 from . import __version__
 from .config import Config
+from .doors.anthropic_api import AnthropicDoor, is_anthropic
+from .doors.apiturns import ApiTurns
 from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
 from .doors.h11guard import guarded_h11
@@ -97,7 +100,9 @@ class Daemon:
         self.engines = self.turns.engines  # every loaded model's engine (engine/registry.py)
         self._loading = LoadingWatch(engine, config.model)
         self.websocket = WebSocketDoor(config, engine, self.turns, token, self._loading, self.status)
-        self.api = OpenAIDoor(config, engine, self.turns, token, self._loading)
+        api = ApiTurns(config, engine, self.turns, self._loading)
+        self.api = OpenAIDoor(config, api, token)
+        self.messages = AnthropicDoor(config, api, token)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -203,12 +208,13 @@ class Daemon:
         return [c.statistics() for c in self.websocket.connections]
 
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Route by kind: websockets to kvchat's door, HTTP to the API's."""
+        """Route by kind: websockets to kvchat's door, HTTP by path to the Messages door or the OpenAI one."""
         if scope["type"] == "websocket":
             await self.websocket(scope, receive, send)
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
-            await self.api.app(scope, receive, send)
+            door = self.messages if is_anthropic(scope["path"]) else self.api
+            await door.app(scope, receive, send)
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,

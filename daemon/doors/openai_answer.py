@@ -1,10 +1,7 @@
 """One OpenAI answer: a turn's events as a JSON body or as server-sent events (docs/openai.md).
 
-The response starts only when the first token (or an error) is known, so an
-error found at admission is a real HTTP error, not a broken stream. A client
-that hangs up cancels its answer (what was generated stays in the session);
-one that stops reading is cut off after `send_timeout`, its answer cancelled
-too. An answer that called tools (toolcalls.py) comes from the turn core
+The response's life (when it starts, a client that hangs up or stops
+reading) is every door's: answering.py. An answer that called tools (toolcalls.py) comes from the turn core
 already split into its content and calls (the door hands it the splitter):
 its text before the first call streams, its calls come at the end.
 """
@@ -17,14 +14,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnEvent
 from ..turns import Turn, Turns
+from .answering import TurnAnswer
 from .openai_schema import ChatRequest, api_error
 from .toolcalls import openai_calls
 
@@ -44,55 +39,14 @@ def finish_reason_of(reason: str) -> str:
     return "length" if reason in ("length", "cancelled") else "stop"
 
 
-class Answer(Response):
-    """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
+class Answer(TurnAnswer):
+    """One turn's answer as OpenAI's JSON body or event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
                  events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str]):
-        self.turns, self.config = turns, config
-        self.turn = turn
-        self.events = events
+        super().__init__(turns, config, turn, events, headers, stream=req.stream)
         self.req = req
-        self.extra_headers = headers
         self.created = int(time.time())
-        self.started = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
-        turns, turn = self.turns, self.turn
-        answered = False  # the whole answer was sent: a disconnect after it is the client leaving, not hanging up
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                if answered or turn.finished.is_set():
-                    return
-                log.info("client of %s hung up; cancelling its answer", turn.session_id)
-                turns.cancel(turn.session_id, turn)
-                tg.cancel_scope.cancel()
-
-            async def bounded(message: dict[str, Any]) -> None:
-                with anyio.move_on_after(self.config.send_timeout) as timer:
-                    await send(message)
-                if timer.cancelled_caught:
-                    log.warning("client of %s did not read for %.1f s; cutting it off",
-                                turn.session_id, self.config.send_timeout)
-                    turns.cancel(turn.session_id, turn)
-                    abort()
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                async with self.events:
-                    if self.req.stream:
-                        await self._stream(bounded)
-                    else:
-                        await self._whole(bounded)
-                answered = True
-            except OSError:  # the client went away under a send
-                turns.cancel(turn.session_id, turn)
-            tg.cancel_scope.cancel()
 
     def _kvd(self, done: AnswerDone) -> dict[str, Any]:
         u = done.usage
@@ -106,24 +60,11 @@ class Answer(Response):
         """OpenAI's usage with the `kvd` object in it (where a client that logs usage keeps it)."""
         return {**usage_of(done.usage), "kvd": self._kvd(done)}
 
-    async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
-        headers = [(b"content-type", content_type.encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
-        if content_type.startswith("text/event-stream"):
-            headers += [(b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        self.started = True
-
-    async def _body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
-        await self._start(send, status, "application/json")
-        await send({"type": "http.response.body", "body": data})
-
     async def _error(self, send: Callable[[dict[str, Any]], Any], event: AnswerError) -> None:
         """An error before the answer began: a refusal (the turn core stored nothing of a session this
         request made, and took back what it added to a pinned one)."""
-        e = api_error(event.code, event.message)
-        await self._body(send, e.status, e.body())
+        e = api_error(event.code, event.message, model=self.config.model)
+        await self.send_body(send, e.status, e.body())
 
     def _called(self, event: AnswerDone) -> str:
         """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""
@@ -139,7 +80,7 @@ class Answer(Response):
                 message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
                 if calls:
                     message["tool_calls"] = openai_calls(_stored(calls))
-                await self._body(send, 200, {
+                await self.send_body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
                     "model": self.turn.model or self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None,
@@ -169,7 +110,7 @@ class Answer(Response):
 
         async def begin() -> None:
             if not self.started:
-                await self._start(send, 200, "text/event-stream; charset=utf-8")
+                await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
                 await sse(self._chunk({"role": "assistant", "content": ""}))
 
         async for event in self.events:
@@ -194,7 +135,7 @@ class Answer(Response):
                 if not self.started:
                     await self._error(send, event)
                     return
-                await sse(api_error(event.code, event.message).body())
+                await sse(api_error(event.code, event.message, model=self.config.model).body())
                 break
         if self.started:
             await sse("[DONE]")

@@ -10,37 +10,25 @@ to openai_answer.py, which makes them OpenAI's response or server-sent events.
 from __future__ import annotations
 
 import functools
-import json
-import json.scanner
 import logging
-import secrets
 import time
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 import anyio
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.routing import BaseRoute, Route
 
 from protocol.requests import RequestError
-from protocol.shapes import Sampling
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
-from ..engine.registry import ModelRefused
-from ..engine.thread import Engine
 from ..prompt import Conversation
-from ..turns import EventStream, Turn, Turns
-from .admission import Admission
-from .asgi import headers_of
-from .guards import check
+from ..turns import EventStream, Turn
+from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
-from .loading import LoadingWatch
 from .openai_answer import Answer
 from .openai_schema import (
     ApiError,
@@ -51,27 +39,13 @@ from .openai_schema import (
     parse,
     stops,
 )
-from .placement import Diverged, Said, links, place
-from .toolcalls import StreamSplit, ToolFormat, openai_calls
+from .placement import Said, links
+from .toolcalls import openai_calls
 from .toolturns import check_tool_turns
 
 log = logging.getLogger("kvd.api")
 
-SESSION_HEADER = "X-Kvd-Session"
-REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
-LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
-C_PARSE_BYTES = 64 << 10  # bodies up to this are parsed by the C parser (a stall of a millisecond or so)
-# Bodies up to this are read on the event loop itself (~0.1 ms for a dozen messages): a worker
-# thread's round trip costs more than that (~0.15 ms idle, milliseconds beside a busy engine).
-INLINE_BYTES = 16 << 10
 SEEDED = 8  # API conversations whose last request is rendered again after a start (`OpenAIDoor.seed`)
-DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
-
-
-def api_origin(user_agent: str | None) -> str:
-    """A session's origin for the list: "api (<the client's User-Agent>)", cut to a readable length."""
-    agent = " ".join((user_agent or "").split())[:80]
-    return f"api ({agent})" if agent else "api"
 
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -79,21 +53,9 @@ def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONRe
 
 
 def _decode(body: bytes, config: Config) -> ChatRequest:
-    """The body as a validated request (a worker thread: its cost grows with the body's size).
-
-    The C parser holds the GIL from start to end, and the event loop waits
-    for it even from here (a 1 MiB body of small objects: tens of ms); so a
-    large body goes through the standard library's Python scanner instead,
-    slower but handing the GIL back every few milliseconds. Its objects are
-    freed here too, not on the loop, when the request is refused.
-    """
-    try:
-        decoded = json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
-    except RecursionError:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply; a chat request "
-                       "is at most a few levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
+    """The body as a validated request (a worker thread: its cost grows with the body's size). Its
+    objects are freed here too, not on the loop, when the request is refused."""
+    decoded = decode_json(body)
     try:
         req = parse(decoded, config, surrogates=may_hold_surrogates(body))
         check_tool_turns(req.messages)
@@ -118,51 +80,19 @@ def _messages(session_id: str, store: Store) -> list[Message]:
     return store.messages(session_id)
 
 
-def _cooperative_decoder() -> json.JSONDecoder:
-    decoder = json.JSONDecoder()
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
-    return decoder
-
-
-_COOPERATIVE = _cooperative_decoder()
-
-
 class OpenAIDoor:
-    def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
-                 loading: LoadingWatch):
+    def __init__(self, config: Config, api: ApiTurns, token: str):
         self.config = config
-        self.loading = loading
-        self.engine = engine
-        self.turns = turns
-        self.admission = Admission(config, turns)
-        self._token = token
+        self.engine = api.engine
+        self.turns = api.turns
+        self.api = api  # shared with the Anthropic door: one admission queue for both
         self._created = int(time.time())
-        self._router = Starlette(
-            routes=[Route("/v1/models", self.models, methods=["GET"]),
-                    Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-                    Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                    Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])],
-            exception_handlers={HTTPException: self._http_error},
-        )
-
-    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = check(headers_of(scope), self.config, self._token)
-        if refused is not None:
-            log.warning("refused an HTTP request: %s", refused.message)
-            status = HTTPStatus(refused.status)
-            await error_response(ApiError(status, refused.message,
-                                          code="invalid_api_key" if status == 401 else None))(scope, receive, send)
-            return
-        await self._router(scope, receive, send)
-
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        status = HTTPStatus(exc.status_code)
-        if status == HTTPStatus.NOT_FOUND:
-            message = f"no such endpoint {request.url.path}; kvd serves /v1/chat/completions and /v1/models"
-        else:
-            message = f"{request.method} is not allowed on {request.url.path}"
-        return error_response(ApiError(status, message))
+        routes: list[BaseRoute] = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
+        self.app = guarded(routes, config, token, error_response, "/v1/chat/completions and /v1/models")
 
     # --- GET /v1/models ---
 
@@ -189,9 +119,9 @@ class OpenAIDoor:
     async def model(self, request: Request) -> Response:
         asked = request.path_params["model_id"]
         try:
-            name = await self.turns.engines.resolve(asked)
-        except RequestError as e:
-            return error_response(api_error(e.code, e.message))
+            name = await self.api.model(asked)
+        except ApiError as e:
+            return error_response(e)
         found = [m for m in await self._model_objects() if m["id"] == name]
         return JSONResponse(found[0] if found else {"id": name, "object": "model", "owned_by": "kvd"})
 
@@ -225,14 +155,14 @@ class OpenAIDoor:
     async def chat(self, request: Request) -> Response:
         headers: dict[str, str] = {}
         try:
-            body = await self._body(request)
+            body = await read_body(request, self.config)
             if body is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             if len(body) <= INLINE_BYTES:
                 req, system, convo = _read(body, self.config)
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
-            with self.admission.slot():  # a place in the queue from here until the turn has started
+            with self.api.admission.slot():  # a place in the queue from here until the turn has started
                 turn, events = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
@@ -243,71 +173,11 @@ class OpenAIDoor:
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
                      headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        try:
-            model = await self.turns.engines.resolve(req.model)
-        except RequestError as e:
-            raise ApiError(HTTPStatus.NOT_FOUND, e.message, param="model", code="model_not_found") from None
-        if model == self.turns.engines.default and not self.turns.engine.ready.is_set():
-            with anyio.move_on_after(LOAD_WAIT):
-                await self.loading.settled.wait()
-        engine = await self._engine(model)
-        pinned = request.headers.get(SESSION_HEADER)
-        if pinned is not None and not is_valid_session_id(pinned):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
-                           "(16 lowercase hex characters)", param=SESSION_HEADER)
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds
-        tools = req.offered_tools()
-        tool_format = ToolFormat.of(engine.tokenizer, tools)
-        if tools and tool_format is None:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {model}'s chat template has no "
-                           "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
-                           "serve a model that calls tools (docs/openai.md lists them)", param="tools")
-        rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
-        try:
-            placement = await place(self.turns, system, convo, pinned, rewind=rewind,
-                                    origin=api_origin(request.headers.get("user-agent")))
-        except Diverged as e:
-            raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
-                           code="session_diverged") from None
-        headers[SESSION_HEADER] = placement.session_id
-        events = EventStream()
-        rid = f"chatcmpl-{secrets.token_hex(12)}"
-        turn = self.turns.start(
-            events, rid, placement.session_id, placement.first_new,
-            sampling=Sampling.model_construct(max_tokens=req.max_completion_tokens or req.max_tokens,
-                                              temperature=req.temperature, top_p=req.top_p),
-            stop=stops(req), seed=req.seed,
-            prompt=Conversation(convo, system, tools or None, chain=placement.chain,
-                                renders=self.turns.renders_for(model)),
-            door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            tools=StreamSplit(tool_format) if tool_format is not None else None, model=model,
-        )
-        return turn, events
-
-    async def _body(self, request: Request) -> bytes | None:
-        """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
-        limit = self.config.max_message_bytes
-        body, size = bytearray(), 0
-        try:
-            with anyio.fail_after(self.config.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size <= limit:
-                        body += chunk
-                    elif size > DRAIN_LIMIT:
-                        break
-        except TimeoutError:
-            raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive whole within "
-                           f"{self.config.body_timeout:g} s (limits.body_timeout in config.toml); send "
-                           "all the bytes its Content-Length announces", code="request_timeout") from None
-        except ClientDisconnect:
-            log.info("a client hung up before sending its whole request body")
-            return None
-        if size > limit:
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           f"the request body is {size} bytes, more than kvd accepts ({limit}; "
-                           "limits.max_message_bytes in config.toml)", code="request_too_large")
-        return bytes(body)
+        ask = Ask(system, convo, req.offered_tools(), max_tokens=req.max_completion_tokens or req.max_tokens,
+                  temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar,
+                  model=req.model)
+        return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
 
     async def seed(self, count: int = SEEDED) -> int:
         """After a start: render the last request of the most recently used API conversations once, in
@@ -354,27 +224,6 @@ class OpenAIDoor:
         if seeded:
             log.info("rendered the last request of %d API conversation(s) ahead of their next", seeded)
         return seeded
-
-    async def _engine(self, model: str) -> Engine:
-        """The model's engine, loaded (a request for a model not loaded yet waits for its load)."""
-        try:
-            with anyio.move_on_after(LOAD_WAIT):
-                engine = await self.turns.engines.engine(model)
-                self._check_ready(engine, model)
-                return engine
-        except ModelRefused as e:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(e), code="model_not_loaded") from None
-        raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading the model {model} after "
-                       f"{LOAD_WAIT:.0f} s; retry later", code="model_loading")
-
-    def _check_ready(self, engine: Engine, model: str) -> None:
-        if not engine.ready.is_set():
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading its model "
-                           f"({model}) after {LOAD_WAIT:.0f} s; retry later", code="model_loading")
-        if engine.load_error is not None:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {engine.load_error}; "
-                           "kvd's log has the details, fix the model setting and restart kvd",
-                           code="model_not_loaded")
 
 
 def _contexts(models_dir: Path) -> dict[str, int | None]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
@@ -40,7 +41,6 @@ from protocol.shapes import (
 from protocol.shapes import stops as stop_list
 
 from ..config import Config
-from ..models.catalog import SERVED_ALIAS, model_names
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in error paths
 
@@ -86,8 +86,17 @@ _STATUS = {
 }
 
 
-def api_error(code: str, message: str) -> ApiError:
+#: A built-in model with a longer context than the default's, for the advice of a conversation too long.
+LONGER_CONTEXT = "builtin:gemma3"
+
+
+def api_error(code: str, message: str, *, model: str | None = None) -> ApiError:
+    """The turn core's error as the HTTP doors' refusal. A conversation past the served `model`'s context
+    also says which model to serve instead (agents' first requests are long: Claude Code's ~15-25k tokens)."""
     status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
+    if code == p.TOO_LARGE and model is not None and model != LONGER_CONTEXT:
+        message = (f"{message}; or serve a model with a longer context: `kvd serve --model {LONGER_CONTEXT}` "
+                   "has 32k tokens (docs/models.md)")
     return ApiError(status, message, code=api_code)
 
 
@@ -126,10 +135,7 @@ class ChatMessage(_Strict):
     @field_validator("content")
     @classmethod
     def _fits(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
-        """The same bound as the websocket door's text (limits.max_text_chars), on the parts joined."""
-        if isinstance(info.context, Limits) and content is not None:
-            fits_text(content if isinstance(content, str) else "".join(part.text for part in content), info.context)
-        return content
+        return fits(content, info)
 
     @property
     def instructs(self) -> bool:
@@ -141,6 +147,21 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+Content = TypeVar("Content", bound=str | Sequence[Any] | None)
+
+
+def _part_texts(parts: Any) -> Iterable[str]:
+    return (part.text for part in parts)
+
+
+def fits(content: Content, info: ValidationInfo, texts: Callable[[Any], Iterable[str]] = _part_texts) -> Content:
+    """The same bound as the websocket door's text (limits.max_text_chars), on a message's parts joined
+    (their `texts`), in every HTTP door."""
+    if isinstance(info.context, Limits) and content is not None:
+        fits_text(content if isinstance(content, str) else "".join(texts(content)), info.context)
+    return content
 
 
 class JsonSchemaFormat(_Strict):
@@ -213,25 +234,39 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
     `surrogates=False`: the caller saw that the body's bytes cannot hold a lone surrogate
     (`may_hold_surrogates`), so its strings are not walked for one.
     """
-    if not isinstance(body, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
-    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
-        # Before validating each one: pydantic holds the GIL throughout, and every client waits.
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
-                       f"(got {len(body['messages'])})", param="messages")
-    if surrogates and (path := lone_surrogate(body)) is not None:
-        where = _where(path[:-1] if path[-1] == BAD_KEY else path) or "body"
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
-                       "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
-    try:
-        req = ChatRequest.model_validate(body, context=config.request_limits())
-    except ValidationError as e:
-        # A union (content: a string or a list of parts) reports one error per member; the
-        # deepest says most (a part's wrong type, rather than "not a string").
-        raise _refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
+    req = validated(ChatRequest, checked_body(body, surrogates=surrogates), config)
     _check_asks(req, config)
     _check_messages(req)
     return req
+
+
+def checked_body(body: Any, *, surrogates: bool = True) -> dict[str, Any]:
+    """What every HTTP door checks of a decoded body before validating it: an object, a bounded number of
+    messages (before validating each one: pydantic holds the GIL throughout, and every client waits),
+    no lone surrogate (unless the caller saw that its bytes cannot hold one)."""
+    if not isinstance(body, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
+                       f"(got {len(body['messages'])})", param="messages")
+    if surrogates and (path := lone_surrogate(body)) is not None:
+        where = where_of(path[:-1] if path[-1] == BAD_KEY else path) or "body"
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
+                       "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
+    return body
+
+
+Shape = TypeVar("Shape", bound=BaseModel)
+
+
+def validated(shape: type[Shape], body: dict[str, Any], config: Config) -> Shape:
+    """The body as `shape`, checked against config's limits; the ApiError naming the field otherwise."""
+    try:
+        return shape.model_validate(body, context=config.request_limits())
+    except ValidationError as e:
+        # A union (content: a string or a list of parts) reports one error per member; the
+        # deepest says most (a part's wrong type, rather than "not a string").
+        raise refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
 
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped one; one UTF-8 encoded (surrogatepass)
@@ -244,14 +279,14 @@ def may_hold_surrogates(body: bytes) -> bool:
     return json.detect_encoding(body) != "utf-8" or _SURROGATE.search(body) is not None
 
 
-def _where(loc: tuple[str | int, ...]) -> str:
+def where_of(loc: tuple[str | int, ...]) -> str:
     """A field's path as OpenAI's `param` spells it: messages[0].content."""
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
-def _refusal(error: ErrorDetails) -> ApiError:
+def refusal(error: ErrorDetails) -> ApiError:
     """One validation error as a 400; the shared shapes' own errors keep the wording docs/openai.md shows."""
-    where = _where(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
+    where = where_of(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
                          and part not in _UNION_TAGS))
     kind = error["type"]
     if kind == TEXT_TOO_LONG:
@@ -300,9 +335,11 @@ def _check_messages(req: ChatRequest) -> None:
                        param="messages")
 
 
-def served_names(model: str) -> set[str]:
-    """The names a request may give the default model: its own (catalog.model_names) and the alias `kvd`."""
-    return model_names(model) | {SERVED_ALIAS}
+def answers_to(name: str, config: Config) -> bool:
+    """Whether the default model answers a request naming `name`, a model kvd cannot serve by that name:
+    config.toml's [api] model_aliases lists it, or is "*" (every name)."""
+    aliases = config.model_aliases
+    return name in aliases or "*" in aliases
 
 
 def instructions(req: ChatRequest) -> str | None:
