@@ -37,6 +37,7 @@ from .doors.connection import ConnectionStatistics
 from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
 from .doors.openai_api import OpenAIDoor
+from .doors.responses import ResponsesDoor
 from .doors.websocket import WebSocketDoor
 from .engine.thread import Engine
 from .turns import Turns
@@ -97,6 +98,8 @@ class Daemon:
         self._loading = LoadingWatch(engine, config.model)
         self.websocket = WebSocketDoor(config, engine, self.turns, token, self._loading, self.status)
         self.api = OpenAIDoor(config, engine, self.turns, token, self._loading)
+        self.responses = ResponsesDoor(config, engine, self.turns, self._loading, self.api.admission)
+        self.api.mount(self.responses.routes)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None

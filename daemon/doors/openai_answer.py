@@ -16,10 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 import protocol as p
 
@@ -27,6 +24,7 @@ from ..config import Config
 from ..turns import Turn, Turns
 from .openai_schema import ChatRequest, api_error
 from .toolcalls import StreamSplit, ToolFormat, openai_calls, split
+from .turnresponse import TurnResponse
 
 log = logging.getLogger("kvd.api")
 
@@ -43,58 +41,25 @@ def finish_reason_of(reason: str) -> str:
     return reason if reason in ("length", "cancelled") else "stop"
 
 
-class Answer(Response):
-    """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
+class Answer(TurnResponse):
+    """One turn's answer as a chat completion's JSON body or its event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
                  events: MemoryObjectReceiveStream[dict[str, Any]], req: ChatRequest, headers: dict[str, str], *,
                  created: bool, tool_format: ToolFormat | None = None):
-        self.turns, self.config = turns, config
+        super().__init__(turns, config, turn, headers)
         self.created_session = created  # this request made the session: a refusal takes it back
         self.tool_format = tool_format  # the request offered tools the model can call
-        self.turn = turn
         self.events = events
         self.req = req
-        self.extra_headers = headers
         self.created = int(time.time())
-        self.started = False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
-        turns, turn = self.turns, self.turn
-        answered = False  # the whole answer was sent: a disconnect after it is the client leaving, not hanging up
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                if answered or turn.finished.is_set():
-                    return
-                log.info("client of %s hung up; cancelling its answer", turn.session_id)
-                turns.cancel(turn.session_id, turn)
-                tg.cancel_scope.cancel()
-
-            async def bounded(message: dict[str, Any]) -> None:
-                with anyio.move_on_after(self.config.send_timeout) as timer:
-                    await send(message)
-                if timer.cancelled_caught:
-                    log.warning("client of %s did not read for %.1f s; cutting it off",
-                                turn.session_id, self.config.send_timeout)
-                    turns.cancel(turn.session_id, turn)
-                    abort()
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                async with self.events:
-                    if self.req.stream:
-                        await self._stream(bounded)
-                    else:
-                        await self._whole(bounded)
-                answered = True
-            except OSError:  # the client went away under a send
-                turns.cancel(turn.session_id, turn)
-            tg.cancel_scope.cancel()
+    async def write(self, send: Callable[[dict[str, Any]], Any]) -> None:
+        async with self.events:
+            if self.req.stream:
+                await self._stream(send)
+            else:
+                await self._whole(send)
 
     def _kvd(self, done: dict[str, Any]) -> dict[str, Any]:
         u = done.get("usage") or {}
@@ -102,19 +67,6 @@ class Answer(Response):
                 "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
                 "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
                 "accepted_tokens": u.get("accepted_tokens")}
-
-    async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
-        headers = [(b"content-type", content_type.encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
-        if content_type.startswith("text/event-stream"):
-            headers += [(b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        self.started = True
-
-    async def _body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
-        await self._start(send, status, "application/json")
-        await send({"type": "http.response.body", "body": data})
 
     async def _error(self, send: Callable[[dict[str, Any]], Any], event: dict[str, Any]) -> None:
         """An error before the answer began: a refusal, which leaves nothing behind."""

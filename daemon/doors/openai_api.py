@@ -10,21 +10,19 @@ to openai_answer.py, which makes them OpenAI's response or server-sent events.
 from __future__ import annotations
 
 import functools
-import json
-import json.scanner
 import logging
-import math
 import secrets
 import time
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
@@ -37,6 +35,7 @@ from ..turns import Turn, Turns
 from .admission import Admission
 from .asgi import headers_of
 from .guards import check
+from .httpdoor import INLINE_BYTES, Events, api_origin, decode_json, error_response, model_ready, read_body
 from .jsonoutput import output_grammar
 from .loading import LoadingWatch
 from .openai_answer import Answer
@@ -58,41 +57,13 @@ log = logging.getLogger("kvd.api")
 
 SESSION_HEADER = "X-Kvd-Session"
 REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
-LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
-C_PARSE_BYTES = 64 << 10  # bodies up to this are parsed by the C parser (a stall of a millisecond or so)
-# Bodies up to this are read on the event loop itself (~0.1 ms for a dozen messages): a worker
-# thread's round trip costs more than that (~0.15 ms idle, milliseconds beside a busy engine).
-INLINE_BYTES = 16 << 10
 SEEDED = 8  # API conversations whose last request is rendered again after a start (`OpenAIDoor.seed`)
-DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
-
-
-def api_origin(user_agent: str | None) -> str:
-    """A session's origin for the list: "api (<the client's User-Agent>)", cut to a readable length."""
-    agent = " ".join((user_agent or "").split())[:80]
-    return f"api ({agent})" if agent else "api"
-
-
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers={**(headers or {}), **e.headers})
 
 
 def _decode(body: bytes, config: Config) -> ChatRequest:
-    """The body as a validated request (a worker thread: its cost grows with the body's size).
-
-    The C parser holds the GIL from start to end, and the event loop waits
-    for it even from here (a 1 MiB body of small objects: tens of ms); so a
-    large body goes through the standard library's Python scanner instead,
-    slower but handing the GIL back every few milliseconds. Its objects are
-    freed here too, not on the loop, when the request is refused.
-    """
-    try:
-        decoded = json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
-    except RecursionError:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply; a chat request "
-                       "is at most a few levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
+    """The body as a validated request (a worker thread past INLINE_BYTES: its cost grows with the body's size);
+    its objects are freed here too, not on the loop, when the request is refused."""
+    decoded = decode_json(body)
     try:
         req = parse(decoded, config, surrogates=may_hold_surrogates(body))
         check_tool_turns(req.messages)
@@ -117,29 +88,6 @@ def _messages(session_id: str, store: Store) -> list[Message]:
     return store.messages(session_id)
 
 
-def _cooperative_decoder() -> json.JSONDecoder:
-    decoder = json.JSONDecoder()
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
-    return decoder
-
-
-_COOPERATIVE = _cooperative_decoder()
-
-
-class _Events:
-    """A turn's events for one HTTP response. Unbounded, but a turn publishes at most
-    max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
-
-    def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
-
-    def publish(self, event: dict[str, Any]) -> None:
-        try:
-            self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
-
-
 class OpenAIDoor:
     def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
                  loading: LoadingWatch):
@@ -158,6 +106,10 @@ class OpenAIDoor:
             exception_handlers={HTTPException: self._http_error},
         )
 
+    def mount(self, routes: Sequence[BaseRoute]) -> None:
+        """Another door's routes behind the same guards (the Responses door's)."""
+        self._router.router.routes.extend(routes)
+
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
         refused = check(headers_of(scope), self.config, self._token)
         if refused is not None:
@@ -172,7 +124,8 @@ class OpenAIDoor:
         assert isinstance(exc, HTTPException)
         status = HTTPStatus(exc.status_code)
         if status == HTTPStatus.NOT_FOUND:
-            message = f"no such endpoint {request.url.path}; kvd serves /v1/chat/completions and /v1/models"
+            message = (f"no such endpoint {request.url.path}; kvd serves /v1/chat/completions, /v1/responses "
+                       "and /v1/models")
         else:
             message = f"{request.method} is not allowed on {request.url.path}"
         return error_response(ApiError(status, message))
@@ -222,7 +175,7 @@ class OpenAIDoor:
     async def chat(self, request: Request) -> Response:
         headers: dict[str, str] = {}
         try:
-            body = await self._body(request)
+            body = await read_body(request, self.config)
             if body is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             if len(body) <= INLINE_BYTES:
@@ -239,12 +192,9 @@ class OpenAIDoor:
                       created=placement.kind == "new", tool_format=tool_format)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, _Events, Placement, ToolFormat | None]:
+                     headers: dict[str, str]) -> tuple[Turn, Events, Placement, ToolFormat | None]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        if not self.engine.ready.is_set():
-            with anyio.move_on_after(LOAD_WAIT):
-                await self.loading.settled.wait()
-        self._check_ready()
+        await model_ready(self.engine, self.loading, self.config.model)
         pinned = request.headers.get(SESSION_HEADER)
         if pinned is not None and not is_valid_session_id(pinned):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
@@ -264,7 +214,7 @@ class OpenAIDoor:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
         headers[SESSION_HEADER] = placement.session_id
-        events = _Events()
+        events = Events()
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         turn = self.turns.start(
             events, rid, placement.session_id, placement.first_new,
@@ -275,31 +225,6 @@ class OpenAIDoor:
             split=(lambda text: split(tool_format, text)) if tool_format is not None else None,
         )
         return turn, events, placement, tool_format
-
-    async def _body(self, request: Request) -> bytes | None:
-        """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
-        limit = self.config.max_message_bytes
-        body, size = bytearray(), 0
-        try:
-            with anyio.fail_after(self.config.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size <= limit:
-                        body += chunk
-                    elif size > DRAIN_LIMIT:
-                        break
-        except TimeoutError:
-            raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive whole within "
-                           f"{self.config.body_timeout:g} s (limits.body_timeout in config.toml); send "
-                           "all the bytes its Content-Length announces", code="request_timeout") from None
-        except ClientDisconnect:
-            log.info("a client hung up before sending its whole request body")
-            return None
-        if size > limit:
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           f"the request body is {size} bytes, more than kvd accepts ({limit}; "
-                           "limits.max_message_bytes in config.toml)", code="request_too_large")
-        return bytes(body)
 
     async def seed(self, count: int = SEEDED) -> int:
         """After a start: render the last request of the most recently used API conversations once, in
@@ -346,12 +271,3 @@ class OpenAIDoor:
         if seeded:
             log.info("rendered the last request of %d API conversation(s) ahead of their next", seeded)
         return seeded
-
-    def _check_ready(self) -> None:
-        if not self.engine.ready.is_set():
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading its model "
-                           f"({self.config.model}) after {LOAD_WAIT:.0f} s; retry later", code="model_loading")
-        if self.engine.load_error is not None:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {self.engine.load_error}; "
-                           "kvd's log has the details, fix the model setting and restart kvd",
-                           code="model_not_loaded")

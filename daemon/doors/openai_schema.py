@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
@@ -211,25 +211,34 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
     `surrogates=False`: the caller saw that the body's bytes cannot hold a lone surrogate
     (`may_hold_surrogates`), so its strings are not walked for one.
     """
+    req = validated(ChatRequest, body, config, surrogates=surrogates, listed="messages")
+    _check_asks(req, config)
+    _check_messages(req)
+    return req
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(shape: type[M], body: Any, config: Config, *, surrogates: bool, listed: str) -> M:
+    """`body` validated as `shape` against config's limits, its errors as OpenAI's 400s; `listed` is the
+    field whose list is bounded by MAX_MESSAGES (counted before anything in it is validated)."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
-    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
+    if isinstance(body.get(listed), list) and len(body[listed]) > MAX_MESSAGES:
         # Before validating each one: pydantic holds the GIL throughout, and every client waits.
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
-                       f"(got {len(body['messages'])})", param="messages")
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} {listed} per request "
+                       f"(got {len(body[listed])})", param=listed)
     if surrogates and (path := lone_surrogate(body)) is not None:
         where = _where(path[:-1] if path[-1] == BAD_KEY else path) or "body"
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
                        "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
     try:
-        req = ChatRequest.model_validate(body, context=config.request_limits())
+        return shape.model_validate(body, context=config.request_limits())
     except ValidationError as e:
         # A union (content: a string or a list of parts) reports one error per member; the
         # deepest says most (a part's wrong type, rather than "not a string").
         raise _refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
-    _check_asks(req, config)
-    _check_messages(req)
-    return req
 
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped one; one UTF-8 encoded (surrogatepass)
@@ -276,8 +285,13 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
     if req.tool_choice == "auto" and not req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")
-    if req.model is not None and req.model not in served_names(config.model):
-        raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {req.model!r}; "
+    check_model(req.model, config)
+
+
+def check_model(model: str | None, config: Config) -> None:
+    """A 404 naming the served model when a request names another one."""
+    if model is not None and model not in served_names(config.model):
+        raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {model!r}; "
                        f"send {config.model!r} or {SERVED_ALIAS!r} (or leave model out)",
                        param="model", code="model_not_found")
 

@@ -1,0 +1,359 @@
+"""The Responses API door: `POST /v1/responses`, stateful and durable (docs/agents.md).
+
+A response is one answer of a session: `previous_response_id` names the
+point of a stored conversation it continues (its session and the answer's
+message, sessions/responses.py). The request's conversation is that point's
+messages followed by its own input, and it is placed exactly as the chat
+door places a stateless request (placement.py): continuing the latest
+response extends its session; continuing an older one, or with other
+instructions (they are not carried over, as OpenAI), makes a new session
+holding the conversation, so nothing that followed is erased, and the cache
+comes from the blocks the two share. `store: false` keeps no response a
+later request could name; a client that re-sends its whole input each time
+(Codex does) is placed by its hash chain like any chat client, and finds its
+cache the same way.
+
+Everything after placement is the turn core's (turns.py); this door reads a
+Responses body (responses_schema.py) and writes its events
+(responses_events.py). A stored response's row is queued with its turn's
+writes and the turn acknowledges its answer only once that row is committed
+too: a response whose `response.completed` (or body) was sent survives
+kill -9.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+import protocol as p
+from protocol.requests import RequestError
+from sessions.chains import said
+from sessions.responses import StoredResponse, delete_response, get_response, put_response
+
+from ..config import Config
+from ..engine.thread import Engine
+from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerQueued, AnswerToolCall, TurnEvent
+from ..prompt import Conversation
+from ..turns import Turn, Turns
+from .admission import Admission
+from .httpdoor import INLINE_BYTES, Events, api_origin, decode_json, error_response, model_ready, read_body
+from .jsonoutput import output_grammar
+from .loading import LoadingWatch
+from .openai_schema import ApiError, api_error, may_hold_surrogates
+from .placement import Placement, Said, place
+from .responses_events import RESPONSE_PREFIX, Encoder, Shape
+from .responses_schema import Input, ResponsesRequest, calls_of, conversation, parse
+from .responses_stored import input_items, stored_object
+from .toolcalls import StreamSplit, ToolFormat, split
+from .turnresponse import Sender, TurnResponse
+
+log = logging.getLogger("kvd.api")
+
+SESSION_HEADER = "X-Kvd-Session"
+RECENT = 4096  # response ids whose point is remembered in memory (a continuation then reads no row)
+
+
+def _read(body: bytes, config: Config) -> ResponsesRequest:
+    """The body as a validated request (on a worker thread past INLINE_BYTES)."""
+    decoded = decode_json(body, "a Responses request")
+    try:
+        return parse(decoded, config, surrogates=may_hold_surrogates(body))
+    except ApiError as e:
+        refused = e
+    del decoded  # freed here, not on the loop
+    raise refused.with_traceback(None)
+
+
+def asked(req: ResponsesRequest) -> dict[str, Any]:
+    """What the request asked for, as its response object shows it (and the stored row keeps)."""
+    return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
+            else req.tool_choice.model_dump(exclude_none=True),
+            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "text": req.text.model_dump(exclude_none=True, by_alias=True) if req.text is not None else None,
+            "metadata": req.metadata or {}, "previous_response_id": req.previous_response_id, "store": req.store,
+            "model": req.model}
+
+
+def system_of(req: ResponsesRequest, new: Input) -> str | None:
+    """The request's system prompt: its instructions, then its input's leading system and developer messages."""
+    parts = [*([req.instructions] if req.instructions is not None else []), *new.lead]
+    return "\n\n".join(parts) if parts else None
+
+
+class ResponsesDoor:
+    def __init__(self, config: Config, engine: Engine, turns: Turns, loading: LoadingWatch, admission: Admission):
+        self.config = config
+        self.engine = engine
+        self.turns = turns
+        self.loading = loading
+        self.admission = admission  # the chat door's: one queue depth for every door
+        self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, answer index)
+
+    @property
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/v1/responses", self.create, methods=["POST"]),
+                Route("/v1/responses/input_tokens", self.input_tokens, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.get, methods=["GET"]),
+                Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
+                Route("/v1/responses/{response_id}/input_items", self.items, methods=["GET"])]
+
+    # --- POST /v1/responses ---
+
+    async def create(self, request: Request) -> Response:
+        headers: dict[str, str] = {}
+        try:
+            req = await self._request(request)
+            if req is None:
+                return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
+            with self.admission.slot():  # a place in the queue from here until the turn has started
+                return await self._start(request, req, headers)
+        except ApiError as e:
+            return error_response(e, headers)
+        except RequestError as e:
+            return error_response(api_error(e.code, e.message), headers)
+
+    async def _request(self, request: Request) -> ResponsesRequest | None:
+        body = await read_body(request, self.config)
+        if body is None:
+            return None
+        if len(body) <= INLINE_BYTES:
+            return _read(body, self.config)
+        return await anyio.to_thread.run_sync(_read, body, self.config)
+
+    async def _conversation(self, req: ResponsesRequest) -> tuple[str | None, list[Said]]:
+        """The request's system prompt and whole conversation: the previous response's point, then its input."""
+        history = await self._history(req.previous_response_id) if req.previous_response_id else []
+        items = req.input
+        if isinstance(items, list) and len(items) > 64:
+            new = await anyio.to_thread.run_sync(conversation, items, calls_of(history))
+        else:
+            new = conversation(items, calls_of(history))
+        return system_of(req, new), [*history, *new.messages]
+
+    async def _start(self, request: Request, req: ResponsesRequest, headers: dict[str, str]) -> Response:
+        await model_ready(self.engine, self.loading, self.config.model)
+        system, convo = await self._conversation(req)
+        grammar = await output_grammar(req.response_format())  # on a worker, within bounds
+        tools = [t.for_template() for t in req.functions()] or None
+        # A model whose template cannot call tools answers in text: an agent always offers tools, and
+        # refusing them would refuse the agent (docs/agents.md). Its template is shown none.
+        tool_format = ToolFormat.of(self.engine.tokenizer, tools)
+        shown = tools if tool_format is not None else None
+        placement = await place(self.turns, system, convo, origin=api_origin(request.headers.get("user-agent")))
+        headers[SESSION_HEADER] = placement.session_id
+        rid = f"{RESPONSE_PREFIX}{secrets.token_hex(24)}"
+        events = Events()
+        turn = self.turns.start(
+            events, rid, placement.session_id, placement.first_new, max_tokens=req.max_output_tokens,
+            temperature=req.temperature, top_p=req.top_p,
+            prompt=Conversation(convo, system, shown, chain=placement.chain, renders=self.turns.renders),
+            door=f"responses, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
+            split=(lambda text: split(tool_format, text)) if tool_format is not None else None)
+        request_shape = asked(req)
+        if req.store:
+            row = StoredResponse(rid, placement.session_id, turn.message_index, placement.first_new,
+                                 req.previous_response_id, time.time(), request_shape)
+            # Committed before the turn acknowledges its answer (the turn core awaits its writes).
+            turn.writes.append(self.turns.transcripts.writer.submit(lambda s: put_response(s, row), label="response"))
+            self._remember(rid, placement.session_id, turn.message_index)
+        shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": placement.session_id})
+        return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
+                               placement=placement, tool_format=tool_format, stored=req.store)
+
+    def _remember(self, rid: str, session_id: str, index: int) -> None:
+        self._recent[rid] = (session_id, index)
+        while len(self._recent) > RECENT:
+            self._recent.popitem(last=False)
+
+    async def _point(self, response_id: str) -> tuple[str, int]:
+        """The session and answer index a stored response names (a 404 when none)."""
+        if (point := self._recent.get(response_id)) is not None:
+            return point
+        row = await self.turns.transcripts.read(lambda s: get_response(s, response_id))
+        if row is None:
+            raise _not_found(response_id, "previous_response_id")
+        self._remember(response_id, row.session_id, row.answer_idx)
+        return row.session_id, row.answer_idx
+
+    async def _history(self, response_id: str) -> list[Said]:
+        """The conversation up to and with the response's answer, as the session holds it."""
+        session_id, index = await self._point(response_id)
+        try:
+            held = await self.turns.hold(session_id)
+        except RequestError:
+            raise _not_found(response_id, "previous_response_id") from None
+        if index >= len(held.messages) or held.messages[index]["role"] != "assistant":
+            raise _not_found(response_id, "previous_response_id")  # its session was cut back (kvchat's regenerate or edit)
+        if held.messages[index]["status"] == "streaming":
+            raise ApiError(HTTPStatus.CONFLICT, f"the response {response_id} is still being generated; wait for it "
+                           "to complete, then continue it", param="previous_response_id", code="response_in_progress")
+        return [Said(m["role"], m["content"], tuple(m["tool_calls"] or ()), m["tool_call_id"])
+                for m in held.messages[:index + 1] if said(m["content"], m["tool_calls"], m["status"])]
+
+    async def forget(self, response_id: str) -> bool:
+        self._recent.pop(response_id, None)
+        return await self.turns.transcripts.writer.run(lambda s: delete_response(s, response_id), durable=True)
+
+    # --- GET, DELETE /v1/responses/{id}, GET .../input_items ---
+
+    async def get(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        found = await self.turns.transcripts.read(lambda s: stored_object(s, response_id, self.config.model))
+        if found is None:
+            return error_response(_not_found(response_id))
+        return JSONResponse(found)
+
+    async def delete(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not await self.forget(response_id):
+            return error_response(_not_found(response_id))
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def items(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            return error_response(ApiError(HTTPStatus.BAD_REQUEST, "order is \"asc\" or \"desc\"", param="order"))
+        limit_text = q.get("limit", "20")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            return error_response(ApiError(HTTPStatus.BAD_REQUEST, "limit is a whole number from 1 to 100",
+                                           param="limit"))
+        after = q.get("after")
+        found = await self.turns.transcripts.read(
+            lambda s: input_items(s, response_id, order=order, limit=int(limit_text), after=after))
+        if found is None:
+            return error_response(_not_found(response_id))
+        return JSONResponse(found)
+
+    # --- POST /v1/responses/input_tokens ---
+
+    async def input_tokens(self, request: Request) -> Response:
+        """How many tokens the request's input comes to, rendered as its turn would be; nothing is stored."""
+        try:
+            req = await self._request(request)
+            if req is None:
+                return Response(status_code=HTTPStatus.BAD_REQUEST)
+            await model_ready(self.engine, self.loading, self.config.model)
+            system, convo = await self._conversation(req)
+            tools = [t.for_template() for t in req.functions()] or None
+            shown = tools if ToolFormat.of(self.engine.tokenizer, tools) is not None else None
+            ids, _ = await self.turns.tokenizing.run(Conversation(convo, system, shown).ids)
+        except ApiError as e:
+            return error_response(e)
+        except RequestError as e:
+            return error_response(api_error(e.code, e.message))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
+
+
+def _not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(HTTPStatus.NOT_FOUND, f"no response {response_id!r:.80} (never stored, stored with store: "
+                    "false, or deleted)", param=param, code="previous_response_not_found" if param else "not_found")
+
+
+class _Typed:
+    """The turn core's event dicts as daemon/events.py's typed events (until the turn core publishes those):
+    a call's text held back from the deltas, the kept content and calls with AnswerDone."""
+
+    def __init__(self, turn: Turn, tool_format: ToolFormat | None):
+        self.turn = turn
+        self.tool_format = tool_format
+        self.splitter = StreamSplit(tool_format) if tool_format is not None else None
+        self.seq = 0
+
+    def __call__(self, event: Mapping[str, Any]) -> list[TurnEvent]:
+        kind = event["type"]
+        if kind == p.CHAT_QUEUED:
+            return [AnswerQueued(event["position"])]
+        if kind == p.CHAT_PROGRESS:
+            return [AnswerProgress(event["fed"], event["total"])]
+        if kind == p.CHAT_DELTA:
+            return self._delta(self.splitter.feed(event["text"]) if self.splitter else event["text"])
+        if kind == p.CHAT_DONE:
+            out = self._delta(self.splitter.finish()[0]) if self.splitter else []
+            calls = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(self.turn.calls))
+            content = split(self.tool_format, self.turn.text)[0] if calls and self.tool_format else self.turn.text
+            return [*out, *calls, AnswerDone(event["message_index"], event["finish_reason"], event["usage"],
+                                             content, calls)]
+        if kind == p.ERROR:
+            return [AnswerError(event["code"], event["message"], answered=bool(self.turn.text))]
+        return []
+
+    def _delta(self, text: str) -> list[TurnEvent]:
+        if not text:
+            return []
+        self.seq += 1
+        return [AnswerDelta(self.seq - 1, text)]
+
+
+class ResponsesAnswer(TurnResponse):
+    """One response: its body, or its stream of typed events (`event:` and `data:` lines)."""
+
+    def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[dict[str, Any]],
+                 encoder: Encoder, headers: dict[str, str], *, stream: bool, placement: Placement,
+                 tool_format: ToolFormat | None, stored: bool):
+        super().__init__(door.turns, door.config, turn, headers)
+        self.door = door
+        self.events = events
+        self.encoder = encoder
+        self.stream = stream
+        self.placement = placement
+        self.stored = stored
+        self.typed = _Typed(turn, tool_format)
+
+    async def write(self, send: Sender) -> None:
+        async with self.events:
+            async for raw in self.events:
+                for event in self.typed(raw):
+                    if isinstance(event, AnswerError) and not self.started:
+                        await self._refused(send, event)
+                        return
+                    if await self._write(send, event):
+                        return
+
+    async def _write(self, send: Sender, event: TurnEvent) -> bool:
+        """Encode one event; True once the response is whole."""
+        out = self.encoder.encode(event)
+        last = isinstance(event, (AnswerDone, AnswerError))
+        if not self.stream:
+            if last:
+                await self._body(send, 200, out[-1]["response"])
+            return last
+        if out and not self.started:
+            await self._start(send, 200, "text/event-stream; charset=utf-8")
+        for e in out:
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"event: {e['type']}\ndata: {_json(e)}\n\n".encode()})
+        if last and self.started:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return last
+
+    async def _refused(self, send: Sender, event: AnswerError) -> None:
+        """An error before the answer began: a refusal, which leaves nothing behind."""
+        await self.turn.finished.wait()  # its answer is committed (as an error) or taken back first
+        if self.placement.kind == "new" and not self.turn.text:
+            await self.turns.delete_session(self.turn.session_id)  # its response row goes with it
+        elif self.stored:
+            await self.door.forget(self.turn.request_id)
+        e = api_error(event.code, event.message)
+        await self._body(send, e.status, e.body())
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
