@@ -199,7 +199,8 @@ class ResponsesDoor:
         except RequestError:
             raise _not_found(response_id, "previous_response_id") from None
         if index >= len(held.messages) or held.messages[index]["role"] != "assistant":
-            raise _not_found(response_id, "previous_response_id")  # its session was cut back (kvchat's regenerate or edit)
+            # Its session was cut back (kvchat's regenerate or edit).
+            raise _not_found(response_id, "previous_response_id")
         if held.messages[index]["status"] == "streaming":
             raise ApiError(HTTPStatus.CONFLICT, f"the response {response_id} is still being generated; wait for it "
                            "to complete, then continue it", param="previous_response_id", code="response_in_progress")
