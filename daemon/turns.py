@@ -48,13 +48,21 @@ from sessions.chains import said
 from .config import Config
 from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
 from .engine.thread import Engine
+from .events import (
+    AnswerDelta,
+    AnswerDone,
+    AnswerError,
+    AnswerProgress,
+    AnswerQueued,
+    AnswerStarted,
+    AnswerToolCall,
+    TurnEvent,
+)
 from .prompt import Continuation, Prompt, Tokenizing
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
 
 log = logging.getLogger("kvd.turns")
-
-Split = Callable[[str], tuple[str, list[dict[str, str]]]]
 
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
@@ -62,9 +70,21 @@ DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was
 
 
 class Listener(Protocol):
-    """Whoever wants a turn's events (a websocket connection, an HTTP response); must not block."""
+    """Whoever wants a turn's events (a websocket client, an HTTP response): it encodes them in its
+    door's own shape (events.py); must not block."""
 
-    def publish(self, event: dict[str, Any]) -> None: ...
+    def publish(self, event: TurnEvent) -> None: ...
+
+
+class CallSplit(Protocol):
+    """An answer's tool calls taken out of its text as it streams (doors/toolcalls.py's StreamSplit,
+    made by the door that offered tools): text before a call streams, the calls come at the end."""
+
+    content: str  # after `finish`: the kept answer's text without its calls' text
+
+    def feed(self, delta: str) -> str: ...  # the text that may be shown now
+
+    def finish(self) -> tuple[str, list[dict[str, str]]]: ...  # the text left to show, and the calls
 
 
 # --- stop sequences -------------------------------------------------------
@@ -136,7 +156,7 @@ class Turn:
     message_index: int
     first_new: int  # the first message this turn added (taken back if it can never fit)
     subscribers: set[Listener] = field(default_factory=set)
-    text: str = ""
+    text: str = ""  # the answer so far, as kept while it streams (a tool call's text included)
     seq: int = 0
     deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
     stop: StopScan | None = None
@@ -144,14 +164,12 @@ class Turn:
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
     door: str = "websocket"  # which front door asked for it (the log's turn line says)
     held: Held | None = None  # the session as the turn core holds it
-    split: Split | None = None  # the answer's text -> its content and tool calls (the OpenAI door's)
+    tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
-    calls: list[dict[str, str]] = field(default_factory=list)  # the kept answer's tool calls (by `split`)
     # Set once the first delta has been published; the engine waits for it (TurnJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
-    def publish(self, event: dict[str, Any]) -> None:
-        event = {"id": self.request_id, "session": self.session_id, **event}
+    def publish(self, event: TurnEvent) -> None:
         for listener in list(self.subscribers):
             listener.publish(event)
 
@@ -163,8 +181,7 @@ class Turn:
         duplicate.
         """
         for seq in range(after_seq + 1, len(self.deltas)):
-            listener.publish({"type": p.CHAT_DELTA, "id": self.request_id, "session": self.session_id,
-                              "seq": seq, "text": self.deltas[seq]})
+            listener.publish(AnswerDelta(seq, self.deltas[seq]))
         self.subscribers.add(listener)
 
 
@@ -339,16 +356,16 @@ class Turns:
               max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
               prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
-              grammar: str | None = None, split: Split | None = None) -> Turn:
+              grammar: str | None = None, tools: CallSplit | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
         as one operation; the job goes to the engine without waiting for it.
         `prompt` defaults to the transcript under the fed-token rule. The
         cache comes from wherever the longest prefix of its ids is held: the
-        session's own or any other's (cachestore's checkout). `split` (the
-        OpenAI door's, when the request offered tools) makes the answer's text
-        its content and tool calls when it is kept.
+        session's own or any other's (cachestore's checkout). `tools` (from a
+        door whose request offered tools) takes the answer's calls out of its
+        text: they are published once the answer ends, and kept as its calls.
         """
         assert self.tg is not None, "the daemon is not serving"
         held = self.transcripts.get(session_id)
@@ -361,7 +378,7 @@ class Turns:
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None, door=door, held=held, split=split)
+                    stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools)
         turn.writes.append(self.transcripts.write_new(held, first_new))
         self.active[session_id] = turn
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
@@ -382,7 +399,7 @@ class Turns:
                       emit=emit, grammar=grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)
-        turn.publish({"type": p.CHAT_START, "message_index": index})
+        turn.publish(AnswerStarted(index))
         return turn
 
     async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
@@ -436,9 +453,9 @@ class Turns:
             async with events:
                 async for ev in events:
                     if isinstance(ev, Queued):
-                        turn.publish({"type": p.CHAT_QUEUED, "position": ev.position})
+                        turn.publish(AnswerQueued(ev.position))
                     elif isinstance(ev, Progress):
-                        turn.publish({"type": p.CHAT_PROGRESS, "fed": ev.fed, "total": ev.total})
+                        turn.publish(AnswerProgress(ev.fed, ev.total))
                     elif isinstance(ev, Started):
                         if ev.retokenized:
                             turn.writes.append(t.forget_fed_ends(held, turn.message_index))
@@ -449,8 +466,7 @@ class Turns:
                             text = turn.stop.feed(text)
                             if turn.stop.hit and not stopped:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
-                        if text:
-                            self._delta(turn, text)
+                        self._said(turn, text)
                         if not handing:  # the first delta: the engine waits for it to be sent
                             handing = True
                             _after_sends(turn.handed.set)
@@ -469,17 +485,17 @@ class Turns:
                             turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                                         status="error", finish_reason="error"))
                         await self._committed(turn)
-                        turn.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
+                        turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
                         return
         except Exception as e:
             self.engine.cancel(sid)  # nobody is left to keep what it generates
             if is_disk_full(e):
                 log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
-                turn.publish({"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE})
+                turn.publish(AnswerError(p.DISK_FULL, DISK_FULL_MESSAGE, answered=turn.seq > 0))
             else:
                 log.exception("answer for session %s failed", sid)
-                turn.publish({"type": p.ERROR, "code": p.INTERNAL,
-                              "message": "kvd hit an internal error; it is logged"})
+                turn.publish(AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged",
+                                         answered=turn.seq > 0))
             if not turn.writes:  # they all committed: keep what was generated, marked cut
                 turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                             status="error", finish_reason="error"))
@@ -493,18 +509,22 @@ class Turns:
                 del self.active[sid]
             turn.finished.set()
 
-    def _delta(self, turn: Turn, text: str) -> None:
+    def _said(self, turn: Turn, text: str) -> None:
+        """Add `text` to the answer and publish what of it may be shown (not a tool call's text)."""
         turn.text += text
-        turn.deltas.append(text)
-        turn.publish({"type": p.CHAT_DELTA, "seq": turn.seq, "text": text})
-        turn.seq += 1
+        self._show(turn, turn.tools.feed(text) if turn.tools is not None else text)
+
+    def _show(self, turn: Turn, text: str) -> None:
+        if text:
+            turn.deltas.append(text)
+            turn.publish(AnswerDelta(turn.seq, text))
+            turn.seq += 1
 
     async def _done(self, turn: Turn, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
         if turn.stop is not None:
-            if rest := turn.stop.flush():
-                self._delta(turn, rest)
+            self._said(turn, turn.stop.flush())
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
@@ -514,14 +534,19 @@ class Turns:
                  f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else u.get("restored_from"),
                  u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
-        content, calls = turn.split(turn.text) if turn.split is not None else (turn.text, [])
-        turn.calls = calls  # what the door shows is what is kept (a call's id is made once, here)
+        content, calls = turn.text, list[dict[str, str]]()
+        if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
+            rest, calls = turn.tools.finish()
+            self._show(turn, rest)
+            content = turn.tools.content if calls else turn.text
         held = turn.held
         assert held is not None
         fed_end = self._record(turn, held, ev.tokens, exact=not stopped)
         turn.writes.append(self.transcripts.update(
-            held, turn.message_index, durable=True, content=content if calls else turn.text, status=status,
+            held, turn.message_index, durable=True, content=content, status=status,
             finish_reason=reason, usage=ev.usage, fed_end=fed_end, tool_calls=calls or None))
         await self._committed(turn)  # acknowledged only once it is durable
-        turn.publish({"type": p.CHAT_DONE, "message_index": turn.message_index,
-                      "finish_reason": reason, "usage": ev.usage})
+        made = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(calls))
+        for call in made:
+            turn.publish(call)
+        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made))

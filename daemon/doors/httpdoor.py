@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 
 from ..config import Config
 from ..engine.thread import Engine
+from ..events import TurnEvent
 from .loading import LoadingWatch
 from .openai_schema import ApiError
 
@@ -115,9 +116,9 @@ class Events:
     max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
 
     def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
 
-    def publish(self, event: dict[str, Any]) -> None:
+    def publish(self, event: TurnEvent) -> None:
         try:
             self._send.send_nowait(event)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):

@@ -4,8 +4,9 @@ The response starts only when the first token (or an error) is known, so an
 error found at admission is a real HTTP error, not a broken stream. A client
 that hangs up cancels its answer (what was generated stays in the session);
 one that stops reading is cut off after `send_timeout`, its answer cancelled
-too. An answer that called tools (toolcalls.py) is kept by the turn core as
-its content and calls (the door hands it the split).
+too. An answer that called tools (toolcalls.py) comes from the turn core
+already split into its content and calls (the door hands it the splitter):
+its text before the first call streams, its calls come at the end.
 """
 
 from __future__ import annotations
@@ -13,23 +14,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-import protocol as p
-
 from ..config import Config
+from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnEvent
 from ..turns import Turn, Turns
 from .openai_schema import ChatRequest, api_error
-from .toolcalls import StreamSplit, ToolFormat, openai_calls, split
+from .toolcalls import openai_calls
 from .turnresponse import TurnResponse
 
 log = logging.getLogger("kvd.api")
 
 
-def usage_of(u: dict[str, Any]) -> dict[str, Any]:
+def usage_of(u: Mapping[str, Any]) -> dict[str, Any]:
     prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens") or 0)}}
@@ -45,11 +45,10 @@ class Answer(TurnResponse):
     """One turn's answer as a chat completion's JSON body or its event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[dict[str, Any]], req: ChatRequest, headers: dict[str, str], *,
-                 created: bool, tool_format: ToolFormat | None = None):
+                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str], *,
+                 created: bool):
         super().__init__(turns, config, turn, headers)
         self.created_session = created  # this request made the session: a refusal takes it back
-        self.tool_format = tool_format  # the request offered tools the model can call
         self.events = events
         self.req = req
         self.created = int(time.time())
@@ -61,45 +60,41 @@ class Answer(TurnResponse):
             else:
                 await self._whole(send)
 
-    def _kvd(self, done: dict[str, Any]) -> dict[str, Any]:
-        u = done.get("usage") or {}
+    def _kvd(self, done: AnswerDone) -> dict[str, Any]:
+        u = done.usage
         return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
                 "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
                 "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
                 "accepted_tokens": u.get("accepted_tokens")}
 
-    async def _error(self, send: Callable[[dict[str, Any]], Any], event: dict[str, Any]) -> None:
+    async def _error(self, send: Callable[[dict[str, Any]], Any], event: AnswerError) -> None:
         """An error before the answer began: a refusal, which leaves nothing behind."""
         if self.created_session and not self.turn.text:
             await self.turn.finished.wait()  # its answer is committed (as an error) first
             await self.turns.delete_session(self.turn.session_id)
-        e = api_error(event["code"], event["message"])
+        e = api_error(event.code, event.message)
         await self._body(send, e.status, e.body())
 
-    def _called(self, event: dict[str, Any], calls: list[dict[str, str]]) -> str:
+    def _called(self, event: AnswerDone) -> str:
         """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""
-        reason = finish_reason_of(event["finish_reason"])
-        return "tool_calls" if calls and reason == "stop" else reason
+        reason = finish_reason_of(event.finish_reason)
+        return "tool_calls" if event.calls and reason == "stop" else reason
 
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
-        text = ""
         async for event in self.events:
-            if event["type"] == p.CHAT_DELTA:
-                text += event["text"]
-            elif event["type"] == p.CHAT_DONE:
-                calls = self.turn.calls  # split by the turn core as it kept the answer
-                content = split(self.tool_format, text)[0] if calls and self.tool_format else text
-                reason = self._called(event, calls)
-                message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+            if isinstance(event, AnswerDone):
+                calls = event.calls
+                message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
                 if calls:
-                    message["tool_calls"] = openai_calls(calls)
+                    message["tool_calls"] = openai_calls(_stored(calls))
                 await self._body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
                     "model": self.config.model,
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
-                    "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
+                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                                 "finish_reason": self._called(event)}],
+                    "usage": usage_of(event.usage), "kvd": self._kvd(event)})
                 return
-            elif event["type"] == p.ERROR:
+            elif isinstance(event, AnswerError):
                 await self._error(send, event)
                 return
 
@@ -125,34 +120,30 @@ class Answer(TurnResponse):
                 await self._start(send, 200, "text/event-stream; charset=utf-8")
                 await sse(self._chunk({"role": "assistant", "content": ""}))
 
-        splitter = StreamSplit(self.tool_format) if self.tool_format else None
         async for event in self.events:
-            kind = event["type"]
-            if kind == p.CHAT_DELTA:
+            if isinstance(event, AnswerDelta):
                 await begin()
-                text = splitter.feed(event["text"]) if splitter else event["text"]
-                if text:
-                    await sse(self._chunk({"content": text}))
-            elif kind == p.CHAT_DONE:
+                await sse(self._chunk({"content": event.text}))
+            elif isinstance(event, AnswerDone):
                 await begin()
-                rest, _ = splitter.finish() if splitter else ("", [])
-                calls = self.turn.calls  # as the turn core kept them (their ids are made once)
-                if rest:
-                    await sse(self._chunk({"content": rest}))
-                if calls:
-                    await sse(self._chunk({"tool_calls": openai_calls(calls, streaming=True)}))
-                await sse(self._chunk({}, self._called(event, calls)))
+                if event.calls:
+                    await sse(self._chunk({"tool_calls": openai_calls(_stored(event.calls), streaming=True)}))
+                await sse(self._chunk({}, self._called(event)))
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.config.model, "choices": [],
-                               "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
+                               "usage": usage_of(event.usage), "kvd": self._kvd(event)})
                 break
-            elif kind == p.ERROR:
+            elif isinstance(event, AnswerError):
                 if not self.started:
                     await self._error(send, event)
                     return
-                await sse(api_error(event["code"], event["message"]).body())
+                await sse(api_error(event.code, event.message).body())
                 break
         if self.started:
             await sse("[DONE]")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _stored(calls: Sequence[AnswerToolCall]) -> list[dict[str, str]]:
+    return [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]

@@ -50,7 +50,7 @@ from .openai_schema import (
     stops,
 )
 from .placement import Diverged, Placement, Said, links, place
-from .toolcalls import ToolFormat, openai_calls, split
+from .toolcalls import StreamSplit, ToolFormat, openai_calls
 from .toolturns import check_tool_turns
 
 log = logging.getLogger("kvd.api")
@@ -183,16 +183,15 @@ class OpenAIDoor:
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
             with self.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events, placement, tool_format = await self._start(request, req, system, convo, headers)
+                turn, events, placement = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers,
-                      created=placement.kind == "new", tool_format=tool_format)
+        return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, Events, Placement, ToolFormat | None]:
+                     headers: dict[str, str]) -> tuple[Turn, Events, Placement]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         await model_ready(self.engine, self.loading, self.config.model)
         pinned = request.headers.get(SESSION_HEADER)
@@ -222,9 +221,9 @@ class OpenAIDoor:
             top_p=req.top_p, stop=stops(req), seed=req.seed,
             prompt=Conversation(convo, system, tools or None, chain=placement.chain, renders=self.turns.renders),
             door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            split=(lambda text: split(tool_format, text)) if tool_format is not None else None,
+            tools=StreamSplit(tool_format) if tool_format is not None else None,
         )
-        return turn, events, placement, tool_format
+        return turn, events, placement
 
     async def seed(self, count: int = SEEDED) -> int:
         """After a start: render the last request of the most recently used API conversations once, in

@@ -28,7 +28,6 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -38,14 +37,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-import protocol as p
 from protocol.requests import RequestError
 from sessions.chains import said
 from sessions.responses import StoredResponse, delete_response, get_response, put_response
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerQueued, AnswerToolCall, TurnEvent
+from ..events import AnswerDone, AnswerError, TurnEvent
 from ..prompt import Conversation
 from ..turns import Turn, Turns
 from .admission import Admission
@@ -57,7 +55,7 @@ from .placement import Placement, Said, place
 from .responses_events import RESPONSE_PREFIX, Encoder, Shape
 from .responses_schema import Input, ResponsesRequest, calls_of, conversation, parse
 from .responses_stored import input_items, stored_object
-from .toolcalls import StreamSplit, ToolFormat, split
+from .toolcalls import StreamSplit, ToolFormat
 from .turnresponse import Sender, TurnResponse
 
 log = logging.getLogger("kvd.api")
@@ -164,7 +162,7 @@ class ResponsesDoor:
             temperature=req.temperature, top_p=req.top_p,
             prompt=Conversation(convo, system, shown, chain=placement.chain, renders=self.turns.renders),
             door=f"responses, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            split=(lambda text: split(tool_format, text)) if tool_format is not None else None)
+            tools=StreamSplit(tool_format) if tool_format is not None else None)
         request_shape = asked(req)
         if req.store:
             row = StoredResponse(rid, placement.session_id, turn.message_index, placement.first_new,
@@ -174,7 +172,7 @@ class ResponsesDoor:
             self._remember(rid, placement.session_id, turn.message_index)
         shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": placement.session_id})
         return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
-                               placement=placement, tool_format=tool_format, stored=req.store)
+                               placement=placement, stored=req.store)
 
     def _remember(self, rid: str, session_id: str, index: int) -> None:
         self._recent[rid] = (session_id, index)
@@ -268,47 +266,11 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
                     "false, or deleted)", param=param, code="previous_response_not_found" if param else "not_found")
 
 
-class _Typed:
-    """The turn core's event dicts as daemon/events.py's typed events (until the turn core publishes those):
-    a call's text held back from the deltas, the kept content and calls with AnswerDone."""
-
-    def __init__(self, turn: Turn, tool_format: ToolFormat | None):
-        self.turn = turn
-        self.tool_format = tool_format
-        self.splitter = StreamSplit(tool_format) if tool_format is not None else None
-        self.seq = 0
-
-    def __call__(self, event: Mapping[str, Any]) -> list[TurnEvent]:
-        kind = event["type"]
-        if kind == p.CHAT_QUEUED:
-            return [AnswerQueued(event["position"])]
-        if kind == p.CHAT_PROGRESS:
-            return [AnswerProgress(event["fed"], event["total"])]
-        if kind == p.CHAT_DELTA:
-            return self._delta(self.splitter.feed(event["text"]) if self.splitter else event["text"])
-        if kind == p.CHAT_DONE:
-            out = self._delta(self.splitter.finish()[0]) if self.splitter else []
-            calls = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(self.turn.calls))
-            content = split(self.tool_format, self.turn.text)[0] if calls and self.tool_format else self.turn.text
-            return [*out, *calls, AnswerDone(event["message_index"], event["finish_reason"], event["usage"],
-                                             content, calls)]
-        if kind == p.ERROR:
-            return [AnswerError(event["code"], event["message"], answered=bool(self.turn.text))]
-        return []
-
-    def _delta(self, text: str) -> list[TurnEvent]:
-        if not text:
-            return []
-        self.seq += 1
-        return [AnswerDelta(self.seq - 1, text)]
-
-
 class ResponsesAnswer(TurnResponse):
     """One response: its body, or its stream of typed events (`event:` and `data:` lines)."""
 
-    def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[dict[str, Any]],
-                 encoder: Encoder, headers: dict[str, str], *, stream: bool, placement: Placement,
-                 tool_format: ToolFormat | None, stored: bool):
+    def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
+                 encoder: Encoder, headers: dict[str, str], *, stream: bool, placement: Placement, stored: bool):
         super().__init__(door.turns, door.config, turn, headers)
         self.door = door
         self.events = events
@@ -316,17 +278,15 @@ class ResponsesAnswer(TurnResponse):
         self.stream = stream
         self.placement = placement
         self.stored = stored
-        self.typed = _Typed(turn, tool_format)
 
     async def write(self, send: Sender) -> None:
         async with self.events:
-            async for raw in self.events:
-                for event in self.typed(raw):
-                    if isinstance(event, AnswerError) and not self.started:
-                        await self._refused(send, event)
-                        return
-                    if await self._write(send, event):
-                        return
+            async for event in self.events:
+                if isinstance(event, AnswerError) and not self.started:
+                    await self._refused(send, event)
+                    return
+                if await self._write(send, event):
+                    return
 
     async def _write(self, send: Sender, event: TurnEvent) -> bool:
         """Encode one event; True once the response is whole."""
