@@ -147,7 +147,7 @@ class ResponsesDoor:
     async def _start(self, request: Request, req: ResponsesRequest, headers: dict[str, str]) -> Response:
         await model_ready(self.engine, self.loading, self.config.model)
         system, convo = await self._conversation(req)
-        grammar = await output_grammar(req.response_format())  # on a worker, within bounds
+        grammar = await _grammar(req)
         tools = [t.for_template() for t in req.functions()] or None
         # A model whose template cannot call tools answers in text: an agent always offers tools, and
         # refusing them would refuse the agent (docs/agents.md). Its template is shown none.
@@ -259,6 +259,18 @@ class ResponsesDoor:
         except RequestError as e:
             return error_response(api_error(e.code, e.message))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
+
+
+async def _grammar(req: ResponsesRequest) -> str | None:
+    """text.format's grammar (jsonoutput.py, on a worker, within bounds); its errors name text.format."""
+    try:
+        return await output_grammar(req.response_format())
+    except ApiError as e:
+        if e.param is not None:
+            e.param = e.param.replace("response_format.json_schema", "text.format").replace("response_format",
+                                                                                             "text.format")
+            e.message = e.message.replace("response_format", "text.format")
+        raise
 
 
 def _not_found(response_id: str, param: str | None = None) -> ApiError:

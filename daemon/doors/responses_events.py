@@ -102,7 +102,15 @@ def response_object(shape: Shape, *, status: str, output: list[dict[str, Any]],
         "tool_choice": asked.get("tool_choice") or "auto", "tools": list(asked.get("tools") or []),
         "top_p": asked.get("top_p"), "truncation": "disabled",
         "usage": usage_of(usage) if usage is not None else None,
-        "user": None, "metadata": dict(asked.get("metadata") or {}), "kvd": dict(shape.kvd)}
+        "user": None, "metadata": dict(asked.get("metadata") or {}), "kvd": {**shape.kvd, **_figures(usage)}}
+
+
+def _figures(usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    """kvd's own figures of a finished turn (as the chat door's `kvd` object): where its cache came from."""
+    if usage is None:
+        return {}
+    return {key: usage.get(key) for key in ("restored_from", "shared_tokens", "ttft_ms", "prefill_tokens",
+                                            "drafted_tokens", "accepted_tokens")}
 
 
 class Encoder:
@@ -171,7 +179,8 @@ class Encoder:
                     self._event("response.content_part.done", item_id=self.message_id, output_index=0,
                                 content_index=0, part=item["content"][0]),
                     self._event("response.output_item.done", output_index=0, item=item)]
-        first = 1 if out else 0
+        showed = bool(out)  # the stream showed a message item
+        first = 1 if showed else 0
         for i, call in enumerate(calls):
             item_id, index = f"{self.call_prefix}{i}", first + i
             out += [self._event("response.output_item.added", output_index=index,
@@ -182,7 +191,7 @@ class Encoder:
                                 name=call["name"], arguments=call["arguments"]),
                     self._event("response.output_item.done", output_index=index,
                                 item=call_item(item_id, call, "completed"))]
-        final = output_of(self.shape.id, text, calls, status=item_status, message=bool(out))
+        final = output_of(self.shape.id, text, calls, status=item_status, message=showed)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         out.append(self._lifecycle(kind, status, output=final, usage=done.usage, incomplete=incomplete))
         return out
