@@ -63,7 +63,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_packing", "test_quantized", "test_restore_admission", "test_resume", "test_security",
         "test_session_requests", "test_shared", "test_seeds",
         "test_speculate",
-        "test_fed_checksum", "test_tool_turns", "test_prefill",
+        "test_fed_checksum", "test_tool_turns", "test_prefill", "test_responses",
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
