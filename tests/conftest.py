@@ -71,7 +71,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_kvchat_tmux", "test_docs_run",
         "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
-        "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas",
+        "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_responses_restart",
     }),
 }  # fmt: skip
 
