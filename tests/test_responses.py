@@ -9,7 +9,7 @@ import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.anyio
 
 MODEL = "builtin:tiny"
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
-TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses shape: name and parameters at the top
+# The Responses shape: name and parameters at the top.
+TOOL: dict[str, Any] = {"type": "function", **cast(dict[str, Any], WEATHER_TOOL["function"])}
 LONG = " ".join(f"Rule {i}: answer in plain words and keep every promise made earlier." for i in range(60))
 
 
@@ -40,8 +41,9 @@ def stored(d: RunningDaemon) -> tuple[int, int, int]:
     """(sessions, messages, responses) in the daemon's database, read beside it."""
     db = sqlite3.connect(f"file:{d.config.db_path}?mode=ro", uri=True)
     try:
-        return tuple(db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]  # type: ignore[return-value]
-                     for t in ("sessions", "messages", "responses"))
+        sessions, messages, responses = (db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+                                         for t in ("sessions", "messages", "responses"))
+        return sessions, messages, responses
     finally:
         db.close()
 
@@ -82,7 +84,7 @@ async def test_create_then_continue_then_stream_then_get(tmp_path: Path) -> None
         items = await client.responses.input_items.list(final.id, order="asc")
         assert [(i.type, getattr(i, "role", None)) for i in items.data] == [
             ("message", "user"), ("message", "assistant")] * 2 + [("message", "user")]
-        assert items.data[-1].content[0].text == "And seas?"  # type: ignore[union-attr]
+        assert items.data[-1].model_dump()["content"][0]["text"] == "And seas?"
 
 
 async def test_continuing_an_older_response_branches_and_leaves_the_newer_one(tmp_path: Path) -> None:
@@ -98,9 +100,8 @@ async def test_continuing_an_older_response_branches_and_leaves_the_newer_one(tm
         assert session_of(branch) != session_of(one)  # a new session: nothing that followed `one` is erased
         assert branch.usage is not None and one.usage is not None
         assert branch.usage.input_tokens_details.cached_tokens > 0  # the prefix they share, from its blocks
-        items = [(i.type, getattr(i, "content", [None])[0]) for i in
-                 (await client.responses.input_items.list(branch.id, order="asc")).data]
-        assert len(items) == 3 and items[-1][1].text == "Which trees grow fastest?"  # type: ignore[union-attr]
+        items = [i.model_dump() for i in (await client.responses.input_items.list(branch.id, order="asc")).data]
+        assert len(items) == 3 and items[-1]["content"][0]["text"] == "Which trees grow fastest?"
 
         # The newer response's conversation is as it was, and it goes on from its own cache.
         assert [i.model_dump() for i in (await client.responses.input_items.list(two.id)).data] == before
@@ -141,8 +142,7 @@ async def test_delete_forgets_the_response_not_the_conversation(tmp_path: Path) 
     async with api(tmp_path) as (client, d):
         one = await client.responses.create(input="first", **GREEDY)
         two = await client.responses.create(input="second", previous_response_id=one.id, **GREEDY)
-        deleted = await client.responses.delete(one.id)
-        assert deleted is None or getattr(deleted, "deleted", True)
+        await client.responses.delete(one.id)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(one.id)
         with pytest.raises(openai.NotFoundError):
@@ -219,7 +219,7 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def test_a_tool_round_trip_call_output_answer(tool_model: Path, tmp_path: Path) -> None:
     async with api(tmp_path, model=str(tool_model)) as (client, d):
-        ask = {"model": tool_model.name, "tools": [TOOL], "max_output_tokens": 20, "temperature": 0,
+        ask: dict[str, Any] = {"model": tool_model.name, "tools": [TOOL], "max_output_tokens": 20, "temperature": 0,
                "instructions": "Use the tools."}
         first = await client.responses.create(input="What is the weather in Paris?", **ask)
         (call,) = [item for item in first.output if item.type == "function_call"]
@@ -227,7 +227,7 @@ async def test_a_tool_round_trip_call_output_answer(tool_model: Path, tmp_path: 
         assert call.call_id.startswith("call_") and call.id.startswith("fc_")
 
         # The client runs the tool and sends its output, continuing the response that called it.
-        output = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}
+        output: Any = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}
         seen: list[Any] = []
         async with client.responses.stream(input=[output], previous_response_id=first.id, **ask) as stream:
             async for event in stream:

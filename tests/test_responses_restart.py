@@ -81,4 +81,4 @@ def test_a_response_whose_completion_was_sent_survives_kill_9_at_once(tmp_path: 
     finally:
         assert d.terminate() == 0
     assert kept.output_text == last.output_text and kept.status == last.status
-    assert more.model_extra["kvd"]["session"] == last.model_extra["kvd"]["session"]
+    assert (more.model_extra or {})["kvd"]["session"] == (last.model_extra or {})["kvd"]["session"]

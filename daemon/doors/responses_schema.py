@@ -126,10 +126,10 @@ class ResponsesRequest(_Strict):
     top_logprobs: int | None = None
     conversation: str | dict[str, Any] | None = None
 
-    @field_validator("instructions")
+    @field_validator("instructions", "input")
     @classmethod
-    def _fits(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if isinstance(info.context, Limits) and value is not None:
+    def _fits(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(info.context, Limits) and isinstance(value, str):
             fits_text(value, info.context)
         return value
 
