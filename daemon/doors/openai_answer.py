@@ -73,7 +73,7 @@ class Answer(TurnResponse):
             await self.turn.finished.wait()  # its answer is committed (as an error) first
             await self.turns.delete_session(self.turn.session_id)
         e = api_error(event.code, event.message)
-        await self._body(send, e.status, e.body())
+        await self.send_json(send, e.status, e.body())
 
     def _called(self, event: AnswerDone) -> str:
         """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""
@@ -87,7 +87,7 @@ class Answer(TurnResponse):
                 message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
                 if calls:
                     message["tool_calls"] = openai_calls(_stored(calls))
-                await self._body(send, 200, {
+                await self.send_json(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
                     "model": self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None,
@@ -117,7 +117,7 @@ class Answer(TurnResponse):
 
         async def begin() -> None:
             if not self.started:
-                await self._start(send, 200, "text/event-stream; charset=utf-8")
+                await self.send_start(send, 200, "text/event-stream; charset=utf-8")
                 await sse(self._chunk({"role": "assistant", "content": ""}))
 
         async for event in self.events:

@@ -29,7 +29,7 @@ import secrets
 import time
 from collections import OrderedDict
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from protocol.requests import RequestError
+from sessions import Message
 from sessions.chains import said
 from sessions.responses import StoredResponse, delete_response, get_response, put_response
 
@@ -50,8 +51,8 @@ from .admission import Admission
 from .httpdoor import INLINE_BYTES, Events, api_origin, decode_json, error_response, model_ready, read_body
 from .jsonoutput import output_grammar
 from .loading import LoadingWatch
-from .openai_schema import ApiError, api_error, may_hold_surrogates
-from .placement import Placement, Said, place
+from .openai_schema import ApiError, ResponseFormat, api_error, may_hold_surrogates
+from .placement import INLINE_MESSAGES, Placement, Said, place
 from .responses_events import RESPONSE_PREFIX, Encoder, Shape
 from .responses_schema import Input, ResponsesRequest, calls_of, conversation, parse
 from .responses_stored import input_items, stored_object
@@ -64,11 +65,20 @@ SESSION_HEADER = "X-Kvd-Session"
 RECENT = 4096  # response ids whose point is remembered in memory (a continuation then reads no row)
 
 
-def _read(body: bytes, config: Config) -> ResponsesRequest:
-    """The body as a validated request (on a worker thread past INLINE_BYTES)."""
+class Read(NamedTuple):
+    """A request as the door uses it, made where the body was read (a worker thread past INLINE_BYTES: each
+    grows with the body, a JSON schema with it)."""
+
+    req: ResponsesRequest
+    fmt: ResponseFormat | None  # text.format as jsonoutput.py takes it
+    asked: dict[str, Any]  # what it asked for, as its response object shows it
+
+
+def _read(body: bytes, config: Config) -> Read:
     decoded = decode_json(body, "a Responses request")
     try:
-        return parse(decoded, config, surrogates=may_hold_surrogates(body))
+        req = parse(decoded, config, surrogates=may_hold_surrogates(body))
+        return Read(req, req.response_format(), asked(req))
     except ApiError as e:
         refused = e
     del decoded  # freed here, not on the loop
@@ -116,17 +126,17 @@ class ResponsesDoor:
     async def create(self, request: Request) -> Response:
         headers: dict[str, str] = {}
         try:
-            req = await self._request(request)
-            if req is None:
+            read = await self._request(request)
+            if read is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             with self.admission.slot():  # a place in the queue from here until the turn has started
-                return await self._start(request, req, headers)
+                return await self._start(request, read, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
 
-    async def _request(self, request: Request) -> ResponsesRequest | None:
+    async def _request(self, request: Request) -> Read | None:
         body = await read_body(request, self.config)
         if body is None:
             return None
@@ -138,16 +148,17 @@ class ResponsesDoor:
         """The request's system prompt and whole conversation: the previous response's point, then its input."""
         history = await self._history(req.previous_response_id) if req.previous_response_id else []
         items = req.input
-        if isinstance(items, list) and len(items) > 64:
+        if isinstance(items, list) and len(items) > INLINE_MESSAGES:
             new = await anyio.to_thread.run_sync(conversation, items, calls_of(history))
         else:
             new = conversation(items, calls_of(history))
         return system_of(req, new), [*history, *new.messages]
 
-    async def _start(self, request: Request, req: ResponsesRequest, headers: dict[str, str]) -> Response:
+    async def _start(self, request: Request, read: Read, headers: dict[str, str]) -> Response:
+        req = read.req
         await model_ready(self.engine, self.loading, self.config.model)
         system, convo = await self._conversation(req)
-        grammar = await _grammar(req)
+        grammar = await _grammar(read.fmt)
         tools = [t.for_template() for t in req.functions()] or None
         # A model whose template cannot call tools answers in text: an agent always offers tools, and
         # refusing them would refuse the agent (docs/agents.md). Its template is shown none.
@@ -163,7 +174,7 @@ class ResponsesDoor:
             prompt=Conversation(convo, system, shown, chain=placement.chain, renders=self.turns.renders),
             door=f"responses, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None)
-        request_shape = asked(req)
+        request_shape = read.asked
         if req.store:
             row = StoredResponse(rid, placement.session_id, turn.message_index, placement.first_new,
                                  req.previous_response_id, time.time(), request_shape)
@@ -202,8 +213,10 @@ class ResponsesDoor:
         if held.messages[index]["status"] == "streaming":
             raise ApiError(HTTPStatus.CONFLICT, f"the response {response_id} is still being generated; wait for it "
                            "to complete, then continue it", param="previous_response_id", code="response_in_progress")
-        return [Said(m["role"], m["content"], tuple(m["tool_calls"] or ()), m["tool_call_id"])
-                for m in held.messages[:index + 1] if said(m["content"], m["tool_calls"], m["status"])]
+        kept = held.messages[:index + 1]
+        if len(kept) <= INLINE_MESSAGES:
+            return _said(kept)
+        return await anyio.to_thread.run_sync(_said, kept)  # a long conversation: off the loop
 
     async def forget(self, response_id: str) -> bool:
         self._recent.pop(response_id, None)
@@ -246,9 +259,10 @@ class ResponsesDoor:
     async def input_tokens(self, request: Request) -> Response:
         """How many tokens the request's input comes to, rendered as its turn would be; nothing is stored."""
         try:
-            req = await self._request(request)
-            if req is None:
+            read = await self._request(request)
+            if read is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)
+            req = read.req
             await model_ready(self.engine, self.loading, self.config.model)
             system, convo = await self._conversation(req)
             tools = [t.for_template() for t in req.functions()] or None
@@ -261,10 +275,16 @@ class ResponsesDoor:
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
 
-async def _grammar(req: ResponsesRequest) -> str | None:
+def _said(messages: list[Message]) -> list[Said]:
+    """A session's messages as placement compares them (those a client could have been shown)."""
+    return [Said(m["role"], m["content"], tuple(m["tool_calls"] or ()), m["tool_call_id"])
+            for m in messages if said(m["content"], m["tool_calls"], m["status"])]
+
+
+async def _grammar(fmt: ResponseFormat | None) -> str | None:
     """text.format's grammar (jsonoutput.py, on a worker, within bounds); its errors name text.format."""
     try:
-        return await output_grammar(req.response_format())
+        return await output_grammar(fmt)
     except ApiError as e:
         if e.param is not None:
             e.param = e.param.replace("response_format.json_schema", "text.format").replace("response_format",
@@ -284,12 +304,10 @@ class ResponsesAnswer(TurnResponse):
     def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
                  encoder: Encoder, headers: dict[str, str], *, stream: bool, placement: Placement, stored: bool):
         super().__init__(door.turns, door.config, turn, headers)
-        self.door = door
-        self.events = events
-        self.encoder = encoder
+        self.door, self.events, self.encoder = door, events, encoder
         self.stream = stream
-        self.placement = placement
-        self.stored = stored
+        self.new_session = placement.kind == "new"  # this request made the session: a refusal takes it back
+        self.stored = stored  # a refusal forgets the response row it queued
 
     async def write(self, send: Sender) -> None:
         async with self.events:
@@ -306,10 +324,10 @@ class ResponsesAnswer(TurnResponse):
         last = isinstance(event, (AnswerDone, AnswerError))
         if not self.stream:
             if last:
-                await self._body(send, 200, out[-1]["response"])
+                await self.send_json(send, 200, out[-1]["response"])
             return last
         if out and not self.started:
-            await self._start(send, 200, "text/event-stream; charset=utf-8")
+            await self.send_start(send, 200, "text/event-stream; charset=utf-8")
         for e in out:
             await send({"type": "http.response.body", "more_body": True,
                         "body": f"event: {e['type']}\ndata: {_json(e)}\n\n".encode()})
@@ -320,12 +338,12 @@ class ResponsesAnswer(TurnResponse):
     async def _refused(self, send: Sender, event: AnswerError) -> None:
         """An error before the answer began: a refusal, which leaves nothing behind."""
         await self.turn.finished.wait()  # its answer is committed (as an error) or taken back first
-        if self.placement.kind == "new" and not self.turn.text:
+        if self.new_session and not self.turn.text:
             await self.turns.delete_session(self.turn.session_id)  # its response row goes with it
         elif self.stored:
             await self.door.forget(self.turn.request_id)
         e = api_error(event.code, event.message)
-        await self._body(send, e.status, e.body())
+        await self.send_json(send, e.status, e.body())
 
 
 def _json(value: Any) -> str:

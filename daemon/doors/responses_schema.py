@@ -112,26 +112,29 @@ class ResponsesRequest(_Strict):
     instructions: str | None = None
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
     store: bool = True
-    stream: bool = False
+    metadata: dict[str, str] | None = None
+    # The answer: how long, how sampled, in what format, with which tools.
     max_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
-    parallel_tool_calls: bool | None = None  # accepted: the model calls as many as it writes
-    text: TextOptions | None = None
-    metadata: dict[str, str] | None = None
-    background: bool | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    top_logprobs: int | None = None
-    conversation: str | dict[str, Any] | None = None
 
     @field_validator("instructions", "input")
     @classmethod
     def _fits(cls, value: Any, info: ValidationInfo) -> Any:
+        """The websocket door's bound on a text (limits.max_text_chars): the instructions, an input string."""
         if isinstance(info.context, Limits) and isinstance(value, str):
             fits_text(value, info.context)
         return value
+
+    text: TextOptions | None = None
+    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None  # accepted: the model calls as many as it writes
+    stream: bool = False
+    background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = None
+    conversation: str | dict[str, Any] | None = None
 
     def functions(self) -> list[ToolSpec]:
         """The function tools the chat template shows the model: none when tool_choice is "none"."""

@@ -72,7 +72,8 @@ class TurnResponse(Response):
                 turns.cancel(turn.session_id, turn)
             tg.cancel_scope.cancel()
 
-    async def _start(self, send: Sender, status: int, content_type: str) -> None:
+    async def send_start(self, send: Sender, status: int, content_type: str) -> None:
+        """The response's status and headers (the door's, and X-Kvd-Session)."""
         headers = [(b"content-type", content_type.encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
         if content_type.startswith("text/event-stream"):
@@ -80,7 +81,8 @@ class TurnResponse(Response):
         await send({"type": "http.response.start", "status": status, "headers": headers})
         self.started = True
 
-    async def _body(self, send: Sender, status: int, body: dict[str, Any]) -> None:
+    async def send_json(self, send: Sender, status: int, body: dict[str, Any]) -> None:
+        """The whole response: a JSON body."""
         data = json.dumps(body, ensure_ascii=False).encode()
-        await self._start(send, status, "application/json")
+        await self.send_start(send, status, "application/json")
         await send({"type": "http.response.body", "body": data})
