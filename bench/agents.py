@@ -54,7 +54,7 @@ TOOLS = [{"name": f"tool_{i}", "description": f"Tool number {i}: reads, lists or
 
 
 def tool_result(step: int) -> str:
-    return f"Tool output {step}: " + " ".join(f"line {step}.{j}: ok, 3 files, 120 bytes" for j in range(6))
+    return f"Tool output {step}: " + " ".join(f"line {step}.{j}: ok, 3 files, 120 bytes" for j in range(3))
 
 
 @dataclass
@@ -166,9 +166,17 @@ DOORS: dict[str, Callable[[httpx.Client, str, Agent], tuple[Step, str]]] = {
 }
 
 
+def started(data: Path, model: str) -> DaemonProcess:
+    """`kvd serve` with its model loaded (a step times kvd's answer, not its start)."""
+    d = DaemonProcess(data, "--model", model)
+    with d.client():
+        pass
+    return d
+
+
 def run_door(door: str, steps: int, restart_at: int, model: str, root: Path) -> dict[str, Any]:
     data = root / door
-    d = DaemonProcess(data, "--model", model)
+    d = started(data, model)
     ask = DOORS[door]
     agent = Agent("Task: make the tests pass in the project under ./src, one file at a time.")
     rows: list[Step] = []
@@ -178,7 +186,7 @@ def run_door(door: str, steps: int, restart_at: int, model: str, root: Path) -> 
             if i == restart_at:
                 client.close()
                 assert d.terminate() == 0
-                d = DaemonProcess(data, "--model", model)
+                d = started(data, model)
                 client = httpx.Client(headers={"Authorization": f"Bearer {d.token}"}, timeout=600)
             step, answer = ask(client, d.base_url, agent)
             rows.append(step)
