@@ -54,6 +54,7 @@ from daemon.config import Config, load_config  # noqa: E402
 from daemon.engine.jobs import Delta, Done, EngineEvent, Started, TurnJob  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
 from daemon.prompt import Continuation  # noqa: E402
+from protocol.shapes import Resolved  # noqa: E402
 
 A, B = "a" * 16, "b" * 16
 
@@ -69,8 +70,7 @@ def engine(c: Config) -> Engine:
 
 
 def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> TurnJob:
-    return TurnJob(session_id=sid, tokens=tokens, max_tokens=max_tokens, temperature=0.0, top_p=1.0,
-                   emit=events.append)
+    return TurnJob(session_id=sid, tokens=tokens, sampling=Resolved(max_tokens, 0.0, 1.0), emit=events.append)
 
 
 def first(e: Engine, text: str) -> list[int]:

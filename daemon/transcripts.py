@@ -189,14 +189,15 @@ class Transcripts:
         return self.writer.submit(fn, durable=durable, label=label)
 
     def create(self, session_id: str, *, title: str, system: str | None, origin: str | None,
-               held: Held | None = None) -> tuple[Held, Write]:
+               held: Held | None = None) -> tuple[Held, Callable[[], Write]]:
         """A new session, held at once (`held`: made by `prepared`, its messages chained by the
-        caller); its row is queued (durable with the turn's answer)."""
+        caller); its row is queued when the returned function is called (the turn core calls it once
+        the engine has taken the session's first turn: a first turn refused before stores nothing)."""
         held = self._held[session_id] = held or Held(session_id, system, {}, [], [], 0)
         self.chains.put(session_id, system, [])
         self._let_go()
-        return held, self._write(lambda s: s.create_session(title=title, system=system, origin=origin,
-                                                            session_id=session_id), durable=False)
+        return held, lambda: self._write(lambda s: s.create_session(title=title, system=system, origin=origin,
+                                                                    session_id=session_id), durable=False)
 
     def append(self, held: Held, role: str, content: str, *, status: str = "complete",
                tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,

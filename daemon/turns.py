@@ -2,8 +2,9 @@
 
 A turn is a session's next answer: its messages are added to the session the
 turn core holds in memory and queued to the transcript's writer, the engine
-is handed a job at once, the answer's events stream to whoever listens
-(websocket connections, an HTTP response) while its text is written behind
+is handed a job at once, the answer's events (typed values, events.py) go to
+whoever listens (websocket connections, an HTTP response: each door encodes
+them in its own shape) while its text is written behind
 as it grows, and it ends committed as complete, cancelled or failed, which
 is announced only once that commit is back. No turn reads its transcript
 or waits on the disk before its first token (transcripts.py). The websocket protocol
@@ -33,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -41,7 +43,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 import protocol as p
 from protocol.requests import RequestError, RequestId
-from protocol.shapes import resolve
+from protocol.shapes import Sampling, resolve
 from sessions import Session, Store, is_disk_full, new_session_id
 from sessions.chains import said
 
@@ -64,6 +66,7 @@ from .transcripts import Held, Transcripts, Write
 
 log = logging.getLogger("kvd.turns")
 
+ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the session's params and the config
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
@@ -71,7 +74,8 @@ DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was
 
 class Listener(Protocol):
     """Whoever wants a turn's events (a websocket client, an HTTP response): it encodes them in its
-    door's own shape (events.py); must not block."""
+    door's own shape (events.py) and calls the first delta's `written` once it has written it (or
+    knows it never will); must not block."""
 
     def publish(self, event: TurnEvent) -> None: ...
 
@@ -139,16 +143,6 @@ class StopScan:
 # --- one turn -------------------------------------------------------------
 
 
-def _after_sends(callback: Callable[[], None], turns_of_the_loop: int = 3) -> None:
-    """Call `callback` on the event loop once the listeners have sent what was just published to
-    them: their writers take a turn of the loop to receive it (a memory stream), one more where a door
-    adds a layer, and send in the same turn."""
-    if turns_of_the_loop <= 0:
-        callback()
-    else:
-        asyncio.get_running_loop().call_soon(_after_sends, callback, turns_of_the_loop - 1)
-
-
 @dataclass
 class Turn:
     request_id: Any
@@ -166,7 +160,11 @@ class Turn:
     held: Held | None = None  # the session as the turn core holds it
     tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
-    # Set once the first delta has been published; the engine waits for it (TurnJob.handed).
+    # A new session's rows (its own, its first messages), queued once the engine takes the turn:
+    # a first turn refused before that leaves nothing stored, so nothing has to be deleted.
+    unstored: list[Callable[[], Write]] = field(default_factory=list)
+    # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
+    # write one; the engine waits for it (TurnJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
     def publish(self, event: TurnEvent) -> None:
@@ -199,6 +197,7 @@ class Turns:
         self.active: dict[str, Turn] = {}
         self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
+        self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
         self._tokenizing: Tokenizing | None = None
         self.renders = Renders()  # stateless requests' last renders; used in the tokenizer stage only
 
@@ -277,15 +276,15 @@ class Turns:
     # --- what a client asks for: a new message, an answer again, an edited message ---
 
     async def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
-                   **sampling: Any) -> Turn:
+                   sampling: Sampling = ASKED_NOTHING) -> Turn:
         """The user's message and its answer (written together: a full disk stores neither)."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling)
 
     async def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str,
-                         **sampling: Any) -> Turn:
+                         sampling: Sampling = ASKED_NOTHING) -> Turn:
         """Answer the last message again: the old answer and its fed ids go, the cache is rewound."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
@@ -294,10 +293,10 @@ class Turns:
                                "there is nothing to regenerate", rid)
         last = held.messages[-1]["index"]
         self.rewind(held, last)
-        return self.start(listener, rid, session_id, last, **sampling)
+        return self.start(listener, rid, session_id, last, sampling=sampling)
 
     async def edit(self, listener: Listener | None, rid: RequestId, session_id: str, index: int, text: str,
-                   **sampling: Any) -> Turn:
+                   sampling: Sampling = ASKED_NOTHING) -> Turn:
         """Replace user message `index` (and everything after it) with `text`, and answer it."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
@@ -307,7 +306,7 @@ class Turns:
                                "of this session; session.get lists them", rid)
         self.rewind(held, index)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling)
 
     def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
               rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
@@ -318,11 +317,13 @@ class Turns:
         `links`, when given, are the new messages' links in the session's chain (sessions/chains.py),
         made off the loop; `prepared`, a new session already holding `messages` (transcripts.prepared,
         made off the loop too): then nothing here grows with a long conversation.
-        Nothing is waited for: the rows follow on the writer, with the turn's.
+        Nothing is waited for: the rows follow on the writer, with the turn's; a new session's
+        are queued only once the engine takes its turn (a refused first turn stores nothing).
         """
         if prepared is not None:
             session_id = prepared.session_id
-            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin, held=prepared)
+            held, self._unstored[session_id] = self.transcripts.create(session_id, title=title, system=system,
+                                                                        origin=origin, held=prepared)
             if links is not None and len(links) == len(held.messages) and all(
                     said(m["content"], m["tool_calls"], m["status"]) for m in held.messages):
                 self.transcripts.chains.extend(session_id, links, range(len(links)))
@@ -331,7 +332,8 @@ class Turns:
             return session_id, 0
         if session_id is None:
             session_id = new_session_id()
-            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin)
+            held, self._unstored[session_id] = self.transcripts.create(session_id, title=title, system=system,
+                                                                        origin=origin)
         else:
             found = self.transcripts.get(session_id)
             assert found is not None, "placement holds the session before it applies its plan"
@@ -353,8 +355,7 @@ class Turns:
     # --- a turn's life ---
 
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
-              max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-              prompt: Prompt | None = None, stop: Sequence[str] = (),
+              sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
               grammar: str | None = None, tools: CallSplit | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
@@ -372,14 +373,18 @@ class Turns:
         if held is None:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
-        sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, held.params,
-                           self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
+        resolved = resolve(sampling.given(), held.params, self.config.sampling(),
+                           max_tokens_limit=self.config.max_tokens_limit)
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools)
-        turn.writes.append(self.transcripts.write_new(held, first_new))
+        write_new = partial(self.transcripts.write_new, held, first_new)
+        if (new := self._unstored.pop(session_id, None)) is not None:
+            turn.unstored = [new, write_new]  # a new session: stored once the engine takes its turn
+        else:
+            turn.writes.append(write_new())
         self.active[session_id] = turn
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
         loop = asyncio.get_running_loop()
@@ -395,7 +400,7 @@ class Turns:
 
         job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
                       history=first_new > 1 if history is None else history,
-                      max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                      sampling=resolved,
                       emit=emit, grammar=grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)
@@ -437,7 +442,7 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 19:
+    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
         # one branch per engine event kind, all sharing the answer's commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
@@ -446,12 +451,15 @@ class Turns:
         answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
-        handing = False
+        first = True
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
             async with events:
                 async for ev in events:
+                    if turn.unstored and isinstance(ev, Started | Done):  # the engine took it
+                        turn.writes += [write() for write in turn.unstored]
+                        turn.unstored.clear()
                     if isinstance(ev, Queued):
                         turn.publish(AnswerQueued(ev.position))
                     elif isinstance(ev, Progress):
@@ -466,10 +474,8 @@ class Turns:
                             text = turn.stop.feed(text)
                             if turn.stop.hit and not stopped:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
-                        self._said(turn, text)
-                        if not handing:  # the first delta: the engine waits for it to be sent
-                            handing = True
-                            _after_sends(turn.handed.set)
+                        self._said(turn, text, first=first)
+                        first = False
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()
@@ -477,15 +483,7 @@ class Turns:
                         await self._done(turn, ev)
                         return
                     elif isinstance(ev, Failed):
-                        if ev.code == p.TOO_LARGE and not turn.text:
-                            # Nothing was generated and the turn can never fit: take it back,
-                            # so the session stays usable (the client still has the text).
-                            turn.writes.append(t.truncate(held, turn.first_new))
-                        else:
-                            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
-                                                        status="error", finish_reason="error"))
-                        await self._committed(turn)
-                        turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
+                        await self._failed(turn, ev)
                         return
         except Exception as e:
             self.engine.cancel(sid)  # nobody is left to keep what it generates
@@ -496,7 +494,7 @@ class Turns:
                 log.exception("answer for session %s failed", sid)
                 turn.publish(AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged",
                                          answered=turn.seq > 0))
-            if not turn.writes:  # they all committed: keep what was generated, marked cut
+            if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
                 turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                             status="error", finish_reason="error"))
                 try:
@@ -509,15 +507,38 @@ class Turns:
                 del self.active[sid]
             turn.finished.set()
 
-    def _said(self, turn: Turn, text: str) -> None:
-        """Add `text` to the answer and publish what of it may be shown (not a tool call's text)."""
-        turn.text += text
-        self._show(turn, turn.tools.feed(text) if turn.tools is not None else text)
+    async def _failed(self, turn: Turn, ev: Failed) -> None:
+        t, held = self.transcripts, turn.held
+        assert held is not None
+        if turn.unstored:  # refused before the engine took it: a new session, never stored
+            t.forget(turn.session_id)
+        elif ev.code == p.TOO_LARGE and not turn.text:
+            # Nothing was generated and the turn can never fit: take it back,
+            # so the session stays usable (the client still has the text).
+            turn.writes.append(t.truncate(held, turn.first_new))
+        else:
+            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                        status="error", finish_reason="error"))
+        await self._committed(turn)
+        turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
 
-    def _show(self, turn: Turn, text: str) -> None:
+    def _said(self, turn: Turn, text: str, *, first: bool = False) -> None:
+        """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
+
+        The engine waits after the answer's first token until it is written
+        (TurnJob.handed): the listener that writes it sets that, or this does
+        when there is nothing to write or nobody to write it.
+        """
+        turn.text += text
+        shown = turn.tools.feed(text) if turn.tools is not None else text
+        if first and not (shown and turn.subscribers):
+            turn.handed.set()
+        self._show(turn, shown, written=turn.handed.set if first else None)
+
+    def _show(self, turn: Turn, text: str, written: Callable[[], None] | None = None) -> None:
         if text:
             turn.deltas.append(text)
-            turn.publish(AnswerDelta(turn.seq, text))
+            turn.publish(AnswerDelta(turn.seq, text, written))
             turn.seq += 1
 
     async def _done(self, turn: Turn, ev: Done) -> None:

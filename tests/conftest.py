@@ -46,10 +46,10 @@ def anyio_backend() -> str:
 #   e2e         - real `kvd serve` processes, tmux, the real model, kill -9, the BLAS probe
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
-        "test_api_cores", "test_arrows", "test_door_events", "test_attention", "test_builtin", "test_config",
-        "test_cost", "test_direct",
+        "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_cost",
+        "test_direct",
         "test_durable", "test_cli", "test_complexity", "test_device", "test_lockstep", "test_private_surfaces",
-        "test_server_socket",
+        "test_server_socket", "test_door_events",
         "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
         "test_segment_compat", "test_segments", "test_shapes", "test_snapshot", "test_store", "test_store_tiers",
         "test_table", "test_transcript_writer", "test_tui_render", "test_wire", "test_writeback_plan",

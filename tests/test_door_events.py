@@ -1,4 +1,5 @@
-"""Each door encodes a turn's typed events (daemon/events.py) itself: no door reads the websocket's frames.
+"""Each door encodes a turn's typed events (daemon/events.py) itself: no door reads the websocket's frames,
+and the websocket's writer hands the first token off only once it has sent it.
 
 The rule, read from every module's source with `ast` (tests/test_arrows.py's
 `imported`, so an import in a function counts too): a module in daemon/doors/
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any, cast
 
+import anyio
 import pytest
 
 import protocol
@@ -93,3 +96,47 @@ def test_a_door_reading_frames_is_found(tmp_path: Path, source: str, found: str)
     shift = allowed.count("\n")
     line, what = found.split(": ", 1)
     assert doors_reading_frames(tmp_path) == [f"daemon/doors/responses.py:{int(line) + shift}: {what}"]
+
+
+class _SlowSocket:
+    """A websocket whose client reads a frame only when the test lets it."""
+
+    client = ("127.0.0.1", 1)
+
+    def __init__(self) -> None:
+        self.gate = anyio.Event()
+        self.sent: list[str] = []
+
+    async def send_text(self, frame: str) -> None:
+        await self.gate.wait()
+        self.sent.append(frame)
+
+
+@pytest.mark.anyio
+async def test_the_websocket_hands_the_first_token_off_once_it_has_sent_it() -> None:
+    from daemon.doors.connection import Connection
+    from daemon.doors.websocket import Frames
+    from daemon.events import AnswerDelta, AnswerStarted
+
+    ws = _SlowSocket()
+    conn = Connection(cast(Any, ws), send_timeout=5.0, abort=lambda: None)
+    handed: list[int] = []
+    listener = Frames(conn, 7, "0123456789abcdef")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(conn.writer)
+        listener.publish(AnswerStarted(3))
+        listener.publish(AnswerDelta(0, "Hi", lambda: handed.append(len(ws.sent))))
+        for _ in range(10):  # the writer has had every chance to run: it waits on the client
+            await anyio.lowlevel.checkpoint()
+        assert handed == [] and ws.sent == []
+        ws.gate.set()
+        with anyio.fail_after(5):
+            while not handed:
+                await anyio.lowlevel.checkpoint()
+        assert handed == [2]  # called right after the delta's own frame went out
+        assert ws.sent[1] == '{"id":7,"session":"0123456789abcdef","type":"chat.delta","seq":0,"text":"Hi"}'
+        # A client already gone: nothing will be sent, so the hand-off is at once.
+        conn.close()
+        listener.publish(AnswerDelta(1, "!", lambda: handed.append(-1)))
+        assert handed == [2, -1]
+        tg.cancel_scope.cancel()

@@ -19,6 +19,7 @@ from daemon.engine.jobs import Delta, Done, EngineEvent, Started, TurnJob
 from daemon.engine.scheduler import MIN_CHUNK
 from daemon.engine.thread import Engine
 from daemon.prompt import Continuation
+from protocol.shapes import Resolved
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
 STEP = 16
@@ -44,7 +45,7 @@ def submitted(engine: Engine, session: str, prompt: Continuation, events: list[E
               **fields: Any) -> TurnJob:
     tokens, retokenized = prompt.ids(engine.tokenizer)
     return TurnJob(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
-                   temperature=0.0, top_p=1.0, emit=events.append, **fields)
+                   sampling=Resolved(fields.pop("max_tokens"), 0.0, 1.0), emit=events.append, **fields)
 
 
 def done(events: list[EngineEvent]) -> Done:

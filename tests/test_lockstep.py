@@ -12,6 +12,7 @@ import pytest
 from daemon.engine import lockstep
 from daemon.engine.jobs import Cancel, Forget, Stop, TurnJob
 from daemon.engine.lockstep import HEADER, Kind, decode_job, encode
+from protocol.shapes import Resolved
 
 
 def _nowhere(event: object) -> None:
@@ -19,8 +20,8 @@ def _nowhere(event: object) -> None:
 
 
 def test_a_job_arrives_whole() -> None:
-    job = TurnJob(session_id="séance-7", tokens=[0, 1, 2**31 - 1, 151_000], max_tokens=4096, temperature=0.7,
-                  top_p=0.95, emit=_nowhere, seed=2**64 - 1, retokenized=True, fed_before=300, history=False,
+    job = TurnJob(session_id="séance-7", tokens=[0, 1, 2**31 - 1, 151_000], sampling=Resolved(4096, 0.7, 0.95),
+                  emit=_nowhere, seed=2**64 - 1, retokenized=True, fed_before=300, history=False,
                   grammar='{"type": "object", "x": "ü"}')
     m = encode(job)
     assert m.kind == Kind.JOB and 2 + len(m.fields) <= HEADER
@@ -30,8 +31,8 @@ def test_a_job_arrives_whole() -> None:
     for name in ("session_id", "tokens", "max_tokens", "temperature", "top_p", "seed", "retokenized",
                  "fed_before", "history", "grammar"):
         assert getattr(got, name) == getattr(job, name), name
-    assert decode_job(encode(TurnJob("s", [5], 1, 0.0, 1.0, _nowhere, seed=0)), _nowhere).seed == 0  # type: ignore[union-attr]
-    plain = decode_job(encode(TurnJob("s", [5], 1, 0.0, 1.0, _nowhere)), _nowhere)
+    assert decode_job(encode(TurnJob("s", [5], Resolved(1, 0.0, 1.0), _nowhere, seed=0)), _nowhere).seed == 0  # type: ignore[union-attr]
+    plain = decode_job(encode(TurnJob("s", [5], Resolved(1, 0.0, 1.0), _nowhere)), _nowhere)
     assert isinstance(plain, TurnJob) and plain.seed is None and plain.grammar is None
 
 

@@ -172,6 +172,39 @@ async def test_bad_bodies_are_clear_errors_and_lose_nothing(tmp_path: Path) -> N
         await still_serving(d)
 
 
+async def test_a_refusal_by_the_engine_stores_nothing_of_the_session_it_would_have_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine refuses a new conversation too long for the model: its session was never written (not
+    written and deleted); a pinned session's refused turn is taken back, its earlier messages kept."""
+    from sessions import Store
+
+    made: list[str | None] = []
+    create = Store.create_session
+
+    def recorded(self: Store, **fields: Any) -> Any:
+        made.append(fields.get("session_id"))
+        return create(self, **fields)
+
+    monkeypatch.setattr(Store, "create_session", recorded)
+    async with running_daemon(tmp_path, max_message_bytes=1 << 22, max_text_chars=1 << 20) as d:
+        async with http(d) as h:
+            long = {**HI, "messages": [{"role": "user", "content": "word " * 40000}]}
+            for stream in (False, True):
+                r = await h.post("/v1/chat/completions", json={**long, "stream": stream})
+                assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert made == [] and d.store.list_sessions() == []
+            r = await h.post("/v1/chat/completions", json=HI)
+            sid = r.headers["X-Kvd-Session"]
+            assert r.status_code == 200 and made == [sid]
+            said = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}]
+            r = await h.post("/v1/chat/completions", headers={"X-Kvd-Session": sid},
+                             json={**HI, "messages": [*said, {"role": "user", "content": "word " * 40000}]})
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert [m["role"] for m in d.store.messages(sid)] == ["user", "assistant"] and made == [sid]
+        await still_serving(d)
+
+
 async def test_a_conversation_too_long_for_the_model_is_a_400_and_is_not_kept(tmp_path: Path) -> None:
     async with running_daemon(tmp_path, max_message_bytes=1 << 22, max_text_chars=1 << 20) as d:
         async with http(d) as h:

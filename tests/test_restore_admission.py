@@ -20,6 +20,7 @@ from daemon.config import Config, load_config
 from daemon.engine.jobs import Delta, Done, EngineEvent, Queued, Started, TurnJob
 from daemon.engine.thread import Engine
 from daemon.prompt import Continuation
+from protocol.shapes import Resolved
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
 
@@ -59,7 +60,7 @@ def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Do
 def turn(e: Engine, sid: str, prompt: Continuation, events: list[EngineEvent], max_tokens: int) -> TurnJob:
     tokens, retokenized = prompt.ids(e.tokenizer)
     return TurnJob(session_id=sid, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
-                   max_tokens=max_tokens, temperature=0.0, top_p=1.0, emit=events.append)
+                   sampling=Resolved(max_tokens, 0.0, 1.0), emit=events.append)
 
 
 def ended(events: list[EngineEvent]) -> Done | None:

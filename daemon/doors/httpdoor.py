@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import TurnEvent
+from ..events import AnswerDelta, TurnEvent
 from .loading import LoadingWatch
 from .openai_schema import ApiError
 
@@ -121,5 +121,6 @@ class Events:
     def publish(self, event: TurnEvent) -> None:
         try:
             self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()

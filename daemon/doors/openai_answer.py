@@ -36,19 +36,18 @@ def usage_of(u: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def finish_reason_of(reason: str) -> str:
-    # OpenAI's stop and length; an answer cut short (kvd stopping, chat.cancel from kvchat on the same
-    # session) says "cancelled", so a client never takes a cut answer for a finished one.
-    return reason if reason in ("length", "cancelled") else "stop"
+    """OpenAI's finish_reason for kvd's. An answer cut short (kvd stopping, chat.cancel from kvchat on the
+    same session) says "length", OpenAI's value for an answer that ended before the model ended it, so a
+    client never takes it for a whole one; the `kvd` object keeps kvd's own reason ("cancelled")."""
+    return "length" if reason in ("length", "cancelled") else "stop"
 
 
 class Answer(TurnResponse):
     """One turn's answer as a chat completion's JSON body or its event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str], *,
-                 created: bool):
+                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str]):
         super().__init__(turns, config, turn, headers)
-        self.created_session = created  # this request made the session: a refusal takes it back
         self.events = events
         self.req = req
         self.created = int(time.time())
@@ -62,16 +61,19 @@ class Answer(TurnResponse):
 
     def _kvd(self, done: AnswerDone) -> dict[str, Any]:
         u = done.usage
-        return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
+        return {"session": self.turn.session_id, "finish_reason": done.finish_reason,
+                "restored_from": u.get("restored_from"),
                 "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
                 "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
                 "accepted_tokens": u.get("accepted_tokens")}
 
+    def _usage(self, done: AnswerDone) -> dict[str, Any]:
+        """OpenAI's usage with the `kvd` object in it (where a client that logs usage keeps it)."""
+        return {**usage_of(done.usage), "kvd": self._kvd(done)}
+
     async def _error(self, send: Callable[[dict[str, Any]], Any], event: AnswerError) -> None:
-        """An error before the answer began: a refusal, which leaves nothing behind."""
-        if self.created_session and not self.turn.text:
-            await self.turn.finished.wait()  # its answer is committed (as an error) first
-            await self.turns.delete_session(self.turn.session_id)
+        """An error before the answer began: a refusal (the turn core stored nothing of a session this
+        request made, and took back what it added to a pinned one)."""
         e = api_error(event.code, event.message)
         await self.send_json(send, e.status, e.body())
 
@@ -82,7 +84,9 @@ class Answer(TurnResponse):
 
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
         async for event in self.events:
-            if isinstance(event, AnswerDone):
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()  # nothing is sent before the end: the engine need not wait
+            elif isinstance(event, AnswerDone):
                 calls = event.calls
                 message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
                 if calls:
@@ -92,7 +96,7 @@ class Answer(TurnResponse):
                     "model": self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None,
                                  "finish_reason": self._called(event)}],
-                    "usage": usage_of(event.usage), "kvd": self._kvd(event)})
+                    "usage": self._usage(event), "kvd": self._kvd(event)})
                 return
             elif isinstance(event, AnswerError):
                 await self._error(send, event)
@@ -122,8 +126,12 @@ class Answer(TurnResponse):
 
         async for event in self.events:
             if isinstance(event, AnswerDelta):
-                await begin()
-                await sse(self._chunk({"content": event.text}))
+                try:
+                    await begin()
+                    await sse(self._chunk({"content": event.text}))
+                finally:
+                    if event.written is not None:
+                        event.written()  # the answer's first token is out: the engine goes on
             elif isinstance(event, AnswerDone):
                 await begin()
                 if event.calls:
@@ -132,7 +140,7 @@ class Answer(TurnResponse):
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.config.model, "choices": [],
-                               "usage": usage_of(event.usage), "kvd": self._kvd(event)})
+                               "usage": self._usage(event), "kvd": self._kvd(event)})
                 break
             elif isinstance(event, AnswerError):
                 if not self.started:

@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
+from protocol.shapes import Sampling
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
@@ -49,7 +50,7 @@ from .openai_schema import (
     served_names,
     stops,
 )
-from .placement import Diverged, Placement, Said, links, place
+from .placement import Diverged, Said, links, place
 from .toolcalls import StreamSplit, ToolFormat, openai_calls
 from .toolturns import check_tool_turns
 
@@ -183,15 +184,15 @@ class OpenAIDoor:
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
             with self.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events, placement = await self._start(request, req, system, convo, headers)
+                turn, events = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
+        return Answer(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, Events, Placement]:
+                     headers: dict[str, str]) -> tuple[Turn, Events]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         await model_ready(self.engine, self.loading, self.config.model)
         pinned = request.headers.get(SESSION_HEADER)
@@ -217,13 +218,14 @@ class OpenAIDoor:
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         turn = self.turns.start(
             events, rid, placement.session_id, placement.first_new,
-            max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, stop=stops(req), seed=req.seed,
+            sampling=Sampling.model_construct(max_tokens=req.max_completion_tokens or req.max_tokens,
+                                              temperature=req.temperature, top_p=req.top_p),
+            stop=stops(req), seed=req.seed,
             prompt=Conversation(convo, system, tools or None, chain=placement.chain, renders=self.turns.renders),
             door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None,
         )
-        return turn, events, placement
+        return turn, events
 
     async def seed(self, count: int = SEEDED) -> int:
         """After a start: render the last request of the most recently used API conversations once, in

@@ -28,6 +28,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from functools import partial
 from http import HTTPStatus
 from typing import Any, NamedTuple
 
@@ -38,13 +39,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from protocol.requests import RequestError
+from protocol.shapes import Sampling
 from sessions import Message
 from sessions.chains import said
 from sessions.responses import StoredResponse, delete_response, get_response, put_response
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import AnswerDone, AnswerError, TurnEvent
+from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent
 from ..prompt import Conversation
 from ..turns import Turn, Turns
 from .admission import Admission
@@ -52,7 +54,7 @@ from .httpdoor import INLINE_BYTES, Events, api_origin, decode_json, error_respo
 from .jsonoutput import output_grammar
 from .loading import LoadingWatch
 from .openai_schema import ApiError, ResponseFormat, api_error, may_hold_surrogates
-from .placement import INLINE_MESSAGES, Placement, Said, place
+from .placement import INLINE_MESSAGES, Said, place
 from .responses_events import RESPONSE_PREFIX, Encoder, Shape
 from .responses_schema import Input, ResponsesRequest, calls_of, conversation, parse
 from .responses_stored import input_items, stored_object
@@ -169,8 +171,9 @@ class ResponsesDoor:
         rid = f"{RESPONSE_PREFIX}{secrets.token_hex(24)}"
         events = Events()
         turn = self.turns.start(
-            events, rid, placement.session_id, placement.first_new, max_tokens=req.max_output_tokens,
-            temperature=req.temperature, top_p=req.top_p,
+            events, rid, placement.session_id, placement.first_new,
+            sampling=Sampling.model_construct(max_tokens=req.max_output_tokens, temperature=req.temperature,
+                                              top_p=req.top_p),
             prompt=Conversation(convo, system, shown, chain=placement.chain, renders=self.turns.renders),
             door=f"responses, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None)
@@ -178,12 +181,18 @@ class ResponsesDoor:
         if req.store:
             row = StoredResponse(rid, placement.session_id, turn.message_index, placement.first_new,
                                  req.previous_response_id, time.time(), request_shape)
-            # Committed before the turn acknowledges its answer (the turn core awaits its writes).
-            turn.writes.append(self.turns.transcripts.writer.submit(lambda s: put_response(s, row), label="response"))
+            # Committed before the turn acknowledges its answer (the turn core awaits its writes), behind the
+            # session's rows (a new session's wait until the engine takes its turn: so does this one).
+            write = partial(self.turns.transcripts.writer.submit, partial(put_response, response=row),
+                            label="response")
+            if turn.unstored:
+                turn.unstored.append(write)
+            else:
+                turn.writes.append(write())
             self._remember(rid, placement.session_id, turn.message_index)
         shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": placement.session_id})
         return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
-                               placement=placement, stored=req.store)
+                               stored=req.store)
 
     def _remember(self, rid: str, session_id: str, index: int) -> None:
         self._recent[rid] = (session_id, index)
@@ -302,11 +311,10 @@ class ResponsesAnswer(TurnResponse):
     """One response: its body, or its stream of typed events (`event:` and `data:` lines)."""
 
     def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
-                 encoder: Encoder, headers: dict[str, str], *, stream: bool, placement: Placement, stored: bool):
+                 encoder: Encoder, headers: dict[str, str], *, stream: bool, stored: bool):
         super().__init__(door.turns, door.config, turn, headers)
         self.door, self.events, self.encoder = door, events, encoder
         self.stream = stream
-        self.new_session = placement.kind == "new"  # this request made the session: a refusal takes it back
         self.stored = stored  # a refusal forgets the response row it queued
 
     async def write(self, send: Sender) -> None:
@@ -315,8 +323,12 @@ class ResponsesAnswer(TurnResponse):
                 if isinstance(event, AnswerError) and not self.started:
                     await self._refused(send, event)
                     return
-                if await self._write(send, event):
-                    return
+                try:
+                    if await self._write(send, event):
+                        return
+                finally:
+                    if isinstance(event, AnswerDelta) and event.written is not None:
+                        event.written()  # the first token is out (or a body is sent only at the end)
 
     async def _write(self, send: Sender, event: TurnEvent) -> bool:
         """Encode one event; True once the response is whole."""
@@ -336,11 +348,11 @@ class ResponsesAnswer(TurnResponse):
         return last
 
     async def _refused(self, send: Sender, event: AnswerError) -> None:
-        """An error before the answer began: a refusal, which leaves nothing behind."""
-        await self.turn.finished.wait()  # its answer is committed (as an error) or taken back first
-        if self.new_session and not self.turn.text:
-            await self.turns.delete_session(self.turn.session_id)  # its response row goes with it
-        elif self.stored:
+        """An error before the answer began: a refusal, which leaves nothing behind (the turn core stored
+        nothing of a session this request made and took back what it added to another; the response row
+        the client was never told of goes too)."""
+        if self.stored:
+            await self.turn.finished.wait()  # the turn's writes are done: the row is in, or never was
             await self.door.forget(self.turn.request_id)
         e = api_error(event.code, event.message)
         await self.send_json(send, e.status, e.body())

@@ -40,21 +40,13 @@ from protocol.requests import (
     Status,
     parse_request,
 )
-from protocol.shapes import merge, resolve
+from protocol.shapes import Sampling, merge, resolve
 from sessions import KEEP, Keep, Message, Session, Store, is_disk_full
 
 from .. import __version__
+from .. import events as ev
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import (
-    AnswerDelta,
-    AnswerDone,
-    AnswerError,
-    AnswerProgress,
-    AnswerQueued,
-    AnswerStarted,
-    TurnEvent,
-)
 from ..turns import DISK_FULL_MESSAGE, Turns
 from .asgi import abort_transport, headers_of
 from .connection import Connection
@@ -64,22 +56,22 @@ from .loading import LoadingWatch
 log = logging.getLogger("kvd.server")
 
 
-def frame(request_id: RequestId, session: str, event: TurnEvent) -> dict[str, Any] | None:
+def frame(request_id: RequestId, session: str, event: ev.TurnEvent) -> dict[str, Any] | None:
     """A turn's event as its protocol frame (docs/protocol.md); None for what the protocol does not carry
     (an answer's tool calls: the websocket offers no tools)."""
     head = {"id": request_id, "session": session}
-    if isinstance(event, AnswerDelta):
+    if isinstance(event, ev.AnswerDelta):
         return {**head, "type": p.CHAT_DELTA, "seq": event.seq, "text": event.text}
-    if isinstance(event, AnswerStarted):
+    if isinstance(event, ev.AnswerStarted):
         return {**head, "type": p.CHAT_START, "message_index": event.message_index}
-    if isinstance(event, AnswerQueued):
+    if isinstance(event, ev.AnswerQueued):
         return {**head, "type": p.CHAT_QUEUED, "position": event.position}
-    if isinstance(event, AnswerProgress):
+    if isinstance(event, ev.AnswerProgress):
         return {**head, "type": p.CHAT_PROGRESS, "fed": event.fed, "total": event.total}
-    if isinstance(event, AnswerDone):
+    if isinstance(event, ev.AnswerDone):
         return {**head, "type": p.CHAT_DONE, "message_index": event.message_index,
                 "finish_reason": event.finish_reason, "usage": event.usage}
-    if isinstance(event, AnswerError):
+    if isinstance(event, ev.AnswerError):
         return {**head, "type": p.ERROR, "code": event.code, "message": event.message}
     return None
 
@@ -92,9 +84,9 @@ class Frames:
     request_id: RequestId
     session: str
 
-    def publish(self, event: TurnEvent) -> None:
+    def publish(self, event: ev.TurnEvent) -> None:
         if (out := frame(self.request_id, self.session, event)) is not None:
-            self.conn.publish(out)
+            self.conn.publish(out, event.written if isinstance(event, ev.AnswerDelta) else None)
 
 
 class WebSocketDoor:
@@ -165,7 +157,7 @@ class WebSocketDoor:
 
     # --- requests ---
 
-    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:  # noqa: C901 - 17: one short branch
+    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:  # noqa: C901 - 19: one short branch
         # per request type under the one try that turns every failure into that request's error event
         rid = None
         try:
@@ -200,12 +192,12 @@ class WebSocketDoor:
                 await self._chat_attach(conn, req)
             elif isinstance(req, ChatSend):
                 await self.turns.send(Frames(conn, req.id, req.session), req.id, req.session, req.text,
-                                      **_sampling(req))
+                                      _sampling(req))
             elif isinstance(req, ChatRegenerate):
-                await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, **_sampling(req))
+                await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, _sampling(req))
             elif isinstance(req, ChatEdit):
                 await self.turns.edit(Frames(conn, req.id, req.session), req.id, req.session, req.message_index,
-                                      req.text, **_sampling(req))
+                                      req.text, _sampling(req))
             elif isinstance(req, ChatCancel):
                 if req.session not in self.turns.active:
                     await self.turns.session(req.session, rid)
@@ -267,5 +259,6 @@ def _session_and_messages(session_id: str, store: Store) -> tuple[Session, list[
     return None if session is None else (session, store.messages(session_id))
 
 
-def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> dict[str, Any]:
-    return {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p}
+def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> Sampling:
+    """The request's sampling values as the one value the turn core resolves (checked by its parser)."""
+    return Sampling.model_construct(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p)
