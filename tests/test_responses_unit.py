@@ -188,6 +188,8 @@ def test_only_calls_make_no_message_and_an_error_is_a_failed_response() -> None:
     failed = Encoder(SHAPE).encode(AnswerError("internal", "it broke"))
     assert kinds(failed) == ["response.created", "response.in_progress", "response.failed"]
     assert failed[-1]["response"]["error"] == {"code": "server_error", "message": "it broke"}
+    too_long = Encoder(SHAPE).encode(AnswerError("too_large", "past the context"))
+    assert too_long[-1]["response"]["error"]["code"] == "context_length_exceeded"
 
 
 # --- the store ---

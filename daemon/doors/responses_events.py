@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerQueued, TurnEvent
+from .openai_schema import api_error
 
 RESPONSE_PREFIX = "resp_"
 
@@ -152,8 +153,10 @@ class Encoder:
         if isinstance(event, AnswerDone):
             return [*self.begin(), *self._done(event)]
         if isinstance(event, AnswerError):
+            # OpenAI's code for kvd's (context_length_exceeded, ...), as the HTTP error would carry it.
+            code = api_error(event.code, event.message).code or "server_error"
             return [*self.begin(), self._lifecycle("response.failed", "failed", output=[], error={
-                "code": "server_error" if event.code == "internal" else event.code, "message": event.message})]
+                "code": code, "message": event.message})]
         return []  # AnswerStarted; AnswerToolCall: the calls go out with AnswerDone, as kept
 
     def _open_message(self) -> list[dict[str, Any]]:
