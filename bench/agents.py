@@ -219,12 +219,16 @@ def main() -> None:
                    for door in args.doors.split(",")]
     print()
     for r in results:
-        restart = f"{r['restart_ms']:.1f} ms ({r['restart_ms'] / r['resident_ms']:.2f}x)" if r["restart_ms"] else "-"
-        print(f"{r['door']:>16}: first step {r['rows'][0].ttft * 1000:.0f} ms ({r['rows'][0].input_tokens} tokens), "
-              f"resident step median {r['resident_ms']:.1f} ms, restart step {restart}, second agent cached "
-              f"{r['second'].cached} of {r['second'].input_tokens} (the prefix and the first agent's task: "
-              f"{r['rows'][0].input_tokens})")
+        print(summary(r))
 
+
+def summary(r: dict[str, Any]) -> str:
+    """One door's figures: its first step, its resident steps, its restart, and the second agent."""
+    first, second = r["rows"][0], r["second"]
+    restart = f"{r['restart_ms']:.1f} ms ({r['restart_ms'] / r['resident_ms']:.2f}x)" if r["restart_ms"] else "-"
+    return (f"{r['door']:>16}: first step {first.ttft * 1000:.0f} ms ({first.input_tokens} tokens), resident step "
+            f"median {r['resident_ms']:.1f} ms, restart step {restart}, second agent cached {second.cached} of "
+            f"{second.input_tokens} (the prefix and the first agent's task: {first.input_tokens})")
 
 if __name__ == "__main__":
     main()
