@@ -80,6 +80,25 @@ class Listener(Protocol):
     def publish(self, event: TurnEvent) -> None: ...
 
 
+class EventStream:
+    """A turn's events for one HTTP response (its Listener): the response reads them from `receive`.
+
+    Unbounded, but a turn publishes at most max_tokens deltas plus a handful
+    of others, and max_tokens is bounded by config. A first delta published
+    after the response has closed its end is handed off at once (nobody will write it).
+    """
+
+    def __init__(self) -> None:
+        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
+
+    def publish(self, event: TurnEvent) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()
+
+
 class CallSplit(Protocol):
     """An answer's tool calls taken out of its text as it streams (doors/toolcalls.py's StreamSplit,
     made by the door that offered tools): text before a call streams, the calls come at the end."""

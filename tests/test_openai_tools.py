@@ -116,6 +116,9 @@ def test_calls_are_split_from_the_text_in_the_models_own_format(tool_model: Path
     assert shown == ["Let me ", "look. ", "", "", ""]
     rest, calls = stream.finish()
     assert rest == "" and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", "{}")]
+    # The turn core keeps what `split` makes of the whole text, from the one parse `finish` made.
+    whole = "Let me look. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>"
+    assert stream.content == split(fmt, whole)[0] == "Let me look."
     stream = StreamSplit(fmt)
     assert stream.feed("a <tool") == "a " and stream.feed("box> b") == "<toolbox> b"
     assert stream.finish() == ("", [])

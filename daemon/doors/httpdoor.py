@@ -1,5 +1,5 @@
 """What every HTTP door shares: a body read within limits, its JSON decoded without stalling the loop,
-the wait for the model, a turn's events for one response, and the error body in OpenAI's shape.
+the wait for the model, and the error body in OpenAI's shape.
 
 The chat-completions door (openai_api.py) and the Responses door (responses.py)
 differ only in how they read a request and write its events; these are the
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import json.scanner
 import logging
-import math
 from http import HTTPStatus
 from typing import Any
 
@@ -21,7 +20,6 @@ from starlette.responses import JSONResponse
 
 from ..config import Config
 from ..engine.thread import Engine
-from ..events import AnswerDelta, TurnEvent
 from .loading import LoadingWatch
 from .openai_schema import ApiError
 
@@ -109,18 +107,3 @@ async def model_ready(engine: Engine, loading: LoadingWatch, model: str) -> None
         raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {engine.load_error}; "
                        "kvd's log has the details, fix the model setting and restart kvd",
                        code="model_not_loaded")
-
-
-class Events:
-    """A turn's events for one HTTP response. Unbounded, but a turn publishes at most
-    max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
-
-    def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
-
-    def publish(self, event: TurnEvent) -> None:
-        try:
-            self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
-            if isinstance(event, AnswerDelta) and event.written is not None:
-                event.written()

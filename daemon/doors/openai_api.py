@@ -32,11 +32,11 @@ from sessions import Message, Store, chains, is_valid_session_id
 from ..config import Config
 from ..engine.thread import Engine
 from ..prompt import Conversation
-from ..turns import Turn, Turns
+from ..turns import EventStream, Turn, Turns
 from .admission import Admission
 from .asgi import headers_of
 from .guards import check
-from .httpdoor import INLINE_BYTES, Events, api_origin, decode_json, error_response, model_ready, read_body
+from .httpdoor import INLINE_BYTES, api_origin, decode_json, error_response, model_ready, read_body
 from .jsonoutput import output_grammar
 from .loading import LoadingWatch
 from .openai_answer import Answer
@@ -192,7 +192,7 @@ class OpenAIDoor:
         return Answer(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, Events]:
+                     headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         await model_ready(self.engine, self.loading, self.config.model)
         pinned = request.headers.get(SESSION_HEADER)
@@ -214,7 +214,7 @@ class OpenAIDoor:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
         headers[SESSION_HEADER] = placement.session_id
-        events = Events()
+        events = EventStream()
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         turn = self.turns.start(
             events, rid, placement.session_id, placement.first_new,

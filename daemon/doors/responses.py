@@ -48,9 +48,9 @@ from ..config import Config
 from ..engine.thread import Engine
 from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent
 from ..prompt import Conversation
-from ..turns import Turn, Turns
+from ..turns import EventStream, Turn, Turns
 from .admission import Admission
-from .httpdoor import INLINE_BYTES, Events, api_origin, decode_json, error_response, model_ready, read_body
+from .httpdoor import INLINE_BYTES, api_origin, decode_json, error_response, model_ready, read_body
 from .jsonoutput import output_grammar
 from .loading import LoadingWatch
 from .openai_schema import ApiError, ResponseFormat, api_error, may_hold_surrogates
@@ -169,7 +169,7 @@ class ResponsesDoor:
         placement = await place(self.turns, system, convo, origin=api_origin(request.headers.get("user-agent")))
         headers[SESSION_HEADER] = placement.session_id
         rid = f"{RESPONSE_PREFIX}{secrets.token_hex(24)}"
-        events = Events()
+        events = EventStream()
         turn = self.turns.start(
             events, rid, placement.session_id, placement.first_new,
             sampling=Sampling.model_construct(max_tokens=req.max_output_tokens, temperature=req.temperature,
