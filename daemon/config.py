@@ -44,6 +44,8 @@ class Config:
     port: int = DEFAULT_PORT
     allowed_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    # The HTTP API: other model names a request may give the served model ("*": every name)
+    model_aliases: tuple[str, ...] = ()
     # Generation defaults (a request may override them)
     max_tokens: int = 512
     temperature: float = 0.2  # config.toml says why
@@ -130,6 +132,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "port": ("server", "port"),
     "allowed_origins": ("server", "allowed_origins"),
     "allowed_hosts": ("server", "allowed_hosts"),
+    "model_aliases": ("api", "model_aliases"),
     "max_tokens": ("generation", "max_tokens"),
     "temperature": ("generation", "temperature"),
     "top_p": ("generation", "top_p"),
@@ -198,6 +201,14 @@ def _strings(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _aliases(value: Any) -> tuple[str, ...]:
+    if value == "*":
+        return ("*",)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise _Bad('must be a list of model names, or "*" for every name')
+    return tuple(value)
+
+
 def _kind(kind: type | tuple[type, ...], name: str, words: str | None = None, *,
           ok: Callable[[Any], bool] = lambda v: True) -> Check:
     """A value of exactly `kind` (true is not 1) for which `ok` holds, else `words`."""
@@ -235,6 +246,7 @@ _CHECKS: dict[str, Check] = {
     "port": _integer(0, "must be 0-65535 (0 picks a free port)", high=65535),
     "allowed_origins": _strings,
     "allowed_hosts": _strings,
+    "model_aliases": _aliases,
     "prefill_step_size": _integer(0, "must be >= 0 (0: the device's own, 512 on the CPU, 2048 on a GPU)"),
     "prefill_slice": _positive_number,
     "speculate": _kind(str, '"auto" or "off"', ok=lambda v: v in ("auto", "off")),

@@ -32,12 +32,14 @@ from sessions import Store
 
 from . import __version__
 from .config import Config
+from .doors.anthropic_api import AnthropicDoor, is_anthropic
+from .doors.apiturns import ApiTurns
 from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
 from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
 from .doors.openai_api import OpenAIDoor
-from .doors.responses import ResponsesDoor
+from .doors.responses import ResponsesDoor, is_responses
 from .doors.websocket import WebSocketDoor
 from .engine.thread import Engine
 from .turns import Turns
@@ -97,9 +99,10 @@ class Daemon:
         self.turns = Turns(config, store, engine)
         self._loading = LoadingWatch(engine, config.model)
         self.websocket = WebSocketDoor(config, engine, self.turns, token, self._loading, self.status)
-        self.api = OpenAIDoor(config, engine, self.turns, token, self._loading)
-        self.responses = ResponsesDoor(config, engine, self.turns, self._loading, self.api.admission)
-        self.api.mount(self.responses.routes)
+        api = ApiTurns(config, engine, self.turns, self._loading)
+        self.api = OpenAIDoor(config, api, token)
+        self.messages = AnthropicDoor(config, api, token)
+        self.responses = ResponsesDoor(config, api, token)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -200,7 +203,9 @@ class Daemon:
             await self.websocket(scope, receive, send)
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
-            await self.api.app(scope, receive, send)
+            path = scope["path"]
+            door = self.messages if is_anthropic(path) else self.responses if is_responses(path) else self.api
+            await door.app(scope, receive, send)
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the model, the connections, every cache tier."""

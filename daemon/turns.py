@@ -126,6 +126,7 @@ class StopScan:
         self.text = ""  # everything fed, up to (not including) a stop once one is found
         self.shown = 0
         self.hit = False
+        self.found: str | None = None  # the stop sequence that ended the answer (Anthropic's stop_sequence)
 
     def feed(self, delta: str) -> str:
         """Work per delta grows with the delta and the stops' lengths, never with the answer so far."""
@@ -133,7 +134,8 @@ class StopScan:
             return ""
         since = max(0, len(self.text) - self.longest + 1)  # a stop starting earlier was found before
         self.text += delta
-        at = min((i for s in self.stops if (i := self.text.find(s, since)) >= 0), default=-1)
+        at, self.found = min(((i, s) for s in self.stops if (i := self.text.find(s, since)) >= 0),
+                             default=(-1, None), key=lambda found: found[0])
         if at >= 0:
             self.hit = True
             self.text = self.text[:at]

@@ -172,8 +172,9 @@ def m007_fed_ids_checksum(db: Database) -> None:
 
 
 @migration
-def m008_responses(db: Database) -> None:
-    # The Responses API's stored responses (daemon/doors/responses.py): each names the point of a
+def m009_responses(db: Database) -> None:
+    # (m009: the models work adds m008, a model column, before it.) The Responses API's stored
+    # responses (daemon/doors/responses.py): each names the point of a
     # session it answered, its assistant message `answer_idx`, and keeps what the request asked for
     # (instructions, tools, metadata...: `request`, JSON) so GET /v1/responses/{id} can show it. The
     # answer itself (text, calls, status, usage) stays in `messages`, written by the turn core.

@@ -54,7 +54,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_segment_compat", "test_segments", "test_shapes", "test_snapshot", "test_store", "test_store_tiers",
         "test_table", "test_transcript_writer", "test_tui_render", "test_wire", "test_writeback_plan",
         "test_prune_paths", "test_schemaends", "test_admission", "test_renders", "test_terminal_modes",
-        "test_responses_unit",
+        "test_responses_unit", "test_anthropic_shapes",
     }),
     "integration": frozenset({
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",
@@ -72,6 +72,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
         "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_responses_restart",
+        "test_anthropic", "test_hostile_messages",
     }),
 }  # fmt: skip
 

@@ -5,7 +5,8 @@
   stores nothing (sessions and messages counted in SQLite before and after).
 - Inputs whose cost grows with their size are bounded or kept off the
   event loop: another client's websocket pings stay fast beside each.
-- A burst beyond the queue depth gets 429 with Retry-After, never a 503.
+- A burst beyond the queue depth gets 429 with Retry-After, never a 503 (on the
+  Messages door too; its other hostile cases: test_hostile_messages.py).
 - Half-open connections are closed on a deadline and cannot starve a client
   with the token; a body shorter than its Content-Length gets a 408.
 """
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -275,19 +277,24 @@ def test_a_client_that_hangs_up_mid_body_leaves_one_line_and_no_traceback(daemon
     assert "Traceback" not in log and "ClientDisconnect" not in log
 
 
-@pytest.mark.parametrize("door", list(PATHS))
-def test_a_body_shorter_than_its_content_length_gets_a_408(daemon: DaemonProcess, door: str) -> None:
+@pytest.mark.parametrize("path, auth, says", [
+    ("/v1/chat/completions", "Authorization: Bearer", b'"code":"request_timeout"'),
+    ("/v1/messages", "x-api-key:", b'"type":"timeout_error"'),  # the Messages door's, in Anthropic's shape
+    ("/v1/responses", "Authorization: Bearer", b'"code":"request_timeout"'),
+])
+def test_a_body_shorter_than_its_content_length_gets_a_408(daemon: DaemonProcess, path: str, auth: str,
+                                                          says: bytes) -> None:
     host, port = address(daemon)
     before = stored(daemon)
     with socket.create_connection((host, port), timeout=BODY_TIMEOUT + 30) as s:
         started = time.monotonic()
-        s.sendall(f"POST /v1/{PATHS[door]} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                  f"Authorization: Bearer {daemon.token}\r\nContent-Length: 1000\r\n\r\n{{}}".encode())
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                  f"{auth} {daemon.token}\r\nContent-Length: 1000\r\n\r\n{{}}".encode())
         reply = b""
         while not reply.endswith(b"}}") and (more := s.recv(65536)):
             reply += more
     assert reply.startswith(b"HTTP/1.1 408"), reply
-    assert b'"code":"request_timeout"' in reply.replace(b" ", b"")
+    assert says in reply.replace(b" ", b"")
     assert BODY_TIMEOUT <= time.monotonic() - started < BODY_TIMEOUT + 20
     assert stored(daemon) == before
 
@@ -409,36 +416,50 @@ def test_placing_a_long_conversation_does_not_stall_another_clients_pings(daemon
 
 
 def _burst(d: DaemonProcess, n: int, max_tokens: int, door: str = "chat") -> list[int | str]:
-    """`n` streaming requests at once through the official async client: 200, 429, or what else came."""
+    """`n` streaming requests at once through the official async client of the door (the chat and Responses
+    doors' `openai`, the Messages door's `anthropic`): 200, 429 (with Retry-After), or what else came."""
+    async def chat(i: int) -> None:
+        stream = await client.chat.completions.create(
+            model="builtin:tiny", messages=[{"role": "user", "content": f"burst {i}"}], max_tokens=max_tokens,
+            stream=True)
+        async for _ in stream:
+            pass
+
+    async def messages(i: int) -> None:
+        async with anthropic_client.messages.stream(model="builtin:tiny", max_tokens=max_tokens,
+                                                    messages=[{"role": "user", "content": f"burst {i}"}]) as stream:
+            async for _ in stream:
+                pass
+
+    async def responses(i: int) -> None:
+        stream = await client.responses.create(model="builtin:tiny", input=f"burst {i}", max_output_tokens=max_tokens,
+                                               stream=True)
+        async for _ in stream:
+            pass
+
+    async def one(i: int) -> int | str:
+        try:
+            await (chat(i) if door == "chat" else messages(i) if door == "messages" else responses(i))
+            return 200
+        except (openai.RateLimitError, anthropic.RateLimitError) as e:
+            retry = e.response.headers.get("retry-after", "")
+            assert retry.isdigit() and int(retry) >= 1, e.response.headers
+            error = e.response.json()["error"]
+            assert error.get("code") == "rate_limit_exceeded" or error.get("type") == "rate_limit_error", error
+            return 429
+        except (openai.APIStatusError, anthropic.APIStatusError) as e:
+            return f"{e.status_code} {e.response.text[:200]}"
+
     async def burst() -> list[int | str]:
-        client = openai.AsyncOpenAI(base_url=d.base_url, api_key=d.token, max_retries=0, timeout=120)
-
-        async def one(i: int) -> int | str:
-            try:
-                stream: Any
-                if door == "chat":
-                    stream = await client.chat.completions.create(
-                        model="builtin:tiny", messages=[{"role": "user", "content": f"burst {i}"}],
-                        max_tokens=max_tokens, stream=True)
-                else:
-                    stream = await client.responses.create(model="builtin:tiny", input=f"burst {i}",
-                                                           max_output_tokens=max_tokens, stream=True)
-                async for _ in stream:
-                    pass
-                return 200
-            except openai.RateLimitError as e:
-                retry = e.response.headers.get("retry-after", "")
-                assert retry.isdigit() and int(retry) >= 1, e.response.headers
-                assert e.response.json()["error"]["code"] == "rate_limit_exceeded"
-                return 429
-            except openai.APIStatusError as e:
-                return f"{e.status_code} {e.response.text[:200]}"
-
         try:
             return list(await asyncio.gather(*(one(i) for i in range(n))))
         finally:
             await client.close()
+            await anthropic_client.close()
 
+    client = openai.AsyncOpenAI(base_url=d.base_url, api_key=d.token, max_retries=0, timeout=120)
+    anthropic_client = anthropic.AsyncAnthropic(base_url=d.base_url.removesuffix("/v1"), api_key=d.token,
+                                                max_retries=0, timeout=120)
     return asyncio.run(burst())
 
 
@@ -451,7 +472,7 @@ def test_a_burst_of_200_streams_is_answered_or_told_to_retry(daemon: DaemonProce
     assert stored(daemon)[0] == before[0] + results.count(200)  # a 429 stored nothing
 
 
-@pytest.mark.parametrize("door", list(PATHS))
+@pytest.mark.parametrize("door", ["chat", "messages", "responses"])
 def test_past_the_queue_depth_a_burst_gets_429s_with_retry_after(tmp_path: Path, door: str) -> None:
     config = tmp_path / "kvd.toml"
     config.write_text("[cache]\nprefetch = false\n[limits]\nmax_generations = 2\nmax_queued = 3\n")

@@ -1,10 +1,7 @@
 """One OpenAI answer: a turn's events as a JSON body or as server-sent events (docs/openai.md).
 
-The response starts only when the first token (or an error) is known, so an
-error found at admission is a real HTTP error, not a broken stream. A client
-that hangs up cancels its answer (what was generated stays in the session);
-one that stops reading is cut off after `send_timeout`, its answer cancelled
-too. An answer that called tools (toolcalls.py) comes from the turn core
+The response's life (when it starts, a client that hangs up or stops
+reading) is every door's: answering.py. An answer that called tools (toolcalls.py) comes from the turn core
 already split into its content and calls (the door hands it the splitter):
 its text before the first call streams, its calls come at the end.
 """
@@ -22,9 +19,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnEvent
 from ..turns import Turn, Turns
+from .answering import TurnAnswer
 from .openai_schema import ChatRequest, api_error
 from .toolcalls import openai_calls
-from .turnresponse import TurnResponse
 
 log = logging.getLogger("kvd.api")
 
@@ -42,22 +39,15 @@ def finish_reason_of(reason: str) -> str:
     return "length" if reason in ("length", "cancelled") else "stop"
 
 
-class Answer(TurnResponse):
-    """One turn's answer as a chat completion's JSON body or its event stream."""
+class Answer(TurnAnswer):
+    """One turn's answer as OpenAI's JSON body or event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str]):
-        super().__init__(turns, config, turn, headers)
-        self.events = events
+                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str], *,
+                 created: bool):
+        super().__init__(turns, config, turn, events, headers, created=created, stream=req.stream)
         self.req = req
         self.created = int(time.time())
-
-    async def write(self, send: Callable[[dict[str, Any]], Any]) -> None:
-        async with self.events:
-            if self.req.stream:
-                await self._stream(send)
-            else:
-                await self._whole(send)
 
     def _kvd(self, done: AnswerDone) -> dict[str, Any]:
         u = done.usage
@@ -74,8 +64,8 @@ class Answer(TurnResponse):
     async def _error(self, send: Callable[[dict[str, Any]], Any], event: AnswerError) -> None:
         """An error before the answer began: a refusal (the turn core stored nothing of a session this
         request made, and took back what it added to a pinned one)."""
-        e = api_error(event.code, event.message)
-        await self.send_json(send, e.status, e.body())
+        e = api_error(event.code, event.message, model=self.config.model)
+        await self.send_body(send, e.status, e.body())
 
     def _called(self, event: AnswerDone) -> str:
         """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""
@@ -91,7 +81,7 @@ class Answer(TurnResponse):
                 message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
                 if calls:
                     message["tool_calls"] = openai_calls(_stored(calls))
-                await self.send_json(send, 200, {
+                await self.send_body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
                     "model": self.config.model,
                     "choices": [{"index": 0, "message": message, "logprobs": None,
@@ -121,7 +111,7 @@ class Answer(TurnResponse):
 
         async def begin() -> None:
             if not self.started:
-                await self.send_start(send, 200, "text/event-stream; charset=utf-8")
+                await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
                 await sse(self._chunk({"role": "assistant", "content": ""}))
 
         async for event in self.events:
@@ -146,7 +136,7 @@ class Answer(TurnResponse):
                 if not self.started:
                     await self._error(send, event)
                     return
-                await sse(api_error(event.code, event.message).body())
+                await sse(api_error(event.code, event.message, model=self.config.model).body())
                 break
         if self.started:
             await sse("[DONE]")

@@ -11,34 +11,23 @@ from __future__ import annotations
 
 import functools
 import logging
-import secrets
 import time
-from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
 import anyio
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
-from protocol.shapes import Sampling
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
-from ..engine.thread import Engine
 from ..prompt import Conversation
-from ..turns import EventStream, Turn, Turns
-from .admission import Admission
-from .asgi import headers_of
-from .guards import check
-from .httpdoor import INLINE_BYTES, api_origin, decode_json, error_response, model_ready, read_body
+from ..turns import EventStream, Turn
+from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
-from .loading import LoadingWatch
 from .openai_answer import Answer
 from .openai_schema import (
     ApiError,
@@ -46,24 +35,27 @@ from .openai_schema import (
     api_error,
     instructions,
     may_hold_surrogates,
+    not_served,
     parse,
-    served_names,
+    serves,
     stops,
 )
-from .placement import Diverged, Said, links, place
-from .toolcalls import StreamSplit, ToolFormat, openai_calls
+from .placement import Placement, Said, links
+from .toolcalls import openai_calls
 from .toolturns import check_tool_turns
 
 log = logging.getLogger("kvd.api")
 
-SESSION_HEADER = "X-Kvd-Session"
-REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
 SEEDED = 8  # API conversations whose last request is rendered again after a start (`OpenAIDoor.seed`)
 
 
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers={**(headers or {}), **e.headers})
+
+
 def _decode(body: bytes, config: Config) -> ChatRequest:
-    """The body as a validated request (a worker thread past INLINE_BYTES: its cost grows with the body's size);
-    its objects are freed here too, not on the loop, when the request is refused."""
+    """The body as a validated request (a worker thread: its cost grows with the body's size). Its
+    objects are freed here too, not on the loop, when the request is refused."""
     decoded = decode_json(body)
     try:
         req = parse(decoded, config, surrogates=may_hold_surrogates(body))
@@ -90,46 +82,18 @@ def _messages(session_id: str, store: Store) -> list[Message]:
 
 
 class OpenAIDoor:
-    def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
-                 loading: LoadingWatch):
+    def __init__(self, config: Config, api: ApiTurns, token: str):
         self.config = config
-        self.loading = loading
-        self.engine = engine
-        self.turns = turns
-        self.admission = Admission(config, turns)
-        self._token = token
+        self.engine = api.engine
+        self.turns = api.turns
+        self.api = api  # shared with the Anthropic door: one admission queue for both
         self._created = int(time.time())
-        self._router = Starlette(
-            routes=[Route("/v1/models", self.models, methods=["GET"]),
-                    Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-                    Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                    Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])],
-            exception_handlers={HTTPException: self._http_error},
-        )
-
-    def mount(self, routes: Sequence[BaseRoute]) -> None:
-        """Another door's routes behind the same guards (the Responses door's)."""
-        self._router.router.routes.extend(routes)
-
-    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = check(headers_of(scope), self.config, self._token)
-        if refused is not None:
-            log.warning("refused an HTTP request: %s", refused.message)
-            status = HTTPStatus(refused.status)
-            await error_response(ApiError(status, refused.message,
-                                          code="invalid_api_key" if status == 401 else None))(scope, receive, send)
-            return
-        await self._router(scope, receive, send)
-
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        status = HTTPStatus(exc.status_code)
-        if status == HTTPStatus.NOT_FOUND:
-            message = (f"no such endpoint {request.url.path}; kvd serves /v1/chat/completions, /v1/responses "
-                       "and /v1/models")
-        else:
-            message = f"{request.method} is not allowed on {request.url.path}"
-        return error_response(ApiError(status, message))
+        routes: list[BaseRoute] = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
+        self.app = guarded(routes, config, token, error_response, "/v1/chat/completions, /v1/responses and /v1/models")
 
     # --- GET /v1/models ---
 
@@ -141,9 +105,8 @@ class OpenAIDoor:
 
     async def model(self, request: Request) -> Response:
         asked = request.path_params["model_id"]
-        if asked not in served_names(self.config.model):
-            return error_response(ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {self.config.model!r}, "
-                                           f"not {asked!r}", code="model_not_found"))
+        if not serves(asked, self.config):
+            return error_response(not_served(asked, self.config))
         return JSONResponse(self._model_object())
 
     # --- GET /v1/kvd/sessions/{id}: a session's transcript, read-only ---
@@ -183,49 +146,22 @@ class OpenAIDoor:
                 req, system, convo = _read(body, self.config)
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
-            with self.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events = await self._start(request, req, system, convo, headers)
+            with self.api.admission.slot():  # a place in the queue from here until the turn has started
+                turn, events, placement = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers)
+        return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, EventStream]:
+                     headers: dict[str, str]) -> tuple[Turn, EventStream, Placement]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        await model_ready(self.engine, self.loading, self.config.model)
-        pinned = request.headers.get(SESSION_HEADER)
-        if pinned is not None and not is_valid_session_id(pinned):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
-                           "(16 lowercase hex characters)", param=SESSION_HEADER)
+        await self.api.ready()
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds
-        tools = req.offered_tools()
-        tool_format = ToolFormat.of(self.engine.tokenizer, tools)
-        if tools and tool_format is None:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
-                           "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
-                           "serve a model that calls tools (docs/openai.md lists them)", param="tools")
-        rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
-        try:
-            placement = await place(self.turns, system, convo, pinned, rewind=rewind,
-                                    origin=api_origin(request.headers.get("user-agent")))
-        except Diverged as e:
-            raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
-                           code="session_diverged") from None
-        headers[SESSION_HEADER] = placement.session_id
-        events = EventStream()
-        rid = f"chatcmpl-{secrets.token_hex(12)}"
-        turn = self.turns.start(
-            events, rid, placement.session_id, placement.first_new,
-            sampling=Sampling.model_construct(max_tokens=req.max_completion_tokens or req.max_tokens,
-                                              temperature=req.temperature, top_p=req.top_p),
-            stop=stops(req), seed=req.seed,
-            prompt=Conversation(convo, system, tools or None, chain=placement.chain, renders=self.turns.renders),
-            door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            tools=StreamSplit(tool_format) if tool_format is not None else None,
-        )
-        return turn, events
+        ask = Ask(system, convo, req.offered_tools(), max_tokens=req.max_completion_tokens or req.max_tokens,
+                  temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar)
+        return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
 
     async def seed(self, count: int = SEEDED) -> int:
         """After a start: render the last request of the most recently used API conversations once, in

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
 from typing import Any, Literal, TypeVar
 
@@ -84,8 +85,17 @@ _STATUS = {
 }
 
 
-def api_error(code: str, message: str) -> ApiError:
+#: A built-in model with a longer context than the default's, for the advice of a conversation too long.
+LONGER_CONTEXT = "builtin:gemma3"
+
+
+def api_error(code: str, message: str, *, model: str | None = None) -> ApiError:
+    """The turn core's error as the HTTP doors' refusal. A conversation past the served `model`'s context
+    also says which model to serve instead (agents' first requests are long: Claude Code's ~15-25k tokens)."""
     status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
+    if code == p.TOO_LARGE and model is not None and model != LONGER_CONTEXT:
+        message = (f"{message}; or serve a model with a longer context: `kvd serve --model {LONGER_CONTEXT}` "
+                   "has 32k tokens (docs/models.md)")
     return ApiError(status, message, code=api_code)
 
 
@@ -124,10 +134,7 @@ class ChatMessage(_Strict):
     @field_validator("content")
     @classmethod
     def _fits(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
-        """The same bound as the websocket door's text (limits.max_text_chars), on the parts joined."""
-        if isinstance(info.context, Limits) and content is not None:
-            fits_text(content if isinstance(content, str) else "".join(part.text for part in content), info.context)
-        return content
+        return fits(content, info)
 
     @property
     def instructs(self) -> bool:
@@ -139,6 +146,21 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+Content = TypeVar("Content", bound=str | Sequence[Any] | None)
+
+
+def _part_texts(parts: Any) -> Iterable[str]:
+    return (part.text for part in parts)
+
+
+def fits(content: Content, info: ValidationInfo, texts: Callable[[Any], Iterable[str]] = _part_texts) -> Content:
+    """The same bound as the websocket door's text (limits.max_text_chars), on a message's parts joined
+    (their `texts`), in every HTTP door."""
+    if isinstance(info.context, Limits) and content is not None:
+        fits_text(content if isinstance(content, str) else "".join(texts(content)), info.context)
+    return content
 
 
 class JsonSchemaFormat(_Strict):
@@ -211,34 +233,40 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
     `surrogates=False`: the caller saw that the body's bytes cannot hold a lone surrogate
     (`may_hold_surrogates`), so its strings are not walked for one.
     """
-    req = validated(ChatRequest, body, config, surrogates=surrogates, listed="messages")
+    req = validated(ChatRequest, checked_body(body, surrogates=surrogates), config)
     _check_asks(req, config)
     _check_messages(req)
     return req
 
 
-M = TypeVar("M", bound=BaseModel)
-
-
-def validated(shape: type[M], body: Any, config: Config, *, surrogates: bool, listed: str) -> M:
-    """`body` validated as `shape` against config's limits, its errors as OpenAI's 400s; `listed` is the
-    field whose list is bounded by MAX_MESSAGES (counted before anything in it is validated)."""
+def checked_body(body: Any, *, surrogates: bool = True, listed: str = "messages") -> dict[str, Any]:
+    """What every HTTP door checks of a decoded body before validating it: an object, a bounded number of
+    messages (`listed`: the Responses door's are its `input`; counted before validating each one: pydantic
+    holds the GIL throughout, and every client waits), no lone surrogate (unless the caller saw that its
+    bytes cannot hold one)."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
     if isinstance(body.get(listed), list) and len(body[listed]) > MAX_MESSAGES:
-        # Before validating each one: pydantic holds the GIL throughout, and every client waits.
         raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} {listed} per request "
                        f"(got {len(body[listed])})", param=listed)
     if surrogates and (path := lone_surrogate(body)) is not None:
-        where = _where(path[:-1] if path[-1] == BAD_KEY else path) or "body"
+        where = where_of(path[:-1] if path[-1] == BAD_KEY else path) or "body"
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
                        "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
+    return body
+
+
+Shape = TypeVar("Shape", bound=BaseModel)
+
+
+def validated(shape: type[Shape], body: dict[str, Any], config: Config) -> Shape:
+    """The body as `shape`, checked against config's limits; the ApiError naming the field otherwise."""
     try:
         return shape.model_validate(body, context=config.request_limits())
     except ValidationError as e:
         # A union (content: a string or a list of parts) reports one error per member; the
         # deepest says most (a part's wrong type, rather than "not a string").
-        raise _refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
+        raise refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
 
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped one; one UTF-8 encoded (surrogatepass)
@@ -251,14 +279,14 @@ def may_hold_surrogates(body: bytes) -> bool:
     return json.detect_encoding(body) != "utf-8" or _SURROGATE.search(body) is not None
 
 
-def _where(loc: tuple[str | int, ...]) -> str:
+def where_of(loc: tuple[str | int, ...]) -> str:
     """A field's path as OpenAI's `param` spells it: messages[0].content."""
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
-def _refusal(error: ErrorDetails) -> ApiError:
+def refusal(error: ErrorDetails) -> ApiError:
     """One validation error as a 400; the shared shapes' own errors keep the wording docs/openai.md shows."""
-    where = _where(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
+    where = where_of(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
                          and part not in _UNION_TAGS))
     kind = error["type"]
     if kind == TEXT_TOO_LONG:
@@ -285,15 +313,8 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
     if req.tool_choice == "auto" and not req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")
-    check_model(req.model, config)
-
-
-def check_model(model: str | None, config: Config) -> None:
-    """A 404 naming the served model when a request names another one."""
-    if model is not None and model not in served_names(config.model):
-        raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {model!r}; "
-                       f"send {config.model!r} or {SERVED_ALIAS!r} (or leave model out)",
-                       param="model", code="model_not_found")
+    if req.model is not None and not serves(req.model, config):
+        raise not_served(req.model, config)
 
 
 def _check_messages(req: ChatRequest) -> None:
@@ -331,6 +352,20 @@ def served_names(model: str) -> set[str]:
         tail = model.rstrip("/").rsplit("/", 1)[-1]
         names |= {tail, tail.removesuffix(".gguf")}
     return names
+
+
+def serves(name: str, config: Config) -> bool:
+    """Whether a request naming the model `name` is answered by the served model: one of its own names
+    (served_names), or an alias from config.toml's [api] model_aliases ("*": every name)."""
+    aliases = config.model_aliases
+    return name in served_names(config.model) or name in aliases or "*" in aliases
+
+
+def not_served(name: str, config: Config) -> ApiError:
+    """The 404 for a model name the served model does not answer to (every HTTP door's words)."""
+    return ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {name!r}; send "
+                    f"{config.model!r} or {SERVED_ALIAS!r} (or leave model out), or list {name!r} in "
+                    "model_aliases under [api] in config.toml", param="model", code="model_not_found")
 
 
 def instructions(req: ChatRequest) -> str | None:

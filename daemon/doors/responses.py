@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import partial
 from http import HTTPStatus
 from typing import Any, NamedTuple
@@ -39,31 +39,28 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from protocol.requests import RequestError
-from protocol.shapes import Sampling
 from sessions import Message
 from sessions.chains import said
 from sessions.responses import StoredResponse, delete_response, get_response, put_response
 
 from ..config import Config
-from ..engine.thread import Engine
 from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent
 from ..prompt import Conversation
-from ..turns import EventStream, Turn, Turns
-from .admission import Admission
-from .httpdoor import INLINE_BYTES, api_origin, decode_json, error_response, model_ready, read_body
+from ..turns import Turn
+from .answering import TurnAnswer
+from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
-from .loading import LoadingWatch
+from .openai_api import error_response
 from .openai_schema import ApiError, ResponseFormat, api_error, may_hold_surrogates
-from .placement import INLINE_MESSAGES, Said, place
+from .placement import INLINE_MESSAGES, Said
 from .responses_events import RESPONSE_PREFIX, Encoder, Shape
 from .responses_schema import Input, ResponsesRequest, calls_of, conversation, parse
 from .responses_stored import input_items, stored_object
-from .toolcalls import StreamSplit, ToolFormat
-from .turnresponse import Sender, TurnResponse
 
 log = logging.getLogger("kvd.api")
 
-SESSION_HEADER = "X-Kvd-Session"
+PATH = "/v1/responses"
+Sender = Callable[[dict[str, Any]], Any]
 RECENT = 4096  # response ids whose point is remembered in memory (a continuation then reads no row)
 
 
@@ -77,7 +74,7 @@ class Read(NamedTuple):
 
 
 def _read(body: bytes, config: Config) -> Read:
-    decoded = decode_json(body, "a Responses request")
+    decoded = decode_json(body)
     try:
         req = parse(decoded, config, surrogates=may_hold_surrogates(body))
         return Read(req, req.response_format(), asked(req))
@@ -106,22 +103,25 @@ def system_of(req: ResponsesRequest, new: Input) -> str | None:
     return "\n\n".join(parts) if parts else None
 
 
-class ResponsesDoor:
-    def __init__(self, config: Config, engine: Engine, turns: Turns, loading: LoadingWatch, admission: Admission):
-        self.config = config
-        self.engine = engine
-        self.turns = turns
-        self.loading = loading
-        self.admission = admission  # the chat door's: one queue depth for every door
-        self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, answer index)
+def is_responses(path: str) -> bool:
+    """Whether a request's path is this door's."""
+    return path == PATH or path.startswith(PATH + "/")
 
-    @property
-    def routes(self) -> list[BaseRoute]:
-        return [Route("/v1/responses", self.create, methods=["POST"]),
-                Route("/v1/responses/input_tokens", self.input_tokens, methods=["POST"]),
-                Route("/v1/responses/{response_id}", self.get, methods=["GET"]),
-                Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
-                Route("/v1/responses/{response_id}/input_items", self.items, methods=["GET"])]
+
+class ResponsesDoor:
+    def __init__(self, config: Config, api: ApiTurns, token: str):
+        self.config = config
+        self.turns = api.turns
+        self.api = api  # shared with the other HTTP doors: one admission queue for all
+        self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, answer index)
+        routes: list[BaseRoute] = [
+            Route(PATH, self.create, methods=["POST"]),
+            Route(f"{PATH}/input_tokens", self.input_tokens, methods=["POST"]),
+            Route(f"{PATH}/{{response_id}}", self.get, methods=["GET"]),
+            Route(f"{PATH}/{{response_id}}", self.delete, methods=["DELETE"]),
+            Route(f"{PATH}/{{response_id}}/input_items", self.items, methods=["GET"])]
+        self.app = guarded(routes, config, token, error_response, f"{PATH} (and its ids' GET, DELETE, "
+                           "input_items), /v1/responses/input_tokens, /v1/chat/completions and /v1/models")
 
     # --- POST /v1/responses ---
 
@@ -131,7 +131,7 @@ class ResponsesDoor:
             read = await self._request(request)
             if read is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
-            with self.admission.slot():  # a place in the queue from here until the turn has started
+            with self.api.admission.slot():  # a place in the queue from here until the turn has started
                 return await self._start(request, read, headers)
         except ApiError as e:
             return error_response(e, headers)
@@ -158,25 +158,16 @@ class ResponsesDoor:
 
     async def _start(self, request: Request, read: Read, headers: dict[str, str]) -> Response:
         req = read.req
-        await model_ready(self.engine, self.loading, self.config.model)
+        await self.api.ready()
         system, convo = await self._conversation(req)
-        grammar = await _grammar(read.fmt)
-        tools = [t.for_template() for t in req.functions()] or None
-        # A model whose template cannot call tools answers in text: an agent always offers tools, and
-        # refusing them would refuse the agent (docs/agents.md). Its template is shown none.
-        tool_format = ToolFormat.of(self.engine.tokenizer, tools)
-        shown = tools if tool_format is not None else None
-        placement = await place(self.turns, system, convo, origin=api_origin(request.headers.get("user-agent")))
-        headers[SESSION_HEADER] = placement.session_id
-        rid = f"{RESPONSE_PREFIX}{secrets.token_hex(24)}"
-        events = EventStream()
-        turn = self.turns.start(
-            events, rid, placement.session_id, placement.first_new,
-            sampling=Sampling.model_construct(max_tokens=req.max_output_tokens, temperature=req.temperature,
-                                              top_p=req.top_p),
-            prompt=Conversation(convo, system, shown, chain=placement.chain, renders=self.turns.renders),
-            door=f"responses, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            tools=StreamSplit(tool_format) if tool_format is not None else None)
+        # A model whose template cannot call tools answers in text (tools_optional): an agent offers tools with
+        # every request, and refusing them would refuse the agent (docs/agents.md).
+        ask = Ask(system, convo, [t.for_template() for t in req.functions()] or None,
+                  max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                  grammar=await _grammar(read.fmt), tools_optional=True)
+        turn, events, placement = await self.api.start(request, ask, headers, rid_prefix=RESPONSE_PREFIX,
+                                                       door="responses")
+        rid = str(turn.request_id)
         request_shape = read.asked
         if req.store:
             row = StoredResponse(rid, placement.session_id, turn.message_index, placement.first_new,
@@ -192,7 +183,7 @@ class ResponsesDoor:
             self._remember(rid, placement.session_id, turn.message_index)
         shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": placement.session_id})
         return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
-                               stored=req.store)
+                               stored=req.store, created=placement.kind == "new")
 
     def _remember(self, rid: str, session_id: str, index: int) -> None:
         self._recent[rid] = (session_id, index)
@@ -272,10 +263,10 @@ class ResponsesDoor:
             if read is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)
             req = read.req
-            await model_ready(self.engine, self.loading, self.config.model)
+            await self.api.ready()
             system, convo = await self._conversation(req)
             tools = [t.for_template() for t in req.functions()] or None
-            shown = tools if ToolFormat.of(self.engine.tokenizer, tools) is not None else None
+            shown = tools if self.api.tool_format(tools, refuse=False) is not None else None
             ids, _ = await self.turns.tokenizing.run(Conversation(convo, system, shown).ids)
         except ApiError as e:
             return error_response(e)
@@ -307,28 +298,33 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
                     "false, or deleted)", param=param, code="previous_response_not_found" if param else "not_found")
 
 
-class ResponsesAnswer(TurnResponse):
+class ResponsesAnswer(TurnAnswer):
     """One response: its body, or its stream of typed events (`event:` and `data:` lines)."""
 
     def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
-                 encoder: Encoder, headers: dict[str, str], *, stream: bool, stored: bool):
-        super().__init__(door.turns, door.config, turn, headers)
-        self.door, self.events, self.encoder = door, events, encoder
-        self.stream = stream
+                 encoder: Encoder, headers: dict[str, str], *, stream: bool, stored: bool, created: bool):
+        super().__init__(door.turns, door.config, turn, events, headers, created=created, stream=stream)
+        self.door, self.encoder = door, encoder
         self.stored = stored  # a refusal forgets the response row it queued
 
-    async def write(self, send: Sender) -> None:
-        async with self.events:
-            async for event in self.events:
-                if isinstance(event, AnswerError) and not self.started:
-                    await self._refused(send, event)
+    async def _whole(self, send: Sender) -> None:
+        await self._answer(send)
+
+    async def _stream(self, send: Sender) -> None:
+        await self._answer(send)
+
+    async def _answer(self, send: Sender) -> None:
+        """The turn's events, encoded (`_write`) until the response is whole."""
+        async for event in self.events:
+            if isinstance(event, AnswerError) and not self.started:
+                await self._refused(send, event)
+                return
+            try:
+                if await self._write(send, event):
                     return
-                try:
-                    if await self._write(send, event):
-                        return
-                finally:
-                    if isinstance(event, AnswerDelta) and event.written is not None:
-                        event.written()  # the first token is out (or a body is sent only at the end)
+            finally:
+                if isinstance(event, AnswerDelta) and event.written is not None:
+                    event.written()  # the first token is out (or a body is sent only at the end)
 
     async def _write(self, send: Sender, event: TurnEvent) -> bool:
         """Encode one event; True once the response is whole."""
@@ -336,10 +332,10 @@ class ResponsesAnswer(TurnResponse):
         last = isinstance(event, (AnswerDone, AnswerError))
         if not self.stream:
             if last:
-                await self.send_json(send, 200, out[-1]["response"])
+                await self.send_body(send, 200, out[-1]["response"])
             return last
         if out and not self.started:
-            await self.send_start(send, 200, "text/event-stream; charset=utf-8")
+            await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
         for e in out:
             await send({"type": "http.response.body", "more_body": True,
                         "body": f"event: {e['type']}\ndata: {_json(e)}\n\n".encode()})
@@ -351,11 +347,11 @@ class ResponsesAnswer(TurnResponse):
         """An error before the answer began: a refusal, which leaves nothing behind (the turn core stored
         nothing of a session this request made and took back what it added to another; the response row
         the client was never told of goes too)."""
+        await self._take_back()  # the turn's writes are done: the row is in, or never was
         if self.stored:
-            await self.turn.finished.wait()  # the turn's writes are done: the row is in, or never was
             await self.door.forget(self.turn.request_id)
-        e = api_error(event.code, event.message)
-        await self.send_json(send, e.status, e.body())
+        e = api_error(event.code, event.message, model=self.config.model)
+        await self.send_body(send, e.status, e.body())
 
 
 def _json(value: Any) -> str:

@@ -30,7 +30,16 @@ from common.limits import MAX_TOOLS
 from protocol.shapes import Limits, MaxTokens, Temperature, TopP, fits_text
 
 from ..config import Config
-from .openai_schema import ApiError, JsonSchemaFormat, ResponseFormat, _Strict, check_model, validated
+from .openai_schema import (
+    ApiError,
+    JsonSchemaFormat,
+    ResponseFormat,
+    _Strict,
+    checked_body,
+    not_served,
+    serves,
+    validated,
+)
 from .placement import Said
 
 METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
@@ -154,7 +163,7 @@ class ResponsesRequest(_Strict):
 def parse(body: Any, config: Config, *, surrogates: bool = True) -> ResponsesRequest:
     """A decoded body as a ResponsesRequest, or the ApiError (4xx) that says what to fix."""
     try:
-        req = validated(ResponsesRequest, body, config, surrogates=surrogates, listed="input")
+        req = validated(ResponsesRequest, checked_body(body, surrogates=surrogates, listed="input"), config)
     except ApiError as e:
         if e.param == "max_output_tokens":
             e.message = e.message.replace("max_tokens", "max_output_tokens")
@@ -192,7 +201,8 @@ def _check_asks(req: ResponsesRequest, config: Config) -> None:
     _check_metadata(req.metadata)
     if isinstance(req.input, list) and not req.input:
         raise _bad("input is empty; send a string or at least one item", "input")
-    check_model(req.model, config)
+    if req.model is not None and not serves(req.model, config):
+        raise not_served(req.model, config)
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

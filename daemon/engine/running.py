@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from .speculate import Speculation
 
 MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggesting
-LONGER_CONTEXT = ("builtin:gemma3", 32768)  # the built-in model a conversation past a small context can move to
 
 
 @dataclass(frozen=True)
@@ -125,9 +124,6 @@ def fit_advice(prompt: int, context: int, *, history: bool = True) -> str:
     room = context - prompt
     new = ("start a new session carrying less of the history (kvchat: /compact)" if history
            else "send a shorter message")
-    # An agent's first request alone (its instructions and tools) may be past a small model's context.
-    bigger = (f"; or serve a model with a longer context ({LONGER_CONTEXT[0]} has {LONGER_CONTEXT[1] // 1024}k "
-              "tokens)" if context < LONGER_CONTEXT[1] else "")
     if room >= MIN_ANSWER:
-        return f"lower max_tokens to {room} or less, or {new}{bigger}"
-    return new + bigger
+        return f"lower max_tokens to {room} or less, or {new}"
+    return new

@@ -1,11 +1,11 @@
-"""One turn's HTTP response, whatever door's shape it is written in: the answer ends if the client goes.
+"""The response of every HTTP door's answer: a turn's events as a JSON body or server-sent events.
 
-The response starts only when a door's writer sends its first bytes, so an
+The response starts only when the first token (or an error) is known, so an
 error found at admission is a real HTTP error, not a broken stream. A client
 that hangs up cancels its answer (what was generated stays in the session);
 one that stops reading is cut off after `send_timeout`, its answer cancelled
-too. Each door subclasses it with `write`, which encodes the turn's events
-in its own shape through the bounded `send` it is given.
+too. Each door (openai_answer.py, anthropic_answer.py) writes the body and
+the events in its own shape.
 """
 
 from __future__ import annotations
@@ -16,28 +16,31 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..config import Config
+from ..events import TurnEvent
 from ..turns import Turn, Turns
 
 log = logging.getLogger("kvd.api")
 
-Sender = Callable[[dict[str, Any]], Any]
 
+class TurnAnswer(Response):
+    """One turn's answer as a JSON body or an event stream, ending the turn if the client goes. A door
+    writes `_whole` and `_stream` in its own shape; the rest is the same for every door."""
 
-class TurnResponse(Response):
-    """A turn's answer as an HTTP response, ending the turn if the client goes."""
-
-    def __init__(self, turns: Turns, config: Config, turn: Turn, headers: dict[str, str]):
+    def __init__(self, turns: Turns, config: Config, turn: Turn,
+                 events: MemoryObjectReceiveStream[TurnEvent], headers: dict[str, str], *,
+                 created: bool, stream: bool):
         self.turns, self.config = turns, config
+        self.created_session = created  # this request made the session: a refusal takes it back
         self.turn = turn
+        self.events = events
+        self.stream = stream  # server-sent events, not one JSON body
         self.extra_headers = headers
         self.started = False
-
-    async def write(self, send: Sender) -> None:
-        raise NotImplementedError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
@@ -66,14 +69,17 @@ class TurnResponse(Response):
 
             tg.start_soon(watch)
             try:
-                await self.write(bounded)
+                async with self.events:
+                    if self.stream:
+                        await self._stream(bounded)
+                    else:
+                        await self._whole(bounded)
                 answered = True
             except OSError:  # the client went away under a send
                 turns.cancel(turn.session_id, turn)
             tg.cancel_scope.cancel()
 
-    async def send_start(self, send: Sender, status: int, content_type: str) -> None:
-        """The response's status and headers (the door's, and X-Kvd-Session)."""
+    async def begin_response(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
         if content_type.startswith("text/event-stream"):
@@ -81,8 +87,20 @@ class TurnResponse(Response):
         await send({"type": "http.response.start", "status": status, "headers": headers})
         self.started = True
 
-    async def send_json(self, send: Sender, status: int, body: dict[str, Any]) -> None:
-        """The whole response: a JSON body."""
+    async def send_body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body, ensure_ascii=False).encode()
-        await self.send_start(send, status, "application/json")
+        await self.begin_response(send, status, "application/json")
         await send({"type": "http.response.body", "body": data})
+
+
+    async def _take_back(self) -> None:
+        """A refusal before the answer began leaves nothing behind: the turn core stores nothing of a session
+        the request made (its rows wait until the engine takes its turn) and takes back what it added to
+        another; this waits until it has."""
+        await self.turn.finished.wait()
+
+    async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
+        raise NotImplementedError
+
+    async def _stream(self, send: Callable[[dict[str, Any]], Any]) -> None:
+        raise NotImplementedError
