@@ -128,15 +128,12 @@ class ResponsesDoor:
     async def create(self, request: Request) -> Response:
         headers: dict[str, str] = {}
         try:
-            read = await self._request(request)
-            if read is None:
+            if (read := await self._request(request)) is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             with self.api.admission.slot():  # a place in the queue from here until the turn has started
                 return await self._start(request, read, headers)
-        except ApiError as e:
-            return error_response(e, headers)
-        except RequestError as e:
-            return error_response(api_error(e.code, e.message), headers)
+        except (ApiError, RequestError) as e:
+            return _refusal(e, headers)
 
     async def _request(self, request: Request) -> Read | None:
         body = await read_body(request, self.config)
@@ -268,10 +265,8 @@ class ResponsesDoor:
             tools = [t.for_template() for t in req.functions()] or None
             shown = tools if self.api.tool_format(tools, refuse=False) is not None else None
             ids, _ = await self.turns.tokenizing.run(Conversation(convo, system, shown).ids)
-        except ApiError as e:
-            return error_response(e)
-        except RequestError as e:
-            return error_response(api_error(e.code, e.message))
+        except (ApiError, RequestError) as e:
+            return _refusal(e, {})
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
 
@@ -291,6 +286,11 @@ async def _grammar(fmt: ResponseFormat | None) -> str | None:
                                                                                              "text.format")
             e.message = e.message.replace("response_format", "text.format")
         raise
+
+
+def _refusal(e: ApiError | RequestError, headers: dict[str, str]) -> Response:
+    """A request refused before its turn began, in OpenAI's error shape (the turn core's refusals too)."""
+    return error_response(e if isinstance(e, ApiError) else api_error(e.code, e.message), headers)
 
 
 def _not_found(response_id: str, param: str | None = None) -> ApiError:
