@@ -92,7 +92,7 @@ def asked(req: ResponsesRequest) -> dict[str, Any]:
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
             else req.tool_choice.model_dump(exclude_none=True),
             "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-            "text": req.text.model_dump(exclude_none=True, by_alias=True) if req.text is not None else None,
+            "text": req.text_shown(),
             "metadata": req.metadata or {}, "previous_response_id": req.previous_response_id, "store": req.store,
             "model": req.model}
 

@@ -152,12 +152,22 @@ class ResponsesRequest(_Strict):
         return [t for t in self.tools or () if t.type == "function"]
 
     def response_format(self) -> ResponseFormat | None:
-        """`text.format` as the chat door's response_format (jsonoutput.py compiles either)."""
+        """`text.format` as the chat door's response_format (jsonoutput.py compiles either). Built from
+        the validated values, not validated again: a large schema is not copied."""
         fmt = self.text.format if self.text is not None else None
         if fmt is None or fmt.type != "json_schema":
-            return ResponseFormat(type=fmt.type) if fmt is not None else None
-        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
-            name=fmt.name or "response", description=fmt.description, schema=fmt.schema_, strict=fmt.strict))
+            return ResponseFormat.model_construct(type=fmt.type, json_schema=None) if fmt is not None else None
+        return ResponseFormat.model_construct(type="json_schema", json_schema=JsonSchemaFormat.model_construct(
+            name=fmt.name or "response", description=fmt.description, schema_=fmt.schema_, strict=fmt.strict))
+
+    def text_shown(self) -> dict[str, Any] | None:
+        """`text` as the response object shows it (the schema the same object, not a copy)."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None:
+            return None
+        shown: dict[str, Any] = {"type": fmt.type, "name": fmt.name, "description": fmt.description,
+                                 "schema": fmt.schema_, "strict": fmt.strict}
+        return {"format": {k: v for k, v in shown.items() if v is not None}}
 
 
 def parse(body: Any, config: Config, *, surrogates: bool = True) -> ResponsesRequest:
