@@ -1,12 +1,14 @@
-"""The daemon: one port, two front doors, one turn core.
+"""The daemon: one port, four front doors, one turn core.
 
 uvicorn serves the port. Its websocket implementation is the websockets
 package's own protocol (`ws="websockets-sansio"`), so kvchat's protocol on
 `/v1` keeps the framing, size limit (1009 on an oversize frame) and keepalive
 it had, and it parses HTTP requests with bodies, which the websockets server
 cannot (it refuses a request body). On top: the websocket door
-(websocket.py) and the OpenAI-compatible HTTP door (openai_api.py, a Starlette
-app), both thin layers over the turn core (turns.py).
+(websocket.py), the OpenAI-compatible HTTP door (openai_api.py, a Starlette
+app), the Anthropic Messages door (anthropic_api.py, `/v1/messages...`) and the
+Responses door (responses.py, `/v1/responses...`), all thin layers over the turn
+core (turns.py).
 
 The asyncio side never calls MLX: turns are handed to the engine thread.
 """
@@ -198,7 +200,7 @@ class Daemon:
         return [c.statistics() for c in self.websocket.connections]
 
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Route by kind: websockets to kvchat's door, HTTP to the API's."""
+        """Route by kind: websockets to kvchat's door, HTTP by path to the Messages door or the OpenAI one."""
         if scope["type"] == "websocket":
             await self.websocket(scope, receive, send)
         elif scope["type"] == "http":

@@ -4,6 +4,7 @@ round trip, count_tokens, the model names it answers to, and a conversation's ca
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ def client(d: DaemonProcess, **kw: Any) -> anthropic.Anthropic:
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     root = tmp_path_factory.mktemp("kvd")
     config = root / "kvd.toml"
-    config.write_text('[cache]\nprefetch = false\n[api]\nmodel_aliases = ["claude-haiku-4-5"]\n')
+    # Prefill in small chunks: a prompt of a few hundred tokens is read in several, with progress between.
+    config.write_text('[cache]\nprefetch = false\n[generation]\nprefill_step_size = 64\n'
+                      '[api]\nmodel_aliases = ["claude-haiku-4-5"]\n')
     d = DaemonProcess(root / "data", "--model", MODEL, "--config", str(config))
     with d.client():
         pass  # the model has loaded
@@ -133,9 +136,13 @@ def test_a_conversation_continued_after_a_restart_reads_its_cache(tmp_path: Path
 
 
 @pytest.fixture(scope="module")
-def tool_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    model = write_tool_model(tmp_path_factory.mktemp("tool-model"))
-    d = DaemonProcess(tmp_path_factory.mktemp("kvd-tools"), "--model", str(model))
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tool_model(tmp_path_factory.mktemp("tool-model"))
+
+
+@pytest.fixture(scope="module")
+def tool_daemon(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path_factory.mktemp("kvd-tools"), "--model", str(tool_model))
     with d.client():
         pass
     yield d
@@ -190,3 +197,42 @@ def test_structured_output_holds_the_answer_to_its_schema(daemon: DaemonProcess)
         assert set(json.loads(made.content[0].text)) == {"n"}
     else:
         assert made.content[0].text.startswith("{")
+
+
+def test_a_long_prompt_is_pinged_while_it_is_read(daemon: DaemonProcess) -> None:
+    """The stream opens once the engine reports progress on the prompt (it was admitted and fits), and
+    pings until the first token, so that no client times out while kvd reads."""
+    long = "Read this first. " + " ".join(f"item {i}" for i in range(400))
+    names: list[str] = []
+    with httpx.stream("POST", f"{daemon.base_url.removesuffix('/v1')}/v1/messages", timeout=60,
+                      headers={"x-api-key": daemon.token, "anthropic-version": "2023-06-01"},
+                      json={"model": MODEL, "max_tokens": 4, "stream": True,
+                            "messages": [{"role": "user", "content": long}]}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        names = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    first_block = names.index("content_block_start")
+    assert names[0] == "message_start" and "ping" in names[:first_block], names
+    assert names[-2:] == ["message_delta", "message_stop"] and "ping" not in names[first_block:]
+
+
+def test_tools_offered_to_a_model_that_cannot_call_them_are_left_out(tool_model: Path, tmp_path: Path) -> None:
+    """An agent offers its tools with every request; a model without tool calling answers without them
+    (the chat door refuses them instead: test_openai_tools.py)."""
+    plain = shutil.copytree(tool_model, tmp_path / "plain-chatml")
+    config_path = plain / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + "
+                               "message['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
+                               "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    config_path.write_text(json.dumps(config))
+    d = DaemonProcess(tmp_path / "kvd", "--model", str(plain))
+    try:
+        ask: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+        made = client(d).messages.create(model="kvd", messages=ask, tools=TOOLS, max_tokens=20,
+                                         extra_body={"temperature": 0})
+        counted = client(d).messages.count_tokens(model="kvd", messages=ask, tools=TOOLS)
+    finally:
+        assert d.terminate() == 0
+    assert made.stop_reason == "end_turn" and made.content[0].type == "text"  # the call's text is only text
+    assert counted.input_tokens == made.usage.input_tokens + (made.usage.cache_read_input_tokens or 0)
+    assert "calls no tools: answering a request that offered 1 without them" in (d.data_dir / "kvd.log").read_text()
