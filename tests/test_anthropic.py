@@ -4,7 +4,6 @@ round trip, count_tokens, the model names it answers to, and a conversation's ca
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from daemonproc import DaemonProcess
-from toolmodel import WEATHER_TOOL, write_tool_model
+from toolmodel import WEATHER_TOOL, write_plain_model, write_tool_model
 
 MODEL = "builtin:tiny"
 # The client has no temperature argument any more (Anthropic's newest models take none); the API still does.
@@ -131,6 +130,7 @@ def test_a_conversation_continued_after_a_restart_reads_its_cache(tmp_path: Path
         assert d.terminate() == 0
     usage = again.usage
     read = usage.cache_read_input_tokens or 0
+    print(f"after a restart: {read} of {usage.input_tokens + read} prompt tokens restored")  # pytest -s shows it
     assert read >= 0.9 * (usage.input_tokens + read), usage  # restored from disk, not prefilled
     assert [s["id"] for s in sessions] == [raw.headers["x-kvd-session"]]  # one conversation, one session
 
@@ -218,13 +218,7 @@ def test_a_long_prompt_is_pinged_while_it_is_read(daemon: DaemonProcess) -> None
 def test_tools_offered_to_a_model_that_cannot_call_them_are_left_out(tool_model: Path, tmp_path: Path) -> None:
     """An agent offers its tools with every request; a model without tool calling answers without them
     (the chat door refuses them instead: test_openai_tools.py)."""
-    plain = shutil.copytree(tool_model, tmp_path / "plain-chatml")
-    config_path = plain / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + "
-                               "message['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
-                               "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
-    config_path.write_text(json.dumps(config))
+    plain = write_plain_model(tool_model, tmp_path)
     d = DaemonProcess(tmp_path / "kvd", "--model", str(plain))
     try:
         ask: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -164,6 +164,7 @@ def test_a_whole_answer_with_a_call() -> None:
     assert (body["stop_reason"], body["stop_sequence"]) == ("tool_use", None)
     assert whole("m", "x", DONE, "END")["stop_reason"] == "stop_sequence"
     assert whole("m", "x", AnswerDone(3, "length", {}))["stop_reason"] == "max_tokens"
+    assert whole("m", "x", AnswerDone(3, "cancelled", {}))["stop_reason"] == "max_tokens"  # cut: not whole
     assert whole("m", "x", DONE)["content"] == [{"type": "text", "text": ""}]
 
 

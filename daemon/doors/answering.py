@@ -32,10 +32,8 @@ class TurnAnswer(Response):
     writes `_whole` and `_stream` in its own shape; the rest is the same for every door."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], headers: dict[str, str], *,
-                 created: bool, stream: bool):
+                 events: MemoryObjectReceiveStream[TurnEvent], headers: dict[str, str], *, stream: bool):
         self.turns, self.config = turns, config
-        self.created_session = created  # this request made the session: a refusal takes it back
         self.turn = turn
         self.events = events
         self.stream = stream  # server-sent events, not one JSON body
@@ -92,12 +90,6 @@ class TurnAnswer(Response):
         await self.begin_response(send, status, "application/json")
         await send({"type": "http.response.body", "body": data})
 
-
-    async def _take_back(self) -> None:
-        """A refusal before the answer began leaves nothing behind: the turn core stores nothing of a session
-        the request made (its rows wait until the engine takes its turn) and takes back what it added to
-        another; this waits until it has."""
-        await self.turn.finished.wait()
 
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
         raise NotImplementedError

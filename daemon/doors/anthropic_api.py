@@ -99,13 +99,12 @@ class AnthropicDoor:
             with self.api.admission.slot():  # a place in the queue from here until the turn has started
                 await self.api.ready()
                 ask = replace(ask, grammar=await output_grammar(req.response_format()))  # a worker, within bounds
-                turn, events, placement = await self.api.start(request, ask, headers, rid_prefix="msg_")
+                turn, events = await self.api.start(request, ask, headers, rid_prefix="msg_")
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message, model=self.config.model), headers)
-        return MessagesAnswer(self.api.turns, self.config, turn, events.receive, headers,
-                              created=placement.kind == "new", stream=req.stream)
+        return MessagesAnswer(self.api.turns, self.config, turn, events.receive, headers, stream=req.stream)
 
     # --- POST /v1/messages/count_tokens ---
 

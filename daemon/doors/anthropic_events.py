@@ -34,11 +34,10 @@ def usage_of(u: Mapping[str, Any]) -> dict[str, Any]:
 
 def stop_reason_of(done: AnswerDone, stop_sequence: str | None) -> str:
     """Anthropic's stop_reason. An answer cut short (kvd stopping, a cancel from kvchat on the same
-    session) says "cancelled", as the chat door does, so a client never takes it for a finished one."""
-    if done.finish_reason == "length":
+    session) says "max_tokens", Anthropic's value for an answer that ended before the model ended it (as
+    the chat door says "length"), so a client never takes it for a whole one."""
+    if done.finish_reason in ("length", "cancelled"):
         return "max_tokens"
-    if done.finish_reason == "cancelled":
-        return "cancelled"
     if done.calls:
         return "tool_use"
     return "stop_sequence" if stop_sequence is not None else "end_turn"

@@ -40,7 +40,7 @@ from .asgi import headers_of
 from .guards import check
 from .loading import LoadingWatch
 from .openai_schema import ApiError
-from .placement import Diverged, Placement, Said, place
+from .placement import Diverged, Said, place
 from .toolcalls import StreamSplit, ToolFormat
 
 log = logging.getLogger("kvd.api")
@@ -195,7 +195,7 @@ class ApiTurns:
         return tool_format
 
     async def start(self, request: Request, ask: Ask, headers: dict[str, str], *,
-                    rid_prefix: str, door: str = "api") -> tuple[Turn, EventStream, Placement]:
+                    rid_prefix: str) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be); `headers` gets
         the session's id. The caller holds an admission slot (`self.admission.slot()`)."""
         await self.ready()
@@ -219,11 +219,11 @@ class ApiTurns:
         events = EventStream()
         turn = self.turns.start(
             events, f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
-            sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature,
-                                              top_p=ask.top_p), stop=ask.stop, seed=ask.seed,
+            sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p),
+            stop=ask.stop, seed=ask.seed,
             prompt=Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                 renders=self.turns.renders),
-            door=f"{door}, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
+            door=f"api, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None,
         )
-        return turn, events, placement
+        return turn, events

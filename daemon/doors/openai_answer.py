@@ -43,9 +43,8 @@ class Answer(TurnAnswer):
     """One turn's answer as OpenAI's JSON body or event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str], *,
-                 created: bool):
-        super().__init__(turns, config, turn, events, headers, created=created, stream=req.stream)
+                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str]):
+        super().__init__(turns, config, turn, events, headers, stream=req.stream)
         self.req = req
         self.created = int(time.time())
 

@@ -40,7 +40,7 @@ from .openai_schema import (
     serves,
     stops,
 )
-from .placement import Placement, Said, links
+from .placement import Said, links
 from .toolcalls import openai_calls
 from .toolturns import check_tool_turns
 
@@ -93,7 +93,8 @@ class OpenAIDoor:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
-        self.app = guarded(routes, config, token, error_response, "/v1/chat/completions, /v1/responses and /v1/models")
+        self.app = guarded(routes, config, token, error_response,
+                           "/v1/chat/completions, /v1/responses and /v1/models")
 
     # --- GET /v1/models ---
 
@@ -147,15 +148,15 @@ class OpenAIDoor:
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
             with self.api.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events, placement = await self._start(request, req, system, convo, headers)
+                turn, events = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers, created=placement.kind == "new")
+        return Answer(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, EventStream, Placement]:
+                     headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         await self.api.ready()
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds

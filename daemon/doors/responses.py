@@ -162,12 +162,11 @@ class ResponsesDoor:
         ask = Ask(system, convo, [t.for_template() for t in req.functions()] or None,
                   max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                   grammar=await _grammar(read.fmt), tools_optional=True)
-        turn, events, placement = await self.api.start(request, ask, headers, rid_prefix=RESPONSE_PREFIX,
-                                                       door="responses")
+        turn, events = await self.api.start(request, ask, headers, rid_prefix=RESPONSE_PREFIX)
         rid = str(turn.request_id)
         request_shape = read.asked
         if req.store:
-            row = StoredResponse(rid, placement.session_id, turn.message_index, placement.first_new,
+            row = StoredResponse(rid, turn.session_id, turn.message_index, turn.first_new,
                                  req.previous_response_id, time.time(), request_shape)
             # Committed before the turn acknowledges its answer (the turn core awaits its writes), behind the
             # session's rows (a new session's wait until the engine takes its turn: so does this one).
@@ -177,10 +176,10 @@ class ResponsesDoor:
                 turn.unstored.append(write)
             else:
                 turn.writes.append(write())
-            self._remember(rid, placement.session_id, turn.message_index)
-        shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": placement.session_id})
+            self._remember(rid, turn.session_id, turn.message_index)
+        shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": turn.session_id})
         return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
-                               stored=req.store, created=placement.kind == "new")
+                               stored=req.store)
 
     def _remember(self, rid: str, session_id: str, index: int) -> None:
         self._recent[rid] = (session_id, index)
@@ -302,8 +301,8 @@ class ResponsesAnswer(TurnAnswer):
     """One response: its body, or its stream of typed events (`event:` and `data:` lines)."""
 
     def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
-                 encoder: Encoder, headers: dict[str, str], *, stream: bool, stored: bool, created: bool):
-        super().__init__(door.turns, door.config, turn, events, headers, created=created, stream=stream)
+                 encoder: Encoder, headers: dict[str, str], *, stream: bool, stored: bool):
+        super().__init__(door.turns, door.config, turn, events, headers, stream=stream)
         self.door, self.encoder = door, encoder
         self.stored = stored  # a refusal forgets the response row it queued
 
@@ -347,7 +346,7 @@ class ResponsesAnswer(TurnAnswer):
         """An error before the answer began: a refusal, which leaves nothing behind (the turn core stored
         nothing of a session this request made and took back what it added to another; the response row
         the client was never told of goes too)."""
-        await self._take_back()  # the turn's writes are done: the row is in, or never was
+        await self.turn.finished.wait()  # the turn's writes are done: the row is in, or never was
         if self.stored:
             await self.door.forget(self.turn.request_id)
         e = api_error(event.code, event.message, model=self.config.model)
