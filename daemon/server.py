@@ -1,4 +1,4 @@
-"""The daemon: one port, three front doors, one turn core.
+"""The daemon: one port, four front doors, one turn core.
 
 uvicorn serves the port. Its websocket implementation is the websockets
 package's own protocol (`ws="websockets-sansio"`), so kvchat's protocol on
@@ -6,8 +6,9 @@ package's own protocol (`ws="websockets-sansio"`), so kvchat's protocol on
 it had, and it parses HTTP requests with bodies, which the websockets server
 cannot (it refuses a request body). On top: the websocket door
 (websocket.py), the OpenAI-compatible HTTP door (openai_api.py, a Starlette
-app) and the Anthropic Messages door (anthropic_api.py, `/v1/messages...`), all
-thin layers over the turn core (turns.py).
+app), the Anthropic Messages door (anthropic_api.py, `/v1/messages...`) and the
+Responses door (responses.py, `/v1/responses...`), all thin layers over the turn
+core (turns.py).
 
 The asyncio side never calls MLX: turns are handed to the engine thread.
 """
@@ -40,6 +41,7 @@ from .doors.connection import ConnectionStatistics
 from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
 from .doors.openai_api import OpenAIDoor
+from .doors.responses import ResponsesDoor, is_responses
 from .doors.websocket import WebSocketDoor
 from .engine.thread import Engine
 from .turns import Turns
@@ -103,6 +105,7 @@ class Daemon:
         api = ApiTurns(config, engine, self.turns, self._loading)
         self.api = OpenAIDoor(config, api, token)
         self.messages = AnthropicDoor(config, api, token)
+        self.responses = ResponsesDoor(config, api, token)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -213,7 +216,8 @@ class Daemon:
             await self.websocket(scope, receive, send)
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
-            door = self.messages if is_anthropic(scope["path"]) else self.api
+            path = scope["path"]
+            door = self.messages if is_anthropic(path) else self.responses if is_responses(path) else self.api
             await door.app(scope, receive, send)
 
     async def status(self) -> dict[str, Any]:

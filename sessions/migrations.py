@@ -192,3 +192,26 @@ def m008_session_model(db: Database) -> None:
         )
         """
     )
+
+
+@migration
+def m009_responses(db: Database) -> None:
+    # The Responses API's stored responses (daemon/doors/responses.py): each names the point of a
+    # session it answered, its assistant message `answer_idx`, and keeps what the request asked for
+    # (instructions, tools, metadata...: `request`, JSON) so GET /v1/responses/{id} can show it. The
+    # answer itself (text, calls, status, usage) stays in `messages`, written by the turn core.
+    # A deleted session takes its responses with it.
+    db.execute(
+        """
+        CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            answer_idx INTEGER NOT NULL CHECK (answer_idx >= 0),
+            first_input INTEGER NOT NULL CHECK (first_input >= 0),
+            previous_response_id TEXT,
+            created_at REAL NOT NULL,
+            request TEXT NOT NULL
+        )
+        """
+    )
+    db.execute("CREATE INDEX responses_session ON responses (session_id)")

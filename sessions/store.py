@@ -206,13 +206,15 @@ class Store:
 
     # Messages
 
-    def messages(self, session_id: str) -> list[Message]:
+    def messages(self, session_id: str, *, first: int = 0, end: int | None = None) -> list[Message]:
+        """The session's messages in order (those with first <= index < end, when given)."""
         rows = self.db.execute(
             "SELECT idx, role, content, status, finish_reason, usage, fed_end, "
-            "created_at, updated_at, tool_calls, tool_call_id FROM messages WHERE session_id = ? ORDER BY idx",
-            [session_id],
+            "created_at, updated_at, tool_calls, tool_call_id FROM messages WHERE session_id = ? "
+            "AND idx >= ? AND idx < ? ORDER BY idx",
+            [session_id, first, (1 << 62) if end is None else end],
         ).fetchall()
-        if not rows:
+        if not rows and first == 0 and end is None:
             self._require_session(session_id)
         return [_message_dict(row) for row in rows]
 

@@ -414,7 +414,8 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
     names = [r[0] for r in raw_query(db_path, "SELECT name FROM _sqlite_migrations "
                                                "WHERE migration_set = 'kvd.sessions' ORDER BY id")]
     assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks",
-                     "m005_session_origin", "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model"]
+                     "m005_session_origin", "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model",
+                     "m009_responses"]
 
 
 def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
@@ -437,7 +438,8 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
                "created_at, updated_at) VALUES (?, 0, 'user', 'kept', 'complete', NULL, NULL, 7, 1, 1)", [MISSING])
     db.conn.commit()
     assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks", "m005_session_origin",
-                           "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model"]
+                           "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model",
+                           "m009_responses"]
     assert LEGACY_TABLE not in db.table_names() and MIGRATIONS.pending(db) == []
     assert migrate(db) == []
     db.close()

@@ -62,7 +62,8 @@ def _read(body: bytes, config: Config, *, count: bool = False) -> tuple[Messages
         req = parse(decoded, config, count=count, surrogates=may_hold_surrogates(body))
         ask = Ask(req.instructions(), conversation(req), req.offered_tools(),
                   max_tokens=min(req.max_tokens, config.max_tokens_limit), temperature=req.temperature,
-                  top_p=req.top_p, stop=stops(req.stop_sequences), tools_optional=True, model=req.model)
+                  top_p=req.top_p, stop=stops(req.stop_sequences), tools_optional=True, model=req.model,
+                  door="messages")
         return req, ask
     except ApiError as e:
         refused = e

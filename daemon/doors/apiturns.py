@@ -165,6 +165,7 @@ class Ask:
     # agents offer tools with every request, also when asked something a model without tools can answer.
     tools_optional: bool = False
     model: str | None = None  # the name the request gave (None: the default model)
+    door: str = "api"  # which door asked, as the log's turn line says
 
 
 class ApiTurns:
@@ -254,7 +255,7 @@ class ApiTurns:
             stop=ask.stop, seed=ask.seed,
             prompt=Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                 renders=self.turns.renders_for(model)),
-            door=f"api, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
+            door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
             tools=StreamSplit(tool_format) if tool_format is not None else None, model=model,
         )
         return turn, events

@@ -92,7 +92,8 @@ class OpenAIDoor:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
-        self.app = guarded(routes, config, token, error_response, "/v1/chat/completions and /v1/models")
+        self.app = guarded(routes, config, token, error_response,
+                           "/v1/chat/completions, /v1/responses and /v1/models")
 
     # --- GET /v1/models ---
 

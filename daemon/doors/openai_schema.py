@@ -240,15 +240,16 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
     return req
 
 
-def checked_body(body: Any, *, surrogates: bool = True) -> dict[str, Any]:
+def checked_body(body: Any, *, surrogates: bool = True, listed: str = "messages") -> dict[str, Any]:
     """What every HTTP door checks of a decoded body before validating it: an object, a bounded number of
-    messages (before validating each one: pydantic holds the GIL throughout, and every client waits),
-    no lone surrogate (unless the caller saw that its bytes cannot hold one)."""
+    messages (`listed`: the Responses door's are its `input`; counted before validating each one: pydantic
+    holds the GIL throughout, and every client waits), no lone surrogate (unless the caller saw that its
+    bytes cannot hold one)."""
     if not isinstance(body, dict):
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
-    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
-                       f"(got {len(body['messages'])})", param="messages")
+    if isinstance(body.get(listed), list) and len(body[listed]) > MAX_MESSAGES:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} {listed} per request "
+                       f"(got {len(body[listed])})", param=listed)
     if surrogates and (path := lone_surrogate(body)) is not None:
         where = where_of(path[:-1] if path[-1] == BAD_KEY else path) or "body"
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
