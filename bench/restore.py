@@ -47,7 +47,7 @@ preload_blas()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from cachestore.index import BlockRow, SegmentRow  # noqa: E402
+from cachestore.rows import BlockRow, SegmentRow  # noqa: E402
 from cachestore.segments import read_segment  # noqa: E402
 from cachestore.snapshot import merge, restore  # noqa: E402
 from cachestore.store import Budgets, SessionCaches  # noqa: E402

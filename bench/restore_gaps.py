@@ -51,9 +51,10 @@ from daemon.service.blas import preload_blas  # noqa: E402
 preload_blas()
 
 from daemon.config import Config, load_config  # noqa: E402
-from daemon.engine.jobs import Delta, Done, EngineEvent, Started, TurnJob  # noqa: E402
+from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Started  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
 from daemon.prompt import Continuation  # noqa: E402
+from protocol.shapes import Resolved  # noqa: E402
 
 A, B = "a" * 16, "b" * 16
 
@@ -68,9 +69,8 @@ def engine(c: Config) -> Engine:
     return e
 
 
-def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> TurnJob:
-    return TurnJob(session_id=sid, tokens=tokens, max_tokens=max_tokens, temperature=0.0, top_p=1.0,
-                   emit=events.append)
+def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> AnswerJob:
+    return AnswerJob(session_id=sid, tokens=tokens, sampling=Resolved(max_tokens, 0.0, 1.0), emit=events.append)
 
 
 def first(e: Engine, text: str) -> list[int]:
@@ -123,7 +123,7 @@ def gaps(mb: int, steps: int) -> None:
         e.submit(job(e, B, first(e, "Hi."), b_events, max_tokens=100_000))
 
         def b_tokens() -> int:
-            t = e.statistics().turns.get(B)
+            t = e.statistics().answers.get(B)
             return t.generated if t is not None else 0
 
         while b_tokens() < 4:

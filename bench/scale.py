@@ -53,7 +53,7 @@ def build(root: Path, *, sessions: int, prompts: int, own_blocks: int, block: in
     top = root_key(FINGERPRINT)
     prompt_ids = [[rng.randrange(50_000) for _ in range(2 * block)] for _ in range(prompts)]
     blocks: dict[str, tuple[str, int, list[int]]] = {}  # key -> (parent, start, ids)
-    chains: list[tuple[str, int, str]] = []
+    chains: list[tuple[str, str, int, str]] = []
     segments = []
     ids_of: dict[str, list[int]] = {}
     for i in range(sessions):
@@ -65,10 +65,10 @@ def build(root: Path, *, sessions: int, prompts: int, own_blocks: int, block: in
             part = ids[k * block:(k + 1) * block]
             bk = block_key(parent, part)
             blocks.setdefault(bk, (parent, k * block, part))
-            chains.append((key, k, bk))
+            chains.append((key, FINGERPRINT, k, bk))
             parent = bk
         start = (len(ids) - 1) // block * block
-        path = index.path_for(key, start, len(ids), parent)
+        path = index.path_for(key, FINGERPRINT, start, len(ids), parent)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
         segments.append((key, start, len(ids), path.relative_to(index.files).as_posix(), 4096, "0",
@@ -83,10 +83,11 @@ def build(root: Path, *, sessions: int, prompts: int, own_blocks: int, block: in
     db.execute("BEGIN")
     db.executemany('INSERT INTO blocks (block, parent, start, "end", file, nbytes, checksum, fingerprint, '
                    "tokens, last_used) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", block_rows)
-    db.executemany("INSERT INTO chains (key, n, block) VALUES (?, ?, ?)", chains)
+    db.executemany("INSERT INTO chains (key, fingerprint, n, block) VALUES (?, ?, ?, ?)", chains)
     db.executemany('INSERT INTO segments (key, start, "end", file, nbytes, checksum, fingerprint, tokens, '
                    "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", segments)
-    db.executemany("INSERT INTO keys (key, last_used) VALUES (?, ?)", [(k, float(i)) for i, k in enumerate(ids_of)])
+    db.executemany("INSERT INTO keys (key, fingerprint, last_used) VALUES (?, ?, ?)",
+                   [(k, FINGERPRINT, float(i)) for i, k in enumerate(ids_of)])
     db.execute("COMMIT")
     print(f"indexed {sessions} sessions, {len(blocks)} blocks, {len(chains)} chain rows")
     index.close()

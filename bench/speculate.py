@@ -46,10 +46,11 @@ BLAS = preload_blas()
 from common.ids import new_session_id  # noqa: E402
 from daemon.config import load_config  # noqa: E402
 from daemon.engine import speculate  # noqa: E402
-from daemon.engine.jobs import Delta, Done, EngineEvent, Failed, TurnJob  # noqa: E402
+from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
 from daemon.models.sources import DEFAULT_MODEL, prepare_model  # noqa: E402
 from daemon.prompt import Continuation  # noqa: E402
+from protocol.shapes import Resolved  # noqa: E402
 
 FUNCTION = '''def summarize_orders(orders, customers, tax_rate, discount_codes):
     """Build a per-customer summary of the given orders."""
@@ -143,9 +144,9 @@ class Turn:
         self.ended: float | None = None
         prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
         tokens, retokenized = prompt.ids(engine.tokenizer)  # as the turn core's tokenizer stage does
-        engine.submit(TurnJob(session_id=session, tokens=tokens, retokenized=retokenized,
-                              fed_before=prompt.fed_before, max_tokens=max_tokens, temperature=0.0,
-                              top_p=1.0, emit=self.emit))
+        engine.submit(AnswerJob(session_id=session, tokens=tokens, retokenized=retokenized,
+                              fed_before=prompt.fed_before, sampling=Resolved(max_tokens, 0.0, 1.0),
+                              emit=self.emit))
 
     def emit(self, e: EngineEvent) -> None:
         now = time.perf_counter()

@@ -16,24 +16,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .index import disk_ids
-from .layout import cached_session_ids, check_usable
+from .cost import CacheCost, cache_cost
+from .ioworker import FirstTokens
+from .layout import cached_session_ids, check_usable, disk_ids
 from .prefix import common_prefix_len
 
 if TYPE_CHECKING:
+    from .snapshot import rewind
     from .store import Budgets, Checkout, SessionCaches
+    from .terms import Pending
 
-__all__ = ["Budgets", "Checkout", "SessionCaches", "cached_session_ids", "check_usable", "common_prefix_len",
-           "disk_ids", "model_fingerprint"]
-
-_LAZY = frozenset({"Budgets", "Checkout", "SessionCaches"})
+__all__ = ["Budgets", "CacheCost", "Checkout", "FirstTokens", "Pending", "SessionCaches", "cache_cost",
+           "cached_session_ids", "check_usable", "common_prefix_len", "disk_ids", "model_fingerprint", "rewind"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from . import store
+    """The names that need MLX, loaded on first use (the engine thread's)."""
+    if name in ("Budgets", "Checkout", "SessionCaches"):
+        from .store import Budgets, Checkout, SessionCaches
 
-        return getattr(store, name)
+        return {"Budgets": Budgets, "Checkout": Checkout, "SessionCaches": SessionCaches}[name]
+    if name == "Pending":
+        from .terms import Pending
+
+        return Pending
+    if name == "rewind":
+        from .snapshot import rewind
+
+        return rewind
     raise AttributeError(f"module 'cachestore' has no attribute {name!r}")
 
 

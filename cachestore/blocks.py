@@ -19,7 +19,6 @@ from array import array
 from collections.abc import Sequence
 
 BLOCK_RE = re.compile(r"[0-9a-f]{32}")
-BLOCK_TOKENS = 128  # token ids per block unless configured ([cache] block_tokens): the one default
 
 
 def _ids(tokens: Sequence[int]) -> bytes:

@@ -14,18 +14,25 @@ the worker's figures are its Writeback's, the engine's its PageIn's.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+from .blocks import whole_blocks
 from .errors import CorruptSegment
-from .index import BlockRow, DiskNews, SegmentIndex, SegmentRow
+from .index import SegmentIndex
 from .ioworker import FirstTokens, IOWorker
-from .snapshot import Snapshot, cuttable
+from .lru import Tier
+from .packing import unpack
+from .rows import BlockRow, DiskNews, SegmentRow
+from .snapshot import Snapshot, cuttable, merge
 from .table import BlockTable
+from .warm import WarmTier
 from .writeback import NOTHING, Promise, Writeback, evaluate, plan, promise_of
 
 log = logging.getLogger("kvd.cache")
 
+WRITTEN_WAIT = 5.0  # seconds a checkout waits at most for its session's own queued writes (`written`)
 DROPPING = "drop"  # the I/O worker's key for a block drop's job (session keys are hex: never this)
 
 
@@ -44,6 +51,7 @@ class DiskTier:
         # A block drop is queued: until it has run, the table still lists the block, so every plan
         # assumes disk holds nothing (and the worker writes what the index lacks, reusing the rest).
         self._dropping = False
+        self._kept_for: dict[str, list[str]] | None = None  # other models' caches by session, read when changed
 
     def settle(self) -> list[object]:
         """Take in the worker's reports: the index rows its jobs changed, and which sessions have
@@ -55,6 +63,7 @@ class DiskTier:
         for news in results:
             if isinstance(news, DiskNews):
                 self.table.apply(news)
+                self._kept_for = None if news.others else self._kept_for
             else:
                 others.append(news)
         for key in done:
@@ -91,6 +100,28 @@ class DiskTier:
             held = promise_of(blocks, tail, block=self.table.block, fingerprint=self.writer.fingerprint)
         return held
 
+    def written(self, key: str, settle: Callable[[], None]) -> bool:
+        """Wait, on the engine thread, for the session's own writes still queued: at most
+        WRITTEN_WAIT seconds; whether there were any (`settle`: the store's, taking in reports).
+
+        The one place the engine waits for the disk. A checkout asks only when
+        the session's live cache and warm snapshot cannot serve its turn (a
+        window cache rewound by a regenerate or an edit, a cache paged out) and
+        those queued writes hold what can: rare, and a few milliseconds, for
+        the writes neither give way to turns nor linger meanwhile (`hurry`).
+        """
+        if not self.io.queued(key):
+            return False
+        deadline = time.monotonic() + WRITTEN_WAIT
+        with self.io.hurry():
+            while (left := deadline - time.monotonic()) > 0:
+                seen = self.io.done_count()
+                settle()
+                if not self.io.queued(key):
+                    break
+                self.io.wait_done(seen, timeout=left)
+        return True
+
     def write_behind(self, key: str, cache: list[Any] | Snapshot, tokens: list[int], keys: list[str], *,
                      evict: bool = True, captured: dict[int, Snapshot] | None = None) -> None:
         """Evaluate what disk will lack of `tokens` and queue its writing.
@@ -124,6 +155,41 @@ class DiskTier:
             self._promised[key] = self.promise(key).cut(start)
             self.later(lambda index: index.drop_from(key, start), key)
 
+    def kept_for(self) -> dict[str, list[str]]:
+        """By session, the other models disk keeps a cache for: read from the index at start and again
+        only once the worker reported a change to another model's rows (an eviction, a deletion)."""
+        if self._kept_for is None:
+            self._kept_for = self._index().models_of()
+        return self._kept_for
+
     def forget(self, key: str) -> None:
-        self.later(lambda index: index.drop_from(key, 0), key)  # after its queued writes, which it undoes
+        self.later(lambda index: index.forget(key), key)  # every model's; after its queued writes, which it undoes
         self._promised[key] = NOTHING
+
+    def page_out(self, resident: Tier[list[Any]], warm: WarmTier) -> None:
+        """Queue the writing of every session memory holds (on shutdown; the caller waits for it).
+
+        No evictions for this: it must not push out caches used more recently.
+        """
+        for key in resident:
+            cache = resident.peek(key)
+            if cache is not None:
+                s = self.table.session(key)
+                try:
+                    self.write_behind(key, cache, s.tokens, s.keys, evict=False)
+                except Exception as e:
+                    log.warning("could not page out %s: %s", key, e)
+        for key in warm.held_or_warm():
+            got = warm.parts(key)
+            if got is None or not got[0] or got[0][0].start != 0:
+                continue
+            parts, toks = got
+            try:
+                # A packed snapshot is saved at its rounded precision: the best there is.
+                snap = merge(*[unpack(p) for p in parts])
+                toks = toks[:snap.end]
+                keys = self.table.keys_for(key, toks)[:whole_blocks(len(toks), self.table.block)] \
+                    if cuttable(snap) else []
+                self.write_behind(key, snap, toks, keys, evict=False)
+            except Exception as e:
+                log.warning("could not page out %s: %s", key, e)

@@ -20,14 +20,14 @@ from the files by the owner (store.py), not taken as "no segments".
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
-import os
 import re
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from sqlite_utils import Database
@@ -38,48 +38,12 @@ from common.tokenids import pack_tokens, unpack_tokens
 from .blocks import BLOCK_RE
 from .layout import BLOCKS, INDEX, SEGMENTS
 from .migrations import known, migrate
+from .rows import BlockRow, DiskNews, SegmentRow
 
 log = logging.getLogger("kvd.cache")
 
 KEY_RE = re.compile(r"[0-9a-f]{1,64}")
 SEGMENT_SUFFIX = ".safetensors"
-
-
-@dataclass(frozen=True)
-class SegmentRow:
-    key: str
-    start: int
-    end: int
-    path: Path
-    nbytes: int
-    checksum: str
-    fingerprint: str
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BlockRow:
-    block: str  # its key: the hash chain of every id up to its end (blocks.py)
-    parent: str  # the previous block's key, or the fingerprint for the first block
-    start: int
-    end: int
-    path: Path
-    nbytes: int
-    checksum: str
-    fingerprint: str
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DiskNews:
-    """What index writes changed (one I/O job's): sessions' chains and tails, blocks added or gone.
-
-    The I/O worker sends it to the engine thread, whose block table (table.py)
-    mirrors the index without reading it.
-    """
-
-    sessions: dict[str, tuple[list[str], list[SegmentRow]]]  # key -> (its chain's blocks, its segments)
-    blocks: dict[str, BlockRow | None]  # None: gone
 
 
 def check_key(key: str) -> str:
@@ -90,8 +54,19 @@ def check_key(key: str) -> str:
 
 
 class SegmentIndex:
-    def __init__(self, root: Path):
+    """The disk index, through one connection, for one model (`model`: its fingerprint).
+
+    A session's private segments, chain and place in the LRU are kept per
+    model: `chain`, `blocks_of`, `set_chain`, `touch`, `drop_from` and the rest
+    see the rows of `model` only (None: of every model; tools and tests),
+    and another model's rows are never loaded and never dropped for being
+    another's. Bytes and the LRU order (`total_bytes`, `by_use`) span every
+    model: one disk budget evicts across all of them.
+    """
+
+    def __init__(self, root: Path, model: str | None = None):
         self.root = root
+        self.model = model
         self.files = root / SEGMENTS
         self.files.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.blocks = root / BLOCKS
@@ -100,7 +75,7 @@ class SegmentIndex:
         # How the index was found, when it could not be used as it was: None (fine),
         # "missing", "empty", or "damaged (<why>), set aside as <name>".
         self.lost: str | None = None
-        self._changed: set[str] = set()  # sessions whose rows a write changed, since `news`
+        self._changed: set[tuple[str, str | None]] = set()  # (session, model) a write changed, since `news`
         self._changed_blocks: set[str] = set()
         try:
             self.db = self._open()
@@ -133,22 +108,29 @@ class SegmentIndex:
     def dir_for(self, key: str) -> Path:
         return self.files / check_key(key)
 
-    def path_for(self, key: str, start: int, end: int, after: str | None = None) -> Path:
-        """A private segment's file; `after` names the chain's last block when it has one,
-        so a rebuilt index can find the session's chain again from the file names."""
+    def path_for(self, key: str, fingerprint: str, start: int, end: int, after: str | None = None) -> Path:
+        """A private segment's file, in a directory per session and model; `after` names the chain's
+        last block when it has one, so a rebuilt index can find the session's chain again from the
+        file names. (Files written before caches were kept per model sit in the session's directory.)"""
         tail = f"-{_check_block(after)}" if after else ""
-        return self.dir_for(key) / f"{start:010d}-{end:010d}{tail}{SEGMENT_SUFFIX}"
+        return self.dir_for(key) / model_dir(fingerprint) / f"{start:010d}-{end:010d}{tail}{SEGMENT_SUFFIX}"
+
+    def _mine(self, model: str | None = None, column: str = "fingerprint") -> tuple[str, list[str]]:
+        """The SQL condition (and its parameter) for rows of `model`, by default this index's; none: all."""
+        m = model if model is not None else self.model
+        return (f" AND {column} = ?", [m]) if m is not None else ("", [])
 
     def block_path(self, block: str, parent: str) -> Path:
         return self.blocks / f"{_check_block(block)}-{_check_parent(parent)}{SEGMENT_SUFFIX}"
 
     # --- reads ---
 
-    def chain(self, key: str) -> list[SegmentRow]:
+    def chain(self, key: str, model: str | None = None) -> list[SegmentRow]:
         """The session's private segments, in order."""
+        mine, m = self._mine(model)
         rows = self.db.execute(
             'SELECT key, start, "end", file, nbytes, checksum, fingerprint, tokens FROM segments '
-            "WHERE key = ? ORDER BY start", [check_key(key)]).fetchall()
+            f"WHERE key = ?{mine} ORDER BY start", [check_key(key), *m]).fetchall()
         return [SegmentRow(r[0], r[1], r[2], self.files / r[3], r[4], r[5], r[6], tuple(unpack_tokens(r[7])))
                 for r in rows]
 
@@ -159,11 +141,12 @@ class SegmentIndex:
                         self.blocks / str(r[4]), int(r[5]), str(r[6]), str(r[7]),  # type: ignore[call-overload]
                         tuple(unpack_tokens(r[8])))  # type: ignore[arg-type]
 
-    def blocks_of(self, key: str) -> list[BlockRow]:
+    def blocks_of(self, key: str, model: str | None = None) -> list[BlockRow]:
         """The blocks the session's chain lists, in order."""
+        mine, m = self._mine(model, "c.fingerprint")
         rows = self.db.execute(
             f"SELECT {self._BLOCK_COLUMNS} FROM chains c JOIN blocks b ON b.block = c.block "
-            "WHERE c.key = ? ORDER BY c.n", [check_key(key)]).fetchall()
+            f"WHERE c.key = ?{mine} ORDER BY c.n", [check_key(key), *m]).fetchall()
         return [self._block_row(r) for r in rows]
 
     def find_blocks(self, blocks: Sequence[str]) -> dict[str, BlockRow]:
@@ -182,21 +165,40 @@ class SegmentIndex:
                                [parent]).fetchall()
         return [self._block_row(r) for r in rows]
 
-    def keys_by_use(self) -> list[tuple[str, int]]:
-        """(key, bytes its private segments and its chain's blocks take), least recently used first."""
-        return [(r[0], r[1] + r[2]) for r in self.db.execute(
-            "SELECT k.key, (SELECT COALESCE(SUM(s.nbytes), 0) FROM segments s WHERE s.key = k.key), "
-            "(SELECT COALESCE(SUM(b.nbytes), 0) FROM chains c JOIN blocks b ON b.block = c.block "
-            "WHERE c.key = k.key) FROM keys k ORDER BY k.last_used, k.key")]
+    def by_use(self) -> list[tuple[str, str, int]]:
+        """(key, model, bytes its private segments and its chain's blocks take) of every model's
+        sessions, least recently used first: the order the disk budget evicts in."""
+        return [(r[0], r[1], r[2] + r[3]) for r in self.db.execute(
+            "SELECT k.key, k.fingerprint, (SELECT COALESCE(SUM(s.nbytes), 0) FROM segments s "
+            "WHERE s.key = k.key AND s.fingerprint = k.fingerprint), (SELECT COALESCE(SUM(b.nbytes), 0) "
+            "FROM chains c JOIN blocks b ON b.block = c.block WHERE c.key = k.key AND c.fingerprint = "
+            "k.fingerprint) FROM keys k ORDER BY k.last_used, k.key, k.fingerprint")]
 
-    def foreign(self, fingerprint: str) -> list[str]:
-        """Sessions with private segments another model or layout wrote."""
-        return [r[0] for r in self.db.execute("SELECT DISTINCT key FROM segments WHERE fingerprint != ?",
-                                              [fingerprint])]
+    def keys_by_use(self) -> list[tuple[str, int]]:
+        """(key, bytes) of this index's model's sessions, least recently used first."""
+        return [(key, n) for key, model, n in self.by_use() if self.model is None or model == self.model]
+
+    def models_of(self) -> dict[str, list[str]]:
+        """Each session's cache held for other models than this index's: their names (their
+        fingerprints where no name was recorded), most recently used first."""
+        held: dict[str, list[str]] = {}
+        for key, name in self.db.execute(
+                "SELECT k.key, COALESCE(m.name, k.fingerprint) FROM keys k LEFT JOIN models m "
+                "ON m.fingerprint = k.fingerprint WHERE k.fingerprint != ? ORDER BY k.last_used DESC",
+                [self.model or ""]):
+            held.setdefault(key, []).append(name)
+        return held
+
+    def name_model(self, name: str) -> None:
+        """Record this index's model's name (what `models_of` says)."""
+        if self.model is not None:
+            self.db.execute("INSERT OR REPLACE INTO models (fingerprint, name) VALUES (?, ?)", [self.model, name])
 
     def keys(self) -> set[str]:
-        """Every key with at least one segment or block."""
-        return {r[0] for r in self.db.execute("SELECT key FROM segments UNION SELECT key FROM chains")}
+        """Every key with at least one segment or block (of this index's model)."""
+        mine, m = self._mine()
+        return {r[0] for r in self.db.execute(f"SELECT key FROM segments WHERE 1{mine} UNION "
+                                              f"SELECT key FROM chains WHERE 1{mine}", [*m, *m])}
 
     def total_bytes(self) -> int:
         """Bytes on disk: every block once, however many chains list it, plus every segment."""
@@ -205,9 +207,9 @@ class SegmentIndex:
             "(SELECT COALESCE(SUM(nbytes), 0) FROM blocks)").fetchone()[0])
 
     def count(self) -> tuple[int, int]:
-        """(keys with segments or blocks, segments)."""
-        sessions = len(self.keys())
-        return sessions, int(self.db.execute("SELECT COUNT(*) FROM segments").fetchone()[0])
+        """(keys with segments or blocks, segments), of this index's model."""
+        mine, m = self._mine()
+        return len(self.keys()), int(self.db.execute(f"SELECT COUNT(*) FROM segments WHERE 1{mine}", m).fetchone()[0])
 
     def sharing(self) -> dict[str, int]:
         """Blocks, their bytes, those listed by more than one chain, and what sharing saves."""
@@ -221,14 +223,16 @@ class SegmentIndex:
     def load_all(self) -> tuple[list[tuple[str, str, int, int, str, int, str, str, bytes]], dict[str, list[str]],
                                 dict[str, list[SegmentRow]]]:
         """Every block (block, parent, start, end, file name, nbytes, checksum, fingerprint, packed ids),
-        chain and segment: what the block table loads at start (raw, for speed: 100,000 blocks)."""
-        blocks = self.db.execute(f"SELECT {self._BLOCK_COLUMNS} FROM blocks b").fetchall()
+        chain and segment of this index's model: what the block table loads at start (raw, for
+        speed: 100,000 blocks)."""
+        mine, m = self._mine()
+        blocks = self.db.execute(f"SELECT {self._BLOCK_COLUMNS} FROM blocks b WHERE 1{mine}", m).fetchall()
         chains: dict[str, list[str]] = {}
-        for key, block in self.db.execute("SELECT key, block FROM chains ORDER BY key, n"):
+        for key, block in self.db.execute(f"SELECT key, block FROM chains WHERE 1{mine} ORDER BY key, n", m):
             chains.setdefault(key, []).append(block)
         segments: dict[str, list[SegmentRow]] = {}
         for r in self.db.execute('SELECT key, start, "end", file, nbytes, checksum, fingerprint, tokens '
-                                 "FROM segments ORDER BY key, start"):
+                                 f"FROM segments WHERE 1{mine} ORDER BY key, start", m):
             segments.setdefault(r[0], []).append(
                 SegmentRow(r[0], r[1], r[2], self.files / r[3], r[4], r[5], r[6], tuple(unpack_tokens(r[7]))))
         return blocks, chains, segments
@@ -238,8 +242,11 @@ class SegmentIndex:
         keys, blocks = self._changed, self._changed_blocks
         self._changed, self._changed_blocks = set(), set()
         found = self.find_blocks(sorted(blocks)) if blocks else {}
-        return DiskNews({key: ([b.block for b in self.blocks_of(key)], self.chain(key)) for key in keys},
-                        {b: found.get(b) for b in blocks})
+        mine = {key for key, model in keys if self.model is None or model == self.model}
+        return DiskNews({key: ([b.block for b in self.blocks_of(key)], self.chain(key)) for key in mine},
+                        {b: row for b in blocks if (row := found.get(b)) is None or self.model is None
+                         or row.fingerprint == self.model},
+                        frozenset(key for key, model in keys if self.model is not None and model != self.model))
 
     # --- writes ---
 
@@ -254,8 +261,8 @@ class SegmentIndex:
                 'INSERT OR REPLACE INTO segments (key, start, "end", file, nbytes, checksum, fingerprint, '
                 "tokens, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [check_key(key), start, end, rel, nbytes, checksum, fingerprint, pack_tokens(tokens), now])
-            self._used(key, now)
-        self._changed.add(key)
+            self._used(key, fingerprint, now)
+        self._changed.add((key, fingerprint))
 
     def add_block(self, block: str, parent: str, start: int, end: int, path: Path, nbytes: int,
                   checksum: str, fingerprint: str, tokens: Sequence[int], now: float) -> None:
@@ -271,56 +278,69 @@ class SegmentIndex:
                  fingerprint, pack_tokens(tokens), now])
         self._changed_blocks.add(block)
 
-    def set_chain(self, key: str, blocks: Sequence[str], now: float) -> int:
-        """Make `blocks` the session's chain; collect blocks nobody lists any more. Returns bytes freed."""
+    def set_chain(self, key: str, blocks: Sequence[str], now: float, model: str | None = None) -> int:
+        """Make `blocks` the session's chain (for `model`, by default this index's, else its blocks');
+        collect blocks nobody lists any more. Returns bytes freed."""
+        if (m := model or self.model) is None and blocks:
+            m = self.find_blocks(blocks[:1])[blocks[0]].fingerprint
+        mine, ms = self._mine(m)
         with self._transaction():
-            self.db.execute("DELETE FROM chains WHERE key = ?", [check_key(key)])
-            self.db.executemany("INSERT INTO chains (key, n, block) VALUES (?, ?, ?)",
-                                     [(key, n, b) for n, b in enumerate(blocks)])
-            self.db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?",
-                                     [(now, b) for b in blocks])
-            self._used(key, now)
-        self._changed.add(key)
+            self.db.execute(f"DELETE FROM chains WHERE key = ?{mine}", [check_key(key), *ms])
+            self.db.executemany("INSERT INTO chains (key, fingerprint, n, block) VALUES (?, ?, ?, ?)",
+                                [(key, m, n, b) for n, b in enumerate(blocks)])
+            self.db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?", [(now, b) for b in blocks])
+            if m is not None:
+                self._used(key, m, now)
+        self._changed.add((key, m))
         return self.collect()
 
     def touch(self, key: str, now: float) -> None:
-        self.db.execute("UPDATE keys SET last_used = ? WHERE key = ?", [now, check_key(key)])
+        mine, m = self._mine()
+        self.db.execute(f"UPDATE keys SET last_used = ? WHERE key = ?{mine}", [now, check_key(key), *m])
         self.db.execute("UPDATE blocks SET last_used = ? WHERE block IN "
-                        "(SELECT block FROM chains WHERE key = ?)", [now, key])
+                        f"(SELECT block FROM chains WHERE key = ?{mine})", [now, key, *m])
 
     def touch_blocks(self, blocks: Sequence[str], now: float) -> None:
         self.db.executemany("UPDATE blocks SET last_used = ? WHERE block = ?", [(now, b) for b in blocks])
 
-    def drop_from(self, key: str, start: int) -> int:
-        """Unlist and delete the session's segments starting at or after `start`; returns bytes freed.
+    def drop_from(self, key: str, start: int, model: str | None = None) -> int:
+        """Unlist and delete the session's segments (of `model`, by default this index's) starting at
+        or after `start`; returns bytes freed.
 
-        `start == 0` forgets the session on disk altogether: its chain too,
-        and every block no other chain lists.
+        `start == 0` forgets the session's cache for that model altogether:
+        its chain too, and every block no other chain lists.
         """
-        rows = [r for r in self.chain(key) if r.start >= start]
-        self._changed.add(key)
+        rows = [r for r in self.chain(key, model) if r.start >= start]
+        mine, m = self._mine(model)
+        self._changed.add((key, model or self.model))
         with self._transaction():
-            self.db.execute("DELETE FROM segments WHERE key = ? AND start >= ?", [key, start])
+            self.db.execute(f"DELETE FROM segments WHERE key = ? AND start >= ?{mine}", [key, start, *m])
             if start == 0:
-                self.db.execute("DELETE FROM keys WHERE key = ?", [key])
-                self.db.execute("DELETE FROM chains WHERE key = ?", [key])
+                self.db.execute(f"DELETE FROM keys WHERE key = ?{mine}", [key, *m])
+                self.db.execute(f"DELETE FROM chains WHERE key = ?{mine}", [key, *m])
         for r in rows:  # unlisted first, then deleted: a crash in between leaves only orphans
             r.path.unlink(missing_ok=True)
         freed = sum(r.nbytes for r in rows)
         if start == 0:
-            try:
-                self.dir_for(key).rmdir()
-            except OSError:
-                pass
+            for d in sorted({r.path.parent for r in rows}, reverse=True) + [self.dir_for(key)]:
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # the model's directory, then the session's once no model's is left
             freed += self.collect()
         return freed
 
-    def drop_segments(self, key: str, start: int) -> int:
+    def forget(self, key: str) -> int:
+        """A deleted session: its cache for every model goes."""
+        models = [r[0] for r in self.db.execute("SELECT fingerprint FROM keys WHERE key = ? UNION SELECT "
+                                                "fingerprint FROM segments WHERE key = ?", [key, key])]
+        return sum(self.drop_from(key, 0, model) for model in models or [self.model or ""])
+
+    def drop_segments(self, key: str, start: int, model: str | None = None) -> int:
         """Unlist and delete the session's private segments from `start` on; its chain stays."""
-        rows = [r for r in self.chain(key) if r.start >= start]
-        self._changed.add(key)
+        rows = [r for r in self.chain(key, model) if r.start >= start]
+        mine, m = self._mine(model)
+        self._changed.add((key, model or self.model))
         if rows:
-            self.db.execute("DELETE FROM segments WHERE key = ? AND start >= ?", [key, start])
+            self.db.execute(f"DELETE FROM segments WHERE key = ? AND start >= ?{mine}", [key, start, *m])
         for r in rows:
             r.path.unlink(missing_ok=True)
         return sum(r.nbytes for r in rows)
@@ -330,17 +350,17 @@ class SegmentIndex:
 
         Returns the sessions whose chains were cut; they prefill from there.
         """
-        cut = self.db.execute("SELECT key, n FROM chains WHERE block = ?", [block]).fetchall()
-        self._changed.update(key for key, _ in cut)
-        files = [r.path for key, _ in cut for r in self.chain(key)]
+        cut = self.db.execute("SELECT key, fingerprint, n FROM chains WHERE block = ?", [block]).fetchall()
+        self._changed.update((key, model) for key, model, _ in cut)
+        files = [r.path for key, model, _ in cut for r in self.chain(key, model)]
         with self._transaction():
-            for key, n in cut:
-                self.db.execute("DELETE FROM chains WHERE key = ? AND n >= ?", [key, n])
-                self.db.execute("DELETE FROM segments WHERE key = ?", [key])
+            for key, model, n in cut:
+                self.db.execute("DELETE FROM chains WHERE key = ? AND fingerprint = ? AND n >= ?", [key, model, n])
+                self.db.execute("DELETE FROM segments WHERE key = ? AND fingerprint = ?", [key, model])
         for path in files:
             path.unlink(missing_ok=True)
         self.collect(also=[block])
-        return [key for key, _ in cut]
+        return [key for key, _, _ in cut]
 
     def collect(self, also: Sequence[str] = ()) -> int:
         """Delete the blocks no chain lists (and `also`); returns bytes freed. Delete means delete."""
@@ -356,7 +376,7 @@ class SegmentIndex:
             (self.blocks / rel).unlink(missing_ok=True)
         return sum(int(r[2]) for r in rows)
 
-    def evict(self, key: str) -> int:
+    def evict(self, key: str, model: str | None = None) -> int:
         """Free a full disk of `key`'s files: deleted first, unlisted after if the disk allows.
 
         The reverse of drop_from's order, because unlisting needs room in the
@@ -364,16 +384,17 @@ class SegmentIndex:
         deleted file is harmless: reading it finds the file missing and drops
         the row, and the next sweep removes it. Blocks another chain lists stay.
         """
-        rows = self.chain(key)
+        rows = self.chain(key, model)
+        mine, m = self._mine(model, "c.fingerprint")
         only = self.db.execute(
-            "SELECT b.file, b.nbytes FROM chains c JOIN blocks b ON b.block = c.block WHERE c.key = ? "
-            "AND (SELECT COUNT(*) FROM chains o WHERE o.block = c.block) = 1", [key]).fetchall()
+            f"SELECT b.file, b.nbytes FROM chains c JOIN blocks b ON b.block = c.block WHERE c.key = ?{mine} "
+            "AND (SELECT COUNT(*) FROM chains o WHERE o.block = c.block) = 1", [key, *m]).fetchall()
         for r in rows:
             r.path.unlink(missing_ok=True)
         for rel, _ in only:
             (self.blocks / rel).unlink(missing_ok=True)
         try:
-            self.drop_from(key, 0)
+            self.drop_from(key, 0, model)
         except sqlite3.OperationalError as e:
             if not is_disk_full(e):
                 raise
@@ -381,49 +402,12 @@ class SegmentIndex:
                 self.db.execute("ROLLBACK")
         return sum(r.nbytes for r in rows) + sum(int(n) for _, n in only)
 
-    def sweep(self) -> int:
-        """Delete files no row lists (a crash before indexing) and cut chains at files that are gone.
-
-        A listed file can be gone after a crash between an eviction's unlink
-        and its unlisting, or when that unlisting rolled back on a full disk.
-        A gone block cuts every chain that lists it (its successors with it,
-        as a damaged block does); a gone segment cuts its session's segments
-        from there. Either way those sessions prefill from the cut.
-        """
-        removed = 0
-        present: dict[str, set[str]] = {}
-        for table, root in (("segments", self.files), ("blocks", self.blocks)):
-            # Names as kvd writes them (posix, relative to the root), compared as strings: no stat per row.
-            listed = {r[0] for r in self.db.execute(f"SELECT file FROM {table}")}
-            found = present[table] = _files_under(root)
-            for rel in sorted(found - listed):
-                (root / rel).unlink(missing_ok=True)
-                removed += 1
-        for key, start, rel in self.db.execute(
-                "SELECT key, start, file FROM segments ORDER BY key, start").fetchall():
-            if rel not in present["segments"] and self._listed("segments", "file", rel):
-                removed += sum(1 for r in self.chain(key) if r.start >= start)
-                self.drop_segments(key, start)
-                log.warning("cache file %s is missing; session %s will prefill from token %d",
-                            self.files / rel, key, start)
-        for block, start, rel in self.db.execute("SELECT block, start, file FROM blocks ORDER BY start").fetchall():
-            # An earlier cut may have unlisted (and deleted) this block already: it followed a gone one.
-            if rel not in present["blocks"] and self._listed("blocks", "block", block):
-                cut = self.drop_block(block)
-                removed += 1
-                log.warning("cache block %s is missing; %d session(s) that listed it will prefill "
-                            "from token %d", self.blocks / rel, len(cut), start)
-        for d in sorted(self.files.iterdir()):
-            if d.is_dir() and not any(d.iterdir()):
-                d.rmdir()
-        return removed
-
-    def _listed(self, table: str, column: str, value: str) -> bool:
+    def listed(self, table: str, column: str, value: str) -> bool:
         return self.db.execute(f"SELECT 1 FROM {table} WHERE {column} = ?", [value]).fetchone() is not None
 
-    def _used(self, key: str, now: float) -> None:
-        self.db.execute("INSERT INTO keys (key, last_used) VALUES (?, ?) "
-                        "ON CONFLICT (key) DO UPDATE SET last_used = excluded.last_used", [key, now])
+    def _used(self, key: str, model: str, now: float) -> None:
+        self.db.execute("INSERT INTO keys (key, fingerprint, last_used) VALUES (?, ?, ?) ON CONFLICT "
+                        "(key, fingerprint) DO UPDATE SET last_used = excluded.last_used", [key, model, now])
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -435,16 +419,6 @@ class SegmentIndex:
             if self.db.in_transaction:  # a failed COMMIT (a full disk) has rolled back already
                 self.db.execute("ROLLBACK")
             raise
-
-
-def _files_under(root: Path) -> set[str]:
-    """Every file below `root`, as its posix path relative to `root` (one directory listing each, no stat)."""
-    found: set[str] = set()
-    for here, _dirs, names in os.walk(root):
-        rel = Path(here).relative_to(root).as_posix()
-        prefix = "" if rel == "." else rel + "/"
-        found.update(prefix + name for name in names)
-    return found
 
 
 def _check_block(block: str) -> str:
@@ -460,28 +434,6 @@ def _check_parent(parent: str) -> str:
     return parent
 
 
-def disk_ids(root: Path) -> dict[str, tuple[int, ...]]:
-    """Each session's token ids as its disk chain holds them (its blocks, then its segments).
-
-    Read only, through a connection of its own, before anything else opens
-    the index: a fact for the transcript's check at start (which turns a
-    lost WAL took), never a reason to fail. An index that cannot be read
-    gives no facts.
-    """
-    path = root / "index.sqlite"
-    if not path.is_file():
-        return {}
-    found: dict[str, list[int]] = {}
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            for key, blob in db.execute("SELECT c.key, b.tokens FROM chains c JOIN blocks b ON b.block = c.block "
-                                        "ORDER BY c.key, c.n"):
-                found.setdefault(key, []).extend(unpack_tokens(blob))
-            for key, blob in db.execute("SELECT key, tokens FROM segments ORDER BY key, start"):
-                found.setdefault(key, []).extend(unpack_tokens(blob))
-        finally:
-            db.close()
-    except (sqlite3.Error, ValueError):
-        return {}
-    return {key: tuple(ids) for key, ids in found.items()}
+def model_dir(fingerprint: str) -> str:
+    """The directory name of one model's private segments under a session's (any fingerprint, safe)."""
+    return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()

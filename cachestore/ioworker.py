@@ -17,8 +17,8 @@ the reader (`read`): a turn waiting for its cache must not queue behind
 another session's writes, and a read changes nothing on disk, so it needs
 no place in the writes' order. It reads the files the engine's block table
 lists (indexed, so durable) into memory the engine allocated, and reports
-back like a write; `on_read` tells the engine thread a read is done so it
-wakes up to admit the turn.
+back like a write; `on_read` tells the engine thread the reader reported,
+so it takes the report in and starts the answer whose read has ended.
 
 Writes give way to a turn that waits for its first token (`FirstTokens`).
 On two cores a write-behind that runs beside the next turn's prefill takes

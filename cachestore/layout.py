@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import errno
 import os
+import sqlite3
 from pathlib import Path
+
+from common.tokenids import unpack_tokens
 
 SEGMENTS = "segments"
 BLOCKS = "blocks"
@@ -43,3 +46,35 @@ def cached_session_ids(cache_dir: Path) -> set[str]:
     if not segments.is_dir():
         return set()
     return {p.name for p in segments.iterdir() if p.is_dir()}
+
+
+def disk_ids(root: Path) -> dict[str, tuple[int, ...]]:
+    """Each session's token ids as its disk chain holds them (its blocks, then its segments), for the
+    model that used the session last.
+
+    Read only, through a connection of its own, before anything else opens
+    the index: a fact for the transcript's check at start (which turns a
+    lost WAL took), never a reason to fail. An index that cannot be read
+    gives no facts.
+    """
+    path = root / INDEX
+    if not path.is_file():
+        return {}
+    found: dict[tuple[str, str], list[int]] = {}
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            for key, model, blob in db.execute(
+                    "SELECT c.key, c.fingerprint, b.tokens FROM chains c JOIN blocks b ON b.block = c.block "
+                    "ORDER BY c.key, c.fingerprint, c.n"):
+                found.setdefault((key, model), []).extend(unpack_tokens(blob))
+            for key, model, blob in db.execute("SELECT key, fingerprint, tokens FROM segments "
+                                               "ORDER BY key, fingerprint, start"):
+                found.setdefault((key, model), []).extend(unpack_tokens(blob))
+            by_use = db.execute("SELECT key, fingerprint FROM keys ORDER BY last_used").fetchall()
+        finally:
+            db.close()
+    except (sqlite3.Error, ValueError):
+        return {}
+    # One model's ids per session: the one that used it last (the transcript's fed ids are its).
+    return {key: tuple(found[key, model]) for key, model in by_use if (key, model) in found}

@@ -83,3 +83,26 @@ def m002_blocks(db: Database) -> None:
     )
     db.execute("CREATE INDEX chains_block ON chains (block)")
     db.execute("CREATE INDEX blocks_parent ON blocks (parent)")
+
+
+@migration
+def m003_per_model(db: Database) -> None:
+    # A session's cache is kept per model (issue 42): its private segments, its chain and its
+    # place in the disk LRU are keyed by (session, fingerprint), so loading another model leaves
+    # a cache valid for the model that wrote it. Existing rows take their own files' fingerprint
+    # (a chain its blocks'); a session with no file left is forgotten.
+    db.table("segments").transform(pk=("key", "fingerprint", "start"))
+    db.table("chains").add_column("fingerprint", str)
+    db.execute("UPDATE chains SET fingerprint = (SELECT b.fingerprint FROM blocks b WHERE b.block = chains.block)")
+    db.execute("DELETE FROM chains WHERE fingerprint IS NULL")
+    first = ["key", "fingerprint"]
+    db.table("chains").transform(pk=("key", "fingerprint", "n"), not_null={"fingerprint"}, column_order=first)
+    held = "SELECT key, fingerprint FROM segments UNION SELECT key, fingerprint FROM chains"
+    db.table("keys").add_column("fingerprint", str)
+    db.execute(f"UPDATE keys SET fingerprint = (SELECT h.fingerprint FROM ({held}) h WHERE h.key = keys.key)")
+    db.execute("DELETE FROM keys WHERE fingerprint IS NULL")
+    db.table("keys").transform(pk=tuple(first), not_null={"fingerprint"}, column_order=first)
+    db.execute("INSERT OR IGNORE INTO keys (key, fingerprint, last_used) SELECT h.key, h.fingerprint, k.last_used "
+               f"FROM ({held}) h JOIN keys k ON k.key = h.key")
+    # The models that wrote caches, by fingerprint: what "kept for <model>" names.
+    db.execute("CREATE TABLE models (fingerprint TEXT PRIMARY KEY, name TEXT NOT NULL)")

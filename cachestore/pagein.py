@@ -13,8 +13,7 @@ them in live caches. Other layouts: the reader checks each file (checksum,
 header), the engine has MLX load them from the pages just read, and merges
 them. A file that fails verification is reported to the store (`dropped`),
 which unlists it and what follows it, so the session prefills from there.
-`prefetch_plan` and `prefetch` page sessions only on disk into free memory
-after a start, before anyone asks, by the same reads.
+A prefetch after a start (prefetch.py) pages sessions in by the same reads.
 
 Decide in one place, execute in another, acknowledge back (SGLang's
 HiRadixCache loads the same way): the engine plans and owns each `Reading`;
@@ -35,15 +34,16 @@ from typing import Any
 
 from common.tokenids import pack_tokens
 
-from . import direct
+from .direct import Allocation, Buffers, FileSpan, Filled, Filling, FillRate, Scan, finish, scan
 from .errors import CannotSplit, CorruptSegment
-from .index import BlockRow, SegmentIndex, SegmentRow
-from .lru import DiskStats, Tier
+from .index import SegmentIndex
+from .lru import DiskStats
 from .prefix import MIN_SHARED, common_prefix_len
+from .rows import BlockRow, SegmentRow
 from .segread import Verified, load_verified, verify_segment
 from .snapshot import Snapshot, merge, restore, truncate
 from .table import BlockTable, Walk
-from .warm import Cache, WarmTier
+from .warm import Cache
 
 log = logging.getLogger("kvd.cache")
 
@@ -53,8 +53,7 @@ Later = Callable[[Callable[[SegmentIndex], object], str | None], None]
 #: Tell the store a file failed verification (the session, the file's row, why).
 Dropped = Callable[[str, DiskRow, CorruptSegment], None]
 
-PREFETCH_ROOM = 64  # tokens a prefetched live cache can take before it grows: a typical next message
-ALLOC_STEP = 16 << 20  # bytes of a restore's buffers made between two engine steps (direct.Allocation)
+ALLOC_STEP = 16 << 20  # bytes of a restore's buffers made between two engine steps (Allocation)
 
 
 @dataclass
@@ -80,10 +79,10 @@ class Reading:
     live: bool  # into live caches; else into a snapshot (warm)
     started: float
     stage: str = "scan"  # "scan" -> "alloc" -> "fill" (direct), or "verify" (the general path)
-    scan: direct.Scan | None = None
-    allocation: direct.Allocation | None = None  # the live buffers, made a few per engine step
-    buffers: direct.Buffers | None = None  # the reader writes into their views until `pending` is 0
-    filling: direct.Filling | None = None  # the reader's state, handed to each of its fill jobs
+    scan: Scan | None = None
+    allocation: Allocation | None = None  # the live buffers, made a few per engine step
+    buffers: Buffers | None = None  # the reader writes into their views until `pending` is 0
+    filling: Filling | None = None  # the reader's state, handed to each of its fill jobs
     pending: int = 0  # fill jobs with the reader (each reads into the buffers made before it)
     given: int = 0  # buffers handed to the reader so far
     abandoned: bool = False
@@ -91,8 +90,8 @@ class Reading:
     result: tuple[Cache | Snapshot, int, int] | None = None  # (held, tokens held, of those the session's own)
     ms: float = 0.0  # from `begin` to the end
 
-    def parts(self) -> list[direct.FileSpan]:
-        return [direct.FileSpan(row.path, row.checksum, row.start, row.end, min(row.end, self.plan.end))
+    def parts(self) -> list[FileSpan]:
+        return [FileSpan(row.path, row.checksum, row.start, row.end, min(row.end, self.plan.end))
                 for row in self.plan.rows]
 
 
@@ -152,7 +151,7 @@ class PageIn:
         self._read = read
         self._reading: dict[int, Reading] = {}  # in flight, by id
         self._stream: Any = None  # MLX's stream that restores' buffers are filled on
-        self._fill_rate = direct.FillRate()
+        self._fill_rate = FillRate()
         self._next = 0
 
     def plan(self, key: str, wanted: Sequence[int], limit: int, walk: Walk) -> DiskPlan:  # noqa: C901 - 16: the one
@@ -236,7 +235,7 @@ class PageIn:
         elif live:
             parts = r.parts()
             fingerprint = self.fingerprint
-            self._submit(r, lambda: direct.scan(parts, fingerprint=fingerprint))
+            self._submit(r, lambda: scan(parts, fingerprint=fingerprint))
         else:
             self._verify(r)
         return r
@@ -257,11 +256,11 @@ class PageIn:
             if isinstance(got, BaseException):
                 raise got
             if r.stage == "scan":
-                assert got is None or isinstance(got, direct.Scan)
+                assert got is None or isinstance(got, Scan)
                 self._scanned(r, got)
             elif r.stage in ("alloc", "fill"):
                 if got is not None:  # the last job's: every buffer is made and read
-                    assert isinstance(got, direct.Filled) and r.stage == "fill" and r.pending == 0
+                    assert isinstance(got, Filled) and r.stage == "fill" and r.pending == 0
                     self._filled(r, got)
             else:
                 assert isinstance(got, Checked)
@@ -314,7 +313,7 @@ class PageIn:
         rows, fingerprint = list(r.plan.rows), self.fingerprint
         self._submit(r, lambda: _check(rows, fingerprint))
 
-    def _scanned(self, r: Reading, found: direct.Scan | None) -> None:
+    def _scanned(self, r: Reading, found: Scan | None) -> None:
         if found is None:  # not a layout the direct path reads
             self._verify(r)
             return
@@ -328,9 +327,9 @@ class PageIn:
             import mlx.core as mx
 
             self._stream = mx.new_stream(mx.default_device())  # buffers filled beside the decode
-        r.allocation = direct.Allocation(found, r.room, self._stream, self._fill_rate)
+        r.allocation = Allocation(found, r.room, self._stream, self._fill_rate)
         r.buffers = r.allocation.buffers
-        r.filling = direct.Filling(found, r.allocation.capacity, fingerprint=self.fingerprint)
+        r.filling = Filling(found, r.allocation.capacity, fingerprint=self.fingerprint)
         self._allocate(r)
 
     def allocate(self, *, all_of_it: bool = False) -> None:
@@ -372,10 +371,10 @@ class PageIn:
             if not all_of_it:
                 return  # more next step
 
-    def _filled(self, r: Reading, filled: direct.Filled) -> None:
+    def _filled(self, r: Reading, filled: Filled) -> None:
         assert r.buffers is not None
         r.filling = None
-        got = direct.finish(r.buffers, filled)
+        got = finish(r.buffers, filled)
         r.buffers = None
         self.stats.bytes_read += got.bytes_read
         self._bad(r, got.bad)
@@ -419,7 +418,7 @@ class PageIn:
         own = min(r.plan.own, merged.end)
         self._end(r, (restore(merged), merged.end, own) if r.live else (merged, merged.end, own))
 
-    def _bad(self, r: Reading, bad: tuple[direct.FileSpan, CorruptSegment] | None) -> None:
+    def _bad(self, r: Reading, bad: tuple[FileSpan, CorruptSegment] | None) -> None:
         if bad is not None:
             part, e = bad
             self.stats.dropped_corrupt += 1
@@ -446,56 +445,3 @@ class PageIn:
 
 
 # --- prefetch after a restart ---
-
-def prefetch_plan(disk: PageIn, by_use: list[tuple[str, int]], resident: Tier[Cache], warm: WarmTier) -> list[str]:
-    """Sessions only on disk that memory has room for, most recently used first.
-
-    Planned once the model is ready after a start (`by_use`: the index's
-    sessions, least recently used first): the sessions people were just
-    using are paged in before anyone asks, so the first turn after a restart
-    finds its cache in memory. Only free room is planned (the resident
-    tier's, then the warm tier's); a prefetch never evicts anything.
-    """
-    resident_room = resident.budget - resident.nbytes - resident.reserved
-    warm_room = warm.budget - warm.nbytes
-    plan = []
-    for key, nbytes in reversed(by_use):
-        if key in resident or key in warm or nbytes <= 0:
-            continue
-        if (live := live_bytes(disk.rows(key))) <= resident_room:
-            resident_room -= live
-        elif nbytes <= warm_room:
-            warm_room -= nbytes
-        else:
-            continue
-        plan.append(key)
-    return plan
-
-
-def prefetch(disk: PageIn, key: str, *, resident_fits: Callable[[int], bool]) -> tuple[Reading, list[int]] | None:
-    """Start reading one session's whole disk chain for memory: into a live cache if
-    `resident_fits` its bytes, else into a warm snapshot; with the ids the chain holds.
-
-    Resident first: after a restart that tier is empty, and a live cache
-    there (read straight into its buffers by direct.py, with room for a
-    typical next message) makes the first turn cost what a turn before the
-    restart did; a warm snapshot still needs a copy into a live cache.
-    Not a use: the session keeps its place in the disk LRU (the store puts
-    it at the tier's cold end, behind what people used since), so
-    prefetching never changes what is evicted first.
-    """
-    rows = disk.rows(key)
-    tokens = [t for row in rows for t in row.tokens]
-    if not tokens:
-        return None
-    plan = disk.plan(key, tokens, len(tokens), Walk([]))
-    if not plan.rows:
-        return None
-    live = resident_fits(live_bytes(rows))
-    return disk.begin(key, plan, room=PREFETCH_ROOM, use=False, live=live), tokens
-
-
-def live_bytes(rows: Sequence[DiskRow]) -> int:
-    """An upper bound of a prefetched live cache's bytes: its buffers are whole steps, the files' headers count."""
-    tokens = rows[-1].end if rows else 0
-    return sum(row.nbytes for row in rows) * direct.capacity(tokens, PREFETCH_ROOM) // tokens if tokens else 0

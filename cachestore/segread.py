@@ -30,7 +30,8 @@ from typing import Any, TypeGuard
 
 import mlx.core as mx
 
-from . import segformat as fmt
+import cachestore.segformat as fmt  # not `from . import`: that names the package, whose door imports this
+
 from .errors import (
     ChecksumMismatch,
     FingerprintMismatch,

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+import cachestore.segformat as fmt  # not `from . import`: that names the package, whose door imports this
 import common.durable as durable
 
-from . import segformat as fmt
 from .snapshot import LayerSnapshot, Snapshot
 
 __all__ = ["SegmentFile", "write_segment"]

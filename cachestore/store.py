@@ -1,41 +1,29 @@
-"""Every session's cache across the tiers: resident, warm, disk.
+"""Every session's cache across the tiers, resident, warm and disk: the policy (engine thread).
 
-Runs on the engine thread (it holds live MLX caches), except the disk
-writes and reads: the engine thread only evaluates what a turn writes, and
-the I/O worker (ioworker.py) runs writeback.py's half of the store; a
-restore or prefetch from disk is planned here and read by the worker's
-reader (pagein.py), and `restored()` hands out the checkouts whose read has
-reported, so no decode step waits on disk (warm.py lays out the warm tier).
-Each thread has its own connection to the index; every index write after
-start-up runs on the worker, in the order the engine asked for it. The policy:
+The engine thread holds the live caches and only evaluates what a turn
+writes; the I/O worker writes it (writeback.py, queued by disktier.py), and
+its reader reads what a restore or a prefetch (prefetch.py) needs, planned
+by pagein.py: a checkout that needs disk returns its pending read, which the
+caller holds and turns into the checkout once it has ended (`read_out`), so
+no decode step waits on disk. Each thread has its own index connection.
 
-- After a turn, the session's live cache is *resident*, and what the turn
-  added is written *behind* it to disk: the whole blocks it completed (see
-  below) and a rewritten private tail, so page-out cost grows with the new
-  tokens, not the history.
+- After a turn the live cache stays *resident*, and what the turn added is
+  written *behind* it: the whole blocks it completed and a private tail, so
+  page-out cost grows with the new tokens, not the history.
 - Resident over budget or idle: the least recently used cache is demoted to
-  *warm*, a compact evaluated snapshot trimmed to its offset.
-- Warm over budget or idle: dropped; disk already holds it (while disk
-  writes are queued, the snapshot is kept aside until the worker is done).
-- Disk over budget: the least recently used sessions are forgotten on disk
-  (their private files, and the blocks no other session lists).
-- Resume (`checkout`) restores the longest prefix of the wanted token ids
-  that anything kvd holds: the session's own cache (resident, warm, disk),
-  another session's resident or warm cache (a copy of the shared prefix),
-  or blocks on disk that any session wrote; the caller prefills the rest.
-  Finding it is one walk down the wanted ids' block keys in the block table
-  (table.py), which knows every block's tiers: no scan of other sessions.
+  *warm* (warm.py). Warm over budget or idle: dropped, disk holds it (while
+  writes are queued the snapshot is kept aside until the worker is done).
+  Disk over budget: the least recently used sessions are forgotten on disk.
+- `checkout` restores the longest prefix of the wanted ids anything holds:
+  the session's own cache, another session's memory (sharing.py), or blocks
+  on disk any session wrote; one walk down the ids' block keys in the block
+  table (table.py), no scan of other sessions. The caller prefills the rest.
 
-Content-addressed blocks (issue 14): a session's disk chain is its whole
-blocks (blocks.py; stored once under ``blocks/``, listed by every session
-whose ids pass through them, so a shared system prompt is written, stored
-and counted once) and then private segments ``[m*B, n)``. The index
-(SQLite) is the durable record; the engine thread reads it once, at start,
-into the block table, which the worker's reports keep current. Only caches
-that can be cut anywhere (plain and quantized KV) yield blocks; a window or a
-recurrent state keeps a private chain from 0 and shares only a whole cache
-in memory. A disk file that fails verification is dropped with everything
-after it (a bad block: in every chain); the sessions prefill from there.
+A session's disk chain is its whole content-addressed blocks (blocks.py,
+stored once, listed by every chain through them) and then private segments.
+The index (SQLite) is the durable record, read once at start into the block
+table, which the worker's reports keep current. A file that fails
+verification is dropped with everything after it; the sessions prefill.
 """
 
 from __future__ import annotations
@@ -44,29 +32,28 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
-from common.sizes import human_bytes
 from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
 
-from . import pagein
-from .blocks import BLOCK_TOKENS, root_key, whole_blocks
+from .blocks import root_key, whole_blocks
 from .disktier import DiskTier
 from .index import SegmentIndex
 from .ioworker import FirstTokens
 from .lru import DiskStats, Tier
-from .packing import unpack
-from .pagein import PREFETCH_ROOM, DiskPlan, PageIn, Reading, ReadReport
+from .pagein import DiskPlan, PageIn, Reading, ReadReport
+from .prefetch import PREFETCH_ROOM, Prefetcher
 from .prefix import MIN_SHARED, common_prefix_len
 from .rebuild import rebuild_index
 from .sharing import Found, find_shared
-from .snapshot import Snapshot, cuttable, merge, rewind, snapshot
+from .snapshot import Snapshot, cuttable, rewind
+from .sweep import sweep
 from .table import BlockTable
+from .terms import Budgets, Checkout, Pending
 from .warm import Cache, WarmTier, cache_nbytes
+from .windows import Captures
 from .writeback import NOTHING_TO_EVICT, Writeback
 
 __all__ = ["MIN_SHARED", "NOTHING_TO_EVICT", "PREFETCH_ROOM", "Budgets", "Checkout", "SessionCaches",
@@ -75,50 +62,10 @@ __all__ = ["MIN_SHARED", "NOTHING_TO_EVICT", "PREFETCH_ROOM", "Budgets", "Checko
 log = logging.getLogger("kvd.cache")
 
 
-@dataclass(frozen=True)
-class Budgets:
-    """Hard byte limits and idle times; the defaults live in the daemon's config."""
-
-    resident_bytes: int
-    warm_bytes: int
-    disk_bytes: int
-    resident_idle: float
-    warm_idle: float
-    max_segments: int
-    resident_sessions: int | None = None  # at most this many live caches, whatever their size
-    warm_bits: int = 0  # 4 | 8: warm snapshots kept quantized (packing.py); 0: exact copies
-    block_tokens: int = BLOCK_TOKENS  # token ids per content-addressed disk block
-
-
-@dataclass
-class Checkout:
-    cache: Cache | None
-    tokens: int  # how many leading ids of the wanted tokens `cache` holds
-    restored_from: str  # "resident" | "warm" | "disk" | "shared" | "none": the wire's word for it too
-    restore_ms: float
-    shared_tokens: int = 0  # of `tokens`, those another session's cache or blocks supplied
-    prefetched: bool = False  # its own resident/warm cache, paged in from disk after a start, first use
-    reading: bool = False  # a disk read is under way: the checkout ends in `restored()` (cache None until then)
-
-
-@dataclass
-class _Restoring:
-    """A checkout waiting for its disk read, and what it falls back on should the read fail."""
-
-    key: str
-    wanted: list[int]
-    t0: float
-    reading: Reading
-    own: Checkout | None  # the session's own resident cache, rewound (shorter than what disk holds)
-    prefetched: bool
-
-
-WRITTEN_WAIT = 5.0  # seconds a checkout waits at most for its session's own queued writes (_written)
-
-
 class SessionCaches:
     def __init__(self, root: Path, fingerprint: str, budgets: Budgets,
-                 *, clock: Callable[[], float] = time.time, first_tokens: FirstTokens | None = None):
+                 *, clock: Callable[[], float] = time.time, first_tokens: FirstTokens | None = None,
+                 model: str = ""):
         if budgets.block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
         self.fingerprint = fingerprint
@@ -128,16 +75,16 @@ class SessionCaches:
         self._clock = clock
         self._dir = root
         self._indexes = threading.local()  # each thread's own connection to the index
-        self._indexes.index = SegmentIndex(root)
+        self._indexes.index = SegmentIndex(root, fingerprint)
         if self.index.lost is not None:
-            rebuild_index(self.index, self.root, self.index.lost)
-        if removed := self.index.sweep():
+            rebuild_index(self.index, self.index.lost)
+        if removed := sweep(self.index):
             log.info("removed %d cache file(s) left incomplete by a crash", removed)
         self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
                                  block=self.block, disk_bytes=budgets.disk_bytes,
                                  max_segments=budgets.max_segments, clock=clock)
-        for key in self.index.foreign(fingerprint):
-            self._writer.valid_chain(key)  # another model's or layout's files: never loaded, never kept
+        if model:
+            self.index.name_model(model)
         self._writer.enforce_disk_budget(keep=None)
         self.table = BlockTable(self.root, self.block, self.index.blocks)
         self.table.load(*self.index.load_all())
@@ -152,28 +99,28 @@ class SessionCaches:
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
                             dropped=self._disktier.dropped, clock=clock,
                             read=lambda job: self._io.read(job, done=self._read_done))
-        #: Called on the I/O worker's reader when a read is done (it must not block): the engine
-        #: wakes up to admit the turn whose cache it was. None: nobody is told (tests, tools).
+        #: Called on the I/O worker's reader when a read reported (it must not block): the engine
+        #: takes the report in (`take_reports`) and starts the answers whose read ended. None: nobody
+        #: is told (tests, tools).
         self.on_read: Callable[[], None] | None = None
         self._read_event = threading.Event()  # a read reported: what a waiting `checkout` waits for
-        self._restoring: dict[str, _Restoring] = {}  # checkouts waiting for their read, by session
-        self._prefetch_queue: list[str] = []  # sessions to prefetch, one read at a time
-        self._prefetching: tuple[Reading, list[int], int] | None = None  # (its read, ids, uses when it began)
-        self._uses: dict[str, int] = {}  # checkouts per session: a prefetch overtaken by a checkout is dropped
+        #: Whether a session's checkout waits for its read (the engine's answers say): a prefetch
+        #: leaves it alone.
+        self.restoring: Callable[[str], bool] = lambda key: False
         #: What the running turns' caches may reach together (the engine's scheduler says): they
         #: count against the resident budget, so idle resident caches make room for them.
         self.running_bytes: Callable[[], int] = lambda: 0
-        self._captured: dict[str, dict[str, Snapshot]] = {}  # a window's blocks a prefill took: session -> key -> it
+        self._captured = Captures(self.table)  # a window's blocks a prefill took
         self.shared_stats = {"restores": 0, "tokens": 0}
-        self.prefetch_stats = {"planned": 0, "done": 0, "resident": 0, "warm": 0, "bytes": 0}
-        self._prefetched_keys: set[str] = set()  # paged in after a start and not checked out since
+        self._prefetch = Prefetcher(self._disk, self.table, self.resident, self.warm, attach=self._attach,
+                                    make_room=self.make_room, clock=clock)
 
     @property
     def index(self) -> SegmentIndex:
         """This thread's connection to the index (a SQLite connection stays on its thread)."""
         index: SegmentIndex | None = getattr(self._indexes, "index", None)
         if index is None:
-            index = self._indexes.index = SegmentIndex(self._dir)
+            index = self._indexes.index = SegmentIndex(self._dir, self.fingerprint)
         return index
 
     @property
@@ -206,33 +153,14 @@ class SessionCaches:
         self._io.submit(fn)
 
     def before_reads(self, fn: Callable[[], object]) -> None:
-        """Call `fn` on the I/O worker's reader before any read asked for after this (a test holds
-        the reader with it, to show what runs while a read is under way)."""
+        """Call `fn` on the I/O worker's reader before any later read (a test holds the reader so)."""
         self._io.read(fn)
-
-    def _written(self, key: str) -> bool:
-        """Wait for the session's own writes still queued (engine thread), at most WRITTEN_WAIT
-        seconds; whether there were any. Its live cache and warm snapshot could not serve the turn
-        (a window cache rewound, a cache paged out), and those writes hold what could. Rare, and a
-        few milliseconds: the writes neither give way to turns nor linger meanwhile."""
-        if not self._io.queued(key):
-            return False
-        deadline = time.monotonic() + WRITTEN_WAIT
-        with self._io.hurry():
-            while (left := deadline - time.monotonic()) > 0:
-                seen = self._io.done_count()
-                self._settle()
-                if not self._io.queued(key):
-                    break
-                self._io.wait_done(seen, timeout=left)
-        return True
 
     def _settle(self) -> None:
         """Take in the worker's reports (disktier.py) and the reader's: a read's next step, or its end."""
         for report in self._disktier.settle():
             if isinstance(report, ReadReport) and (r := self._disk.arrived(report)) is not None:
-                if self._prefetching is not None and r is self._prefetching[0]:
-                    self._prefetched()
+                self._prefetch.arrived(r, busy=self.restoring)
 
     def _read_done(self) -> None:
         """On the reader: a read reported."""
@@ -266,17 +194,15 @@ class SessionCaches:
 
         Disk is read by the I/O worker's reader, never here: with `wait`,
         this waits for the read (tools, tests, ranks in lockstep); without, a
-        checkout that needs disk returns at once with `reading` set, and its
-        result comes out of `restored()` once the read reports (the engine
+        checkout that needs disk returns at once with its pending `read`, which
+        `read_out` turns into the checkout once the read has ended (the engine
         keeps stepping the other sessions meanwhile).
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
         self._settle()
-        self._uses[key] = self._uses.get(key, 0) + 1
-        prefetched = key in self._prefetched_keys
-        self._prefetched_keys.discard(key)
-        self._captured.pop(key, None)  # a prefill that did not end in a checkin
+        prefetched = self._prefetch.checked_out(key)
+        self._captured.pop(key)  # a prefill that did not end in a checkin
         own: Checkout | None = None
         if (cache := self.resident.take(key)) is not None:
             toks = self.table.session(key).tokens
@@ -288,42 +214,39 @@ class SessionCaches:
             self.warm.discard(key)
             self.table.detach(key)  # the live cache is the engine's now
         own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
-        if own is None and own_warm_n < limit and self._written(key):
+        if own is None and own_warm_n < limit and self._disktier.written(key, self._settle):
             own_warm_n = self.warm.usable(key, wanted, limit)
         best_n = max(own.tokens if own else 0, own_warm_n)
         other, disk = self._others(key, wanted, limit, best_n)
         if disk.end > max(best_n, other[0] if other else 0):
             r = self._disk.begin(key, disk, room=len(wanted) - disk.end)
-            pending = _Restoring(key, list(wanted), t0, r, own, prefetched)
+            pending = Pending(key, list(wanted), t0, r, own, prefetched)
             if wait:
                 self._wait(r)
                 return self._read_out(pending)
-            self._restoring[key] = pending
-            return Checkout(None, 0, DISK, 0.0, reading=True)
+            return Checkout(None, 0, DISK, 0.0, read=pending)
         return self._from_memory(key, wanted, t0, own, own_warm_n, other, prefetched)
 
-    def restored(self, *, others: bool = True) -> list[tuple[str, Checkout]]:
-        """The checkouts whose disk read ended since the last call, by session (engine thread, once
-        per step). `others`: other turns are running, so the buffers reads fill are made a few per
-        call, beside their steps; with none, all at once (nobody waits on this thread meanwhile)."""
-        if not self._restoring and self._prefetching is None:
-            return []
+    def take_reports(self) -> None:
+        """Take in what the I/O worker and its reader reported (`on_read`): a read goes on, or ends."""
         self._settle()
+
+    def allocate(self, *, others: bool) -> None:
+        """Make the buffers the reads under way wait for (engine thread, once per step while a
+        checkout's read is pending or a prefetch's is under way). `others`: other answers are
+        running, so they are made a few per call, beside their steps; with none, all at once
+        (nobody waits on this thread meanwhile)."""
         self._disk.allocate(all_of_it=not others)
-        out = []
-        for key, pending in list(self._restoring.items()):
-            if pending.reading.done:
-                del self._restoring[key]
-                out.append((key, self._read_out(pending)))
-        return out
 
-    def abandon(self, key: str) -> None:
-        """A checkout waiting for its read is not wanted any more (its turn was cancelled)."""
-        pending = self._restoring.pop(key, None)
-        if pending is not None:
-            self._disk.abandon(pending.reading)
+    def read_out(self, pending: Pending) -> Checkout | None:
+        """The checkout a pending read ends in, once it has (None: still reading)."""
+        return self._read_out(pending) if pending.reading.done else None
 
-    def _read_out(self, pending: _Restoring) -> Checkout:
+    def abandon(self, pending: Pending) -> None:
+        """A checkout waiting for its read is not wanted any more (its answer was cancelled)."""
+        self._disk.abandon(pending.reading)
+
+    def _read_out(self, pending: Pending) -> Checkout:
         """A checkout whose read ended: what it read, or, if that failed, the best memory holds now."""
         key, wanted, r = pending.key, pending.wanted, pending.reading
         if r.result is not None:
@@ -390,96 +313,30 @@ class SessionCaches:
 
     # --- prefetch after a restart ---
 
-    def prefetch_plan(self) -> list[str]:
-        """Sessions only on disk that memory has room for, most recently used first (pagein.py says why)."""
-        plan = pagein.prefetch_plan(self._disk, self.index.keys_by_use(), self.resident, self.warm)
-        self.prefetch_stats["planned"] += len(plan)
-        return plan
+    def prefetch_plan(self, limit: int | None = None) -> list[str]:
+        """Sessions only on disk that memory has room for (`limit`: bytes at most), latest first (prefetch.py)."""
+        return self._prefetch.plan(self.index.keys_by_use(), limit)
 
     def prefetch(self, key: str) -> str | None:
         """Page one session's whole disk chain into memory if it fits, waiting for the read here
-        (tools, tests, ranks in lockstep); the tier it went to (pagein.py)."""
+        (tools, tests, ranks in lockstep); the tier it went to."""
         if key in self.resident or key in self.warm:
             return None
-        self.make_room()
-        got = pagein.prefetch(self._disk, key, resident_fits=self.resident.fits)
-        if got is None:
+        if (got := self._prefetch.start(key)) is None:
             return None
         r, tokens = got
         self._wait(r)
-        return self._keep_prefetched(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
+        return self._prefetch.keep(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
 
     def prefetch_later(self, keys: Sequence[str]) -> None:
-        """Page sessions' whole disk chains into memory where they fit, one read at a time, without
-        waiting for any (pagein.py).
-
-        The reads run on the I/O worker's reader, one session after another,
-        so a turn's restore never queues behind more than one of them; each
-        is kept as it arrives (`_settle`), unless the session was checked out
-        since.
-        """
-        self._prefetch_queue.extend(keys)
-        self._next_prefetch()
+        """Page sessions' whole disk chains into memory where they fit, one read at a time on the
+        reader, without waiting for any: each is kept as it arrives (`_settle`), unless the session
+        was checked out since."""
+        self._prefetch.later(keys, busy=self.restoring)
 
     def prefetching(self) -> bool:
         """Whether prefetch reads are planned or under way."""
-        return self._prefetching is not None or bool(self._prefetch_queue)
-
-    def _next_prefetch(self) -> None:
-        while self._prefetching is None and self._prefetch_queue:
-            key = self._prefetch_queue.pop(0)
-            if key in self.resident or key in self.warm or key in self._restoring:
-                continue
-            try:
-                self.make_room()
-                got = pagein.prefetch(self._disk, key, resident_fits=self.resident.fits)
-            except Exception:
-                log.exception("prefetching the cache of %s failed; it stays on disk", key)
-                continue
-            if got is not None:
-                self._prefetching = (got[0], got[1], self._uses.get(key, 0))
-        if self._prefetching is None and self.prefetch_stats["planned"] and not self._prefetch_queue:
-            s = self.prefetch_stats
-            if s["planned"] != s.get("logged"):
-                s["logged"] = s["planned"]
-                log.info("prefetched %d session(s) into memory (%d resident, %d warm; %s)",
-                         s["done"], s["resident"], s["warm"], human_bytes(s["bytes"]))
-
-    def _prefetched(self) -> None:
-        """A prefetch read ended: keep what it read if it still fits and nobody checked it out since."""
-        assert self._prefetching is not None
-        r, tokens, uses = self._prefetching
-        self._prefetching = None
-        key = r.key
-        try:
-            if r.result is not None and self._uses.get(key, 0) == uses and key not in self.resident \
-                    and key not in self.warm:
-                if tier := self._keep_prefetched(key, r.result[0], tokens[:r.result[1]]):
-                    log.debug("prefetched the cache of %s into %s", key, tier)
-        except Exception:
-            log.exception("prefetching the cache of %s failed; it stays on disk", key)
-        self._next_prefetch()
-
-    def _keep_prefetched(self, key: str, held: Cache | Snapshot, tokens: list[int]) -> str | None:
-        now = self._clock()
-        if isinstance(held, Snapshot):
-            self._attach(key, held, tokens)
-            if not self.warm.put_snapshot(key, held, now, cold=True):
-                self.table.detach(key)
-                return None
-            tier, nbytes = WARM, held.nbytes
-        else:
-            nbytes = cache_nbytes(held)
-            if not self.resident.offer(key, held, nbytes, now):
-                return None
-            self._attach(key, held, tokens)
-            self.table.set_live(key, True)
-            tier = RESIDENT
-        self._prefetched_keys.add(key)
-        self.prefetch_stats["done"] += 1
-        self.prefetch_stats[tier] += 1
-        self.prefetch_stats["bytes"] += nbytes
-        return tier
+        return self._prefetch.reading is not None or bool(self._prefetch.queue)
 
     def _attach(self, key: str, held: Cache | Snapshot, tokens: list[int],
                 captured: dict[str, Snapshot] | None = None) -> list[str]:
@@ -497,27 +354,15 @@ class SessionCaches:
         self.table.attach(key, tokens, keys)
         return keys
 
-    # --- windows: blocks captured during a prefill ---
+    # --- windows: blocks captured during a prefill (windows.py) ---
 
     def boundary(self, cache: Cache) -> int | None:
-        """Every how many ids a prefill into `cache` stops for `capture` (None: a cache that can be
-        cut, whose blocks are slices of it at any time).
-
-        A sliding-window layer at n holds only the window ending at n; a block
-        of it is the state at the block's end, so it is taken when the prefill
-        is there (the global layers' part is the block's own slice): two
-        sessions with one long system prompt then share it like plain KV.
-        """
+        """Every how many ids a prefill into `cache` stops for `capture` (None: a cache that can be cut)."""
         return None if cuttable(cache) else self.block
 
     def capture(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
         """A prefill into a window's cache reached a block boundary: keep the block that ends here."""
-        n = len(tokens)
-        if n == 0 or n % self.block:
-            return
-        snap = snapshot(cache, n - self.block)
-        mx.eval(snap.arrays())
-        self._captured.setdefault(key, {})[self.table.keys_for(key, tokens)[-1]] = snap
+        self._captured.capture(key, cache, tokens)
 
     # --- after a turn ---
 
@@ -535,7 +380,7 @@ class SessionCaches:
         self._settle()
         self.make_room()  # the turn that ended holds nothing any more
         self.warm.discard(key)
-        captured = self._captured.pop(key, {})
+        captured = self._captured.pop(key)
         keys = self._attach(key, cache, tokens, captured)
         by_end = {self.table.blocks[bk].end: snap for bk in keys
                   if (snap := captured.get(bk) or self.warm.exact_copy(bk)) is not None}
@@ -560,44 +405,18 @@ class SessionCaches:
         self.warm.idle(now, self.budgets.warm_idle)
 
     def page_out_all(self) -> None:
-        """Make sure disk holds every session kept in memory (on shutdown).
-
-        No evictions for this: it must not push out caches used more recently.
-        The writes are queued like a turn's, then waited for.
-        """
+        """Make sure disk holds every session kept in memory (on shutdown; disktier.py)."""
         self.flush()
-        for key in self.resident:
-            cache = self.resident.peek(key)
-            if cache is not None:
-                s = self.table.session(key)
-                try:
-                    self._disktier.write_behind(key, cache, s.tokens, s.keys, evict=False)
-                except Exception as e:
-                    log.warning("could not page out %s: %s", key, e)
-        for key in self.warm.held_or_warm():
-            got = self.warm.parts(key)
-            if got is None or not got[0] or got[0][0].start != 0:
-                continue
-            parts, toks = got
-            try:
-                # A packed snapshot is saved at its rounded precision: the best there is.
-                snap = merge(*[unpack(p) for p in parts])
-                toks = toks[:snap.end]
-                keys = self.table.keys_for(key, toks)[:whole_blocks(len(toks), self.block)] \
-                    if cuttable(snap) else []
-                self._disktier.write_behind(key, snap, toks, keys, evict=False)
-            except Exception as e:
-                log.warning("could not page out %s: %s", key, e)
+        self._disktier.page_out(self.resident, self.warm)
         self.flush()
 
     def forget(self, key: str) -> None:
         """A deleted session: its caches go, and every block no other session lists."""
-        self.abandon(key)
         if self.resident.discard(key) is not None:
             self.table.set_live(key, False)
         self.warm.discard(key)
         self.table.detach(key)
-        self._captured.pop(key, None)
+        self._captured.pop(key)
         self._disktier.forget(key)
         self.table.forget(key)  # now if disk holds nothing of it; else when the worker reports the drop
 
@@ -609,6 +428,11 @@ class SessionCaches:
         where.update({key: RESIDENT for key in self.resident})
         return where
 
+    def kept_for(self) -> dict[str, list[str]]:
+        """By session, the other models disk keeps its cache for (never restored here), latest first."""
+        self._settle()
+        return self._disktier.kept_for()
+
     def statistics(self) -> dict[str, Any]:
         self._settle()
         t = self.table
@@ -616,8 +440,8 @@ class SessionCaches:
             "running": {"bytes": self.running_bytes(), "budget": self.budgets.resident_bytes},
             RESIDENT: self.resident.statistics(),
             WARM: self.warm.statistics(),
-            "prefetched": {"sessions": self.prefetch_stats["done"], "bytes": self.prefetch_stats["bytes"],
-                           "resident": self.prefetch_stats["resident"], "warm": self.prefetch_stats["warm"]},
+            "prefetched": {"sessions": (p := self._prefetch.stats)["done"], "bytes": p["bytes"],
+                           RESIDENT: p[RESIDENT], WARM: p[WARM]},
             DISK: {"sessions": len(t.on_disk), "segments": t.disk_segments, "bytes": t.disk_bytes,
                      "budget": self.budgets.disk_bytes, "block_tokens": self.block,
                      **t.sharing(), **asdict(self.disk_stats)},

@@ -28,7 +28,7 @@ from typing import Any
 from common.tokenids import pack_tokens, unpack_tokens
 
 from .blocks import block_key
-from .index import BlockRow, DiskNews, SegmentRow
+from .rows import BlockRow, DiskNews, SegmentRow
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,9 +28,10 @@ import mlx.core as mx
 from common.diskfull import is_disk_full
 
 from .blocks import whole_blocks
-from .index import BlockRow, SegmentIndex, SegmentRow
+from .index import SegmentIndex
 from .lru import DiskStats
 from .prefix import common_prefix_len
+from .rows import BlockRow, SegmentRow
 from .segments import write_segment
 from .snapshot import Snapshot, cuttable, section, snapshot
 
@@ -249,7 +250,7 @@ class Writeback:
                     self.stats.blocks_written += 1
                 chain.append(keys[k])
         base = len(chain) * self.block
-        private = self.valid_chain(key)
+        private = self.index.chain(key)
         if chain != listed:
             # The private segments followed the old chain's last block: they go with it.
             self.index.drop_segments(key, 0)
@@ -275,20 +276,6 @@ class Writeback:
                     replace=replace and bool(kept), evict=evict)
         self.enforce_disk_budget(keep=key)
 
-    def valid_chain(self, key: str) -> list[SegmentRow]:
-        """The session's private segments, once those another model or layout wrote are dropped.
-
-        Only the I/O worker (or start-up) drops them: elsewhere they are just left out.
-        """
-        chain = self.index.chain(key)
-        for row in chain:
-            if row.fingerprint != self.fingerprint:
-                # Another model or layout wrote these: never loaded, never kept.
-                log.info("dropping cache of %s made by another model or layout", key)
-                self.index.drop_from(key, row.start)
-                return [r for r in chain if r.start < row.start]
-        return chain
-
     def _write(self, target: Block | Private, snap: Snapshot, tokens: Sequence[int], now: float, *,
                replace: bool = False, evict: bool = True) -> None:
         """Persist one evaluated snapshot: the file made durable, then its index row.
@@ -300,11 +287,11 @@ class Writeback:
         if isinstance(target, Block):
             path = self.index.block_path(target.block, target.parent)
         else:
-            path = self.index.path_for(target.key, snap.start, snap.end, target.after)
+            path = self.index.path_for(target.key, self.fingerprint, snap.start, snap.end, target.after)
             if replace:
                 self.index.drop_segments(target.key, snap.start)  # the segments this one replaces
         owner = target.key
-        evicted: set[str] = set()
+        evicted: set[tuple[str, str]] = set()
         self.pause()
         while True:
             try:
@@ -337,16 +324,17 @@ class Writeback:
         self.stats.bytes_written += seg.nbytes
         self.indexed()
 
-    def _evict_for(self, key: str, evicted: set[str]) -> bool:
-        """The cache's filesystem is full: remove the least recently used other session's files.
+    def _evict_for(self, key: str, evicted: set[tuple[str, str]]) -> bool:
+        """The cache's filesystem is full: remove the least recently used other session's files
+        (of any model).
 
         The same choice the byte budget makes, forced by the disk instead of
         the config. False when no other session has files left to remove.
         """
-        for victim, nbytes in self.index.keys_by_use():
-            if victim != key and nbytes > 0 and victim not in evicted:
-                evicted.add(victim)
-                self.index.evict(victim)
+        for victim, model, nbytes in self.index.by_use():
+            if (victim, model) != (key, self.fingerprint) and nbytes > 0 and (victim, model) not in evicted:
+                evicted.add((victim, model))
+                self.index.evict(victim, model)
                 self.stats.evicted_full += 1
                 self.stats.page_outs += 1
                 log.warning("the disk holding the KV caches is full: removed the cache files of "
@@ -356,13 +344,14 @@ class Writeback:
         return False
 
     def enforce_disk_budget(self, keep: str | None) -> None:
-        """Forget least recently used sessions on disk until every byte (each block once) fits."""
+        """Forget least recently used sessions' caches on disk, whichever model's, until every byte
+        (each block once) fits: one budget for every model's caches."""
         if self.index.total_bytes() <= self.disk_bytes:
             return
-        for key, _ in self.index.keys_by_use():
-            if key == keep:
+        for key, model, _ in self.index.by_use():
+            if (key, model) == (keep, self.fingerprint):
                 continue
-            self.index.drop_from(key, 0)
+            self.index.drop_from(key, 0, model)
             self.stats.page_outs += 1
             if self.index.total_bytes() <= self.disk_bytes:
                 return

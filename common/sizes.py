@@ -1,6 +1,10 @@
-"""Sizes as people read them: one format for the start line, `kvd status` and kvchat."""
+"""Sizes as people read them (one format for the start line, `kvd status` and kvchat), and the cache's block size."""
 
 from __future__ import annotations
+
+# Token ids per content-addressed cache block unless configured ([cache] block_tokens): the one
+# default, read by config.py's [cache] and cachestore's Budgets.
+BLOCK_TOKENS = 128
 
 
 def human_bytes(n: int) -> str:

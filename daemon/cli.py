@@ -24,7 +24,7 @@ from protocol import TOKEN_FILE, api_url, default_data_dir, default_url
 
 from . import __version__
 from .config import Config, ConfigError, load_config
-from .service import backup, preflight
+from .service import backup, models, preflight
 from .service.control import (
     ANSWERING_MARK,
     DETACHED_FLAG,
@@ -140,10 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="sessions made by kvchat (its one-shots too), one-shot (kvchat \"question\"), api "
                     "(OpenAI clients), ws (other websocket clients): the session list's words; default any")
     pr.add_argument("--yes", action="store_true", help="delete them (without it: only list them)")
-    md = sub.add_parser("models", help="list the models kvd can find here (built-in, its store, Ollama, "
-                        "the Hugging Face cache) and whether each runs")
-    md.set_defaults(func=_models_command, parser=md)
-    md.add_argument("--data-dir", type=Path, help="the data directory whose model store to list")
+    models.add_commands(sub)  # kvd models [pull NAME], kvd ps
     sv = sub.add_parser("service", help="run kvd at login (systemd user unit or launchd agent)")
     sv.set_defaults(func=_service_command, parser=sv)
     sv.add_argument("action", choices=["install"], help="write the unit file")
@@ -410,14 +407,6 @@ def _logs_command(args: argparse.Namespace, argv: list[str]) -> int:
     data_dir = _data_dir(args)
     return logs(args.log_file or Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log"),
                 args.lines, args.follow)
-
-
-def _models_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from .models.catalog import entries, render
-
-    for line in render(list(entries(_data_dir(args) / "models"))):
-        print(line)
-    return 0
 
 
 def _service_command(args: argparse.Namespace, argv: list[str]) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cachestore.blocks import BLOCK_TOKENS
+from common.sizes import BLOCK_TOKENS
 from protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
 from protocol import PARAMS as SAMPLING  # [generation]'s keys, validated as a request's sampling values are
 
@@ -36,6 +36,10 @@ class Config:
     model: str = "builtin:smollm2"
     blas: str = "auto"  # "auto", "off" or a library's path (daemon/service/blas.py)
     blas_threads: int = 0  # 0: the CPUs this process may use
+    # Models: several in one daemon, loaded by name on first use (daemon/engine/registry.py)
+    keep_alive: float = 300.0  # seconds an idle model stays loaded (inf: until another needs its memory)
+    models_memory: int = 0  # bytes the loaded models' weights may take together; 0: the device's (device.py)
+    aliases: tuple[tuple[str, str], ...] = ()  # (alias, model) pairs: names a request may use for a model
     # Where kvd keeps its database, token, caches and built-in models
     data_dir: Path = field(default_factory=default_data_dir)
     log_file: Path | None = None  # None: <data_dir>/kvd.log
@@ -44,6 +48,8 @@ class Config:
     port: int = DEFAULT_PORT
     allowed_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    # The HTTP API: other model names a request may give the served model ("*": every name)
+    model_aliases: tuple[str, ...] = ()
     # Generation defaults (a request may override them)
     max_tokens: int = 512
     temperature: float = 0.2  # config.toml says why
@@ -53,8 +59,8 @@ class Config:
     # Decode: "auto" speculates (prompt-lookup drafts, verified exactly) where it pays; "off" never
     speculate: str = "auto"
     # Cache tiers: byte budgets (hard limits) and idle times
-    resident_bytes: int = 4 << 30
-    warm_bytes: int = 2 << 30
+    resident_bytes: int | None = None  # None: from the machine's memory (daemon/device.py, docs/caches.md)
+    warm_bytes: int | None = None
     disk_bytes: int = 20 << 30
     resident_idle: float = 600.0
     warm_idle: float = 3600.0
@@ -124,12 +130,16 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"),
     "blas": (None, "blas"),
     "blas_threads": (None, "blas_threads"),
+    "keep_alive": ("models", "keep_alive"),
+    "models_memory": ("models", "memory"),
+    "aliases": ("models", "aliases"),
     "data_dir": (None, "data_dir"),
     "log_file": (None, "log_file"),
     "host": ("server", "host"),
     "port": ("server", "port"),
     "allowed_origins": ("server", "allowed_origins"),
     "allowed_hosts": ("server", "allowed_hosts"),
+    "model_aliases": ("api", "model_aliases"),
     "max_tokens": ("generation", "max_tokens"),
     "temperature": ("generation", "temperature"),
     "top_p": ("generation", "top_p"),
@@ -198,6 +208,19 @@ def _strings(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _alias_table(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                              for k, v in value.items()):
+        raise _Bad('must be a table of names to models, e.g. {code = "builtin:gemma3"}')
+    return tuple(sorted(value.items()))
+def _other_names(value: Any) -> tuple[str, ...]:
+    if value == "*":
+        return ("*",)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise _Bad('must be a list of model names, or "*" for every name')
+    return tuple(value)
+
+
 def _kind(kind: type | tuple[type, ...], name: str, words: str | None = None, *,
           ok: Callable[[Any], bool] = lambda v: True) -> Check:
     """A value of exactly `kind` (true is not 1) for which `ok` holds, else `words`."""
@@ -229,12 +252,16 @@ _CHECKS: dict[str, Check] = {
     "model": _STRING,
     "blas": _kind(str, '"auto", "off" or the path of a BLAS library', ok=bool),
     "blas_threads": _integer(0, "must be >= 0 (0: the CPUs kvd may use)"),
+    "keep_alive": _positive_number,
+    "models_memory": _integer(0, "must be >= 0 (0: what the device has)"),
+    "aliases": _alias_table,
     "data_dir": _path,
     "log_file": _path,
     "host": _STRING,
     "port": _integer(0, "must be 0-65535 (0 picks a free port)", high=65535),
     "allowed_origins": _strings,
     "allowed_hosts": _strings,
+    "model_aliases": _other_names,
     "prefill_step_size": _integer(0, "must be >= 0 (0: the device's own, 512 on the CPU, 2048 on a GPU)"),
     "prefill_slice": _positive_number,
     "speculate": _kind(str, '"auto" or "off"', ok=lambda v: v in ("auto", "off")),

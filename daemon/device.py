@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["ATTENTION_ENV", "KINDS", "Device", "Policy", "SpeculationLimits", "configured", "current", "describe",
-           "installed_backend", "missing_backend", "policy"]
+__all__ = ["ATTENTION_ENV", "KINDS", "Device", "LoadedModel", "Policy", "Room", "SpeculationLimits", "configured",
+           "current", "describe", "installed_backend", "make_room", "missing_backend", "policy"]
 
 KINDS = ("cpu", "metal", "cuda")
 #: `KVD_ATTENTION=mlx` keeps MLX's own attention on the CPU too (a benchmark's A/B, a suspected bug).
@@ -48,6 +48,21 @@ SPECULATE_ENV = "KVD_SPECULATE"
 # oversubscribing it can hang the GPU, so on CUDA this is a hard ceiling on any configured budget.
 GPU_CACHE_SHARE = 0.6
 GiB = 1 << 30
+# The share of the machine's memory the loaded models' weights may take on the CPU when [models] memory
+# is 0: the rest is the cache tiers', the prefill's activations and everything else the machine runs.
+CPU_MODELS_SHARE = 0.5
+MiB = 1 << 20
+# The memory tiers' default budgets where config.toml sets none, as a share of the memory the device
+# has (the host's total on the CPU, GPU_CACHE_SHARE of what is free after the weights on a GPU), the
+# warm tier half the resident one; on the CPU within [floor, cap], the cap being kvd's defaults
+# before they followed the machine (4 and 2 GiB). Unknown memory: the caps.
+CPU_RESIDENT_SHARE = 1 / 8
+RESIDENT_DEFAULT = (256 * MiB, 4 * GiB)
+WARM_DEFAULT = (128 * MiB, 2 * GiB)
+# The prefetch after a start reads at most this share of the memory free then, after the weights:
+# a restart pages back the sessions in use, never a machine's worth of old ones (a 135M model's
+# daemon prefetched 1.6 GiB with the old constant budgets, whatever the machine).
+PREFETCH_SHARE = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -120,8 +135,9 @@ class Policy:
         short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
         return f"device: {self.device.label()}, {short} weights, {self.attention_name()}"
 
-    def budgets(self, resident: int, warm: int, in_use: int) -> tuple[int, int]:
-        """The resident and warm tiers' byte budgets on this device, from the configured ones.
+    def budgets(self, resident: int | None, warm: int | None, in_use: int) -> tuple[int, int]:
+        """The resident and warm tiers' byte budgets on this device, from the configured ones
+        (None: not configured, so the device's default, `default_budgets`).
 
         The CPU's are the configured ones: host memory, which the operating system can page.
         On a GPU both tiers are MLX arrays in the device's memory (docs/caches.md), so together
@@ -129,14 +145,109 @@ class Policy:
         the device was described), shared in the configured proportion. On Metal "free" is the
         recommended working set; on CUDA it is what the GPU had free.
         """
+        default_resident, default_warm = self.default_budgets(in_use)
+        resident = default_resident if resident is None else resident
+        warm = default_warm if warm is None else warm
         free = self.device.memory_free
         if not self.device.gpu or free is None:
             return resident, warm
         room = max(0, int((free - in_use) * GPU_CACHE_SHARE))
         if resident + warm <= room:
             return resident, warm
-        share = resident / (resident + warm)
+        share = resident / (resident + warm) if resident + warm else 0.5
         return int(room * share), room - int(room * share)
+
+    def default_budgets(self, in_use: int) -> tuple[int, int]:
+        """The resident and warm budgets where none is configured, from the device's memory.
+
+        The CPU: CPU_RESIDENT_SHARE of the host's memory, warm half that, each
+        within its [floor, cap]. A GPU: the room GPU_CACHE_SHARE leaves of what was
+        free after the weights (`in_use`), two thirds resident. Unknown memory: the caps.
+        """
+        d = self.device
+        if d.gpu and d.memory_free is not None:
+            room = max(0, int((d.memory_free - in_use) * GPU_CACHE_SHARE))
+            return room * 2 // 3, room - room * 2 // 3
+        if d.gpu or d.memory_total is None:
+            return RESIDENT_DEFAULT[1], WARM_DEFAULT[1]
+        resident = int(d.memory_total * CPU_RESIDENT_SHARE)
+        return _within(resident, RESIDENT_DEFAULT), _within(resident // 2, WARM_DEFAULT)
+
+    def prefetch_bytes(self, in_use: int) -> int | None:
+        """At most how many bytes the prefetch after a start reads (None: no limit but the tiers' room):
+        PREFETCH_SHARE of what the device had free, less `in_use` (the weights)."""
+        free = self.device.memory_free
+        return None if free is None else int(max(0, free - in_use) * PREFETCH_SHARE)
+
+    def models_memory(self, configured: int) -> int | None:
+        """The bytes the loaded models' weights may take together; None: no limit known.
+
+        `configured` ([models] memory) wins where it is set, but on a GPU never past what it had
+        free. Unset: a GPU's free memory (Metal: its recommended working set), or CPU_MODELS_SHARE
+        of the machine's memory on the CPU.
+        """
+        free = self.device.memory_free if self.device.gpu else None
+        if configured > 0:
+            return configured if free is None else min(configured, free)
+        if self.device.gpu:
+            return free if free is not None else self.device.memory_total
+        total = self.device.memory_total
+        return int(total * CPU_MODELS_SHARE) if total is not None else None
+
+
+def _within(n: int, bounds: tuple[int, int]) -> int:
+    return min(max(n, bounds[0]), bounds[1])
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded (or loading) model as the memory decision sees it."""
+
+    name: str
+    nbytes: int  # its weights' bytes in memory (an estimate while it loads)
+    idle_s: float | None  # seconds since its last answer ended; None: answering or loading now
+
+
+@dataclass(frozen=True)
+class Room:
+    """What loading a model takes: the idle models to unload first, least recently used first, or a
+    one-line refusal ("no room" is a return value, never an exception)."""
+
+    unload: tuple[str, ...] = ()
+    refusal: str | None = None
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 100 else f"{n / (1 << 20):.1f} MiB"
+
+
+def make_room(name: str, need: int, budget: int | None, loaded: list[LoadedModel]) -> Room:
+    """Whether `name`, whose weights take `need` bytes, fits beside the `loaded` models within `budget`
+    (Policy.models_memory), and which idle ones go first if it does not.
+
+    Idle models are unloaded least recently used first, only as many as make room; busy ones (answering,
+    loading) are never touched. A model that cannot fit even with every idle one unloaded is refused.
+    """
+    if budget is None:
+        return Room()
+    used = sum(m.nbytes for m in loaded)
+    if used + need <= budget:
+        return Room()
+    idle = sorted((m for m in loaded if m.idle_s is not None), key=lambda m: -(m.idle_s or 0.0))
+    unload: list[str] = []
+    for m in idle:
+        unload.append(m.name)
+        used -= m.nbytes
+        if used + need <= budget:
+            return Room(tuple(unload))
+    busy = sum(m.nbytes for m in loaded if m.idle_s is None)
+    if need > budget:
+        why = f"the models may take {_gib(budget)} together"
+    else:
+        why = (f"there is {_gib(max(0, budget - busy))} of the {_gib(budget)} the models may take, "
+               "the rest held by models answering now (try again when they finish)")
+    return Room(refusal=f"{name} needs {_gib(need)} for its weights and {why}; raise [models] memory in "
+                        "config.toml, or use a smaller model")
 
 
 def policy(device: Device, *, env: dict[str, str] | None = None) -> Policy:
@@ -182,7 +293,8 @@ def describe() -> Device:
 
     if mx.default_device() == mx.cpu:
         info: dict[str, Any] = dict(mx.device_info())
-        return Device("cpu", str(info.get("device_name") or "cpu"))
+        total, available = host_memory()
+        return Device("cpu", str(info.get("device_name") or "cpu"), memory_total=total, memory_free=available)
     info = dict(mx.device_info())
     if mx.metal.is_available():
         return Device("metal", str(info.get("device_name") or info.get("architecture") or "Apple GPU"),
@@ -193,6 +305,29 @@ def describe() -> Device:
                       memory_total=_int(info.get("total_memory") or info.get("memory_size")),
                       memory_free=_int(info.get("free_memory")))
     raise RuntimeError(f"MLX's default device is {mx.default_device()}, neither the CPU, Metal nor CUDA")
+
+
+def host_memory(meminfo: Path = Path("/proc/meminfo")) -> tuple[int | None, int | None]:
+    """The host's memory: (total, available now) in bytes; None where the system does not say.
+
+    Linux's MemAvailable counts the page cache it would give back; elsewhere the
+    free pages stand in for it.
+    """
+    fields: dict[str, int] = {}
+    try:
+        for line in meminfo.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = fields.get("MemTotal") or _int(os.sysconf("SC_PHYS_PAGES") * page)
+        available = fields.get("MemAvailable") or _int(os.sysconf("SC_AVPHYS_PAGES") * page)
+    except (OSError, ValueError, AttributeError):
+        return fields.get("MemTotal"), fields.get("MemAvailable")
+    return total, available
 
 
 @functools.cache

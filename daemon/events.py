@@ -7,6 +7,14 @@ or reads a long prompt; `AnswerDelta` for each piece of shown text; then
 when the request offered tools; their text never arrives as a delta); then
 exactly one of `AnswerDone` (committed, whatever its finish) or `AnswerError`.
 
+The first token's hand-off: the answer's first delta carries `written`, which
+the listener that writes it to its client calls right after that write (or
+as soon as it knows it never will: its client has gone, it sends nothing
+before the end). The engine waits for the first of those calls, a few
+milliseconds at most, before its next step, so that step does not hold the
+first token back (engine/steps.py, FIRST_HANDOFF_S). A door that forgets
+it costs its clients that bound on every answer's first token.
+
 The websocket door turns them into protocol frames (`protocol.wire`), the
 OpenAI doors into their JSON bodies and server-sent events, the Anthropic door
 into its own. No door reads another door's wire format. Plain data: no MLX,
@@ -15,7 +23,7 @@ no I/O, frozen.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +52,8 @@ class AnswerProgress:
 class AnswerDelta:
     seq: int  # per turn, from 0, no gaps: a client that reattaches asks for what it missed by seq
     text: str
+    # The answer's first delta only (never a replayed one): call once written to the client (see above).
+    written: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

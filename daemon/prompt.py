@@ -224,8 +224,8 @@ class Conversation:
     messages become template dicts here, in the tokenizer stage: a long conversation costs
     the event loop nothing. With `renders` (the turn core's, used in this stage only) and
     `chain` (the messages' hash chain rooted in `system`, from placement), a conversation
-    whose last request is remembered renders and tokenizes only its new messages
-    (daemon/renders.py); the ids are the same.
+    whose render begins with exactly a remembered request's text encodes only the text
+    after it (daemon/renders.py); the ids are the same.
     """
 
     messages: Sequence[Templated]

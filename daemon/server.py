@@ -1,12 +1,14 @@
-"""The daemon: one port, two front doors, one turn core.
+"""The daemon: one port, four front doors, one turn core.
 
 uvicorn serves the port. Its websocket implementation is the websockets
 package's own protocol (`ws="websockets-sansio"`), so kvchat's protocol on
 `/v1` keeps the framing, size limit (1009 on an oversize frame) and keepalive
 it had, and it parses HTTP requests with bodies, which the websockets server
 cannot (it refuses a request body). On top: the websocket door
-(websocket.py) and the OpenAI-compatible HTTP door (openai_api.py, a Starlette
-app), both thin layers over the turn core (turns.py).
+(websocket.py), the OpenAI-compatible HTTP door (openai_api.py, a Starlette
+app), the Anthropic Messages door (anthropic_api.py, `/v1/messages...`) and the
+Responses door (responses.py, `/v1/responses...`), all thin layers over the turn
+core (turns.py).
 
 The asyncio side never calls MLX: turns are handed to the engine thread.
 """
@@ -32,12 +34,15 @@ from sessions import Store
 
 from . import __version__
 from .config import Config
+from .doors.anthropic_api import AnthropicDoor, is_anthropic
+from .doors.apiturns import ApiTurns
 from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
 from .doors.guards import asked
 from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
 from .doors.openai_api import OpenAIDoor
+from .doors.responses import ResponsesDoor, is_responses
 from .doors.websocket import WebSocketDoor
 from .engine.thread import Engine
 from .turns import Turns
@@ -119,9 +124,13 @@ class Daemon:
         self.store = store
         self.engine = engine
         self.turns = Turns(config, store, engine)
+        self.engines = self.turns.engines  # every loaded model's engine (engine/registry.py)
         self._loading = LoadingWatch(engine, config.model)
         self.websocket = WebSocketDoor(config, engine, self.turns, token, self._loading, self.status)
-        self.api = OpenAIDoor(config, engine, self.turns, token, self._loading)
+        api = ApiTurns(config, engine, self.turns, self._loading)
+        self.api = OpenAIDoor(config, api, token)
+        self.messages = AnthropicDoor(config, api, token)
+        self.responses = ResponsesDoor(config, api, token)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -169,7 +178,8 @@ class Daemon:
 
     async def _serve(self, server: _Server, sock: socket.socket, task_status: TaskStatus[str]) -> None:
         async with anyio.create_task_group() as tg:
-            self.turns.tg = tg
+            self.turns.tg = self.engines.tg = tg
+            self.engines.broadcast = self.websocket.broadcast
             loading = anyio.CancelScope()
 
             async def watch_loading() -> None:
@@ -190,6 +200,13 @@ class Daemon:
             if not server.started:
                 raise RuntimeError("the HTTP server did not start; its log lines say why")
             tg.start_soon(watch_loading)
+            keep_alive = anyio.CancelScope()
+
+            async def unload_idle() -> None:
+                with keep_alive:
+                    await self.engines.keep_alive()
+
+            tg.start_soon(unload_idle)
             self.url = p.default_url(self.config.host, sock.getsockname()[1])
             task_status.started(self.url)
             await self._stopping.wait()
@@ -202,10 +219,12 @@ class Daemon:
             else:
                 log.info("shutting down: paging caches out")
             loading.cancel()
+            keep_alive.cancel()
             for listener in server.servers:
                 listener.close()  # no new clients: one could attach to an answer about to be cut
             await self.websocket.close_all()
-            await anyio.to_thread.run_sync(self.engine.stop)  # every running turn ends, cancelled
+            for engine in {self.engine, *self.engines.engines()}:  # every running turn ends, cancelled
+                await anyio.to_thread.run_sync(engine.stop)
             server.should_exit = True
             # Leaving the task group waits for every turn to commit its answer and for uvicorn's
             # own shutdown (open HTTP responses get GRACEFUL_SHUTDOWN seconds).
@@ -217,17 +236,42 @@ class Daemon:
         return [c.statistics() for c in self.websocket.connections]
 
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Route by kind: websockets to kvchat's door, HTTP to the API's."""
+        """Route by kind: websockets to kvchat's door, HTTP by path to the Messages, Responses or OpenAI door."""
         if scope["type"] == "websocket":
             await self.websocket(scope, receive, _logging_refusals(scope, send))
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
-            await self.api.app(scope, receive, _logging_refusals(scope, send))
+            path = scope["path"]
+            door = self.messages if is_anthropic(path) else self.responses if is_responses(path) else self.api
+            await door.app(scope, receive, _logging_refusals(scope, send))
 
     async def status(self) -> dict[str, Any]:
-        """What `kvd status` shows: the model, the connections, every cache tier."""
-        stats = self.engine.stats
-        if self.engine.ready.is_set():
+        """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,
+        and every loaded model (`models`, what `kvd ps` shows), each answering session with its model."""
+        engine = self.turns.engine
+        stats = await self._engine_status(engine)
+        answering = {sid: {**turn, "model": self.engines.default} for sid, turn in stats.get("answering", {}).items()}
+        for other in self.engines.engines():
+            if other is not engine:
+                answering.update({sid: {**turn, "model": other.config.model}
+                                  for sid, turn in other.stats.get("answering", {}).items()})
+        return {"server": f"kvd {__version__}", "model": self.config.model, "pid": os.getpid(),
+                "uptime": time.monotonic() - self._started, "log_file": str(self.config.log_path),
+                "data_dir": str(self.config.data_dir),
+                "ready": engine.ready.is_set() and engine.load_error is None,
+                "connections": len(self.websocket.connections),
+                "generating": sum(e.stats.get("generating", 0) for e in self.engines.engines() if e is not engine)
+                + stats.get("generating", 0),
+                "waiting": stats.get("waiting", 0), "answering": answering,
+                "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
+                "locations": stats.get("locations", {}),
+                "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
+                "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded()}
+
+    async def _engine_status(self, engine: Engine) -> dict[str, Any]:
+        """The engine's statistics, fresh where it answers within STATUS_TIMEOUT."""
+        stats = engine.stats
+        if engine.ready.is_set():
             # Through the engine's queue, so a turn that just finished is counted.
             loop = asyncio.get_running_loop()
             fresh: asyncio.Future[dict[str, Any]] = loop.create_future()
@@ -239,16 +283,7 @@ class Daemon:
                 if not fresh.done():
                     fresh.set_result(s)
 
-            self.engine.query_status(deliver)
+            engine.query_status(deliver)
             with anyio.move_on_after(STATUS_TIMEOUT):
                 stats = await fresh
-        return {"server": f"kvd {__version__}", "model": self.config.model, "pid": os.getpid(),
-                "uptime": time.monotonic() - self._started, "log_file": str(self.config.log_path),
-                "data_dir": str(self.config.data_dir),
-                "ready": self.engine.ready.is_set() and self.engine.load_error is None,
-                "connections": len(self.websocket.connections), "generating": stats.get("generating", 0),
-                "waiting": stats.get("waiting", 0), "answering": stats.get("answering", {}),
-                "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
-                "locations": stats.get("locations", {}),
-                "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
-                "ranks": stats.get("ranks", {"world_size": 1})}
+        return stats

@@ -26,10 +26,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
-from sessions import DamagedFedIds, Message, Session, Store
-from sessions.chains import Chains, build
+from sessions import DamagedFedIds, Message, Session, Store, stash
+from sessions.chains import Chains, build, said
 from sessions.writer import Writer
 
 from .prompt import template_message
@@ -51,18 +52,24 @@ class Held:
     messages: list[Message]  # message i at position i (indices are contiguous)
     fed: list[int]
     covers: int  # how many leading messages `fed` stands for
-    said_index: list[int] = field(default_factory=list)  # messages with text, as a prompt renders them
+    model: str | None = None  # the model a client chose for it; None: the daemon's default, whichever it is
+    fed_model: str | None = None  # whose tokens `fed` are (None: not recorded, ids from before)
+    # Other models' fed ids and what they covered (sessions/stash.py): a switch back appends to them.
+    stashed: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    said_index: list[int] = field(default_factory=list)  # said messages (chains.said), as a prompt renders them
     said_template: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.resay()
 
     def resay(self) -> None:
-        self.said_index = [m["index"] for m in self.messages if m["content"]]
-        self.said_template = [template_message(m) for m in self.messages if m["content"]]
+        # An answer that ended empty is said: its fed ids hold it, and the API door keeps it too.
+        said_ones = [m for m in self.messages if said(m["content"], m["tool_calls"], m["status"])]
+        self.said_index = [m["index"] for m in said_ones]
+        self.said_template = [template_message(m) for m in said_ones]
 
     def said_before(self, index: int) -> int:
-        """How many messages with text come before message `index`."""
+        """How many said messages come before message `index`."""
         return bisect.bisect_left(self.said_index, index)
 
     def said_changed(self, m: Message) -> None:
@@ -70,11 +77,11 @@ class Held:
         i = m["index"]
         last = self.said_index[-1] if self.said_index else -1
         if i > last:
-            if m["content"]:
+            if said(m["content"], m["tool_calls"], m["status"]):
                 self.said_index.append(i)
                 self.said_template.append(template_message(m))
         elif i == last:
-            if m["content"]:
+            if said(m["content"], m["tool_calls"], m["status"]):
                 self.said_template[-1] = template_message(m)
             else:
                 self.said_index.pop()
@@ -123,7 +130,9 @@ def _load(session_id: str) -> Callable[[Store], Held | None]:
         if session is None:
             return None
         fed, covers = _fed(store, session_id)
-        return Held(session_id, session["system"], session["params"], store.messages(session_id), fed, covers)
+        return Held(session_id, session["system"], session["params"], store.messages(session_id), fed, covers,
+                    model=session["model"], fed_model=stash.fed_model(store, session_id) if fed else None,
+                    stashed=stash.stashed(store, session_id))
 
     return load
 
@@ -189,14 +198,17 @@ class Transcripts:
         return self.writer.submit(fn, durable=durable, label=label)
 
     def create(self, session_id: str, *, title: str, system: str | None, origin: str | None,
-               held: Held | None = None) -> tuple[Held, Write]:
+               held: Held | None = None) -> tuple[Held, Callable[[], Write]]:
         """A new session, held at once (`held`: made by `prepared`, its messages chained by the
-        caller); its row is queued (durable with the turn's answer)."""
+        caller); its row is queued when the returned function is called (the turn core calls it once
+        the engine has taken the session's first turn: a first turn refused before stores nothing)."""
         held = self._held[session_id] = held or Held(session_id, system, {}, [], [], 0)
         self.chains.put(session_id, system, [])
         self._let_go()
-        return held, self._write(lambda s: s.create_session(title=title, system=system, origin=origin,
-                                                            session_id=session_id), durable=False)
+        # The model is read when the row is written: the turn core sets it on `held` before that.
+        return held, lambda: self._write(lambda s: s.create_session(title=title, system=system, origin=origin,
+                                                                    session_id=session_id, model=held.model),
+                                         durable=False)
 
     def append(self, held: Held, role: str, content: str, *, status: str = "complete",
                tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
@@ -241,6 +253,9 @@ class Transcripts:
                            label="answer" if fields.get("status") else "")
 
     def truncate(self, held: Held, from_index: int) -> Write:
+        if held.stashed:  # other models' ids may stand for messages cut here: their next turn renders afresh
+            held.stashed.clear()
+            self._write(partial(stash.drop_stash, session_id=held.session_id), durable=False)
         del held.messages[from_index:]
         if held.said_index and held.said_index[-1] >= from_index:
             held.resay()
@@ -250,8 +265,8 @@ class Transcripts:
 
     def set_tokens(self, held: Held, tokens: Sequence[int], *, covers: int) -> Write:
         held.fed, held.covers = list(tokens), covers
-        sid, ids = held.session_id, held.fed
-        return self._write(lambda s: s.set_tokens(sid, ids, covers=covers), durable=True)
+        sid, ids, model = held.session_id, held.fed, held.fed_model
+        return self._write(lambda s: s.set_tokens(sid, ids, covers=covers, model=model), durable=True)
 
     def forget_fed_ends(self, held: Held, before_index: int) -> Write:
         for m in held.messages[:before_index]:
@@ -267,10 +282,13 @@ class Transcripts:
 
     # --- session-level changes, acknowledged to whoever asked: waited for ---
 
-    async def create_session(self, *, title: str, system: str | None, origin: str | None) -> Session:
-        session = await self.writer.run(lambda s: s.create_session(title=title, system=system, origin=origin))
+    async def create_session(self, *, title: str, system: str | None, origin: str | None,
+                             model: str | None = None) -> Session:
+        session = await self.writer.run(lambda s: s.create_session(title=title, system=system, origin=origin,
+                                                                   model=model))
         self.chains.put(session["id"], system, [])
-        self._held[session["id"]] = Held(session["id"], system, {}, [], [], 0)  # its first turn loads nothing
+        # its first turn loads nothing
+        self._held[session["id"]] = Held(session["id"], system, {}, [], [], 0, model=model)
         self._let_go()
         return session
 
@@ -282,7 +300,8 @@ class Transcripts:
             if not new_system:
                 return None
             fed, _ = _fed(store, session_id)
-            store.set_tokens(session_id, fed, covers=0)
+            store.set_tokens(session_id, fed, covers=0, model=stash.fed_model(store, session_id))
+            stash.drop_stash(store, session_id)  # every model's ids began with the old prompt
             messages = store.messages(session_id)
             store.forget_fed_ends(session_id, len(messages))
             return messages
@@ -293,6 +312,7 @@ class Transcripts:
                 held.params = dict(fields["params"])
             if new_system:
                 held.system, held.covers = fields["system"], 0
+                held.stashed.clear()
                 for m in held.messages:
                     m["fed_end"] = None
         if messages is not None:
@@ -303,9 +323,31 @@ class Transcripts:
         self.chains.remove(session_id)
         return await self.writer.run(lambda s: s.delete_session(session_id))
 
+    def choose_model(self, held: Held, model: str | None) -> Write:
+        """The model a client chose for the session (None: the daemon's default, whichever it is)."""
+        held.model = model
+        sid = held.session_id
+        return self._write(lambda s: s.update_session(sid, model=model), durable=False)
+
+    def feed_for(self, held: Held, model: str) -> list[Write]:
+        """The session's next turn is `model`'s: the fed ids, another model's tokens, are put aside under
+        that model, and `model`'s own from before come back (none: the turn renders the transcript with its
+        tokenizer). The answers' boundaries are forgotten (positions in whichever model's ids fed them)."""
+        writes = []
+        sid, previous = held.session_id, held.fed_model
+        if previous is not None and held.fed:
+            held.stashed[previous] = (held.fed, held.covers)
+            writes.append(self._write(partial(stash.stash, session_id=sid, model=previous, tokens=list(held.fed),
+                                              covers=held.covers), durable=False))
+        fed, covers = held.stashed.pop(model, ([], 0))
+        writes.append(self._write(partial(stash.unstash, session_id=sid, model=model), durable=False))
+        held.fed_model = model
+        return [*writes, self.set_tokens(held, fed, covers=covers), self.forget_fed_ends(held, len(held.messages))]
+
     def system_changed(self, held: Held, system: str | None) -> list[Write]:
         """A pinned request's new system prompt (placement): as update_session's, not waited for."""
         held.system = system
+        held.stashed.clear()  # every model's ids began with the old prompt
         self.chains.put(held.session_id, system, held.messages)
         sid = held.session_id
         return [self._write(lambda s: s.update_session(sid, system=system), durable=False),

@@ -2,8 +2,9 @@
 
 A turn is a session's next answer: its messages are added to the session the
 turn core holds in memory and queued to the transcript's writer, the engine
-is handed a job at once, the answer's events stream to whoever listens
-(websocket connections, an HTTP response) while its text is written behind
+is handed a job at once, the answer's events (typed values, events.py) go to
+whoever listens (websocket connections, an HTTP response: each door encodes
+them in its own shape) while its text is written behind
 as it grows, and it ends committed as complete, cancelled or failed, which
 is announced only once that commit is back. No turn reads its transcript
 or waits on the disk before its first token (transcripts.py). The websocket protocol
@@ -33,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -41,30 +43,72 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 import protocol as p
 from protocol.requests import RequestError, RequestId
-from protocol.shapes import resolve
+from protocol.shapes import Sampling, resolve
 from sessions import Session, Store, is_disk_full, new_session_id
 from sessions.chains import said
 
 from .config import Config
-from .engine.jobs import Delta, Done, EngineEvent, Failed, Progress, Queued, Started, TurnJob
+from .engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed, Progress, Queued, Started
+from .engine.registry import Engines, ModelRefused
 from .engine.thread import Engine
+from .events import (
+    AnswerDelta,
+    AnswerDone,
+    AnswerError,
+    AnswerProgress,
+    AnswerQueued,
+    AnswerStarted,
+    AnswerToolCall,
+    TurnEvent,
+)
 from .prompt import Continuation, Prompt, Tokenizing
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
 
 log = logging.getLogger("kvd.turns")
 
-Split = Callable[[str], tuple[str, list[dict[str, str]]]]
-
+ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the session's params and the config
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
 
 
 class Listener(Protocol):
-    """Whoever wants a turn's events (a websocket connection, an HTTP response); must not block."""
+    """Whoever wants a turn's events (a websocket client, an HTTP response): it encodes them in its
+    door's own shape (events.py) and calls the first delta's `written` once it has written it (or
+    knows it never will); must not block."""
 
-    def publish(self, event: dict[str, Any]) -> None: ...
+    def publish(self, event: TurnEvent) -> None: ...
+
+
+class EventStream:
+    """A turn's events for one HTTP response (its Listener): the response reads them from `receive`.
+
+    Unbounded, but a turn publishes at most max_tokens deltas plus a handful
+    of others, and max_tokens is bounded by config. A first delta published
+    after the response has closed its end is handed off at once (nobody will write it).
+    """
+
+    def __init__(self) -> None:
+        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
+
+    def publish(self, event: TurnEvent) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()
+
+
+class CallSplit(Protocol):
+    """An answer's tool calls taken out of its text as it streams (doors/toolcalls.py's StreamSplit,
+    made by the door that offered tools): text before a call streams, the calls come at the end."""
+
+    content: str  # after `finish`: the kept answer's text without its calls' text
+
+    def feed(self, delta: str) -> str: ...  # the text that may be shown now
+
+    def finish(self) -> tuple[str, list[dict[str, str]]]: ...  # the text left to show, and the calls
 
 
 # --- stop sequences -------------------------------------------------------
@@ -83,6 +127,7 @@ class StopScan:
         self.text = ""  # everything fed, up to (not including) a stop once one is found
         self.shown = 0
         self.hit = False
+        self.found: str | None = None  # the stop sequence that ended the answer (Anthropic's stop_sequence)
 
     def feed(self, delta: str) -> str:
         """Work per delta grows with the delta and the stops' lengths, never with the answer so far."""
@@ -90,7 +135,8 @@ class StopScan:
             return ""
         since = max(0, len(self.text) - self.longest + 1)  # a stop starting earlier was found before
         self.text += delta
-        at = min((i for s in self.stops if (i := self.text.find(s, since)) >= 0), default=-1)
+        at, self.found = min(((i, s) for s in self.stops if (i := self.text.find(s, since)) >= 0),
+                             default=(-1, None), key=lambda found: found[0])
         if at >= 0:
             self.hit = True
             self.text = self.text[:at]
@@ -119,16 +165,6 @@ class StopScan:
 # --- one turn -------------------------------------------------------------
 
 
-def _after_sends(callback: Callable[[], None], turns_of_the_loop: int = 3) -> None:
-    """Call `callback` on the event loop once the listeners have sent what was just published to
-    them: their writers take a turn of the loop to receive it (a memory stream), one more where a door
-    adds a layer, and send in the same turn."""
-    if turns_of_the_loop <= 0:
-        callback()
-    else:
-        asyncio.get_running_loop().call_soon(_after_sends, callback, turns_of_the_loop - 1)
-
-
 @dataclass
 class Turn:
     request_id: Any
@@ -136,22 +172,28 @@ class Turn:
     message_index: int
     first_new: int  # the first message this turn added (taken back if it can never fit)
     subscribers: set[Listener] = field(default_factory=set)
-    text: str = ""
+    text: str = ""  # the answer so far, as kept while it streams (a tool call's text included)
     seq: int = 0
     deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
     stop: StopScan | None = None
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
     door: str = "websocket"  # which front door asked for it (the log's turn line says)
+    model: str = ""  # the model answering it (the session's)
+    # (the session's chosen model, its fed ids' model) before this turn, when this turn changed them
+    switched_from: tuple[str | None, str | None] | None = None
+    engine: Engine | None = None  # that model's engine, once loaded
     held: Held | None = None  # the session as the turn core holds it
-    split: Split | None = None  # the answer's text -> its content and tool calls (the OpenAI door's)
+    tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
-    calls: list[dict[str, str]] = field(default_factory=list)  # the kept answer's tool calls (by `split`)
-    # Set once the first delta has been published; the engine waits for it (TurnJob.handed).
+    # A new session's rows (its own, its first messages), queued once the engine takes the turn:
+    # a first turn refused before that leaves nothing stored, so nothing has to be deleted.
+    unstored: list[Callable[[], Write]] = field(default_factory=list)
+    # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
+    # write one; the engine waits for it (AnswerJob.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
-    def publish(self, event: dict[str, Any]) -> None:
-        event = {"id": self.request_id, "session": self.session_id, **event}
+    def publish(self, event: TurnEvent) -> None:
         for listener in list(self.subscribers):
             listener.publish(event)
 
@@ -163,8 +205,7 @@ class Turn:
         duplicate.
         """
         for seq in range(after_seq + 1, len(self.deltas)):
-            listener.publish({"type": p.CHAT_DELTA, "id": self.request_id, "session": self.session_id,
-                              "seq": seq, "text": self.deltas[seq]})
+            listener.publish(AnswerDelta(seq, self.deltas[seq]))
         self.subscribers.add(listener)
 
 
@@ -176,21 +217,49 @@ class Turns:
     transcript and waits for no commit until it acknowledges its answer.
     """
 
-    def __init__(self, config: Config, store: Store, engine: Engine):
+    def __init__(self, config: Config, store: Store, engine: Engine, engines: Engines | None = None):
+        """`engine`: the default model's; `engines`: every loaded model's (made here around `engine` if
+        not given)."""
         self.config = config
-        self.engine = engine
         self.active: dict[str, Turn] = {}
+        self.engines = engines or Engines(config, engine, busy=self.answering)
+        self._first = engine
         self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
-        self._tokenizing: Tokenizing | None = None
-        self.renders = Renders()  # stateless requests' last renders; used in the tokenizer stage only
+        self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
+        self._tokenizing: dict[Engine, Tokenizing] = {}
+        self._renders: dict[str, Renders] = {}  # stateless requests' last renders, per model (tokenizer stage)
+
+    @property
+    def engine(self) -> Engine:
+        """The default model's engine (the one kvd started with, while it is loaded)."""
+        return self.engines.default_engine or self._first
+
+    def answering(self, model: str) -> bool:
+        """Whether a turn runs on `model` now (the registry never unloads such a model)."""
+        return any(t.model == model for t in self.active.values())
 
     @property
     def tokenizing(self) -> Tokenizing:
-        """The tokenizer stage (the model must be loaded: the stage copies its tokenizer)."""
-        if self._tokenizing is None:
-            self._tokenizing = Tokenizing(self.engine.tokenizer)
-        return self._tokenizing
+        """The default model's tokenizer stage (it must be loaded: the stage copies its tokenizer)."""
+        return self.tokenizing_for(self.engine)
+
+    def tokenizing_for(self, engine: Engine) -> Tokenizing:
+        """A loaded model's tokenizer stage (made on first use; unloaded models' stages let go)."""
+        if engine not in self._tokenizing:
+            loaded = set(self.engines.engines())
+            self._tokenizing = {e: t for e, t in self._tokenizing.items() if e in loaded}
+            self._tokenizing[engine] = Tokenizing(engine.tokenizer)
+        return self._tokenizing[engine]
+
+    @property
+    def renders(self) -> Renders:
+        """The default model's renders (stateless requests' last renders)."""
+        return self.renders_for(self.engines.default)
+
+    def renders_for(self, model: str) -> Renders:
+        """A model's renders: ids are its tokenizer's, so each model remembers its own."""
+        return self._renders.setdefault(model, Renders())
 
     # --- sessions ---
 
@@ -220,7 +289,8 @@ class Turns:
         if not await self.transcripts.delete_session(session_id):
             raise RequestError(p.UNKNOWN_SESSION,
                                f"no session {session_id!r}; list sessions with session.list", rid)
-        self.engine.forget(session_id)  # queued behind any turn that is still keeping its cache
+        for engine in self.engines.engines():  # each model's cache of it; queued behind any turn keeping one
+            engine.forget(session_id)
 
     # --- the fed-token rule ---
 
@@ -260,15 +330,16 @@ class Turns:
     # --- what a client asks for: a new message, an answer again, an edited message ---
 
     async def send(self, listener: Listener | None, rid: RequestId, session_id: str, text: str,
-                   **sampling: Any) -> Turn:
-        """The user's message and its answer (written together: a full disk stores neither)."""
+                   sampling: Sampling = ASKED_NOTHING, model: str | None = None) -> Turn:
+        """The user's message and its answer (written together: a full disk stores neither).
+        `model`: the model to answer it from now on (resolved by the registry); None: the session's."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling, model=model)
 
     async def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str,
-                         **sampling: Any) -> Turn:
+                         sampling: Sampling = ASKED_NOTHING) -> Turn:
         """Answer the last message again: the old answer and its fed ids go, the cache is rewound."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
@@ -277,10 +348,10 @@ class Turns:
                                "there is nothing to regenerate", rid)
         last = held.messages[-1]["index"]
         self.rewind(held, last)
-        return self.start(listener, rid, session_id, last, **sampling)
+        return self.start(listener, rid, session_id, last, sampling=sampling)
 
     async def edit(self, listener: Listener | None, rid: RequestId, session_id: str, index: int, text: str,
-                   **sampling: Any) -> Turn:
+                   sampling: Sampling = ASKED_NOTHING) -> Turn:
         """Replace user message `index` (and everything after it) with `text`, and answer it."""
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
@@ -290,7 +361,7 @@ class Turns:
                                "of this session; session.get lists them", rid)
         self.rewind(held, index)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, **sampling)
+        return self.start(listener, rid, session_id, first_new, sampling=sampling)
 
     def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
               rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
@@ -301,11 +372,13 @@ class Turns:
         `links`, when given, are the new messages' links in the session's chain (sessions/chains.py),
         made off the loop; `prepared`, a new session already holding `messages` (transcripts.prepared,
         made off the loop too): then nothing here grows with a long conversation.
-        Nothing is waited for: the rows follow on the writer, with the turn's.
+        Nothing is waited for: the rows follow on the writer, with the turn's; a new session's
+        are queued only once the engine takes its turn (a refused first turn stores nothing).
         """
         if prepared is not None:
             session_id = prepared.session_id
-            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin, held=prepared)
+            held, self._unstored[session_id] = self.transcripts.create(session_id, title=title, system=system,
+                                                                        origin=origin, held=prepared)
             if links is not None and len(links) == len(held.messages) and all(
                     said(m["content"], m["tool_calls"], m["status"]) for m in held.messages):
                 self.transcripts.chains.extend(session_id, links, range(len(links)))
@@ -314,7 +387,8 @@ class Turns:
             return session_id, 0
         if session_id is None:
             session_id = new_session_id()
-            held, _ = self.transcripts.create(session_id, title=title, system=system, origin=origin)
+            held, self._unstored[session_id] = self.transcripts.create(session_id, title=title, system=system,
+                                                                        origin=origin)
         else:
             found = self.transcripts.get(session_id)
             assert found is not None, "placement holds the session before it applies its plan"
@@ -336,33 +410,44 @@ class Turns:
     # --- a turn's life ---
 
     def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
-              max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-              prompt: Prompt | None = None, stop: Sequence[str] = (),
+              sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
-              grammar: str | None = None, split: Split | None = None) -> Turn:
+              grammar: str | None = None, tools: CallSplit | None = None,
+              model: str | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
         as one operation; the job goes to the engine without waiting for it.
         `prompt` defaults to the transcript under the fed-token rule. The
         cache comes from wherever the longest prefix of its ids is held: the
-        session's own or any other's (cachestore's checkout). `split` (the
-        OpenAI door's, when the request offered tools) makes the answer's text
-        its content and tool calls when it is kept.
+        session's own or any other's (cachestore's checkout). `tools` (from a
+        door whose request offered tools) takes the answer's calls out of its
+        text: they are published once the answer ends, and kept as its calls. `model`
+        (resolved by the registry): the model that answers, from now on, for the
+        session; None: the session's own (the default for a session that has none).
         """
         assert self.tg is not None, "the daemon is not serving"
         held = self.transcripts.get(session_id)
         if held is None:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
-        sampling = resolve({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}, held.params,
-                           self.config.sampling(), max_tokens_limit=self.config.max_tokens_limit)
+        resolved = resolve(sampling.given(), held.params, self.config.sampling(),
+                           max_tokens_limit=self.config.max_tokens_limit)
+        previous = (held.model, held.fed_model)
+        switched = self._serve_with(held, model)
+        serving = held.model or self.engines.default
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         if prompt is None:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None, door=door, held=held, split=split)
-        turn.writes.append(self.transcripts.write_new(held, first_new))
+                    stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
+                    model=serving, switched_from=previous if switched else None)
+        turn.writes += switched
+        write_new = partial(self.transcripts.write_new, held, first_new)
+        if (new := self._unstored.pop(session_id, None)) is not None:
+            turn.unstored = [new, write_new]  # a new session: stored once the engine takes its turn
+        else:
+            turn.writes.append(write_new())
         self.active[session_id] = turn
         send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
         loop = asyncio.get_running_loop()
@@ -376,31 +461,62 @@ class Turns:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
 
-        job = TurnJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
+        job = AnswerJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
                       history=first_new > 1 if history is None else history,
-                      max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                      sampling=resolved,
                       emit=emit, grammar=grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
         self.tg.start_soon(self._pump, turn, receive)
-        turn.publish({"type": p.CHAT_START, "message_index": index})
+        turn.publish(AnswerStarted(index))
         return turn
 
-    async def _submit(self, turn: Turn, prompt: Prompt, job: TurnJob, events: Any) -> None:
-        """Make the turn's ids in the tokenizer stage, then hand the job to the engine."""
-        while not self.engine.ready.is_set():  # the tokenizer comes with the model
+    def _serve_with(self, held: Held, model: str | None) -> list[Write]:
+        """The turn's model: the one the request chose (recorded as the session's), else the session's, else
+        the default. Its fed ids, when another model's tokens, are put aside for that model and the turn's
+        model's own come back (transcripts.feed_for)."""
+        writes = []
+        if model is not None and model != held.model:
+            if held.session_id in self._unstored:  # a new session not stored yet: its row carries the model
+                held.model = model
+            else:
+                writes.append(self.transcripts.choose_model(held, model))
+        serving = held.model or self.engines.default
+        if held.fed_model is None:  # no ids, or ids from before models were recorded: the serving model's
+            held.fed_model = serving
+        elif held.fed_model != serving and held.session_id not in self._unstored:
+            log.info("session %s is answered by %s (its fed ids were %s's)", held.session_id, serving,
+                     held.fed_model)
+            writes += self.transcripts.feed_for(held, serving)
+        return writes
+
+    async def _submit(self, turn: Turn, prompt: Prompt, job: AnswerJob, events: Any) -> None:
+        """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
+        job to its engine."""
+        try:
+            engine = turn.engine = await self.engines.engine(turn.model)
+        except ModelRefused as e:  # nothing was generated: the turn's messages are taken back
+            if turn.switched_from is not None and turn.held is not None:  # the session stays as it was
+                chosen, fed_by = turn.switched_from
+                if chosen != turn.held.model:
+                    turn.writes.append(self.transcripts.choose_model(turn.held, chosen))
+                if fed_by is not None and fed_by != turn.held.fed_model:
+                    turn.writes += self.transcripts.feed_for(turn.held, fed_by)
+            events.send_nowait(Failed(e.code, str(e)))
+            return
+        while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
-        if self.engine.load_error is not None:
-            self.engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
+        if engine.load_error is not None:
+            engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
             return
         try:
-            job.tokens, job.retokenized = await self.tokenizing.run(prompt.ids)
+            job.tokens, job.retokenized = await self.tokenizing_for(engine).run(prompt.ids)
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
             events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
-        self.engine.submit(job)
+        engine.submit(job)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
-            self.engine.cancel(turn.session_id)
+            engine.cancel(turn.session_id)
 
     def cancel(self, session_id: str, turn: Turn | None = None) -> None:
         """Stop the session's answer (only if it is still `turn`, when given); what was generated is kept."""
@@ -408,7 +524,8 @@ class Turns:
             current = self.active.get(session_id)
             if current is not None:
                 current.cancelled = True
-            self.engine.cancel(session_id)
+                if current.engine is not None:  # else it has not reached an engine: _submit cancels it there
+                    current.engine.cancel(session_id)
 
     async def _committed(self, turn: Turn) -> None:
         """Wait until the turn's writes are committed; raise the first that failed."""
@@ -420,7 +537,7 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 19:
+    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
         # one branch per engine event kind, all sharing the answer's commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
@@ -429,16 +546,19 @@ class Turns:
         answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
-        handing = False
+        first = True
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
             async with events:
                 async for ev in events:
+                    if turn.unstored and isinstance(ev, Started | Done):  # the engine took it
+                        turn.writes += [write() for write in turn.unstored]
+                        turn.unstored.clear()
                     if isinstance(ev, Queued):
-                        turn.publish({"type": p.CHAT_QUEUED, "position": ev.position})
+                        turn.publish(AnswerQueued(ev.position))
                     elif isinstance(ev, Progress):
-                        turn.publish({"type": p.CHAT_PROGRESS, "fed": ev.fed, "total": ev.total})
+                        turn.publish(AnswerProgress(ev.fed, ev.total))
                     elif isinstance(ev, Started):
                         if ev.retokenized:
                             turn.writes.append(t.forget_fed_ends(held, turn.message_index))
@@ -449,11 +569,8 @@ class Turns:
                             text = turn.stop.feed(text)
                             if turn.stop.hit and not stopped:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
-                        if text:
-                            self._delta(turn, text)
-                        if not handing:  # the first delta: the engine waits for it to be sent
-                            handing = True
-                            _after_sends(turn.handed.set)
+                        self._said(turn, text, first=first)
+                        first = False
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()
@@ -461,26 +578,18 @@ class Turns:
                         await self._done(turn, ev)
                         return
                     elif isinstance(ev, Failed):
-                        if ev.code == p.TOO_LARGE and not turn.text:
-                            # Nothing was generated and the turn can never fit: take it back,
-                            # so the session stays usable (the client still has the text).
-                            turn.writes.append(t.truncate(held, turn.first_new))
-                        else:
-                            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
-                                                        status="error", finish_reason="error"))
-                        await self._committed(turn)
-                        turn.publish({"type": p.ERROR, "code": ev.code, "message": ev.message})
+                        await self._failed(turn, ev)
                         return
         except Exception as e:
-            self.engine.cancel(sid)  # nobody is left to keep what it generates
+            if turn.engine is not None:
+                turn.engine.cancel(sid)  # nobody is left to keep what it generates
             if is_disk_full(e):
                 log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
-                turn.publish({"type": p.ERROR, "code": p.DISK_FULL, "message": DISK_FULL_MESSAGE})
+                error = AnswerError(p.DISK_FULL, DISK_FULL_MESSAGE, answered=turn.seq > 0)
             else:
                 log.exception("answer for session %s failed", sid)
-                turn.publish({"type": p.ERROR, "code": p.INTERNAL,
-                              "message": "kvd hit an internal error; it is logged"})
-            if not turn.writes:  # they all committed: keep what was generated, marked cut
+                error = AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged", answered=turn.seq > 0)
+            if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
                 turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                             status="error", finish_reason="error"))
                 try:
@@ -488,40 +597,88 @@ class Turns:
                 except Exception as again:  # the answer keeps what was committed before; recovered at start
                     log.warning("could not mark the answer of %s as cut: %s", sid, again)
             t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
+            if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
+                del self.active[sid]
+            turn.publish(error)
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]
+            self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
-    def _delta(self, turn: Turn, text: str) -> None:
+    async def _failed(self, turn: Turn, ev: Failed) -> None:
+        t, held = self.transcripts, turn.held
+        assert held is not None
+        if turn.unstored:  # refused before the engine took it: a new session, never stored
+            t.forget(turn.session_id)
+        elif ev.code in (p.TOO_LARGE, p.UNKNOWN_MODEL) and not turn.text:
+            # Nothing was generated and the turn can never fit: take it back,
+            # so the session stays usable (the client still has the text).
+            turn.writes.append(t.truncate(held, turn.first_new))
+        else:
+            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                        status="error", finish_reason="error"))
+        await self._committed(turn)
+        turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
+
+    def _said(self, turn: Turn, text: str, *, first: bool = False) -> None:
+        """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
+
+        The engine waits after the answer's first token until it is written
+        (AnswerJob.handed): the listener that writes it sets that, or this does
+        when there is nothing to write or nobody to write it.
+        """
         turn.text += text
-        turn.deltas.append(text)
-        turn.publish({"type": p.CHAT_DELTA, "seq": turn.seq, "text": text})
-        turn.seq += 1
+        shown = turn.tools.feed(text) if turn.tools is not None else text
+        if first and not (shown and turn.subscribers):
+            turn.handed.set()
+        self._show(turn, shown, written=turn.handed.set if first else None)
+
+    def _show(self, turn: Turn, text: str, written: Callable[[], None] | None = None) -> None:
+        if text:
+            turn.deltas.append(text)
+            turn.publish(AnswerDelta(turn.seq, text, written))
+            turn.seq += 1
+
+    @staticmethod
+    def _usage(turn: Turn, usage: dict[str, Any]) -> dict[str, Any]:
+        """The answer's usage, plus the model that answered and, when it had no cache of the session,
+        the other models that keep one (the cache store's `kept_for`): said, never restored from."""
+        usage = {**usage, "model": turn.model}
+        if usage.get("restored_from") == p.NO_CACHE and turn.engine is not None:
+            if others := turn.engine.stats.get("kept_for", {}).get(turn.session_id):
+                usage["kept_for"] = list(others)
+        return usage
 
     async def _done(self, turn: Turn, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
         if turn.stop is not None:
-            if rest := turn.stop.flush():
-                self._delta(turn, rest)
+            self._said(turn, turn.stop.flush())
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
-        u = ev.usage
+        u = ev.usage = self._usage(turn, ev.usage)
         log.info("turn in session %s (%s): cache %s, %s tok restored, %s prefilled, TTFT %s ms, %s tok, %s",
                  turn.session_id, turn.door,
-                 f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else u.get("restored_from"),
+                 f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else
+                 f"none for {turn.model} (kept for {', '.join(u['kept_for'])})" if u.get("kept_for") else
+                 u.get("restored_from"),
                  u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
-        content, calls = turn.split(turn.text) if turn.split is not None else (turn.text, [])
-        turn.calls = calls  # what the door shows is what is kept (a call's id is made once, here)
+        content, calls = turn.text, list[dict[str, str]]()
+        if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
+            rest, calls = turn.tools.finish()
+            self._show(turn, rest)
+            content = turn.tools.content if calls else turn.text
         held = turn.held
         assert held is not None
         fed_end = self._record(turn, held, ev.tokens, exact=not stopped)
         turn.writes.append(self.transcripts.update(
-            held, turn.message_index, durable=True, content=content if calls else turn.text, status=status,
+            held, turn.message_index, durable=True, content=content, status=status,
             finish_reason=reason, usage=ev.usage, fed_end=fed_end, tool_calls=calls or None))
         await self._committed(turn)  # acknowledged only once it is durable
-        turn.publish({"type": p.CHAT_DONE, "message_index": turn.message_index,
-                      "finish_reason": reason, "usage": ev.usage})
+        made = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(calls))
+        for call in made:
+            turn.publish(call)
+        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made))

@@ -66,6 +66,7 @@ BAD_JSON = "bad_json"
 BAD_REQUEST = "bad_request"
 UNKNOWN_TYPE = "unknown_type"
 UNKNOWN_SESSION = "unknown_session"
+UNKNOWN_MODEL = "unknown_model"  # a model name kvd cannot serve (`kvd models` lists those it can)
 TOO_LARGE = "too_large"
 BUSY = "busy"
 DISK_FULL = "disk_full"

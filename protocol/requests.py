@@ -50,6 +50,7 @@ class SessionCreate:
     title: str  # DEFAULT_TITLE when the request has none
     system: str | None
     origin: str  # who asks: "kvchat", "kvchat one-shot"; "websocket" when the client does not say
+    model: str | None = None  # the model to answer it (`kvd models`, an alias); None: the daemon's default
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class ChatSend:
     max_tokens: int | None
     temperature: float | None
     top_p: float | None
+    model: str | None = None  # the model to answer from now on; None: the session's
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,18 @@ def _origin(msg: dict[str, Any], rid: RequestId) -> str:
     return origin or origins.WEBSOCKET
 
 
+MAX_MODEL_CHARS = 1024  # a model's name: a built-in, an alias, an Ollama or Hugging Face name, a path
+
+
+def _model(msg: dict[str, Any], rid: RequestId) -> str | None:
+    """The model a request names (the daemon checks that it can serve it); None when it names none."""
+    model: str | None = _field(msg, rid, "model", str, required=False)
+    if model is not None and not 1 <= len(model) <= MAX_MODEL_CHARS:
+        raise RequestError(p.BAD_REQUEST, f"'model' must be 1-{MAX_MODEL_CHARS} characters "
+                           "(a name `kvd models` lists)", rid)
+    return model
+
+
 def _fits(name: str, text: str, rid: RequestId, limits: Limits) -> str:
     try:
         return _TEXT.validate_python(text, context=limits)
@@ -278,7 +292,8 @@ Msg = dict[str, Any]
 
 
 def _session_create(msg: Msg, rid: RequestId, limits: Limits) -> Request:
-    return SessionCreate(rid, _title(msg, rid) or p.DEFAULT_TITLE, _system(msg, rid, limits), _origin(msg, rid))
+    return SessionCreate(rid, _title(msg, rid) or p.DEFAULT_TITLE, _system(msg, rid, limits), _origin(msg, rid),
+                         _model(msg, rid))
 
 
 def _session_update(msg: Msg, rid: RequestId, limits: Limits) -> Request:
@@ -305,7 +320,7 @@ def _chat_regenerate(msg: Msg, rid: RequestId, limits: Limits) -> Request:
 def _chat_send(msg: Msg, rid: RequestId, limits: Limits) -> Request:
     session = _session(msg, rid)
     s = _sampling(msg, rid, limits)
-    return ChatSend(rid, session, _text(msg, rid, limits), s.max_tokens, s.temperature, s.top_p)
+    return ChatSend(rid, session, _text(msg, rid, limits), s.max_tokens, s.temperature, s.top_p, _model(msg, rid))
 
 
 def _chat_edit(msg: Msg, rid: RequestId, limits: Limits) -> Request:

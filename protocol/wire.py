@@ -14,7 +14,7 @@ from typing import Any
 
 # docs/protocol.md, "Session object" and "Message object", in that order.
 SESSION_FIELDS = ("id", "title", "system", "created_at", "updated_at",
-                  "message_count", "last_message", "tokens", "params", "origin")
+                  "message_count", "last_message", "tokens", "params", "origin", "model")
 MESSAGE_FIELDS = ("index", "role", "content", "status", "finish_reason", "usage",
                   "created_at", "updated_at")
 

@@ -169,3 +169,49 @@ def m007_fed_ids_checksum(db: Database) -> None:
     for session_id, tokens, covers in rows:
         db.execute("UPDATE session_tokens SET checksum = ? WHERE session_id = ?",
                    [fed_checksum(session_id, bytes(tokens), int(covers)), session_id])
+
+
+@migration
+def m008_session_model(db: Database) -> None:
+    # sessions.model: the model a client chose for the session, as kvd names it (an alias resolved);
+    # NULL: whichever model the daemon starts with (`--model`), as every session made before.
+    # session_tokens.model: the model whose tokens the fed ids are (NULL: from before; taken as the
+    # serving model's). session_stash: other models' fed ids of the session, put aside when it moved
+    # to another model, so a switch back appends to exactly what that model fed (its cache matches).
+    db.execute("ALTER TABLE sessions ADD COLUMN model TEXT")
+    db.execute("ALTER TABLE session_tokens ADD COLUMN model TEXT")
+    db.execute(
+        """
+        CREATE TABLE session_stash (
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            model TEXT NOT NULL,
+            tokens BLOB NOT NULL,
+            covers INTEGER NOT NULL CHECK (covers >= 0),
+            checksum INTEGER NOT NULL,
+            PRIMARY KEY (session_id, model)
+        )
+        """
+    )
+
+
+@migration
+def m009_responses(db: Database) -> None:
+    # The Responses API's stored responses (daemon/doors/responses.py): each names the point of a
+    # session it answered, its assistant message `answer_idx`, and keeps what the request asked for
+    # (instructions, tools, metadata...: `request`, JSON) so GET /v1/responses/{id} can show it. The
+    # answer itself (text, calls, status, usage) stays in `messages`, written by the turn core.
+    # A deleted session takes its responses with it.
+    db.execute(
+        """
+        CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            answer_idx INTEGER NOT NULL CHECK (answer_idx >= 0),
+            first_input INTEGER NOT NULL CHECK (first_input >= 0),
+            previous_response_id TEXT,
+            created_at REAL NOT NULL,
+            request TEXT NOT NULL
+        )
+        """
+    )
+    db.execute("CREATE INDEX responses_session ON responses (session_id)")

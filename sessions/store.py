@@ -57,6 +57,7 @@ class Session(TypedDict):
     tokens: int
     params: dict[str, Any]
     origin: str | None  # who made it: "kvchat", "kvchat one-shot", "api (<User-Agent>)", "websocket"
+    model: str | None  # the model that serves it (its fed ids are that model's); None: the daemon's default
     # list_sessions(branches=True): the API conversation this session is a branch of (a retry, an edit):
     # the oldest API session whose first request this one's messages start with; None for the first.
     branch_of: NotRequired[str | None]
@@ -88,7 +89,8 @@ SELECT s.id, s.title, s.system, s.created_at, s.updated_at,
     coalesce((SELECT length(t.tokens) / 4 FROM session_tokens t
         WHERE t.session_id = s.id), 0),
     s.params,
-    s.origin
+    s.origin,
+    s.model
 FROM sessions s
 """
 # An assistant message kvd wrote (not one a client sent along with its conversation): it has usage, a
@@ -96,7 +98,7 @@ FROM sessions s
 _ANSWERED = "g.usage IS NOT NULL OR g.finish_reason IS NOT NULL OR g.status != 'complete'"
 _SESSION_KEYS = (
     "id", "title", "system", "created_at", "updated_at",
-    "message_count", "last_message", "tokens", "params", "origin",
+    "message_count", "last_message", "tokens", "params", "origin", "model",
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
@@ -147,21 +149,21 @@ class Store:
 
     def create_session(
         self, *, title: str, system: str | None = None, origin: str | None = None,
-        session_id: str | None = None,
+        session_id: str | None = None, model: str | None = None,
     ) -> Session:
         """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE),
         and may choose its id (new_session_id()) before the row is written, as the turn core does."""
         now = self._clock()
         session_id = session_id or new_session_id()
         self.db.execute(
-            "INSERT INTO sessions (id, title, system, created_at, updated_at, origin) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            [session_id, title, system, now, now, origin],
+            "INSERT INTO sessions (id, title, system, created_at, updated_at, origin, model) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [session_id, title, system, now, now, origin, model],
         )
         return Session(
             id=session_id, title=title, system=system, created_at=now,
             updated_at=now, message_count=0, last_message=None, tokens=0,
-            params={}, origin=origin,
+            params={}, origin=origin, model=model,
         )  # fmt: skip
 
     def get_session(self, session_id: str) -> Session | None:
@@ -236,25 +238,19 @@ class Store:
         title: str | Keep = KEEP,
         system: str | None | Keep = KEEP,
         params: Mapping[str, Any] | Keep = KEEP,
+        model: str | None | Keep = KEEP,
     ) -> None:
         """Change the given fields in one statement; this is not use (`updated_at`, so the list order, stays).
 
         `params` replaces the session's generation defaults as a whole (an
         empty mapping clears them); merging a partial change is the caller's.
         """
-        sets: list[str] = []
-        values: list[Any] = []
-        if not isinstance(title, Keep):
-            sets.append("title = ?")
-            values.append(title)
-        if not isinstance(system, Keep):
-            sets.append("system = ?")
-            values.append(system)
-        if not isinstance(params, Keep):
-            sets.append("params = ?")
-            values.append(json.dumps(dict(params)) if params else None)
-        if sets:
-            self._update_session(session_id, ", ".join(sets), values)
+        stored = json.dumps(dict(params)) if not isinstance(params, Keep) and params else None
+        given = {"title": title, "system": system, "params": params if isinstance(params, Keep) else stored,
+                 "model": model}
+        changed = {column: value for column, value in given.items() if not isinstance(value, Keep)}
+        if changed:
+            self._update_session(session_id, ", ".join(f"{column} = ?" for column in changed), list(changed.values()))
         else:
             self._require_session(session_id)
 
@@ -265,13 +261,15 @@ class Store:
 
     # Messages
 
-    def messages(self, session_id: str) -> list[Message]:
+    def messages(self, session_id: str, *, first: int = 0, end: int | None = None) -> list[Message]:
+        """The session's messages in order (those with first <= index < end, when given)."""
         rows = self.db.execute(
             "SELECT idx, role, content, status, finish_reason, usage, fed_end, "
-            "created_at, updated_at, tool_calls, tool_call_id FROM messages WHERE session_id = ? ORDER BY idx",
-            [session_id],
+            "created_at, updated_at, tool_calls, tool_call_id FROM messages WHERE session_id = ? "
+            "AND idx >= ? AND idx < ? ORDER BY idx",
+            [session_id, first, (1 << 62) if end is None else end],
         ).fetchall()
-        if not rows:
+        if not rows and first == 0 and end is None:
             self._require_session(session_id)
         return [_message_dict(row) for row in rows]
 
@@ -415,8 +413,8 @@ class Store:
         self.set_tokens(session_id, [], covers=0)
         self.forget_fed_ends(session_id, 1 << 62)
 
-    def set_tokens(self, session_id: str, tokens: Sequence[int], *, covers: int = 0) -> None:
-        """Replace the session's token ids; each must satisfy 0 <= t < 2**32.
+    def set_tokens(self, session_id: str, tokens: Sequence[int], *, covers: int = 0, model: str | None = None) -> None:
+        """Replace the session's token ids (`model`'s tokens); each must satisfy 0 <= t < 2**32.
 
         `covers` says how many leading messages of the transcript the ids
         stand for, so a later turn knows whether it may append to them.
@@ -427,11 +425,11 @@ class Store:
         self._require_session(session_id)
         with self.db.atomic():
             self.db.execute(
-                "INSERT INTO session_tokens (session_id, tokens, covers, updated_at, checksum) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
-                "tokens = excluded.tokens, covers = excluded.covers, "
-                "updated_at = excluded.updated_at, checksum = excluded.checksum",
-                [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers)],
+                "INSERT INTO session_tokens (session_id, tokens, covers, updated_at, checksum, model) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET tokens = excluded.tokens, "
+                "covers = excluded.covers, updated_at = excluded.updated_at, checksum = excluded.checksum, "
+                "model = excluded.model",
+                [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers), model],
             )
 
     def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None, str]]:

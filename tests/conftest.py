@@ -46,13 +46,15 @@ def anyio_backend() -> str:
 #   e2e         - real `kvd serve` processes, tmux, the real model, kill -9, the BLAS probe
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
-        "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_cost", "test_direct",
+        "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_cost",
+        "test_direct",
         "test_durable", "test_cli", "test_complexity", "test_device", "test_lockstep", "test_private_surfaces",
-        "test_server_socket",
+        "test_server_socket", "test_door_events",
         "test_gguf", "test_ggufarch", "test_ggufspm", "test_ioworker", "test_lru", "test_scheduler",
         "test_segment_compat", "test_segments", "test_shapes", "test_snapshot", "test_store", "test_store_tiers",
         "test_table", "test_transcript_writer", "test_tui_render", "test_wire", "test_writeback_plan",
         "test_prune_paths", "test_schemaends", "test_admission", "test_renders", "test_terminal_modes",
+        "test_render_templates", "test_logfile", "test_anthropic_shapes", "test_responses_unit",
     }),
     "integration": frozenset({
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",
@@ -61,7 +63,8 @@ TIERS: dict[str, frozenset[str]] = {
         "test_packing", "test_quantized", "test_restore_admission", "test_resume", "test_security",
         "test_session_requests", "test_shared", "test_seeds",
         "test_speculate",
-        "test_fed_checksum", "test_tool_turns", "test_prefill",
+        "test_fed_checksum", "test_tool_turns", "test_prefill", "test_render_exact", "test_empty_answers",
+        "test_models", "test_responses",
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
@@ -69,7 +72,9 @@ TIERS: dict[str, frozenset[str]] = {
         "test_kvchat_tmux", "test_docs_run",
         "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
-        "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas",
+        "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_models_e2e",
+        "test_responses_restart",
+        "test_anthropic", "test_hostile_messages",
     }),
 }  # fmt: skip
 

@@ -197,9 +197,32 @@ def import_cycles(root: Path, package: str) -> list[list[str]]:
     return rings
 
 
-@pytest.mark.parametrize("package", ["daemon", "sessions", "tui", "protocol", "common"])
+@pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_no_import_cycles_inside_a_package(package: str) -> None:
     assert import_cycles(ROOT, package) == []
+
+
+def back_doors(root: Path, package: str, into: str) -> list[str]:
+    """Each import in `package` of a module of `into` other than its front door (`into/__init__.py`)."""
+    wrong = []
+    for path in sorted((root / package).rglob("*.py")):
+        relative = path.relative_to(root)
+        module = ".".join(relative.with_suffix("").parts)
+        for line, name in imported(ast.parse(path.read_text(), filename=str(path)), module):
+            if name.split(".")[0] == into and name != into:
+                wrong.append(f"{relative}:{line}: {name}")
+    return wrong
+
+
+def test_the_daemon_uses_cachestore_through_its_front_door() -> None:
+    assert back_doors(ROOT, "daemon", "cachestore") == []
+
+
+def test_a_back_door_is_found(tmp_path: Path) -> None:
+    (tmp_path / "daemon" / "engine").mkdir(parents=True)
+    (tmp_path / "daemon" / "engine" / "thread.py").write_text(
+        "from cachestore import SessionCaches\ndef f():\n    from cachestore.snapshot import rewind\n")
+    assert [w.split(": ", 1)[1] for w in back_doors(tmp_path, "daemon", "cachestore")] == ["cachestore.snapshot"]
 
 
 def test_an_import_cycle_is_found(tmp_path: Path) -> None:

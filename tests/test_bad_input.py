@@ -118,3 +118,49 @@ async def test_status_waiting_on_a_busy_engine_does_not_hold_up_cancel(tmp_path:
                 await c.send({"id": f"s{i}", "type": "status"})
             busy = await c.recv()
             assert (busy["id"], busy["code"]) == ("s3", "busy")  # at most 4 slow ones at once
+
+
+# The same hostile text as HTTP bodies, at each HTTP door: every one a 400 in OpenAI's shape, nothing stored.
+BODIES: dict[str, list[str]] = {
+    "chat/completions": [
+        '{"messages": [{"role": "user", "content": "hi \\ud83d"}]}',
+        '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        '{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+        '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + "9" * 5000 + "}",
+        '{"messages": [{"\\ud800": "user", "content": "hi"}]}',
+    ],
+    "responses": [
+        '{"input": "hi \\ud83d"}',
+        '{"input": [{"role": "user", "content": [{"type": "input_text", "text": "\\ude00 first"}]}]}',
+        '{"input": "hi", "instructions": "ok \\udc00 ok"}',
+        '{"input": "hi", "metadata": {"\\ud800": "x"}}',
+        '{"input": "hi", "temperature": NaN}',
+        '{"input": "hi", "top_p": Infinity}',
+        '{"input": "hi", "max_output_tokens": ' + "9" * 5000 + "}",
+        '{"input": [{"type": "function_call_output", "call_id": "c", "output": ' + '{"y": ' * 5000 + "1" + "}" * 5000
+        + "}]}",
+    ],
+}
+
+
+@pytest.mark.parametrize("door", list(BODIES))
+async def test_fuzzed_bodies_against_the_http_doors(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                    door: str) -> None:
+    import httpx
+
+    caplog.set_level(logging.INFO)
+    async with running_daemon(tmp_path, model="builtin:tiny") as d:
+        before = (d.store.list_sessions(), len(d.daemon.turns.active))
+        async with httpx.AsyncClient(base_url=d.url.replace("ws://", "http://"),
+                                     headers={"Authorization": f"Bearer {d.token}"}) as http:
+            for raw in BODIES[door] + [raw for raw, _, _ in FUZZ]:  # the websocket's frames: not a request here
+                r = await http.post(door, content=raw.encode("utf-8", "surrogatepass"), timeout=60,
+                                    headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (raw[:80], r.text[:200])
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+            assert (d.store.list_sessions(), len(d.daemon.turns.active)) == before
+            ok = await http.post(door, json={"input": "hi", "max_output_tokens": 2} if door == "responses" else
+                                 {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=60)
+            assert ok.status_code == 200, ok.text[:200]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]

@@ -32,7 +32,7 @@ def test_every_subcommand_names_its_function() -> None:
 
     leaves = parsers(_parser())
     assert {p.prog for p in leaves} == {"kvd serve", "kvd status", "kvd stop", "kvd logs", "kvd sessions prune",
-                                        "kvd models", "kvd service"}
+                                        "kvd models", "kvd ps", "kvd service"}
     for p in leaves:
         assert callable(p.get_default("func")) and p.get_default("parser") is p, p.prog
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from daemon import device
-from daemon.device import CPU_SPECULATION, GPU_SPECULATION, Device, Policy, policy
+from daemon.device import CPU_SPECULATION, GPU_SPECULATION, Device, LoadedModel, Policy, Room, make_room, policy
 from daemon.engine import draft, modelload, speculate
 
 GiB = 1 << 30
@@ -134,3 +134,79 @@ def test_what_the_config_leaves_to_the_device() -> None:
     chosen = load_config(None, prefill_step_size=1024, speculate="off")
     assert device.configured(chosen, policy(METAL, env={})).prefill_step_size == 1024  # an explicit size wins
     assert device.configured(chosen, policy(CPU, env={})).speculate == "off"
+
+
+# --- how much memory the loaded models may take, and what loading one more takes ---
+
+
+@pytest.mark.parametrize(("device", "configured", "expected"), [
+    (Device("cpu", "AMD EPYC", memory_total=24 * GiB), 0, 12 * GiB),  # half the machine's
+    (Device("cpu", "AMD EPYC", memory_total=24 * GiB), 3 * GiB, 3 * GiB),  # the configured one wins
+    (CPU, 0, None),  # the machine did not say: no limit
+    (METAL, 0, 48 * GiB),  # the recommended working set
+    (METAL, 100 * GiB, 48 * GiB),  # never past what a GPU has free
+    (H200, 10 * GiB, 10 * GiB),
+    (Device("cuda", "GPU", memory_total=8 * GiB), 0, 8 * GiB),  # free unknown: its total
+])
+def test_models_memory_follows_the_device(device: Device, configured: int, expected: int | None) -> None:
+    assert policy(device, env={}).models_memory(configured) == expected
+
+
+def test_a_model_that_fits_unloads_nothing() -> None:
+    loaded = [LoadedModel("a", 2 * GiB, idle_s=50.0)]
+    assert make_room("b", 1 * GiB, 4 * GiB, loaded) == Room()
+    assert make_room("b", 10 * GiB, None, loaded) == Room()  # no limit known
+
+
+def test_room_is_made_from_the_least_recently_used_idle_models_only() -> None:
+    loaded = [LoadedModel("recent", 2 * GiB, idle_s=5.0), LoadedModel("old", 2 * GiB, idle_s=500.0),
+              LoadedModel("busy", 2 * GiB, idle_s=None)]
+    assert make_room("new", 2 * GiB, 7 * GiB, loaded) == Room(("old",))
+    assert make_room("new", 4 * GiB, 7 * GiB, loaded) == Room(("old", "recent"))
+
+
+def test_a_model_that_never_fits_is_refused_in_one_line() -> None:
+    room = make_room("big", 5 * GiB, 4 * GiB, [LoadedModel("a", 1 * GiB, idle_s=1.0)])
+    assert room.unload == () and room.refusal is not None and "\n" not in room.refusal
+    assert room.refusal.startswith("big needs 5.00 GiB for its weights and the models may take 4.00 GiB")
+
+
+def test_a_model_kept_out_by_busy_ones_is_refused_saying_so() -> None:
+    room = make_room("b", 3 * GiB, 4 * GiB, [LoadedModel("a", 2 * GiB, idle_s=None)])
+    assert room.unload == ()
+    assert room.refusal is not None and "there is 2.00 GiB of the 4.00 GiB" in room.refusal
+    assert "answering now" in room.refusal
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("device, in_use, resident, warm, prefetch", [
+    # The CPU: an eighth of the host resident, half that warm, within their floors and caps.
+    (Device("cpu", "laptop", memory_total=8 * GiB, memory_free=5 * GiB), 1 * GiB, 1 * GiB, 512 * MiB, 256 * MiB),
+    (Device("cpu", "this box", memory_total=24 * GiB, memory_free=20 * GiB), 0, 3 * GiB, 1536 * MiB, 1280 * MiB),
+    (Device("cpu", "big", memory_total=256 * GiB, memory_free=200 * GiB), 0, 4 * GiB, 2 * GiB, 200 * GiB // 16),
+    (Device("cpu", "tiny", memory_total=1 * GiB, memory_free=512 * MiB), 0, 256 * MiB, 128 * MiB, 32 * MiB),
+    (CPU, 0, 4 * GiB, 2 * GiB, None),  # memory unknown: the caps, and no prefetch limit but the tiers'
+    # A GPU: 60% of what is free after the weights, two thirds resident.
+    (H200, 19 * GiB, 48 * GiB, 24 * GiB, 120 * GiB // 16),
+    (Device("metal", "Apple M1", memory_total=8 * GiB, memory_free=5 * GiB), 2 * GiB,
+     int(3 * GiB * 0.6) * 2 // 3, int(3 * GiB * 0.6) - int(3 * GiB * 0.6) * 2 // 3, 3 * GiB // 16),
+    (Device("cuda", "?"), 0, 4 * GiB, 2 * GiB, None),
+])  # fmt: skip
+def test_unset_budgets_and_the_prefetch_follow_the_devices_memory(device: Device, in_use: int, resident: int,
+                                                                  warm: int, prefetch: int | None) -> None:
+    p = policy(device, env={})
+    assert p.budgets(None, None, in_use=in_use) == (resident, warm)
+    assert p.prefetch_bytes(in_use=in_use) == prefetch
+    # One set, the other from the machine: a set budget is kept as it is where it fits.
+    assert p.budgets(64 * MiB, None, in_use=in_use) == (64 * MiB, warm)
+
+
+def test_the_host_memory_is_read_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684092 kB\nMemFree:        13694012 kB\nMemAvailable:   20287388 kB\n")
+    assert device.host_memory(meminfo) == (24684092 * 1024, 20287388 * 1024)
+    total, available = device.host_memory(tmp_path / "missing")  # elsewhere: the pages sysconf counts
+    assert total is None or total > 0
+    assert available is None or available > 0

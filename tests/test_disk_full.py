@@ -51,6 +51,10 @@ async def test_full_transcript_disk_is_disk_full_and_loses_nothing(tmp_path: Pat
             assert "disk holding kvd's data directory is full" in created["message"]
             _, refused = await c.chat(sid, "a message that does not fit " * 40, max_tokens=4)
             assert (refused["type"], refused.get("code")) == ("error", "disk_full"), refused
+            # Sent again at once: the turn had ended before its error was published, so the retry gets the
+            # real state (the disk, still full), never `busy`.
+            _, again = await c.chat(sid, "a message that does not fit " * 40, max_tokens=4)
+            assert (again["type"], again.get("code")) == ("error", "disk_full"), again
             assert (await c.request("ping"))["type"] == "pong"  # still serving
             # Nothing acknowledged was lost, and the refused message was not half-kept.
             assert (await c.request("session.get", session=sid))["messages"] == before
@@ -136,3 +140,46 @@ def test_full_cache_filesystem_on_a_real_tmpfs(tmp_path: Path) -> None:
         assert status["tiers"]["disk"]["evicted_full"] >= 1
     finally:
         subprocess.run(["umount", str(cache)], check=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_data_disk_is_disk_full_one_log_line_and_no_traceback(tmp_path: Path) -> None:
+    """The whole data directory on a 30 MiB tmpfs, filled: requests get `disk_full` (a retry too, never
+    `busy`), nothing acknowledged is lost, and stderr holds no traceback, only one line about the log file."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m,mode=0700", "tmpfs", str(data)], check=True)
+    try:
+        d = DaemonProcess(data)
+        try:
+            with d.client() as c:
+                sid = c.request("session.create")["session"]["id"]
+                _, done = c.chat(sid, "hello", max_tokens=4, temperature=0)
+                assert done["type"] == "chat.done", done
+                kept = c.request("session.get", session=sid)["messages"]
+                with open(data / "filler", "wb") as filler:  # the disk fills up
+                    try:
+                        while True:
+                            filler.write(b"\0" * (1 << 20))
+                            filler.flush()
+                    except OSError as e:
+                        assert e.errno == errno.ENOSPC
+                with open(data / "kvd.log", "ab", buffering=0) as log_file:  # and its log file's last page
+                    with pytest.raises(OSError) as full:
+                        while True:
+                            log_file.write(b"\n")
+                    assert full.value.errno == errno.ENOSPC
+                for _ in range(3):
+                    _, refused = c.chat(sid, "a message that does not fit " * 200, max_tokens=4)
+                    assert (refused["type"], refused.get("code")) == ("error", "disk_full"), refused
+                (data / "filler").unlink()
+                assert c.request("session.get", session=sid)["messages"] == kept
+                _, done = c.chat(sid, "and now?", max_tokens=4, temperature=0)
+                assert done["type"] == "chat.done", done
+        finally:
+            assert d.terminate() == 0
+        log = "".join(d.log)
+        assert "Traceback" not in log and "Logging error" not in log, log
+        assert log.count("is not being written") == 1, log
+    finally:
+        subprocess.run(["umount", str(data)], check=True)

@@ -54,7 +54,7 @@ def ask_openai(d: DaemonProcess) -> list[str]:
 
 def fed(data_dir: Path, sid: str, rank: int) -> int:
     """How many of the session's ids this rank's share on disk holds (its last segment's end)."""
-    segments = (data_dir / f"rank-{rank}" / "cache" / "segments" / sid).glob("*.safetensors")
+    segments = (data_dir / f"rank-{rank}" / "cache" / "segments" / sid).rglob("*.safetensors")
     return max((int(p.stem.split("-")[1]) for p in segments), default=0)
 
 
@@ -104,7 +104,7 @@ def test_two_ranks_answer_as_one_over_websocket_openai_and_kvchat(tmp_path: Path
     log = "".join(d.log)
     assert "rank 0 of 2" in log and "Traceback" not in log
     for r in (0, 1):  # each rank kept its own share, under its own directory
-        assert list((tmp_path / f"rank-{r}" / "cache" / "segments" / sid).glob("*.safetensors"))
+        assert list((tmp_path / f"rank-{r}" / "cache" / "segments" / sid).rglob("*.safetensors"))
     assert not (tmp_path / "cache" / "segments").exists()
 
 
@@ -120,7 +120,7 @@ def test_restart_resumes_from_disk_and_a_damaged_share_falls_back_exactly(
     # Each rank holds the session as 128-token blocks and a tail segment. Rank 1's tail is damaged;
     # rank 0's is whole. Both restore what both hold: rank 0 rewinds its share to rank 1's.
     held = fed(tmp_path, sid, 0)
-    tail = max((tmp_path / "rank-1" / "cache" / "segments" / sid).glob("*.safetensors"))
+    tail = max((tmp_path / "rank-1" / "cache" / "segments" / sid).rglob("*.safetensors"))
     common = int(tail.stem.split("-")[0])
     assert 0 < common < held == fed(tmp_path, sid, 1)
     data = bytearray(tail.read_bytes())

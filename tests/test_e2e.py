@@ -183,15 +183,18 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
 
 async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The turn core sets a job's `handed` once its first delta is published (the engine waits for it
-    after the first token, FIRST_HANDOFF_S at most: unset, every turn would pay that bound)."""
-    from daemon.engine.jobs import TurnJob
+    """The listener that writes a turn's first delta sets its job's `handed` (the engine waits for it
+    after the first token, FIRST_HANDOFF_S at most: unset, every turn would pay that bound): the
+    websocket's writer, the OpenAI stream's send, the OpenAI body that sends nothing before the end."""
+    import openai
+
+    from daemon.engine.jobs import AnswerJob
     from daemon.engine.thread import Engine
 
-    jobs: list[TurnJob] = []
+    jobs: list[AnswerJob] = []
     submit = Engine.submit
 
-    def recorded(self: Engine, job: TurnJob) -> None:
+    def recorded(self: Engine, job: AnswerJob) -> None:
         jobs.append(job)
         submit(self, job)
 
@@ -202,4 +205,11 @@ async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: 
             for text in ["Hello, who are you?", "And then?"]:
                 deltas, done = await c.chat(sid, text, max_tokens=8, temperature=0)
                 assert done["type"] == "chat.done" and deltas
-    assert len(jobs) == 2 and all(j.handed is not None and j.handed.is_set() for j in jobs)
+        async with openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token,
+                                      max_retries=0) as api:
+            said: list[Any] = [{"role": "user", "content": "Hello, who are you?"}]
+            whole = await api.chat.completions.create(model="kvd", max_tokens=8, messages=said)
+            assert whole.choices[0].message.content
+            stream = await api.chat.completions.create(model="kvd", max_tokens=8, stream=True, messages=said)
+            assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert len(jobs) == 4 and all(j.handed is not None and j.handed.is_set() for j in jobs)

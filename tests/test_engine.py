@@ -15,10 +15,11 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import load_config
-from daemon.engine.jobs import Delta, Done, EngineEvent, Started, TurnJob
+from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Started
 from daemon.engine.scheduler import MIN_CHUNK
 from daemon.engine.thread import Engine
 from daemon.prompt import Continuation
+from protocol.shapes import Resolved
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
 STEP = 16
@@ -33,7 +34,7 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
     e.caches.close()
 
 
-def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> TurnJob:
+def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> AnswerJob:
     """A first turn's job, its ids made as the turn core's tokenizer stage makes them."""
     fields.setdefault("max_tokens", 32)
     prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
@@ -41,10 +42,10 @@ def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fi
 
 
 def submitted(engine: Engine, session: str, prompt: Continuation, events: list[EngineEvent],
-              **fields: Any) -> TurnJob:
+              **fields: Any) -> AnswerJob:
     tokens, retokenized = prompt.ids(engine.tokenizer)
-    return TurnJob(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
-                   temperature=0.0, top_p=1.0, emit=events.append, **fields)
+    return AnswerJob(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
+                   sampling=Resolved(fields.pop("max_tokens"), 0.0, 1.0), emit=events.append, **fields)
 
 
 def done(events: list[EngineEvent]) -> Done:
@@ -59,11 +60,11 @@ def run_to_end(engine: Engine) -> None:
 
 
 def generated(engine: Engine, sid: str) -> int:
-    return engine.statistics().turns[sid].generated
+    return engine.statistics().answers[sid].generated
 
 
 def fed(engine: Engine, sid: str) -> int:
-    return engine.statistics().turns[sid].fed
+    return engine.statistics().answers[sid].fed
 
 
 def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
@@ -103,9 +104,9 @@ def test_after_the_first_token_the_engine_waits_for_it_to_be_handed_out(engine: 
     import threading
     import time
 
-    from daemon.engine import turnsteps
+    from daemon.engine import steps
 
-    monkeypatch.setattr(turnsteps, "FIRST_HANDOFF_S", 0.3)
+    monkeypatch.setattr(steps, "FIRST_HANDOFF_S", 0.3)
     for hand_over in (True, False):
         handed = threading.Event()
         events: list[EngineEvent] = []
@@ -252,7 +253,7 @@ def test_beside_decoding_sessions_chunks_follow_the_time_slice(tmp_path: Path) -
     # Another prompt: the same one would start from session 1's cache (shared), with nothing to slice.
     e.submit(job(e, "3" * 16, "Something else. " + LONG, []))
     e.step()
-    assert e.statistics().turns["3" * 16].phase == "prefill"
+    assert e.statistics().answers["3" * 16].phase == "prefill"
     seen = [fed(e, "3" * 16)]
     for _ in range(3):
         e.step()

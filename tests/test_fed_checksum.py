@@ -80,7 +80,7 @@ def test_the_store_refuses_ids_that_fail_their_sum_and_drops_them(tmp_path: Path
             with pytest.raises(DamagedFedIds, match=f"session {sid}: its fed token ids fail their checksum"):
                 store.fed(sid)
         other = store.create_session(title="t")["id"]  # a row copied onto another session fails too
-        store.db.execute("INSERT INTO session_tokens SELECT ?, tokens, covers, updated_at, checksum "
+        store.db.execute("INSERT INTO session_tokens SELECT ?, tokens, covers, updated_at, checksum, model "
                          "FROM session_tokens WHERE session_id = ?", [other, sid])
         with pytest.raises(DamagedFedIds):
             store.fed(other)

@@ -1,10 +1,12 @@
-"""The HTTP door under hostile input (issue 25), against a real `kvd serve`.
+"""The HTTP doors under hostile input (issues 25 and 41), against a real `kvd serve`: the chat door
+(/v1/chat/completions) and the Responses door (/v1/responses), each with its own table of bodies.
 
 - Every refusal docs/openai.md lists is a 4xx in OpenAI's shape that
   stores nothing (sessions and messages counted in SQLite before and after).
 - Inputs whose cost grows with their size are bounded or kept off the
   event loop: another client's websocket pings stay fast beside each.
-- A burst beyond the queue depth gets 429 with Retry-After, never a 503.
+- A burst beyond the queue depth gets 429 with Retry-After, never a 503 (on the
+  Messages door too; its other hostile cases: test_hostile_messages.py).
 - Half-open connections are closed on a deadline and cannot starve a client
   with the token; a body shorter than its Content-Length gets a 408.
 """
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -32,6 +35,8 @@ from common.limits import MAX_MESSAGES, MAX_STOP_CHARS
 from daemonproc import DaemonProcess
 
 HI: dict[str, Any] = {"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+RHI: dict[str, Any] = {"model": "builtin:tiny", "input": "hi", "max_output_tokens": 2}  # the Responses door's
+PATHS = {"chat": "chat/completions", "responses": "responses"}
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 2.0
 
@@ -52,19 +57,20 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     assert "Traceback" not in log and "ClientDisconnect" not in log, log
 
 
-def stored(d: DaemonProcess) -> tuple[int, int]:
-    """(sessions, messages) in the daemon's database, read beside it (WAL)."""
+def stored(d: DaemonProcess) -> tuple[int, int, int]:
+    """(sessions, messages, stored responses) in the daemon's database, read beside it (WAL)."""
     db = sqlite3.connect(f"file:{d.data_dir / 'kvd.sqlite'}?mode=ro", uri=True)
     try:
         return (db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0],
-                db.execute("SELECT COUNT(*) FROM messages").fetchone()[0])
+                db.execute("SELECT COUNT(*) FROM messages").fetchone()[0],
+                db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
     finally:
         db.close()
 
 
-def post(d: DaemonProcess, body: bytes | dict[str, Any], **headers: str) -> httpx.Response:
+def post(d: DaemonProcess, body: bytes | dict[str, Any], *, door: str = "chat", **headers: str) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{d.base_url}/chat/completions", content=content, timeout=60,
+    return httpx.post(f"{d.base_url}/{PATHS[door]}", content=content, timeout=60,
                       headers={"Authorization": f"Bearer {d.token}", "Content-Type": "application/json", **headers})
 
 
@@ -126,12 +132,70 @@ REFUSALS: list[tuple[str, bytes | dict[str, Any], dict[str, str], int, str | Non
 ]
 
 
-@pytest.mark.parametrize("case, body, headers, status, code", REFUSALS, ids=[r[0] for r in REFUSALS])
+def items(n: int) -> list[dict[str, str]]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(n)]
+
+
+CALL = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+RTOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+
+# The Responses door's refusals (docs/agents.md), by the body (or headers) that earns them.
+RESPONSES_REFUSALS: list[tuple[str, bytes | dict[str, Any], dict[str, str], int, str | None]] = [
+    ("not json", b"{nope", {}, 400, None),
+    ("nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000, {}, 400, None),
+    ("not an object", b"[1, 2]", {}, 400, None),
+    ("a lone surrogate", b'{"input": "a\\ud800b", "max_output_tokens": 2}', {}, 400, None),
+    ("a surrogate in instructions", b'{"input": "hi", "instructions": "\\udfff"}', {}, 400, None),
+    ("a surrogate in an item", b'{"input": [{"role": "user", "content": [{"type": "input_text", "text": '
+     b'"\\ud83d"}]}]}', {}, 400, None),
+    ("wrong type", {**RHI, "max_output_tokens": "5"}, {}, 400, None),
+    ("unknown role", {**RHI, "input": [{"role": "robot", "content": "x"}]}, {}, 400, None),
+    ("an unknown item type", {**RHI, "input": [{"type": "computer_call"}]}, {}, 400, None),
+    ("an output answering no call", {**RHI, "input": [*items(1), {"type": "function_call_output", "call_id": "c",
+                                                                  "output": "x"}]}, {}, 400, None),
+    ("a call whose arguments are not JSON", {**RHI, "input": [*items(1), {**CALL, "arguments": "{nope"}]}, {},
+     400, None),
+    ("no input", {"model": "builtin:tiny"}, {}, 400, None),
+    ("an empty input", {**RHI, "input": []}, {}, 400, None),
+    ("only a developer message", {**RHI, "input": [{"role": "developer", "content": "x"}]}, {}, 400, None),
+    ("a later system message", {**RHI, "input": [*items(1), {"role": "system", "content": "x"}]}, {}, 400, None),
+    ("an image", {**RHI, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, {},
+     400, None),
+    ("an item reference", {**RHI, "input": [{"type": "item_reference", "id": "msg_1"}]}, {}, 400, None),
+    ("background", {**RHI, "background": True}, {}, 400, None),
+    ("truncation auto", {**RHI, "truncation": "auto"}, {}, 400, None),
+    ("top_logprobs", {**RHI, "top_logprobs": 5}, {}, 400, None),
+    ("a function without its name", {**RHI, "tools": [{"type": "function"}]}, {}, 400, None),
+    ("129 tools", {**RHI, "tools": [RTOOL] * 129}, {}, 400, None),
+    ("tool_choice required", {**RHI, "tools": [RTOOL], "tool_choice": "required"}, {}, 400, None),
+    ("a named tool_choice", {**RHI, "tools": [RTOOL], "tool_choice": {"type": "function", "name": "f"}}, {}, 400,
+     None),
+    ("max_output_tokens past the limit", {**RHI, "max_output_tokens": 10**6}, {}, 400, None),
+    ("17 metadata pairs", {**RHI, "metadata": {f"k{i}": "v" for i in range(17)}}, {}, 400, None),
+    ("too many items", {**RHI, "input": items(MAX_MESSAGES + 1)}, {}, 400, None),
+    ("20,000 items", {**RHI, "input": items(20_000)}, {}, 400, None),
+    ("longer than the context", {**RHI, "input": "x " * 15_500}, {}, 400, "context_length_exceeded"),
+    ("longer than max_text_chars", {**RHI, "input": "word " * 180_000}, {}, 400, "string_above_max_length"),
+    ("an item longer than max_text_chars", {**RHI, "input": [{"role": "user", "content": "word " * 180_000}]}, {},
+     400, "string_above_max_length"),
+    ("an unknown previous response", {**RHI, "previous_response_id": "resp_0"}, {}, 404,
+     "previous_response_not_found"),
+    ("a model kvd does not serve", {**RHI, "model": "gpt-5"}, {}, 404, "model_not_found"),
+    ("too large a body", {**RHI, "input": "x" * 1_100_000}, {}, 413, "request_too_large"),
+    ("no token", RHI, {"Authorization": ""}, 401, "invalid_api_key"),
+    ("a foreign host", RHI, {"Host": "evil.example"}, 403, None),
+    ("a foreign origin", RHI, {"Origin": "https://evil.example"}, 403, None),
+]
+DOOR_REFUSALS = [("chat", *r) for r in REFUSALS] + [("responses", *r) for r in RESPONSES_REFUSALS]
+
+
+@pytest.mark.parametrize("door, case, body, headers, status, code", DOOR_REFUSALS,
+                         ids=[f"{r[0]}: {r[1]}" for r in DOOR_REFUSALS])
 def test_a_refused_request_is_a_4xx_in_openai_shape_and_stores_nothing(
-        daemon: DaemonProcess, case: str, body: bytes | dict[str, Any], headers: dict[str, str], status: int,
-        code: str | None) -> None:
+        daemon: DaemonProcess, door: str, case: str, body: bytes | dict[str, Any], headers: dict[str, str],
+        status: int, code: str | None) -> None:
     before = stored(daemon)
-    r = post(daemon, body, **headers)
+    r = post(daemon, body, door=door, **headers)
     assert r.status_code == status, (case, r.status_code, r.text[:300])
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], error
@@ -139,13 +203,16 @@ def test_a_refused_request_is_a_4xx_in_openai_shape_and_stores_nothing(
         assert error["code"] == code, error
     assert stored(daemon) == before, case
     assert post(daemon, HI).status_code == 200  # still serving
+    assert post(daemon, RHI, door="responses").status_code == 200
 
 
 def test_an_unknown_path_or_method_is_refused_in_openai_shape(daemon: DaemonProcess) -> None:
     before = stored(daemon)
     auth = {"Authorization": f"Bearer {daemon.token}"}
     for method, path, status in (("POST", "/nope", 404), ("GET", "/chat/completions", 405),
-                                 ("DELETE", "/models", 405)):
+                                 ("DELETE", "/models", 405), ("GET", "/responses", 405),
+                                 ("PUT", "/responses/resp_0", 405), ("GET", "/responses/resp_0", 404),
+                                 ("DELETE", "/responses/resp_0", 404), ("GET", "/responses/resp_0/input_items", 404)):
         r = httpx.request(method, f"{daemon.base_url}{path}", headers=auth, json=HI, timeout=60)
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
     assert stored(daemon) == before
@@ -194,32 +261,40 @@ def test_a_pinned_request_that_differs_from_its_session_is_a_409_that_stores_not
     assert stored(daemon) == before
 
 
-def test_a_client_that_hangs_up_mid_body_leaves_one_line_and_no_traceback(daemon: DaemonProcess) -> None:
+@pytest.mark.parametrize("door", list(PATHS))
+def test_a_client_that_hangs_up_mid_body_leaves_one_line_and_no_traceback(daemon: DaemonProcess, door: str) -> None:
     host, port = address(daemon)
+    hung = sum("hung up before sending its whole request body" in line for line in daemon.log)
     for _ in range(5):
         with socket.create_connection((host, port)) as s:
-            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            s.sendall(f"POST /v1/{PATHS[door]} HTTP/1.1\r\nHost: {host}:{port}\r\n"
                       f"Authorization: Bearer {daemon.token}\r\nContent-Length: 1000\r\n\r\n{{\"messa".encode())
     deadline = time.monotonic() + 30
-    while sum("hung up before sending its whole request body" in line for line in daemon.log) < 5:
+    while sum("hung up before sending its whole request body" in line for line in daemon.log) < hung + 5:
         assert time.monotonic() < deadline, "".join(daemon.log[-20:])
         assert post(daemon, HI).status_code == 200  # each request gives the daemon a turn
     log = "".join(daemon.log)
     assert "Traceback" not in log and "ClientDisconnect" not in log
 
 
-def test_a_body_shorter_than_its_content_length_gets_a_408(daemon: DaemonProcess) -> None:
+@pytest.mark.parametrize("path, auth, says", [
+    ("/v1/chat/completions", "Authorization: Bearer", b'"code":"request_timeout"'),
+    ("/v1/messages", "x-api-key:", b'"type":"timeout_error"'),  # the Messages door's, in Anthropic's shape
+    ("/v1/responses", "Authorization: Bearer", b'"code":"request_timeout"'),
+])
+def test_a_body_shorter_than_its_content_length_gets_a_408(daemon: DaemonProcess, path: str, auth: str,
+                                                          says: bytes) -> None:
     host, port = address(daemon)
     before = stored(daemon)
     with socket.create_connection((host, port), timeout=BODY_TIMEOUT + 30) as s:
         started = time.monotonic()
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                  f"Authorization: Bearer {daemon.token}\r\nContent-Length: 1000\r\n\r\n{{}}".encode())
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                  f"{auth} {daemon.token}\r\nContent-Length: 1000\r\n\r\n{{}}".encode())
         reply = b""
         while not reply.endswith(b"}}") and (more := s.recv(65536)):
             reply += more
     assert reply.startswith(b"HTTP/1.1 408"), reply
-    assert b'"code":"request_timeout"' in reply.replace(b" ", b"")
+    assert says in reply.replace(b" ", b"")
     assert BODY_TIMEOUT <= time.monotonic() - started < BODY_TIMEOUT + 20
     assert stored(daemon) == before
 
@@ -298,13 +373,25 @@ def beside_pings(d: DaemonProcess, label: str, request: Callable[[], None], *,
     return sent
 
 
-@pytest.mark.parametrize("case, body", EVENT_LOOP_CASES, ids=[c[0] for c in EVENT_LOOP_CASES])
+RESPONSES_EVENT_LOOP_CASES: list[tuple[str, bytes | dict[str, Any]]] = [
+    ("20,000 items", {**RHI, "input": items(20_000)}),
+    ("nested 1,000,000 deep", b"[" * 1_000_000),
+    ("a 900 KB input", {**RHI, "input": "word " * 180_000}),
+    ("30 KB past the context", {**RHI, "input": "x " * 15_500}),
+    ("2,000 items placed", {**RHI, "input": items(1_999), "max_output_tokens": 1}),
+]
+DOOR_EVENT_LOOP_CASES = [("chat", *c) for c in EVENT_LOOP_CASES] + [("responses", *c)
+                                                                    for c in RESPONSES_EVENT_LOOP_CASES]
+
+
+@pytest.mark.parametrize("door, case, body", DOOR_EVENT_LOOP_CASES,
+                         ids=[f"{c[0]}: {c[1]}" for c in DOOR_EVENT_LOOP_CASES])
 def test_a_costly_request_does_not_stall_another_clients_pings(
-        daemon: DaemonProcess, case: str, body: bytes | dict[str, Any]) -> None:
+        daemon: DaemonProcess, door: str, case: str, body: bytes | dict[str, Any]) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()  # before the pings begin
 
     def request() -> None:
-        r = post(daemon, content)
+        r = post(daemon, content, door=door)
         assert r.status_code in (200, 400), (case, r.status_code, r.text[:200])
 
     beside_pings(daemon, case, request)
@@ -328,32 +415,51 @@ def test_placing_a_long_conversation_does_not_stall_another_clients_pings(daemon
 # --- bursts and half-open connections ---------------------------------------------------------
 
 
-def _burst(d: DaemonProcess, n: int, max_tokens: int) -> list[int | str]:
-    """`n` streaming requests at once through the official async client: 200, 429, or what else came."""
+def _burst(d: DaemonProcess, n: int, max_tokens: int, door: str = "chat") -> list[int | str]:
+    """`n` streaming requests at once through the official async client of the door (the chat and Responses
+    doors' `openai`, the Messages door's `anthropic`): 200, 429 (with Retry-After), or what else came."""
+    async def chat(i: int) -> None:
+        stream = await client.chat.completions.create(
+            model="builtin:tiny", messages=[{"role": "user", "content": f"burst {i}"}], max_tokens=max_tokens,
+            stream=True)
+        async for _ in stream:
+            pass
+
+    async def messages(i: int) -> None:
+        async with anthropic_client.messages.stream(model="builtin:tiny", max_tokens=max_tokens,
+                                                    messages=[{"role": "user", "content": f"burst {i}"}]) as stream:
+            async for _ in stream:
+                pass
+
+    async def responses(i: int) -> None:
+        stream = await client.responses.create(model="builtin:tiny", input=f"burst {i}", max_output_tokens=max_tokens,
+                                               stream=True)
+        async for _ in stream:
+            pass
+
+    async def one(i: int) -> int | str:
+        try:
+            await (chat(i) if door == "chat" else messages(i) if door == "messages" else responses(i))
+            return 200
+        except (openai.RateLimitError, anthropic.RateLimitError) as e:
+            retry = e.response.headers.get("retry-after", "")
+            assert retry.isdigit() and int(retry) >= 1, e.response.headers
+            error = e.response.json()["error"]
+            assert error.get("code") == "rate_limit_exceeded" or error.get("type") == "rate_limit_error", error
+            return 429
+        except (openai.APIStatusError, anthropic.APIStatusError) as e:
+            return f"{e.status_code} {e.response.text[:200]}"
+
     async def burst() -> list[int | str]:
-        client = openai.AsyncOpenAI(base_url=d.base_url, api_key=d.token, max_retries=0, timeout=120)
-
-        async def one(i: int) -> int | str:
-            try:
-                stream = await client.chat.completions.create(
-                    model="builtin:tiny", messages=[{"role": "user", "content": f"burst {i}"}], max_tokens=max_tokens,
-                    stream=True)
-                async for _ in stream:
-                    pass
-                return 200
-            except openai.RateLimitError as e:
-                retry = e.response.headers.get("retry-after", "")
-                assert retry.isdigit() and int(retry) >= 1, e.response.headers
-                assert e.response.json()["error"]["code"] == "rate_limit_exceeded"
-                return 429
-            except openai.APIStatusError as e:
-                return f"{e.status_code} {e.response.text[:200]}"
-
         try:
             return list(await asyncio.gather(*(one(i) for i in range(n))))
         finally:
             await client.close()
+            await anthropic_client.close()
 
+    client = openai.AsyncOpenAI(base_url=d.base_url, api_key=d.token, max_retries=0, timeout=120)
+    anthropic_client = anthropic.AsyncAnthropic(base_url=d.base_url.removesuffix("/v1"), api_key=d.token,
+                                                max_retries=0, timeout=120)
     return asyncio.run(burst())
 
 
@@ -366,7 +472,8 @@ def test_a_burst_of_200_streams_is_answered_or_told_to_retry(daemon: DaemonProce
     assert stored(daemon)[0] == before[0] + results.count(200)  # a 429 stored nothing
 
 
-def test_past_the_queue_depth_a_burst_gets_429s_with_retry_after(tmp_path: Path) -> None:
+@pytest.mark.parametrize("door", ["chat", "messages", "responses"])
+def test_past_the_queue_depth_a_burst_gets_429s_with_retry_after(tmp_path: Path, door: str) -> None:
     config = tmp_path / "kvd.toml"
     config.write_text("[cache]\nprefetch = false\n[limits]\nmax_generations = 2\nmax_queued = 3\n")
     data = tmp_path / "data"
@@ -375,7 +482,7 @@ def test_past_the_queue_depth_a_burst_gets_429s_with_retry_after(tmp_path: Path)
         with d.client():
             pass  # loaded
         before = stored(d)
-        results = _burst(d, 60, max_tokens=200)
+        results = _burst(d, 60, max_tokens=200, door=door)
         odd = [r for r in results if r not in (200, 429)]
         assert not odd, odd
         assert results.count(200) >= 2 + 3 and results.count(429) > 0, results

@@ -1,7 +1,8 @@
 """JSON schemas as hostile input (issue 35), against a real `kvd serve`: a schema too big, one past what
 llguidance's parser can hold, and ones no finite JSON satisfies are each a 400 naming
-``response_format.json_schema.schema`` that stores nothing, while another client's websocket pings stay
-fast beside them (compiled on a worker within a deadline: daemon/doors/jsonoutput.py)."""
+``response_format.json_schema.schema`` (the Responses door's ``text.format.schema``) that stores nothing,
+while another client's websocket pings stay fast beside them (compiled on a worker within a deadline:
+daemon/doors/jsonoutput.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from daemonproc import DaemonProcess
-from test_hostile_http import HI, beside_pings, daemon, post, stored
+from test_hostile_http import HI, RHI, beside_pings, daemon, post, stored
 
 __all__ = ["daemon"]  # the module's daemon, shared with test_hostile_http's fixture
 
@@ -25,8 +26,13 @@ def props(n: int, *, required: bool = False, description: str = "") -> dict[str,
     return schema
 
 
-def asking(schema: Any) -> dict[str, Any]:
+def asking(schema: Any, door: str = "chat") -> dict[str, Any]:
+    if door == "responses":
+        return {**RHI, "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
     return {**HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+PARAM = {"chat": "response_format.json_schema.schema", "responses": "text.format.schema"}
 
 
 SCHEMAS: list[tuple[str, Any, str]] = [
@@ -44,18 +50,19 @@ SCHEMAS: list[tuple[str, Any, str]] = [
 ]
 
 
+@pytest.mark.parametrize("door", list(PARAM))
 @pytest.mark.parametrize("case, schema, says", SCHEMAS, ids=[s[0] for s in SCHEMAS])
 def test_a_schema_kvd_cannot_hold_is_a_400_that_stores_nothing_and_stalls_no_one(
-        daemon: DaemonProcess, case: str, schema: Any, says: str) -> None:
-    content = json.dumps(asking(schema)).encode()
+        daemon: DaemonProcess, case: str, schema: Any, says: str, door: str) -> None:
+    content = json.dumps(asking(schema, door)).encode()
     assert len(content) < 1 << 20  # under the body limit: the schema itself is what is refused
     before = stored(daemon)
 
     def request() -> None:
-        r = post(daemon, content)
+        r = post(daemon, content, door=door)
         error = r.json().get("error", {})
         assert r.status_code == 400, (case, r.status_code, r.text[:300])
-        assert error.get("param") == "response_format.json_schema.schema" and says in error["message"], error
+        assert error.get("param") == PARAM[door] and says in error["message"], error
 
     beside_pings(daemon, case, request, at_least=3, seconds=3.0)
     assert stored(daemon) == before

@@ -57,7 +57,7 @@ def test_lost_index_is_rebuilt_from_the_files(tmp_path: Path, damage: str) -> No
         index.write_bytes(b"\0" * 8192)
         how = "damaged (file is not a database), set aside as index.sqlite.damaged-"
     # A file that does not verify: a valid segment under a name that lies about its range.
-    first = sorted((cache / "segments" / sids[0]).iterdir())[0]
+    first = sorted((cache / "segments" / sids[0]).rglob("*.safetensors"))[0]
     shutil.copy(first, first.with_name("0000000000-0000000001.safetensors"))
 
     d = DaemonProcess(tmp_path, block_tokens=16)
@@ -99,7 +99,7 @@ def test_an_index_from_kvds_own_migration_runner_carries_over(tmp_path: Path) ->
     assert index.lost is None  # an existing index, not an empty one to rebuild
     names = [r[0] for r in index.db.execute(
         "SELECT name FROM _sqlite_migrations WHERE migration_set = 'kvd.cache' ORDER BY id")]
-    assert names == ["m001_segments", "m002_blocks"]
+    assert names == ["m001_segments", "m002_blocks", "m003_per_model"]
     tables = {r[0] for r in index.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"segments", "blocks", "chains"} <= tables and LEGACY_TABLE not in tables
     index.close()

@@ -16,8 +16,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from cachestore import SessionCaches, ioworker
-from cachestore.index import BlockRow, SegmentRow
 from cachestore.ioworker import FirstTokens
+from cachestore.rows import BlockRow, SegmentRow
 from test_direct import greedy
 from test_store_tiers import A, B, Clock, budgets, grow
 
@@ -35,7 +35,7 @@ def gate() -> Iterator[threading.Event]:
 
 
 def files(root: Path, key: str) -> list[Path]:
-    return sorted((root / "segments" / key).glob("*.safetensors")) if (root / "segments" / key).exists() else []
+    return sorted((root / "segments" / key).rglob("*.safetensors")) if (root / "segments" / key).exists() else []
 
 
 def test_a_checkin_does_not_wait_for_disk(model: Any, tmp_path: Path, gate: threading.Event) -> None:

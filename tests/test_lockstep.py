@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from daemon.engine import lockstep
-from daemon.engine.jobs import Cancel, Forget, Stop, TurnJob
-from daemon.engine.lockstep import HEADER, Kind, decode_job, encode
+from daemon.engine.jobs import AnswerJob, Cancel, Forget, Stop
+from daemon.engine.lockstep import HEADER, Op, decode_job, encode
+from protocol.shapes import Resolved
 
 
 def _nowhere(event: object) -> None:
@@ -19,28 +20,28 @@ def _nowhere(event: object) -> None:
 
 
 def test_a_job_arrives_whole() -> None:
-    job = TurnJob(session_id="séance-7", tokens=[0, 1, 2**31 - 1, 151_000], max_tokens=4096, temperature=0.7,
-                  top_p=0.95, emit=_nowhere, seed=2**64 - 1, retokenized=True, fed_before=300, history=False,
+    job = AnswerJob(session_id="séance-7", tokens=[0, 1, 2**31 - 1, 151_000], sampling=Resolved(4096, 0.7, 0.95),
+                  emit=_nowhere, seed=2**64 - 1, retokenized=True, fed_before=300, history=False,
                   grammar='{"type": "object", "x": "ü"}')
     m = encode(job)
-    assert m.kind == Kind.JOB and 2 + len(m.fields) <= HEADER
+    assert m.op == Op.JOB and 2 + len(m.fields) <= HEADER
     assert all(-(2**31) <= v < 2**31 for v in [*m.fields, *m.payload])  # every value fits the int32 buffer
     got = decode_job(m, _nowhere)
-    assert isinstance(got, TurnJob)
+    assert isinstance(got, AnswerJob)
     for name in ("session_id", "tokens", "max_tokens", "temperature", "top_p", "seed", "retokenized",
                  "fed_before", "history", "grammar"):
         assert getattr(got, name) == getattr(job, name), name
-    assert decode_job(encode(TurnJob("s", [5], 1, 0.0, 1.0, _nowhere, seed=0)), _nowhere).seed == 0  # type: ignore[union-attr]
-    plain = decode_job(encode(TurnJob("s", [5], 1, 0.0, 1.0, _nowhere)), _nowhere)
-    assert isinstance(plain, TurnJob) and plain.seed is None and plain.grammar is None
+    assert decode_job(encode(AnswerJob("s", [5], Resolved(1, 0.0, 1.0), _nowhere, seed=0)), _nowhere).seed == 0  # type: ignore[union-attr]
+    plain = decode_job(encode(AnswerJob("s", [5], Resolved(1, 0.0, 1.0), _nowhere)), _nowhere)
+    assert isinstance(plain, AnswerJob) and plain.seed is None and plain.grammar is None
 
 
 def test_commands_and_ticks() -> None:
     assert decode_job(encode(Cancel("abc")), _nowhere) == Cancel("abc")
     assert decode_job(encode(Forget("abc")), _nowhere) == Forget("abc")
-    assert encode(Stop()).kind == Kind.STOP
-    tick = encode(Kind.STEP)
-    assert tick.kind == Kind.STEP and not tick.fields and not tick.payload  # a step is one 64-byte header
+    assert encode(Stop()).op == Op.STOP
+    tick = encode(Op.STEP)
+    assert tick.op == Op.STEP and not tick.fields and not tick.payload  # a step is one 64-byte header
     assert HEADER * 4 == 64
 
 

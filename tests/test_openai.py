@@ -83,8 +83,9 @@ def fresh_answer(d: DaemonProcess, messages: list[dict[str, str]]) -> str:
 
 def test_models_list(daemon: DaemonProcess) -> None:
     models = api(daemon).models.list()
-    assert [m.id for m in models] == [MODEL]
-    assert models.data[0].owned_by == "kvd"
+    ids = [m.id for m in models]
+    assert ids[0] == MODEL and {"builtin:tiny-swa", "builtin:smollm2", "builtin:gemma3"} <= set(ids)  # all servable
+    assert models.data[0].owned_by == "kvd" and (models.data[0].model_extra or {})["context_length"] == 8192
 
 
 def test_completion_then_cached_second_turn_then_stream(daemon: DaemonProcess, fresh: DaemonProcess) -> None:
@@ -112,6 +113,11 @@ def test_completion_then_cached_second_turn_then_stream(daemon: DaemonProcess, f
     # The first turn's whole prompt came from the cache (the newline after "assistant" may
     # merge with the answer's first characters when the conversation is tokenized whole).
     assert c1.usage.prompt_tokens - 1 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    # What the cache did, in the usage a streaming client gets (issue 44, item 9).
+    streamed = (usage.model_extra or {})["kvd"]
+    assert streamed["session"] == sid and streamed["restored_from"] not in (None, "none"), streamed
+    assert streamed["shared_tokens"] == 0 and streamed["ttft_ms"] > 0
+    assert streamed["finish_reason"] == chunks[-2].choices[0].finish_reason
     assert text == fresh_answer(fresh, second)
 
     # kvchat sees one session holding both turns.
@@ -211,7 +217,10 @@ def _session_ids(d: DaemonProcess) -> list[str]:
         return [s["id"] for s in c.request("session.list")["sessions"]]
 
 
-def test_an_answer_cut_by_kvd_stop_says_cancelled_and_a_whole_one_logs_no_hang_up(tmp_path: Path) -> None:
+def test_an_answer_cut_by_kvd_stop_says_length_kvd_says_cancelled_and_a_whole_one_logs_no_hang_up(
+        tmp_path: Path) -> None:
+    """A cut answer's finish_reason is OpenAI's "length" (never a value OpenAI's clients do not know);
+    the usage chunk's `kvd` object says kvd's own reason, "cancelled"."""
     d = DaemonProcess(tmp_path / "kvd", "--model", MODEL)
     try:
         text, completion, _ = ask(d, [{"role": "user", "content": "hello"}])
@@ -220,7 +229,8 @@ def test_an_answer_cut_by_kvd_stop_says_cancelled_and_a_whole_one_logs_no_hang_u
         turn = next(line for line in d.log if "turn in session" in line)
         assert "(api, new session): cache none, 0 tok restored" in turn and "TTFT" in turn, turn
         stream = api(d).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on"}],
-                                                 stream=True, temperature=0, max_tokens=4000)
+                                                 stream=True, temperature=0, max_tokens=4000,
+                                                 stream_options={"include_usage": True})
         reasons: list[str] = []
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content and not reasons:
@@ -228,6 +238,8 @@ def test_an_answer_cut_by_kvd_stop_says_cancelled_and_a_whole_one_logs_no_hang_u
                 d.proc.terminate()  # kvd stop: SIGTERM cuts the answer short and keeps it
             if chunk.choices and chunk.choices[0].finish_reason:
                 reasons.append(chunk.choices[0].finish_reason)
-        assert reasons == ["under way", "cancelled"]
+            if chunk.usage is not None:
+                reasons.append((chunk.usage.model_extra or {})["kvd"]["finish_reason"])
+        assert reasons == ["under way", "length", "cancelled"]
     finally:
         assert d.terminate() == 0

@@ -15,7 +15,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from conftest import RunningDaemon, client, running_daemon
-from daemon.engine.jobs import Done, TurnJob
+from daemon.engine.jobs import AnswerJob, Done
 
 pytestmark = pytest.mark.anyio
 
@@ -31,7 +31,7 @@ class HeldEnds:
         self._lock = threading.Lock()
         submit = d.daemon.engine.submit
 
-        def submit_holding(job: TurnJob) -> None:
+        def submit_holding(job: AnswerJob) -> None:
             emit = job.emit
 
             def emit_or_hold(event: Any) -> None:  # engine thread
@@ -135,7 +135,7 @@ BAD: list[tuple[Any, int, str, str | None]] = [
     ({"messages": [{"role": "system", "content": "only a system prompt"}]}, 400, "no user or assistant", "messages"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}, 400,
      "only before the conversation", "messages[1].role"),
-    ({**HI, "model": "gpt-4o"}, 404, "kvd serves the model 'builtin:tiny', not 'gpt-4o'", "model"),
+    ({**HI, "model": "gpt-4o"}, 404, "kvd cannot serve a model named 'gpt-4o'", "model"),
     ({**HI, "response_format": {"type": "yaml"}}, 400, "'text', 'json_object' or 'json_schema'",
      "response_format.type"),
     ({**HI, "max_tokens": "5"}, 400, "valid integer", "max_tokens"),
@@ -169,6 +169,39 @@ async def test_bad_bodies_are_clear_errors_and_lose_nothing(tmp_path: Path) -> N
             r = await h.post("/v1/chat/completions", json=HI, headers={"X-Kvd-Session": "0123456789abcdef"})
             assert_error(r, 404, says="no session")
         assert d.store.list_sessions() == []  # nothing was stored by any of them
+        await still_serving(d)
+
+
+async def test_a_refusal_by_the_engine_stores_nothing_of_the_session_it_would_have_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine refuses a new conversation too long for the model: its session was never written (not
+    written and deleted); a pinned session's refused turn is taken back, its earlier messages kept."""
+    from sessions import Store
+
+    made: list[str | None] = []
+    create = Store.create_session
+
+    def recorded(self: Store, **fields: Any) -> Any:
+        made.append(fields.get("session_id"))
+        return create(self, **fields)
+
+    monkeypatch.setattr(Store, "create_session", recorded)
+    async with running_daemon(tmp_path, max_message_bytes=1 << 22, max_text_chars=1 << 20) as d:
+        async with http(d) as h:
+            long = {**HI, "messages": [{"role": "user", "content": "word " * 40000}]}
+            for stream in (False, True):
+                r = await h.post("/v1/chat/completions", json={**long, "stream": stream})
+                assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert made == [] and d.store.list_sessions() == []
+            r = await h.post("/v1/chat/completions", json=HI)
+            sid = r.headers["X-Kvd-Session"]
+            assert r.status_code == 200 and made == [sid]
+            said = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}]
+            r = await h.post("/v1/chat/completions", headers={"X-Kvd-Session": sid},
+                             json={**HI, "messages": [*said, {"role": "user", "content": "word " * 40000}]})
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert [m["role"] for m in d.store.messages(sid)] == ["user", "assistant"] and made == [sid]
         await still_serving(d)
 
 
@@ -330,13 +363,14 @@ async def test_what_clients_send_is_understood(tmp_path: Path) -> None:
             assert [m["content"] for m in d.store.messages(session["id"])][:3] == ["hi", "", "and?"]
             model = (await h.get("/v1/models/builtin:tiny")).json()
             assert model["id"] == "builtin:tiny" and model["object"] == "model"
-            assert_error(await h.get("/v1/models/gpt-4o"), 404, says="not 'gpt-4o'")
+            assert_error(await h.get("/v1/models/gpt-4o"), 404, says="kvd cannot serve a model named 'gpt-4o'")
 
 
 async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its_new_messages(tmp_path: Path) -> None:
     """Each request of a growing conversation (the official client, the whole conversation each time) is
-    fed exactly what rendering and tokenizing it whole gives, though only the first, and a branch, were
-    (daemon/renders.py); the original goes on appending after the branch."""
+    fed exactly what rendering and tokenizing it whole gives, though only the first was encoded whole
+    (daemon/renders.py): a branch continues the request it branches from, and the original goes on
+    appending after the branch."""
     import openai
 
     from daemon.prompt import conversation_ids
@@ -345,7 +379,7 @@ async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its
     async with running_daemon(tmp_path) as d:
         submit = d.daemon.engine.submit
 
-        def recording(job: TurnJob) -> None:
+        def recording(job: AnswerJob) -> None:
             fed.append((job.session_id, list(job.tokens)))
             submit(job)
 
@@ -376,7 +410,7 @@ async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its
         for (_, ids), messages in zip(fed, sent, strict=True):
             assert ids == conversation_ids(tokenizer, messages, system)
     assert len(set(sessions)) == 2 and sessions[-1] == sessions[0] != sessions[-2]
-    assert (renders.whole, renders.appended) == (2, 5)  # the first request and the branch
+    assert (renders.whole, renders.appended) == (1, 6)  # the first request
 
 
 async def test_after_a_restart_the_next_request_of_a_conversation_renders_only_its_new_messages(
@@ -410,7 +444,7 @@ async def test_after_a_restart_the_next_request_of_a_conversation_renders_only_i
                 await anyio.sleep(0.02)
         submit = d.daemon.engine.submit
 
-        def recording(job: TurnJob) -> None:
+        def recording(job: AnswerJob) -> None:
             fed.append(list(job.tokens))
             submit(job)
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import running_daemon
 from daemon.doors.toolcalls import StreamSplit, ToolFormat, split
-from toolmodel import CALL_TEXT, WEATHER_TOOL, write_tool_model
+from toolmodel import CALL_TEXT, WEATHER_TOOL, write_plain_model, write_tool_model
 
 pytestmark = pytest.mark.anyio
 
@@ -116,6 +116,9 @@ def test_calls_are_split_from_the_text_in_the_models_own_format(tool_model: Path
     assert shown == ["Let me ", "look. ", "", "", ""]
     rest, calls = stream.finish()
     assert rest == "" and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", "{}")]
+    # The turn core keeps what `split` makes of the whole text, from the one parse `finish` made.
+    whole = "Let me look. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>"
+    assert stream.content == split(fmt, whole)[0] == "Let me look."
     stream = StreamSplit(fmt)
     assert stream.feed("a <tool") == "a " and stream.feed("box> b") == "<toolbox> b"
     assert stream.finish() == ("", [])
@@ -123,17 +126,9 @@ def test_calls_are_split_from_the_text_in_the_models_own_format(tool_model: Path
 
 async def test_tools_on_a_model_that_cannot_call_them_are_refused_and_store_nothing(
         tool_model: Path, tmp_path: Path) -> None:
-    import shutil
-
     import openai
 
-    plain = shutil.copytree(tool_model, tmp_path / "plain-chatml")
-    config_path = plain / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + "
-                               "message['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
-                               "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
-    config_path.write_text(json.dumps(config))
+    plain = write_plain_model(tool_model, tmp_path)
     async with running_daemon(tmp_path / "kvd", model=str(plain)) as d:
         api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
         with pytest.raises(openai.BadRequestError) as refused:

@@ -168,3 +168,39 @@ def test_after_a_restart_prefetch_makes_the_next_turn_a_resident_hit(tmp_path: P
     b = before["usage"]
     assert warm["restored_tokens"] == cold["restored_tokens"] == b["prompt_tokens"] + b["completion_tokens"]
     assert warm_answer == cold_answer
+
+
+def test_each_model_keeps_its_own_cache_across_ten_switches(tmp_path: Path) -> None:
+    """A daemon on one model, then the other, and back, ten times: every conversation restores the
+    cache of the model serving it (never another's, never nothing), and the session list shows a
+    tier only for the serving model's caches."""
+    models = ("builtin:tiny", "builtin:tiny-swa")
+    own: dict[str, str] = {}  # model -> a session only it serves
+    both = ""  # a session both models serve in turn
+    fed: dict[tuple[str, str], int] = {}  # (model, session) -> ids that model's cache of it holds
+    for switch in range(11):
+        model = models[switch % 2]
+        d = DaemonProcess(tmp_path, "--model", model)
+        try:
+            with d.client() as c:
+                if model not in own:
+                    own[model] = c.request("session.create")["session"]["id"]
+                    both = both or c.request("session.create")["session"]["id"]
+                listed = {s["id"]: s["cache"] for s in c.request("session.list")["sessions"]}
+                other = own.get(models[(switch + 1) % 2])
+                assert listed[own[model]] == ("disk" if (model, own[model]) in fed else "none")
+                if other is not None:  # kept for the other model: never shown as a tier this one restores from
+                    assert listed[other] == "none"
+                for sid in (own[model], both):
+                    text = f"{'Both' if sid == both else 'Mine'}, number {switch}: tell me more."  # no prefix shared
+                    answer, done = c.chat(sid, text, max_tokens=6, temperature=0)
+                    # (An empty answer would make the next turn render the conversation afresh, which a
+                    # sliding window's cache cannot follow: not what this test is about.)
+                    assert done["type"] == "chat.done" and answer, done
+                    u = done["usage"]
+                    if (model, sid) in fed:
+                        assert u["restored_from"] == "disk", (switch, model, sid, u)
+                        assert u["restored_tokens"] == fed[model, sid], (switch, model, sid, u)
+                    fed[model, sid] = u["prompt_tokens"] + u["completion_tokens"]
+        finally:
+            assert d.terminate() == 0

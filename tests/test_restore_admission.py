@@ -17,9 +17,10 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import Config, load_config
-from daemon.engine.jobs import Delta, Done, EngineEvent, Queued, Started, TurnJob
+from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Queued, Started
 from daemon.engine.thread import Engine
 from daemon.prompt import Continuation
+from protocol.shapes import Resolved
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
 
@@ -41,12 +42,12 @@ def loaded(cfg: Config) -> Engine:
     return e
 
 
-def first_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], max_tokens: int) -> TurnJob:
+def first_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], max_tokens: int) -> AnswerJob:
     prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
     return turn(e, sid, prompt, events, max_tokens)
 
 
-def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Done, max_tokens: int) -> TurnJob:
+def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Done, max_tokens: int) -> AnswerJob:
     """The turn after `end`, whose ids append to exactly the ones that turn fed."""
     answer = "".join(x.text for x in events if isinstance(x, Delta))
     assert end.tokens is not None
@@ -56,10 +57,10 @@ def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Do
     return turn(e, sid, prompt, [], max_tokens)
 
 
-def turn(e: Engine, sid: str, prompt: Continuation, events: list[EngineEvent], max_tokens: int) -> TurnJob:
+def turn(e: Engine, sid: str, prompt: Continuation, events: list[EngineEvent], max_tokens: int) -> AnswerJob:
     tokens, retokenized = prompt.ids(e.tokenizer)
-    return TurnJob(session_id=sid, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
-                   max_tokens=max_tokens, temperature=0.0, top_p=1.0, emit=events.append)
+    return AnswerJob(session_id=sid, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
+                   sampling=Resolved(max_tokens, 0.0, 1.0), emit=events.append)
 
 
 def ended(events: list[EngineEvent]) -> Done | None:
@@ -75,7 +76,7 @@ def assert_exact(tmp_path: Path, end: Done) -> None:
 
 
 def generated(e: Engine, sid: str) -> int:
-    return e.statistics().turns[sid].generated
+    return e.statistics().answers[sid].generated
 
 
 def test_a_restore_from_disk_never_stops_the_other_sessions(tmp_path: Path, gate: threading.Event) -> None:
@@ -91,7 +92,7 @@ def test_a_restore_from_disk_never_stops_the_other_sessions(tmp_path: Path, gate
     assert e.caches is not None and e.caches.locations() == {a: "disk"}
     b_events: list[EngineEvent] = []
     e.submit(first_turn(e, b, "Hi.", b_events, max_tokens=400))
-    while b not in e.statistics().turns or generated(e, b) < 2:
+    while b not in e.statistics().answers or generated(e, b) < 2:
         e.step()
     e.caches.before_reads(gate.wait)  # the reader is busy: A's read waits behind this
     job = next_turn(e, a, LONG, events, first, max_tokens=8)
@@ -163,7 +164,7 @@ def test_sessions_whose_caches_exceed_the_budget_run_within_it_exactly(tmp_path:
     assert e.caches is not None
     caches = e.caches
 
-    def run(jobs: list[TurnJob], events: list[list[EngineEvent]]) -> list[Done]:
+    def run(jobs: list[AnswerJob], events: list[list[EngineEvent]]) -> list[Done]:
         for j in jobs:
             e.submit(j)
         most = 0

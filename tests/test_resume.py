@@ -99,8 +99,8 @@ async def test_damaged_cache_file_is_dropped_and_session_rebuilt(tmp_path: Path,
             await c.chat(sid, FIRST, max_tokens=16, temperature=0)
             await c.chat(other, "Something else entirely, at some length.", max_tokens=16, temperature=0)
             await c.request("status")  # answered once both segments are written
-            files = sorted((tmp_path / "cache" / "segments" / sid).iterdir())
-            others = sorted((tmp_path / "cache" / "segments" / other).iterdir())
+            files = sorted((tmp_path / "cache" / "segments" / sid).rglob("*.safetensors"))
+            others = sorted((tmp_path / "cache" / "segments" / other).rglob("*.safetensors"))
             assert len(files) == 1 and len(others) == 1
             corrupt(files[0], how, others[0])
             _, done = await c.chat(sid, "And then?", max_tokens=16, temperature=0)

@@ -179,7 +179,7 @@ async def test_the_log_names_who_was_refused_and_what_they_asked_for(
             await wrong.chat.completions.create(model="kvd", messages=[{"role": "user", "content": "hi"}])
         right = openai.AsyncOpenAI(base_url=base, api_key=d.token, max_retries=0)
         with pytest.raises(openai.NotFoundError):
-            await right.post("/messages", cast_to=object, body={"model": "kvd", "max_tokens": 1, "messages": []})
+            await right.post("/assistants", cast_to=object, body={"model": "kvd"})
         with pytest.raises(InvalidStatus):
             async with connect(d.url.replace("/v1", "/v2"), additional_headers={"Authorization": f"Bearer {d.token}"}):
                 pass
@@ -189,7 +189,7 @@ async def test_the_log_names_who_was_refused_and_what_they_asked_for(
     agent = r"\(User-Agent 'AsyncOpenAI/Python [^']+'\)"
     assert any(re.fullmatch(rf"refused POST /v1/chat/completions from 127\.0\.0\.1:\d+ {agent}: HTTP 401", line)
                for line in said), said
-    assert any(re.fullmatch(rf"no such path: POST /v1/messages from 127\.0\.0\.1:\d+ {agent}: HTTP 404", line)
+    assert any(re.fullmatch(rf"no such path: POST /v1/assistants from 127\.0\.0\.1:\d+ {agent}: HTTP 404", line)
                for line in said), said
     assert any(re.fullmatch(r"no such path: websocket /v2 from 127\.0\.0\.1:\d+ \(User-Agent '[^']+'\): HTTP 404",
                             line) for line in said), said

@@ -87,6 +87,7 @@ def decode(model: Any, prompts: list[list[int]], *, spec: bool, bits: int | None
     specs: list[Speculation] = []
     toks: dict[str, list[int]] = {}
     done: dict[str, tuple[list[Any], list[int]]] = {}
+    entering: list[Row] = []
     for i, prompt in enumerate(prompts):
         cache = caches[i] if caches else make_cache(model, bits)
         before = all_tokens[i] if all_tokens else []
@@ -99,14 +100,15 @@ def decode(model: Any, prompts: list[list[int]], *, spec: bool, bits: int | None
         sp = Speculation() if spec else None
         if sp is not None:
             specs.append(sp)
-        dec.join(Row(str(i), ids, draws, n - 1, frozenset(), spec=sp), cache, first)
+        entering.append(Row(str(i), ids, draws, n - 1, frozenset(), spec=sp, cache=cache, first=first))
         toks[str(i)] = [first]
     while len(done) < len(prompts):
-        for r in dec.step():
+        for r in dec.step(entering):
             toks[r.key].append(r.token)
             if r.finish is not None:
                 assert r.cache is not None and r.tokens is not None
                 done[r.key] = (r.cache, list(r.tokens))
+        entering = []
     keys = [str(i) for i in range(len(prompts))]
     return [toks[k] for k in keys], [done[k] for k in keys], specs
 

@@ -95,10 +95,16 @@ def test_create_and_get_session(store: Store) -> None:
         "tokens": 0,
         "params": {},
         "origin": None,
+        "model": None,
     }
     assert store.get_session(created["id"]) == created
     api = store.create_session(title="From a client", origin="api (curl/8.5)")
     assert store.get_session(api["id"]) == api and api["origin"] == "api (curl/8.5)"
+
+    tiny = store.create_session(title="Tiny", model="builtin:tiny")
+    assert get(store, tiny["id"])["model"] == "builtin:tiny"
+    store.update_session(tiny["id"], model="builtin:tiny-swa")
+    assert get(store, tiny["id"])["model"] == "builtin:tiny-swa"
 
     other = store.create_session(title="Plans", system="Be brief.")
     got = get(store, other["id"])
@@ -408,7 +414,8 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
     names = [r[0] for r in raw_query(db_path, "SELECT name FROM _sqlite_migrations "
                                                "WHERE migration_set = 'kvd.sessions' ORDER BY id")]
     assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks",
-                     "m005_session_origin", "m006_tool_messages", "m007_fed_ids_checksum"]
+                     "m005_session_origin", "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model",
+                     "m009_responses"]
 
 
 def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
@@ -431,7 +438,8 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
                "created_at, updated_at) VALUES (?, 0, 'user', 'kept', 'complete', NULL, NULL, 7, 1, 1)", [MISSING])
     db.conn.commit()
     assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks", "m005_session_origin",
-                           "m006_tool_messages", "m007_fed_ids_checksum"]
+                           "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model",
+                           "m009_responses"]
     assert LEGACY_TABLE not in db.table_names() and MIGRATIONS.pending(db) == []
     assert migrate(db) == []
     db.close()
@@ -529,3 +537,23 @@ def test_fed_end_marks_turn_boundaries_until_forgotten(tmp_path: Path) -> None:
     assert [m["fed_end"] for m in store.messages(sid)] == [None, None, None, 90]
     store.set_tokens(sid, list(range(90)), covers=4)
     assert store.fed(sid) == (list(range(90)), 4)
+
+
+def test_other_models_fed_ids_are_put_aside_and_checked(store: Store) -> None:
+    from sessions import stash
+
+    sid = store.create_session(title="two models")["id"]
+    store.set_tokens(sid, [1, 2, 3], covers=2, model="builtin:tiny")
+    assert stash.fed_model(store, sid) == "builtin:tiny" and store.fed(sid) == ([1, 2, 3], 2)
+    stash.stash(store, sid, "builtin:tiny", [1, 2, 3], 2)
+    stash.stash(store, sid, "builtin:gemma3", [7, 8], 2)
+    assert stash.stashed(store, sid) == {"builtin:tiny": ([1, 2, 3], 2), "builtin:gemma3": ([7, 8], 2)}
+    stash.unstash(store, sid, "builtin:tiny")
+    store.db.execute("UPDATE session_stash SET covers = 1 WHERE model = 'builtin:gemma3'")  # no longer its sum
+    assert stash.stashed(store, sid) == {}  # a damaged row is dropped, not used
+    assert store.db.execute("SELECT COUNT(*) FROM session_stash").fetchone()[0] == 0
+    stash.stash(store, sid, "builtin:gemma3", [7, 8], 2)
+    stash.drop_stash(store, sid)
+    assert stash.stashed(store, sid) == {}
+    stash.stash(store, sid, "builtin:gemma3", [7, 8], 2)
+    assert store.delete_session(sid) and store.db.execute("SELECT COUNT(*) FROM session_stash").fetchone()[0] == 0

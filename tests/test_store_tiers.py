@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from sqlite_utils import Database
 
+from cachestore.migrations import MIGRATIONS
 from cachestore.store import Budgets, SessionCaches
 
 A, B, C = "aaaa", "bbbb", "cccc"
@@ -79,18 +83,90 @@ def test_many_turns_compact_into_one_segment(model: Any, tmp_path: Path) -> None
     caches.close()
 
 
-def test_another_fingerprint_is_never_loaded(model: Any, tmp_path: Path) -> None:
-    first = SessionCaches(tmp_path, "model-one", budgets(), clock=Clock())
+def test_another_models_cache_is_never_loaded_and_is_kept_for_its_model(model: Any, tmp_path: Path) -> None:
+    first = SessionCaches(tmp_path, "model-one", budgets(), clock=Clock(), model="one")
     cache, toks = grow(model, None, [], list(range(10, 40)))
     first.checkin(A, cache, toks)
     first.close()
-    second = SessionCaches(tmp_path, "model-two", budgets(), clock=Clock())
+    second = SessionCaches(tmp_path, "model-two", budgets(), clock=Clock(), model="two")
+    assert second.locations() == {} and second.kept_for() == {A: ["one"]}
     got = second.checkout(A, toks + [1])
     assert got.restored_from == "none" and got.cache is None
+    other, other_toks = grow(model, None, [], list(range(50, 70)))
+    second.checkin(A, other, other_toks)  # the same session, now under model two: a cache of its own
     second.flush()
-    assert second.index.chain(A) == []  # dropped, not kept around
-    assert not list((tmp_path / "segments").rglob("*.safetensors"))
+    assert [(r.start, r.end, r.fingerprint) for r in second.index.chain(A)] == [(0, 20, "model-two")]
     second.close()
+    again = SessionCaches(tmp_path, "model-one", budgets(), clock=Clock(), model="one")
+    assert again.locations() == {A: "disk"} and again.kept_for() == {A: ["two"]}
+    got = again.checkout(A, toks + [1])
+    assert got.restored_from == "disk" and got.tokens == len(toks) and got.cache is not None
+    fresh, _ = grow(model, None, [], toks)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(_held(got.cache), _held(fresh), strict=True))
+    again.forget(A)  # a deleted session: every model's cache of it goes
+    again.flush()
+    assert again.kept_for() == {} and not list((tmp_path / "segments").rglob("*.safetensors"))
+    again.close()
+
+
+def test_the_disk_budget_evicts_least_recently_used_across_models(model: Any, tmp_path: Path) -> None:
+    clock = Clock()
+    first = SessionCaches(tmp_path, "model-one", budgets(), clock=clock, model="one")
+    cache, toks = grow(model, None, [], list(range(10, 40)))
+    first.checkin(A, cache, toks)
+    first.flush()
+    one_session = first.index.total_bytes()
+    first.close()
+    clock.now += 10
+    second = SessionCaches(tmp_path, "model-two", budgets(disk_bytes=one_session * 3 // 2), clock=clock, model="two")
+    assert second.kept_for() == {A: ["one"]}
+    cache, toks = grow(model, None, [], list(range(50, 80)))
+    second.checkin(B, cache, toks)  # over the budget: the least recently used cache goes, whichever model's
+    second.flush()
+    assert second.kept_for() == {} and second.locations() == {B: "resident"}
+    assert [(key, fp) for key, fp, _ in second.index.by_use()] == [(B, "model-two")]
+    second.close()
+
+
+def test_a_cache_from_before_caches_per_model_is_kept_and_restores_exactly(model: Any, tmp_path: Path) -> None:
+    """An index and files as kvd wrote them before m003_per_model: migrated, kept under another
+    model, and restored exactly under its own (the files stay where they were)."""
+    first = SessionCaches(tmp_path, "model-one", budgets(block_tokens=8), clock=Clock())
+    cache, toks = grow(model, None, [], list(range(10, 40)))  # 3 blocks of 8 ids, then a private tail
+    first.checkin(A, cache, toks)
+    first.close()
+    with closing(sqlite3.connect(tmp_path / "index.sqlite")) as db:
+        blocks = db.execute("SELECT * FROM blocks").fetchall()
+        segments = db.execute('SELECT key, start, "end", file, nbytes, checksum, fingerprint, tokens, created_at '
+                              "FROM segments").fetchall()
+        chains = db.execute("SELECT key, n, block FROM chains").fetchall()
+        keys = db.execute("SELECT key, last_used FROM keys").fetchall()
+    assert len(blocks) == 3 and len(segments) == 1 and len(chains) == 3
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        (tmp_path / name).unlink(missing_ok=True)
+    old = []
+    for seg in segments:  # the layout before: segments/<session>/<file>
+        path = tmp_path / "segments" / seg[3]
+        path.rename(tmp_path / "segments" / A / path.name)
+        path.parent.rmdir()
+        old.append((*seg[:3], f"{A}/{path.name}", *seg[4:]))
+    legacy = Database(tmp_path / "index.sqlite")
+    MIGRATIONS.apply(legacy, stop_before="m003_per_model")
+    legacy.conn.executemany(f"INSERT INTO blocks VALUES ({', '.join('?' * 10)})", blocks)
+    legacy.conn.executemany(f"INSERT INTO segments VALUES ({', '.join('?' * 9)})", old)
+    legacy.conn.executemany("INSERT INTO chains VALUES (?, ?, ?)", chains)
+    legacy.conn.executemany("INSERT INTO keys VALUES (?, ?)", keys)
+    legacy.conn.commit()
+    legacy.close()
+    second = SessionCaches(tmp_path, "model-two", budgets(block_tokens=8), clock=Clock(), model="two")
+    assert second.locations() == {} and second.kept_for() == {A: ["model-one"]}  # no name was recorded then
+    second.close()
+    again = SessionCaches(tmp_path, "model-one", budgets(block_tokens=8), clock=Clock())
+    got = again.checkout(A, toks + [1])
+    assert got.restored_from == "disk" and got.tokens == len(toks) and got.cache is not None
+    fresh, _ = grow(model, None, [], toks)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(_held(got.cache), _held(fresh), strict=True))
+    again.close()
 
 
 def test_disk_budget_evicts_least_recently_used_sessions(model: Any, tmp_path: Path) -> None:
@@ -125,6 +201,7 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
     # After a restart: no resident room, room in warm for two sessions' caches, not three.
     caches = SessionCaches(tmp_path, "fp", budgets(resident_bytes=0, warm_bytes=2 * per_session + per_session // 2),
                            clock=clock)
+    assert caches.prefetch_plan(limit=per_session + per_session // 2) == [C]  # the machine's share: one
     plan = caches.prefetch_plan()
     assert plan == [C, B]
     for key in plan:
@@ -144,7 +221,6 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
         assert mx.array_equal(restored.values[..., :len(toks), :], live.values[..., :len(toks), :])
     assert caches.checkout(A, kept[A][1] + [7]).restored_from == "disk"
     caches.close()
-
 
 
 def test_prefetch_fills_resident_room_first_with_live_caches(model: Any, tmp_path: Path) -> None:

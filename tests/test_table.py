@@ -9,7 +9,7 @@ import pytest
 
 import cachestore.table as table_module
 from cachestore.blocks import block_key, block_keys, root_key
-from cachestore.index import BlockRow, DiskNews, SegmentRow
+from cachestore.rows import BlockRow, DiskNews, SegmentRow
 from cachestore.table import BlockTable
 
 ROOT = root_key("fp")

@@ -494,3 +494,10 @@ def test_an_answer_made_only_of_html_is_visible_as_it_arrives() -> None:
     assert isinstance(console.file, io.StringIO)
     plain = console.file.getvalue()
     assert '<div class="x">' in plain and "<b>bold</b>" in plain and "some <!-- a comment --> text" in plain, plain
+
+
+def test_a_turn_without_a_cache_for_its_model_says_which_models_keep_one() -> None:
+    usage = {"restored_from": "none", "prefill_tokens": 40, "model": "builtin:gemma3", "kept_for": ["builtin:smollm2"]}
+    assert render.cache_part(usage) == "cache: none for gemma3 (kept for smollm2), prefilled 40 tok"
+    alone = {"restored_from": "none", "prefill_tokens": 40, "model": "x"}
+    assert render.cache_part(alone) == "cache: none, prefilled 40 tok"

@@ -12,7 +12,7 @@ def test_a_session_on_the_wire_is_the_documented_fields_plus_its_tier() -> None:
         session = store.create_session(title=protocol.DEFAULT_TITLE, system="Be brief.")
         shown = wire.session_object(session, protocol.NO_CACHE)
     assert list(shown) == ["id", "title", "system", "created_at", "updated_at", "message_count",
-                           "last_message", "tokens", "params", "origin", "cache"]
+                           "last_message", "tokens", "params", "origin", "model", "cache"]
     assert shown["title"] == "New chat" and shown["system"] == "Be brief." and shown["cache"] == "none"
 
 

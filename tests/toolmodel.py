@@ -74,3 +74,16 @@ def write_tool_model(root: Path) -> Path:
     weights["model.norm.weight"] = np.ones(hidden, np.float32)
     mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
     return out
+
+
+def write_plain_model(tool_model: Path, root: Path) -> Path:
+    """The tool model with a chat template that has no tool calling (plain ChatML): mlx-lm finds no call
+    format in it, so a request's tools cannot be shown to it."""
+    plain = shutil.copytree(tool_model, root / "plain-chatml")
+    config_path = plain / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = ("{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + "
+                               "message['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
+                               "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    config_path.write_text(json.dumps(config))
+    return plain

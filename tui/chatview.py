@@ -22,6 +22,7 @@ class ChatOptions:
 
     max_tokens: int | None = None
     temperature: float | None = None
+    model: str | None = None  # --model or /model: new sessions are made with it, and each message asks for it
 
     def fields(self) -> dict[str, Any]:
         return {k: v for k, v in (("max_tokens", self.max_tokens), ("temperature", self.temperature)) if v is not None}

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 import protocol
+from common.limits import TEMPERATURE
 
 from . import commands, listing, render
 from .chatview import ChatOptions
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     new = parser.add_argument_group("new session")
     new.add_argument("--title", help="title of the new session")
     new.add_argument("--system", help="system prompt of the new session")
+    parser.add_argument("--model", help="the model to answer (`kvd models` lists them; default: the daemon's): "
+                        "new sessions are made with it, a resumed one switches to it (/model does so later)")
     gen = parser.add_argument_group("generation (for this run; /params sets a session's own)")
     gen.add_argument("--max-tokens", type=_positive_int, metavar="N", help="longest answer, in tokens")
     gen.add_argument("--temperature", type=_temperature, metavar="T", help="0 (greedy) to 2")
@@ -131,7 +134,8 @@ def run(
                               echo=not sys.stdin.isatty() if echo is None else echo,
                               terminal=_terminal(history) if read_line is input else None)
                 chat = Chat(console, net, link, interrupts, typed,
-                            ChatOptions(max_tokens=args.max_tokens, temperature=args.temperature))
+                            ChatOptions(max_tokens=args.max_tokens, temperature=args.temperature,
+                                        model=args.model))
                 try:
                     # A title or system prompt asks for a new session: no list to pick from.
                     new = args.new or (not args.session and not args.last and (args.title or args.system))
@@ -193,8 +197,8 @@ def _temperature(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value <= 2:
-        raise argparse.ArgumentTypeError("must be between 0 and 2")
+    if value not in TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"must be in {TEMPERATURE.describe()}")
     return value
 
 

@@ -7,6 +7,7 @@ loop). Nothing typed here ends kvchat but /quit, /exit and /bye.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,6 +227,18 @@ def _system(chat: ChatView, args: str) -> None:
     else:
         _update(chat, system=args)
         render.print_note(chat.console, "system prompt set; it applies from the next answer on")
+
+
+@command("/model", "/model [name]", "show this session's model, or answer from NAME from the next message on "
+         "(`kvd models` lists them; the first use of a model loads it)")
+def _model(chat: ChatView, args: str) -> None:
+    current = chat.options.model or chat.session.get("model") or chat.link.client.hello.get("model")
+    if not args:
+        render.print_note(chat.console, f"model: {render.sanitize(str(current))}; /model NAME answers from another")
+        return
+    chat.options = dataclasses.replace(chat.options, model=args.strip())
+    render.print_note(chat.console, f"the next answer comes from {render.sanitize(args.strip())} "
+                      "(kvd loads it on first use)")
 
 
 def _param_value(key: str, raw: str) -> float | int | None:

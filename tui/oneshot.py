@@ -130,6 +130,8 @@ async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: 
             fields["max_tokens"] = args.max_tokens
         if args.temperature is not None:
             fields["temperature"] = args.temperature
+        if args.model is not None:
+            fields["model"] = args.model
         interrupted = asyncio.Event()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -182,7 +184,7 @@ async def _session(client: Client, args: argparse.Namespace, text: str) -> tuple
     # Titled after what was typed: the question, not the file piped in before it.
     typed = args.message if args.message not in (None, "-") and args.message.strip() else text
     title = args.title or listing.one_line(typed, TITLE_CHARS) or None
-    fields = {k: v for k, v in (("title", title), ("system", args.system)) if v}
+    fields = {k: v for k, v in (("title", title), ("system", args.system), ("model", args.model)) if v}
     return str((await client.request(protocol.SESSION_CREATE, origin=ONE_SHOT, **fields))["session"]["id"]), True
 
 

@@ -114,6 +114,11 @@ def _ms(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
 
+def _short(model: Any) -> str:
+    """A model's name as the status line says it: smollm2 for builtin:smollm2."""
+    return sanitize(str(model).removeprefix("builtin:"))
+
+
 def cache_part(usage: Mapping[str, Any]) -> str | None:
     """``cache: disk 4096 tok in 86 ms``, or ``cache: none, prefilled 40 tok``."""
     tier = usage.get("restored_from")
@@ -128,7 +133,10 @@ def cache_part(usage: Mapping[str, Any]) -> str | None:
     if tier == protocol.NO_CACHE:
         prefilled, ms = usage.get("prefill_tokens"), usage.get("prefill_ms")
         took = f" in {duration(ms)}" if isinstance(ms, (int, float)) and ms >= READ_SHOWN_MS else ""
-        return "cache: none" + (f", prefilled {prefilled} tok{took}" if isinstance(prefilled, int) else "")
+        kept, model = usage.get("kept_for"), usage.get("model")
+        elsewhere = (f" for {_short(model)} (kept for {', '.join(_short(k) for k in kept)})"
+                     if isinstance(kept, list) and kept and isinstance(model, str) else "")
+        return f"cache: none{elsewhere}" + (f", prefilled {prefilled} tok{took}" if isinstance(prefilled, int) else "")
     cached = usage.get("cached_tokens")  # a daemon from before cache tiers
     return f"{cached} cached" if isinstance(cached, int) else None
 
@@ -258,7 +266,7 @@ def print_header(
     title = sanitize(str(session.get("title") or protocol.DEFAULT_TITLE))
     console.print(Text(title, style="bold"), soft_wrap=True)
     details = [f"session {sanitize(str(session.get('id', '?')))}"]
-    model = hello.get("model")
+    model = session.get("model") or hello.get("model")  # the session's own (older daemons: the daemon's)
     if model:
         details.append(f"model {sanitize(str(model))}" + ("" if hello.get("ready", True) else " (loading)"))
     if resumed:

@@ -126,7 +126,10 @@ class Chat:
 
     def send(self, text: str) -> None:
         self.name_after(text)
-        self.turn(protocol.CHAT_SEND, text=text)
+        model = {"model": self.options.model} if self.options.model else {}
+        reply = self.turn(protocol.CHAT_SEND, text=text, **model)
+        if model and reply is not None:
+            self.session["model"] = self.options.model  # the daemon switched the session to it
 
     @property
     def copy_file(self) -> Path:
@@ -261,7 +264,8 @@ class Chat:
         self.show(got["session"], got.get("messages") or [], resumed=True)
 
     def create(self, *, title: str | None = None, system: str | None = None) -> None:
-        fields = {k: v for k, v in (("title", title), ("system", system)) if v is not None}
+        fields = {k: v for k, v in (("title", title), ("system", system), ("model", self.options.model))
+                  if v is not None}
         session = self.request(protocol.SESSION_CREATE, origin=ORIGIN, **fields)["session"]
         if self.session:
             self.leave()

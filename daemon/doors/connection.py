@@ -16,6 +16,10 @@ after all 300. A
 request that may wait (status waits up to 5 s for a busy engine) runs beside
 the client's later requests, so a chat.cancel sent after it is not held up;
 at most MAX_SLOW such requests per client run at once, the rest are `busy`.
+
+An answer's first delta comes with a `written` callback (events.py): the
+writer calls it right after sending that frame, the hand-off the engine
+waits for; a frame that will never be sent (the client has gone) calls it at once.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ log = logging.getLogger("kvd.server")
 OUTBOX_SIZE = 1024
 MAX_SLOW = 4
 
+Written = Callable[[], None] | None  # called once the frame is sent (or never will be)
+
 
 @dataclass(frozen=True)
 class ConnectionStatistics:
@@ -58,9 +64,9 @@ class Connection:
         self._abort = abort
         self.closed = False
         self.closed_event = anyio.Event()  # set once this client is done with, for any reason
-        send, receive = anyio.create_memory_object_stream[str](OUTBOX_SIZE)
-        self._send: MemoryObjectSendStream[str] = send
-        self._receive: MemoryObjectReceiveStream[str] = receive
+        send, receive = anyio.create_memory_object_stream[tuple[str, Written]](OUTBOX_SIZE)
+        self._send: MemoryObjectSendStream[tuple[str, Written]] = send
+        self._receive: MemoryObjectReceiveStream[tuple[str, Written]] = receive
         self.dropped = 0
         self.handled = 0  # requests dispatched
         self._logged: set[str] = set()
@@ -73,20 +79,23 @@ class Connection:
         addr = self.ws.client
         return f"{addr[0]}:{addr[1]}" if addr else "?"
 
-    def publish(self, event: dict[str, Any]) -> None:
+    def publish(self, event: dict[str, Any], written: Written = None) -> None:
         """Queue an event for this client without ever blocking the caller."""
         if self.closed:
             self.dropped += 1
+            _call(written)
             return
         try:
-            self._send.send_nowait(encode(event))
+            self._send.send_nowait((encode(event), written))
             for watch in self._watchers:
                 watch(event)
         except anyio.WouldBlock:
             log.warning("client %s is not reading (outbox full); disconnecting it", self.peer)
             self.abort()
+            _call(written)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self.dropped += 1
+            _call(written)
 
     async def serve(self, receive: Receive,
                     dispatch: Callable[[Connection, str | bytes], Awaitable[None]]) -> None:
@@ -134,17 +143,31 @@ class Connection:
 
     async def writer(self) -> None:
         async with self._receive:
-            async for frame in self._receive:
-                with anyio.move_on_after(self.send_timeout) as scope:
-                    try:
-                        await self.ws.send_text(frame)
-                    except (WebSocketDisconnect, OSError, RuntimeError):  # gone, or closed under us
+            try:
+                async for frame, written in self._receive:
+                    with anyio.move_on_after(self.send_timeout) as scope:
+                        try:
+                            await self.ws.send_text(frame)
+                        except (WebSocketDisconnect, OSError, RuntimeError):  # gone, or closed under us
+                            break
+                        finally:
+                            _call(written)  # the answer's first token is out: the engine goes on
+                    if scope.cancelled_caught:
+                        log.warning("client %s did not read for %.1f s; disconnecting it",
+                                    self.peer, self.send_timeout)
+                        self.abort()
                         break
-                if scope.cancelled_caught:
-                    log.warning("client %s did not read for %.1f s; disconnecting it",
-                                self.peer, self.send_timeout)
-                    self.abort()
-                    break
+            finally:
+                self._unsent()
+
+    def _unsent(self) -> None:
+        """The frames left in the outbox when the writer stops will never be sent."""
+        while True:
+            try:
+                _, written = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            _call(written)
 
     def abort(self) -> None:
         self.close()
@@ -167,3 +190,8 @@ class Connection:
     def statistics(self) -> ConnectionStatistics:
         return ConnectionStatistics(peer=self.peer, handled=self.handled, dropped=self.dropped,
                                     queued=self._send.statistics().current_buffer_used)
+
+
+def _call(written: Written) -> None:
+    if written is not None:
+        written()

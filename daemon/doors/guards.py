@@ -10,7 +10,8 @@ handshake and the HTTP API cannot drift apart:
 - Origin: browsers send it; none is allowed unless listed in
   `server.allowed_origins`. Non-browser clients send none.
 - Token: `Authorization: Bearer <token>` (the token file in the data
-  directory; OpenAI clients send their API key exactly so), compared in
+  directory; OpenAI clients send their API key exactly so) or
+  `x-api-key: <token>` (as Anthropic's clients send theirs), compared in
   constant time.
 
 `asked` says in a log line who asked for what (a refusal, a 404), so an
@@ -72,8 +73,9 @@ def check(headers: dict[str, str], config: Config, token: str) -> Refusal | None
     if origin is not None and origin not in config.allowed_origins:
         return Refusal(HTTPStatus.FORBIDDEN,
                        "browser origins are not allowed; see allowed_origins in config.toml")
-    auth = headers.get("authorization", "")
-    if not hmac.compare_digest(auth.encode(), f"Bearer {token}".encode()):
+    bearer = hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {token}".encode())
+    api_key = hmac.compare_digest(headers.get("x-api-key", "").encode(), token.encode())
+    if not (bearer or api_key):
         return Refusal(HTTPStatus.UNAUTHORIZED,
                        "missing or wrong token; it is in the token file of kvd's data directory")
     return None

@@ -1,11 +1,9 @@
 """One OpenAI answer: a turn's events as a JSON body or as server-sent events (docs/openai.md).
 
-The response starts only when the first token (or an error) is known, so an
-error found at admission is a real HTTP error, not a broken stream. A client
-that hangs up cancels its answer (what was generated stays in the session);
-one that stops reading is cut off after `send_timeout`, its answer cancelled
-too. An answer that called tools (toolcalls.py) is kept by the turn core as
-its content and calls (the door hands it the split).
+The response's life (when it starts, a client that hangs up or stops
+reading) is every door's: answering.py. An answer that called tools (toolcalls.py) comes from the turn core
+already split into its content and calls (the door hands it the splitter):
+its text before the first call streams, its calls come at the end.
 """
 
 from __future__ import annotations
@@ -13,148 +11,90 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
-
-import protocol as p
 
 from ..config import Config
+from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnEvent
 from ..turns import Turn, Turns
+from .answering import TurnAnswer
 from .openai_schema import ChatRequest, api_error
-from .toolcalls import StreamSplit, ToolFormat, openai_calls, split
+from .toolcalls import openai_calls
 
 log = logging.getLogger("kvd.api")
 
 
-def usage_of(u: dict[str, Any]) -> dict[str, Any]:
+def usage_of(u: Mapping[str, Any]) -> dict[str, Any]:
     prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": int(u.get("cached_tokens") or 0)}}
 
 
 def finish_reason_of(reason: str) -> str:
-    # OpenAI's stop and length; an answer cut short (kvd stopping, chat.cancel from kvchat on the same
-    # session) says "cancelled", so a client never takes a cut answer for a finished one.
-    return reason if reason in ("length", "cancelled") else "stop"
+    """OpenAI's finish_reason for kvd's. An answer cut short (kvd stopping, chat.cancel from kvchat on the
+    same session) says "length", OpenAI's value for an answer that ended before the model ended it, so a
+    client never takes it for a whole one; the `kvd` object keeps kvd's own reason ("cancelled")."""
+    return "length" if reason in ("length", "cancelled") else "stop"
 
 
-class Answer(Response):
-    """One turn's answer as a JSON body or an event stream, ending the turn if the client goes."""
+class Answer(TurnAnswer):
+    """One turn's answer as OpenAI's JSON body or event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[dict[str, Any]], req: ChatRequest, headers: dict[str, str], *,
-                 created: bool, tool_format: ToolFormat | None = None):
-        self.turns, self.config = turns, config
-        self.created_session = created  # this request made the session: a refusal takes it back
-        self.tool_format = tool_format  # the request offered tools the model can call
-        self.turn = turn
-        self.events = events
+                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str]):
+        super().__init__(turns, config, turn, events, headers, stream=req.stream)
         self.req = req
-        self.extra_headers = headers
         self.created = int(time.time())
-        self.started = False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
-        turns, turn = self.turns, self.turn
-        answered = False  # the whole answer was sent: a disconnect after it is the client leaving, not hanging up
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                if answered or turn.finished.is_set():
-                    return
-                log.info("client of %s hung up; cancelling its answer", turn.session_id)
-                turns.cancel(turn.session_id, turn)
-                tg.cancel_scope.cancel()
-
-            async def bounded(message: dict[str, Any]) -> None:
-                with anyio.move_on_after(self.config.send_timeout) as timer:
-                    await send(message)
-                if timer.cancelled_caught:
-                    log.warning("client of %s did not read for %.1f s; cutting it off",
-                                turn.session_id, self.config.send_timeout)
-                    turns.cancel(turn.session_id, turn)
-                    abort()
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                async with self.events:
-                    if self.req.stream:
-                        await self._stream(bounded)
-                    else:
-                        await self._whole(bounded)
-                answered = True
-            except OSError:  # the client went away under a send
-                turns.cancel(turn.session_id, turn)
-            tg.cancel_scope.cancel()
-
-    def _kvd(self, done: dict[str, Any]) -> dict[str, Any]:
-        u = done.get("usage") or {}
-        return {"session": self.turn.session_id, "restored_from": u.get("restored_from"),
+    def _kvd(self, done: AnswerDone) -> dict[str, Any]:
+        u = done.usage
+        return {"session": self.turn.session_id, "finish_reason": done.finish_reason,
+                "restored_from": u.get("restored_from"),
                 "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
                 "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
                 "accepted_tokens": u.get("accepted_tokens")}
 
-    async def _start(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
-        headers = [(b"content-type", content_type.encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
-        if content_type.startswith("text/event-stream"):
-            headers += [(b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        self.started = True
+    def _usage(self, done: AnswerDone) -> dict[str, Any]:
+        """OpenAI's usage with the `kvd` object in it (where a client that logs usage keeps it)."""
+        return {**usage_of(done.usage), "kvd": self._kvd(done)}
 
-    async def _body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
-        await self._start(send, status, "application/json")
-        await send({"type": "http.response.body", "body": data})
+    async def _error(self, send: Callable[[dict[str, Any]], Any], event: AnswerError) -> None:
+        """An error before the answer began: a refusal (the turn core stored nothing of a session this
+        request made, and took back what it added to a pinned one)."""
+        e = api_error(event.code, event.message, model=self.config.model)
+        await self.send_body(send, e.status, e.body())
 
-    async def _error(self, send: Callable[[dict[str, Any]], Any], event: dict[str, Any]) -> None:
-        """An error before the answer began: a refusal, which leaves nothing behind."""
-        if self.created_session and not self.turn.text:
-            await self.turn.finished.wait()  # its answer is committed (as an error) first
-            await self.turns.delete_session(self.turn.session_id)
-        e = api_error(event["code"], event["message"])
-        await self._body(send, e.status, e.body())
-
-    def _called(self, event: dict[str, Any], calls: list[dict[str, str]]) -> str:
+    def _called(self, event: AnswerDone) -> str:
         """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""
-        reason = finish_reason_of(event["finish_reason"])
-        return "tool_calls" if calls and reason == "stop" else reason
+        reason = finish_reason_of(event.finish_reason)
+        return "tool_calls" if event.calls and reason == "stop" else reason
 
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
-        text = ""
         async for event in self.events:
-            if event["type"] == p.CHAT_DELTA:
-                text += event["text"]
-            elif event["type"] == p.CHAT_DONE:
-                calls = self.turn.calls  # split by the turn core as it kept the answer
-                content = split(self.tool_format, text)[0] if calls and self.tool_format else text
-                reason = self._called(event, calls)
-                message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()  # nothing is sent before the end: the engine need not wait
+            elif isinstance(event, AnswerDone):
+                calls = event.calls
+                message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
                 if calls:
-                    message["tool_calls"] = openai_calls(calls)
-                await self._body(send, 200, {
+                    message["tool_calls"] = openai_calls(_stored(calls))
+                await self.send_body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
-                    "model": self.config.model,
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
-                    "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
+                    "model": self.turn.model or self.config.model,
+                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                                 "finish_reason": self._called(event)}],
+                    "usage": self._usage(event), "kvd": self._kvd(event)})
                 return
-            elif event["type"] == p.ERROR:
+            elif isinstance(event, AnswerError):
                 await self._error(send, event)
                 return
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.turn.request_id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.config.model,
+            "model": self.turn.model or self.config.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         if self._usage_wanted():
             chunk["usage"] = None
@@ -170,37 +110,37 @@ class Answer(Response):
 
         async def begin() -> None:
             if not self.started:
-                await self._start(send, 200, "text/event-stream; charset=utf-8")
+                await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
                 await sse(self._chunk({"role": "assistant", "content": ""}))
 
-        splitter = StreamSplit(self.tool_format) if self.tool_format else None
         async for event in self.events:
-            kind = event["type"]
-            if kind == p.CHAT_DELTA:
+            if isinstance(event, AnswerDelta):
+                try:
+                    await begin()
+                    await sse(self._chunk({"content": event.text}))
+                finally:
+                    if event.written is not None:
+                        event.written()  # the answer's first token is out: the engine goes on
+            elif isinstance(event, AnswerDone):
                 await begin()
-                text = splitter.feed(event["text"]) if splitter else event["text"]
-                if text:
-                    await sse(self._chunk({"content": text}))
-            elif kind == p.CHAT_DONE:
-                await begin()
-                rest, _ = splitter.finish() if splitter else ("", [])
-                calls = self.turn.calls  # as the turn core kept them (their ids are made once)
-                if rest:
-                    await sse(self._chunk({"content": rest}))
-                if calls:
-                    await sse(self._chunk({"tool_calls": openai_calls(calls, streaming=True)}))
-                await sse(self._chunk({}, self._called(event, calls)))
+                if event.calls:
+                    await sse(self._chunk({"tool_calls": openai_calls(_stored(event.calls), streaming=True)}))
+                await sse(self._chunk({}, self._called(event)))
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
-                               "created": self.created, "model": self.config.model, "choices": [],
-                               "usage": usage_of(event["usage"]), "kvd": self._kvd(event)})
+                               "created": self.created, "model": self.turn.model or self.config.model, "choices": [],
+                               "usage": self._usage(event), "kvd": self._kvd(event)})
                 break
-            elif kind == p.ERROR:
+            elif isinstance(event, AnswerError):
                 if not self.started:
                     await self._error(send, event)
                     return
-                await sse(api_error(event["code"], event["message"]).body())
+                await sse(api_error(event.code, event.message, model=self.config.model).body())
                 break
         if self.started:
             await sse("[DONE]")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _stored(calls: Sequence[AnswerToolCall]) -> list[dict[str, str]]:
+    return [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]

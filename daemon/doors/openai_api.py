@@ -10,35 +10,25 @@ to openai_answer.py, which makes them OpenAI's response or server-sent events.
 from __future__ import annotations
 
 import functools
-import json
-import json.scanner
 import logging
-import math
-import secrets
 import time
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import anyio
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.routing import BaseRoute, Route
 
 from protocol.requests import RequestError
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
-from ..engine.thread import Engine
 from ..prompt import Conversation
-from ..turns import Turn, Turns
-from .admission import Admission
-from .asgi import headers_of
-from .guards import check
+from ..turns import EventStream, Turn
+from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
-from .loading import LoadingWatch
 from .openai_answer import Answer
 from .openai_schema import (
     ApiError,
@@ -47,30 +37,15 @@ from .openai_schema import (
     instructions,
     may_hold_surrogates,
     parse,
-    served_names,
     stops,
 )
-from .placement import Diverged, Placement, Said, links, place
-from .toolcalls import ToolFormat, openai_calls, split
+from .placement import Said, links
+from .toolcalls import openai_calls
 from .toolturns import check_tool_turns
 
 log = logging.getLogger("kvd.api")
 
-SESSION_HEADER = "X-Kvd-Session"
-REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
-LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
-C_PARSE_BYTES = 64 << 10  # bodies up to this are parsed by the C parser (a stall of a millisecond or so)
-# Bodies up to this are read on the event loop itself (~0.1 ms for a dozen messages): a worker
-# thread's round trip costs more than that (~0.15 ms idle, milliseconds beside a busy engine).
-INLINE_BYTES = 16 << 10
 SEEDED = 8  # API conversations whose last request is rendered again after a start (`OpenAIDoor.seed`)
-DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
-
-
-def api_origin(user_agent: str | None) -> str:
-    """A session's origin for the list: "api (<the client's User-Agent>)", cut to a readable length."""
-    agent = " ".join((user_agent or "").split())[:80]
-    return f"api ({agent})" if agent else "api"
 
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -78,21 +53,9 @@ def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONRe
 
 
 def _decode(body: bytes, config: Config) -> ChatRequest:
-    """The body as a validated request (a worker thread: its cost grows with the body's size).
-
-    The C parser holds the GIL from start to end, and the event loop waits
-    for it even from here (a 1 MiB body of small objects: tens of ms); so a
-    large body goes through the standard library's Python scanner instead,
-    slower but handing the GIL back every few milliseconds. Its objects are
-    freed here too, not on the loop, when the request is refused.
-    """
-    try:
-        decoded = json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
-    except RecursionError:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply; a chat request "
-                       "is at most a few levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
+    """The body as a validated request (a worker thread: its cost grows with the body's size). Its
+    objects are freed here too, not on the loop, when the request is refused."""
+    decoded = decode_json(body)
     try:
         req = parse(decoded, config, surrogates=may_hold_surrogates(body))
         check_tool_turns(req.messages)
@@ -117,80 +80,51 @@ def _messages(session_id: str, store: Store) -> list[Message]:
     return store.messages(session_id)
 
 
-def _cooperative_decoder() -> json.JSONDecoder:
-    decoder = json.JSONDecoder()
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
-    return decoder
-
-
-_COOPERATIVE = _cooperative_decoder()
-
-
-class _Events:
-    """A turn's events for one HTTP response. Unbounded, but a turn publishes at most
-    max_tokens deltas plus a handful of others, and max_tokens is bounded by config."""
-
-    def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
-
-    def publish(self, event: dict[str, Any]) -> None:
-        try:
-            self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
-
-
 class OpenAIDoor:
-    def __init__(self, config: Config, engine: Engine, turns: Turns, token: str,
-                 loading: LoadingWatch):
+    def __init__(self, config: Config, api: ApiTurns, token: str):
         self.config = config
-        self.loading = loading
-        self.engine = engine
-        self.turns = turns
-        self.admission = Admission(config, turns)
-        self._token = token
+        self.engine = api.engine
+        self.turns = api.turns
+        self.api = api  # shared with the Anthropic door: one admission queue for both
         self._created = int(time.time())
-        self._router = Starlette(
-            routes=[Route("/v1/models", self.models, methods=["GET"]),
-                    Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-                    Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                    Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])],
-            exception_handlers={HTTPException: self._http_error},
-        )
-
-    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = check(headers_of(scope), self.config, self._token)
-        if refused is not None:
-            log.warning("refused an HTTP request: %s", refused.message)
-            status = HTTPStatus(refused.status)
-            await error_response(ApiError(status, refused.message,
-                                          code="invalid_api_key" if status == 401 else None))(scope, receive, send)
-            return
-        await self._router(scope, receive, send)
-
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        status = HTTPStatus(exc.status_code)
-        if status == HTTPStatus.NOT_FOUND:
-            message = f"no such endpoint {request.url.path}; kvd serves /v1/chat/completions and /v1/models"
-        else:
-            message = f"{request.method} is not allowed on {request.url.path}"
-        return error_response(ApiError(status, message))
+        routes: list[BaseRoute] = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
+        self.app = guarded(routes, config, token, error_response,
+                           "/v1/chat/completions, /v1/responses and /v1/models")
 
     # --- GET /v1/models ---
 
-    def _model_object(self) -> dict[str, Any]:
-        return {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "kvd"}
+    async def _model_objects(self) -> list[dict[str, Any]]:
+        """Every model kvd can serve, the default first, with its context length in the fields clients read:
+        `context_length` (OpenRouter's, which litellm and many clients read), `max_model_len` (vLLM's),
+        `max_context_length` / `loaded_context_length` and `state` (LM Studio's)."""
+        engines = self.turns.engines
+        loaded = {m["model"]: m for m in engines.loaded()}
+        contexts = await anyio.to_thread.run_sync(_contexts, self.config.models_dir)
+        out = []
+        for name in await engines.servable():
+            here = loaded.get(name)
+            context = (here or {}).get("context_length") or contexts.get(name)
+            out.append({"id": name, "object": "model", "created": self._created, "owned_by": "kvd",
+                        "context_length": context, "max_model_len": context, "max_context_length": context,
+                        "loaded_context_length": context if here is not None else None,
+                        "state": "loaded" if here is not None else "not-loaded"})
+        return out
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_object()]})
+        return JSONResponse({"object": "list", "data": await self._model_objects()})
 
     async def model(self, request: Request) -> Response:
         asked = request.path_params["model_id"]
-        if asked not in served_names(self.config.model):
-            return error_response(ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {self.config.model!r}, "
-                                           f"not {asked!r}", code="model_not_found"))
-        return JSONResponse(self._model_object())
+        try:
+            name = await self.api.model(asked)
+        except ApiError as e:
+            return error_response(e)
+        found = [m for m in await self._model_objects() if m["id"] == name]
+        return JSONResponse(found[0] if found else {"id": name, "object": "model", "owned_by": "kvd"})
 
     # --- GET /v1/kvd/sessions/{id}: a session's transcript, read-only ---
 
@@ -222,84 +156,29 @@ class OpenAIDoor:
     async def chat(self, request: Request) -> Response:
         headers: dict[str, str] = {}
         try:
-            body = await self._body(request)
+            body = await read_body(request, self.config)
             if body is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             if len(body) <= INLINE_BYTES:
                 req, system, convo = _read(body, self.config)
             else:
                 req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
-            with self.admission.slot():  # a place in the queue from here until the turn has started
-                turn, events, placement, tool_format = await self._start(request, req, system, convo, headers)
+            with self.api.admission.slot():  # a place in the queue from here until the turn has started
+                turn, events = await self._start(request, req, system, convo, headers)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers,
-                      created=placement.kind == "new", tool_format=tool_format)
+        return Answer(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, _Events, Placement, ToolFormat | None]:
+                     headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        if not self.engine.ready.is_set():
-            with anyio.move_on_after(LOAD_WAIT):
-                await self.loading.settled.wait()
-        self._check_ready()
-        pinned = request.headers.get(SESSION_HEADER)
-        if pinned is not None and not is_valid_session_id(pinned):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
-                           "(16 lowercase hex characters)", param=SESSION_HEADER)
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds
-        tools = req.offered_tools()
-        tool_format = ToolFormat.of(self.engine.tokenizer, tools)
-        if tools and tool_format is None:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {self.config.model}'s chat template has no "
-                           "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
-                           "serve a model that calls tools (docs/openai.md lists them)", param="tools")
-        rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
-        try:
-            placement = await place(self.turns, system, convo, pinned, rewind=rewind,
-                                    origin=api_origin(request.headers.get("user-agent")))
-        except Diverged as e:
-            raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
-                           code="session_diverged") from None
-        headers[SESSION_HEADER] = placement.session_id
-        events = _Events()
-        rid = f"chatcmpl-{secrets.token_hex(12)}"
-        turn = self.turns.start(
-            events, rid, placement.session_id, placement.first_new,
-            max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, stop=stops(req), seed=req.seed,
-            prompt=Conversation(convo, system, tools or None, chain=placement.chain, renders=self.turns.renders),
-            door=f"api, {placement.kind} session", history=len(convo) > 1, grammar=grammar,
-            split=(lambda text: split(tool_format, text)) if tool_format is not None else None,
-        )
-        return turn, events, placement, tool_format
-
-    async def _body(self, request: Request) -> bytes | None:
-        """The whole body, within limits.body_timeout; None if the client hung up mid-body."""
-        limit = self.config.max_message_bytes
-        body, size = bytearray(), 0
-        try:
-            with anyio.fail_after(self.config.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size <= limit:
-                        body += chunk
-                    elif size > DRAIN_LIMIT:
-                        break
-        except TimeoutError:
-            raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive whole within "
-                           f"{self.config.body_timeout:g} s (limits.body_timeout in config.toml); send "
-                           "all the bytes its Content-Length announces", code="request_timeout") from None
-        except ClientDisconnect:
-            log.info("a client hung up before sending its whole request body")
-            return None
-        if size > limit:
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           f"the request body is {size} bytes, more than kvd accepts ({limit}; "
-                           "limits.max_message_bytes in config.toml)", code="request_too_large")
-        return bytes(body)
+        ask = Ask(system, convo, req.offered_tools(), max_tokens=req.max_completion_tokens or req.max_tokens,
+                  temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar,
+                  model=req.model)
+        return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
 
     async def seed(self, count: int = SEEDED) -> int:
         """After a start: render the last request of the most recently used API conversations once, in
@@ -338,7 +217,7 @@ class OpenAIDoor:
             system = session["system"]
             prompt = Conversation(asked, system, None, chain=links(system, asked), renders=self.turns.renders)
             try:
-                await self.turns.tokenizing.run(prompt.ids)
+                await self.turns.tokenizing.run(prompt.ids)  # the default model's (seeded at start)
             except Exception:  # a template that refuses it: its next request renders whole
                 log.debug("seeding the render of session %s failed", session["id"], exc_info=True)
                 continue
@@ -347,11 +226,9 @@ class OpenAIDoor:
             log.info("rendered the last request of %d API conversation(s) ahead of their next", seeded)
         return seeded
 
-    def _check_ready(self) -> None:
-        if not self.engine.ready.is_set():
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"kvd is still loading its model "
-                           f"({self.config.model}) after {LOAD_WAIT:.0f} s; retry later", code="model_loading")
-        if self.engine.load_error is not None:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model failed to load: {self.engine.load_error}; "
-                           "kvd's log has the details, fix the model setting and restart kvd",
-                           code="model_not_loaded")
+
+def _contexts(models_dir: Path) -> dict[str, int | None]:
+    """Each listed model's context length as its files say, loaded or not (a worker thread)."""
+    from ..models.catalog import entries
+
+    return {e.name: e.context for e in entries(models_dir)}

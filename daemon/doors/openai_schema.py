@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
@@ -80,12 +81,22 @@ _STATUS = {
     p.BAD_REQUEST: (HTTPStatus.BAD_REQUEST, None),
     p.TOO_LARGE: (HTTPStatus.BAD_REQUEST, "context_length_exceeded"),
     p.UNKNOWN_SESSION: (HTTPStatus.NOT_FOUND, "session_not_found"),
+    p.UNKNOWN_MODEL: (HTTPStatus.NOT_FOUND, "model_not_found"),
     p.BUSY: (HTTPStatus.CONFLICT, "session_busy"),
 }
 
 
-def api_error(code: str, message: str) -> ApiError:
+#: A built-in model with a longer context than the default's, for the advice of a conversation too long.
+LONGER_CONTEXT = "builtin:gemma3"
+
+
+def api_error(code: str, message: str, *, model: str | None = None) -> ApiError:
+    """The turn core's error as the HTTP doors' refusal. A conversation past the served `model`'s context
+    also says which model to serve instead (agents' first requests are long: Claude Code's ~15-25k tokens)."""
     status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
+    if code == p.TOO_LARGE and model is not None and model != LONGER_CONTEXT:
+        message = (f"{message}; or serve a model with a longer context: `kvd serve --model {LONGER_CONTEXT}` "
+                   "has 32k tokens (docs/models.md)")
     return ApiError(status, message, code=api_code)
 
 
@@ -124,10 +135,7 @@ class ChatMessage(_Strict):
     @field_validator("content")
     @classmethod
     def _fits(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
-        """The same bound as the websocket door's text (limits.max_text_chars), on the parts joined."""
-        if isinstance(info.context, Limits) and content is not None:
-            fits_text(content if isinstance(content, str) else "".join(part.text for part in content), info.context)
-        return content
+        return fits(content, info)
 
     @property
     def instructs(self) -> bool:
@@ -139,6 +147,21 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+Content = TypeVar("Content", bound=str | Sequence[Any] | None)
+
+
+def _part_texts(parts: Any) -> Iterable[str]:
+    return (part.text for part in parts)
+
+
+def fits(content: Content, info: ValidationInfo, texts: Callable[[Any], Iterable[str]] = _part_texts) -> Content:
+    """The same bound as the websocket door's text (limits.max_text_chars), on a message's parts joined
+    (their `texts`), in every HTTP door."""
+    if isinstance(info.context, Limits) and content is not None:
+        fits_text(content if isinstance(content, str) else "".join(texts(content)), info.context)
+    return content
 
 
 class JsonSchemaFormat(_Strict):
@@ -181,7 +204,7 @@ class StreamOptions(_Strict):
 
 
 class ChatRequest(_Strict):
-    model: str | None = None  # the served model's name (or left out); see served_names
+    model: str | None = None  # a model `kvd models` lists, an alias, or none (the default): the registry resolves it
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None  # wins over max_tokens when both are given
@@ -211,25 +234,40 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
     `surrogates=False`: the caller saw that the body's bytes cannot hold a lone surrogate
     (`may_hold_surrogates`), so its strings are not walked for one.
     """
-    if not isinstance(body, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
-    if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
-        # Before validating each one: pydantic holds the GIL throughout, and every client waits.
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} messages per request "
-                       f"(got {len(body['messages'])})", param="messages")
-    if surrogates and (path := lone_surrogate(body)) is not None:
-        where = _where(path[:-1] if path[-1] == BAD_KEY else path) or "body"
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
-                       "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
-    try:
-        req = ChatRequest.model_validate(body, context=config.request_limits())
-    except ValidationError as e:
-        # A union (content: a string or a list of parts) reports one error per member; the
-        # deepest says most (a part's wrong type, rather than "not a string").
-        raise _refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
+    req = validated(ChatRequest, checked_body(body, surrogates=surrogates), config)
     _check_asks(req, config)
     _check_messages(req)
     return req
+
+
+def checked_body(body: Any, *, surrogates: bool = True, listed: str = "messages") -> dict[str, Any]:
+    """What every HTTP door checks of a decoded body before validating it: an object, a bounded number of
+    messages (`listed`: the Responses door's are its `input`; counted before validating each one: pydantic
+    holds the GIL throughout, and every client waits), no lone surrogate (unless the caller saw that its
+    bytes cannot hold one)."""
+    if not isinstance(body, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    if isinstance(body.get(listed), list) and len(body[listed]) > MAX_MESSAGES:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"at most {MAX_MESSAGES} {listed} per request "
+                       f"(got {len(body[listed])})", param=listed)
+    if surrogates and (path := lone_surrogate(body)) is not None:
+        where = where_of(path[:-1] if path[-1] == BAD_KEY else path) or "body"
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{'a key in ' if path[-1] == BAD_KEY else ''}{where} holds a lone "
+                       "UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode", param=where)
+    return body
+
+
+Shape = TypeVar("Shape", bound=BaseModel)
+
+
+def validated(shape: type[Shape], body: dict[str, Any], config: Config) -> Shape:
+    """The body as `shape`, checked against config's limits; the ApiError naming the field otherwise."""
+    try:
+        return shape.model_validate(body, context=config.request_limits())
+    except ValidationError as e:
+        # A union (content: a string or a list of parts) reports one error per member; the
+        # deepest says most (a part's wrong type, rather than "not a string").
+        raise refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
 
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped one; one UTF-8 encoded (surrogatepass)
@@ -242,14 +280,14 @@ def may_hold_surrogates(body: bytes) -> bool:
     return json.detect_encoding(body) != "utf-8" or _SURROGATE.search(body) is not None
 
 
-def _where(loc: tuple[str | int, ...]) -> str:
+def where_of(loc: tuple[str | int, ...]) -> str:
     """A field's path as OpenAI's `param` spells it: messages[0].content."""
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
-def _refusal(error: ErrorDetails) -> ApiError:
+def refusal(error: ErrorDetails) -> ApiError:
     """One validation error as a 400; the shared shapes' own errors keep the wording docs/openai.md shows."""
-    where = _where(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
+    where = where_of(tuple(part for part in error["loc"] if isinstance(part, int) or part.isidentifier()
                          and part not in _UNION_TAGS))
     kind = error["type"]
     if kind == TEXT_TOO_LONG:
@@ -264,7 +302,7 @@ def _refusal(error: ErrorDetails) -> ApiError:
 
 
 def _check_asks(req: ChatRequest, config: Config) -> None:
-    """What the request asks for that kvd does not do, and the model it names."""
+    """What the request asks for that kvd does not do (the model it names: the door asks the registry)."""
     if req.n not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd generates one choice per request; send n = 1 "
                        "(or leave it out) and make several requests for several answers", param="n")
@@ -276,10 +314,6 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
     if req.tool_choice == "auto" and not req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")
-    if req.model is not None and req.model not in served_names(config.model):
-        raise ApiError(HTTPStatus.NOT_FOUND, f"kvd serves the model {config.model!r}, not {req.model!r}; "
-                       f"send {config.model!r} or {SERVED_ALIAS!r} (or leave model out)",
-                       param="model", code="model_not_found")
 
 
 def _check_messages(req: ChatRequest) -> None:
@@ -302,21 +336,11 @@ def _check_messages(req: ChatRequest) -> None:
                        param="messages")
 
 
-SERVED_ALIAS = "kvd"  # the one name that always means "the model kvd loaded" (docs/openai.md's examples use it)
-
-
-def served_names(model: str) -> set[str]:
-    """The names a request may give the served model: the setting itself, a path's file or folder name,
-    a prefixed name without its prefix, and the alias `kvd`, as a single-model local server should;
-    any other name stays a 404, so a client that meant another model is told instead of answered."""
-    names = {model, SERVED_ALIAS}
-    for prefix in ("ollama:", "hf:", "builtin:"):  # Ollama's name for it (llama3.2:1b), the repo's, smollm2
-        if model.startswith(prefix):
-            return names | {model[len(prefix):]}
-    if "/" in model or model.endswith(".gguf"):
-        tail = model.rstrip("/").rsplit("/", 1)[-1]
-        names |= {tail, tail.removesuffix(".gguf")}
-    return names
+def answers_to(name: str, config: Config) -> bool:
+    """Whether the default model answers a request naming `name`, a model kvd cannot serve by that name:
+    config.toml's [api] model_aliases lists it, or is "*" (every name)."""
+    aliases = config.model_aliases
+    return name in aliases or "*" in aliases
 
 
 def instructions(req: ChatRequest) -> str | None:

@@ -52,7 +52,7 @@ from ..transcripts import Held, prepared
 from ..turns import Turns
 
 #: A conversation this short is hashed on the event loop (~2 µs a message), not on a worker thread,
-#: whose round trip costs more (the same rule as the door's body: openai_api.INLINE_BYTES).
+#: whose round trip costs more (the same rule as the doors' bodies: apiturns.INLINE_BYTES).
 INLINE_MESSAGES = 64
 
 TITLE_CHARS = 60

@@ -64,6 +64,12 @@ def _calls(fmt: ToolFormat, body: str) -> list[dict[str, str]] | None:
 
 def split(fmt: ToolFormat, text: str) -> tuple[str, list[dict[str, str]]]:
     """The answer's content without its calls, and the calls."""
+    content, calls = _parts(fmt, text)
+    return (content.strip() if calls else content), calls
+
+
+def _parts(fmt: ToolFormat, text: str) -> tuple[str, list[dict[str, str]]]:
+    """The text without its calls (not stripped), and the calls."""
     content: list[str] = []
     calls: list[dict[str, str]] = []
     rest = text
@@ -80,15 +86,19 @@ def split(fmt: ToolFormat, text: str) -> tuple[str, list[dict[str, str]]]:
             calls += found
         rest = rest[after:]
     content.append(rest)
-    joined = "".join(content)
-    return (joined.strip() if calls else joined), calls
+    return "".join(content), calls
 
 
 @dataclass
 class StreamSplit:
-    """Streams an answer's content while holding back everything from a call's start on."""
+    """Streams an answer's content while holding back everything from a call's start on.
+
+    The turn core feeds it the answer's text and parses the calls once, in
+    `finish`; `content` is then the answer's content as `split` gives it.
+    """
 
     fmt: ToolFormat
+    content: str = ""  # set by `finish`
     _held: str = ""
     _in_call: bool = False
     _sent: list[str] = field(default_factory=list)
@@ -107,11 +117,11 @@ class StreamSplit:
         return self._out(text[:len(text) - keep])
 
     def finish(self) -> tuple[str, list[dict[str, str]]]:
-        """What is left to stream as content once the answer ended, and the calls."""
-        content, calls = split(self.fmt, self._held)
-        if calls and not "".join(self._sent).strip():
-            content = content.strip()
-        return content, calls
+        """What is left to stream as content once the answer ended, and the calls (parsed here, once)."""
+        rest, calls = _parts(self.fmt, self._held)
+        whole = "".join(self._sent) + rest
+        self.content = whole.strip() if calls else whole
+        return (rest.strip() if calls else rest), calls
 
     def _out(self, text: str) -> str:
         self._sent.append(text)

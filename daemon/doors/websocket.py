@@ -3,7 +3,8 @@
 A thin layer: it checks the handshake, keeps one bounded outbox per client
 (connection.py), turns each frame into a typed request (protocol/requests.py) and
 calls the turn core (turns.py), which owns the sessions' store. Answers are turns,
-owned by the daemon, so a client that goes away does not stop one.
+owned by the daemon, so a client that goes away does not stop one. A turn's
+typed events (events.py) become protocol frames here (`frame`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -29,6 +31,7 @@ from protocol.requests import (
     ChatSend,
     Ping,
     RequestError,
+    RequestId,
     SessionCreate,
     SessionDelete,
     SessionGet,
@@ -37,10 +40,11 @@ from protocol.requests import (
     Status,
     parse_request,
 )
-from protocol.shapes import merge, resolve
+from protocol.shapes import Sampling, merge, resolve
 from sessions import KEEP, Keep, Message, Session, Store, is_disk_full
 
 from .. import __version__
+from .. import events as ev
 from ..config import Config
 from ..engine.thread import Engine
 from ..turns import DISK_FULL_MESSAGE, Turns
@@ -50,6 +54,39 @@ from .guards import check
 from .loading import LoadingWatch
 
 log = logging.getLogger("kvd.server")
+
+
+def frame(request_id: RequestId, session: str, event: ev.TurnEvent) -> dict[str, Any] | None:
+    """A turn's event as its protocol frame (docs/protocol.md); None for what the protocol does not carry
+    (an answer's tool calls: the websocket offers no tools)."""
+    head = {"id": request_id, "session": session}
+    if isinstance(event, ev.AnswerDelta):
+        return {**head, "type": p.CHAT_DELTA, "seq": event.seq, "text": event.text}
+    if isinstance(event, ev.AnswerStarted):
+        return {**head, "type": p.CHAT_START, "message_index": event.message_index}
+    if isinstance(event, ev.AnswerQueued):
+        return {**head, "type": p.CHAT_QUEUED, "position": event.position}
+    if isinstance(event, ev.AnswerProgress):
+        return {**head, "type": p.CHAT_PROGRESS, "fed": event.fed, "total": event.total}
+    if isinstance(event, ev.AnswerDone):
+        return {**head, "type": p.CHAT_DONE, "message_index": event.message_index,
+                "finish_reason": event.finish_reason, "usage": event.usage}
+    if isinstance(event, ev.AnswerError):
+        return {**head, "type": p.ERROR, "code": event.code, "message": event.message}
+    return None
+
+
+@dataclass(frozen=True)
+class Frames:
+    """One client listening to one turn (turns.py's Listener): its events, as frames, into the client's outbox."""
+
+    conn: Connection
+    request_id: RequestId
+    session: str
+
+    def publish(self, event: ev.TurnEvent) -> None:
+        if (out := frame(self.request_id, self.session, event)) is not None:
+            self.conn.publish(out, event.written if isinstance(event, ev.AnswerDelta) else None)
 
 
 class WebSocketDoor:
@@ -110,7 +147,7 @@ class WebSocketDoor:
         finally:
             self.connections.discard(conn)
             for turn in self.turns.active.values():
-                turn.subscribers.discard(conn)
+                turn.subscribers.discard(Frames(conn, turn.request_id, turn.session_id))
 
     def _hello(self) -> dict[str, Any]:
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
@@ -120,7 +157,7 @@ class WebSocketDoor:
 
     # --- requests ---
 
-    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:  # noqa: C901 - 17: one short branch
+    async def _dispatch(self, conn: Connection, raw: str | bytes) -> None:  # noqa: C901 - 19: one short branch
         # per request type under the one try that turns every failure into that request's error event
         rid = None
         try:
@@ -131,8 +168,9 @@ class WebSocketDoor:
             elif isinstance(req, Status):
                 conn.start_slow(rid, lambda: self._reply_status(conn, rid))
             elif isinstance(req, SessionCreate):
+                model = await self.turns.engines.resolve(req.model, rid) if req.model is not None else None
                 session = await self.turns.transcripts.create_session(title=req.title, system=req.system,
-                                                                      origin=req.origin)
+                                                                      origin=req.origin, model=model)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
             elif isinstance(req, SessionList):
                 sessions = await self.turns.transcripts.read(lambda store: store.list_sessions(branches=True))
@@ -155,11 +193,14 @@ class WebSocketDoor:
             elif isinstance(req, ChatAttach):
                 await self._chat_attach(conn, req)
             elif isinstance(req, ChatSend):
-                await self.turns.send(conn, req.id, req.session, req.text, **_sampling(req))
+                model = await self.turns.engines.resolve(req.model, rid) if req.model is not None else None
+                await self.turns.send(Frames(conn, req.id, req.session), req.id, req.session, req.text,
+                                      _sampling(req), model=model)
             elif isinstance(req, ChatRegenerate):
-                await self.turns.regenerate(conn, req.id, req.session, **_sampling(req))
+                await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, _sampling(req))
             elif isinstance(req, ChatEdit):
-                await self.turns.edit(conn, req.id, req.session, req.message_index, req.text, **_sampling(req))
+                await self.turns.edit(Frames(conn, req.id, req.session), req.id, req.session, req.message_index,
+                                      req.text, _sampling(req))
             elif isinstance(req, ChatCancel):
                 if req.session not in self.turns.active:
                     await self.turns.session(req.session, rid)
@@ -178,12 +219,19 @@ class WebSocketDoor:
             conn.publish(RequestError(p.INTERNAL, "kvd hit an internal error; it is logged", rid).event())
 
     def _session_object(self, session: Session) -> dict[str, Any]:
-        """The protocol's session object: the stored one plus the fastest tier holding its cache now."""
+        """The protocol's session object: the stored one, its model (the default's name where it has none)
+        and the fastest tier holding its cache for that model now: its engine's word where it is loaded,
+        else disk where a loaded model's cache store says disk keeps one for it (`kept_for`)."""
+        model = session["model"] or self.turns.engines.default
+        engine = self.turns.engines.get(model)
         if session["id"] in self.turns.active:
             tier = p.TIERS[0]  # resident: in the engine's batch
+        elif engine is None:
+            kept = {m for e in self.turns.engines.engines() for m in e.stats.get("kept_for", {}).get(session["id"], ())}
+            tier = p.TIERS[-1] if model in kept else p.NO_CACHE
         else:
-            tier = self.engine.stats.get("locations", {}).get(session["id"], p.NO_CACHE)
-        return wire.session_object(session, tier)
+            tier = engine.stats.get("locations", {}).get(session["id"], p.NO_CACHE)
+        return wire.session_object({**session, "model": model}, tier)
 
     async def _session_update(self, conn: Connection, req: SessionUpdate) -> None:
         session = await self.turns.session(req.session, req.id)
@@ -212,7 +260,7 @@ class WebSocketDoor:
             return
         conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session, "generating": True,
                       "request": turn.request_id, "message_index": turn.message_index})
-        turn.attach(conn, req.after_seq)
+        turn.attach(Frames(conn, turn.request_id, turn.session_id), req.after_seq)
 
 
 def _session_and_messages(session_id: str, store: Store) -> tuple[Session, list[Message]] | None:
@@ -221,5 +269,6 @@ def _session_and_messages(session_id: str, store: Store) -> tuple[Session, list[
     return None if session is None else (session, store.messages(session_id))
 
 
-def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> dict[str, Any]:
-    return {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p}
+def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> Sampling:
+    """The request's sampling values as the one value the turn core resolves (checked by its parser)."""
+    return Sampling.model_construct(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p)

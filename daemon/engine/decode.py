@@ -17,10 +17,11 @@ max_tokens, and its speculation (speculate.py: drafts verified in the batch's
 own forward, rejected positions rolled back row by row).
 
 The order of work is mlx-lm's `BatchGenerator`'s, kept so answers stay
-exactly what they were: a row that joins waits for the next step; that step
-first moves the batch, then feeds the joining row's first token in a forward
-of its own (its cache merged into a batch of one) and appends the row to the
-batch (a cancel before then finds its cache holding just the prompt); each
+exactly what they were: a new row (one that holds its own `cache` and its
+`first` token) enters at the next step it is handed to; that step first
+moves the batch, then feeds the row's first token in a forward of its own
+(its cache merged into a batch of one) and appends the row to the batch (a
+cancel before then finds its cache holding just the prompt); each
 step feeds every row's pending token, draws the next one and starts
 computing it (`mx.async_eval`) before reporting the fed tokens, so the
 bookkeeping and the events overlap the next forward. Every reported
@@ -46,9 +47,9 @@ if TYPE_CHECKING:
 CLEAR_EVERY = 512  # steps between returns of MLX's buffer cache to the allocator (as mlx-lm's generator does)
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
-    """One decoding sequence."""
+    """One answer's sequence in the decode batch (and, until it enters, what it enters with)."""
 
     key: str  # the session
     tokens: list[int]  # the ids its cache holds
@@ -58,6 +59,14 @@ class Row:
     constraint: Constraint | None = None
     spec: Speculation | None = None
     reported: int = 0
+    # Until it enters the batch (the next `step` it is handed to): its own cache, holding `tokens`,
+    # and its first answer token, fed then. Both None once it is in.
+    cache: list[Any] | None = None
+    first: int | None = None
+
+    @property
+    def entering(self) -> bool:
+        return self.first is not None
 
 
 @dataclass(frozen=True)
@@ -77,25 +86,19 @@ class Decoder:
     def __init__(self, model: Any):
         self.model = model
         self.stream = mx.new_stream(mx.default_device())
-        self.rows: list[Row] = []
+        self.rows: list[Row] = []  # in the batch, in its order
         self.cache: list[Any] = []  # one batch cache per layer; empty while no row decodes
         self.pending: mx.array | None = None  # (rows,): each row's next token, drawn, not yet fed
-        self.joining: list[tuple[Row, list[Any], int]] = []  # rows that join at the next step
         self.steps = 0
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.joining)
+        return len(self.rows)
 
-    def keys(self) -> list[str]:
-        return [r.key for r in self.rows] + [r.key for r, _, _ in self.joining]
-
-    def join(self, row: Row, cache: list[Any], first: int) -> None:
-        """Add a row whose `cache` holds `row.tokens`; `first` (its first answer token) is fed at the next step."""
-        self.joining.append((row, cache, first))
-
-    def _enter(self, row: Row, cache: list[Any], first: int) -> None:
+    def _enter(self, row: Row) -> None:
         from .quantized import as_batchable
 
+        cache, first = row.cache, row.first
+        assert cache is not None and first is not None
         merged = [c.merge([c]) for c in as_batchable(cache)]
         logits = self.model(mx.array([[first]]), cache=merged)[:, -1, :]
         if row.constraint is not None:
@@ -113,15 +116,14 @@ class Decoder:
                 mine.extend(theirs)
             self.pending = mx.concatenate([self.pending, nxt])
         self.rows.append(row)
+        row.cache, row.first = None, None
 
-    def remove(self, key: str) -> tuple[list[Any], list[int], list[int]]:
+    def remove(self, row: Row) -> tuple[list[Any], list[int], list[int]]:
         """Take a row out (a cancel): its cache, the ids it holds, and its first token if never fed."""
-        for j, (row, cache, first) in enumerate(self.joining):
-            if row.key == key:
-                del self.joining[j]
-                return cache, row.tokens, [first]
-        i = [r.key for r in self.rows].index(key)
-        row = self.rows[i]
+        if row.entering:
+            assert row.cache is not None and row.first is not None
+            return row.cache, row.tokens, [row.first]
+        i = next(i for i, r in enumerate(self.rows) if r is row)
         with mx.stream(self.stream):
             cache = [c.extract(i) for c in self.cache]
             self._keep([j for j in range(len(self.rows)) if j != i])
@@ -129,18 +131,18 @@ class Decoder:
 
     def reset(self) -> None:
         """Drop every row (after a failed step, the batch's state is unknown)."""
-        self.rows, self.cache, self.pending, self.joining = [], [], None, []
+        self.rows, self.cache, self.pending = [], [], None
 
-    def step(self) -> list[Out]:
-        """One step of the batch (a speculative one where some row has a draft), then the joining rows enter."""
+    def step(self, entering: Sequence[Row] = ()) -> list[Out]:
+        """One step of the batch (a speculative one where some row has a draft), then the `entering`
+        rows enter, in their order (should one fail, the caller fails every row)."""
         out: list[Out] = []
         with mx.stream(self.stream):
             if self.rows:
                 spec = self._speculative() if any(r.spec is not None for r in self.rows) else None
                 out = spec if spec is not None else self._plain()
-            while self.joining:  # one that fails stays listed: the caller fails every key
-                self._enter(*self.joining[0])
-                del self.joining[0]
+            for row in entering:
+                self._enter(row)
         self.steps += 1
         if self.steps % CLEAR_EVERY == 0:
             mx.clear_cache()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..config import Config
 from .jobs import EngineEvent
-from .lockstep import Kind, Lockstep, decode_job
+from .lockstep import Lockstep, Op, decode_job
 from .thread import Engine
 
 log = logging.getLogger("kvd.follower")
@@ -40,15 +40,15 @@ def serve(config: Config, lockstep: Lockstep, model_dir: Path) -> int:
     with lockstep.watched():  # rank 0 speaks at least every MAINTAIN_EVERY seconds, idle or not
         while True:
             m = lockstep.receive()
-            if m.kind == Kind.STEP:
+            if m.op == Op.STEP:
                 engine.advance()
-            elif m.kind == Kind.IDLE:
+            elif m.op == Op.IDLE:
                 engine.idle()
-            elif m.kind in (Kind.JOB, Kind.CANCEL, Kind.FORGET):
+            elif m.op in (Op.JOB, Op.CANCEL, Op.FORGET):
                 engine.apply(decode_job(m, _nowhere))
-            elif m.kind == Kind.STOP:
+            elif m.op == Op.STOP:
                 engine.close()
                 log.info("rank %d stopped", config.rank)
                 return 0
             else:
-                lockstep.fatal(f"rank {config.rank} is out of step with rank 0 (got {m.kind.name})")
+                lockstep.fatal(f"rank {config.rank} is out of step with rank 0 (got {m.op.name})")

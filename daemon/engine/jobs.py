@@ -1,6 +1,6 @@
 """What goes into the engine and what comes out of it: the types the turn core shares with the engine.
 
-A turn core (turns.py) submits a TurnJob; the engine thread answers
+A turn core (turns.py) submits an AnswerJob; the engine thread answers
 through the job's `emit` with EngineEvents, in this order: `Queued` (only
 past max_generations, again whenever its place moves up), `Started`,
 `Progress` (long prefills), `Delta`s, then exactly one `Done` or `Failed`.
@@ -15,29 +15,42 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.shapes import Resolved
+
 # --- jobs in ---------------------------------------------------------------
 
 
 @dataclass
-class TurnJob:
+class AnswerJob:
     """A turn's prompt as token ids, made by the turn core's tokenizer stage: the engine never tokenizes."""
 
     session_id: str
     tokens: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
+    sampling: Resolved  # max_tokens, temperature, top_p: resolved once, by the turn core
     emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
     seed: int | None = None  # seeds MLX's sampler when the turn starts
     retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
     fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
     history: bool = True  # earlier turns come before this one's messages (what a too-long error advises)
     grammar: str | None = None  # llguidance's grammar the answer must follow (the API's response_format)
-    # Set by the turn core once the first delta has gone to the clients: the engine waits for it (at most
-    # FIRST_HANDOFF_S) before its next step, so the event loop sends the first token without
-    # waiting behind that step for a core and the GIL. None: nobody sends it (a follower rank, a test).
+    # Set by the listener that wrote the first delta to its client (events.py, AnswerDelta.written): the
+    # engine waits for it (at most FIRST_HANDOFF_S) before its next step, so the event loop sends the
+    # first token without waiting behind that step for a core and the GIL. None: nobody sends it (a
+    # follower rank, a test).
     handed: threading.Event | None = None
     arrived: float = field(default_factory=time.perf_counter)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.sampling.top_p
 
 
 class PromptTooLong(Exception):
@@ -88,7 +101,7 @@ class Failed:
 EngineEvent = Queued | Started | Progress | Delta | Done | Failed
 
 
-# --- the engine's inbox, besides TurnJobs ------------------------------
+# --- the engine's inbox, besides AnswerJobs ------------------------------
 
 
 @dataclass
@@ -107,8 +120,9 @@ class Stop:
 
 
 @dataclass
-class Wake:
-    """The I/O worker read a cache (cachestore's `on_read`): the engine wakes to take it in."""
+class ReadReported:
+    """The I/O worker's reader reported on a read (cachestore's `on_read`): the engine takes the
+    report in and starts the answers whose read has ended (`Steps.read_reported`)."""
 
 
 @dataclass

@@ -36,9 +36,10 @@ from enum import IntEnum
 from typing import Any, NoReturn, cast
 
 from common.tiers import NO_CACHE
+from protocol.shapes import Resolved
 
 from .doorbell import Doorbell, rank0_address
-from .jobs import Cancel, Forget, Stop, TurnJob
+from .jobs import AnswerJob, Cancel, Forget, Stop
 
 log = logging.getLogger("kvd.lockstep")
 
@@ -48,10 +49,12 @@ TIMEOUT = 30.0  # seconds a collective may take before the peer counts as lost (
 POLL = 1.0  # seconds between the watchdog's looks
 
 
-class Kind(IntEnum):
+class Op(IntEnum):
+    """What a message tells every rank to do (the first int of its header)."""
+
     STEP = 1  # one engine step (Engine.advance)
     IDLE = 2  # idle upkeep: tier demotion or a prefetch (Engine.idle)
-    JOB = 3  # a TurnJob: fields, then its token ids and session id as payload
+    JOB = 3  # an AnswerJob: fields, then its token ids and session id as payload
     CANCEL = 4
     FORGET = 5
     STOP = 6
@@ -61,7 +64,7 @@ class Kind(IntEnum):
 
 @dataclass
 class Message:
-    kind: Kind
+    op: Op
     fields: list[int]
     payload: list[int]
 
@@ -84,35 +87,35 @@ def _i32(u: int) -> int:
     return u - (1 << 32) if u >= 1 << 31 else u
 
 
-def encode(cmd: TurnJob | Cancel | Forget | Stop | Kind) -> Message:
-    """A command as rank 0 sends it (Kind.STEP and Kind.IDLE stand for themselves)."""
-    if isinstance(cmd, Kind):
+def encode(cmd: AnswerJob | Cancel | Forget | Stop | Op) -> Message:
+    """A command as rank 0 sends it (Op.STEP and Op.IDLE stand for themselves)."""
+    if isinstance(cmd, Op):
         return Message(cmd, [], [])
     if isinstance(cmd, Stop):
-        return Message(Kind.STOP, [], [])
+        return Message(Op.STOP, [], [])
     sid = list(cmd.session_id.encode())
     if isinstance(cmd, (Cancel, Forget)):
-        return Message(Kind.CANCEL if isinstance(cmd, Cancel) else Kind.FORGET, [len(sid)], sid)
+        return Message(Op.CANCEL if isinstance(cmd, Cancel) else Op.FORGET, [len(sid)], sid)
     seed = cmd.seed if cmd.seed is not None else 0
     grammar = list(cmd.grammar.encode()) if cmd.grammar is not None else []
     fields = [len(sid), len(cmd.tokens), cmd.max_tokens, *_f64(cmd.temperature), *_f64(cmd.top_p),
               int(cmd.seed is not None), _i32(seed & 0xFFFFFFFF), _i32(seed >> 32), int(cmd.retokenized),
               cmd.fed_before, int(cmd.history), int(cmd.grammar is not None)]
-    return Message(Kind.JOB, fields, [*cmd.tokens, *grammar, *sid])
+    return Message(Op.JOB, fields, [*cmd.tokens, *grammar, *sid])
 
 
-def decode_job(m: Message, emit: Any) -> TurnJob | Cancel | Forget:
+def decode_job(m: Message, emit: Any) -> AnswerJob | Cancel | Forget:
     """A follower's copy of rank 0's command; its events go to `emit` (nowhere)."""
     n_sid = m.fields[0]
     sid = bytes(m.payload[len(m.payload) - n_sid:]).decode()
-    if m.kind == Kind.CANCEL:
+    if m.op == Op.CANCEL:
         return Cancel(sid)
-    if m.kind == Kind.FORGET:
+    if m.op == Op.FORGET:
         return Forget(sid)
     _, n, max_tokens, t0, t1, p0, p1, has_seed, s0, s1, retok, fed_before, history, has_grammar = m.fields[:14]
     grammar = bytes(m.payload[n:len(m.payload) - n_sid]).decode() if has_grammar else None
-    return TurnJob(session_id=sid, tokens=m.payload[:n], max_tokens=max_tokens, temperature=_from_f64(t0, t1),
-                   top_p=_from_f64(p0, p1), emit=emit,
+    return AnswerJob(session_id=sid, tokens=m.payload[:n], emit=emit,
+                   sampling=Resolved(max_tokens, _from_f64(t0, t1), _from_f64(p0, p1)),
                    seed=(s0 & 0xFFFFFFFF) | ((s1 & 0xFFFFFFFF) << 32) if has_seed else None,
                    retokenized=bool(retok), fed_before=fed_before, history=bool(history), grammar=grammar)
 
@@ -161,13 +164,13 @@ class Lockstep:
     def sleep(self) -> None:
         """Before rank 0 blocks on its inbox: the followers wait on the doorbell until the next message."""
         if self._bell is not None and not self._asleep:
-            self.send(Kind.SLEEP)
+            self.send(Op.SLEEP)
             self._asleep = True
 
-    def send(self, cmd: TurnJob | Cancel | Forget | Stop | Kind) -> None:
+    def send(self, cmd: AnswerJob | Cancel | Forget | Stop | Op) -> None:
         assert self.rank == 0
         m = encode(cmd)
-        self._sum([m.kind, len(m.payload), *m.fields], HEADER)
+        self._sum([m.op, len(m.payload), *m.fields], HEADER)
         for at in range(0, len(m.payload), CHUNK):
             self._sum(m.payload[at:at + CHUNK], min(CHUNK, len(m.payload) - at))
 
@@ -176,8 +179,8 @@ class Lockstep:
     def receive(self) -> Message:
         assert self.rank > 0
         head = self._sum([], HEADER)
-        kind, length, fields = self._kind(head[0]), head[1], head[2:]
-        if kind == Kind.SLEEP:
+        op, length, fields = self._op(head[0]), head[1], head[2:]
+        if op == Op.SLEEP:
             assert self._bell is not None
             if not self._bell.wait():
                 self.lost(ConnectionError("rank 0 closed the doorbell"))
@@ -185,24 +188,24 @@ class Lockstep:
         payload: list[int] = []
         while len(payload) < length:
             payload += self._sum([], min(CHUNK, length - len(payload)))
-        return Message(kind, fields, payload)
+        return Message(op, fields, payload)
 
     # --- every rank ---
 
     def share(self, value: int) -> int:
         """Rank 0's `value` on every rank (the followers' own is ignored)."""
         if self.rank == 0:
-            self._sum([Kind.VALUE, 0, value], HEADER)
+            self._sum([Op.VALUE, 0, value], HEADER)
             return value
         head = self._sum([], HEADER)
-        if head[0] != Kind.VALUE:
-            self.fatal(f"rank {self.rank} is out of step with rank 0 (got {self._kind(head[0]).name}, "
+        if head[0] != Op.VALUE:
+            self.fatal(f"rank {self.rank} is out of step with rank 0 (got {self._op(head[0]).name}, "
                        "wanted a value)")
         return head[2]
 
-    def _kind(self, value: int) -> Kind:
+    def _op(self, value: int) -> Op:
         try:
-            return Kind(value)
+            return Op(value)
         except ValueError:  # a collective of the model's where a message should be: never expected
             self.fatal(f"rank {self.rank} is out of step with rank 0 (got {value} where a message begins)")
 
@@ -220,7 +223,7 @@ class Lockstep:
         (a wrapped sliding window) every rank starts from nothing: the rest is
         prefilled, never guessed.
         """
-        from cachestore.snapshot import rewind
+        from cachestore import rewind
 
         held = out.tokens if out.cache is not None else 0
         n = self.minimum(held)

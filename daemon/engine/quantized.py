@@ -271,7 +271,7 @@ def as_batchable(cache: list[Any]) -> list[Any]:
     """Re-class plain ``QuantizedKVCache`` layers (from ``snapshot.restore``) in place.
 
     ``KvdQuantizedKVCache`` adds no state, so changing the class is safe; the
-    layers can then join the decode batch (``Decoder.join``).
+    layers can then enter the decode batch (``Decoder.step``).
     """
     for c in cache:
         if type(c) is QuantizedKVCache:

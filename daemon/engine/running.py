@@ -1,21 +1,25 @@
-"""A running turn as the engine holds it: its prompt, its place in the prefill, its timings.
+"""An answer as the engine holds it: its phase, its prompt, its read, prefill or decode row, its timings.
 
 Engine-thread state (the detokenizer, the draws and the prefill's cache are
 live objects); what leaves the thread is a copy: the `usage` of the Done
-event and the TurnStatistics of `Engine.statistics()` (what `kvd status` shows of an answer in progress).
+event and the AnswerStatistics of `Engine.statistics()` (what `kvd status` shows of an answer in progress).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
 
-from .jobs import Delta, TurnJob
+from .jobs import AnswerJob, Delta
+from .scheduler import Phase
 
 if TYPE_CHECKING:
+    from cachestore import Pending
+
+    from .decode import Row
     from .draws import Draws
     from .grammar import Constraint
     from .prefill import Prefill
@@ -25,7 +29,7 @@ MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggestin
 
 
 @dataclass(frozen=True)
-class TurnStatistics:
+class AnswerStatistics:
     phase: str  # "prefill" | "decode"
     prompt_tokens: int
     fed: int  # prompt tokens in the cache so far (restored ones included)
@@ -38,20 +42,32 @@ class EngineStatistics:
     waiting: int
     prefilling: int
     decoding: int
-    turns: Mapping[str, TurnStatistics]  # the running turns, by session id
+    answers: Mapping[str, AnswerStatistics]  # the started answers (prefilling or decoding), by session id
 
 
-@dataclass
-class RunningTurn:
-    job: TurnJob
-    detokenizer: Any
-    prompt: list[int]
-    cached_len: int
-    restored_from: str
-    restore_ms: float
-    inserted: float
-    draws: Draws | None  # how its tokens are chosen (None: never started)
-    prefill: Prefill | None  # while the prompt is being fed; then the session decodes in the batch
+@dataclass(eq=False)
+class Answer:
+    """One answer as the engine holds it, from its job's arrival to its Done: the one object, with
+    the one field saying where it is (`phase`, moved by the scheduler only)."""
+
+    job: AnswerJob
+    phase: Phase = Phase.WAITING
+    need: int = 0  # bytes its cache may reach (its prompt plus max_tokens): held while admitted
+    told: int = 0  # the queue position it was last told, while it waits
+    # Restoring: its checkout's disk read, until it reports (cachestore's `Checkout.read`).
+    read: Pending | None = None
+    # Prefilling: its prompt fed into its cache a chunk per step.
+    prefill: Prefill | None = None
+    # Decoding: its row of the decode batch.
+    row: Row | None = None
+    # From its start (`never_started` values before: what a cancelled waiting answer reports).
+    detokenizer: Any = None
+    prompt: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    restored_from: str = p.NO_CACHE
+    restore_ms: float = 0.0
+    inserted: float = 0.0  # when it started (its job's arrival until then)
+    draws: Draws | None = None  # how its tokens are chosen (None: never started)
     progress_at: float | None = None  # when the last Progress event was sent
     generated: int = 0
     t_first: float | None = None
@@ -61,11 +77,12 @@ class RunningTurn:
     constraint: Constraint | None = None  # the grammar its answer is held to (JSON output), from the first token
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
 
-    @classmethod
-    def never_started(cls, job: TurnJob) -> RunningTurn:
-        """A job cancelled while it waited: what its Done event reports."""
-        return cls(job=job, detokenizer=None, prompt=[], cached_len=0, restored_from=p.NO_CACHE,
-                   restore_ms=0.0, inserted=job.arrived, draws=None, prefill=None)
+    def __post_init__(self) -> None:
+        self.inserted = self.inserted or self.job.arrived
+
+    @property
+    def key(self) -> str:
+        return self.job.session_id
 
     def took(self, token: int, now: float, *, shown: bool) -> bool:
         """One generated token: counted and timed; streamed as text if `shown` (not a stop token).
@@ -80,9 +97,9 @@ class RunningTurn:
                 return True
         return False
 
-    def statistics(self) -> TurnStatistics:
-        pre = self.prefill
-        return TurnStatistics(phase="prefill" if pre is not None else "decode", prompt_tokens=len(self.prompt),
+    def statistics(self) -> AnswerStatistics:
+        pre = self.prefill if self.phase is Phase.PREFILLING else None
+        return AnswerStatistics(phase="prefill" if pre is not None else "decode", prompt_tokens=len(self.prompt),
                               fed=pre.fed if pre is not None else len(self.prompt), generated=self.generated)
 
     def usage(self, context_window: int | None) -> dict[str, Any]:

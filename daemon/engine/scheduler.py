@@ -1,195 +1,209 @@
-"""Which turns run, which wait, whose prompt is fed next and in what size of chunk.
+"""Which answers run, which wait, whose prompt is fed next and in what size of chunk.
 
 The engine's policy without the engine: no MLX, no threads, no clock of its
 own (the engine reports how long each chunk took), so it is tested with plain
 objects like cachestore/lru.py is. The engine thread is its only caller.
 
-- At most `max_running` turns run at once, and their caches fit `budget`
-  bytes together (running caches count against the memory budget, as
-  vLLM's `allocate_slots` counts a request's blocks before it runs): a turn
-  is admitted with the bytes its cache reaches at its prompt plus
-  `max_tokens` (`need`, reckoned by the engine), held until it ends. The
-  rest wait first come first served, and each waiting job learns its place
-  again whenever it moves up. A turn whose cache alone is larger than the
-  budget waits until nothing else runs, then runs alone: memory then holds
-  that one cache, over the budget by what it needs (a budget of 0, "keep
-  no idle cache resident", still runs one turn at a time). Idle caches do
-  not count here: the cache store evicts them to make room for what runs.
-- A turn admitted while its cache is read from disk is `restoring`: it
-  holds its slot and its bytes, and is started when the read reports.
-- Running turns' prompts are fed one at a time, first come first (a prompt is
-  one unpadded sequence: prefill.py), one chunk per engine step.
-- Alone, a chunk is `prefill_step` tokens. Beside decoding turns, a chunk is
-  as many tokens as take about `prefill_slice` seconds at the last chunk's
-  rate, never below MIN_CHUNK, so the decoding streams keep moving through a
-  long prefill.
+- The scheduler holds one list of answers, each with one `phase`: waiting,
+  restoring (admitted, its cache checked out of the tiers: from disk, for as
+  long as the read takes), prefilling, decoding (vLLM v1's one `Request` per
+  request, with no prefill or decode lists). The list is in the order each
+  answer entered its phase: waiting ones in arrival order, prefilling ones
+  in the order they started.
+- At most `max_running` answers are admitted at once, and their caches fit
+  `budget` bytes together (running caches count against the memory budget,
+  as vLLM's `allocate_slots` counts a request's blocks before it runs): an
+  answer is admitted with the bytes its cache reaches at its prompt plus
+  `max_tokens` (`need`, reckoned by the engine), held until it ends; a
+  restoring one holds its slot and its bytes too. The rest wait first come
+  first served, and each waiting answer learns its place again whenever it
+  moves up. An answer whose cache alone is larger than the budget waits
+  until nothing else runs, then runs alone: memory then holds that one
+  cache, over the budget by what it needs (a budget of 0, "keep no idle
+  cache resident", still runs one answer at a time). Idle caches do not
+  count here: the cache store evicts them to make room for what runs.
+- Prompts are fed one at a time, first come first (a prompt is one unpadded
+  sequence: prefill.py), one chunk per engine step.
+- Alone, a chunk is `prefill_step` tokens. Beside decoding answers, a chunk
+  is as many tokens as take about `prefill_slice` seconds at the last
+  chunk's rate, never below MIN_CHUNK, so the decoding streams keep moving
+  through a long prefill.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
 
 MIN_CHUNK = 8  # prompt tokens: smaller prefill chunks would mostly re-read the weights
 
-J = TypeVar("J")  # a job waiting for room
-T = TypeVar("T")  # a running turn
+
+class Phase(Enum):
+    WAITING = "waiting"  # past max_running or the byte budget: not admitted yet
+    RESTORING = "restoring"  # admitted: its cache is checked out of the tiers (read from disk meanwhile)
+    PREFILLING = "prefilling"  # its prompt is fed a chunk per step
+    DECODING = "decoding"  # in the decode batch
+
+
+class Scheduled(Protocol):
+    """What the scheduler reads and writes on an answer (the engine's `Answer`; a test's plain value)."""
+
+    @property
+    def key(self) -> str: ...  # its session: one answer per session at a time
+
+    phase: Phase
+    need: int  # bytes its cache may reach: held while it is admitted
+    told: int  # the queue position it was last told, while it waits
+
+
+A = TypeVar("A", bound=Scheduled)
 
 
 @dataclass(frozen=True)
 class SchedulerStatistics:
-    running: int  # turns admitted and not yet finished (restoring + prefilling + decoding)
-    waiting: int  # jobs past max_running or the byte budget, not started yet
-    prefilling: int  # running turns whose prompt is still being fed
-    decoding: int  # running turns in the decode batch
-    restoring: int = 0  # admitted turns whose cache is being read from disk
-    running_bytes: int = 0  # what the admitted turns' caches may reach together
+    running: int  # answers admitted and not yet finished (restoring + prefilling + decoding)
+    waiting: int  # answers past max_running or the byte budget, not started yet
+    prefilling: int  # answers whose prompt is still being fed
+    decoding: int  # answers in the decode batch
+    restoring: int = 0  # admitted answers whose cache is being read from disk
+    running_bytes: int = 0  # what the admitted answers' caches may reach together
     budget: int | None = None  # the bytes they may take together (None: no byte limit)
 
 
-@dataclass
-class _Waiting(Generic[J]):
-    key: str
-    job: J
-    told: int  # the position the job was last told
-    need: int = 0  # bytes its cache may reach
-
-
-class Scheduler(Generic[J, T]):
+class Scheduler(Generic[A]):
     def __init__(self, *, max_running: int, prefill_step: int, prefill_slice: float, budget: int | None = None):
         self.max_running = max_running
         self.prefill_step = prefill_step
         self.prefill_slice = prefill_slice
         self.budget = budget
-        self.running: dict[str, T] = {}  # by session id
-        self._restoring: dict[str, J] = {}  # admitted, their cache being read from disk
-        self._held: dict[str, int] = {}  # admitted turns' bytes (restoring and running), by session
-        self._waiting: list[_Waiting[J]] = []  # in arrival order
-        self._prefilling: list[str] = []  # first come first
-        self._decoding: set[str] = set()
+        self.answers: list[A] = []  # in the order each entered its phase
         self._prefill_tps: float | None = None  # the last chunk's tokens per second
+
+    def get(self, key: str) -> A | None:
+        """The session's answer, in whatever phase (None: it has none)."""
+        return next((a for a in self.answers if a.key == key), None)
+
+    def phase(self, phase: Phase) -> list[A]:
+        """The answers in `phase`, in the order they entered it."""
+        return [a for a in self.answers if a.phase is phase]
+
+    def started(self) -> list[A]:
+        """The answers started: prefilling or decoding (`running`, in the statistics, counts the
+        restoring ones too: every admitted answer)."""
+        return [a for a in self.answers if a.phase is Phase.PREFILLING or a.phase is Phase.DECODING]
+
+    def _to(self, a: A, phase: Phase) -> None:
+        """`a` enters `phase`: last in the list, so each phase keeps the order its answers entered it."""
+        self._drop(a)
+        a.phase = phase
+        self.answers.append(a)
+
+    def _drop(self, a: A) -> None:
+        self.answers = [x for x in self.answers if x is not a]  # by identity: answers are not values
 
     # --- admission ---
 
     def holds(self, key: str) -> bool:
-        """The session has a turn running, restoring or waiting (a second one is refused as busy)."""
-        return key in self.running or key in self._restoring or any(w.key == key for w in self._waiting)
+        """The session has an answer in any phase (a second one is refused as busy)."""
+        return self.get(key) is not None
 
     def alone(self, need: int) -> bool:
         """A cache of `need` bytes is larger than the budget: it runs only when nothing else does."""
         return self.budget is not None and need > self.budget
 
     def held_bytes(self) -> int:
-        """What the admitted turns' caches may reach together."""
-        return sum(self._held.values())
+        """What the admitted answers' caches may reach together."""
+        return sum(a.need for a in self.answers if a.phase is not Phase.WAITING)
 
     def has_room(self, need: int = 0) -> bool:
-        """A turn whose cache may reach `need` bytes can be admitted now (and nobody waits before it)."""
-        return (len(self.running) + len(self._restoring) < self.max_running
-                and (self.budget is None or not self._held or self.held_bytes() + need <= self.budget))
+        """An answer whose cache may reach `need` bytes can be admitted now (and nobody waits before it)."""
+        admitted = [a for a in self.answers if a.phase is not Phase.WAITING]
+        return (len(admitted) < self.max_running
+                and (self.budget is None or not admitted or sum(a.need for a in admitted) + need <= self.budget))
 
-    def wait(self, key: str, job: J, need: int = 0) -> int:
-        """Queue a job that found no room; its place in the queue (1: next)."""
-        self._waiting.append(_Waiting(key, job, told=len(self._waiting) + 1, need=need))
-        return len(self._waiting)
+    def wait(self, a: A) -> int:
+        """Queue an answer that found no room; its place in the queue (1: next)."""
+        self._to(a, Phase.WAITING)
+        a.told = len(self.phase(Phase.WAITING))
+        return a.told
 
-    def admissible(self) -> Iterator[J]:
-        """Waiting jobs to admit now, in arrival order, while there is room for the next one.
+    def admissible(self) -> Iterator[A]:
+        """Waiting answers to admit now, in arrival order, while there is room for the next one;
+        each leaves the list until the engine `admit`s it.
 
-        First come first served: a job that does not fit yet keeps those
-        behind it waiting (no small turn overtakes a large one forever).
+        First come first served: an answer that does not fit yet keeps those
+        behind it waiting (no small answer overtakes a large one forever).
         Room is checked again before each one: the engine admits each
-        (`admit`) before the next is considered.
+        before the next is considered.
         """
-        while self._waiting and self.has_room(self._waiting[0].need):
-            yield self._waiting.pop(0).job
+        while (waiting := self.phase(Phase.WAITING)) and self.has_room(waiting[0].need):
+            self._drop(waiting[0])
+            yield waiting[0]
 
-    def admit(self, key: str, need: int) -> None:
-        """A turn is admitted: its cache's bytes are held for it until it `end`s."""
-        self._held[key] = need
+    def admit(self, a: A) -> None:
+        """An answer is admitted: its cache is checked out (`restoring`), and its `need` bytes are
+        held for it until it `end`s."""
+        self._to(a, Phase.RESTORING)
 
-    def moved(self) -> list[tuple[J, int]]:
-        """Waiting jobs whose place changed since they were last told, with their new place."""
+    def moved(self) -> list[A]:
+        """Waiting answers whose place changed since they were last told (`told` is the new one)."""
         out = []
-        for position, w in enumerate(self._waiting, start=1):
-            if w.told != position:
-                w.told = position
-                out.append((w.job, position))
+        for position, a in enumerate(self.phase(Phase.WAITING), start=1):
+            if a.told != position:
+                a.told = position
+                out.append(a)
         return out
 
-    def withdraw(self, key: str) -> J | None:
-        """Take a waiting job out of the queue (cancelled before it started)."""
-        for w in self._waiting:
-            if w.key == key:
-                self._waiting.remove(w)
-                return w.job
-        return None
+    # --- a running answer's phases ---
 
-    def waiting(self) -> list[J]:
-        return [w.job for w in self._waiting]
+    def prefill(self, a: A) -> None:
+        """An answer has its cache: its prompt is fed next after those already being fed."""
+        self._to(a, Phase.PREFILLING)
 
-    # --- a running turn's phases ---
+    def decode(self, a: A) -> None:
+        """The answer's prompt is fed; it decodes in the batch from now on."""
+        self._to(a, Phase.DECODING)
 
-    def restoring(self, key: str, job: J) -> None:
-        """An admitted turn waits for its cache to be read from disk (it keeps its slot and bytes)."""
-        self._restoring[key] = job
+    def end(self, key: str) -> A | None:
+        """The answer is over (finished, cancelled, failed): it leaves the list, and its bytes are free."""
+        a = self.get(key)
+        if a is not None:
+            self._drop(a)
+        return a
 
-    def restoring_keys(self) -> list[str]:
-        return list(self._restoring)
-
-    def restored(self, key: str) -> J | None:
-        """The read for an admitted turn reported: its job, to be started (None: cancelled meanwhile)."""
-        return self._restoring.pop(key, None)
-
-    def start(self, key: str, turn: T) -> None:
-        """A turn runs: its prompt is fed next after those already being fed."""
-        self._restoring.pop(key, None)
-        self.running[key] = turn
-        self._prefilling.append(key)
-
-    def decode(self, key: str) -> None:
-        """The turn's prompt is fed; it decodes in the batch from now on."""
-        self._prefilling.remove(key)
-        self._decoding.add(key)
-
-    def end(self, key: str) -> T | None:
-        """The turn is over (finished, cancelled, failed): it leaves every list, and its bytes are free."""
-        if key in self._prefilling:
-            self._prefilling.remove(key)
-        self._decoding.discard(key)
-        self._restoring.pop(key, None)
-        self._held.pop(key, None)
-        return self.running.pop(key, None)
-
-    def next_prefill(self) -> str | None:
+    def next_prefill(self) -> A | None:
         """Whose prompt gets this step's chunk."""
-        return self._prefilling[0] if self._prefilling else None
+        return next((a for a in self.answers if a.phase is Phase.PREFILLING), None)
 
     def any_decoding(self) -> bool:
-        return bool(self._decoding)
+        return any(a.phase is Phase.DECODING for a in self.answers)
 
     # --- chunk sizing ---
 
     def chunk_size(self) -> int:
         """Prompt tokens to feed this step."""
         step = self.prefill_step
-        if not self._decoding:
+        if not self.any_decoding():
             return step
         if self._prefill_tps is None:
             return min(step, MIN_CHUNK)
         return max(min(step, MIN_CHUNK), min(step, int(self._prefill_tps * self.prefill_slice)))
 
     def chunk_fed(self, tokens: int, seconds: float) -> None:
-        """How long the last chunk took: the rate the next chunk beside decoding turns is sized by."""
+        """How long the last chunk took: the rate the next chunk beside decoding answers is sized by."""
         self._prefill_tps = tokens / max(seconds, 1e-6)
 
     def before_first_tokens(self) -> bool:
-        """Some turn waits, restores or prefills: it has not had its first token yet."""
-        return bool(self._waiting or self._restoring or self._prefilling)
+        """Some answer waits, restores or prefills: it has not had its first token yet."""
+        return any(a.phase is not Phase.DECODING for a in self.answers)
 
     def statistics(self) -> SchedulerStatistics:
-        return SchedulerStatistics(running=len(self.running) + len(self._restoring), waiting=len(self._waiting),
-                                   prefilling=len(self._prefilling), decoding=len(self._decoding),
-                                   restoring=len(self._restoring), running_bytes=self.held_bytes(),
+        n = {phase: 0 for phase in Phase}
+        for a in self.answers:
+            n[a.phase] += 1
+        return SchedulerStatistics(running=len(self.answers) - n[Phase.WAITING], waiting=n[Phase.WAITING],
+                                   prefilling=n[Phase.PREFILLING], decoding=n[Phase.DECODING],
+                                   restoring=n[Phase.RESTORING], running_bytes=self.held_bytes(),
                                    budget=self.budget)

@@ -3,16 +3,18 @@
 Jobs come in through a queue; events go out through a callback the server
 supplies (it hops them onto the event loop with `call_soon_threadsafe`).
 This file is the thread: its loop, its inbox, loading the model, idle
-upkeep and the statistics; what a step does to the turns (admit, prefill,
-decode, finish, cancel) is a `TurnSteps` (turnsteps.py), made once the model
+upkeep and the statistics; what a step does to the answers (admit, prefill,
+decode, finish, cancel) is a `Steps` (steps.py), made once the model
 is loaded, which the engine owns and calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
@@ -20,22 +22,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
-from cachestore.ioworker import FirstTokens
+from cachestore import FirstTokens
+from common.sizes import human_bytes
 
 from ..config import Config
 from .jobs import (
+    AnswerJob,
     Cancel,
     Failed,
     Forget,
+    ReadReported,
     Status,
     Stop,
-    TurnJob,
-    Wake,
 )
-from .lockstep import Kind
-from .running import EngineStatistics, RunningTurn
-from .scheduler import Scheduler
-from .turnsteps import TurnSteps
+from .lockstep import Op
+from .running import Answer, EngineStatistics
+from .scheduler import Phase, Scheduler
+from .steps import Steps
 
 if TYPE_CHECKING:
     from cachestore import SessionCaches
@@ -50,7 +53,7 @@ MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 
 
 class Engine:
-    """Owns the model; serves TurnJobs through one decode batch (decode.py)."""
+    """Owns the model; serves AnswerJobs through one decode batch (decode.py)."""
 
     def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
         """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
@@ -61,23 +64,25 @@ class Engine:
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[TurnJob | Cancel | Forget | Stop | Status | Wake] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[AnswerJob | Cancel | Forget | Stop | Status | ReadReported] = \
+            queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
-        # Running turns (by session id) and the jobs past max_generations.
-        self._turns: Scheduler[TurnJob, RunningTurn] = Scheduler(
+        # Every answer, in its phase: running, restoring, and waiting past max_generations.
+        self.scheduler: Scheduler[Answer] = Scheduler(
             max_running=config.max_generations, prefill_step=config.prefill_step_size,
             prefill_slice=config.prefill_slice,
             # Running caches count against the resident budget (not across ranks: each rank's share
             # differs, and every rank must admit alike).
             budget=config.resident_bytes if lockstep is None else None)
         self.max_context: int | None = None  # the model's context length, once loaded (if it says)
-        self.steps: TurnSteps | None = None  # what moves the turns along, once the model is loaded
+        self.steps: Steps | None = None  # what moves the answers along, once the model is loaded
         self.caches: SessionCaches | None = None  # every idle session's cache, by tier
         self.stats: dict[str, Any] = {}  # replaced wholesale; safe to read from other threads
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
+        self.weights_bytes: int | None = None  # the model's weights in memory, once loaded (the registry's)
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
-        #: Whether a turn wants its first token: the cache store's writes give way to it (ioworker.py).
+        #: Whether an answer wants its first token: the cache store's writes give way to it (ioworker.py).
         self.first_tokens = FirstTokens()
 
     @property
@@ -86,7 +91,7 @@ class Engine:
 
     @config.setter
     def config(self, config: Config) -> None:
-        """A new config (tests swap one in between turns) reaches the turn steps too."""
+        """A new config (tests swap one in between turns) reaches the steps too."""
         self._config = config
         if (steps := getattr(self, "steps", None)) is not None:
             steps.config = config
@@ -96,7 +101,7 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: TurnJob) -> None:
+    def submit(self, job: AnswerJob) -> None:
         self.first_tokens.arrived()
         self._inbox.put(job)
 
@@ -108,7 +113,7 @@ class Engine:
         self._inbox.put(Forget(session_id))
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
-        """Ask for fresh statistics: answered between steps, once any finished turn is kept (on disk too)."""
+        """Ask for fresh statistics: answered between steps, once any finished answer's cache is kept (on disk too)."""
         self._inbox.put(Status(reply))
 
     def stop(self, timeout: float | None = None) -> None:
@@ -117,11 +122,11 @@ class Engine:
         self._thread.join(timeout)
 
     def statistics(self) -> EngineStatistics:
-        """The turns running and waiting now: read on the engine thread, or while it is not running."""
-        s = self._turns.statistics()
-        turns = {sid: act.statistics() for sid, act in self._turns.running.items()}
+        """The answers running and waiting now: read on the engine thread, or while it is not running."""
+        s = self.scheduler.statistics()
+        answers = {a.key: a.statistics() for a in self.scheduler.started()}
         return EngineStatistics(running=s.running, waiting=s.waiting, prefilling=s.prefilling,
-                                decoding=s.decoding, turns=turns)
+                                decoding=s.decoding, answers=answers)
 
     # --- the engine thread (tests drive them on their own thread, without start()) ---
 
@@ -152,11 +157,15 @@ class Engine:
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
                     resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
                     block_tokens=c.block_tokens),
-            first_tokens=self.first_tokens,
+            first_tokens=self.first_tokens, model=c.model,
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
-        self.steps = TurnSteps(c, self.model, self.tokenizer, self.caches, turns=self._turns,
+        from mlx.utils import tree_flatten
+
+        params: Any = tree_flatten(loaded.model.parameters())
+        self.weights_bytes = sum(int(v.nbytes) for _, v in params)
+        self.steps = Steps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
                                lockstep=self.lockstep, max_context=self.max_context,
                                publish=self._publish_stats)
         if self.lockstep is not None:
@@ -189,7 +198,7 @@ class Engine:
         from ..device import configured, current
 
         c = configured(c, current())
-        self._turns.prefill_step = c.prefill_step_size
+        self.scheduler.prefill_step = c.prefill_step_size
         return c
 
     def _tier_budgets(self, c: Config) -> tuple[int, int]:
@@ -199,25 +208,32 @@ class Engine:
         from ..device import current
 
         resident, warm = current().budgets(c.resident_bytes, c.warm_bytes, in_use=mx.get_active_memory())
-        if (resident, warm) != (c.resident_bytes, c.warm_bytes):
+        configured = [(got, want) for got, want in ((resident, c.resident_bytes), (warm, c.warm_bytes))
+                      if want is not None]
+        if any(got != want for got, want in configured):
             log.warning("cache budgets cut to what %s has room for: resident %d bytes, warm %d bytes "
-                        "(configured %d and %d)", current().device.label(), resident, warm,
+                        "(configured %s and %s)", current().device.label(), resident, warm,
                         c.resident_bytes, c.warm_bytes)
+        if len(configured) < 2:
+            log.info("cache budgets from %s's memory: resident %s, warm %s", current().device.label(),
+                     human_bytes(resident), human_bytes(warm))
         if self.lockstep is None:
-            self._turns.budget = resident  # running caches count against what the resident tier may hold
+            self.scheduler.budget = resident  # running caches count against what the resident tier may hold
         return resident, warm
 
     def _connect_caches(self, probe: list[Any]) -> None:
         """What the cache store and the admission need from the engine, once the model is warm:
-        a cache's bytes by its length (from the warm-up's cache), the bytes the running turns hold,
-        and a wake-up when the I/O worker has read a cache (not across ranks: they wait, in step)."""
-        from cachestore.cost import cache_cost
+        a cache's bytes by its length (from the warm-up's cache), the bytes the admitted answers hold,
+        which sessions wait for a read, and a message when the I/O worker's reader reported (not across
+        ranks: they wait, in step)."""
+        from cachestore import cache_cost
 
         assert self.caches is not None and self.steps is not None
         self.steps.cost = cache_cost(probe)
-        self.caches.running_bytes = self._turns.held_bytes
+        self.caches.running_bytes = self.scheduler.held_bytes
+        self.caches.restoring = lambda key: (a := self.scheduler.get(key)) is not None and a.read is not None
         if self.lockstep is None:
-            self.caches.on_read = lambda: self._inbox.put(Wake())
+            self.caches.on_read = lambda: self._inbox.put(ReadReported())
 
     def open(self) -> None:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
@@ -227,7 +243,11 @@ class Engine:
             log.debug("loading model %s failed", self.config.model, exc_info=True)
             self.load_error = e
         if self.caches is not None and self.config.prefetch:
-            self._prefetch = self.caches.prefetch_plan()
+            import mlx.core as mx
+
+            from ..device import current
+
+            self._prefetch = self.caches.prefetch_plan(limit=current().prefetch_bytes(in_use=mx.get_active_memory()))
         self._publish_stats()
         self.ready.set()
 
@@ -238,7 +258,7 @@ class Engine:
         idle_wait = MAINTAIN_EVERY if ls is None else min(MAINTAIN_EVERY, ls.heartbeat)
         while True:
             try:
-                if self._turns.running or self._prefetch:
+                if self.scheduler.started() or self._prefetch:
                     cmd = self._inbox.get(block=False)
                 else:
                     if ls is not None:
@@ -247,29 +267,30 @@ class Engine:
             except queue.Empty:
                 cmd = None
             with ls.watched() if ls is not None else contextlib.nullcontext():
-                if cmd is None and not self._turns.running:
+                if cmd is None and not self.scheduler.started():
                     if ls is not None:
-                        ls.send(Kind.IDLE)
+                        ls.send(Op.IDLE)
                     self.idle()
                 if isinstance(cmd, Stop):
                     if ls is not None:
                         ls.send(cmd)
                     self.close()
+                    self._release()
                     return
                 if cmd is not None:
-                    if ls is not None and not isinstance(cmd, (Status, Wake)):
+                    if ls is not None and not isinstance(cmd, (Status, ReadReported)):
                         ls.send(cmd)
                     self.apply(cmd)
                 if self._inbox.empty():  # every request so far handled: the engine moves one step
                     if ls is not None:
-                        ls.send(Kind.STEP)
+                        ls.send(Op.STEP)
                     self.advance()
 
     # --- what rank 0's loop does, and a follower on rank 0's word (follower.py) ---
 
     def idle(self) -> None:
         """Upkeep while nothing runs: the next planned prefetch, else demote idle caches."""
-        if self._turns.running or self.caches is None:
+        if self.scheduler.started() or self.caches is None:
             return
         if self._prefetch:
             self._prefetch_one()
@@ -280,28 +301,43 @@ class Engine:
     def close(self) -> None:
         """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
         if self.steps is not None:
-            for job in self._turns.waiting():
-                self.steps.cancel(job.session_id)
-            for sid in [*self._turns.restoring_keys(), *self._turns.running]:
-                self.steps.cancel(sid)
+            s = self.scheduler
+            for a in [*s.phase(Phase.WAITING), *s.phase(Phase.RESTORING), *s.started()]:
+                self.steps.cancel(a.key)
         if self.caches is not None:
             self.caches.page_out_all()
             self.caches.close()
 
+    def _release(self) -> None:
+        """After close: let the model and its arrays go, and MLX's buffer cache with them (an unloaded
+        model's memory is another's to use; daemon/engine/registry.py)."""
+        self.steps = None
+        self.caches = None
+        self.model = self.tokenizer = None
+        import gc
+
+        import mlx.core as mx
+
+        gc.collect()
+        mx.clear_cache()
+        if sys.platform.startswith("linux"):  # glibc keeps freed arrays' pages: 1 GB model unloaded, 0.5 GB kept
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+
     def advance(self) -> None:
         self._advance()
 
-    def apply(self, cmd: TurnJob | Cancel | Forget | Status | Wake) -> None:
+    def apply(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
         self._handle(cmd)
 
     def _advance(self) -> None:
-        """Start what may start, then one step of the running turns."""
+        """Start what may start, then one step of the running answers."""
         if self.steps is None:
             return
         self.steps.admit_waiting()
-        if self._turns.running:
+        if self.scheduler.started():
             self.steps.step()
-        self.first_tokens.engine(self._turns.before_first_tokens())
+        self.first_tokens.engine(self.scheduler.before_first_tokens())
 
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
@@ -319,18 +355,24 @@ class Engine:
             self._handle(cmd)
         self._advance()
 
-    def _handle(self, cmd: TurnJob | Cancel | Forget | Status | Wake) -> None:
-        if isinstance(cmd, TurnJob):
+    def _handle(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
+        if isinstance(cmd, AnswerJob):
             if self.steps is None:
                 cmd.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
-            self.first_tokens.taken(self._turns.before_first_tokens())
+            self.first_tokens.taken(self.scheduler.before_first_tokens())
         elif isinstance(cmd, Cancel):
             if self.steps is not None:
                 self.steps.cancel(cmd.session_id)
+        elif isinstance(cmd, ReadReported):
+            if self.steps is not None:
+                self.steps.read_reported()
         elif isinstance(cmd, Forget):
-            if self.caches is not None and cmd.session_id not in self._turns.running:
+            a = self.scheduler.get(cmd.session_id)
+            if self.caches is not None and (a is None or a.phase in (Phase.WAITING, Phase.RESTORING)):
+                if a is not None and a.read is not None:
+                    self.caches.abandon(a.read)  # its answer starts without what the read held
                 self.caches.forget(cmd.session_id)
                 self._publish_stats()
         elif isinstance(cmd, Status):
@@ -365,11 +407,13 @@ class Engine:
 
     def _publish_stats(self) -> None:
         caches = self.caches.statistics() if self.caches is not None else {}
-        where = self.caches.locations() if self.caches is not None else {}
+        where = self.caches.locations() if self.caches is not None else {}  # for this model only
+        kept_for = self.caches.kept_for() if self.caches is not None else {}  # other models' caches
         s = self.statistics()
         self.stats = {"generating": s.running, "waiting": s.waiting,
-                      "answering": {sid: asdict(turn) for sid, turn in s.turns.items()},
+                      "answering": {sid: asdict(a) for sid, a in s.answers.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
+                      "kept_for": kept_for,
                       "warm_up_ms": self.warm_up_ms, "device": self.device}
         if (ls := self.lockstep) is not None:  # the control channel's traffic, from this rank's side
             self.stats["ranks"] = {"world_size": ls.size, "messages": ls.messages, "bytes": ls.bytes}

@@ -17,13 +17,32 @@ from typing import Any
 
 from . import gguf as gguf_convert
 from . import places
+from .builtintok import MAX_LEN
+from .footprint import context_length
 from .ggufinfo import GGUFError, read_info
 from .untrusted import StoreError, printable, read_json
 
 #: bytes of config.json read at most: real ones are a few KB, the largest a few hundred.
 CONFIG_CAP = 16 << 20
+#: The fetched built-ins' context lengths, for the listing before their first fetch (their GGUFs say so).
+FETCHED_CONTEXT = {"builtin:smollm2": 8192, "builtin:gemma3": 32768}
 
-__all__ = ["Entry", "entries", "render"]
+__all__ = ["SERVED_ALIAS", "Entry", "entries", "model_names", "render"]
+
+SERVED_ALIAS = "kvd"  # the one name that always means the default model (docs/openai.md's examples use it)
+
+
+def model_names(model: str) -> set[str]:
+    """The names a request may give `model`: the name itself, a path's file or folder name, and a
+    prefixed name without its prefix (Ollama's name for it, llama3.2:1b; the repo's; smollm2)."""
+    names = {model}
+    for prefix in ("ollama:", "hf:", "builtin:"):
+        if model.startswith(prefix):
+            return names | {model[len(prefix):]}
+    if "/" in model or model.endswith(".gguf"):
+        tail = model.rstrip("/").rsplit("/", 1)[-1]
+        names |= {tail, tail.removesuffix(".gguf")}
+    return names
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,7 @@ class Entry:
     encoding: str
     caches: str  # "plain", "plain + rotating"
     runs: str  # "yes", or why not
+    context: int | None = None  # its context length in tokens, as its files say (None: they do not)
 
 
 def _file_type(meta: dict[str, Any]) -> str:
@@ -59,8 +79,10 @@ def gguf_entry(name: str, where: str, path: Path) -> Entry:
         runs = "yes"
     except gguf_convert.UnsupportedGGUF as e:
         runs = f"no: {e}"
+    context = info.metadata.get(f"{arch}.context_length")
     return Entry(name, where, str(arch), info.file_size, _file_type(info.metadata),
-                 "plain + rotating" if rotating else "plain", runs)
+                 "plain + rotating" if rotating else "plain", runs,
+                 context=int(context) if isinstance(context, int) and context > 0 else None)
 
 
 def folder_entry(name: str, where: str, path: Path) -> Entry:
@@ -80,7 +102,8 @@ def folder_entry(name: str, where: str, path: Path) -> Entry:
         runs = "yes"
     except (ValueError, KeyError, ImportError) as e:
         runs = f"no: mlx-lm has no {arch!r} model ({e})"
-    return Entry(name, where, arch, _size(path), encoding, "plain + rotating" if rotating else "plain", runs)
+    return Entry(name, where, arch, _size(path), encoding, "plain + rotating" if rotating else "plain", runs,
+                 context=context_length(config))
 
 
 def _size(path: Path) -> int | None:
@@ -102,10 +125,12 @@ def entries(models_dir: Path) -> Iterator[Entry]:
         if (done / "config.json").exists():
             yield folder_entry(name, "built-in (converted)", done)
         else:
-            yield Entry(name, "built-in", "?", None, "?", "?", "yes (fetched from PyPI on first use)")
+            yield Entry(name, "built-in", "?", None, "?", "?", "yes (fetched from PyPI on first use)",
+                        context=FETCHED_CONTEXT.get(name))
     for name in BUILTIN_NAMES:
         yield Entry(name, "built-in", "qwen2" if name == "builtin:tiny" else "gemma3_text", None, "float32",
-                    "plain" if name == "builtin:tiny" else "plain + rotating", "yes (random weights, for tests)")
+                    "plain" if name == "builtin:tiny" else "plain + rotating", "yes (random weights, for tests)",
+                    context=MAX_LEN)
     for path in sorted((models_dir / "downloads").glob("*.gguf")):
         yield gguf_entry(str(path), "kvd's downloads", path)
     for found in places.walk_ollama():
@@ -136,10 +161,14 @@ def _human(size: int | None) -> str:
     return "-"
 
 
-def render(found: list[Entry]) -> list[str]:
-    """One line per model, in columns; the reason a model cannot run ends its line."""
-    rows: list[tuple[str, ...]] = [("model", "from", "architecture", "size", "encoding", "caches", "runs")]
-    rows += [tuple(printable(cell) for cell in (e.name, e.where, e.architecture, _human(e.size), e.encoding,
-                                                 e.caches, e.runs)) for e in found]
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r[:6], widths)) + "  " + r[6] for r in rows]
+def render(found: list[Entry], loaded: dict[str, str] | None = None) -> list[str]:
+    """One line per model, in columns; the reason a model cannot run ends its line. `loaded`: the running
+    daemon's models and their states (None: no daemon answered; the column says "-")."""
+    rows: list[tuple[str, ...]] = [("model", "from", "architecture", "size", "encoding", "caches", "context",
+                                    "loaded", "runs")]
+    rows += [tuple(printable(cell) for cell in (
+        e.name, e.where, e.architecture, _human(e.size), e.encoding, e.caches,
+        str(e.context) if e.context else "-", "-" if loaded is None else loaded.get(e.name, "no"), e.runs))
+        for e in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(8)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r[:8], widths)) + "  " + r[8] for r in rows]

@@ -3,6 +3,12 @@
 A daemon left running (detached, or under systemd/launchd) has no terminal,
 so the file is where its story is told. Rotation by size keeps it bounded:
 at most (1 + LOG_BACKUPS) x LOG_MAX_BYTES on disk.
+
+A file that cannot be written (a full disk, a read-only or vanished
+directory) is said once on stderr, in one line, and its records are dropped
+from the file (those it can still write are kept); stderr keeps every line. Left to
+`logging`, each record printed a `--- Logging error ---` block with its
+traceback: a full disk, whose writer logs as it fails, flooded stderr.
 """
 
 from __future__ import annotations
@@ -34,11 +40,46 @@ def setup_logging(*, verbose: bool, log_file: Path | None, stderr: bool = True) 
         root.addHandler(h)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fh = logging.handlers.RotatingFileHandler(log_file, maxBytes=LOG_MAX_BYTES,
-                                                  backupCount=LOG_BACKUPS, encoding="utf-8")
+        fh = LogFile(log_file, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS, encoding="utf-8")
         fh.setFormatter(logging.Formatter(FILE_FORMAT))
         root.addHandler(fh)
         os.chmod(log_file, 0o600)
+
+
+class LogFile(logging.handlers.RotatingFileHandler):
+    """The rotated log file; a write that fails is one line on stderr, once (the module docstring)."""
+
+    said = False  # the failure was said on stderr
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            self._say(error)
+        else:
+            super().handleError(record)  # a record that cannot be formatted: logging's own report
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as e:
+            self._say(e)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as e:  # the last buffered lines could not be written
+            self._say(e)
+
+    def _say(self, error: OSError) -> None:
+        if self.said:
+            return
+        self.said = True
+        try:
+            sys.stderr.write(f"kvd: the log file {self.baseFilename} is not being written ({error}); "
+                             "kvd's lines go to stderr only\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):  # no stderr either: nowhere left to say it
+            pass
 
 
 def tail(path: Path, lines: int) -> list[str]:

@@ -19,7 +19,7 @@ from .control import read_daemon_file
 from .logfile import tail
 
 
-def _human(n: int) -> str:
+def human(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
@@ -45,7 +45,7 @@ def fetch_status(url: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
                 return reply
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     s = int(seconds)
     d, s = divmod(s, 86400)
     h, s = divmod(s, 3600)
@@ -57,7 +57,7 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     # The status request's own connection is not a client worth counting.
     others = max(0, status["connections"] - 1)
     if "pid" in status:
-        console.print(f"pid {status['pid']} · {url or '?'} · up {_duration(status['uptime'])} · "
+        console.print(f"pid {status['pid']} · {url or '?'} · up {duration(status['uptime'])} · "
                       f"log {status['log_file']}", soft_wrap=True)
         if url:
             token = Path(status["data_dir"]) / TOKEN_FILE if status.get("data_dir") else TOKEN_FILE
@@ -71,7 +71,11 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
             doing = f"reading its prompt, {turn['fed']}/{turn['prompt_tokens']} tokens"
         else:
             doing = f"answering, {turn['generated']} token(s) so far after a {turn['prompt_tokens']}-token prompt"
-        console.print(f"  session {sid}: {doing}", soft_wrap=True)
+        on = f" · {m}" if (m := turn.get("model")) else ""
+        console.print(f"  session {sid}: {doing}{on}", soft_wrap=True)
+    if len(loaded := status.get("models") or []) > 1:
+        console.print("models loaded: " + ", ".join(f"{m['model']} ({m['state']})" for m in loaded)
+                      + " · kvd ps shows more", soft_wrap=True)
     if device := status.get("device"):
         console.print(device, soft_wrap=True)
     if blas := status.get("blas"):
@@ -84,8 +88,8 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     disk = status.get("tiers", {}).get("disk") or {}
     if "blocks" in disk:
         console.print(f"disk blocks: {disk['blocks']} of {disk['block_tokens']} tokens, "
-                      f"{_human(disk['block_bytes'])}; shared by several sessions: "
-                      f"{_human(disk['shared_bytes'])}; saved by sharing: {_human(disk['saved_bytes'])}")
+                      f"{human(disk['block_bytes'])}; shared by several sessions: "
+                      f"{human(disk['shared_bytes'])}; saved by sharing: {human(disk['saved_bytes'])}")
     shared = status.get("tiers", {}).get("shared") or {}
     if shared.get("restores"):
         console.print(f"turns started from another session's prefix: {shared['restores']} "
@@ -93,7 +97,7 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     pre = status.get("prefetched") or {}
     if pre.get("sessions"):
         console.print(f"prefetched into memory after start: {pre['sessions']} session(s) "
-                      f"({pre['resident']} resident, {pre['warm']} warm), {_human(pre['bytes'])}")
+                      f"({pre['resident']} resident, {pre['warm']} warm), {human(pre['bytes'])}")
 
 
 def _render_tiers(status: dict[str, Any], console: Console) -> None:
@@ -105,26 +109,26 @@ def _render_tiers(status: dict[str, Any], console: Console) -> None:
     if running is not None:
         # Running caches count against the resident budget: what the admitted turns' caches may
         # reach (prompt plus max_tokens), beside the idle resident caches.
-        table.add_row("running", str(status.get("generating", 0)), _human(running["bytes"]),
-                      f"{_human(running['budget'])}*", "", "", "", "")
+        table.add_row("running", str(status.get("generating", 0)), human(running["bytes"]),
+                      f"{human(running['budget'])}*", "", "", "", "")
     for name in p.TIERS:
         t = status.get("tiers", {}).get(name)
         if t is None:
             continue
-        budget = _human(t["budget"]) + ("*" if name == "resident" and running is not None else "")
-        table.add_row(name, str(t["sessions"]), _human(t["bytes"]), budget,
+        budget = human(t["budget"]) + ("*" if name == "resident" and running is not None else "")
+        table.add_row(name, str(t["sessions"]), human(t["bytes"]), budget,
                       str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
     console.print(table)
     if running is not None:
         console.print(f"* one budget: running and resident caches together stay within "
-                      f"{_human(running['budget'])} (cache.resident_bytes); running counts what each "
+                      f"{human(running['budget'])} (cache.resident_bytes); running counts what each "
                       "admitted turn's cache may reach, its prompt plus max_tokens", soft_wrap=True)
 
 
 LAST_LINES = 10  # of the log, shown when the daemon is not there
 
 
-def _gone(data_dir: Path, why: str) -> int:
+def gone(data_dir: Path, why: str) -> int:
     """Not running: say so, and show how the last run ended (the end of its log)."""
     print(f"kvd status: {why} (start it with: kvd serve --data-dir {data_dir})", file=sys.stderr)
     log_file = Path(read_daemon_file(data_dir).get("log_file") or data_dir / "kvd.log")
@@ -138,11 +142,11 @@ def main(data_dir: Path, url: str | None, as_json: bool) -> int:
     info = read_daemon_file(data_dir)
     pid = info.get("pid")
     if url is None and isinstance(pid, int) and not _alive(pid):
-        return _gone(data_dir, f"kvd is not running: its pid {pid} (from {data_dir / p.DAEMON_FILE}) is gone")
+        return gone(data_dir, f"kvd is not running: its pid {pid} (from {data_dir / p.DAEMON_FILE}) is gone")
     given = url is not None
     url = url or p.read_daemon_url(data_dir)
     if url is None:
-        return _gone(data_dir, f"no running daemon found in {data_dir}")
+        return gone(data_dir, f"no running daemon found in {data_dir}")
     try:
         token = (data_dir / p.TOKEN_FILE).read_text().strip()
         status = fetch_status(url, token)
@@ -150,7 +154,7 @@ def main(data_dir: Path, url: str | None, as_json: bool) -> int:
         if given:  # a URL the user typed: the data directory's daemon and its log are another story
             print(f"kvd status: {p.nothing_answers(url, data_dir)} ({e})", file=sys.stderr)
             return 1
-        return _gone(data_dir, f"cannot reach kvd at {url}: {e}")
+        return gone(data_dir, f"cannot reach kvd at {url}: {e}")
     except (RuntimeError, WebSocketException) as e:
         print(f"kvd status: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,98 @@
+"""The response of every HTTP door's answer: a turn's events as a JSON body or server-sent events.
+
+The response starts only when the first token (or an error) is known, so an
+error found at admission is a real HTTP error, not a broken stream. A client
+that hangs up cancels its answer (what was generated stays in the session);
+one that stops reading is cut off after `send_timeout`, its answer cancelled
+too. Each door (openai_answer.py, anthropic_answer.py) writes the body and
+the events in its own shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ..config import Config
+from ..events import TurnEvent
+from ..turns import Turn, Turns
+
+log = logging.getLogger("kvd.api")
+
+
+class TurnAnswer(Response):
+    """One turn's answer as a JSON body or an event stream, ending the turn if the client goes. A door
+    writes `_whole` and `_stream` in its own shape; the rest is the same for every door."""
+
+    def __init__(self, turns: Turns, config: Config, turn: Turn,
+                 events: MemoryObjectReceiveStream[TurnEvent], headers: dict[str, str], *, stream: bool):
+        self.turns, self.config = turns, config
+        self.turn = turn
+        self.events = events
+        self.stream = stream  # server-sent events, not one JSON body
+        self.extra_headers = headers
+        self.started = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
+        turns, turn = self.turns, self.turn
+        answered = False  # the whole answer was sent: a disconnect after it is the client leaving, not hanging up
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                if answered or turn.finished.is_set():
+                    return
+                log.info("client of %s hung up; cancelling its answer", turn.session_id)
+                turns.cancel(turn.session_id, turn)
+                tg.cancel_scope.cancel()
+
+            async def bounded(message: dict[str, Any]) -> None:
+                with anyio.move_on_after(self.config.send_timeout) as timer:
+                    await send(message)
+                if timer.cancelled_caught:
+                    log.warning("client of %s did not read for %.1f s; cutting it off",
+                                turn.session_id, self.config.send_timeout)
+                    turns.cancel(turn.session_id, turn)
+                    abort()
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                async with self.events:
+                    if self.stream:
+                        await self._stream(bounded)
+                    else:
+                        await self._whole(bounded)
+                answered = True
+            except OSError:  # the client went away under a send
+                turns.cancel(turn.session_id, turn)
+            tg.cancel_scope.cancel()
+
+    async def begin_response(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
+        headers = [(b"content-type", content_type.encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
+        if content_type.startswith("text/event-stream"):
+            headers += [(b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        self.started = True
+
+    async def send_body(self, send: Callable[[dict[str, Any]], Any], status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body, ensure_ascii=False).encode()
+        await self.begin_response(send, status, "application/json")
+        await send({"type": "http.response.body", "body": data})
+
+
+    async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
+        raise NotImplementedError
+
+    async def _stream(self, send: Callable[[dict[str, Any]], Any]) -> None:
+        raise NotImplementedError

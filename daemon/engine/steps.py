@@ -1,0 +1,347 @@
+"""What one engine step does to the answers: admit, prefill a chunk, decode the batch, finish, cancel.
+
+The engine thread (thread.py) owns the loop, the inbox, the model's loading
+and the statistics; once the model is loaded it makes one `Steps`, which
+moves the answers along, and calls it. `Steps` owns the decode batch
+(decode.py), the recent answers speculation drafts from, and the grammar
+view; the scheduler and its list of answers are the engine's, handed in (the
+engine reads it for its statistics and its idle waits). Everything here runs
+on the engine thread.
+
+An answer (running.py) is in one phase (scheduler.py). Waiting: no room yet.
+Restoring: admitted, its cache checked out; a cache on disk is read by the
+I/O worker, and the answer holds the pending read until the reader reports
+its end (`read_reported`). Prefilling: the session's restored cache is fed
+the rest of its prompt a chunk per step (prefill.py), first come first
+served, and the last chunk's logits give the first token (held to the
+answer's grammar, if it has one: grammar.py). Decoding: its row joins kvd's
+decode batch (decode.py) with that token, fed first, and its cache; the
+cache comes back out of the finished or removed row. Each step runs one
+decode step for every row in the batch, then one prefill chunk, so a long
+prefill never freezes the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import protocol as p
+
+from ..config import Config
+from .draft import Answers
+from .jobs import AnswerJob, Delta, Done, Failed, Progress, PromptTooLong, Queued, Started
+from .running import Answer, fit_advice
+from .scheduler import Phase, Scheduler
+
+if TYPE_CHECKING:
+    from cachestore import CacheCost, Checkout, SessionCaches
+
+    from .grammar import Constraint
+    from .lockstep import Lockstep
+
+
+log = logging.getLogger("kvd.engine")
+
+# The most the engine waits, after an answer's first token, for the event loop to have sent it
+# (AnswerJob.handed): on a 2-core machine the next step (the answer's own decode, its finish, another
+# session's) took a core and the GIL from the loop and held the first token back 1-12 ms; handed
+# over, it leaves ~1 ms after it is sampled. Bounded, so a stalled loop costs the others little.
+FIRST_HANDOFF_S = 0.01
+PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a second is enough to watch
+
+
+class Steps:
+    """Moves the answers along, one engine step at a time: made by the engine once its model is loaded."""
+
+    def __init__(self, config: Config, model: Any, tokenizer: Any, caches: SessionCaches, *,
+                 scheduler: Scheduler[Answer], lockstep: Lockstep | None, max_context: int | None,
+                 publish: Callable[[], None]):
+        """`scheduler`: the engine's, with its list of answers; `publish`: the engine's statistics
+        for other threads, refreshed after an answer's cache is kept."""
+        from .decode import Decoder
+
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.caches: SessionCaches | None = caches
+        self.lockstep = lockstep
+        self.max_context = max_context
+        self.scheduler = scheduler
+        self._publish_stats = publish
+        self.decoder = Decoder(model)
+        self._last_answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
+        self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
+        self.cost: CacheCost | None = None  # a cache's bytes by its length (the engine sets it after warm-up)
+        self.last: Any | None = None  # the model for a prompt's last chunk (prefill.last_position), after warm-up
+
+    # --- what the engine calls ---
+
+    def start(self, job: AnswerJob) -> None:
+        """A new job: its answer starts, waits, or is refused (its session is busy)."""
+        if self.scheduler.holds(job.session_id):
+            job.emit(Failed(p.BUSY, "this session is already generating"))
+            return
+        a = Answer(job, need=self._need(job))
+        if not self.scheduler.has_room(a.need) or self.scheduler.phase(Phase.WAITING):  # first come, first served
+            job.emit(Queued(self.scheduler.wait(a)))
+            return
+        self._admit(a)
+
+    def _need(self, job: AnswerJob) -> int:
+        """The bytes the answer's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
+        return self.cost(len(job.tokens) + job.max_tokens) if self.cost is not None else 0
+
+    def admit_waiting(self) -> None:
+        """Make the next buffers of the reads under way, start waiting answers while there is room;
+        tell the rest their new places."""
+        if self.caches is not None and (self.scheduler.phase(Phase.RESTORING) or self.caches.prefetching()):
+            self.caches.allocate(others=bool(self.scheduler.started()))
+        for a in self.scheduler.admissible():
+            self._admit(a)
+        for a in self.scheduler.moved():
+            a.job.emit(Queued(a.told))
+
+    def _admit(self, a: Answer) -> None:
+        job = a.job
+        if self.scheduler.alone(a.need):
+            log.info("the cache of %s may reach %d MiB, more than cache.resident_bytes (%d MiB): it runs "
+                     "alone", job.session_id, a.need >> 20, (self.scheduler.budget or 0) >> 20)
+        self.scheduler.admit(a)
+        try:
+            self._insert(a)
+        except PromptTooLong as e:
+            self.scheduler.end(job.session_id)
+            job.emit(Failed(p.TOO_LARGE, str(e)))
+        except Exception as e:
+            self.scheduler.end(job.session_id)
+            if self.lockstep is not None:
+                self.lockstep.lost(e)
+            log.exception("starting generation for %s failed", job.session_id)
+            job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+
+    def read_reported(self) -> None:
+        """The I/O worker's reader reported on a read: take the report in, and start the answers
+        whose read has ended (their reads were planned in `_insert`; a cancelled answer's read was
+        abandoned with it)."""
+        if self.caches is None:
+            return
+        self.caches.take_reports()
+        for a in self.scheduler.phase(Phase.RESTORING):
+            if a.read is None or (out := self.caches.read_out(a.read)) is None:
+                continue
+            a.read = None
+            try:
+                self._begin(a, out)
+            except Exception as e:
+                self.scheduler.end(a.key)
+                log.exception("starting generation for %s failed", a.key)
+                a.job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+
+    def _insert(self, a: Answer) -> None:
+        job = a.job
+        tokens = job.tokens
+        if self.max_context and len(tokens) + job.max_tokens > self.max_context:
+            raise PromptTooLong(
+                f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
+                f"exceeds the model's context of {self.max_context} tokens; "
+                + fit_advice(len(tokens), self.max_context, history=job.history)
+            )
+        assert self.caches is not None
+        # The engine never waits for disk: a cache on disk is read by the I/O worker and the answer
+        # starts when the read has ended (`read_reported`); ranks in lockstep wait, to stay in step.
+        out = self.caches.checkout(job.session_id, tokens, wait=self.lockstep is not None)
+        self.caches.make_room()  # idle caches leave memory for what the admitted answers may reach
+        if out.read is not None:
+            a.read = out.read  # it stays restoring
+            return
+        self._begin(a, out)
+
+    def _begin(self, a: Answer, out: Checkout) -> None:
+        """Start an answer from its checked-out cache: its prompt is fed next."""
+        from .draws import Draws
+        from .prefill import Prefill
+        from .quantized import make_cache
+        from .speculate import POSITION_BUDGET
+
+        assert self.caches is not None
+        job = a.job
+        tokens, retokenized = job.tokens, job.retokenized
+        if self.lockstep is not None:
+            out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
+        cache, cached, shared = out.cache, out.tokens, out.shared_tokens
+        if cache is None or cached == 0:
+            cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
+        a.detokenizer, a.prompt, a.cached_len = self.tokenizer.detokenizer, tokens, cached
+        a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
+        a.draws = Draws(job.temperature, job.top_p, seed=job.seed, size=job.max_tokens + POSITION_BUDGET)
+        a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
+                            boundary=self.caches.boundary(cache),
+                            at_boundary=functools.partial(self.caches.capture, job.session_id), last=self.last)
+        a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
+        self.scheduler.prefill(a)
+        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
+
+    def step(self) -> None:
+        """One decode step for every row in the batch, then one prefill chunk."""
+        if self.scheduler.any_decoding():
+            self._decode()
+        if (a := self.scheduler.next_prefill()) is not None:
+            self._prefill(a)
+
+    def _prefill(self, answer: Answer) -> None:
+        import mlx.core as mx
+
+        from .prefill import first_token
+
+        session_id = answer.key
+        assert answer.prefill is not None
+        n, before = self.scheduler.chunk_size(), answer.prefill.fed
+        if self.lockstep is not None:
+            n = self.lockstep.share(n)  # sized by rank 0's clock
+        try:
+            t0 = time.perf_counter()
+            with mx.stream(self.decoder.stream):
+                logprobs = answer.prefill.advance(n)
+                if logprobs is not None and answer.job.grammar is not None:
+                    answer.constraint = self._constraint(answer.job.grammar, logprobs.shape[-1])
+                    logprobs = answer.constraint.mask(logprobs)
+                draws = answer.draws
+                assert draws is not None
+                token = first_token(logprobs, draws.take) if logprobs is not None else None
+            now = time.perf_counter()
+            self.scheduler.chunk_fed(answer.prefill.fed - before, now - t0)
+            if token is None:
+                if answer.progress_at is None or now - answer.progress_at >= PROGRESS_EVERY:
+                    answer.progress_at = now
+                    answer.job.emit(Progress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
+                return
+        except Exception as e:
+            if self.lockstep is not None:
+                self.lockstep.lost(e)
+            log.exception("prefill for %s failed", session_id)
+            answer.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+            self._end(session_id)
+            return
+        prefill, answer.prefill = answer.prefill, None
+        job = answer.job
+        if self._took(answer, token, time.perf_counter()) and job.handed is not None:
+            job.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
+        if token in self.tokenizer.eos_token_ids:
+            # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
+            self._finish(answer, "stop", prefill.cache, prefill.tokens)
+            return
+        if job.max_tokens == 1:
+            # A one-token answer: shown, so part of the history, but never fed to the cache.
+            self._finish(answer, "length", prefill.cache, prefill.tokens, unfed=[token])
+            return
+        from .decode import Row
+
+        # Speculation runs on one rank only (docs/distributed.md).
+        if self.config.speculate == "auto" and answer.constraint is None and self.lockstep is None:
+            from .draft import PromptLookup
+            from .speculate import Speculation, speculable
+
+            if speculable(prefill.cache):
+                answer.spec = Speculation(PromptLookup(prior=self._last_answers.get(session_id)))
+        # The next decode step feeds the first token; the row's max_tokens counts from the second token.
+        assert answer.draws is not None
+        answer.row = Row(session_id, list(prefill.tokens), answer.draws, job.max_tokens - 1,
+                      frozenset(self.tokenizer.eos_token_ids), answer.constraint, answer.spec,
+                      cache=prefill.cache, first=token)  # it enters the batch at the next decode step
+        self.scheduler.decode(answer)
+
+    def _constraint(self, grammar: str, width: int) -> Constraint:
+        """A matcher for one answer's grammar over the model's tokens (the tokenizer's view made once)."""
+        from .grammar import Constraint, tokenizer_view
+
+        if self._grammar_view is None or self._grammar_view[0] != width:
+            self._grammar_view = (width, tokenizer_view(self.tokenizer, width))
+        return Constraint(self._grammar_view[1], grammar, width)
+
+    def _decode(self) -> None:
+        decoding = self.scheduler.phase(Phase.DECODING)
+        try:
+            out = self.decoder.step([a.row for a in decoding if a.row is not None and a.row.entering])
+        except Exception as e:
+            if self.lockstep is not None:
+                self.lockstep.lost(e)  # a dead rank, or ranks no longer in step
+            # The batch is in an unknown state: fail every answer in it, start afresh.
+            log.exception("generation step failed")
+            for a in decoding:
+                a.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+                self._end(a.key)
+            self.decoder.reset()
+            return
+        now = time.perf_counter()
+        answers = {a.key: a for a in decoding}
+        for r in out:
+            answer = answers[r.key]
+            self._took(answer, r.token, now, shown=r.finish != "stop")
+            if r.finish is not None:
+                self._finish(answer, r.finish, r.cache, list(r.tokens or ()))
+
+    def _took(self, answer: Answer, token: int, now: float, *, shown: bool = True) -> bool:
+        """Whether a delta went out; a stop token never shows."""
+        return answer.took(token, now, shown=shown and token not in self.tokenizer.eos_token_ids)
+
+    def cancel(self, session_id: str) -> None:
+        """End the session's answer, in whatever phase, with a cancelled Done."""
+        a = self.scheduler.get(session_id)
+        if a is None:
+            return
+        match a.phase:
+            case Phase.WAITING | Phase.RESTORING:  # never started: nothing to keep
+                self.scheduler.end(session_id)
+                if a.read is not None and self.caches is not None:
+                    self.caches.abandon(a.read)
+                a.job.emit(Done("cancelled", a.usage(self.max_context), None))
+            case Phase.PREFILLING:
+                # Keep what was prefilled for next time; the fed ids stay as they were.
+                pre = a.prefill
+                assert pre is not None
+                self._finish(a, "cancelled", pre.cache if pre.fed else None, pre.tokens[:pre.fed], changed=False)
+            case Phase.DECODING:
+                assert a.row is not None
+                cache, tokens, unfed = self.decoder.remove(a.row)
+                # Cancelled before the decode step that feeds the first token: it was shown, so it
+                # belongs to the history, but the cache ends with the prompt.
+                self._finish(a, "cancelled", cache, list(tokens), unfed=unfed)
+
+    def _finish(self, answer: Answer, reason: str, cache: list[Any] | None, tokens: list[int],
+                *, changed: bool = True, unfed: Sequence[int] = ()) -> None:
+        """Send the end of the answer, then keep the cache (which holds `tokens`).
+
+        `unfed`: answer tokens after `tokens` that were shown but never fed; the session's
+        history (`Done.tokens`) includes them, the cache does not, so the next turn feeds
+        them first. `changed` is False when the session's fed ids stay as they were
+        (nothing was generated).
+        """
+        answer.detokenizer.finalize()
+        if text := answer.detokenizer.last_segment:
+            answer.job.emit(Delta(text))
+        sid = answer.job.session_id
+        self._end(sid)
+        history = [*tokens, *unfed]
+        if changed and len(history) > len(answer.prompt):
+            self._last_answers.keep(sid, history[len(answer.prompt):])
+        failure = answer.constraint.failure if answer.constraint is not None and reason != "cancelled" else None
+        if failure is not None:  # ended because it left its grammar: not JSON, so never a normal finish
+            answer.job.emit(Failed(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
+                                "try a simpler schema"))
+        else:
+            answer.job.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None))
+        # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
+        # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
+        if cache is not None and tokens and self.caches is not None:
+            try:
+                self.caches.checkin(sid, cache, tokens)
+            except Exception:
+                log.exception("keeping the cache of %s failed; it will prefill next time", sid)
+        self._publish_stats()
+
+    def _end(self, session_id: str) -> None:
+        self.scheduler.end(session_id)
