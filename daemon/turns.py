@@ -30,12 +30,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -59,11 +57,11 @@ from .events import (
     AnswerQueued,
     AnswerStarted,
     AnswerToolCall,
-    TurnEvent,
 )
 from .prompt import Continuation, Prompt, Tokenizing
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
+from .turn import CallSplit, Listener, StopScan, Turn
 
 log = logging.getLogger("kvd.turns")
 
@@ -71,142 +69,6 @@ ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the 
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
-
-
-class Listener(Protocol):
-    """Whoever wants a turn's events (a websocket client, an HTTP response): it encodes them in its
-    door's own shape (events.py) and calls the first delta's `written` once it has written it (or
-    knows it never will); must not block."""
-
-    def publish(self, event: TurnEvent) -> None: ...
-
-
-class EventStream:
-    """A turn's events for one HTTP response (its Listener): the response reads them from `receive`.
-
-    Unbounded, but a turn publishes at most max_tokens deltas plus a handful
-    of others, and max_tokens is bounded by config. A first delta published
-    after the response has closed its end is handed off at once (nobody will write it).
-    """
-
-    def __init__(self) -> None:
-        self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
-
-    def publish(self, event: TurnEvent) -> None:
-        try:
-            self._send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
-            if isinstance(event, AnswerDelta) and event.written is not None:
-                event.written()
-
-
-class CallSplit(Protocol):
-    """An answer's tool calls taken out of its text as it streams (doors/toolcalls.py's StreamSplit,
-    made by the door that offered tools): text before a call streams, the calls come at the end."""
-
-    content: str  # after `finish`: the kept answer's text without its calls' text
-
-    def feed(self, delta: str) -> str: ...  # the text that may be shown now
-
-    def finish(self) -> tuple[str, list[dict[str, str]]]: ...  # the text left to show, and the calls
-
-
-# --- stop sequences -------------------------------------------------------
-
-
-class StopScan:
-    """Finds the first stop sequence in streamed text without ever showing a piece of one.
-
-    Text that could be the start of a stop sequence is held back until the
-    next delta settles it; `feed` returns what may be shown now.
-    """
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
-        self.text = ""  # everything fed, up to (not including) a stop once one is found
-        self.shown = 0
-        self.hit = False
-        self.found: str | None = None  # the stop sequence that ended the answer (Anthropic's stop_sequence)
-
-    def feed(self, delta: str) -> str:
-        """Work per delta grows with the delta and the stops' lengths, never with the answer so far."""
-        if self.hit:
-            return ""
-        since = max(0, len(self.text) - self.longest + 1)  # a stop starting earlier was found before
-        self.text += delta
-        at, self.found = min(((i, s) for s in self.stops if (i := self.text.find(s, since)) >= 0),
-                             default=(-1, None), key=lambda found: found[0])
-        if at >= 0:
-            self.hit = True
-            self.text = self.text[:at]
-            return self._release(len(self.text))
-        return self._release(len(self.text) - self._held())
-
-    def _held(self) -> int:
-        """How long an end of the text is that begins some stop sequence (shown once settled)."""
-        held = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), held, -1):
-                if self.text.endswith(s[:k]):
-                    held = k
-                    break
-        return held
-
-    def flush(self) -> str:
-        return self._release(len(self.text))
-
-    def _release(self, upto: int) -> str:
-        out = self.text[self.shown:upto]
-        self.shown = max(self.shown, upto)
-        return out
-
-
-# --- one turn -------------------------------------------------------------
-
-
-@dataclass
-class Turn:
-    request_id: Any
-    session_id: str
-    message_index: int
-    first_new: int  # the first message this turn added (taken back if it can never fit)
-    subscribers: set[Listener] = field(default_factory=set)
-    text: str = ""  # the answer so far, as kept while it streams (a tool call's text included)
-    seq: int = 0
-    deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
-    stop: StopScan | None = None
-    finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
-    cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
-    door: str = "websocket"  # which front door asked for it (the log's turn line says)
-    model: str = ""  # the model answering it (the session's)
-    # (the session's chosen model, its fed ids' model) before this turn, when this turn changed them
-    switched_from: tuple[str | None, str | None] | None = None
-    engine: Engine | None = None  # that model's engine, once loaded
-    held: Held | None = None  # the session as the turn core holds it
-    tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
-    writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
-    # A new session's rows (its own, its first messages), queued once the engine takes the turn:
-    # a first turn refused before that leaves nothing stored, so nothing has to be deleted.
-    unstored: list[Callable[[], Write]] = field(default_factory=list)
-    # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
-    # write one; the engine waits for it (AnswerJob.handed).
-    handed: threading.Event = field(default_factory=threading.Event)
-
-    def publish(self, event: TurnEvent) -> None:
-        for listener in list(self.subscribers):
-            listener.publish(event)
-
-    def attach(self, listener: Listener, after_seq: int) -> None:
-        """Re-send the deltas `listener` has not seen, as first published, then subscribe it.
-
-        One synchronous step on the event loop: no delta can be published
-        between the replay and the subscription, so there is no gap and no
-        duplicate.
-        """
-        for seq in range(after_seq + 1, len(self.deltas)):
-            listener.publish(AnswerDelta(seq, self.deltas[seq]))
-        self.subscribers.add(listener)
 
 
 class Turns:

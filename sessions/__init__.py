@@ -10,7 +10,8 @@ from common.ids import is_valid_session_id, new_session_id
 from common.keep import KEEP, Keep
 
 from .errors import DamagedFedIds, UnknownMessage, UnknownSession
-from .store import Message, Session, Store
+from .rows import Message, Session
+from .store import Store
 
 __all__ = [
     "DamagedFedIds",

@@ -15,7 +15,8 @@ import json
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from .store import Message, Store
+from .rows import Message
+from .store import Store
 
 
 class StoredResponse(NamedTuple):

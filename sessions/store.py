@@ -23,7 +23,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NotRequired, TypedDict, cast
+from typing import Any, cast
 
 from sqlite_utils import Database
 
@@ -31,52 +31,17 @@ from common.ids import new_session_id
 from common.keep import KEEP, Keep
 from common.tokenids import pack_tokens, unpack_tokens
 
+from .branches import branch_map
 from .errors import DamagedFedIds, UnknownMessage, UnknownSession
 from .fedsum import fed_checksum
 from .migrations import migrate
+from .rows import Message, Session
 
-Role = Literal["user", "assistant", "tool"]
-Status = Literal["complete", "streaming", "cancelled", "error"]
 ROLES: tuple[str, ...] = ("user", "assistant", "tool")  # "tool": a tool's result (the API's tool calling)
 STATUSES: tuple[str, ...] = ("complete", "streaming", "cancelled", "error")
 
 LAST_MESSAGE_CHARS = 200
 BUSY_TIMEOUT_MS = 5000
-
-
-class Session(TypedDict):
-    """The protocol's session object (docs/protocol.md), less `cache`: the daemon knows that."""
-
-    id: str
-    title: str
-    system: str | None
-    created_at: float
-    updated_at: float
-    message_count: int
-    last_message: str | None
-    tokens: int
-    params: dict[str, Any]
-    origin: str | None  # who made it: "kvchat", "kvchat one-shot", "api (<User-Agent>)", "websocket"
-    model: str | None  # the model that serves it (its fed ids are that model's); None: the daemon's default
-    # list_sessions(branches=True): the API conversation this session is a branch of (a retry, an edit):
-    # the oldest API session whose first request this one's messages start with; None for the first.
-    branch_of: NotRequired[str | None]
-
-
-class Message(TypedDict):
-    """The protocol's message object, plus how and when it ended."""
-
-    index: int
-    role: Role
-    content: str
-    status: Status
-    finish_reason: str | None
-    usage: dict[str, Any] | None
-    fed_end: int | None
-    created_at: float
-    updated_at: float
-    tool_calls: list[dict[str, str]] | None  # an assistant's calls: [{"id", "name", "arguments"}]
-    tool_call_id: str | None  # a tool message: the call it answers
 
 
 # One query for the whole listing: the counts come from correlated subqueries
@@ -93,9 +58,6 @@ SELECT s.id, s.title, s.system, s.created_at, s.updated_at,
     s.model
 FROM sessions s
 """
-# An assistant message kvd wrote (not one a client sent along with its conversation): it has usage, a
-# finish_reason, or did not complete.
-_ANSWERED = "g.usage IS NOT NULL OR g.finish_reason IS NOT NULL OR g.status != 'complete'"
 _SESSION_KEYS = (
     "id", "title", "system", "created_at", "updated_at",
     "message_count", "last_message", "tokens", "params", "origin", "model",
@@ -183,53 +145,10 @@ class Store:
         )
         sessions = [_session_dict(row) for row in rows]
         if branches:
-            found = self._branches()
+            found = branch_map(self.db)
             for session in sessions:
                 session["branch_of"] = found.get(session["id"])
         return sessions
-
-    def _branches(self) -> dict[str, str]:
-        """Each API session that branches an older one: its id -> the conversation's first session's id.
-
-        An API client sends the whole conversation every time; a retry or an edited message does not
-        extend the stored session, so placement starts a new one holding the request's conversation,
-        and the list filled with look-alike rows (four "What is the capital of France?" of 14 messages
-        each). A conversation is named by its first request: the messages its first session holds
-        before kvd's first answer (assistant messages the client sent along are part of it). A later
-        API session whose messages start with that request (same system prompt) is a branch of it.
-        Messages compare by role, length and their first 500 characters (and tool calls).
-        """
-        rows = self.db.execute(f"""
-            WITH cut AS (
-                SELECT s.id AS sid, coalesce((SELECT min(g.idx) FROM messages g WHERE g.session_id = s.id
-                    AND g.role = 'assistant' AND ({_ANSWERED})), {2**62}) AS answered
-                FROM sessions s WHERE s.origin LIKE 'api%')
-            SELECT m.session_id, m.role, length(m.content), substr(m.content, 1, 500),
-                coalesce(substr(m.tool_calls, 1, 500), '')
-            FROM cut JOIN messages m ON m.session_id = cut.sid AND m.idx < cut.answered
-            ORDER BY m.session_id, m.idx""").fetchall()
-        firsts: dict[str, list[tuple[Any, ...]]] = {}
-        for sid, *said in rows:
-            firsts.setdefault(sid, []).append(tuple(said))
-        order = self.db.execute("SELECT id, system FROM sessions WHERE origin LIKE 'api%' "
-                                "ORDER BY created_at, rowid").fetchall()
-        first_of: dict[tuple[Any, ...], str] = {}  # (system, its first request) -> the conversation's first session
-        for sid, system in order:
-            if firsts.get(sid):
-                first_of.setdefault((system, *firsts[sid]), sid)
-        lengths = sorted({len(key) - 1 for key in first_of})
-        made = {sid: n for n, (sid, _) in enumerate(order)}
-        out: dict[str, str] = {}
-        for sid, system in order:
-            said = firsts.get(sid, [])
-            for n in lengths:
-                if n > len(said):
-                    break
-                found = first_of.get((system, *said[:n]))
-                if found is not None and made[found] < made[sid]:  # a branch is younger than what it branches
-                    out[sid] = out.get(found, found)
-                    break
-        return out
 
     def update_session(
         self,

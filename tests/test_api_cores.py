@@ -9,7 +9,7 @@ import pytest
 from daemon.config import load_config
 from daemon.doors.guards import host_allowed, host_name
 from daemon.doors.placement import Said, links, title_for
-from daemon.turns import StopScan
+from daemon.turn import StopScan
 from sessions.chains import Chains
 
 

@@ -22,7 +22,8 @@ from starlette.types import Receive, Scope, Send
 
 from ..config import Config
 from ..events import TurnEvent
-from ..turns import Turn, Turns
+from ..turn import Turn
+from ..turns import Turns
 
 log = logging.getLogger("kvd.api")
 

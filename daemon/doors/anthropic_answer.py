@@ -18,7 +18,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerQueued, AnswerStarted, TurnEvent
-from ..turns import Turn, Turns
+from ..turn import Turn
+from ..turns import Turns
 from .answering import TurnAnswer
 from .anthropic_events import MessageStream, sse, whole
 from .anthropic_schema import error_body

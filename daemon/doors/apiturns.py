@@ -36,7 +36,8 @@ from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
 from ..prompt import Conversation
-from ..turns import EventStream, Turn, Turns
+from ..turn import EventStream, Turn
+from ..turns import Turns
 from .admission import Admission
 from .asgi import headers_of
 from .guards import check

@@ -18,7 +18,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnEvent
-from ..turns import Turn, Turns
+from ..turn import Turn
+from ..turns import Turns
 from .answering import TurnAnswer
 from .openai_schema import ChatRequest, api_error
 from .toolcalls import openai_calls

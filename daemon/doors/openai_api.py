@@ -26,7 +26,7 @@ from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
 from ..prompt import Conversation
-from ..turns import EventStream, Turn
+from ..turn import EventStream, Turn
 from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
 from .openai_answer import Answer

@@ -46,7 +46,7 @@ from sessions.responses import StoredResponse, delete_response, get_response, pu
 from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent
 from ..prompt import Conversation
-from ..turns import Turn
+from ..turn import Turn
 from .answering import TurnAnswer
 from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import output_grammar
