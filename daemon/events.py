@@ -90,3 +90,12 @@ class AnswerError:
 
 
 TurnEvent = AnswerStarted | AnswerQueued | AnswerProgress | AnswerDelta | AnswerToolCall | AnswerDone | AnswerError
+
+
+CACHE_FIGURES = ("restored_from", "shared_tokens", "ttft_ms", "prefill_tokens", "drafted_tokens", "accepted_tokens")
+
+
+def cache_figures(usage: Mapping[str, Any]) -> dict[str, Any]:
+    """What the cache did for a finished answer, from its usage: the `kvd` object every HTTP door adds to
+    its own usage (where the cache came from, what was shared, read and drafted), one definition for all."""
+    return {key: usage.get(key) for key in CACHE_FIGURES}

@@ -147,7 +147,8 @@ def test_the_token_as_x_api_key_or_bearer() -> None:
     assert refusal is not None and refusal.status == 401
 
 
-DONE = AnswerDone(3, "stop", {"prompt_tokens": 100, "cached_tokens": 90, "completion_tokens": 7})
+DONE = AnswerDone(3, "stop", {"prompt_tokens": 100, "cached_tokens": 90, "completion_tokens": 7,
+                               "restored_from": "disk", "shared_tokens": 0, "ttft_ms": 12.5, "prefill_tokens": 10})
 
 
 def test_usage_in_anthropics_terms() -> None:
@@ -165,6 +166,8 @@ def test_a_whole_answer_with_a_call() -> None:
     assert whole("m", "x", AnswerDone(3, "length", {}))["stop_reason"] == "max_tokens"
     assert whole("m", "x", AnswerDone(3, "cancelled", {}))["stop_reason"] == "max_tokens"  # cut: not whole
     assert whole("m", "x", DONE)["content"] == [{"type": "text", "text": ""}]
+    kvd = whole("m", "x", DONE)["kvd"]  # what the cache did, as every HTTP door reports it
+    assert (kvd["restored_from"], kvd["prefill_tokens"], kvd["ttft_ms"]) == ("disk", 10, 12.5), kvd
 
 
 def test_a_streamed_answer_in_anthropics_order() -> None:
@@ -183,6 +186,7 @@ def test_a_streamed_answer_in_anthropics_order() -> None:
     assert [data["index"] for name, data in out if name.startswith("content_block")] == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert out[7][1]["delta"] == {"type": "input_json_delta", "partial_json": "{}"}
     assert out[-2][1]["usage"]["cache_read_input_tokens"] == 90
+    assert out[-2][1]["kvd"]["restored_from"] == "disk"  # in a stream too
     assert sse(out[-1]) == b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
 
 

@@ -21,7 +21,15 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..events import AnswerDelta, AnswerDone, AnswerProgress, AnswerQueued, AnswerToolCall, TurnEvent
+from ..events import (
+    AnswerDelta,
+    AnswerDone,
+    AnswerProgress,
+    AnswerQueued,
+    AnswerToolCall,
+    TurnEvent,
+    cache_figures,
+)
 
 Sse = tuple[str, dict[str, Any]]  # (event name, data)
 
@@ -53,9 +61,10 @@ def tool_input(arguments: str) -> dict[str, Any]:
 
 
 def _message(message_id: str, model: str, content: list[dict[str, Any]], stop_reason: str | None,
-             stop_sequence: str | None, usage: dict[str, Any]) -> dict[str, Any]:
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+             stop_sequence: str | None, usage: dict[str, Any], kvd: dict[str, Any] | None = None) -> dict[str, Any]:
+    message = {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+               "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+    return {**message, "kvd": kvd} if kvd is not None else message
 
 
 def whole(message_id: str, model: str, done: AnswerDone, stop_sequence: str | None = None) -> dict[str, Any]:
@@ -66,7 +75,8 @@ def whole(message_id: str, model: str, done: AnswerDone, stop_sequence: str | No
     if not content:
         content = [{"type": "text", "text": ""}]
     return _message(message_id, model, content, stop_reason_of(done, stop_sequence),
-                    stop_sequence if not done.calls else None, usage_of(done.usage))
+                    stop_sequence if not done.calls else None, usage_of(done.usage),
+                    cache_figures(done.usage))
 
 
 class MessageStream:
@@ -108,7 +118,7 @@ class MessageStream:
             out.append(("message_delta", {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": stop_sequence if reason == "stop_sequence" else None},
-                "usage": usage_of(event.usage)}))
+                "usage": usage_of(event.usage), "kvd": cache_figures(event.usage)}))
             return [*out, ("message_stop", {"type": "message_stop"})]
         return []  # AnswerStarted: nothing to say yet; an AnswerError: the door words it (`error`)
 

@@ -17,7 +17,7 @@ from typing import Any
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..config import Config
-from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnEvent
+from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnEvent, cache_figures
 from ..turn import Turn
 from ..turns import Turns
 from .answering import TurnAnswer
@@ -50,12 +50,7 @@ class Answer(TurnAnswer):
         self.created = int(time.time())
 
     def _kvd(self, done: AnswerDone) -> dict[str, Any]:
-        u = done.usage
-        return {"session": self.turn.session_id, "finish_reason": done.finish_reason,
-                "restored_from": u.get("restored_from"),
-                "shared_tokens": u.get("shared_tokens"), "ttft_ms": u.get("ttft_ms"),
-                "prefill_tokens": u.get("prefill_tokens"), "drafted_tokens": u.get("drafted_tokens"),
-                "accepted_tokens": u.get("accepted_tokens")}
+        return {"session": self.turn.session_id, "finish_reason": done.finish_reason, **cache_figures(done.usage)}
 
     def _usage(self, done: AnswerDone) -> dict[str, Any]:
         """OpenAI's usage with the `kvd` object in it (where a client that logs usage keeps it)."""

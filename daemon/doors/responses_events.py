@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerQueued, TurnEvent
+from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerQueued, TurnEvent, cache_figures
 from .openai_schema import api_error
 
 RESPONSE_PREFIX = "resp_"
@@ -103,15 +103,8 @@ def response_object(shape: Shape, *, status: str, output: list[dict[str, Any]],
         "tool_choice": asked.get("tool_choice") or "auto", "tools": list(asked.get("tools") or []),
         "top_p": asked.get("top_p"), "truncation": "disabled",
         "usage": usage_of(usage) if usage is not None else None,
-        "user": None, "metadata": dict(asked.get("metadata") or {}), "kvd": {**shape.kvd, **_figures(usage)}}
-
-
-def _figures(usage: Mapping[str, Any] | None) -> dict[str, Any]:
-    """kvd's own figures of a finished turn (as the chat door's `kvd` object): where its cache came from."""
-    if usage is None:
-        return {}
-    return {key: usage.get(key) for key in ("restored_from", "shared_tokens", "ttft_ms", "prefill_tokens",
-                                            "drafted_tokens", "accepted_tokens")}
+        "user": None, "metadata": dict(asked.get("metadata") or {}),
+        "kvd": {**shape.kvd, **(cache_figures(usage) if usage is not None else {})}}
 
 
 class Encoder:
