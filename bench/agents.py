@@ -1,6 +1,7 @@
 """An agent-shaped session through each HTTP door: the same long prefix and the whole conversation, every step.
 
-Run: .venv/bin/python bench/agents.py [--steps 20] [--restart-at 10] [--doors chat,responses,responses-stored]
+Run: .venv/bin/python bench/agents.py [--steps 20] [--restart-at 10]
+     [--doors chat,responses,responses-stored,messages]
      [--model builtin:tiny]
 
 A coding agent sends, at every step, its instructions and tool list (here
@@ -10,10 +11,11 @@ short answer, then the agent appends a ~60-token tool result and asks again.
 At `--restart-at` the daemon is stopped and started (caches on disk only). After
 the session a second agent starts with the same prefix and its own task.
 
-Doors (each a function below; a new door adds one, e.g. Anthropic's messages):
+Doors (each a function below):
 - chat: /v1/chat/completions, the whole conversation each step;
 - responses: /v1/responses with store: false and the whole input each step (as Codex CLI);
-- responses-stored: /v1/responses continuing the last response (previous_response_id), only the new input.
+- responses-stored: /v1/responses continuing the last response (previous_response_id), only the new input;
+- messages: /v1/messages, Anthropic's (as Claude Code), the whole conversation each step.
 
 Per step it prints the client's TTFT (request sent to first text byte), the input
 tokens, the cached ones (restored instead of read) and the prefilled ones; then
@@ -161,8 +163,39 @@ def responses_stored_door(client: httpx.Client, base: str, agent: Agent) -> tupl
     return step, text
 
 
+def messages_door(client: httpx.Client, base: str, agent: Agent) -> tuple[Step, str]:
+    """Anthropic's Messages API (Claude Code's): the whole conversation each step, tool results as user text."""
+    said: list[dict[str, Any]] = []
+    for who, words in [("user", agent.task), *agent.said]:
+        role = "user" if who == "tool" else who
+        if said and said[-1]["role"] == role:  # the API wants the roles to alternate
+            said[-1]["content"] += "\n\n" + words
+        else:
+            said.append({"role": role, "content": words})
+    body = {"model": "kvd", "system": INSTRUCTIONS, "messages": said, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "tools": [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
+                      for t in TOOLS], "stream": True}
+    text: list[str] = []
+
+    def first(kind: str, data: dict[str, Any]) -> bool:
+        delta = data.get("delta") or {}
+        if kind == "content_block_delta" and delta.get("type") == "text_delta" and delta.get("text"):
+            text.append(delta["text"])
+            return True
+        return False
+
+    def last(kind: str, data: dict[str, Any]) -> dict[str, Any] | None:
+        return data if kind == "message_delta" else None
+
+    ttft, done = _stream(client, f"{base}/messages", body, first, last)
+    u = done["usage"]
+    return (Step(ttft, u["input_tokens"] + u["cache_read_input_tokens"], u["cache_read_input_tokens"],
+                 done["kvd"]["restored_from"], done["kvd"]["ttft_ms"]), "".join(text))
+
+
 DOORS: dict[str, Callable[[httpx.Client, str, Agent], tuple[Step, str]]] = {
     "chat": chat_door, "responses": responses_door, "responses-stored": responses_stored_door,
+    "messages": messages_door,
 }
 
 
@@ -211,7 +244,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--restart-at", type=int, default=10)
-    parser.add_argument("--doors", default="chat,responses,responses-stored")
+    parser.add_argument("--doors", default="chat,responses,responses-stored,messages")
     parser.add_argument("--model", default="builtin:tiny")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvd-agents-") as tmp:
