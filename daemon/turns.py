@@ -38,6 +38,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
+from jinja2 import TemplateError
 
 import protocol as p
 from protocol.requests import RequestError, RequestId
@@ -372,6 +373,11 @@ class Turns:
             return
         try:
             job.tokens, job.retokenized = await self.tokenizing_for(engine).run(prompt.ids)
+        except TemplateError as e:  # the model's chat template refuses the conversation (raise_exception)
+            log.info("the chat template of %s refused session %s's conversation: %s", turn.model, turn.session_id, e)
+            events.send_nowait(Failed(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
+                                      "send one it takes (docs/openai.md)"))
+            return
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
             events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
@@ -473,9 +479,10 @@ class Turns:
         assert held is not None
         if turn.unstored:  # refused before the engine took it: a new session, never stored
             t.forget(turn.session_id)
-        elif ev.code in (p.TOO_LARGE, p.UNKNOWN_MODEL) and not turn.text:
-            # Nothing was generated and the turn can never fit: take it back,
-            # so the session stays usable (the client still has the text).
+        elif ev.code in (p.TOO_LARGE, p.UNKNOWN_MODEL, p.BAD_REQUEST) and not turn.text:
+            # Nothing was generated and the turn can never be answered as it is (too long, no such
+            # model, a conversation the template refuses): take it back, so the session stays usable
+            # (the client still has the text).
             turn.writes.append(t.truncate(held, turn.first_new))
         else:
             turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,

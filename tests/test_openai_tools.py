@@ -12,7 +12,7 @@ import pytest
 
 from conftest import running_daemon
 from daemon.doors.toolcalls import StreamSplit, ToolFormat, split
-from toolmodel import CALL_TEXT, WEATHER_TOOL, write_plain_model, write_tool_model
+from toolmodel import CALL_TEXT, WEATHER_TOOL, write_alternating_model, write_plain_model, write_tool_model
 
 pytestmark = pytest.mark.anyio
 
@@ -140,3 +140,37 @@ async def test_tools_on_a_model_that_cannot_call_them_are_refused_and_store_noth
     assert error["param"] == "tools" and "has no tool calling" in error["message"]
     assert answered.choices[0].message.content is not None
     assert len(sessions) == 1  # the refused request stored nothing; the plain one did
+
+
+async def test_a_conversation_the_chat_template_refuses_is_a_400_that_stores_nothing(
+        tool_model: Path, tmp_path: Path) -> None:
+    """A template that raises (roles that do not alternate, on a Gemma- or Mistral-like template) is the
+    client's conversation refused: a 400 quoting the template, nothing stored, and kvd serves on. It was a
+    500 ("the prompt could not be tokenized") with a traceback in the log, and the answer kept as an error."""
+    import openai
+
+    strict = write_alternating_model(tool_model, tmp_path)
+    twice: list[Any] = [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Hi again."}]
+    async with running_daemon(tmp_path / "kvd", model=str(strict)) as d:
+        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await api.chat.completions.create(model=strict.name, messages=twice, max_tokens=2)
+        answered = await api.chat.completions.create(model=strict.name, messages=twice[:1], max_tokens=2)
+        kept = await api.chat.completions.create(
+            model=strict.name, max_tokens=2,
+            messages=[*twice[:1], {"role": "assistant", "content": answered.choices[0].message.content or ""},
+                      {"role": "user", "content": "And?"}])
+        with pytest.raises(openai.BadRequestError):  # a session it continues is left as it was
+            await api.chat.completions.create(
+                model=strict.name, max_tokens=2,
+                messages=[*twice[:1], {"role": "assistant", "content": answered.choices[0].message.content or ""},
+                          {"role": "user", "content": "And?"}, {"role": "user", "content": "Well?"}])
+        await api.close()
+        sessions = d.store.list_sessions()
+        transcript = d.store.messages(sessions[0]["id"])
+    error: Any = refused.value.body
+    assert "roles must alternate" in error["message"] and "chat template" in error["message"], error
+    assert kept.choices[0].finish_reason in ("stop", "length")
+    assert len(sessions) == 1, sessions  # only the conversation the template took
+    assert [m["role"] for m in transcript] == ["user", "assistant", "user", "assistant"], transcript
+    assert all(m["status"] == "complete" for m in transcript), transcript

@@ -87,3 +87,20 @@ def write_plain_model(tool_model: Path, root: Path) -> Path:
                                "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
     config_path.write_text(json.dumps(config))
     return plain
+
+
+def write_alternating_model(tool_model: Path, root: Path) -> Path:
+    """The tool model with a chat template that refuses a conversation whose roles do not alternate, as
+    Gemma's and Mistral's do (`raise_exception`): the template, not kvd, says what is wrong."""
+    strict = shutil.copytree(tool_model, root / "alternating")
+    config_path = strict / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = (
+        "{%- for message in messages -%}"
+        "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+        "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}"
+        "{%- endif -%}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    config_path.write_text(json.dumps(config))
+    return strict
