@@ -75,3 +75,17 @@ def test_serve_an_ollama_model_and_a_hugging_face_cache_model_by_name(places: di
     errors = [line for line in missing.stderr.splitlines() if line.startswith("kvd: error: ")]
     assert missing.returncode == 1 and len(errors) == 1 and "Traceback" not in missing.stderr
     assert "Ollama has no model 'nothere:7b'" in errors[0], errors
+
+
+def test_a_built_in_models_own_download_is_not_listed_as_another_model(tmp_path: Path) -> None:
+    """/v1/models listed the default model twice: as builtin:smollm2 and as its downloaded GGUF's path."""
+    from daemon.models import gemma3, smollm2
+    from daemon.models.catalog import entries
+
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    for name in (smollm2.GGUF_NAME, gemma3.GGUF_NAME, "mine.gguf"):
+        (downloads / name).write_bytes(b"GGUF")
+    names = [e.name for e in entries(tmp_path)]
+    assert str(downloads / "mine.gguf") in names, names  # a file the user put there is listed
+    assert not [n for n in names if n.endswith((smollm2.GGUF_NAME, gemma3.GGUF_NAME))], names

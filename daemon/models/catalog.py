@@ -131,8 +131,12 @@ def entries(models_dir: Path) -> Iterator[Entry]:
         yield Entry(name, "built-in", "qwen2" if name == "builtin:tiny" else "gemma3_text", None, "float32",
                     "plain" if name == "builtin:tiny" else "plain + rotating", "yes (random weights, for tests)",
                     context=MAX_LEN)
+    from . import gemma3, smollm2
+
+    sources = {smollm2.GGUF_NAME, gemma3.GGUF_NAME}  # the built-ins' own downloads: listed by their names above
     for path in sorted((models_dir / "downloads").glob("*.gguf")):
-        yield gguf_entry(str(path), "kvd's downloads", path)
+        if path.name not in sources:
+            yield gguf_entry(str(path), "kvd's downloads", path)
     for found in places.walk_ollama():
         if isinstance(found, places.Broken):
             yield _broken(found, "Ollama")
