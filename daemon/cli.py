@@ -311,6 +311,8 @@ async def _main(config: Config, daemon: Daemon, detached: bool, backups_on: bool
                 log.info("rank 0 of %d: the model is split across %d ranks (caches in %s)", config.world_size,
                          config.world_size, config.cache_dir)
             log.info("OpenAI API at %s (API key: the token in %s)", api_url(url), config.data_dir / TOKEN_FILE)
+            log.info("Anthropic API at %s (the same key; coding agents: docs/agents.md)",
+                     api_url(url).removesuffix("/v1"))
             tg.start_soon(_announce_ready, daemon, detached)
             backups = anyio.CancelScope()
             if backups_on:

@@ -120,6 +120,9 @@ def test_kvd_status_command(tmp_path: Path) -> None:
         api = d.base_url
         assert f"OpenAI API at {api} · API key: the token in {tmp_path / 'token'}" in out.stdout
         assert any(f"OpenAI API at {api} (API key: the token in {tmp_path / 'token'})" in line for line in d.log)
+        root = api.removesuffix("/v1")
+        assert f"Anthropic API at {root} · the same key" in out.stdout
+        assert any(f"Anthropic API at {root} (the same key" in line for line in d.log)
         assert "BLAS: " in out.stdout
         raw = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--json", "--data-dir",
                               str(tmp_path)], capture_output=True, text=True, timeout=60)

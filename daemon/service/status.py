@@ -62,6 +62,7 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
         if url:
             token = Path(status["data_dir"]) / TOKEN_FILE if status.get("data_dir") else TOKEN_FILE
             console.print(f"OpenAI API at {api_url(url)} · API key: the token in {token}", soft_wrap=True)
+            console.print(f"Anthropic API at {api_url(url).removesuffix('/v1')} · the same key", soft_wrap=True)
     console.print(f"{status['server']} · model {status['model']} · "
                   f"{'ready' if status['ready'] else 'loading'} · "
                   f"{others} client(s) connected · {status['generating']} generating"
