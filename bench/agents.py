@@ -201,13 +201,13 @@ DOORS: dict[str, Callable[[httpx.Client, str, Agent], tuple[Step, str]]] = {
 
 def started(data: Path, model: str) -> DaemonProcess:
     """`kvd serve` with its model loaded (a step times kvd's answer, not its start)."""
-    d = DaemonProcess(data, "--model", model)
+    d = DaemonProcess(data, "--model", model, prefetch=True)  # kvd's default (tests turn it off)
     with d.client():
         pass
     return d
 
 
-def run_door(door: str, steps: int, restart_at: int, model: str, root: Path) -> dict[str, Any]:
+def run_door(door: str, steps: int, restart_at: int, model: str, root: Path, settle: float = 0.0) -> dict[str, Any]:
     data = root / door
     d = started(data, model)
     ask = DOORS[door]
@@ -220,6 +220,7 @@ def run_door(door: str, steps: int, restart_at: int, model: str, root: Path) -> 
                 client.close()
                 assert d.terminate() == 0
                 d = started(data, model)
+                time.sleep(settle)  # an agent resumed a moment after the restart: the start's prefetch has run
                 client = httpx.Client(headers={"Authorization": f"Bearer {d.token}"}, timeout=600)
             step, answer = ask(client, d.base_url, agent)
             rows.append(step)
@@ -246,9 +247,11 @@ def main() -> None:
     parser.add_argument("--restart-at", type=int, default=10)
     parser.add_argument("--doors", default="chat,responses,responses-stored,messages")
     parser.add_argument("--model", default="builtin:tiny")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds between the restart's 'ready' and the next step (0: at once, before prefetch)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvd-agents-") as tmp:
-        results = [run_door(door, args.steps, args.restart_at, args.model, Path(tmp))
+        results = [run_door(door, args.steps, args.restart_at, args.model, Path(tmp), args.settle)
                    for door in args.doors.split(",")]
     print()
     for r in results:
