@@ -135,6 +135,9 @@ class Turn:
     engine: Engine | None = None  # that model's engine, once loaded
     held: Held | None = None  # the session as the turn core holds it
     tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
+    # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
+    # context leaves instead of the turn being refused (Turns._fit)
+    fit: bool = False
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
     # A new session's rows (its own, its first messages), queued once the engine takes the turn:
     # a first turn refused before that leaves nothing stored, so nothing has to be deleted.

@@ -32,6 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -49,6 +50,7 @@ from sessions.chains import said
 from .config import Config
 from .engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed, Progress, Queued, Started
 from .engine.registry import Engines, ModelRefused
+from .engine.running import MIN_ANSWER
 from .engine.thread import Engine
 from .events import (
     AnswerDelta,
@@ -276,7 +278,7 @@ class Turns:
               sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
               grammar: str | None = None, tools: CallSplit | None = None,
-              model: str | None = None) -> Turn:
+              model: str | None = None, fit: bool = False) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
@@ -304,7 +306,7 @@ class Turns:
             prompt = self._continuation(held, index)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
-                    model=serving, switched_from=previous if switched else None)
+                    model=serving, switched_from=previous if switched else None, fit=fit)
         turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
@@ -382,9 +384,20 @@ class Turns:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
             events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
+        if turn.fit:
+            self._fit(job, engine.max_context)
         engine.submit(job)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
             engine.cancel(turn.session_id)
+
+    @staticmethod
+    def _fit(job: AnswerJob, context: int | None) -> None:
+        """Lower a ceiling max_tokens to the room the model's context leaves after the prompt, where that
+        room is still an answer (MIN_ANSWER): an agent that asks for 64k tokens, or names no limit, wants
+        as much as fits, not a refusal. Less room than that: the engine refuses, with its advice."""
+        room = context - len(job.tokens) if context else None
+        if room is not None and job.max_tokens > room >= MIN_ANSWER:
+            job.sampling = replace(job.sampling, max_tokens=room)
 
     def cancel(self, session_id: str, turn: Turn | None = None) -> None:
         """Stop the session's answer (only if it is still `turn`, when given); what was generated is kept."""

@@ -108,6 +108,20 @@ def test_a_conversation_past_the_context_is_a_400_naming_a_bigger_model(daemon: 
     assert "context of 8192 tokens" in message and "builtin:gemma3" in message, message
 
 
+def test_a_max_tokens_past_the_limit_is_as_much_as_the_context_leaves(daemon: DaemonProcess) -> None:
+    """Claude Code asks for 32k-64k tokens: lowered to limits.max_tokens_limit (4096), which beside a 4.5k-token
+    conversation no longer fits an 8k context. It was refused ("plus max_tokens (4096) exceeds"); the answer now
+    gets the room the context leaves."""
+    ask: list[Any] = [{"role": "user", "content": "x " * 2_200}]  # ~4.4k tokens
+    with client(daemon).messages.stream(model=MODEL, max_tokens=64_000, messages=ask, stop_sequences=[" "],
+                                        extra_body={"temperature": 0}) as stream:  # the SDK streams a 64k ask
+        made = stream.get_final_message()
+    prompt = made.usage.input_tokens + (made.usage.cache_read_input_tokens or 0)
+    assert 4_096 + prompt > 8_192, prompt  # it would not have fitted as asked
+    assert made.stop_reason in ("stop_sequence", "end_turn", "max_tokens"), made
+    assert made.usage.output_tokens <= 8_192 - prompt
+
+
 def test_a_conversation_continued_after_a_restart_reads_its_cache(tmp_path: Path) -> None:
     system = "You answer questions about this manual.\n" + "\n".join(
         f"Section {i}: the setting number {i} does exactly what its name says." for i in range(60))

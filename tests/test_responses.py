@@ -248,3 +248,16 @@ async def test_a_tool_round_trip_call_output_answer(tool_model: Path, tmp_path: 
                             *[i.model_dump(exclude_none=True) for i in first.output], output]
         third = await client.responses.create(input=convo, store=False, **ask)
         assert third.usage is not None and third.usage.input_tokens_details.cached_tokens > 0
+
+
+async def test_no_max_output_tokens_is_as_much_as_the_context_leaves(tool_model: Path, tmp_path: Path) -> None:
+    """Codex names no max_output_tokens. As OpenAI's, that is up to what the model may write
+    (limits.max_tokens_limit, 4096) within the context, not the chat default (512, which Codex reported as
+    an incomplete response): beside a 4.4k-token input the 4096 no longer fit the 8k context, and the answer
+    gets the room it leaves instead of a refusal. (The tool model ends every answer after its call.)"""
+    async with api(tmp_path, model=str(tool_model)) as (client, d):
+        long = await client.responses.create(model=tool_model.name, input="x " * 2_200, temperature=0)
+        short = await client.responses.create(model=tool_model.name, input="hi", temperature=0)
+    assert long.usage is not None and long.usage.input_tokens + 4_096 > 8_192, long.usage
+    assert long.status == short.status == "completed", (long.status, short.status)
+    assert long.max_output_tokens is None  # what was asked is shown as asked

@@ -63,7 +63,7 @@ def _read(body: bytes, config: Config, *, count: bool = False) -> tuple[Messages
         ask = Ask(req.instructions(), conversation(req), req.offered_tools(),
                   max_tokens=min(req.max_tokens, config.max_tokens_limit), temperature=req.temperature,
                   top_p=req.top_p, stop=stops(req.stop_sequences), tools_optional=True, model=req.model,
-                  door="messages")
+                  door="messages", fit=req.max_tokens > config.max_tokens_limit)  # 64k from Claude Code: what fits
         return req, ask
     except ApiError as e:
         refused = e

@@ -167,6 +167,7 @@ class Ask:
     tools_optional: bool = False
     model: str | None = None  # the name the request gave (None: the default model)
     door: str = "api"  # which door asked, as the log's turn line says
+    fit: bool = False  # max_tokens is a ceiling ("as much as fits"): lowered to the context's room, not refused
 
 
 class ApiTurns:
@@ -257,6 +258,6 @@ class ApiTurns:
             prompt=Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                 renders=self.turns.renders_for(model)),
             door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
-            tools=StreamSplit(tool_format) if tool_format is not None else None, model=model,
+            tools=StreamSplit(tool_format) if tool_format is not None else None, model=model, fit=ask.fit,
         )
         return turn, events

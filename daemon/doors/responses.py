@@ -158,9 +158,13 @@ class ResponsesDoor:
         system, convo = await self._conversation(req)
         # A model whose template cannot call tools answers in text (tools_optional): an agent offers tools with
         # every request, and refusing them would refuse the agent (docs/agents.md).
+        # No max_output_tokens: as OpenAI's, up to what the model may write (limits.max_tokens_limit, within the
+        # context), not the chat default: Codex names none, and reports an answer cut at 512 as an error.
+        unbounded = req.max_output_tokens is None
         ask = Ask(system, convo, [t.for_template() for t in req.functions()] or None,
-                  max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                  grammar=await _grammar(read.fmt), tools_optional=True, model=req.model, door="responses")
+                  max_tokens=self.config.max_tokens_limit if unbounded else req.max_output_tokens,
+                  temperature=req.temperature, top_p=req.top_p, grammar=await _grammar(read.fmt),
+                  tools_optional=True, model=req.model, door="responses", fit=unbounded)
         turn, events = await self.api.start(request, ask, headers, rid_prefix=RESPONSE_PREFIX)
         rid = str(turn.request_id)
         request_shape = read.asked
