@@ -119,6 +119,8 @@ async def test_a_session_switched_to_another_model_retokenizes_and_records_it(tm
         assert session["model"] == TINY  # a session that names none: the default's
         _, done, _ = await turn(c, session["id"], "first")
         assert done["type"] == "chat.done"
+        # A status is answered once tiny's queued writes are done: `kept_for` is read from the disk index.
+        await c.request("status")
         _, done, _ = await turn(c, session["id"], "second", model="tiny-swa")  # a name without its prefix
         assert done["type"] == "chat.done"
         usage = done["usage"]  # no cache for this model, and it says which model keeps one

@@ -41,6 +41,9 @@ def test_kill_9_mid_stream_keeps_transcript_and_resumes(tmp_path: Path) -> None:
     with d.client() as c:
         sid = c.request("session.create")["session"]["id"]
         _, first = c.chat(sid, "A first turn that completes.", max_tokens=20, temperature=0)
+        # A status is answered once the writes queued before it are done: turn one's cache is on disk
+        # before the kill (its write-behind otherwise races the second turn's 20 deltas, and lost under load).
+        c.request("status")
         c.send(type="chat.send", session=sid, text="Now a long answer, please.", max_tokens=4000,
                temperature=0)
         streamed: list[str] = []
