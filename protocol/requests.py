@@ -10,7 +10,6 @@ as the websocket's: `bad_request` or `too_large`, naming the field.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 import protocol as p
-from common import origins
+from common import jsondepth, origins
 from common.keep import KEEP, Keep
 
 from .shapes import TEXT_TOO_LONG, TYPE_ERRORS, Limits, Sampling, Text, bounds, lone_surrogate
@@ -273,7 +272,7 @@ def _decode(raw: str | bytes) -> dict[str, Any]:
     if isinstance(raw, bytes):
         raise RequestError(p.BAD_JSON, "send JSON text frames, not binary frames")
     try:
-        msg = json.loads(raw)
+        msg = jsondepth.loads(raw)
     except RecursionError:
         raise RequestError(p.BAD_JSON, "the frame is nested too deeply; kvd's requests are at most "
                            "a few levels deep", log_once="frames nested too deeply") from None

@@ -21,7 +21,9 @@ from daemon.engine import attention as attn
 from daemon.engine.attention import attention, causal_mask, softmax
 from daemon.engine.vexp import swiglu
 
-TOLERANCE = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+# float32 on a GPU: CUDA's matmuls round differently from the CPU's BLAS (max 6e-4 against
+# mx.fast's attention on an H100, 2026-11-27; docs/benchmarks.md), 2e-5 on the CPU.
+TOLERANCE = {mx.float32: 2e-5 if mx.default_device() == mx.cpu else 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
 
 def qkv(B: int, H: int, KV: int, L: int, S: int, D: int = 64, dtype: Any = mx.float32,

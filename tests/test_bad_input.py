@@ -33,6 +33,8 @@ FUZZ: list[tuple[str, str, Any]] = [
     ("[" * 1000 + "]" * 1000, "bad_json", None),
     ("[" * 100_000, "bad_json", None),
     ('{"id": "a", "type": "ping", "x": ' + '{"y": ' * 5000 + "1" + "}" * 5000 + "}", "bad_json", None),
+    # past common/jsondepth's 256 levels, which Python 3.11's parser reads and 3.12's reads deeper
+    ('{"id": "a", "type": "ping", "x": ' + '{"y": ' * 300 + "1" + "}" * 300 + "}", "bad_json", None),
     ('{"id": ' + "9" * 5000 + ', "type": "ping"}', "bad_json", None),
     ('{"id": "a", "type": "chat.send", "session": "%s", "text": "hi", "temperature": NaN}' % SID,
      "bad_request", "a"),

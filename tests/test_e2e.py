@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from conftest import client, greedy_reference, running_daemon
+from daemon import device
 
 pytestmark = pytest.mark.anyio
 
@@ -175,7 +176,7 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
     render_status(status, console)
     shown = console.file.getvalue()  # type: ignore[attr-defined]
     assert f"session {sid}: answering, {turn['generated']} token(s) so far after a " in shown
-    assert "\ndevice: cpu, float32 weights, kvd attention\n" in shown  # the device it runs on (daemon/device.py)
+    assert f"\n{device.current().line('float32')}\n" in shown  # the device it runs on (daemon/device.py)
     running = status["tiers"]["running"]  # the answer's cache counts against the resident budget
     assert 0 < running["bytes"] <= running["budget"] == status["tiers"]["resident"]["budget"]
     assert "running and resident caches together stay within" in shown

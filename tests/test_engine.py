@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import greedy_reference
+from daemon import device
 from daemon.config import load_config
 from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Started
 from daemon.engine.scheduler import MIN_CHUNK
@@ -276,10 +277,14 @@ def test_the_model_is_warmed_up_before_ready(tmp_path: Path) -> None:
         assert e.load_error is None
         assert e.warm_up_ms is not None and e.warm_up_ms > 0
         assert e.stats["warm_up_ms"] == e.warm_up_ms  # published with the first statistics
-        # The device line (daemon/device.py), for the start line and `kvd status`; on this CPU the
-        # choices kvd always made there, and the config's 0 chunk resolved to the CPU's 512.
-        assert e.stats["device"] == "device: cpu, float32 weights, kvd attention"
-        assert e.config.prefill_step_size == 512 and e.config.speculate == "auto"
+        # The device line (daemon/device.py), for the start line and `kvd status`, and the config's 0
+        # chunk resolved to the device's; on a CPU the choices kvd always made there.
+        here = device.current()
+        assert e.stats["device"] == here.line("float32")
+        assert e.config.prefill_step_size == here.prefill_step and e.config.speculate == "auto"
+        if here.device.kind == "cpu":
+            assert e.stats["device"] == "device: cpu, float32 weights, kvd attention"
+            assert e.config.prefill_step_size == 512
     finally:
         e.stop()
 

@@ -85,10 +85,14 @@ def msgs(n: int) -> list[dict[str, str]]:
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
+# past common/jsondepth's 256 levels: Python 3.11's parser reads it, 3.12's reads 5,000
+DEEP = b'{"y": ' * 300 + b"1" + b"}" * 300
+
 # Every refusal of docs/openai.md's table, by the body (or headers) that earns it.
 REFUSALS: list[tuple[str, bytes | dict[str, Any], dict[str, str], int, str | None]] = [
     ("not json", b"{nope", {}, 400, None),
     ("nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000, {}, 400, None),
+    ("a field nested 300 deep", json.dumps(HI).encode()[:-1] + b', "user_data": ' + DEEP + b"}", {}, 400, None),
     ("not an object", b"[1, 2]", {}, 400, None),
     ("seed -5", {**HI, "seed": -5}, {}, 400, None),
     ("seed 2**64", {**HI, "seed": 2**64}, {}, 400, None),

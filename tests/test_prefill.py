@@ -38,7 +38,8 @@ def test_the_last_chunk_through_the_twin_gives_the_same_logits_and_cache(models:
         results.append((logprobs, [c.state for c in cache]))
     (whole, cache_a), (ours, cache_b) = results
     assert ours.shape == whole.shape == (1, model.args.vocab_size)
-    assert float(mx.max(mx.abs(ours - whole))) <= 1e-4
+    # on a GPU CUDA's matmuls round differently by chunk shape (3e-3 on an H100, docs/benchmarks.md)
+    assert float(mx.max(mx.abs(ours - whole))) <= (1e-4 if mx.default_device() == mx.cpu else 1e-2)
     assert mx.array_equal(mx.argmax(ours), mx.argmax(whole))
     for a, b in zip(cache_a, cache_b, strict=True):
         for x, y in zip(a, b, strict=True):

@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common import jsondepth
 from protocol.requests import RequestError
 from protocol.shapes import Sampling
 from sessions import is_valid_session_id
@@ -82,7 +83,8 @@ def decode_json(body: bytes) -> Any:
     slower but handing the GIL back every few milliseconds.
     """
     try:
-        return json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
+        value = json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
+        return jsondepth.check_depth(value, body)
     except RecursionError:
         raise ApiError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply; a request "
                        "is at most a few levels deep") from None

@@ -18,7 +18,6 @@ models write none, and a client sends back only what it was given).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -26,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from common import jsondepth
 from common.limits import MAX_TOOLS
 from protocol.shapes import Limits, MaxTokens, Temperature, TopP, fits_text
 
@@ -320,7 +320,7 @@ def _call(item: InputItem, where: str) -> dict[str, str]:
                        f"{where}.{name}")
     assert item.call_id is not None and item.name is not None and item.arguments is not None
     try:
-        json.loads(item.arguments)
+        jsondepth.loads(item.arguments)
     except (ValueError, RecursionError):
         raise _bad(f"{where}.arguments is not JSON text; send the arguments as the call gave them (a JSON object "
                    "as a string)", f"{where}.arguments") from None

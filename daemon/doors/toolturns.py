@@ -14,10 +14,11 @@ rule itself, which the Anthropic door (anthropic_schema.py) checks too.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
+
+from common import jsondepth
 
 from .openai_schema import ApiError, ChatMessage
 from .placement import Said
@@ -74,7 +75,7 @@ def check_tool_turns(messages: Sequence[ChatMessage]) -> None:
 
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text)
+        jsondepth.loads(text)
     except (ValueError, RecursionError):
         return False
     return True
