@@ -135,6 +135,20 @@ class Policy:
         short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
         return f"device: {self.device.label()}, {short} weights, {self.attention_name()}"
 
+    def kv_bits_refusal(self, kv_bits: int, dtype: str) -> str | None:
+        """Why a quantized KV cache (`cache.kv_bits`) cannot run here with weights of `dtype`; None if it can.
+
+        MLX's CUDA backend has no `quantized_matmul` for float32 activations (an H100 with MLX
+        0.32.4, 2026-11-27: "No implementation for problem shape … activation: float32"), and the
+        cache's queries have the weights' dtype. Found as a load that failed at its warm-up; now
+        refused before it, in one line.
+        """
+        if not kv_bits or self.device.kind != "cuda" or dtype in ("bfloat16", "float16"):
+            return None
+        return (f"cache.kv_bits = {kv_bits} needs bf16 or fp16 weights on {self.device.label()} (MLX has no "
+                f"{dtype} quantized matmul there) and this model runs {dtype}: set kv_bits to 0, or serve a "
+                "bf16 model")
+
     def budgets(self, resident: int | None, warm: int | None, in_use: int) -> tuple[int, int]:
         """The resident and warm tiers' byte budgets on this device, from the configured ones
         (None: not configured, so the device's default, `default_budgets`).

@@ -211,3 +211,13 @@ def test_the_host_memory_is_read_from_meminfo(tmp_path: Path) -> None:
     total, available = device.host_memory(tmp_path / "missing")  # elsewhere: the pages sysconf counts
     assert total is None or total > 0
     assert available is None or available > 0
+
+
+def test_a_quantized_cache_on_cuda_needs_bf16_or_fp16_weights() -> None:
+    """MLX's CUDA backend has no float32 quantized_matmul (an H100, 2026-11-27): refused at load, in one line."""
+    cuda, cpu = policy(H200, env={}), policy(Device("cpu", "EPYC"), env={})
+    line = cuda.kv_bits_refusal(8, "float32")
+    assert line is not None and "\n" not in line and "kv_bits" in line and "float32" in line
+    assert cuda.kv_bits_refusal(4, "bfloat16") is None and cuda.kv_bits_refusal(8, "float16") is None
+    assert cuda.kv_bits_refusal(0, "float32") is None  # no quantized cache asked for
+    assert cpu.kv_bits_refusal(8, "float32") is None  # the CPU has the kernel (test_quantized)

@@ -132,10 +132,13 @@ class Engine:
 
     def load(self) -> None:
         """Load the model, open the caches and warm up: the first thing the engine thread does."""
+        from mlx.utils import tree_flatten
+
         from cachestore import Budgets, SessionCaches, model_fingerprint
 
+        from ..device import current
         from ..models.sources import prepare_model
-        from .modelload import load_model, warm_up
+        from .modelload import load_model, warm_up, weights_label
         from .quantized import make_cache
 
         c = self.config
@@ -146,6 +149,8 @@ class Engine:
 
             shard(c.model, loaded, self.lockstep.group)
         kv_bits = c.kv_bits or None
+        if refusal := current().kv_bits_refusal(c.kv_bits, weights_label(tree_flatten(loaded.model.parameters()), {})):
+            raise ValueError(refusal)
         resident, warm = self._tier_budgets(c)
         self.caches = SessionCaches(
             c.cache_dir,
@@ -161,8 +166,6 @@ class Engine:
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
-        from mlx.utils import tree_flatten
-
         params: Any = tree_flatten(loaded.model.parameters())
         self.weights_bytes = sum(int(v.nbytes) for _, v in params)
         self.steps = Steps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
@@ -171,8 +174,6 @@ class Engine:
         if self.lockstep is not None:
             self.lockstep.stream = self.steps.decoder.stream
             self.lockstep.open_doorbell()
-        from ..device import current
-
         probe = make_cache(self.model, kv_bits)
         from .draws import Draws
 
