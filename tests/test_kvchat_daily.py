@@ -223,7 +223,7 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
             await c.request("session.update", session=sid, system="Be brief.")
         screen = await kvchat(d, "--session", sid, script=[
             "/params max_tokens=8", "an early one", "a short one", "/params max_tokens=4096", long, "/compact",
-            "y", "/params", "/params max_tokens=8", "next", "/quit"])
+            "y", "/params", "/params max_tokens=8", "next", "/sessions", "/quit"])
         old = await transcript(d, sid)
         new_id = session_id(screen)
         new = await transcript(d, new_id)
@@ -242,23 +242,27 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
     # Its params are the old session's.
     assert ("in effect: temperature=0.0 (session), top_p=0.9 (kvd's default), max_tokens=4096 (session)"
             in screen.after("you> /compact"))
-    answers = [old["messages"][1]["content"], old["messages"][3]["content"]]
-    assert new["session"]["system"] == (
-        f"Be brief.\n\nEarlier in this conversation (carried over from the session 'Full', {sid}):\n\n"
-        f"User: an early one\n\nAssistant: {answers[0]}\n\nUser: a short one\n\nAssistant: {answers[1]}")
+    # The carried turns are its first messages, under the old system prompt: it begins as the old session did.
+    assert new["session"]["system"] == "Be brief." and new["session"]["origin"] == f"kvchat (compacted from {sid})"
+    assert [(m["role"], m["content"]) for m in new["messages"][:4]] == [
+        (m["role"], m["content"]) for m in old["messages"]]
     tokens = old["messages"][3]["usage"]["context_tokens"]
     # It said what it would carry before it made anything.
     assert (f"/compact: the new session will carry the system prompt and the last 2 turns (turns 1-2, {tokens} "
             "tokens)") in screen.lines
     assert screen.after("you> /compact")[1] == "go on? [Y/n] y"
     assert (f"this new session carries the system prompt and the last 2 turns ({tokens} tokens; at most half the "
-            "8192-token context) in its system prompt; 'Full' is kept (/switch to it)") in screen.lines
-    assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["next"]
-    # Its header shows the start of that long system prompt, not all of it.
-    header = next(line for line in screen.after("you> /compact") if line.startswith("system: "))
-    assert header.startswith(f"system: Be brief. Earlier in this conversation (carried over from the session 'Full', "
-                             f"{sid}):")
-    assert header.endswith(f"({len(new['session']['system'])} characters; /system shows it all)")
+            "8192-token context) as its first messages; 'Full' is kept (/switch to it)") in screen.lines
+    assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["an early one", "a short one", "next"]
+    # Its header shows the carried turns as a resumed session's would, and the system prompt as it was.
+    shown = screen.after("you> /compact")
+    assert "system: Be brief." in shown and "you> an early one" in shown and "you> a short one" in shown, shown
+    # Its first answer read none of them again: the old session's cache holds them (it was all prefilled before).
+    assert any(re.match(r"\s*1\* +Full \(compact… ← #2 ", line) for line in screen.after("you> /sessions")), \
+        screen.after("you> /sessions")  # the list says where it came from (its origin names it)
+    usage = new["messages"][-1]["usage"]
+    first_prompt = old["messages"][1]["usage"]["prompt_tokens"]
+    assert usage["restored_from"] == "shared" and usage["shared_tokens"] >= first_prompt, usage
 
 
 def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
@@ -290,6 +294,26 @@ def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
     # Turns of like size have no anchor: the plain rule.
     p = compact.plan(small, 1000)
     assert p.anchor is None and p.unfit is None and [t.number for t in p.kept] == [16]
+
+
+def test_compact_carries_the_small_turns_before_the_paste_so_its_cache_is_reused() -> None:
+    """A greeting, then the log: carrying the log without the greeting would make the new session begin
+    otherwise than the old one, and its first answer would read the log again (issue 44, item 11)."""
+    hello = compact.Turn("hello", "Hi! How can I help?", 50, 1)
+    log = compact.Turn("ERROR 2026-11-25 disk full on /var " * 300, "The disk filled up.", 3000, 2)
+    small = [compact.Turn(f"question {n} about the log", "an answer", 300, n) for n in range(3, 18)]
+    p = compact.plan([hello, log, *small], 8192)
+    assert p.anchor == log and [t.number for t in p.kept] == [1, 2, *range(8, 18)]  # 50 + 3000 + 10 x 300
+    assert compact.describe(p, 8192, system=False) == [
+        "/compact: the new session will carry turn 2 (your 3000-token message 'ERROR 2026-11-25 disk full on /var "
+        "ERRO…' and its answer: by far the largest turn, likely what the others are about) and turn 1 before it "
+        "(50 tokens: the new session begins as this one did, so its cache is reused, not read again) and the last "
+        "10 turns (turns 8-17, 3000 tokens); it leaves out turns 3-7 (1500 tokens)"]
+    # Turns before it that are not small beside it stay behind: the context is worth more than the read.
+    chatty = [compact.Turn(f"chat {n}", "an answer", 300, n) for n in range(1, 4)]
+    log2 = compact.Turn(log.question, log.answer, 3000, 4)
+    p = compact.plan([*chatty, log2, *[compact.Turn(t.question, t.answer, 300, t.number + 2) for t in small]], 8192)
+    assert p.anchor == log2 and p.kept[0] == log2
 
 
 def test_compact_rule() -> None:

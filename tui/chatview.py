@@ -6,6 +6,7 @@ repl.py imports them: the arrows run one way (repl -> commands -> chatview).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +58,6 @@ class ChatView(Protocol):
 
     def create(self, *, title: str | None = None, system: str | None = None) -> None: ...
 
-    def adopt(self, session: dict[str, Any]) -> None: ...
+    def adopt(self, session: dict[str, Any], *, messages: Sequence[Mapping[str, Any]] = ()) -> None: ...
 
     def forget_current(self) -> None: ...

@@ -278,11 +278,11 @@ class Chat:
         render.print_header(self.console, session, self.link.client.hello, resumed=resumed)
         render.print_history(self.console, messages, recent=render.RECENT_TURNS)
 
-    def adopt(self, session: dict[str, Any]) -> None:
-        """Open a session this run made with content of its own (/compact's)."""
+    def adopt(self, session: dict[str, Any], *, messages: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Open a session this run made with content of its own (/compact's: the turns it carries)."""
         if self.session:
             self.leave()
-        self.show(session, [], resumed=False)
+        self.show(session, messages, resumed=False)
 
     def name_after(self, text: str) -> None:
         """A new chat is titled after its first message, so the sessions list says what it was about."""
