@@ -566,6 +566,36 @@ async def test_the_list_groups_an_api_conversation_s_branches_and_titles_by_what
     assert len(every) == 3 + 2 + 1 and any("Say OK." in r for r in every), every
 
 
+async def test_opening_a_grouped_row_shows_the_conversation_s_title_and_renames_it_whole(tmp_path: Path) -> None:
+    """The row read "What is the capital of France? (+1 branch)"; opening it showed the branch's own title
+    ("And of Spain?", the request that started the branch), and /rename renamed that branch only, so the row
+    kept its old title. The row is one conversation to the user: one title, in the list and once opened."""
+    import openai
+
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://", 1), api_key=d.token, max_retries=0)
+        q1 = {"role": "user", "content": "What is the capital of France?"}
+        got = await api.chat.completions.create(model="kvd", messages=[q1], max_tokens=3, temperature=0)
+        a1 = {"role": "assistant", "content": got.choices[0].message.content or ""}
+        for _ in range(2):  # the second is a retry: a branch of the first
+            await api.chat.completions.create(model="kvd", messages=[q1, a1, {"role": "user", "content": "And of "
+                                                                              "Spain?"}], max_tokens=3, temperature=0)
+        await api.close()
+        titles = sorted(s["title"] for s in d.store.list_sessions())
+        assert titles == ["And of Spain?", "What is the capital of France?"]  # each session's own
+        screen = await kvchat(d, "--from", "api", script=["1", "/rename Capitals", "/sessions", "/quit"], width=120)
+        every = await kvchat(d, "--all", script=[""], width=120)
+    opened = screen.after("number or title, Enter for a new chat: 1")
+    assert opened[0] == "What is the capital of France?", opened
+    assert ("this API conversation has 1 more branch (a retry or an edited message each); this is the most "
+            "recently used one; /sessions all lists each") in opened, opened
+    assert "renamed to 'Capitals' (and its 1 other branch)" in screen.lines
+    rows = [line for line in screen.after("you> /sessions") if re.match(r"\s*\d+\*? ", line)]
+    assert len(rows) == 1 and re.match(r"\s*1\* +Capitals \(\+1 branch\) ", rows[0]), rows
+    every_rows = [line for line in every.lines if re.match(r"\s*\d+ ", line)]
+    assert len(every_rows) == 2 and all(" Capitals " in r for r in every_rows), every_rows
+
+
 async def test_a_narrow_terminal_keeps_the_number_to_type_and_whole_counts(tmp_path: Path) -> None:
     """At 60 columns or fewer the `#` column disappeared while the prompt still asked for a number; at 40 the
     token counts read `5…`. Columns are left out instead, the least needed first."""

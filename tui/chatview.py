@@ -36,6 +36,7 @@ class ChatView(Protocol):
     options: ChatOptions
     session: dict[str, Any]
     listed: list[dict[str, Any]]
+    group: list[str]  # the open session and the API conversation's other branches its listed row stood for
     continuation: str
 
     @property

@@ -117,9 +117,11 @@ def _title_cell(s: Mapping[str, Any], numbers: Mapping[str, int], width: int = 2
     if source is not None:
         marks.append(f" ← #{numbers[source]}" if source in numbers else f" ← {source[:8]}", style="dim")
     branches = len(s.get("members") or ()) - 1
+    whole = one_line(str(s.get("title") or protocol.DEFAULT_TITLE), width)
     if branches > 0:
         said = f" (+{branches} branch{'' if branches == 1 else 'es'})"
-        short = width - marks.cell_len - len(said) < TITLE_MIN  # a narrow terminal: the title first
+        # A narrow terminal: the title first (a short title with room for both keeps both whole).
+        short = len(whole) + marks.cell_len + len(said) > width and width - marks.cell_len - len(said) < TITLE_MIN
         marks.append(f" (+{branches})" if short else said, style="dim")
     title = Text(one_line(str(s.get("title") or protocol.DEFAULT_TITLE), max(width - marks.cell_len, 8)))
     return title.append_text(marks)

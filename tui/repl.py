@@ -69,6 +69,7 @@ class Chat:
         self.listed: list[dict[str, Any]] = []  # the rows of the last sessions table shown
         self.hidden_one_shots = 0  # one-shots that table left out
         self.last_index = -1  # the open session's last message
+        self.group: list[str] = []  # the open session, and the branches its listed row stands for with it
         self._created: set[str] = set()  # sessions this run created (an empty one is not kept)
         self.prompt = render.prompt(console, render.YOU, render.YOU_STYLE)
         self.continuation = render.prompt(console, render.CONTINUE, render.DIM)
@@ -258,10 +259,22 @@ class Chat:
         return self.listed
 
     def switch(self, session_id: str) -> None:
+        """Open a session; one a listed row stands for with its branches (an API conversation's retries
+        and edits) under that row's title, the conversation's: what the user picked is what the header says."""
         got = self.request(protocol.SESSION_GET, session=session_id)
         if self.session and self.session_id != session_id:
             self.leave()
-        self.show(got["session"], got.get("messages") or [], resumed=True)
+        session = got["session"]
+        row = next((r for r in self.listed if session_id in (r.get("members") or ()) and len(r["members"]) > 1), None)
+        if row is not None:
+            session = {**session, "title": row.get("title") or session.get("title")}
+        self.show(session, got.get("messages") or [], resumed=True)
+        if row is not None:
+            self.group = list(row["members"])
+            n = len(self.group) - 1
+            render.print_note(self.console, f"this API conversation has {n} more branch{'' if n == 1 else 'es'} (a "
+                              "retry or an edited message each); this is the most recently used one; /sessions "
+                              "all lists each")
 
     def create(self, *, title: str | None = None, system: str | None = None) -> None:
         fields = {k: v for k, v in (("title", title), ("system", system), ("model", self.options.model))
@@ -274,6 +287,7 @@ class Chat:
 
     def show(self, session: dict[str, Any], messages: Sequence[Mapping[str, Any]], *, resumed: bool) -> None:
         self.session = session
+        self.group = [str(session["id"])]
         self.last_index = int(messages[-1]["index"]) if messages else -1
         render.print_header(self.console, session, self.link.client.hello, resumed=resumed)
         render.print_history(self.console, messages, recent=render.RECENT_TURNS)
