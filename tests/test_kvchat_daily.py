@@ -574,9 +574,9 @@ async def test_opening_a_grouped_row_shows_the_conversation_s_title_and_renames_
 
     async with running_daemon(tmp_path, model=MODEL) as d:
         api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://", 1), api_key=d.token, max_retries=0)
-        q1 = {"role": "user", "content": "What is the capital of France?"}
+        q1: Any = {"role": "user", "content": "What is the capital of France?"}
         got = await api.chat.completions.create(model="kvd", messages=[q1], max_tokens=3, temperature=0)
-        a1 = {"role": "assistant", "content": got.choices[0].message.content or ""}
+        a1: Any = {"role": "assistant", "content": got.choices[0].message.content or ""}
         for _ in range(2):  # the second is a retry: a branch of the first
             await api.chat.completions.create(model="kvd", messages=[q1, a1, {"role": "user", "content": "And of "
                                                                               "Spain?"}], max_tokens=3, temperature=0)
