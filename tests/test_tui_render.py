@@ -508,7 +508,7 @@ def test_a_long_paste_is_written_back_cut_with_its_size_in_words_that_agree() ->
     from tui.terminal import echoed
 
     one = echoed("word " * 8000)
-    assert one.endswith("\n\x1b[2m… (39,999 characters in all; Up recalls it whole)\x1b[0m"), one[-80:]
+    assert one.endswith("\n\x1b[2m… (40,000 characters in all; Up recalls it whole)\x1b[0m"), one[-80:]
     many = echoed("\n".join(["x" * 99] * 400))
     assert many.endswith("… (39,999 characters, 400 lines in all; Up recalls it whole)\x1b[0m"), many[-80:]
     assert echoed("short\n") == "short"
