@@ -179,6 +179,17 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
     running = status["tiers"]["running"]  # the answer's cache counts against the resident budget
     assert 0 < running["bytes"] <= running["budget"] == status["tiers"]["resident"]["budget"]
     assert "running and resident caches together stay within" in shown
+    # At 60 columns (a terminal that narrow gets its own width): the tiers table fits, none of its rows broken
+    # by the terminal (the lines of text are left for the terminal to wrap, so a path copies whole).
+    from daemon.service.status import status_width
+
+    assert status_width(Console(width=60, force_terminal=True)) == 60
+    assert status_width(Console(width=60, file=io.StringIO())) == 100  # a pipe: room for the reader
+    narrow = Console(width=60, file=io.StringIO(), color_system=None)
+    render_status(status, narrow)
+    lines = narrow.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    table = [line for line in lines if any(c in line for c in "│┃━")]
+    assert len(table) >= 6 and all(len(line) <= 60 for line in table), table
 
 
 async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: Path,

@@ -162,9 +162,14 @@ def main(data_dir: Path, url: str | None, as_json: bool) -> int:
     if as_json:
         print(json.dumps(status, indent=2))
     else:
-        console = Console()
-        render_status(status, Console(width=max(console.width, 100)), url)
+        render_status(status, Console(width=status_width(Console())), url)
     return 0
+
+
+def status_width(console: Console) -> int:
+    """The terminal's width: a table wider than the terminal was broken mid-word by it (at 60 columns).
+    Not a terminal (a pipe, a file): 100 columns at least, so no cell is squeezed for a reader with room."""
+    return console.width if console.is_terminal else max(console.width, 100)
 
 
 def _alive(pid: int) -> bool:
