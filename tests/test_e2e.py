@@ -190,6 +190,8 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
     lines = narrow.file.getvalue().splitlines()  # type: ignore[attr-defined]
     table = [line for line in lines if any(c in line for c in "│┃━")]
     assert len(table) >= 6 and all(len(line) <= 60 for line in table), table
+    assert [line.split()[0] for line in table if line.split()[0] in ("running", "resident", "warm", "disk")] == [
+        "running", "resident", "warm", "disk"], table  # the tiers' names whole, not `runn…`
 
 
 async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: Path,

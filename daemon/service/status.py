@@ -105,7 +105,9 @@ def _render_tiers(status: dict[str, Any], console: Console) -> None:
     """The tiers' table: sessions, bytes against budgets, traffic; running caches share resident's budget."""
     table = Table(show_edge=False)
     for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
-        table.add_column(col, justify="left" if col == "tier" else "right")
+        # The tier's name, whole: a narrow terminal folds the numbers' columns instead.
+        table.add_column(col, justify="left" if col == "tier" else "right", no_wrap=col == "tier",
+                         min_width=len("resident") if col == "tier" else None)
     running = status.get("tiers", {}).get("running")
     if running is not None:
         # Running caches count against the resident budget: what the admitted turns' caches may
