@@ -192,6 +192,9 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
     assert len(table) >= 6 and all(len(line) <= 60 for line in table), table
     assert [line.split()[0] for line in table if line.split()[0] in ("running", "resident", "warm", "disk")] == [
         "running", "resident", "warm", "disk"], table  # the tiers' names whole, not `runn…`
+    assert "…" not in "".join(table) and "hits" not in table[0], table  # columns left out, none cut
+    assert "(hits, misses, page-ins and page-outs: in a terminal at least 78 columns wide, or kvd status --json)" \
+        in " ".join(" ".join(lines).split())
 
 
 async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: Path,
