@@ -42,6 +42,8 @@ TOO_MANY_CHARS_HINT = ("send it in parts (Up recalls it; Ctrl-O edits it in $EDI
 FULL_REFUSAL = re.compile(r"the conversation \((\d+) tokens\) plus max_tokens \((\d+)\) exceeds the model's "
                           r"context of (\d+) tokens")
 # A message that does not fit on its own: no earlier turn to leave behind, so /compact cannot help.
+TOO_LONG_ALONE_HINT = ("the message alone is longer than the model's context: send a part of it at a time, or "
+                       "use a model with a longer context (/model)")
 TOO_LONG_HINT = ("the message itself does not fit with the answer's room: send a shorter one (or a part of it "
                  "at a time), or lower /params max_tokens=N if a short answer is enough")
 
@@ -107,7 +109,7 @@ class Chat:
                         continue
                     if exc.code == protocol.TOO_LARGE and "context" in exc.message:
                         render.print_error(self.console, exc.message)
-                        render.print_note(self.console, FULL_HINT if self.compact_helps(exc.message) else TOO_LONG_HINT)
+                        render.print_note(self.console, self.full_hint(exc.message))
                         continue
                     if exc.code == protocol.TOO_LARGE and "characters" in exc.message:
                         render.print_error(self.console, exc.message)
@@ -329,6 +331,16 @@ class Chat:
             self.create()
             return True
         return self.pick(sessions)
+
+    def full_hint(self, refusal: str) -> str:
+        """What to do about a turn that does not fit the context: /compact, or a shorter message (and a
+        smaller answer's room only where that could be enough: not for a message longer than the context)."""
+        if self.compact_helps(refusal):
+            return FULL_HINT
+        said = FULL_REFUSAL.search(refusal)
+        if said is not None and int(said[1]) >= int(said[3]):
+            return TOO_LONG_ALONE_HINT
+        return TOO_LONG_HINT
 
     def compact_helps(self, refusal: str) -> bool:
         """Whether /compact could make room: the session holds an answer to leave behind, and the new
