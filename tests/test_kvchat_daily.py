@@ -192,6 +192,9 @@ async def test_a_first_message_too_long_says_to_shorten_it_not_to_compact(tmp_pa
     assert any(line.startswith("the message itself does not fit") for line in after), after
     assert not any("/compact" in line for line in after), after
     assert all(s["message_count"] == 0 for s in sessions)  # the refused message was taken back
+    # ...and the new chat was not left behind titled after it (an empty "the sea and the sky…" row in the list):
+    # it went back to "New chat", so leaving it deleted it.
+    assert sessions == [], sessions
 
 
 async def test_a_paste_larger_than_the_context_after_a_turn_is_not_sent_to_compact(tmp_path: Path) -> None:

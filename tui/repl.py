@@ -128,9 +128,16 @@ class Chat:
                 self.leave()
 
     def send(self, text: str) -> None:
-        self.name_after(text)
+        named = self.name_after(text)
         model = {"model": self.options.model} if self.options.model else {}
-        reply = self.turn(protocol.CHAT_SEND, text=text, **model)
+        try:
+            reply = self.turn(protocol.CHAT_SEND, text=text, **model)
+        except ServerError:
+            if named and self.last_index < 0:  # refused, nothing kept: not titled after what is not there
+                with contextlib.suppress(KvchatError):
+                    self.session = self.request(protocol.SESSION_UPDATE, session=self.session_id,
+                                                title=protocol.DEFAULT_TITLE)["session"]
+            raise
         if model and reply is not None:
             self.session["model"] = self.options.model  # the daemon switched the session to it
 
@@ -300,14 +307,17 @@ class Chat:
             self.leave()
         self.show(session, messages, resumed=False)
 
-    def name_after(self, text: str) -> None:
-        """A new chat is titled after its first message, so the sessions list says what it was about."""
+    def name_after(self, text: str) -> bool:
+        """A new chat is titled after its first message, so the sessions list says what it was about;
+        whether it was."""
         if self.last_index >= 0 or self.session.get("title") != protocol.DEFAULT_TITLE:
-            return
+            return False
         title = listing.one_line(text, TITLE_CHARS)
         if title:
             with contextlib.suppress(KvchatError):
                 self.session = self.request(protocol.SESSION_UPDATE, session=self.session_id, title=title)["session"]
+                return True
+        return False
 
     def session_exists(self) -> bool:
         try:
