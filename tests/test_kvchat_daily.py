@@ -327,8 +327,18 @@ def test_compact_rule() -> None:
         return [{"role": "user", "content": q}, {"role": "assistant", "content": q.upper(), "usage": usage}]
 
     messages = turn("a", 30) + turn("b", None) + turn("c", 60) + turn("d", 80) + turn("e", 95)
+    for m in messages:
+        m["status"] = "complete" if m["role"] == "user" or m["usage"] else "error"  # b's answer failed
     measured = compact.turns(messages)
     assert [(t.question, t.tokens) for t in measured] == [("c", 60), ("d", 20), ("e", 15)]
+    # Turns a /compact carried (stored complete, never answered: no usage) share the next answer's count by
+    # their characters: a compacted session compacted again still carries its paste.
+    carried: list[dict[str, Any]] = [{"role": "user", "content": "p" * 300, "status": "complete"},
+               {"role": "assistant", "content": "ok", "status": "complete", "usage": None},
+               {"role": "user", "content": "q", "status": "complete"},
+               {"role": "assistant", "content": "a", "status": "complete", "usage": None}]
+    again = compact.turns(carried + turn("next", 120))
+    assert [(t.question[:1], t.number, t.tokens) for t in again] == [("p", 1, 115), ("q", 2, 1), ("n", 3, 3)]
     assert compact.window(messages) == 100
     assert [t.question for t in compact.carried(measured, 50)] == ["d", "e"]
     assert compact.carried(measured, 10) == []

@@ -67,8 +67,13 @@ class Plan:
 
 
 def turns(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
-    """The transcript's whole turns, oldest first, each with its token count (the measurable ones)."""
+    """The transcript's whole turns, oldest first, each with its token count (the measurable ones).
+
+    Turns a session was made with (an earlier /compact's: stored complete, never answered, so without
+    usage) share the count of the first answer after them, in proportion to their characters.
+    """
     out: list[Turn] = []
+    carried: list[Turn] = []
     before = 0
     number = 0
     for user, answer in zip(messages, messages[1:]):
@@ -77,13 +82,26 @@ def turns(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
         number += 1
         usage = answer.get("usage") or {}
         after = usage.get("context_tokens")
+        turn = Turn(str(user.get("content", "")), str(answer.get("content", "")), 0, number)
+        if after is None and not answer.get("usage") and answer.get("status") == "complete":
+            carried.append(turn)
+            continue
         if not isinstance(after, int) or after <= before:
             out.clear()  # what came before cannot be measured from here on
+            carried.clear()
             before = 0
             continue
-        out.append(Turn(str(user.get("content", "")), str(answer.get("content", "")), after - before, number))
+        out += _shared(after - before, [*carried, turn])
+        carried.clear()
         before = after
     return out
+
+
+def _shared(tokens: int, stretch: Sequence[Turn]) -> list[Turn]:
+    """`tokens` measured for the whole stretch, split among its turns by their characters (at least 1 each)."""
+    chars = [len(t.question) + len(t.answer) + 1 for t in stretch]
+    total = sum(chars)
+    return [Turn(t.question, t.answer, max(1, tokens * c // total), t.number) for t, c in zip(stretch, chars)]
 
 
 def window(messages: Sequence[Mapping[str, Any]]) -> int | None:
