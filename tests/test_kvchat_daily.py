@@ -321,6 +321,12 @@ def test_compact_carries_the_small_turns_before_the_paste_so_its_cache_is_reused
     assert p.anchor == log2 and p.kept[0] == log2
 
 
+def test_a_compacted_session_compacted_again_keeps_its_title() -> None:
+    assert compact.compacted_title("Lisbon") == "Lisbon (compacted)"
+    assert compact.compacted_title("Lisbon (compacted)") == "Lisbon (compacted)"  # not "(compacted) (compacted)"
+    assert compact.compacted_title("t" * 200) == "t" * 188 + " (compacted)"
+
+
 def test_compact_rule() -> None:
     def turn(q: str, after: int | None) -> list[dict[str, Any]]:
         usage = None if after is None else {"context_tokens": after, "context_window": 100}

@@ -231,6 +231,11 @@ def run(chat: ChatView) -> None:
                       f"first messages; {title!r} is kept (/switch to it)")
 
 
+def compacted_title(title: str) -> str:
+    """"<title> (compacted)", once: a compacted session compacted again keeps its title."""
+    return title if title.endswith(TITLE_SUFFIX) else title[: MAX_TITLE - len(TITLE_SUFFIX)] + TITLE_SUFFIX
+
+
 _TOO_LONG = re.compile(r"'messages\[(\d+)\]\.content' is longer than")
 
 
@@ -239,7 +244,7 @@ def _create(chat: ChatView, old: Mapping[str, Any], title: str,
     """The new session, carrying `chosen.kept` (less any turn longer than kvd takes as one message)."""
     kept = chosen.kept
     while True:
-        fields = {"title": title[: MAX_TITLE - len(TITLE_SUFFIX)] + TITLE_SUFFIX, "system": old.get("system"),
+        fields = {"title": compacted_title(title), "system": old.get("system"),
                   "messages": carried_messages(kept)}
         try:
             session = chat.request(protocol.SESSION_CREATE, origin=compacted_origin(str(old.get("id", ""))),
