@@ -402,14 +402,12 @@ class AnswerPrinter:
         self.reading = text
 
     def note(self, message: str) -> None:
-        """A dim line above the live tail; it stays in the scrollback. Before the answer's text only: once
-        text is shown, a line printed above the live tail lands inside the answer (`wait` instead)."""
+        """A dim line above the live tail, kept. Once text shows it lands inside the answer: `wait` then."""
         with self._drawing():
             self.console.print(Text(message, style="dim"), soft_wrap=True)
 
     def wait(self, state: str | None) -> None:
-        """Show `state` below the live text while it lasts (None: it is over); a console that is not a
-        terminal shows nothing of it (the caller says it after the answer)."""
+        """`state` below the live text while it lasts (None: over); not a terminal: nothing (said after)."""
         with self._drawing():
             self.waiting = state
 
