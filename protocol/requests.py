@@ -304,6 +304,9 @@ def _carried(msg: Msg, rid: RequestId, limits: Limits) -> tuple[tuple[str, str],
         return ()
     if not isinstance(given, list):
         raise RequestError(p.BAD_REQUEST, f"'messages' must be an array; {CARRIED_SHAPE}", rid)
+    if len(given) > p.MAX_CARRIED:
+        raise RequestError(p.TOO_LARGE, f"'messages' holds {len(given)} messages; a session starts with at most "
+                           f"{p.MAX_CARRIED} (carry the most recent turns)", rid)
     out: list[tuple[str, str]] = []
     for i, m in enumerate(given):
         role = "user" if i % 2 == 0 else "assistant"

@@ -125,8 +125,12 @@ class Store:
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [session_id, title, system, now, now, origin, model],
             )
-            for role, content in messages:
-                self.append_message(session_id, role, content)
+            for role, _ in messages:
+                _check_role(role)
+            self.db.conn.executemany(
+                "INSERT INTO messages (session_id, idx, role, content, status, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, 'complete', ?, ?)",
+                [(session_id, i, role, content, now, now) for i, (role, content) in enumerate(messages)])
         if messages:
             made = self.get_session(session_id)
             assert made is not None

@@ -243,6 +243,8 @@ BAD_CARRIED: list[tuple[Any, str, str]] = [
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "z" * 32001}], "too_large",
      "'messages[1].content' is longer than 32000 characters"),
     ([{"role": "user", "content": "a"}], "bad_request", "'messages' ends with a user message without its answer"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 1001, "too_large",
+     "'messages' holds 2002 messages; a session starts with at most 2000 (carry the most recent turns)"),
 ]
 
 

@@ -191,7 +191,8 @@ def describe(p: Plan, size: int, system: bool) -> list[str]:
 
 
 def carried_messages(kept: Sequence[Turn]) -> list[dict[str, str]]:
-    """The carried turns as session.create's `messages`."""
+    """The carried turns as session.create's `messages` (the most recent, as many as kvd takes)."""
+    kept = kept[len(kept) - protocol.MAX_CARRIED // 2:] if len(kept) > protocol.MAX_CARRIED // 2 else kept
     return [m for turn in kept for m in ({"role": "user", "content": turn.question},
                                           {"role": "assistant", "content": turn.answer})]
 
