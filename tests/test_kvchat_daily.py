@@ -604,7 +604,8 @@ async def test_opening_a_grouped_row_shows_the_conversation_s_title_and_renames_
         await api.close()
         titles = sorted(s["title"] for s in d.store.list_sessions())
         assert titles == ["And of Spain?", "What is the capital of France?"]  # each session's own
-        screen = await kvchat(d, "--from", "api", script=["1", "/rename Capitals", "/sessions", "/quit"], width=120)
+        steps = ["1", "/rename Capitals", "/sessions", "/delete", "n", "/quit"]
+        screen = await kvchat(d, "--from", "api", script=steps, width=120)
         every = await kvchat(d, "--all", script=[""], width=120)
     opened = screen.after("number or title, Enter for a new chat: 1")
     assert opened[0] == "What is the capital of France?", opened
@@ -613,6 +614,7 @@ async def test_opening_a_grouped_row_shows_the_conversation_s_title_and_renames_
     assert "renamed to 'Capitals' (and its 1 other branch)" in screen.lines
     rows = [line for line in screen.after("you> /sessions") if re.match(r"\s*\d+\*? ", line)]
     assert len(rows) == 1 and re.match(r"\s*1\* +Capitals \(\+1 branch\) ", rows[0]), rows
+    assert "delete 'Capitals' and its 1 branch? [y/N] n" in screen.lines  # the conversation, as the row would
     every_rows = [line for line in every.lines if re.match(r"\s*\d+ ", line)]
     assert len(every_rows) == 2 and all(" Capitals " in r for r in every_rows), every_rows
 

@@ -162,8 +162,8 @@ def _delete(chat: ChatView, args: str) -> None:
         if isinstance(found, str):
             raise UsageError(found)
         targets = [dict(t) for t in found]
-    else:
-        targets = [chat.session]
+    else:  # this session: opened from a row standing for an API conversation's branches, all of them
+        targets = [{**chat.session, "members": chat.group}]
     titles = [render.sanitize(str(t.get("title") or t["id"])) for t in targets]
     # A row that stands for an API conversation's branches deletes them all: the row goes.
     ids = [i for t in targets for i in (t.get("members") or [t["id"]])]
