@@ -283,12 +283,17 @@ class Transcripts:
     # --- session-level changes, acknowledged to whoever asked: waited for ---
 
     async def create_session(self, *, title: str, system: str | None, origin: str | None,
-                             model: str | None = None) -> Session:
-        session = await self.writer.run(lambda s: s.create_session(title=title, system=system, origin=origin,
-                                                                   model=model))
-        self.chains.put(session["id"], system, [])
+                             model: str | None = None, messages: Sequence[tuple[str, str]] = ()) -> Session:
+        """A new session, written at once; `messages` (role, content): earlier turns it starts with,
+        stored unanswered in the same transaction (its first turn renders them: no fed ids yet)."""
+        def create(store: Store) -> tuple[Session, list[Message]]:
+            made = store.create_session(title=title, system=system, origin=origin, model=model, messages=messages)
+            return made, store.messages(made["id"]) if messages else []
+
+        session, held = await self.writer.run(create)
+        self.chains.put(session["id"], system, held)
         # its first turn loads nothing
-        self._held[session["id"]] = Held(session["id"], system, {}, [], [], 0, model=model)
+        self._held[session["id"]] = Held(session["id"], system, {}, held, [], 0, model=model)
         self._let_go()
         return session
 

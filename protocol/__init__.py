@@ -77,6 +77,10 @@ INTERNAL = "internal"
 # The title of a session created without one.
 DEFAULT_TITLE = "New chat"
 
+# Earlier turns a new session may start with (session.create's `messages`): validated on the event loop,
+# so bounded (2,000 took ~15 ms; the 1 MiB frame's ~28,000 took 0.2 s, a stall for every other client).
+MAX_CARRIED = 2000
+
 # Per-session generation defaults a session.update may set ("params").
 PARAMS = ("temperature", "top_p", "max_tokens")
 

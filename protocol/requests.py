@@ -50,6 +50,8 @@ class SessionCreate:
     system: str | None
     origin: str  # who asks: "kvchat", "kvchat one-shot"; "websocket" when the client does not say
     model: str | None = None  # the model to answer it (`kvd models`, an alias); None: the daemon's default
+    # Earlier turns it starts with, (role, content) oldest first, stored without being answered (/compact's)
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -290,9 +292,41 @@ def _decode(raw: str | bytes) -> dict[str, Any]:
 Msg = dict[str, Any]
 
 
+CARRIED_SHAPE = ('send them as [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]: '
+                 "whole turns, a user message then its answer, oldest first")
+
+
+def _carried(msg: Msg, rid: RequestId, limits: Limits) -> tuple[tuple[str, str], ...]:
+    """session.create's `messages`: whole earlier turns (user, assistant, user, ...) to store unanswered."""
+    given = msg.get("messages")
+    if given is None:
+        return ()
+    if not isinstance(given, list):
+        raise RequestError(p.BAD_REQUEST, f"'messages' must be an array; {CARRIED_SHAPE}", rid)
+    if len(given) > p.MAX_CARRIED:
+        raise RequestError(p.TOO_LARGE, f"'messages' holds {len(given)} messages; a session starts with at most "
+                           f"{p.MAX_CARRIED} (carry the most recent turns)", rid)
+    out: list[tuple[str, str]] = []
+    for i, m in enumerate(given):
+        role = "user" if i % 2 == 0 else "assistant"
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise RequestError(p.BAD_REQUEST, f"'messages[{i}]' must be an object with exactly 'role' and "
+                               f"'content'; {CARRIED_SHAPE}", rid)
+        if m["role"] != role:
+            raise RequestError(p.BAD_REQUEST, f"'messages[{i}].role' must be {role!r}; {CARRIED_SHAPE}", rid)
+        content = m["content"]
+        if not isinstance(content, str) or not content.strip():
+            raise RequestError(p.BAD_REQUEST, f"'messages[{i}].content' must be a non-empty string", rid)
+        out.append((role, _fits(f"messages[{i}].content", content, rid, limits)))
+    if len(out) % 2:
+        raise RequestError(p.BAD_REQUEST, f"'messages' ends with a user message without its answer; {CARRIED_SHAPE}",
+                           rid)
+    return tuple(out)
+
+
 def _session_create(msg: Msg, rid: RequestId, limits: Limits) -> Request:
     return SessionCreate(rid, _title(msg, rid) or p.DEFAULT_TITLE, _system(msg, rid, limits), _origin(msg, rid),
-                         _model(msg, rid))
+                         _model(msg, rid), _carried(msg, rid, limits))
 
 
 def _session_update(msg: Msg, rid: RequestId, limits: Limits) -> Request:

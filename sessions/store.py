@@ -112,16 +112,29 @@ class Store:
     def create_session(
         self, *, title: str, system: str | None = None, origin: str | None = None,
         session_id: str | None = None, model: str | None = None,
+        messages: Sequence[tuple[str, str]] = (),
     ) -> Session:
-        """A new empty session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE),
-        and may choose its id (new_session_id()) before the row is written, as the turn core does."""
+        """A new session. The daemon chooses the title (the wire's default is protocol.DEFAULT_TITLE),
+        and may choose its id (new_session_id()) before the row is written, as the turn core does.
+        `messages` (role, content): earlier turns it starts with, written with it (all or nothing)."""
         now = self._clock()
         session_id = session_id or new_session_id()
-        self.db.execute(
-            "INSERT INTO sessions (id, title, system, created_at, updated_at, origin, model) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [session_id, title, system, now, now, origin, model],
-        )
+        with self.db.atomic():
+            self.db.execute(
+                "INSERT INTO sessions (id, title, system, created_at, updated_at, origin, model) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [session_id, title, system, now, now, origin, model],
+            )
+            for role, _ in messages:
+                _check_role(role)
+            self.db.conn.executemany(
+                "INSERT INTO messages (session_id, idx, role, content, status, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, 'complete', ?, ?)",
+                [(session_id, i, role, content, now, now) for i, (role, content) in enumerate(messages)])
+        if messages:
+            made = self.get_session(session_id)
+            assert made is not None
+            return made
         return Session(
             id=session_id, title=title, system=system, created_at=now,
             updated_at=now, message_count=0, last_message=None, tokens=0,

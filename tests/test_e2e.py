@@ -180,6 +180,22 @@ async def test_status_shows_each_answer_in_progress(tmp_path: Path) -> None:
     running = status["tiers"]["running"]  # the answer's cache counts against the resident budget
     assert 0 < running["bytes"] <= running["budget"] == status["tiers"]["resident"]["budget"]
     assert "running and resident caches together stay within" in shown
+    # At 60 columns (a terminal that narrow gets its own width): the tiers table fits, none of its rows broken
+    # by the terminal (the lines of text are left for the terminal to wrap, so a path copies whole).
+    from daemon.service.status import status_width
+
+    assert status_width(Console(width=60, force_terminal=True)) == 60
+    assert status_width(Console(width=60, file=io.StringIO())) == 100  # a pipe: room for the reader
+    narrow = Console(width=60, file=io.StringIO(), color_system=None)
+    render_status(status, narrow)
+    lines = narrow.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    table = [line for line in lines if any(c in line for c in "│┃━")]
+    assert len(table) >= 6 and all(len(line) <= 60 for line in table), table
+    assert [line.split()[0] for line in table if line.split()[0] in ("running", "resident", "warm", "disk")] == [
+        "running", "resident", "warm", "disk"], table  # the tiers' names whole, not `runn…`
+    assert "…" not in "".join(table) and "hits" not in table[0], table  # columns left out, none cut
+    assert "(hits, misses, page-ins and page-outs: in a terminal at least 78 columns wide, or kvd status --json)" \
+        in " ".join(" ".join(lines).split())
 
 
 async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: Path,

@@ -192,6 +192,9 @@ async def test_a_first_message_too_long_says_to_shorten_it_not_to_compact(tmp_pa
     assert any(line.startswith("the message itself does not fit") for line in after), after
     assert not any("/compact" in line for line in after), after
     assert all(s["message_count"] == 0 for s in sessions)  # the refused message was taken back
+    # ...and the new chat was not left behind titled after it (an empty "the sea and the sky…" row in the list):
+    # it went back to "New chat", so leaving it deleted it.
+    assert sessions == [], sessions
 
 
 async def test_a_paste_larger_than_the_context_after_a_turn_is_not_sent_to_compact(tmp_path: Path) -> None:
@@ -201,7 +204,9 @@ async def test_a_paste_larger_than_the_context_after_a_turn_is_not_sent_to_compa
         screen = await kvchat(d, "--new", "--max-tokens", "8", script=["hello", huge, "/quit"])
     after = screen.after(f"you> {huge}")
     assert any(line.startswith("error: the conversation (") for line in after), after
-    assert any(line.startswith("the message itself does not fit") for line in after), after
+    # Not "lower /params max_tokens=N": no answer's room makes a message longer than the context fit.
+    assert ("the message alone is longer than the model's context: send a part of it at a time, or use a model "
+            "with a longer context (/model)") in after, after
     assert not any(line.startswith("the session is full") for line in after), after  # kvchat's own hint
 
 
@@ -223,7 +228,7 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
             await c.request("session.update", session=sid, system="Be brief.")
         screen = await kvchat(d, "--session", sid, script=[
             "/params max_tokens=8", "an early one", "a short one", "/params max_tokens=4096", long, "/compact",
-            "y", "/params", "/params max_tokens=8", "next", "/quit"])
+            "y", "/params", "/params max_tokens=8", "next", "/sessions", "/quit"])
         old = await transcript(d, sid)
         new_id = session_id(screen)
         new = await transcript(d, new_id)
@@ -242,23 +247,27 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
     # Its params are the old session's.
     assert ("in effect: temperature=0.0 (session), top_p=0.9 (kvd's default), max_tokens=4096 (session)"
             in screen.after("you> /compact"))
-    answers = [old["messages"][1]["content"], old["messages"][3]["content"]]
-    assert new["session"]["system"] == (
-        f"Be brief.\n\nEarlier in this conversation (carried over from the session 'Full', {sid}):\n\n"
-        f"User: an early one\n\nAssistant: {answers[0]}\n\nUser: a short one\n\nAssistant: {answers[1]}")
+    # The carried turns are its first messages, under the old system prompt: it begins as the old session did.
+    assert new["session"]["system"] == "Be brief." and new["session"]["origin"] == f"kvchat (compacted from {sid})"
+    assert [(m["role"], m["content"]) for m in new["messages"][:4]] == [
+        (m["role"], m["content"]) for m in old["messages"]]
     tokens = old["messages"][3]["usage"]["context_tokens"]
     # It said what it would carry before it made anything.
     assert (f"/compact: the new session will carry the system prompt and the last 2 turns (turns 1-2, {tokens} "
             "tokens)") in screen.lines
     assert screen.after("you> /compact")[1] == "go on? [Y/n] y"
     assert (f"this new session carries the system prompt and the last 2 turns ({tokens} tokens; at most half the "
-            "8192-token context) in its system prompt; 'Full' is kept (/switch to it)") in screen.lines
-    assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["next"]
-    # Its header shows the start of that long system prompt, not all of it.
-    header = next(line for line in screen.after("you> /compact") if line.startswith("system: "))
-    assert header.startswith(f"system: Be brief. Earlier in this conversation (carried over from the session 'Full', "
-                             f"{sid}):")
-    assert header.endswith(f"({len(new['session']['system'])} characters; /system shows it all)")
+            "8192-token context) as its first messages; 'Full' is kept (/switch to it)") in screen.lines
+    assert [m["content"] for m in new["messages"] if m["role"] == "user"] == ["an early one", "a short one", "next"]
+    # Its header shows the carried turns as a resumed session's would, and the system prompt as it was.
+    shown = screen.after("you> /compact")
+    assert "system: Be brief." in shown and "you> an early one" in shown and "you> a short one" in shown, shown
+    # Its first answer read none of them again: the old session's cache holds them (it was all prefilled before).
+    assert any(re.match(r"\s*1\* +Full \(compact… ← #2 ", line) for line in screen.after("you> /sessions")), \
+        screen.after("you> /sessions")  # the list says where it came from (its origin names it)
+    usage = new["messages"][-1]["usage"]
+    first_prompt = old["messages"][1]["usage"]["prompt_tokens"]
+    assert usage["restored_from"] == "shared" and usage["shared_tokens"] >= first_prompt, usage
 
 
 def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
@@ -292,14 +301,50 @@ def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
     assert p.anchor is None and p.unfit is None and [t.number for t in p.kept] == [16]
 
 
+def test_compact_carries_the_small_turns_before_the_paste_so_its_cache_is_reused() -> None:
+    """A greeting, then the log: carrying the log without the greeting would make the new session begin
+    otherwise than the old one, and its first answer would read the log again (issue 44, item 11)."""
+    hello = compact.Turn("hello", "Hi! How can I help?", 50, 1)
+    log = compact.Turn("ERROR 2026-11-25 disk full on /var " * 300, "The disk filled up.", 3000, 2)
+    small = [compact.Turn(f"question {n} about the log", "an answer", 300, n) for n in range(3, 18)]
+    p = compact.plan([hello, log, *small], 8192)
+    assert p.anchor == log and [t.number for t in p.kept] == [1, 2, *range(8, 18)]  # 50 + 3000 + 10 x 300
+    assert compact.describe(p, 8192, system=False) == [
+        "/compact: the new session will carry turn 2 (your 3000-token message 'ERROR 2026-11-25 disk full on /var "
+        "ERRO…' and its answer: by far the largest turn, likely what the others are about) and turn 1 before it "
+        "(50 tokens: the new session begins as this one did, so its cache is reused, not read again) and the last "
+        "10 turns (turns 8-17, 3000 tokens); it leaves out turns 3-7 (1500 tokens)"]
+    # Turns before it that are not small beside it stay behind: the context is worth more than the read.
+    chatty = [compact.Turn(f"chat {n}", "an answer", 300, n) for n in range(1, 4)]
+    log2 = compact.Turn(log.question, log.answer, 3000, 4)
+    p = compact.plan([*chatty, log2, *[compact.Turn(t.question, t.answer, 300, t.number + 2) for t in small]], 8192)
+    assert p.anchor == log2 and p.kept[0] == log2
+
+
+def test_a_compacted_session_compacted_again_keeps_its_title() -> None:
+    assert compact.compacted_title("Lisbon") == "Lisbon (compacted)"
+    assert compact.compacted_title("Lisbon (compacted)") == "Lisbon (compacted)"  # not "(compacted) (compacted)"
+    assert compact.compacted_title("t" * 200) == "t" * 188 + " (compacted)"
+
+
 def test_compact_rule() -> None:
     def turn(q: str, after: int | None) -> list[dict[str, Any]]:
         usage = None if after is None else {"context_tokens": after, "context_window": 100}
         return [{"role": "user", "content": q}, {"role": "assistant", "content": q.upper(), "usage": usage}]
 
     messages = turn("a", 30) + turn("b", None) + turn("c", 60) + turn("d", 80) + turn("e", 95)
+    for m in messages:
+        m["status"] = "complete" if m["role"] == "user" or m["usage"] else "error"  # b's answer failed
     measured = compact.turns(messages)
     assert [(t.question, t.tokens) for t in measured] == [("c", 60), ("d", 20), ("e", 15)]
+    # Turns a /compact carried (stored complete, never answered: no usage) share the next answer's count by
+    # their characters: a compacted session compacted again still carries its paste.
+    carried: list[dict[str, Any]] = [{"role": "user", "content": "p" * 300, "status": "complete"},
+               {"role": "assistant", "content": "ok", "status": "complete", "usage": None},
+               {"role": "user", "content": "q", "status": "complete"},
+               {"role": "assistant", "content": "a", "status": "complete", "usage": None}]
+    again = compact.turns(carried + turn("next", 120))
+    assert [(t.question[:1], t.number, t.tokens) for t in again] == [("p", 1, 115), ("q", 2, 1), ("n", 3, 3)]
     assert compact.window(messages) == 100
     assert [t.question for t in compact.carried(measured, 50)] == ["d", "e"]
     assert compact.carried(measured, 10) == []
@@ -540,6 +585,38 @@ async def test_the_list_groups_an_api_conversation_s_branches_and_titles_by_what
     assert "(1 one-shot not listed: kvchat --all lists them)" in table, table
     every = [line for line in everything.lines if re.match(r"\s*\d+ ", line)]
     assert len(every) == 3 + 2 + 1 and any("Say OK." in r for r in every), every
+
+
+async def test_opening_a_grouped_row_shows_the_conversation_s_title_and_renames_it_whole(tmp_path: Path) -> None:
+    """The row read "What is the capital of France? (+1 branch)"; opening it showed the branch's own title
+    ("And of Spain?", the request that started the branch), and /rename renamed that branch only, so the row
+    kept its old title. The row is one conversation to the user: one title, in the list and once opened."""
+    import openai
+
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://", 1), api_key=d.token, max_retries=0)
+        q1: Any = {"role": "user", "content": "What is the capital of France?"}
+        got = await api.chat.completions.create(model="kvd", messages=[q1], max_tokens=3, temperature=0)
+        a1: Any = {"role": "assistant", "content": got.choices[0].message.content or ""}
+        for _ in range(2):  # the second is a retry: a branch of the first
+            await api.chat.completions.create(model="kvd", messages=[q1, a1, {"role": "user", "content": "And of "
+                                                                              "Spain?"}], max_tokens=3, temperature=0)
+        await api.close()
+        titles = sorted(s["title"] for s in d.store.list_sessions())
+        assert titles == ["And of Spain?", "What is the capital of France?"]  # each session's own
+        steps = ["1", "/rename Capitals", "/sessions", "/delete", "n", "/quit"]
+        screen = await kvchat(d, "--from", "api", script=steps, width=120)
+        every = await kvchat(d, "--all", script=[""], width=120)
+    opened = screen.after("number or title, Enter for a new chat: 1")
+    assert opened[0] == "What is the capital of France?", opened
+    assert ("this API conversation has 1 more branch (a retry or an edited message each); this is the most "
+            "recently used one; /sessions all lists each") in opened, opened
+    assert "renamed to 'Capitals' (and its 1 other branch)" in screen.lines
+    rows = [line for line in screen.after("you> /sessions") if re.match(r"\s*\d+\*? ", line)]
+    assert len(rows) == 1 and re.match(r"\s*1\* +Capitals \(\+1 branch\) ", rows[0]), rows
+    assert "delete 'Capitals' and its 1 branch? [y/N] n" in screen.lines  # the conversation, as the row would
+    every_rows = [line for line in every.lines if re.match(r"\s*\d+ ", line)]
+    assert len(every_rows) == 2 and all(" Capitals " in r for r in every_rows), every_rows
 
 
 async def test_a_narrow_terminal_keeps_the_number_to_type_and_whole_counts(tmp_path: Path) -> None:

@@ -394,13 +394,15 @@ def test_daemon_restart_mid_answer_is_followed_and_told(tmp_path: Path, open_pan
         pane.wait_for("the reconnect note", lambda lines: "connection lost; reconnecting…" in lines)
         daemon = DaemonProcess(data)
         lines = pane.wait_for("the answer's end", has_status_after("tell me a story"))
-        # The notes are printed above the live part of the answer: after the lines printed for good.
-        asked = lines.index("you> tell me a story")
-        note = lines.index("connection lost; reconnecting…", asked)
-        assert lines[note + 1] == "reconnected"
-        story, status = answer_to(lines[:note] + lines[note + 2 :], "tell me a story")
+        # The notes are never printed inside the answer (they were, between its printed lines and its live
+        # tail): "reconnecting…" showed below the live text while it lasted, and the rest is said after it.
+        story, status = answer_to(lines, "tell me a story")
+        assert "reconnect" not in story, story
         assert status.endswith("(cancelled)")
-        assert any(line.startswith("kvd stopped while writing this answer") for line in lines)
+        said = lines.index("the connection to kvd dropped mid-answer; kvchat reconnected")
+        assert is_status(lines[said - 1]) or STATUS_PART.match(lines[said - 1]), lines[said - 1]  # after the status
+        assert lines[said + 1] == ("kvd stopped while writing this answer (it was restarted?), so it is cut off; "
+                                   "/regen writes it again"), lines[said:]
         pane.wait_for_prompt()
         with daemon.client() as c:
             sid = c.request("session.list")["sessions"][0]["id"]
@@ -452,6 +454,30 @@ def test_a_wrong_url_names_where_kvd_runs(kvd: Kvd) -> None:
     lines = status.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"kvd status: nothing answers at {url}; kvd runs at {kvd.url}"), \
         status.stderr  # one line, and none of the running daemon's log
+
+
+def test_a_one_shot_cut_by_a_dead_kvd_ends_its_line_and_names_this_daemon(tmp_path: Path) -> None:
+    """`kvd` killed mid-answer: the error was printed on the answer's last line (`…went saiderror: lost the
+    connection`), and said `kvd serve --port N` without the data dir this kvd ran on (issue 44, item 6)."""
+    data = tmp_path / "kvd"
+    daemon = DaemonProcess(data)
+    try:
+        one = subprocess.Popen([*kvchat_command(), "--data-dir", str(data), "--max-tokens", "4000", "--temperature",
+                                "0", "tell me a long story"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+        assert one.stdout is not None
+        got = one.stdout.read(1)  # the answer has begun: kvd is mid-answer
+        daemon.kill()
+        out, err = one.communicate(timeout=60)
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.kill()
+    answer, said = (got + out).decode(), err.decode()
+    assert one.returncode == 1 and answer.strip(), (answer, said)
+    assert answer.endswith("\n"), answer[-200:]  # the error goes on a line of its own
+    port = daemon.url.split(":")[-1].split("/")[0]
+    assert re.fullmatch(rf"error: lost the connection to kvd at {re.escape(daemon.url)} \(.*\); if it stopped, "
+                        rf"start it with `kvd serve --data-dir {re.escape(str(data))} --port {port}`\n", said), said
 
 
 def test_no_daemon_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -193,3 +193,69 @@ async def test_new_system_prompt_applies_to_the_next_turn_exactly(tmp_path: Path
     history = [{"role": m["role"], "content": m["content"]} for m in got["messages"][:3]]
     assert prompt == tokenizer.encode(render(tokenizer, history, "You are a librarian."), add_special_tokens=False)
     assert tokens[u["prompt_tokens"]:] == greedy_reference(model_dir, prompt, u["completion_tokens"])
+
+
+PASTE = "\n".join(f"{i:03d} ERROR disk full on /var/lib/postgres while writing segment {i * 7919 % 1000}"
+                  for i in range(60))
+
+
+async def test_create_with_earlier_turns_reads_none_of_them_again(tmp_path: Path) -> None:
+    """/compact's new session used to carry the old turns as text in its system prompt, so nothing of the
+    old cache matched and its first answer read the whole paste again. Carried as messages, the new
+    session begins as the old one did: its first answer restores them (issue 44, item 11)."""
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as c:
+            old = (await c.request("session.create", system="Be brief."))["session"]["id"]
+            _, first = await c.chat(old, PASTE, max_tokens=4, temperature=0)
+            await c.request("status")  # the turn's cache is kept
+            said = (await c.request("session.get", session=old))["messages"]
+            turns = [{"role": m["role"], "content": m["content"]} for m in said]
+            made = (await c.request("session.create", title="Carried", system="Be brief.", messages=turns))
+            assert made["type"] == "session", made
+            new = made["session"]
+            assert (new["message_count"], new["title"], new["system"]) == (2, "Carried", "Be brief.")
+            got = await c.request("session.get", session=new["id"])
+            assert [(m["role"], m["content"], m["status"]) for m in got["messages"]] == [
+                ("user", PASTE, "complete"), ("assistant", turns[1]["content"], "complete")]
+            assert all(m["usage"] is None for m in got["messages"])  # stored, never answered
+            _, done = await c.chat(new["id"], "Which disk?", max_tokens=2, temperature=0)
+    usage = done["usage"]
+    read = first["usage"]["prompt_tokens"]  # the system prompt and the paste, as the old session read them
+    assert read > 600, first
+    assert usage["restored_from"] == "shared" and usage["shared_tokens"] >= read, usage
+    assert usage["prefill_tokens"] < 40, usage  # the old answer's end and the new question, not the paste
+
+
+BAD_CARRIED: list[tuple[Any, str, str]] = [
+    ("hello", "bad_request", "'messages' must be an array"),
+    (["hello"], "bad_request", "'messages[0]' must be an object with exactly 'role' and 'content'"),
+    ([{"role": "user", "content": "a", "name": "x"}, {"role": "assistant", "content": "b"}], "bad_request",
+     "'messages[0]' must be an object with exactly 'role' and 'content'"),
+    ([{"role": "assistant", "content": "a"}], "bad_request", "'messages[0].role' must be 'user'"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "bad_request",
+     "'messages[1].role' must be 'assistant'"),
+    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "bad_request",
+     "'messages[1].role' must be 'assistant'"),
+    ([{"role": "user", "content": " "}, {"role": "assistant", "content": "b"}], "bad_request",
+     "'messages[0].content' must be a non-empty string"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": 3}], "bad_request",
+     "'messages[1].content' must be a non-empty string"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "z" * 32001}], "too_large",
+     "'messages[1].content' is longer than 32000 characters"),
+    ([{"role": "user", "content": "a"}], "bad_request", "'messages' ends with a user message without its answer"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 1001, "too_large",
+     "'messages' holds 2002 messages; a session starts with at most 2000 (carry the most recent turns)"),
+]
+
+
+@pytest.mark.parametrize("messages, code, says", BAD_CARRIED)
+async def test_create_refuses_bad_earlier_turns_and_stores_nothing(
+    tmp_path: Path, messages: Any, code: str, says: str
+) -> None:
+    async with running_daemon(tmp_path) as d:
+        async with client(d) as c:
+            reply = await c.request("session.create", title="never", messages=messages)
+            assert (reply["type"], reply["code"]) == ("error", code), reply
+            assert says in reply["message"], reply
+            assert (await c.request("session.list"))["sessions"] == []
+            assert (await c.request("ping"))["type"] == "pong"  # still serving

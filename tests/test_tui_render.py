@@ -501,3 +501,27 @@ def test_a_turn_without_a_cache_for_its_model_says_which_models_keep_one() -> No
     assert render.cache_part(usage) == "cache: none for gemma3 (kept for smollm2), prefilled 40 tok"
     alone = {"restored_from": "none", "prefill_tokens": 40, "model": "x"}
     assert render.cache_part(alone) == "cache: none, prefilled 40 tok"
+
+
+def test_a_long_paste_is_written_back_cut_with_its_size_in_words_that_agree() -> None:
+    """A 40,000-character paste of one line was written back as `(39,999 characters, 1 lines in all; …)`."""
+    from tui.terminal import echoed
+
+    one = echoed("word " * 8000)
+    assert one.endswith("\n\x1b[2m… (40,000 characters in all; Up recalls it whole)\x1b[0m"), one[-80:]
+    many = echoed("\n".join(["x" * 99] * 400))
+    assert many.endswith("… (39,999 characters, 400 lines in all; Up recalls it whole)\x1b[0m"), many[-80:]
+    assert echoed("short\n") == "short"
+
+
+def test_an_answer_kvd_died_writing_says_so_not_error() -> None:
+    """Resumed after kvd was killed mid-answer, the answer showed `(error)`, which read as a failure of the
+    model or of kvchat."""
+    console = Console(width=60, color_system=None, file=io.StringIO(), force_terminal=False)
+    render.print_history(console, [
+        {"index": 0, "role": "user", "content": "Tell me a story.", "status": "complete"},
+        {"index": 1, "role": "assistant", "content": "Once upon a", "status": "error", "finish_reason": "interrupted"},
+        {"index": 2, "role": "user", "content": "Again.", "status": "complete"},
+        {"index": 3, "role": "assistant", "content": "No", "status": "error", "finish_reason": "error"}])
+    lines = output(console).splitlines()
+    assert lines[2] == "(cut off: kvd stopped while writing it)" and "(error)" in lines, lines

@@ -270,7 +270,8 @@ class _Tail:
             line = [Segment(self.printer.reading, console.get_style("dim"))]
             yield Labelled([line], self.printer.label, self.printer.label.cell_len)
             return
-        lines = self.printer.tail_lines(room=room)
+        waiting = self.printer.waiting
+        lines = self.printer.tail_lines(room=room - (waiting is not None))
         cropped = len(lines) > room or self.printer.previewing
         if len(lines) > room:
             lines = lines[-room:]
@@ -278,6 +279,8 @@ class _Tail:
             lines[0] = [Segment("…", console.get_style("dim"))]
         yield Labelled(lines, self.printer.label if self.printer.lines_printed == 0 else None,
                        self.printer.label.cell_len)
+        if waiting is not None:  # below the text, never inside it, at the margin as kvchat's notes are
+            yield Text(waiting, style="dim")
 
 
 class AnswerPrinter:
@@ -302,6 +305,7 @@ class AnswerPrinter:
         self._continued = False  # _pending is the rest of a paragraph whose first lines are printed
         self._live: AnswerLive | None = None
         self.reading: str | None = None  # how far kvd has read the prompt, until the answer begins
+        self.waiting: str | None = None  # a state shown below the live text while it lasts ("reconnecting…")
         self.clock = PrefillClock()  # kvchat hands each answer the same one: earlier reads inform the estimate
         self._reading = False
 
@@ -398,9 +402,14 @@ class AnswerPrinter:
         self.reading = text
 
     def note(self, message: str) -> None:
-        """A dim line above the live tail (e.g. "reconnecting…"); it stays in the scrollback."""
+        """A dim line above the live tail, kept. Once text shows it lands inside the answer: `wait` then."""
         with self._drawing():
             self.console.print(Text(message, style="dim"), soft_wrap=True)
+
+    def wait(self, state: str | None) -> None:
+        """`state` below the live text while it lasts (None: over); not a terminal: nothing (said after)."""
+        with self._drawing():
+            self.waiting = state
 
     def finish(self, *, label: bool = True) -> None:
         """Print what is left and end the live region; nothing for an answer that never started, and
@@ -410,6 +419,7 @@ class AnswerPrinter:
         held = self._sanitizer.flush()
         self.text += held
         self._pending += held
+        self.waiting = None
         if self._live is not None:
             self._live.stop()
             self._live = None

@@ -6,6 +6,7 @@ repl.py imports them: the arrows run one way (repl -> commands -> chatview).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ class ChatView(Protocol):
     options: ChatOptions
     session: dict[str, Any]
     listed: list[dict[str, Any]]
+    group: list[str]  # the open session and the API conversation's other branches its listed row stood for
     continuation: str
 
     @property
@@ -57,6 +59,6 @@ class ChatView(Protocol):
 
     def create(self, *, title: str | None = None, system: str | None = None) -> None: ...
 
-    def adopt(self, session: dict[str, Any]) -> None: ...
+    def adopt(self, session: dict[str, Any], *, messages: Sequence[Mapping[str, Any]] = ()) -> None: ...
 
     def forget_current(self) -> None: ...

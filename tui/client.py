@@ -262,6 +262,7 @@ class Client:
             self.loading = event
         elif kind == protocol.READY:
             self.ready = True
+            self.hello = {**self.hello, "ready": True}  # what the headers read: not "(loading)" any more
         elif kind == protocol.ERROR and not self.ready:
             self.load_error = str(event.get("message") or "the daemon's model failed to load")
         else:

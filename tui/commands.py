@@ -145,8 +145,13 @@ def _switch(chat: ChatView, args: str) -> None:
 def _rename(chat: ChatView, args: str) -> None:
     if not args:
         raise UsageError("give the new title")
+    # An API conversation opened from its row is renamed whole: the row, and each branch under --all, say it.
+    others = [sid for sid in chat.group if sid != chat.session_id]
+    for sid in others:
+        chat.request(protocol.SESSION_UPDATE, session=sid, title=args)
     session = _update(chat, title=args)
-    render.print_note(chat.console, f"renamed to {session['title']!r}")
+    also = f" (and its {len(others)} other branch{'' if len(others) == 1 else 'es'})" if others else ""
+    render.print_note(chat.console, f"renamed to {session['title']!r}{also}")
 
 
 @command("/delete", "/delete [N|id|2 5 7-9|empty]",
@@ -157,8 +162,8 @@ def _delete(chat: ChatView, args: str) -> None:
         if isinstance(found, str):
             raise UsageError(found)
         targets = [dict(t) for t in found]
-    else:
-        targets = [chat.session]
+    else:  # this session: opened from a row standing for an API conversation's branches, all of them
+        targets = [{**chat.session, "members": chat.group}]
     titles = [render.sanitize(str(t.get("title") or t["id"])) for t in targets]
     # A row that stands for an API conversation's branches deletes them all: the row goes.
     ids = [i for t in targets for i in (t.get("members") or [t["id"]])]

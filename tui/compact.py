@@ -1,8 +1,11 @@
 """/compact: go on from a full session in a new one that carries what fits.
 
-kvd has no request that writes messages without answering them, so the new
-session carries the old one's turns in its system prompt: the old system
-prompt, then "earlier in this conversation" with turns verbatim.
+The new session starts with the old one's system prompt and the carried
+turns as its own first messages (session.create's `messages`: stored, not
+answered). Its first answer renders them as the old session rendered them,
+so the prefix they share (the system prompt, and the turns when they are
+the old session's first ones) is restored from the old session's cache, in
+memory or on disk, instead of being read again.
 
 The rule: the most recent whole turns (your message and its answer) whose
 tokens add up to at most half the model's context window, leaving the other
@@ -15,14 +18,18 @@ One turn may be what the whole conversation is about: a long pasted
 document or log that later questions refer to. When an earlier turn is
 much larger than a typical one (ANCHOR_FACTOR times the median, at least
 ANCHOR_MIN tokens), it is carried first, with the most recent turns that
-fit beside it, in up to three quarters of the context; when it does not
-fit even so, /compact says so plainly instead of carrying small talk and
-dropping it silently. Before creating anything it says what it will carry
-and what it leaves out, and asks.
+fit beside it, in up to three quarters of the context; the small turns
+before it come too when they are together at most 1/ANCHOR_FACTOR of its
+size, so the new session begins exactly as the old one did and the large
+turn is restored from the cache, not read again. When it does not fit even
+so, /compact says so plainly instead of carrying small talk and dropping it
+silently. Before creating anything it says what it will carry and what it
+leaves out, and asks.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,11 +39,10 @@ import protocol
 from . import render
 from .chatview import ChatView
 from .errors import ServerError
-from .listing import ORIGIN
+from .listing import compacted_origin
 
 TITLE_SUFFIX = " (compacted)"
 MAX_TITLE = 200
-HEADER = "Earlier in this conversation (carried over from the session {title!r}, {id}):"  # listing.py reads the id
 
 
 ANCHOR_FACTOR = 4
@@ -61,8 +67,13 @@ class Plan:
 
 
 def turns(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
-    """The transcript's whole turns, oldest first, each with its token count (the measurable ones)."""
+    """The transcript's whole turns, oldest first, each with its token count (the measurable ones).
+
+    Turns a session was made with (an earlier /compact's: stored complete, never answered, so without
+    usage) share the count of the first answer after them, in proportion to their characters.
+    """
     out: list[Turn] = []
+    carried: list[Turn] = []
     before = 0
     number = 0
     for user, answer in zip(messages, messages[1:]):
@@ -71,13 +82,26 @@ def turns(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
         number += 1
         usage = answer.get("usage") or {}
         after = usage.get("context_tokens")
+        turn = Turn(str(user.get("content", "")), str(answer.get("content", "")), 0, number)
+        if after is None and not answer.get("usage") and answer.get("status") == "complete":
+            carried.append(turn)
+            continue
         if not isinstance(after, int) or after <= before:
             out.clear()  # what came before cannot be measured from here on
+            carried.clear()
             before = 0
             continue
-        out.append(Turn(str(user.get("content", "")), str(answer.get("content", "")), after - before, number))
+        out += _shared(after - before, [*carried, turn])
+        carried.clear()
         before = after
     return out
+
+
+def _shared(tokens: int, stretch: Sequence[Turn]) -> list[Turn]:
+    """`tokens` measured for the whole stretch, split among its turns by their characters (at least 1 each)."""
+    chars = [len(t.question) + len(t.answer) + 1 for t in stretch]
+    total = sum(chars)
+    return [Turn(t.question, t.answer, max(1, tokens * c // total), t.number) for t, c in zip(stretch, chars)]
 
 
 def window(messages: Sequence[Mapping[str, Any]]) -> int | None:
@@ -114,8 +138,14 @@ def plan(all_turns: Sequence[Turn], size: int) -> Plan:
     wide = size * 3 // 4
     if anchor.tokens > wide:
         return Plan(tail, earlier, budget, unfit=anchor)
-    after = list(all_turns[all_turns.index(anchor) + 1:])
-    kept = [anchor, *carried(after, wide - anchor.tokens)]
+    at = all_turns.index(anchor)
+    before = list(all_turns[:at])
+    if sum(t.tokens for t in before) * ANCHOR_FACTOR > anchor.tokens:
+        before = []  # too much to carry for the cache's sake
+    head = [*before, anchor]
+    room = wide - sum(t.tokens for t in head)
+    kept = [*head, *carried(all_turns[at + 1:], room)] if room >= 0 else [anchor, *carried(all_turns[at + 1:],
+                                                                                       wide - anchor.tokens)]
     return Plan(kept, [t for t in all_turns if t not in kept], wide, anchor=anchor)
 
 
@@ -142,7 +172,11 @@ def describe(p: Plan, size: int, system: bool) -> list[str]:
     if p.anchor is not None:
         parts.append(f"{_numbers([p.anchor])} (your {p.anchor.tokens}-token message {_quote(p.anchor.question)} "
                      "and its answer: by far the largest turn, likely what the others are about)")
-    rest = [t for t in p.kept if t is not p.anchor]
+    before = [t for t in p.kept if p.anchor is not None and t.number < p.anchor.number]
+    if before:
+        parts.append(f"{_numbers(before)} before it ({sum(t.tokens for t in before)} tokens: the new session "
+                     "begins as this one did, so its cache is reused, not read again)")
+    rest = [t for t in p.kept if t is not p.anchor and t not in before]
     if rest:
         parts.append(f"the last {len(rest)} turn{'' if len(rest) == 1 else 's'} ({_numbers(rest)}, "
                      f"{sum(t.tokens for t in rest)} tokens)")
@@ -156,14 +190,11 @@ def describe(p: Plan, size: int, system: bool) -> list[str]:
     return lines
 
 
-def system_prompt(system: str | None, title: str, kept: Sequence[Turn], source: str = "") -> str | None:
-    parts = [system] if system else []
-    if kept:
-        lines = [HEADER.format(title=title, id=source)]
-        for turn in kept:
-            lines += ["", f"User: {turn.question}", "", f"Assistant: {turn.answer}"]
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) or None
+def carried_messages(kept: Sequence[Turn]) -> list[dict[str, str]]:
+    """The carried turns as session.create's `messages` (the most recent, as many as kvd takes)."""
+    kept = kept[len(kept) - protocol.MAX_CARRIED // 2:] if len(kept) > protocol.MAX_CARRIED // 2 else kept
+    return [m for turn in kept for m in ({"role": "user", "content": turn.question},
+                                          {"role": "assistant", "content": turn.answer})]
 
 
 def run(chat: ChatView) -> None:
@@ -183,28 +214,11 @@ def run(chat: ChatView) -> None:
     if answer not in ("", "y", "yes"):
         render.print_note(chat.console, "not compacted; the session is as it was")
         return
-    while True:
-        try:
-            fields = {"title": (title[: MAX_TITLE - len(TITLE_SUFFIX)] + TITLE_SUFFIX),
-                      "system": system_prompt(old.get("system"), title, kept, str(old.get("id", "")))}
-            session = chat.request(protocol.SESSION_CREATE, origin=ORIGIN,
-                                   **{k: v for k, v in fields.items() if v})["session"]
-            break
-        except ServerError as exc:
-            if exc.code != protocol.TOO_LARGE or not kept:
-                raise
-            # The system prompt has its own character limit: carry one turn less, the large one last.
-            if kept[0] is chosen.anchor and len(kept) > 1:
-                kept = [kept[0], *kept[2:]]
-            else:
-                if kept[0] is chosen.anchor:
-                    render.print_note(chat.console, f"{_numbers([kept[0]])} is longer than a system prompt may "
-                                      "be; the new session cannot carry it: paste again the part of it you need")
-                    chosen = Plan([], measured, chosen.budget)
-                kept = kept[1:]
+    session, kept, chosen = _create(chat, old, title, chosen)
     if old.get("params"):
-        session = chat.request(protocol.SESSION_UPDATE, session=session["id"], params=old["params"])["session"]
-    chat.adopt(session)
+        chat.request(protocol.SESSION_UPDATE, session=session["id"], params=old["params"])
+    made = chat.request(protocol.SESSION_GET, session=session["id"])
+    chat.adopt(made["session"], messages=made.get("messages") or [])
     tokens = sum(t.tokens for t in kept)
     n = len(kept)
     if chosen.anchor is not None:
@@ -214,5 +228,37 @@ def run(chat: ChatView) -> None:
     what = "the system prompt and " if old.get("system") else ""
     which = f"{n} turn{'' if n == 1 else 's'}" if chosen.anchor is not None else \
         f"the last {n} turn{'' if n == 1 else 's'}"
-    render.print_note(chat.console, f"this new session carries {what}{which} ({tokens} tokens; {limit}) in its "
-                      f"system prompt; {title!r} is kept (/switch to it)")
+    render.print_note(chat.console, f"this new session carries {what}{which} ({tokens} tokens; {limit}) as its "
+                      f"first messages; {title!r} is kept (/switch to it)")
+
+
+def compacted_title(title: str) -> str:
+    """"<title> (compacted)", once: a compacted session compacted again keeps its title."""
+    return title if title.endswith(TITLE_SUFFIX) else title[: MAX_TITLE - len(TITLE_SUFFIX)] + TITLE_SUFFIX
+
+
+_TOO_LONG = re.compile(r"'messages\[(\d+)\]\.content' is longer than")
+
+
+def _create(chat: ChatView, old: Mapping[str, Any], title: str,
+            chosen: Plan) -> tuple[dict[str, Any], list[Turn], Plan]:
+    """The new session, carrying `chosen.kept` (less any turn longer than kvd takes as one message)."""
+    kept = chosen.kept
+    while True:
+        fields = {"title": compacted_title(title), "system": old.get("system"),
+                  "messages": carried_messages(kept)}
+        try:
+            session = chat.request(protocol.SESSION_CREATE, origin=compacted_origin(str(old.get("id", ""))),
+                                   **{k: v for k, v in fields.items() if v})["session"]
+            return session, kept, chosen
+        except ServerError as exc:
+            too_long = _TOO_LONG.search(exc.message) if exc.code == protocol.TOO_LARGE else None
+            if too_long is None:
+                raise
+            turn = kept[int(too_long[1]) // 2]  # an answer longer than a message may be (a large max_tokens)
+            render.print_note(chat.console, f"{_numbers([turn])} is longer than kvd takes as one message; the new "
+                              "session cannot carry it" + (": paste again the part of it you need"
+                                                            if turn is chosen.anchor else ""))
+            if turn is chosen.anchor:
+                chosen = Plan(chosen.kept, chosen.left_out, chosen.budget)
+            kept = [t for t in kept if t is not turn]

@@ -84,11 +84,12 @@ class TokenRefused(KvchatError):
 
 
 class ConnectionLost(KvchatError):
-    def __init__(self, url: str, why: str = "") -> None:
+    def __init__(self, url: str, why: str = "", data_dir: Path | None = None) -> None:
         detail = f" ({why})" if why else ""
-        super().__init__(f"lost the connection to kvd at {url}{detail}. If it stopped, start it with: "
-                         f"{start_command(None, url)}")
+        super().__init__(f"lost the connection to kvd at {url}{detail}; if it stopped, start it with "
+                         f"`{start_command(data_dir, url)}`")
         self.url = url
+        self.why = why
 
 
 class GaveUp(ConnectionLost):

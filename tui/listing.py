@@ -67,9 +67,16 @@ def origin_label(origin: object) -> str:
     return "ws" if origin == origins.WEBSOCKET else origin.split()[0][:8]
 
 
+def compacted_origin(source: str) -> str:
+    """The origin a /compact gives the session it makes: kvchat's, naming the session it went on from."""
+    return f"{ORIGIN} (compacted from {source})"
+
+
 def compacted_from(session: Mapping[str, Any]) -> str | None:
-    """The id of the session a /compact started this one from (its system prompt's header names it)."""
-    m = _COMPACTED_FROM.search(str(session.get("system") or ""))
+    """The id of the session a /compact started this one from: its origin names it (before the carried
+    turns became messages, a header in its system prompt did)."""
+    m = _COMPACTED_ORIGIN.fullmatch(str(session.get("origin") or "")) or _COMPACTED_FROM.search(
+        str(session.get("system") or ""))
     return m[1] if m else None
 
 
@@ -110,9 +117,11 @@ def _title_cell(s: Mapping[str, Any], numbers: Mapping[str, int], width: int = 2
     if source is not None:
         marks.append(f" ← #{numbers[source]}" if source in numbers else f" ← {source[:8]}", style="dim")
     branches = len(s.get("members") or ()) - 1
+    whole = one_line(str(s.get("title") or protocol.DEFAULT_TITLE), width)
     if branches > 0:
         said = f" (+{branches} branch{'' if branches == 1 else 'es'})"
-        short = width - marks.cell_len - len(said) < TITLE_MIN  # a narrow terminal: the title first
+        # A narrow terminal: the title first (a short title with room for both keeps both whole).
+        short = len(whole) + marks.cell_len + len(said) > width and width - marks.cell_len - len(said) < TITLE_MIN
         marks.append(f" (+{branches})" if short else said, style="dim")
     title = Text(one_line(str(s.get("title") or protocol.DEFAULT_TITLE), max(width - marks.cell_len, 8)))
     return title.append_text(marks)
@@ -269,6 +278,7 @@ def find_many(sessions: Sequence[Mapping[str, Any]], keys: str) -> list[Mapping[
 
 
 _RANGE = re.compile(r"(\d{1,5})-(\d{1,5})")
+_COMPACTED_ORIGIN = re.compile(re.escape(ORIGIN) + r" \(compacted from (" + protocol.SESSION_ID_RE.pattern + r")\)")
 _COMPACTED_FROM = re.compile(r"carried over from the session .*?, (" + protocol.SESSION_ID_RE.pattern + r")\)")
 
 

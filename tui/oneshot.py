@@ -40,7 +40,7 @@ import protocol
 
 from . import listing, render
 from .client import Client
-from .errors import KvchatError, ServerError
+from .errors import ConnectionLost, GaveUp, KvchatError, ServerError
 from .link import Link
 from .listing import ONE_SHOT
 from .sanitize import StreamSanitizer
@@ -139,6 +139,10 @@ async def _answer(args: argparse.Namespace, message: Callable[[], str], stdout: 
         canceller = asyncio.create_task(_cancel_when(interrupted, client, session))
         try:
             done = await _stream(client, session, fields, stdout, printing=not args.json)
+        except GaveUp:
+            raise
+        except ConnectionLost as e:  # the client knows the URL; this daemon's data dir is ours to name
+            raise ConnectionLost(e.url, e.why, args.data_dir) from e
         except ServerError as e:
             if created and e.code in REFUSALS:  # refused before anything was generated: leave nothing behind
                 with contextlib.suppress(KvchatError):
@@ -195,19 +199,25 @@ async def _stream(client: Client, session: str, fields: dict[str, Any], stdout: 
     text = ""
     stream = client.stream(protocol.CHAT_SEND, session=session, **fields)
     async with contextlib.aclosing(stream):
-        async for event in stream:
-            if event.get("type") == protocol.CHAT_DELTA:
-                piece = sanitizer.feed(str(event.get("text", "")))
-                text += piece
-                if printing and piece:
-                    stdout.write(piece)
-                    stdout.flush()
-            elif event.get("type") == protocol.CHAT_DONE:
-                rest = sanitizer.flush()
-                text += rest
-                if printing and rest:
-                    stdout.write(rest)
-                return {**event, "_text": text}
+        try:
+            async for event in stream:
+                if event.get("type") == protocol.CHAT_DELTA:
+                    piece = sanitizer.feed(str(event.get("text", "")))
+                    text += piece
+                    if printing and piece:
+                        stdout.write(piece)
+                        stdout.flush()
+                elif event.get("type") == protocol.CHAT_DONE:
+                    rest = sanitizer.flush()
+                    text += rest
+                    if printing and rest:
+                        stdout.write(rest)
+                    return {**event, "_text": text}
+        except KvchatError:
+            if printing and text and not text.endswith("\n"):  # the error (stderr) goes on a line of its own
+                stdout.write("\n")
+                stdout.flush()
+            raise
     raise KvchatError("the answer ended without chat.done")  # the client raises ConnectionLost first
 
 

@@ -46,7 +46,7 @@ def calls_text(calls: object) -> list[str]:
 
 
 def print_message(console: Console, role: str, content: str, status: str = "complete",
-                  calls: object = None) -> None:
+                  calls: object = None, finish_reason: object = None) -> None:
     """One message of a transcript: the user's as typed, an answer as Markdown (and the tools it called),
     a tool's result (an API client's) dim."""
     if role == "tool":
@@ -65,6 +65,8 @@ def print_message(console: Console, role: str, content: str, status: str = "comp
             console.print(Text(line, style=DIM), soft_wrap=True)
     if status == "streaming":
         console.print(Text("(still being written: /attach follows it)", style=DIM), soft_wrap=True)
+    elif status == "error" and finish_reason == "interrupted":  # kvd died mid-answer (docs/protocol.md)
+        console.print(Text("(cut off: kvd stopped while writing it)", style=DIM), soft_wrap=True)
     elif status != "complete":
         console.print(Text(f"({sanitize(status)})", style=DIM), soft_wrap=True)
 
@@ -103,7 +105,8 @@ def print_history(console: Console, messages: Sequence[Mapping[str, Any]], *, re
         content, cut = str(message.get("content", "")), 0
         if recent is not None and role == "user":  # a paste; answers are what a resumed chat is reread for
             content, cut = clipped(content)
-        print_message(console, role, content, str(message.get("status", "complete")), message.get("tool_calls"))
+        print_message(console, role, content, str(message.get("status", "complete")), message.get("tool_calls"),
+                      message.get("finish_reason"))
         if cut:
             print_note(console, f"… ({cut} more line{'' if cut == 1 else 's'}; /history shows them all)")
         if role == "assistant":

@@ -42,6 +42,8 @@ TOO_MANY_CHARS_HINT = ("send it in parts (Up recalls it; Ctrl-O edits it in $EDI
 FULL_REFUSAL = re.compile(r"the conversation \((\d+) tokens\) plus max_tokens \((\d+)\) exceeds the model's "
                           r"context of (\d+) tokens")
 # A message that does not fit on its own: no earlier turn to leave behind, so /compact cannot help.
+TOO_LONG_ALONE_HINT = ("the message alone is longer than the model's context: send a part of it at a time, or "
+                       "use a model with a longer context (/model)")
 TOO_LONG_HINT = ("the message itself does not fit with the answer's room: send a shorter one (or a part of it "
                  "at a time), or lower /params max_tokens=N if a short answer is enough")
 
@@ -69,6 +71,7 @@ class Chat:
         self.listed: list[dict[str, Any]] = []  # the rows of the last sessions table shown
         self.hidden_one_shots = 0  # one-shots that table left out
         self.last_index = -1  # the open session's last message
+        self.group: list[str] = []  # the open session, and the branches its listed row stands for with it
         self._created: set[str] = set()  # sessions this run created (an empty one is not kept)
         self.prompt = render.prompt(console, render.YOU, render.YOU_STYLE)
         self.continuation = render.prompt(console, render.CONTINUE, render.DIM)
@@ -106,7 +109,7 @@ class Chat:
                         continue
                     if exc.code == protocol.TOO_LARGE and "context" in exc.message:
                         render.print_error(self.console, exc.message)
-                        render.print_note(self.console, FULL_HINT if self.compact_helps(exc.message) else TOO_LONG_HINT)
+                        render.print_note(self.console, self.full_hint(exc.message))
                         continue
                     if exc.code == protocol.TOO_LARGE and "characters" in exc.message:
                         render.print_error(self.console, exc.message)
@@ -125,9 +128,16 @@ class Chat:
                 self.leave()
 
     def send(self, text: str) -> None:
-        self.name_after(text)
+        named = self.name_after(text)
         model = {"model": self.options.model} if self.options.model else {}
-        reply = self.turn(protocol.CHAT_SEND, text=text, **model)
+        try:
+            reply = self.turn(protocol.CHAT_SEND, text=text, **model)
+        except ServerError:
+            if named and self.last_index < 0:  # refused, nothing kept: not titled after what is not there
+                with contextlib.suppress(KvchatError):
+                    self.session = self.request(protocol.SESSION_UPDATE, session=self.session_id,
+                                                title=protocol.DEFAULT_TITLE)["session"]
+            raise
         if model and reply is not None:
             self.session["model"] = self.options.model  # the daemon switched the session to it
 
@@ -258,10 +268,22 @@ class Chat:
         return self.listed
 
     def switch(self, session_id: str) -> None:
+        """Open a session; one a listed row stands for with its branches (an API conversation's retries
+        and edits) under that row's title, the conversation's: what the user picked is what the header says."""
         got = self.request(protocol.SESSION_GET, session=session_id)
         if self.session and self.session_id != session_id:
             self.leave()
-        self.show(got["session"], got.get("messages") or [], resumed=True)
+        session = got["session"]
+        row = next((r for r in self.listed if session_id in (r.get("members") or ()) and len(r["members"]) > 1), None)
+        if row is not None:
+            session = {**session, "title": row.get("title") or session.get("title")}
+        self.show(session, got.get("messages") or [], resumed=True)
+        if row is not None:
+            self.group = list(row["members"])
+            n = len(self.group) - 1
+            render.print_note(self.console, f"this API conversation has {n} more branch{'' if n == 1 else 'es'} (a "
+                              "retry or an edited message each); this is the most recently used one; /sessions "
+                              "all lists each")
 
     def create(self, *, title: str | None = None, system: str | None = None) -> None:
         fields = {k: v for k, v in (("title", title), ("system", system), ("model", self.options.model))
@@ -274,24 +296,28 @@ class Chat:
 
     def show(self, session: dict[str, Any], messages: Sequence[Mapping[str, Any]], *, resumed: bool) -> None:
         self.session = session
+        self.group = [str(session["id"])]
         self.last_index = int(messages[-1]["index"]) if messages else -1
         render.print_header(self.console, session, self.link.client.hello, resumed=resumed)
         render.print_history(self.console, messages, recent=render.RECENT_TURNS)
 
-    def adopt(self, session: dict[str, Any]) -> None:
-        """Open a session this run made with content of its own (/compact's)."""
+    def adopt(self, session: dict[str, Any], *, messages: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Open a session this run made with content of its own (/compact's: the turns it carries)."""
         if self.session:
             self.leave()
-        self.show(session, [], resumed=False)
+        self.show(session, messages, resumed=False)
 
-    def name_after(self, text: str) -> None:
-        """A new chat is titled after its first message, so the sessions list says what it was about."""
+    def name_after(self, text: str) -> bool:
+        """A new chat is titled after its first message, so the sessions list says what it was about;
+        whether it was."""
         if self.last_index >= 0 or self.session.get("title") != protocol.DEFAULT_TITLE:
-            return
+            return False
         title = listing.one_line(text, TITLE_CHARS)
         if title:
             with contextlib.suppress(KvchatError):
                 self.session = self.request(protocol.SESSION_UPDATE, session=self.session_id, title=title)["session"]
+                return True
+        return False
 
     def session_exists(self) -> bool:
         try:
@@ -315,6 +341,16 @@ class Chat:
             self.create()
             return True
         return self.pick(sessions)
+
+    def full_hint(self, refusal: str) -> str:
+        """What to do about a turn that does not fit the context: /compact, or a shorter message (and a
+        smaller answer's room only where that could be enough: not for a message longer than the context)."""
+        if self.compact_helps(refusal):
+            return FULL_HINT
+        said = FULL_REFUSAL.search(refusal)
+        if said is not None and int(said[1]) >= int(said[3]):
+            return TOO_LONG_ALONE_HINT
+        return TOO_LONG_HINT
 
     def compact_helps(self, refusal: str) -> bool:
         """Whether /compact could make room: the session holds an answer to leave behind, and the new

@@ -140,8 +140,8 @@ def echoed(text: str) -> str:
         return text
     lines = text.split("\n")
     head = "\n".join(lines[:ECHOED_LINES])[:ECHOED_LINES * 200]
-    return (head + f"\n\x1b[2m… ({len(text):,} characters, {len(lines):,} lines in all; "
-                   "Up recalls it whole)\x1b[0m")
+    size = f"{len(text):,} characters" + (f", {len(lines):,} lines" if len(lines) > 1 else "")
+    return head + f"\n\x1b[2m… ({size} in all; Up recalls it whole)\x1b[0m"
 
 
 def _leave(prompt: str, text: str) -> None:

@@ -40,6 +40,7 @@ _END = object()  # the network side is done with this turn
 _MORE, _OVER, _RESEND = object(), object(), object()
 RECONNECTING = "connection lost; reconnecting…"
 RECONNECTED = "reconnected"  # after an event: go on, the answer is over, send again
+DROPPED = "the connection to kvd dropped mid-answer; kvchat reconnected"
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,10 @@ class Turn:
                 while (item := self._events.get()) is not _END:
                     if isinstance(item, Exception):
                         failure = item
-                    elif isinstance(item, Reconnecting):
-                        printer.note(RECONNECTING)
-                    elif isinstance(item, Reconnected):
-                        printer.note(RECONNECTED)
+                    elif isinstance(item, (Reconnecting, Reconnected)):
+                        dropped = _reconnecting(printer, isinstance(item, Reconnecting))
+                        if dropped and DROPPED not in notes:
+                            notes.insert(0, DROPPED)
                     elif isinstance(item, Note):
                         notes.append(item.text)
                     else:
@@ -258,6 +259,17 @@ class Turn:
             self._events.put(Note("kvd stopped while writing this answer (it was restarted?), so it is cut off; "
                                   "/regen writes it again"))
         return _OVER
+
+
+def _reconnecting(printer: render.AnswerPrinter, lost: bool) -> bool:
+    """Say that the connection is being made again (`lost`) or is back. Before the answer's text, as a
+    line of its own; once text is shown, below the live text while it lasts, never printed inside the
+    answer: True then, and the turn says it after the answer (DROPPED)."""
+    if not printer.text:
+        printer.note(RECONNECTING if lost else RECONNECTED)
+        return False
+    printer.wait(RECONNECTING if lost else None)
+    return True
 
 
 def show(printer: render.AnswerPrinter, event: dict[str, Any]) -> dict[str, Any] | None:

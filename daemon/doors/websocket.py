@@ -170,7 +170,8 @@ class WebSocketDoor:
             elif isinstance(req, SessionCreate):
                 model = await self.turns.engines.resolve(req.model, rid) if req.model is not None else None
                 session = await self.turns.transcripts.create_session(title=req.title, system=req.system,
-                                                                      origin=req.origin, model=model)
+                                                                      origin=req.origin, model=model,
+                                                                      messages=req.messages)
                 conn.publish({"type": p.SESSION, "id": rid, "session": self._session_object(session)})
             elif isinstance(req, SessionList):
                 sessions = await self.turns.transcripts.read(lambda store: store.list_sessions(branches=True))

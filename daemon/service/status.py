@@ -101,25 +101,35 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
                       f"({pre['resident']} resident, {pre['warm']} warm), {human(pre['bytes'])}")
 
 
+TRAFFIC_MIN_WIDTH = 78  # narrower, the tiers' table leaves out its traffic columns rather than cut numbers
+
+
 def _render_tiers(status: dict[str, Any], console: Console) -> None:
-    """The tiers' table: sessions, bytes against budgets, traffic; running caches share resident's budget."""
+    """The tiers' table: sessions, bytes against budgets, traffic; running caches share resident's budget.
+    A narrow terminal gets the first four columns whole (kvchat's list drops columns the same way)."""
     table = Table(show_edge=False)
-    for col in ("tier", "sessions", "bytes", "budget", "hits", "misses", "page-ins", "page-outs"):
-        table.add_column(col, justify="left" if col == "tier" else "right")
+    traffic = console.width >= TRAFFIC_MIN_WIDTH
+    columns = ("tier", "sessions", "bytes", "budget", *(("hits", "misses", "page-ins", "page-outs") if traffic else ()))
+    for col in columns:
+        table.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
     running = status.get("tiers", {}).get("running")
     if running is not None:
         # Running caches count against the resident budget: what the admitted turns' caches may
         # reach (prompt plus max_tokens), beside the idle resident caches.
         table.add_row("running", str(status.get("generating", 0)), human(running["bytes"]),
-                      f"{human(running['budget'])}*", "", "", "", "")
+                      f"{human(running['budget'])}*", *([""] * (len(columns) - 4)))
     for name in p.TIERS:
         t = status.get("tiers", {}).get(name)
         if t is None:
             continue
         budget = human(t["budget"]) + ("*" if name == "resident" and running is not None else "")
         table.add_row(name, str(t["sessions"]), human(t["bytes"]), budget,
-                      str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
+                      *((str(t["hits"]), str(t["misses"]), str(t["page_ins"]), str(t["page_outs"]))
+                        if traffic else ()))
     console.print(table)
+    if not traffic:
+        console.print("(hits, misses, page-ins and page-outs: in a terminal at least "
+                      f"{TRAFFIC_MIN_WIDTH} columns wide, or kvd status --json)")
     if running is not None:
         console.print(f"* one budget: running and resident caches together stay within "
                       f"{human(running['budget'])} (cache.resident_bytes); running counts what each "
@@ -162,9 +172,14 @@ def main(data_dir: Path, url: str | None, as_json: bool) -> int:
     if as_json:
         print(json.dumps(status, indent=2))
     else:
-        console = Console()
-        render_status(status, Console(width=max(console.width, 100)), url)
+        render_status(status, Console(width=status_width(Console())), url)
     return 0
+
+
+def status_width(console: Console) -> int:
+    """The terminal's width: a table wider than the terminal was broken mid-word by it (at 60 columns).
+    Not a terminal (a pipe, a file): 100 columns at least, so no cell is squeezed for a reader with room."""
+    return console.width if console.is_terminal else max(console.width, 100)
 
 
 def _alive(pid: int) -> bool:
