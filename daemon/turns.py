@@ -32,7 +32,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -48,7 +47,7 @@ from sessions import Session, Store, is_disk_full, new_session_id
 from sessions.chains import said
 
 from .config import Config
-from .engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed, Progress, Queued, Started
+from .engine.jobs import AnswerJob, Done, EngineEvent
 from .engine.registry import Engines, ModelRefused
 from .engine.running import MIN_ANSWER
 from .engine.thread import Engine
@@ -331,7 +330,7 @@ class Turns:
                       sampling=resolved,
                       emit=emit, grammar=grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, prompt, job, send)
-        self.tg.start_soon(self._pump, turn, receive)
+        self.tg.start_soon(self._pump, turn, job, receive)
         turn.publish(AnswerStarted(index))
         return turn
 
@@ -366,7 +365,7 @@ class Turns:
                     turn.writes.append(self.transcripts.choose_model(turn.held, chosen))
                 if fed_by is not None and fed_by != turn.held.fed_model:
                     turn.writes += self.transcripts.feed_for(turn.held, fed_by)
-            events.send_nowait(Failed(e.code, str(e)))
+            events.send_nowait(AnswerError(e.code, str(e)))
             return
         while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
@@ -377,12 +376,12 @@ class Turns:
             job.tokens, job.retokenized = await self.tokenizing_for(engine).run(prompt.ids)
         except TemplateError as e:  # the model's chat template refuses the conversation (raise_exception)
             log.info("the chat template of %s refused session %s's conversation: %s", turn.model, turn.session_id, e)
-            events.send_nowait(Failed(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
-                                      "send one it takes (docs/openai.md)"))
+            events.send_nowait(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
+                                           "send one it takes (docs/openai.md)"))
             return
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
-            events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
+            events.send_nowait(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
             self._fit(job, engine.max_context)
@@ -397,7 +396,7 @@ class Turns:
         as much as fits, not a refusal. Less room than that: the engine refuses, with its advice."""
         room = context - len(job.tokens) if context else None
         if room is not None and job.max_tokens > room >= MIN_ANSWER:
-            job.sampling = replace(job.sampling, max_tokens=room)
+            job.sampling = job.sampling.model_copy(update={"max_tokens": room})
 
     def cancel(self, session_id: str, turn: Turn | None = None) -> None:
         """Stop the session's answer (only if it is still `turn`, when given); what was generated is kept."""
@@ -418,47 +417,47 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
-        # one branch per engine event kind, all sharing the answer's commit clock and stop scan
+    async def _pump(self, turn: Turn, job: AnswerJob,  # noqa: C901 - 17: one branch per engine event kind,
+                    events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # sharing the commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
-        The first delta is queued for commit at once, later ones at most every
+        The engine has taken the answer once it says anything but its queue
+        position or a refusal: then a new session's rows are queued, and a
+        retokenized prompt's old answer boundaries forgotten. The first delta
+        is queued for commit at once, later ones at most every
         COMMIT_INTERVAL: a crash loses at most that much of an answer. The
         answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
-        first = True
+        taken = False
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
             async with events:
                 async for ev in events:
-                    if turn.unstored and isinstance(ev, Started | Done):  # the engine took it
+                    if not taken and isinstance(ev, AnswerProgress | AnswerDelta | Done):  # the engine took it
+                        taken = True
                         turn.writes += [write() for write in turn.unstored]
                         turn.unstored.clear()
-                    if isinstance(ev, Queued):
-                        turn.publish(AnswerQueued(ev.position))
-                    elif isinstance(ev, Progress):
-                        turn.publish(AnswerProgress(ev.fed, ev.total))
-                    elif isinstance(ev, Started):
-                        if ev.retokenized:
+                        if job.retokenized:
                             turn.writes.append(t.forget_fed_ends(held, turn.message_index))
-                    elif isinstance(ev, Delta):
+                    if isinstance(ev, AnswerQueued | AnswerProgress):
+                        turn.publish(ev)
+                    elif isinstance(ev, AnswerDelta):
                         text = ev.text
                         if turn.stop is not None:
                             stopped = turn.stop.hit
                             text = turn.stop.feed(text)
                             if turn.stop.hit and not stopped:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
-                        self._said(turn, text, first=first)
-                        first = False
+                        self._said(turn, text, first=ev.seq == 0)
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()
                     elif isinstance(ev, Done):
                         await self._done(turn, ev)
                         return
-                    elif isinstance(ev, Failed):
+                    else:
                         await self._failed(turn, ev)
                         return
         except Exception as e:
@@ -487,7 +486,7 @@ class Turns:
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
-    async def _failed(self, turn: Turn, ev: Failed) -> None:
+    async def _failed(self, turn: Turn, ev: AnswerError) -> None:
         t, held = self.transcripts, turn.held
         assert held is not None
         if turn.unstored:  # refused before the engine took it: a new session, never stored

@@ -1,10 +1,15 @@
 """What goes into the engine and what comes out of it: the types the turn core shares with the engine.
 
 A turn core (turns.py) submits an AnswerJob; the engine thread answers
-through the job's `emit` with EngineEvents, in this order: `Queued` (only
-past max_generations, again whenever its place moves up), `Started`,
-`Progress` (long prefills), `Delta`s, then exactly one `Done` or `Failed`.
-Plain data: nothing here touches MLX, so the event loop side imports it freely.
+through the job's `emit` with EngineEvents, in this order: `AnswerQueued`
+(only past max_generations, again whenever its place moves up),
+`AnswerProgress` (long prefills), `AnswerDelta`s, then exactly one `Done` or
+`AnswerError`. All but `Done` are the turn's own events (daemon/events.py),
+the values the doors read: the turn core passes them on as they are, but
+for a delta's `seq` and `written` (its own, after the stop scan and the
+tool-call split) and an error's `answered`. `Done` carries what only the
+turn core reads: the session's ids. Plain data: nothing here touches MLX, so
+the event loop side imports it freely.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.shapes import Resolved
+from protocol.shapes import Sampling
+
+from ..events import AnswerDelta, AnswerError, AnswerProgress, AnswerQueued
 
 # --- jobs in ---------------------------------------------------------------
 
@@ -26,7 +33,7 @@ class AnswerJob:
 
     session_id: str
     tokens: list[int]
-    sampling: Resolved  # max_tokens, temperature, top_p: resolved once, by the turn core
+    sampling: Sampling  # max_tokens, temperature, top_p: every one set (resolved once, by the turn core)
     emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
     seed: int | None = None  # seeds MLX's sampler when the turn starts
     retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
@@ -42,14 +49,17 @@ class AnswerJob:
 
     @property
     def max_tokens(self) -> int:
+        assert self.sampling.max_tokens is not None, "a job's sampling is resolved"
         return self.sampling.max_tokens
 
     @property
     def temperature(self) -> float:
+        assert self.sampling.temperature is not None, "a job's sampling is resolved"
         return self.sampling.temperature
 
     @property
     def top_p(self) -> float:
+        assert self.sampling.top_p is not None, "a job's sampling is resolved"
         return self.sampling.top_p
 
 
@@ -61,44 +71,13 @@ class PromptTooLong(Exception):
 
 
 @dataclass
-class Started:
-    prompt_tokens: int
-    cached_tokens: int
-    retokenized: bool  # the fed ids were rebuilt from the transcript, not appended to
-
-
-@dataclass
-class Queued:
-    position: int  # 1: the next to start; sent again whenever it moves up
-
-
-@dataclass
-class Progress:
-    """How far a long prefill has got: sent after its first chunk, then at most every PROGRESS_EVERY."""
-
-    fed: int  # prompt tokens in the cache now (restored ones included)
-    total: int  # prompt tokens in all
-
-
-@dataclass
-class Delta:
-    text: str
-
-
-@dataclass
 class Done:
     finish_reason: str  # "stop" | "length" | "cancelled"
     usage: dict[str, Any]
     tokens: list[int] | None  # every id the session's cache now holds; None: unchanged
 
 
-@dataclass
-class Failed:
-    code: str
-    message: str
-
-
-EngineEvent = Queued | Started | Progress | Delta | Done | Failed
+EngineEvent = AnswerQueued | AnswerProgress | AnswerDelta | Done | AnswerError
 
 
 # --- the engine's inbox, besides AnswerJobs ------------------------------

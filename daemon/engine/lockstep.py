@@ -36,7 +36,7 @@ from enum import IntEnum
 from typing import Any, NoReturn, cast
 
 from common.tiers import NO_CACHE
-from protocol.shapes import Resolved
+from protocol.shapes import Sampling
 
 from .doorbell import Doorbell, rank0_address
 from .jobs import AnswerJob, Cancel, Forget, Stop
@@ -115,7 +115,7 @@ def decode_job(m: Message, emit: Any) -> AnswerJob | Cancel | Forget:
     _, n, max_tokens, t0, t1, p0, p1, has_seed, s0, s1, retok, fed_before, history, has_grammar = m.fields[:14]
     grammar = bytes(m.payload[n:len(m.payload) - n_sid]).decode() if has_grammar else None
     return AnswerJob(session_id=sid, tokens=m.payload[:n], emit=emit,
-                   sampling=Resolved(max_tokens, _from_f64(t0, t1), _from_f64(p0, p1)),
+                   sampling=Sampling.of(max_tokens, _from_f64(t0, t1), _from_f64(p0, p1)),
                    seed=(s0 & 0xFFFFFFFF) | ((s1 & 0xFFFFFFFF) << 32) if has_seed else None,
                    retokenized=bool(retok), fed_before=fed_before, history=bool(history), grammar=grammar)
 

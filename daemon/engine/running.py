@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import protocol as p
 
-from .jobs import AnswerJob, Delta
+from ..events import AnswerDelta
+from .jobs import AnswerJob
 from .scheduler import Phase
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ class Answer:
     restore_ms: float = 0.0
     inserted: float = 0.0  # when it started (its job's arrival until then)
     draws: Draws | None = None  # how its tokens are chosen (None: never started)
-    progress_at: float | None = None  # when the last Progress event was sent
+    progress_at: float | None = None  # when the last AnswerProgress event was sent
+    said: int = 0  # deltas emitted (the next one's seq)
     generated: int = 0
     t_first: float | None = None
     t_last: float | None = None
@@ -93,9 +95,14 @@ class Answer:
         if shown:
             self.detokenizer.add_token(token)
             if text := self.detokenizer.last_segment:
-                self.job.emit(Delta(text))
+                self.say(text)
                 return True
         return False
+
+    def say(self, text: str) -> None:
+        """Emit a piece of the answer's text (its seq: the engine's count; the turn core numbers what it shows)."""
+        self.job.emit(AnswerDelta(self.said, text))
+        self.said += 1
 
     def statistics(self) -> AnswerStatistics:
         pre = self.prefill if self.phase is Phase.PREFILLING else None

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 
 from ..config import Config
+from ..events import AnswerError, AnswerProgress, AnswerQueued
 from .draft import Answers
-from .jobs import AnswerJob, Delta, Done, Failed, Progress, PromptTooLong, Queued, Started
+from .jobs import AnswerJob, Done, PromptTooLong
 from .running import Answer, fit_advice
 from .scheduler import Phase, Scheduler
 
@@ -51,7 +52,7 @@ log = logging.getLogger("kvd.engine")
 # session's) took a core and the GIL from the loop and held the first token back 1-12 ms; handed
 # over, it leaves ~1 ms after it is sampled. Bounded, so a stalled loop costs the others little.
 FIRST_HANDOFF_S = 0.01
-PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a second is enough to watch
+PROGRESS_EVERY = 0.25  # seconds between AnswerProgress events of one prefill: a few a second is enough to watch
 
 
 class Steps:
@@ -62,6 +63,8 @@ class Steps:
                  publish: Callable[[], None]):
         """`scheduler`: the engine's, with its list of answers; `publish`: the engine's statistics
         for other threads, refreshed after an answer's cache is kept."""
+        import mlx.core as mx
+
         from .decode import Decoder
 
         self.config = config
@@ -72,7 +75,8 @@ class Steps:
         self.max_context = max_context
         self.scheduler = scheduler
         self._publish_stats = publish
-        self.decoder = Decoder(model)
+        self.stream = mx.new_stream(mx.default_device())  # the engine's own: every prefill chunk and decode step
+        self.decoder = Decoder(model, self.stream)
         self._last_answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
         self.cost: CacheCost | None = None  # a cache's bytes by its length (the engine sets it after warm-up)
@@ -83,11 +87,11 @@ class Steps:
     def start(self, job: AnswerJob) -> None:
         """A new job: its answer starts, waits, or is refused (its session is busy)."""
         if self.scheduler.holds(job.session_id):
-            job.emit(Failed(p.BUSY, "this session is already generating"))
+            job.emit(AnswerError(p.BUSY, "this session is already generating"))
             return
         a = Answer(job, need=self._need(job))
         if not self.scheduler.has_room(a.need) or self.scheduler.phase(Phase.WAITING):  # first come, first served
-            job.emit(Queued(self.scheduler.wait(a)))
+            job.emit(AnswerQueued(self.scheduler.wait(a)))
             return
         self._admit(a)
 
@@ -103,7 +107,7 @@ class Steps:
         for a in self.scheduler.admissible():
             self._admit(a)
         for a in self.scheduler.moved():
-            a.job.emit(Queued(a.told))
+            a.job.emit(AnswerQueued(a.told))
 
     def _admit(self, a: Answer) -> None:
         job = a.job
@@ -115,13 +119,13 @@ class Steps:
             self._insert(a)
         except PromptTooLong as e:
             self.scheduler.end(job.session_id)
-            job.emit(Failed(p.TOO_LARGE, str(e)))
+            job.emit(AnswerError(p.TOO_LARGE, str(e)))
         except Exception as e:
             self.scheduler.end(job.session_id)
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("starting generation for %s failed", job.session_id)
-            job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+            job.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def read_reported(self) -> None:
         """The I/O worker's reader reported on a read: take the report in, and start the answers
@@ -139,7 +143,7 @@ class Steps:
             except Exception as e:
                 self.scheduler.end(a.key)
                 log.exception("starting generation for %s failed", a.key)
-                a.job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+                a.job.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def _insert(self, a: Answer) -> None:
         job = a.job
@@ -169,7 +173,7 @@ class Steps:
 
         assert self.caches is not None
         job = a.job
-        tokens, retokenized = job.tokens, job.retokenized
+        tokens = job.tokens
         if self.lockstep is not None:
             out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
         cache, cached, shared = out.cache, out.tokens, out.shared_tokens
@@ -183,7 +187,6 @@ class Steps:
                             at_boundary=functools.partial(self.caches.capture, job.session_id), last=self.last)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
         self.scheduler.prefill(a)
-        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
 
     def step(self) -> None:
         """One decode step for every row in the batch, then one prefill chunk."""
@@ -204,7 +207,7 @@ class Steps:
             n = self.lockstep.share(n)  # sized by rank 0's clock
         try:
             t0 = time.perf_counter()
-            with mx.stream(self.decoder.stream):
+            with mx.stream(self.stream):
                 logprobs = answer.prefill.advance(n)
                 if logprobs is not None and answer.job.grammar is not None:
                     answer.constraint = self._constraint(answer.job.grammar, logprobs.shape[-1])
@@ -217,13 +220,13 @@ class Steps:
             if token is None:
                 if answer.progress_at is None or now - answer.progress_at >= PROGRESS_EVERY:
                     answer.progress_at = now
-                    answer.job.emit(Progress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
+                    answer.job.emit(AnswerProgress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
                 return
         except Exception as e:
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("prefill for %s failed", session_id)
-            answer.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+            answer.job.emit(AnswerError(p.INTERNAL, f"generation failed: {e}"))
             self._end(session_id)
             return
         prefill, answer.prefill = answer.prefill, None
@@ -272,7 +275,7 @@ class Steps:
             # The batch is in an unknown state: fail every answer in it, start afresh.
             log.exception("generation step failed")
             for a in decoding:
-                a.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+                a.job.emit(AnswerError(p.INTERNAL, f"generation failed: {e}"))
                 self._end(a.key)
             self.decoder.reset()
             return
@@ -322,7 +325,7 @@ class Steps:
         """
         answer.detokenizer.finalize()
         if text := answer.detokenizer.last_segment:
-            answer.job.emit(Delta(text))
+            answer.say(text)
         sid = answer.job.session_id
         self._end(sid)
         history = [*tokens, *unfed]
@@ -330,7 +333,7 @@ class Steps:
             self._last_answers.keep(sid, history[len(answer.prompt):])
         failure = answer.constraint.failure if answer.constraint is not None and reason != "cancelled" else None
         if failure is not None:  # ended because it left its grammar: not JSON, so never a normal finish
-            answer.job.emit(Failed(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
+            answer.job.emit(AnswerError(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
                                 "try a simpler schema"))
         else:
             answer.job.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None))

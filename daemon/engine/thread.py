@@ -26,10 +26,10 @@ from cachestore import FirstTokens
 from common.sizes import human_bytes
 
 from ..config import Config
+from ..events import AnswerError
 from .jobs import (
     AnswerJob,
     Cancel,
-    Failed,
     Forget,
     ReadReported,
     Status,
@@ -169,15 +169,14 @@ class Engine:
                                lockstep=self.lockstep, max_context=self.max_context,
                                publish=self._publish_stats)
         if self.lockstep is not None:
-            self.lockstep.stream = self.steps.decoder.stream
+            self.lockstep.stream = self.steps.stream
             self.lockstep.open_doorbell()
         from ..device import current
 
         probe = make_cache(self.model, kv_bits)
         from .draws import Draws
 
-        s = c.sampling()
-        draws = Draws(s.temperature, s.top_p, seed=0, size=1) if s.temperature > 0 else None
+        draws = Draws(c.temperature, c.top_p, seed=0, size=1) if c.temperature > 0 else None
         self.warm_up_ms = warm_up(self.model, self.tokenizer, probe, current().warm_up_tokens,
                                   draw=draws.take if draws is not None else None)
         if self.lockstep is None:  # (ranks run one graph: each would decide alone)
@@ -358,7 +357,7 @@ class Engine:
     def _handle(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
         if isinstance(cmd, AnswerJob):
             if self.steps is None:
-                cmd.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
+                cmd.emit(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
             self.first_tokens.taken(self.scheduler.before_first_tokens())
