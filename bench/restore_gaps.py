@@ -51,10 +51,11 @@ from daemon.service.blas import preload_blas  # noqa: E402
 preload_blas()
 
 from daemon.config import Config, load_config  # noqa: E402
-from daemon.engine.jobs import AnswerJob, Done, EngineEvent  # noqa: E402
+from daemon.engine.jobs import Done, EngineEvent  # noqa: E402
+from daemon.engine.running import Answer  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
 from daemon.events import AnswerDelta  # noqa: E402
-from daemon.prompt import Continuation  # noqa: E402
+from daemon.prompt import prompt_tokens  # noqa: E402
 from protocol.shapes import Sampling  # noqa: E402
 
 A, B = "a" * 16, "b" * 16
@@ -70,13 +71,12 @@ def engine(c: Config) -> Engine:
     return e
 
 
-def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> AnswerJob:
-    return AnswerJob(session_id=sid, tokens=tokens, sampling=Sampling.of(max_tokens, 0.0, 1.0), emit=events.append)
+def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> Answer:
+    return Answer(session_id=sid, tokens=tokens, sampling=Sampling.of(max_tokens, 0.0, 1.0), emit=events.append)
 
 
 def first(e: Engine, text: str) -> list[int]:
-    prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-    return prompt.ids(e.tokenizer)[0]
+    return prompt_tokens(e.tokenizer, [{"role": "user", "content": text}], None, [], fed_covers=0)[0]
 
 
 def ended(events: list[EngineEvent]) -> Done | None:

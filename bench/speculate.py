@@ -46,11 +46,12 @@ BLAS = preload_blas()
 from common.ids import new_session_id  # noqa: E402
 from daemon.config import load_config  # noqa: E402
 from daemon.engine import speculate  # noqa: E402
-from daemon.engine.jobs import AnswerJob, Done, EngineEvent  # noqa: E402
+from daemon.engine.jobs import Done, EngineEvent  # noqa: E402
+from daemon.engine.running import Answer  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
 from daemon.events import AnswerDelta, AnswerError  # noqa: E402
 from daemon.models.sources import DEFAULT_MODEL, prepare_model  # noqa: E402
-from daemon.prompt import Continuation  # noqa: E402
+from daemon.prompt import prompt_tokens  # noqa: E402
 from protocol.shapes import Sampling  # noqa: E402
 
 FUNCTION = '''def summarize_orders(orders, customers, tax_rate, discount_codes):
@@ -143,10 +144,10 @@ class Turn:
         self.events: list[EngineEvent] = []
         self.first_delta: float | None = None
         self.ended: float | None = None
-        prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-        tokens, retokenized = prompt.ids(engine.tokenizer)  # as the turn core's tokenizer stage does
-        engine.submit(AnswerJob(session_id=session, tokens=tokens, retokenized=retokenized,
-                              fed_before=prompt.fed_before, sampling=Sampling.of(max_tokens, 0.0, 1.0),
+        tokens, retokenized = prompt_tokens(engine.tokenizer, [{"role": "user", "content": text}], None, [],
+                                            fed_covers=0)  # as the turn core's tokenizer stage does
+        engine.submit(Answer(session_id=session, tokens=tokens, retokenized=retokenized,
+                              fed_before=0, sampling=Sampling.of(max_tokens, 0.0, 1.0),
                               emit=self.emit))
 
     def emit(self, e: EngineEvent) -> None:

@@ -15,11 +15,12 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import load_config
-from daemon.engine.jobs import AnswerJob, Done, EngineEvent
+from daemon.engine.jobs import Done, EngineEvent
+from daemon.engine.running import Answer
 from daemon.engine.scheduler import MIN_CHUNK
 from daemon.engine.thread import Engine
 from daemon.events import AnswerDelta, AnswerProgress
-from daemon.prompt import Continuation
+from daemon.prompt import prompt_tokens
 from protocol.shapes import Sampling
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
@@ -35,17 +36,16 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
     e.caches.close()
 
 
-def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> AnswerJob:
+def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> Answer:
     """A first turn's job, its ids made as the turn core's tokenizer stage makes them."""
     fields.setdefault("max_tokens", 32)
-    prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-    return submitted(engine, session, prompt, events, **fields)
+    return submitted(engine, session, [{"role": "user", "content": text}], [], 0, events, **fields)
 
 
-def submitted(engine: Engine, session: str, prompt: Continuation, events: list[EngineEvent],
-              **fields: Any) -> AnswerJob:
-    tokens, retokenized = prompt.ids(engine.tokenizer)
-    return AnswerJob(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
+def submitted(engine: Engine, session: str, messages: list[dict[str, Any]], fed: list[int], fed_covers: int,
+              events: list[EngineEvent], **fields: Any) -> Answer:
+    tokens, retokenized = prompt_tokens(engine.tokenizer, messages, None, fed, fed_covers=fed_covers)
+    return Answer(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=len(fed),
                    sampling=Sampling.of(fields.pop("max_tokens"), 0.0, 1.0), emit=events.append, **fields)
 
 
@@ -168,10 +168,9 @@ def assert_next_turn_starts_from(engine: Engine, sid: str, text: str, events: li
     answer = "".join(e.text for e in events if isinstance(e, AnswerDelta))
     assert end.tokens is not None
     nxt: list[EngineEvent] = []
-    prompt = Continuation(messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
-                                    {"role": "user", "content": "And then?"}],
-                          system=None, fed=end.tokens, fed_covers=2)
-    j = submitted(engine, sid, prompt, nxt, max_tokens=2)
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And then?"}]
+    j = submitted(engine, sid, messages, end.tokens, 2, nxt, max_tokens=2)
     assert not j.retokenized
     engine.submit(j)
     run_to_end(engine)

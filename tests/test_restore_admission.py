@@ -17,10 +17,11 @@ import pytest
 
 from conftest import greedy_reference
 from daemon.config import Config, load_config
-from daemon.engine.jobs import AnswerJob, Done, EngineEvent
+from daemon.engine.jobs import Done, EngineEvent
+from daemon.engine.running import Answer
 from daemon.engine.thread import Engine
 from daemon.events import AnswerDelta, AnswerQueued
-from daemon.prompt import Continuation
+from daemon.prompt import prompt_tokens
 from protocol.shapes import Sampling
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
@@ -43,24 +44,23 @@ def loaded(cfg: Config) -> Engine:
     return e
 
 
-def first_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], max_tokens: int) -> AnswerJob:
-    prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-    return turn(e, sid, prompt, events, max_tokens)
+def first_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], max_tokens: int) -> Answer:
+    return turn(e, sid, [{"role": "user", "content": text}], [], 0, events, max_tokens)
 
 
-def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Done, max_tokens: int) -> AnswerJob:
+def next_turn(e: Engine, sid: str, text: str, events: list[EngineEvent], end: Done, max_tokens: int) -> Answer:
     """The turn after `end`, whose ids append to exactly the ones that turn fed."""
     answer = "".join(x.text for x in events if isinstance(x, AnswerDelta))
     assert end.tokens is not None
-    prompt = Continuation(messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
-                                    {"role": "user", "content": "And then?"}],
-                          system=None, fed=end.tokens, fed_covers=2)
-    return turn(e, sid, prompt, [], max_tokens)
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And then?"}]
+    return turn(e, sid, messages, end.tokens, 2, [], max_tokens)
 
 
-def turn(e: Engine, sid: str, prompt: Continuation, events: list[EngineEvent], max_tokens: int) -> AnswerJob:
-    tokens, retokenized = prompt.ids(e.tokenizer)
-    return AnswerJob(session_id=sid, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
+def turn(e: Engine, sid: str, messages: list[dict[str, Any]], fed: list[int], fed_covers: int,
+         events: list[EngineEvent], max_tokens: int) -> Answer:
+    tokens, retokenized = prompt_tokens(e.tokenizer, messages, None, fed, fed_covers=fed_covers)
+    return Answer(session_id=sid, tokens=tokens, retokenized=retokenized, fed_before=len(fed),
                    sampling=Sampling.of(max_tokens, 0.0, 1.0), emit=events.append)
 
 
@@ -163,7 +163,7 @@ def test_sessions_whose_caches_exceed_the_budget_run_within_it_exactly(tmp_path:
     assert e.caches is not None
     caches = e.caches
 
-    def run(jobs: list[AnswerJob], events: list[list[EngineEvent]]) -> list[Done]:
+    def run(jobs: list[Answer], events: list[list[EngineEvent]]) -> list[Done]:
         for j in jobs:
             e.submit(j)
         most = 0
