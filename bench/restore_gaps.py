@@ -51,10 +51,12 @@ from daemon.service.blas import preload_blas  # noqa: E402
 preload_blas()
 
 from daemon.config import Config, load_config  # noqa: E402
-from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Started  # noqa: E402
+from daemon.engine.jobs import Done, EngineEvent  # noqa: E402
+from daemon.engine.running import Answer  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
-from daemon.prompt import Continuation  # noqa: E402
-from protocol.shapes import Resolved  # noqa: E402
+from daemon.events import AnswerDelta  # noqa: E402
+from daemon.prompt import prompt_tokens  # noqa: E402
+from protocol.shapes import Sampling  # noqa: E402
 
 A, B = "a" * 16, "b" * 16
 
@@ -69,13 +71,12 @@ def engine(c: Config) -> Engine:
     return e
 
 
-def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> AnswerJob:
-    return AnswerJob(session_id=sid, tokens=tokens, sampling=Resolved(max_tokens, 0.0, 1.0), emit=events.append)
+def job(e: Engine, sid: str, tokens: list[int], events: list[EngineEvent], max_tokens: int) -> Answer:
+    return Answer(session_id=sid, tokens=tokens, sampling=Sampling.of(max_tokens, 0.0, 1.0), emit=events.append)
 
 
 def first(e: Engine, text: str) -> list[int]:
-    prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-    return prompt.ids(e.tokenizer)[0]
+    return prompt_tokens(e.tokenizer, [{"role": "user", "content": text}], None, [], fed_covers=0)[0]
 
 
 def ended(events: list[EngineEvent]) -> Done | None:
@@ -151,7 +152,7 @@ def gaps(mb: int, steps: int) -> None:
         started_at: list[float] = []
 
         def a_emit(ev: EngineEvent) -> None:
-            if isinstance(ev, Started):
+            if not started_at:  # its first event: its first delta, in the step it started in
                 started_at.append(time.perf_counter())
             a_events.append(ev)
 
@@ -164,7 +165,6 @@ def gaps(mb: int, steps: int) -> None:
         # The step A started in also ran A's first prefill chunk (its one new token over the whole
         # restored cache): A's own work, not the read, reported apart.
         first_step = during.pop() if during and last_counted[0] else 0.0
-        started = a_events[0] if a_events else None
         after = gaps_until(lambda: ended(a_events) is not None, 10**9)
         end = ended(a_events)
         e.cancel(B)
@@ -174,10 +174,10 @@ def gaps(mb: int, steps: int) -> None:
         for f in files:
             f.read_bytes()
         plain_s = time.perf_counter() - t1
-    assert isinstance(started, Started) and end is not None
+    assert end is not None
     print(f"# load average {os.getloadavg()[0]:.2f} (after); {os.cpu_count()} CPUs")
     print(f"A: {on_disk / 1e6:.0f} MB on disk in {len(files)} files, {n} tokens; "
-          f"restored_from {end.usage['restored_from']}, cached_tokens {started.cached_tokens}")
+          f"restored_from {end.usage['restored_from']}, cached_tokens {end.usage['cached_tokens']}")
     print(f"B alone:                  {fmt(alone)}")
     print(f"B while A's cache is read: {fmt(during)}")
     print(f"B's gap over the step A started in (A's first prefill chunk in it): {first_step * 1000:.1f} ms")
@@ -223,7 +223,7 @@ def budget(limit: bool) -> None:
                 most_bytes = max(most_bytes, s["running"]["bytes"] + s["resident"]["bytes"])
             for sid, ev in events.items():
                 d = ended(ev)
-                assert d is not None and d.tokens is not None and any(isinstance(x, Delta) for x in ev)
+                assert d is not None and d.tokens is not None and any(isinstance(x, AnswerDelta) for x in ev)
                 fed[sid] = d.tokens
         e.caches.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

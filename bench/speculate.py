@@ -46,11 +46,13 @@ BLAS = preload_blas()
 from common.ids import new_session_id  # noqa: E402
 from daemon.config import load_config  # noqa: E402
 from daemon.engine import speculate  # noqa: E402
-from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed  # noqa: E402
+from daemon.engine.jobs import Done, EngineEvent  # noqa: E402
+from daemon.engine.running import Answer  # noqa: E402
 from daemon.engine.thread import Engine  # noqa: E402
+from daemon.events import AnswerDelta, AnswerError  # noqa: E402
 from daemon.models.sources import DEFAULT_MODEL, prepare_model  # noqa: E402
-from daemon.prompt import Continuation  # noqa: E402
-from protocol.shapes import Resolved  # noqa: E402
+from daemon.prompt import prompt_tokens  # noqa: E402
+from protocol.shapes import Sampling  # noqa: E402
 
 FUNCTION = '''def summarize_orders(orders, customers, tax_rate, discount_codes):
     """Build a per-customer summary of the given orders."""
@@ -142,24 +144,24 @@ class Turn:
         self.events: list[EngineEvent] = []
         self.first_delta: float | None = None
         self.ended: float | None = None
-        prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-        tokens, retokenized = prompt.ids(engine.tokenizer)  # as the turn core's tokenizer stage does
-        engine.submit(AnswerJob(session_id=session, tokens=tokens, retokenized=retokenized,
-                              fed_before=prompt.fed_before, sampling=Resolved(max_tokens, 0.0, 1.0),
+        tokens, retokenized = prompt_tokens(engine.tokenizer, [{"role": "user", "content": text}], None, [],
+                                            fed_covers=0)  # as the turn core's tokenizer stage does
+        engine.submit(Answer(session_id=session, tokens=tokens, retokenized=retokenized,
+                              fed_before=0, sampling=Sampling.of(max_tokens, 0.0, 1.0),
                               emit=self.emit))
 
     def emit(self, e: EngineEvent) -> None:
         now = time.perf_counter()
-        if isinstance(e, Delta) and self.first_delta is None:
+        if isinstance(e, AnswerDelta) and self.first_delta is None:
             self.first_delta = now
-        if isinstance(e, (Done, Failed)):
+        if isinstance(e, (Done, AnswerError)):
             self.ended = now
         self.events.append(e)
 
     @property
     def done(self) -> Done | None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, Failed):
+        if isinstance(last, AnswerError):
             raise SystemExit(f"kvd: {last}")
         return last if isinstance(last, Done) else None
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from sqlite_utils import Database
 
@@ -131,15 +132,18 @@ class SegmentIndex:
         rows = self.db.execute(
             'SELECT key, start, "end", file, nbytes, checksum, fingerprint, tokens FROM segments '
             f"WHERE key = ?{mine} ORDER BY start", [check_key(key), *m]).fetchall()
-        return [SegmentRow(r[0], r[1], r[2], self.files / r[3], r[4], r[5], r[6], tuple(unpack_tokens(r[7])))
-                for r in rows]
+        return [self._segment_row(r) for r in rows]
+
+    def _segment_row(self, r: tuple[Any, ...]) -> SegmentRow:
+        return SegmentRow(r[0], start=r[1], end=r[2], path=self.files / r[3], nbytes=r[4], checksum=r[5],
+                          fingerprint=r[6], tokens=tuple(unpack_tokens(r[7])))
 
     _BLOCK_COLUMNS = 'b.block, b.parent, b.start, b."end", b.file, b.nbytes, b.checksum, b.fingerprint, b.tokens'
 
     def _block_row(self, r: tuple[object, ...]) -> BlockRow:
-        return BlockRow(str(r[0]), str(r[1]), int(r[2]), int(r[3]),  # type: ignore[call-overload]
-                        self.blocks / str(r[4]), int(r[5]), str(r[6]), str(r[7]),  # type: ignore[call-overload]
-                        tuple(unpack_tokens(r[8])))  # type: ignore[arg-type]
+        return BlockRow(str(r[0]), str(r[1]), start=int(r[2]), end=int(r[3]),  # type: ignore[call-overload]
+                        path=self.blocks / str(r[4]), nbytes=int(r[5]),  # type: ignore[call-overload]
+                        checksum=str(r[6]), fingerprint=str(r[7]), tokens=tuple(unpack_tokens(r[8])))  # type: ignore[arg-type]
 
     def blocks_of(self, key: str, model: str | None = None) -> list[BlockRow]:
         """The blocks the session's chain lists, in order."""
@@ -233,8 +237,7 @@ class SegmentIndex:
         segments: dict[str, list[SegmentRow]] = {}
         for r in self.db.execute('SELECT key, start, "end", file, nbytes, checksum, fingerprint, tokens '
                                  f"FROM segments WHERE 1{mine} ORDER BY key, start", m):
-            segments.setdefault(r[0], []).append(
-                SegmentRow(r[0], r[1], r[2], self.files / r[3], r[4], r[5], r[6], tuple(unpack_tokens(r[7]))))
+            segments.setdefault(r[0], []).append(self._segment_row(r))
         return blocks, chains, segments
 
     def news(self) -> DiskNews:

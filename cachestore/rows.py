@@ -7,29 +7,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-@dataclass(frozen=True)
-class SegmentRow:
-    key: str
+@dataclass(frozen=True, kw_only=True)
+class FileRow:
+    """One cache file as the index keeps it, a segment's or a block's: the ids it holds, where it is,
+    its size and checksum, and the fingerprint of the model it is for."""
+
     start: int
     end: int
     path: Path
     nbytes: int
     checksum: str
     fingerprint: str
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # the ids of [start, end)
 
 
 @dataclass(frozen=True)
-class BlockRow:
+class SegmentRow(FileRow):
+    """A session's private segment (its tail after its chain's blocks)."""
+
+    key: str  # the session
+
+
+@dataclass(frozen=True)
+class BlockRow(FileRow):
+    """A content-addressed block, shared by every session whose ids run through it."""
+
     block: str  # its key: the hash chain of every id up to its end (blocks.py)
     parent: str  # the previous block's key, or the fingerprint for the first block
-    start: int
-    end: int
-    path: Path
-    nbytes: int
-    checksum: str
-    fingerprint: str
-    tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,8 @@ class Block:
     def row(self, blocks_dir: Path) -> BlockRow:
         assert self.disk is not None
         d = self.disk
-        return BlockRow(self.key, self.parent, self.start, self.end, blocks_dir / d.name, d.nbytes, d.checksum,
-                        d.fingerprint, tuple(self.tokens()))
+        return BlockRow(self.key, self.parent, start=self.start, end=self.end, path=blocks_dir / d.name,
+                        nbytes=d.nbytes, checksum=d.checksum, fingerprint=d.fingerprint, tokens=tuple(self.tokens()))
 
 
 @dataclass(eq=False, slots=True)

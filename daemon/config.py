@@ -18,7 +18,7 @@ from protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
 from protocol import PARAMS as SAMPLING  # [generation]'s keys, validated as a request's sampling values are
 
 if TYPE_CHECKING:  # protocol.shapes imports pydantic: loaded with a config file, so `kvd status` starts without it
-    from protocol.shapes import Limits, Resolved
+    from protocol.shapes import Limits, Sampling
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -92,11 +92,11 @@ class Config:
 
         return Limits(max_text_chars=self.max_text_chars, max_tokens_limit=self.max_tokens_limit)
 
-    def sampling(self) -> Resolved:
+    def sampling(self) -> Sampling:
         """[generation]: the values a turn runs with when neither its request nor its session sets them."""
-        from protocol.shapes import Resolved
+        from protocol.shapes import Sampling
 
-        return Resolved(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p)
+        return Sampling.of(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p)
 
     @property
     def db_path(self) -> Path:

@@ -6,6 +6,11 @@ or reads a long prompt; `AnswerDelta` for each piece of shown text; then
 `AnswerToolCall` for each call the answer made (parsed once, by the turn core,
 when the request offered tools; their text never arrives as a delta); then
 exactly one of `AnswerDone` (committed, whatever its finish) or `AnswerError`.
+The engine emits `AnswerQueued`, `AnswerProgress`, `AnswerDelta` and
+`AnswerError` to the turn core as these same values (engine/jobs.py): the
+turn core passes the first two on as they are, numbers the deltas it shows
+(a stop sequence or a tool call's text is never shown) and says whether an
+error came after text (`answered`).
 
 The first token's hand-off: the answer's first delta carries `written`, which
 the listener that writes it to its client calls right after that write (or

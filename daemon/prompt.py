@@ -102,22 +102,24 @@ def _tail(messages: Sequence[Mapping[str, Any]], covered: int) -> int:
 
 def prompt_tokens(tokenizer: Any, messages: Sequence[Mapping[str, Any]], system: str | None,
                   fed: Sequence[int], *, fed_covers: int) -> tuple[list[int], bool]:
-    """Token ids for the whole conversation `messages`, ready for generation.
+    """Token ids for the whole conversation `messages`, ready for generation: the turn core's own
+    prompt (the fed-token rule), made in its tokenizer stage.
 
     `fed` are the ids the session fed so far; they cover `messages[:fed_covers]`,
     whose last one must be the assistant answer they end with. When that
     holds, `fed` is kept verbatim and only the continuation is tokenized.
     Otherwise (first turn, a crash cut an answer short, an edit) the whole
     conversation is tokenized afresh and the caller reuses whatever prefix of
-    its cache still matches. The flag says whether `fed` was kept.
+    its cache still matches. The flag says whether the session's fed ids were
+    rebuilt rather than appended to (never for a session that had none).
     """
     if fed and 0 < fed_covers < len(messages) and messages[fed_covers - 1]["role"] == "assistant":
         start = _tail(messages, fed_covers)
         rest = _continuation(tokenizer, messages[start:fed_covers], messages[fed_covers:], system,
                              fed[-1], tokenizer.eos_token_ids)
         if rest is not None:
-            return list(fed) + list(tokenizer.encode(rest, add_special_tokens=False)), True
-    return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False)), False
+            return list(fed) + list(tokenizer.encode(rest, add_special_tokens=False)), False
+    return list(tokenizer.encode(render(tokenizer, messages, system), add_special_tokens=False)), bool(fed)
 
 
 def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], system: str | None,
@@ -164,7 +166,8 @@ class Tokenizing:
 
 
 class Prompt(Protocol):
-    """How a turn's prompt ids are made: run by the tokenizer stage, never on the engine thread."""
+    """How a stateless request's prompt ids are made (a `Conversation`): run by the tokenizer stage, never
+    on the engine thread. A session's own turn needs none: its ids are `prompt_tokens`."""
 
     def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
         """The prompt's token ids, and whether the session's fed ids were rebuilt rather than appended to."""
@@ -174,25 +177,6 @@ class Prompt(Protocol):
     def fed_before(self) -> int:
         """How many ids the session had fed in earlier turns (what a re-read is counted against)."""
         ...
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """The transcript as it stands, appended to the session's fed ids where the rule allows."""
-
-    messages: list[dict[str, Any]]
-    system: str | None
-    fed: list[int]
-    fed_covers: int  # how many leading `messages` the fed ids stand for
-
-    @property
-    def fed_before(self) -> int:
-        return len(self.fed)
-
-    def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
-        tokens, appended = prompt_tokens(tokenizer, self.messages, self.system, self.fed,
-                                         fed_covers=self.fed_covers)
-        return tokens, bool(self.fed) and not appended
 
 
 class Templated(Protocol):

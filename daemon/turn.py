@@ -143,7 +143,7 @@ class Turn:
     # a first turn refused before that leaves nothing stored, so nothing has to be deleted.
     unstored: list[Callable[[], Write]] = field(default_factory=list)
     # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
-    # write one; the engine waits for it (AnswerJob.handed).
+    # write one; the engine waits for it (Answer.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
     def publish(self, event: TurnEvent) -> None:

@@ -2,7 +2,7 @@
 
 A turn is a session's next answer: its messages are added to the session the
 turn core holds in memory and queued to the transcript's writer, the engine
-is handed a job at once, the answer's events (typed values, events.py) go to
+is handed the answer at once, the answer's events (typed values, events.py) go to
 whoever listens (websocket connections, an HTTP response: each door encodes
 them in its own shape) while its text is written behind
 as it grows, and it ends committed as complete, cancelled or failed, which
@@ -32,7 +32,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -48,9 +47,9 @@ from sessions import Session, Store, is_disk_full, new_session_id
 from sessions.chains import said
 
 from .config import Config
-from .engine.jobs import AnswerJob, Delta, Done, EngineEvent, Failed, Progress, Queued, Started
+from .engine.jobs import Done, EngineEvent
 from .engine.registry import Engines, ModelRefused
-from .engine.running import MIN_ANSWER
+from .engine.running import MIN_ANSWER, Answer
 from .engine.thread import Engine
 from .events import (
     AnswerDelta,
@@ -61,13 +60,14 @@ from .events import (
     AnswerStarted,
     AnswerToolCall,
 )
-from .prompt import Continuation, Prompt, Tokenizing
+from .prompt import Prompt, Tokenizing, prompt_tokens
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
 from .turn import CallSplit, Listener, StopScan, Turn
 
 log = logging.getLogger("kvd.turns")
 
+PromptIds = Callable[[Any], tuple[list[int], bool]]  # a turn's ids from a tokenizer, and whether they were rebuilt
 ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the session's params and the config
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
@@ -173,11 +173,12 @@ class Turns:
         self.transcripts.truncate(held, index)
         self.transcripts.set_tokens(held, held.fed[:keep], covers=covers)
 
-    def _continuation(self, held: Held, index: int) -> Continuation:
-        """The prompt from memory: the templated messages are kept between turns, not rebuilt."""
+    def _continuation(self, held: Held, index: int) -> PromptIds:
+        """The session's prompt from memory, under the fed-token rule (`prompt_tokens`, run in the tokenizer
+        stage): the templated messages are kept between turns, not rebuilt."""
         n = held.said_before(index)
-        return Continuation(messages=held.said_template[:n], system=held.system, fed=held.fed,
-                            fed_covers=held.said_before(held.covers))
+        return partial(prompt_tokens, messages=held.said_template[:n], system=held.system, fed=held.fed,
+                       fed_covers=held.said_before(held.covers))
 
     def _record(self, turn: Turn, held: Held, tokens: list[int] | None, *, exact: bool) -> int | None:
         """A finished turn's fed ids; returns the answer's fed_end.
@@ -282,7 +283,7 @@ class Turns:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
-        as one operation; the job goes to the engine without waiting for it.
+        as one operation; the answer goes to the engine without waiting for it.
         `prompt` defaults to the transcript under the fed-token rule. The
         cache comes from wherever the longest prefix of its ids is held: the
         session's own or any other's (cachestore's checkout). `tools` (from a
@@ -302,8 +303,8 @@ class Turns:
         switched = self._serve_with(held, model)
         serving = held.model or self.engines.default
         index = self.transcripts.append(held, "assistant", "", status="streaming")
-        if prompt is None:
-            prompt = self._continuation(held, index)
+        ids, fed_before = (self._continuation(held, index), len(held.fed)) if prompt is None else (
+            prompt.ids, prompt.fed_before)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
                     model=serving, switched_from=previous if switched else None, fit=fit)
@@ -326,12 +327,12 @@ class Turns:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
 
-        job = AnswerJob(session_id=session_id, tokens=[], seed=seed, fed_before=prompt.fed_before,
-                      history=first_new > 1 if history is None else history,
-                      sampling=resolved,
-                      emit=emit, grammar=grammar, handed=turn.handed)
-        self.tg.start_soon(self._submit, turn, prompt, job, send)
-        self.tg.start_soon(self._pump, turn, receive)
+        answer = Answer(session_id=session_id, tokens=[], seed=seed, fed_before=fed_before,
+                        history=first_new > 1 if history is None else history,
+                        sampling=resolved,
+                        emit=emit, grammar=grammar, handed=turn.handed)
+        self.tg.start_soon(self._submit, turn, ids, answer, send)
+        self.tg.start_soon(self._pump, turn, answer, receive)
         turn.publish(AnswerStarted(index))
         return turn
 
@@ -354,9 +355,9 @@ class Turns:
             writes += self.transcripts.feed_for(held, serving)
         return writes
 
-    async def _submit(self, turn: Turn, prompt: Prompt, job: AnswerJob, events: Any) -> None:
+    async def _submit(self, turn: Turn, ids: PromptIds, answer: Answer, events: Any) -> None:
         """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
-        job to its engine."""
+        answer to its engine."""
         try:
             engine = turn.engine = await self.engines.engine(turn.model)
         except ModelRefused as e:  # nothing was generated: the turn's messages are taken back
@@ -366,38 +367,38 @@ class Turns:
                     turn.writes.append(self.transcripts.choose_model(turn.held, chosen))
                 if fed_by is not None and fed_by != turn.held.fed_model:
                     turn.writes += self.transcripts.feed_for(turn.held, fed_by)
-            events.send_nowait(Failed(e.code, str(e)))
+            events.send_nowait(AnswerError(e.code, str(e)))
             return
         while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
         if engine.load_error is not None:
-            engine.submit(job)  # no tokenizer: the engine answers with why the model did not load
+            engine.submit(answer)  # no tokenizer: the engine answers with why the model did not load
             return
         try:
-            job.tokens, job.retokenized = await self.tokenizing_for(engine).run(prompt.ids)
+            answer.tokens, answer.retokenized = await self.tokenizing_for(engine).run(ids)
         except TemplateError as e:  # the model's chat template refuses the conversation (raise_exception)
             log.info("the chat template of %s refused session %s's conversation: %s", turn.model, turn.session_id, e)
-            events.send_nowait(Failed(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
-                                      "send one it takes (docs/openai.md)"))
+            events.send_nowait(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
+                                           "send one it takes (docs/openai.md)"))
             return
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
-            events.send_nowait(Failed(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
+            events.send_nowait(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
-            self._fit(job, engine.max_context)
-        engine.submit(job)
+            self._fit(answer, engine.max_context)
+        engine.submit(answer)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
             engine.cancel(turn.session_id)
 
     @staticmethod
-    def _fit(job: AnswerJob, context: int | None) -> None:
+    def _fit(answer: Answer, context: int | None) -> None:
         """Lower a ceiling max_tokens to the room the model's context leaves after the prompt, where that
         room is still an answer (MIN_ANSWER): an agent that asks for 64k tokens, or names no limit, wants
         as much as fits, not a refusal. Less room than that: the engine refuses, with its advice."""
-        room = context - len(job.tokens) if context else None
-        if room is not None and job.max_tokens > room >= MIN_ANSWER:
-            job.sampling = replace(job.sampling, max_tokens=room)
+        room = context - len(answer.tokens) if context else None
+        if room is not None and answer.max_tokens > room >= MIN_ANSWER:
+            answer.sampling = answer.sampling.model_copy(update={"max_tokens": room})
 
     def cancel(self, session_id: str, turn: Turn | None = None) -> None:
         """Stop the session's answer (only if it is still `turn`, when given); what was generated is kept."""
@@ -418,47 +419,47 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # noqa: C901 - 18:
-        # one branch per engine event kind, all sharing the answer's commit clock and stop scan
+    async def _pump(self, turn: Turn, answer: Answer,  # noqa: C901 - 17: one branch per engine event kind,
+                    events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # sharing the commit clock and stop scan
         """Commit and publish one answer's events until it is done.
 
-        The first delta is queued for commit at once, later ones at most every
+        The engine has taken the answer once it says anything but its queue
+        position or a refusal: then a new session's rows are queued, and a
+        retokenized prompt's old answer boundaries forgotten. The first delta
+        is queued for commit at once, later ones at most every
         COMMIT_INTERVAL: a crash loses at most that much of an answer. The
         answer's end is published once its commit is back (fsynced).
         """
         last_commit = -math.inf
-        first = True
+        taken = False
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
             async with events:
                 async for ev in events:
-                    if turn.unstored and isinstance(ev, Started | Done):  # the engine took it
+                    if not taken and isinstance(ev, AnswerProgress | AnswerDelta | Done):  # the engine took it
+                        taken = True
                         turn.writes += [write() for write in turn.unstored]
                         turn.unstored.clear()
-                    if isinstance(ev, Queued):
-                        turn.publish(AnswerQueued(ev.position))
-                    elif isinstance(ev, Progress):
-                        turn.publish(AnswerProgress(ev.fed, ev.total))
-                    elif isinstance(ev, Started):
-                        if ev.retokenized:
+                        if answer.retokenized:
                             turn.writes.append(t.forget_fed_ends(held, turn.message_index))
-                    elif isinstance(ev, Delta):
+                    if isinstance(ev, AnswerQueued | AnswerProgress):
+                        turn.publish(ev)
+                    elif isinstance(ev, AnswerDelta):
                         text = ev.text
                         if turn.stop is not None:
                             stopped = turn.stop.hit
                             text = turn.stop.feed(text)
                             if turn.stop.hit and not stopped:
                                 self.cancel(sid, turn)  # the rest would be cut anyway
-                        self._said(turn, text, first=first)
-                        first = False
+                        self._said(turn, text, first=ev.seq == 0)
                         if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                             turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
                             last_commit = time.monotonic()
                     elif isinstance(ev, Done):
                         await self._done(turn, ev)
                         return
-                    elif isinstance(ev, Failed):
+                    else:
                         await self._failed(turn, ev)
                         return
         except Exception as e:
@@ -487,7 +488,7 @@ class Turns:
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
-    async def _failed(self, turn: Turn, ev: Failed) -> None:
+    async def _failed(self, turn: Turn, ev: AnswerError) -> None:
         t, held = self.transcripts, turn.held
         assert held is not None
         if turn.unstored:  # refused before the engine took it: a new session, never stored
@@ -507,7 +508,7 @@ class Turns:
         """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
 
         The engine waits after the answer's first token until it is written
-        (AnswerJob.handed): the listener that writes it sets that, or this does
+        (Answer.handed): the listener that writes it sets that, or this does
         when there is nothing to write or nobody to write it.
         """
         turn.text += text

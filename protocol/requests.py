@@ -80,8 +80,8 @@ class SessionDelete:
     session: str
 
 
-# A chat request's max_tokens, temperature and top_p are None when it leaves
-# them out: the session's params, then the config, fill them in (shapes.resolve).
+# A chat request's sampling: its max_tokens, temperature and top_p, each None when
+# it leaves it out: the session's params, then the config, fill them in (shapes.resolve).
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,7 @@ class ChatSend:
     id: RequestId
     session: str
     text: str
-    max_tokens: int | None
-    temperature: float | None
-    top_p: float | None
+    sampling: Sampling
     model: str | None = None  # the model to answer from now on; None: the session's
 
 
@@ -99,9 +97,7 @@ class ChatSend:
 class ChatRegenerate:
     id: RequestId
     session: str
-    max_tokens: int | None
-    temperature: float | None
-    top_p: float | None
+    sampling: Sampling
 
 
 @dataclass(frozen=True)
@@ -110,9 +106,7 @@ class ChatEdit:
     session: str
     message_index: int
     text: str
-    max_tokens: int | None
-    temperature: float | None
-    top_p: float | None
+    sampling: Sampling
 
 
 @dataclass(frozen=True)
@@ -346,14 +340,13 @@ def _chat_attach(msg: Msg, rid: RequestId, limits: Limits) -> Request:
 
 def _chat_regenerate(msg: Msg, rid: RequestId, limits: Limits) -> Request:
     session = _session(msg, rid)
-    s = _sampling(msg, rid, limits)
-    return ChatRegenerate(rid, session, s.max_tokens, s.temperature, s.top_p)
+    return ChatRegenerate(rid, session, _sampling(msg, rid, limits))
 
 
 def _chat_send(msg: Msg, rid: RequestId, limits: Limits) -> Request:
     session = _session(msg, rid)
     s = _sampling(msg, rid, limits)
-    return ChatSend(rid, session, _text(msg, rid, limits), s.max_tokens, s.temperature, s.top_p, _model(msg, rid))
+    return ChatSend(rid, session, _text(msg, rid, limits), s, _model(msg, rid))
 
 
 def _chat_edit(msg: Msg, rid: RequestId, limits: Limits) -> Request:
@@ -363,7 +356,7 @@ def _chat_edit(msg: Msg, rid: RequestId, limits: Limits) -> Request:
     index = _field(msg, rid, "message_index", int)
     if index < 0:
         raise RequestError(p.BAD_REQUEST, "'message_index' must be >= 0", rid)
-    return ChatEdit(rid, session, index, text, s.max_tokens, s.temperature, s.top_p)
+    return ChatEdit(rid, session, index, text, s)
 
 
 _BUILDERS: dict[str, Callable[[Msg, RequestId, Limits], Request]] = {

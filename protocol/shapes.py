@@ -100,11 +100,21 @@ class Shape(BaseModel):
 
 
 class Sampling(Shape):
-    """A turn's sampling values; None leaves one to the next source (`resolve`)."""
+    """A turn's sampling values, the one value for them from a request's parser to the engine.
+
+    As a request gives them, None leaves one to the next source; `resolve`
+    fills every one (the request's, else the session's, else the config's),
+    once, in the turn core, and the engine runs with that.
+    """
 
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
+
+    @classmethod
+    def of(cls, max_tokens: int, temperature: float, top_p: float) -> Sampling:
+        """Every value set, each already checked (the config's, a resolved turn's, rank 0's copy)."""
+        return cls.model_construct(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
 
     def given(self) -> dict[str, int | float | None]:
         return {name: getattr(self, name) for name in PARAMS}
@@ -117,18 +127,10 @@ def bounds(field: str, limits: Limits) -> str:
     return f"in {(TEMPERATURE if field == 'temperature' else TOP_P).describe()}"
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """The values a turn runs with."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-
-
-def resolve(request: Mapping[str, Any], session: Mapping[str, Any], defaults: Resolved, *,
-            max_tokens_limit: int) -> Resolved:
-    """Which value wins, for every door: the request's, else the session's params, else the config's.
+def resolve(request: Mapping[str, Any], session: Mapping[str, Any], defaults: Sampling, *,
+            max_tokens_limit: int) -> Sampling:
+    """Which value wins, for every door: the request's, else the session's params, else the config's
+    (`defaults`, every value set); the result has every value set.
 
     A session's max_tokens was checked against max_tokens_limit when it was
     set; the limit may have been lowered since, so it is clamped here.
@@ -140,8 +142,8 @@ def resolve(request: Mapping[str, Any], session: Mapping[str, Any], defaults: Re
                 return source[name]
         return getattr(defaults, name)
 
-    return Resolved(max_tokens=min(int(pick("max_tokens")), max_tokens_limit),
-                    temperature=float(pick("temperature")), top_p=float(pick("top_p")))
+    return Sampling.of(max_tokens=min(int(pick("max_tokens")), max_tokens_limit),
+                       temperature=float(pick("temperature")), top_p=float(pick("top_p")))
 
 
 def merge(current: Mapping[str, Any], change: Mapping[str, Any]) -> dict[str, Any]:

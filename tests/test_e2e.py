@@ -205,13 +205,13 @@ async def test_each_turns_first_delta_is_handed_to_the_engine_as_sent(tmp_path: 
     websocket's writer, the OpenAI stream's send, the OpenAI body that sends nothing before the end."""
     import openai
 
-    from daemon.engine.jobs import AnswerJob
+    from daemon.engine.running import Answer
     from daemon.engine.thread import Engine
 
-    jobs: list[AnswerJob] = []
+    jobs: list[Answer] = []
     submit = Engine.submit
 
-    def recorded(self: Engine, job: AnswerJob) -> None:
+    def recorded(self: Engine, job: Answer) -> None:
         jobs.append(job)
         submit(self, job)
 

@@ -16,11 +16,13 @@ import pytest
 from conftest import greedy_reference
 from daemon import device
 from daemon.config import load_config
-from daemon.engine.jobs import AnswerJob, Delta, Done, EngineEvent, Started
+from daemon.engine.jobs import Done, EngineEvent
+from daemon.engine.running import Answer
 from daemon.engine.scheduler import MIN_CHUNK
 from daemon.engine.thread import Engine
-from daemon.prompt import Continuation
-from protocol.shapes import Resolved
+from daemon.events import AnswerDelta, AnswerProgress
+from daemon.prompt import prompt_tokens
+from protocol.shapes import Sampling
 
 LONG = "Tell me everything about caches and how they page out to disk. " * 6
 STEP = 16
@@ -35,18 +37,17 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
     e.caches.close()
 
 
-def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> AnswerJob:
+def job(engine: Engine, session: str, text: str, events: list[EngineEvent], **fields: Any) -> Answer:
     """A first turn's job, its ids made as the turn core's tokenizer stage makes them."""
     fields.setdefault("max_tokens", 32)
-    prompt = Continuation(messages=[{"role": "user", "content": text}], system=None, fed=[], fed_covers=0)
-    return submitted(engine, session, prompt, events, **fields)
+    return submitted(engine, session, [{"role": "user", "content": text}], [], 0, events, **fields)
 
 
-def submitted(engine: Engine, session: str, prompt: Continuation, events: list[EngineEvent],
-              **fields: Any) -> AnswerJob:
-    tokens, retokenized = prompt.ids(engine.tokenizer)
-    return AnswerJob(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=prompt.fed_before,
-                   sampling=Resolved(fields.pop("max_tokens"), 0.0, 1.0), emit=events.append, **fields)
+def submitted(engine: Engine, session: str, messages: list[dict[str, Any]], fed: list[int], fed_covers: int,
+              events: list[EngineEvent], **fields: Any) -> Answer:
+    tokens, retokenized = prompt_tokens(engine.tokenizer, messages, None, fed, fed_covers=fed_covers)
+    return Answer(session_id=session, tokens=tokens, retokenized=retokenized, fed_before=len(fed),
+                   sampling=Sampling.of(fields.pop("max_tokens"), 0.0, 1.0), emit=events.append, **fields)
 
 
 def done(events: list[EngineEvent]) -> Done:
@@ -72,13 +73,13 @@ def test_a_long_prompt_is_fed_a_chunk_per_step(engine: Engine) -> None:
     events: list[EngineEvent] = []
     engine.submit(job(engine, "a" * 16, LONG, events))
     engine.step()  # starts the turn and feeds its first chunk
-    started = events[0]
-    assert isinstance(started, Started) and started.prompt_tokens > 4 * STEP
+    progress = events[0]
+    assert isinstance(progress, AnswerProgress) and progress.total > 4 * STEP
     steps = 1
-    while not any(isinstance(e, Delta) for e in events):
+    while not any(isinstance(e, AnswerDelta) for e in events):
         engine.step()
         steps += 1
-    assert steps == -(-started.prompt_tokens // STEP)  # ceil: the last chunk yields the first token
+    assert steps == -(-progress.total // STEP)  # ceil: the last chunk yields the first token
     run_to_end(engine)
     assert done(events).usage["completion_tokens"] == 32
 
@@ -117,7 +118,7 @@ def test_after_the_first_token_the_engine_waits_for_it_to_be_handed_out(engine: 
                  handed: threading.Event = handed, hand_over: bool = hand_over) -> None:
             events.append(event)
             times.append(time.monotonic())
-            if isinstance(event, Delta) and hand_over:
+            if isinstance(event, AnswerDelta) and hand_over:
                 handed.set()
 
         j = job(engine, f"hand-{hand_over}", "Hello there", events, max_tokens=2)
@@ -126,7 +127,7 @@ def test_after_the_first_token_the_engine_waits_for_it_to_be_handed_out(engine: 
         t0 = time.monotonic()
         run_to_end(engine)
         took = time.monotonic() - t0
-        first = next(i for i, e in enumerate(events) if isinstance(e, Delta))
+        first = next(i for i, e in enumerate(events) if isinstance(e, AnswerDelta))
         assert isinstance(events[-1], Done) and events[-1].usage["completion_tokens"] == 2
         if hand_over:
             assert handed.is_set()
@@ -155,7 +156,7 @@ def test_one_token_answer_is_not_fed(engine: Engine) -> None:
     run_to_end(engine)
     end = done(events)
     assert end.finish_reason == "length" and end.usage["completion_tokens"] == 1
-    assert sum(isinstance(e, Delta) for e in events) == 1
+    assert sum(isinstance(e, AnswerDelta) for e in events) == 1
     # The token was shown, so the session's history holds it; the cache holds the prompt
     # alone (the token was sampled but never fed), so the next turn feeds it first.
     assert end.tokens is not None and len(end.tokens) == end.usage["prompt_tokens"] + 1
@@ -165,17 +166,16 @@ def test_one_token_answer_is_not_fed(engine: Engine) -> None:
 def assert_next_turn_starts_from(engine: Engine, sid: str, text: str, events: list[EngineEvent],
                                  end: Done) -> None:
     """The next turn appends to exactly `end.tokens` and restores the prompt the cache holds."""
-    answer = "".join(e.text for e in events if isinstance(e, Delta))
+    answer = "".join(e.text for e in events if isinstance(e, AnswerDelta))
     assert end.tokens is not None
     nxt: list[EngineEvent] = []
-    prompt = Continuation(messages=[{"role": "user", "content": text}, {"role": "assistant", "content": answer},
-                                    {"role": "user", "content": "And then?"}],
-                          system=None, fed=end.tokens, fed_covers=2)
-    engine.submit(submitted(engine, sid, prompt, nxt, max_tokens=2))
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And then?"}]
+    j = submitted(engine, sid, messages, end.tokens, 2, nxt, max_tokens=2)
+    assert not j.retokenized
+    engine.submit(j)
     run_to_end(engine)
-    started = nxt[0]
-    assert isinstance(started, Started) and not started.retokenized
-    assert started.cached_tokens == end.usage["prompt_tokens"]
+    assert done(nxt).usage["cached_tokens"] == end.usage["prompt_tokens"]
     # The prompt began with exactly those ids (the next history is the prompt, then the answer).
     tokens = done(nxt).tokens
     assert tokens is not None and end.tokens is not None and tokens[:len(end.tokens)] == end.tokens
@@ -186,7 +186,7 @@ def test_cancel_before_the_first_token_is_fed_keeps_it_in_the_history(engine: En
     sid = "f" * 16
     events: list[EngineEvent] = []
     engine.submit(job(engine, sid, "Hello there.", events))
-    while not any(isinstance(e, Delta) for e in events):
+    while not any(isinstance(e, AnswerDelta) for e in events):
         engine.step()  # the prompt is fed and the first token shown; no decode step has run
     engine.cancel(sid)
     engine.step()
@@ -207,13 +207,14 @@ def test_cancel_mid_prefill_keeps_what_was_fed(engine: Engine) -> None:
     end = done(events)
     assert end.finish_reason == "cancelled" and end.usage["completion_tokens"] == 0
     assert end.tokens is None  # nothing was generated: the session's fed ids stay as they were
-    assert not any(isinstance(e, Delta) for e in events)
+    assert not any(isinstance(e, AnswerDelta) for e in events)
     # The three chunks fed are kept: a retry restores them and prefills only the rest.
     retry: list[EngineEvent] = []
     engine.submit(job(engine, sid, LONG, retry))
     engine.step()
-    again = retry[0]
-    assert isinstance(again, Started) and again.cached_tokens == 3 * STEP
+    engine.cancel(sid)
+    engine.step()
+    assert done(retry).usage["cached_tokens"] == 3 * STEP
 
 
 def test_a_prefill_never_freezes_the_batch(engine: Engine) -> None:
@@ -226,7 +227,7 @@ def test_a_prefill_never_freezes_the_batch(engine: Engine) -> None:
     b_events: list[EngineEvent] = []
     engine.submit(job(engine, "f" * 16, LONG, b_events))
     steps = 0
-    while not any(isinstance(e, Delta) for e in b_events):
+    while not any(isinstance(e, AnswerDelta) for e in b_events):
         before = generated(engine, "e" * 16)
         engine.step()
         assert generated(engine, "e" * 16) == before + 1

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from daemon.engine import lockstep
-from daemon.engine.jobs import AnswerJob, Cancel, Forget, Stop
+from daemon.engine.jobs import Cancel, Forget, Stop
 from daemon.engine.lockstep import HEADER, Op, decode_job, encode
-from protocol.shapes import Resolved
+from daemon.engine.running import Answer
+from protocol.shapes import Sampling
 
 
 def _nowhere(event: object) -> None:
@@ -20,20 +21,20 @@ def _nowhere(event: object) -> None:
 
 
 def test_a_job_arrives_whole() -> None:
-    job = AnswerJob(session_id="séance-7", tokens=[0, 1, 2**31 - 1, 151_000], sampling=Resolved(4096, 0.7, 0.95),
+    job = Answer(session_id="séance-7", tokens=[0, 1, 2**31 - 1, 151_000], sampling=Sampling.of(4096, 0.7, 0.95),
                   emit=_nowhere, seed=2**64 - 1, retokenized=True, fed_before=300, history=False,
                   grammar='{"type": "object", "x": "ü"}')
     m = encode(job)
     assert m.op == Op.JOB and 2 + len(m.fields) <= HEADER
     assert all(-(2**31) <= v < 2**31 for v in [*m.fields, *m.payload])  # every value fits the int32 buffer
     got = decode_job(m, _nowhere)
-    assert isinstance(got, AnswerJob)
+    assert isinstance(got, Answer)
     for name in ("session_id", "tokens", "max_tokens", "temperature", "top_p", "seed", "retokenized",
                  "fed_before", "history", "grammar"):
         assert getattr(got, name) == getattr(job, name), name
-    assert decode_job(encode(AnswerJob("s", [5], Resolved(1, 0.0, 1.0), _nowhere, seed=0)), _nowhere).seed == 0  # type: ignore[union-attr]
-    plain = decode_job(encode(AnswerJob("s", [5], Resolved(1, 0.0, 1.0), _nowhere)), _nowhere)
-    assert isinstance(plain, AnswerJob) and plain.seed is None and plain.grammar is None
+    assert decode_job(encode(Answer("s", [5], Sampling.of(1, 0.0, 1.0), _nowhere, seed=0)), _nowhere).seed == 0  # type: ignore[union-attr]
+    plain = decode_job(encode(Answer("s", [5], Sampling.of(1, 0.0, 1.0), _nowhere)), _nowhere)
+    assert isinstance(plain, Answer) and plain.seed is None and plain.grammar is None
 
 
 def test_commands_and_ticks() -> None:

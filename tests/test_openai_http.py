@@ -15,7 +15,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from conftest import RunningDaemon, client, running_daemon
-from daemon.engine.jobs import AnswerJob, Done
+from daemon.engine.jobs import Done
+from daemon.engine.running import Answer
 
 pytestmark = pytest.mark.anyio
 
@@ -31,8 +32,8 @@ class HeldEnds:
         self._lock = threading.Lock()
         submit = d.daemon.engine.submit
 
-        def submit_holding(job: AnswerJob) -> None:
-            emit = job.emit
+        def submit_holding(answer: Answer) -> None:
+            emit = answer.emit
 
             def emit_or_hold(event: Any) -> None:  # engine thread
                 with self._lock:
@@ -41,8 +42,8 @@ class HeldEnds:
                         return
                 emit(event)
 
-            job.emit = emit_or_hold
-            submit(job)
+            answer.emit = emit_or_hold
+            submit(answer)
 
         d.daemon.engine.submit = submit_holding  # type: ignore[method-assign]
 
@@ -379,9 +380,9 @@ async def test_a_continued_conversation_is_fed_a_whole_renders_ids_made_from_its
     async with running_daemon(tmp_path) as d:
         submit = d.daemon.engine.submit
 
-        def recording(job: AnswerJob) -> None:
-            fed.append((job.session_id, list(job.tokens)))
-            submit(job)
+        def recording(answer: Answer) -> None:
+            fed.append((answer.session_id, list(answer.tokens)))
+            submit(answer)
 
         d.daemon.engine.submit = recording  # type: ignore[method-assign]
         api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
@@ -444,9 +445,9 @@ async def test_after_a_restart_the_next_request_of_a_conversation_renders_only_i
                 await anyio.sleep(0.02)
         submit = d.daemon.engine.submit
 
-        def recording(job: AnswerJob) -> None:
-            fed.append(list(job.tokens))
-            submit(job)
+        def recording(answer: Answer) -> None:
+            fed.append(list(answer.tokens))
+            submit(answer)
 
         d.daemon.engine.submit = recording  # type: ignore[method-assign]
         api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)

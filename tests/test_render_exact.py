@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import RunningDaemon, running_daemon
-from daemon.engine.jobs import AnswerJob
+from daemon.engine.running import Answer
 from daemon.models.builtin import ensure_builtin
 from daemon.prompt import conversation_ids
 from test_renders import reordered
@@ -39,9 +39,9 @@ def fed_ids(d: RunningDaemon) -> list[list[int]]:
     fed: list[list[int]] = []
     submit = d.daemon.engine.submit
 
-    def recording(job: AnswerJob) -> None:
-        fed.append(list(job.tokens))
-        submit(job)
+    def recording(answer: Answer) -> None:
+        fed.append(list(answer.tokens))
+        submit(answer)
 
     d.daemon.engine.submit = recording  # type: ignore[method-assign]
     return fed

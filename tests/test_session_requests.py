@@ -103,16 +103,16 @@ async def test_session_params_are_the_turns_defaults(tmp_path: Path) -> None:
 
 def test_request_then_session_then_config() -> None:
     from daemon.config import Config
-    from protocol.shapes import Resolved, merge, resolve
+    from protocol.shapes import Sampling, merge, resolve
 
     config = Config(max_tokens=512, temperature=0.7, top_p=1.0, max_tokens_limit=1024)
     session = {"temperature": 0.1, "max_tokens": 2000}  # set before the limit was lowered
     unset = {"max_tokens": None, "temperature": None, "top_p": None}
     limit = config.max_tokens_limit
-    assert resolve(unset, {}, config.sampling(), max_tokens_limit=limit) == Resolved(512, 0.7, 1.0)
-    assert resolve(unset, session, config.sampling(), max_tokens_limit=limit) == Resolved(1024, 0.1, 1.0)
+    assert resolve(unset, {}, config.sampling(), max_tokens_limit=limit) == Sampling.of(512, 0.7, 1.0)
+    assert resolve(unset, session, config.sampling(), max_tokens_limit=limit) == Sampling.of(1024, 0.1, 1.0)
     asked = {"max_tokens": 9, "temperature": 0.0, "top_p": 0.5}
-    assert resolve(asked, session, config.sampling(), max_tokens_limit=limit) == Resolved(9, 0.0, 0.5)
+    assert resolve(asked, session, config.sampling(), max_tokens_limit=limit) == Sampling.of(9, 0.0, 0.5)
     assert merge(session, {"temperature": None, "top_p": 0.9}) == {"max_tokens": 2000, "top_p": 0.9}
 
 

@@ -37,7 +37,7 @@ def websocket(field: str, value: Any) -> bool:
     except RequestError as e:
         assert e.code == "bad_request" and repr(field) in e.message, e.message
         return False
-    assert isinstance(req, ChatSend) and getattr(req, field) == value
+    assert isinstance(req, ChatSend) and getattr(req.sampling, field) == value
     return True
 
 

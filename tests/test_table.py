@@ -18,12 +18,13 @@ B = 4
 
 def row(tokens: list[int], k: int, nbytes: int = 100) -> BlockRow:
     keys = block_keys(tokens, B, ROOT)
-    return BlockRow(keys[k], keys[k - 1] if k else ROOT, k * B, (k + 1) * B, Path(f"/b/{k}"), nbytes, "0", "fp",
-                    tuple(tokens[k * B:(k + 1) * B]))
+    return BlockRow(keys[k], keys[k - 1] if k else ROOT, start=k * B, end=(k + 1) * B, path=Path(f"/b/{k}"),
+                    nbytes=nbytes, checksum="0", fingerprint="fp", tokens=tuple(tokens[k * B:(k + 1) * B]))
 
 
 def seg(key: str, start: int, tokens: list[int]) -> SegmentRow:
-    return SegmentRow(key, start, len(tokens), Path(f"/s/{key}"), 10, "0", "fp", tuple(tokens[start:]))
+    return SegmentRow(key, start=start, end=len(tokens), path=Path(f"/s/{key}"), nbytes=10, checksum="0",
+                      fingerprint="fp", tokens=tuple(tokens[start:]))
 
 
 def test_a_chain_is_hashed_once_and_extended(monkeypatch: pytest.MonkeyPatch) -> None:

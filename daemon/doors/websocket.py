@@ -9,7 +9,6 @@ typed events (events.py) become protocol frames here (`frame`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from protocol.requests import (
     Status,
     parse_request,
 )
-from protocol.shapes import Sampling, merge, resolve
+from protocol.shapes import merge, resolve
 from sessions import KEEP, Keep, Message, Session, Store, is_disk_full
 
 from .. import __version__
@@ -152,8 +151,8 @@ class WebSocketDoor:
     def _hello(self) -> dict[str, Any]:
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
                 "model": self.config.model, **self._loading.hello_fields(),
-                "defaults": dataclasses.asdict(resolve({}, {}, self.config.sampling(),
-                                                       max_tokens_limit=self.config.max_tokens_limit))}
+                "defaults": resolve({}, {}, self.config.sampling(),
+                                    max_tokens_limit=self.config.max_tokens_limit).model_dump()}
 
     # --- requests ---
 
@@ -196,12 +195,12 @@ class WebSocketDoor:
             elif isinstance(req, ChatSend):
                 model = await self.turns.engines.resolve(req.model, rid) if req.model is not None else None
                 await self.turns.send(Frames(conn, req.id, req.session), req.id, req.session, req.text,
-                                      _sampling(req), model=model)
+                                      req.sampling, model=model)
             elif isinstance(req, ChatRegenerate):
-                await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, _sampling(req))
+                await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, req.sampling)
             elif isinstance(req, ChatEdit):
                 await self.turns.edit(Frames(conn, req.id, req.session), req.id, req.session, req.message_index,
-                                      req.text, _sampling(req))
+                                      req.text, req.sampling)
             elif isinstance(req, ChatCancel):
                 if req.session not in self.turns.active:
                     await self.turns.session(req.session, rid)
@@ -269,7 +268,3 @@ def _session_and_messages(session_id: str, store: Store) -> tuple[Session, list[
     session = store.get_session(session_id)
     return None if session is None else (session, store.messages(session_id))
 
-
-def _sampling(req: ChatSend | ChatRegenerate | ChatEdit) -> Sampling:
-    """The request's sampling values as the one value the turn core resolves (checked by its parser)."""
-    return Sampling.model_construct(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p)

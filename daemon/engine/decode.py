@@ -83,9 +83,10 @@ class Out:
 class Decoder:
     """The batch: its rows, their batch cache and their pending tokens. Engine thread only."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, stream: Any = None):
+        """`stream`: the MLX stream it runs on, the engine's (Steps.stream); None: a new one."""
         self.model = model
-        self.stream = mx.new_stream(mx.default_device())
+        self.stream = stream if stream is not None else mx.new_stream(mx.default_device())
         self.rows: list[Row] = []  # in the batch, in its order
         self.cache: list[Any] = []  # one batch cache per layer; empty while no row decodes
         self.pending: mx.array | None = None  # (rows,): each row's next token, drawn, not yet fed

@@ -36,10 +36,11 @@ from enum import IntEnum
 from typing import Any, NoReturn, cast
 
 from common.tiers import NO_CACHE
-from protocol.shapes import Resolved
+from protocol.shapes import Sampling
 
 from .doorbell import Doorbell, rank0_address
-from .jobs import AnswerJob, Cancel, Forget, Stop
+from .jobs import Cancel, Forget, Stop
+from .running import Answer
 
 log = logging.getLogger("kvd.lockstep")
 
@@ -54,7 +55,7 @@ class Op(IntEnum):
 
     STEP = 1  # one engine step (Engine.advance)
     IDLE = 2  # idle upkeep: tier demotion or a prefetch (Engine.idle)
-    JOB = 3  # an AnswerJob: fields, then its token ids and session id as payload
+    JOB = 3  # an Answer: fields, then its token ids and session id as payload
     CANCEL = 4
     FORGET = 5
     STOP = 6
@@ -87,7 +88,7 @@ def _i32(u: int) -> int:
     return u - (1 << 32) if u >= 1 << 31 else u
 
 
-def encode(cmd: AnswerJob | Cancel | Forget | Stop | Op) -> Message:
+def encode(cmd: Answer | Cancel | Forget | Stop | Op) -> Message:
     """A command as rank 0 sends it (Op.STEP and Op.IDLE stand for themselves)."""
     if isinstance(cmd, Op):
         return Message(cmd, [], [])
@@ -104,7 +105,7 @@ def encode(cmd: AnswerJob | Cancel | Forget | Stop | Op) -> Message:
     return Message(Op.JOB, fields, [*cmd.tokens, *grammar, *sid])
 
 
-def decode_job(m: Message, emit: Any) -> AnswerJob | Cancel | Forget:
+def decode_job(m: Message, emit: Any) -> Answer | Cancel | Forget:
     """A follower's copy of rank 0's command; its events go to `emit` (nowhere)."""
     n_sid = m.fields[0]
     sid = bytes(m.payload[len(m.payload) - n_sid:]).decode()
@@ -114,8 +115,8 @@ def decode_job(m: Message, emit: Any) -> AnswerJob | Cancel | Forget:
         return Forget(sid)
     _, n, max_tokens, t0, t1, p0, p1, has_seed, s0, s1, retok, fed_before, history, has_grammar = m.fields[:14]
     grammar = bytes(m.payload[n:len(m.payload) - n_sid]).decode() if has_grammar else None
-    return AnswerJob(session_id=sid, tokens=m.payload[:n], emit=emit,
-                   sampling=Resolved(max_tokens, _from_f64(t0, t1), _from_f64(p0, p1)),
+    return Answer(session_id=sid, tokens=m.payload[:n], emit=emit,
+                   sampling=Sampling.of(max_tokens, _from_f64(t0, t1), _from_f64(p0, p1)),
                    seed=(s0 & 0xFFFFFFFF) | ((s1 & 0xFFFFFFFF) << 32) if has_seed else None,
                    retokenized=bool(retok), fed_before=fed_before, history=bool(history), grammar=grammar)
 
@@ -167,7 +168,7 @@ class Lockstep:
             self.send(Op.SLEEP)
             self._asleep = True
 
-    def send(self, cmd: AnswerJob | Cancel | Forget | Stop | Op) -> None:
+    def send(self, cmd: Answer | Cancel | Forget | Stop | Op) -> None:
         assert self.rank == 0
         m = encode(cmd)
         self._sum([m.op, len(m.payload), *m.fields], HEADER)

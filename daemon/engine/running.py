@@ -1,19 +1,27 @@
-"""An answer as the engine holds it: its phase, its prompt, its read, prefill or decode row, its timings.
+"""An answer: what the turn core asks of the engine, and the engine's state of it (its phase, its read,
+prefill or decode row, its timings), one object from its submission to its Done.
 
-Engine-thread state (the detokenizer, the draws and the prefill's cache are
-live objects); what leaves the thread is a copy: the `usage` of the Done
-event and the AnswerStatistics of `Engine.statistics()` (what `kvd status` shows of an answer in progress).
+The turn core makes it (its ids, its sampling, where its events go) and
+submits it; from then on it is engine-thread state (the detokenizer, the
+draws and the prefill's cache are live objects), but for `handed`, which
+the listener that wrote its first delta sets. What leaves the thread is a
+copy: the `usage` of the Done event and the AnswerStatistics of
+`Engine.statistics()` (what `kvd status` shows of an answer in progress).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
+from protocol.shapes import Sampling
 
-from .jobs import AnswerJob, Delta
+from ..events import AnswerDelta
+from .jobs import EngineEvent
 from .scheduler import Phase
 
 if TYPE_CHECKING:
@@ -47,10 +55,26 @@ class EngineStatistics:
 
 @dataclass(eq=False)
 class Answer:
-    """One answer as the engine holds it, from its job's arrival to its Done: the one object, with
-    the one field saying where it is (`phase`, moved by the scheduler only)."""
+    """One answer, from its submission to its Done: the one object, with the one field saying where it
+    is (`phase`, moved by the scheduler only). Its prompt comes as token ids, made by the turn core's
+    tokenizer stage: the engine never tokenizes."""
 
-    job: AnswerJob
+    session_id: str
+    tokens: list[int]
+    sampling: Sampling  # max_tokens, temperature, top_p: every one set (resolved once, by the turn core)
+    emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
+    seed: int | None = None  # seeds MLX's sampler when the answer starts
+    retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
+    fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
+    history: bool = True  # earlier turns come before this one's messages (what a too-long error advises)
+    grammar: str | None = None  # llguidance's grammar the answer must follow (the API's response_format)
+    # Set by the listener that wrote the first delta to its client (events.py, AnswerDelta.written): the
+    # engine waits for it (at most FIRST_HANDOFF_S) before its next step, so the event loop sends the
+    # first token without waiting behind that step for a core and the GIL. None: nobody sends it (a
+    # follower rank, a test).
+    handed: threading.Event | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    # The engine's, from here on.
     phase: Phase = Phase.WAITING
     need: int = 0  # bytes its cache may reach (its prompt plus max_tokens): held while admitted
     told: int = 0  # the queue position it was last told, while it waits
@@ -66,9 +90,10 @@ class Answer:
     cached_len: int = 0
     restored_from: str = p.NO_CACHE
     restore_ms: float = 0.0
-    inserted: float = 0.0  # when it started (its job's arrival until then)
+    inserted: float = 0.0  # when it started (its arrival until then)
     draws: Draws | None = None  # how its tokens are chosen (None: never started)
-    progress_at: float | None = None  # when the last Progress event was sent
+    progress_at: float | None = None  # when the last AnswerProgress event was sent
+    said: int = 0  # deltas emitted (the next one's seq)
     generated: int = 0
     t_first: float | None = None
     t_last: float | None = None
@@ -78,11 +103,26 @@ class Answer:
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
 
     def __post_init__(self) -> None:
-        self.inserted = self.inserted or self.job.arrived
+        self.inserted = self.inserted or self.arrived
 
     @property
     def key(self) -> str:
-        return self.job.session_id
+        return self.session_id
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.sampling.max_tokens is not None, "an answer's sampling is resolved"
+        return self.sampling.max_tokens
+
+    @property
+    def temperature(self) -> float:
+        assert self.sampling.temperature is not None, "an answer's sampling is resolved"
+        return self.sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        assert self.sampling.top_p is not None, "an answer's sampling is resolved"
+        return self.sampling.top_p
 
     def took(self, token: int, now: float, *, shown: bool) -> bool:
         """One generated token: counted and timed; streamed as text if `shown` (not a stop token).
@@ -93,9 +133,14 @@ class Answer:
         if shown:
             self.detokenizer.add_token(token)
             if text := self.detokenizer.last_segment:
-                self.job.emit(Delta(text))
+                self.say(text)
                 return True
         return False
+
+    def say(self, text: str) -> None:
+        """Emit a piece of the answer's text (its seq: the engine's count; the turn core numbers what it shows)."""
+        self.emit(AnswerDelta(self.said, text))
+        self.said += 1
 
     def statistics(self) -> AnswerStatistics:
         pre = self.prefill if self.phase is Phase.PREFILLING else None
@@ -104,7 +149,7 @@ class Answer:
 
     def usage(self, context_window: int | None) -> dict[str, Any]:
         """The Done event's figures (the wire's `usage`)."""
-        ttft = (self.t_first - self.job.arrived) * 1000 if self.t_first else None
+        ttft = (self.t_first - self.arrived) * 1000 if self.t_first else None
         tps = None
         if self.generated > 1 and self.t_first and self.t_last and self.t_last > self.t_first:
             tps = (self.generated - 1) / (self.t_last - self.t_first)
@@ -125,7 +170,7 @@ class Answer:
             "prefill_ms": round(prefill_ms, 1) if prefill_ms is not None else None,
             # Tokens fed in an earlier turn that had to be fed again (a new system prompt, an edit
             # before the cache's end, a lost cache): what a status line should own up to.
-            "reread_tokens": max(min(self.job.fed_before, len(self.prompt)) - self.cached_len, 0),
+            "reread_tokens": max(min(self.fed_before, len(self.prompt)) - self.cached_len, 0),
             "context_tokens": len(self.prompt) + self.generated if self.prompt else 0,
             "context_window": context_window,
             # Speculative decoding: tokens guessed, and those of them the model kept (0 and 0: none ran).

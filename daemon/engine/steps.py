@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 
 from ..config import Config
+from ..events import AnswerError, AnswerProgress, AnswerQueued
 from .draft import Answers
-from .jobs import AnswerJob, Delta, Done, Failed, Progress, PromptTooLong, Queued, Started
+from .jobs import Done, PromptTooLong
 from .running import Answer, fit_advice
 from .scheduler import Phase, Scheduler
 
@@ -47,11 +48,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.engine")
 
 # The most the engine waits, after an answer's first token, for the event loop to have sent it
-# (AnswerJob.handed): on a 2-core machine the next step (the answer's own decode, its finish, another
+# (Answer.handed): on a 2-core machine the next step (the answer's own decode, its finish, another
 # session's) took a core and the GIL from the loop and held the first token back 1-12 ms; handed
 # over, it leaves ~1 ms after it is sampled. Bounded, so a stalled loop costs the others little.
 FIRST_HANDOFF_S = 0.01
-PROGRESS_EVERY = 0.25  # seconds between Progress events of one prefill: a few a second is enough to watch
+PROGRESS_EVERY = 0.25  # seconds between AnswerProgress events of one prefill: a few a second is enough to watch
 
 
 class Steps:
@@ -62,6 +63,8 @@ class Steps:
                  publish: Callable[[], None]):
         """`scheduler`: the engine's, with its list of answers; `publish`: the engine's statistics
         for other threads, refreshed after an answer's cache is kept."""
+        import mlx.core as mx
+
         from .decode import Decoder
 
         self.config = config
@@ -72,7 +75,8 @@ class Steps:
         self.max_context = max_context
         self.scheduler = scheduler
         self._publish_stats = publish
-        self.decoder = Decoder(model)
+        self.stream = mx.new_stream(mx.default_device())  # the engine's own: every prefill chunk and decode step
+        self.decoder = Decoder(model, self.stream)
         self._last_answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
         self.cost: CacheCost | None = None  # a cache's bytes by its length (the engine sets it after warm-up)
@@ -80,20 +84,20 @@ class Steps:
 
     # --- what the engine calls ---
 
-    def start(self, job: AnswerJob) -> None:
-        """A new job: its answer starts, waits, or is refused (its session is busy)."""
-        if self.scheduler.holds(job.session_id):
-            job.emit(Failed(p.BUSY, "this session is already generating"))
+    def start(self, a: Answer) -> None:
+        """A new answer: it starts, waits, or is refused (its session is busy)."""
+        if self.scheduler.holds(a.session_id):
+            a.emit(AnswerError(p.BUSY, "this session is already generating"))
             return
-        a = Answer(job, need=self._need(job))
+        a.need = self._need(a)
         if not self.scheduler.has_room(a.need) or self.scheduler.phase(Phase.WAITING):  # first come, first served
-            job.emit(Queued(self.scheduler.wait(a)))
+            a.emit(AnswerQueued(self.scheduler.wait(a)))
             return
         self._admit(a)
 
-    def _need(self, job: AnswerJob) -> int:
+    def _need(self, a: Answer) -> int:
         """The bytes the answer's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
-        return self.cost(len(job.tokens) + job.max_tokens) if self.cost is not None else 0
+        return self.cost(len(a.tokens) + a.max_tokens) if self.cost is not None else 0
 
     def admit_waiting(self) -> None:
         """Make the next buffers of the reads under way, start waiting answers while there is room;
@@ -103,25 +107,24 @@ class Steps:
         for a in self.scheduler.admissible():
             self._admit(a)
         for a in self.scheduler.moved():
-            a.job.emit(Queued(a.told))
+            a.emit(AnswerQueued(a.told))
 
     def _admit(self, a: Answer) -> None:
-        job = a.job
         if self.scheduler.alone(a.need):
             log.info("the cache of %s may reach %d MiB, more than cache.resident_bytes (%d MiB): it runs "
-                     "alone", job.session_id, a.need >> 20, (self.scheduler.budget or 0) >> 20)
+                     "alone", a.session_id, a.need >> 20, (self.scheduler.budget or 0) >> 20)
         self.scheduler.admit(a)
         try:
             self._insert(a)
         except PromptTooLong as e:
-            self.scheduler.end(job.session_id)
-            job.emit(Failed(p.TOO_LARGE, str(e)))
+            self.scheduler.end(a.session_id)
+            a.emit(AnswerError(p.TOO_LARGE, str(e)))
         except Exception as e:
-            self.scheduler.end(job.session_id)
+            self.scheduler.end(a.session_id)
             if self.lockstep is not None:
                 self.lockstep.lost(e)
-            log.exception("starting generation for %s failed", job.session_id)
-            job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+            log.exception("starting generation for %s failed", a.session_id)
+            a.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def read_reported(self) -> None:
         """The I/O worker's reader reported on a read: take the report in, and start the answers
@@ -139,21 +142,20 @@ class Steps:
             except Exception as e:
                 self.scheduler.end(a.key)
                 log.exception("starting generation for %s failed", a.key)
-                a.job.emit(Failed(p.INTERNAL, f"generation failed to start: {e}"))
+                a.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def _insert(self, a: Answer) -> None:
-        job = a.job
-        tokens = job.tokens
-        if self.max_context and len(tokens) + job.max_tokens > self.max_context:
+        tokens = a.tokens
+        if self.max_context and len(tokens) + a.max_tokens > self.max_context:
             raise PromptTooLong(
-                f"the conversation ({len(tokens)} tokens) plus max_tokens ({job.max_tokens}) "
+                f"the conversation ({len(tokens)} tokens) plus max_tokens ({a.max_tokens}) "
                 f"exceeds the model's context of {self.max_context} tokens; "
-                + fit_advice(len(tokens), self.max_context, history=job.history)
+                + fit_advice(len(tokens), self.max_context, history=a.history)
             )
         assert self.caches is not None
         # The engine never waits for disk: a cache on disk is read by the I/O worker and the answer
         # starts when the read has ended (`read_reported`); ranks in lockstep wait, to stay in step.
-        out = self.caches.checkout(job.session_id, tokens, wait=self.lockstep is not None)
+        out = self.caches.checkout(a.session_id, tokens, wait=self.lockstep is not None)
         self.caches.make_room()  # idle caches leave memory for what the admitted answers may reach
         if out.read is not None:
             a.read = out.read  # it stays restoring
@@ -168,8 +170,7 @@ class Steps:
         from .speculate import POSITION_BUDGET
 
         assert self.caches is not None
-        job = a.job
-        tokens, retokenized = job.tokens, job.retokenized
+        tokens = a.tokens
         if self.lockstep is not None:
             out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
         cache, cached, shared = out.cache, out.tokens, out.shared_tokens
@@ -177,13 +178,12 @@ class Steps:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
         a.detokenizer, a.prompt, a.cached_len = self.tokenizer.detokenizer, tokens, cached
         a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
-        a.draws = Draws(job.temperature, job.top_p, seed=job.seed, size=job.max_tokens + POSITION_BUDGET)
+        a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET)
         a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
                             boundary=self.caches.boundary(cache),
-                            at_boundary=functools.partial(self.caches.capture, job.session_id), last=self.last)
+                            at_boundary=functools.partial(self.caches.capture, a.session_id), last=self.last)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
         self.scheduler.prefill(a)
-        job.emit(Started(prompt_tokens=len(tokens), cached_tokens=cached, retokenized=retokenized))
 
     def step(self) -> None:
         """One decode step for every row in the batch, then one prefill chunk."""
@@ -204,10 +204,10 @@ class Steps:
             n = self.lockstep.share(n)  # sized by rank 0's clock
         try:
             t0 = time.perf_counter()
-            with mx.stream(self.decoder.stream):
+            with mx.stream(self.stream):
                 logprobs = answer.prefill.advance(n)
-                if logprobs is not None and answer.job.grammar is not None:
-                    answer.constraint = self._constraint(answer.job.grammar, logprobs.shape[-1])
+                if logprobs is not None and answer.grammar is not None:
+                    answer.constraint = self._constraint(answer.grammar, logprobs.shape[-1])
                     logprobs = answer.constraint.mask(logprobs)
                 draws = answer.draws
                 assert draws is not None
@@ -217,24 +217,23 @@ class Steps:
             if token is None:
                 if answer.progress_at is None or now - answer.progress_at >= PROGRESS_EVERY:
                     answer.progress_at = now
-                    answer.job.emit(Progress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
+                    answer.emit(AnswerProgress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
                 return
         except Exception as e:
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("prefill for %s failed", session_id)
-            answer.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+            answer.emit(AnswerError(p.INTERNAL, f"generation failed: {e}"))
             self._end(session_id)
             return
         prefill, answer.prefill = answer.prefill, None
-        job = answer.job
-        if self._took(answer, token, time.perf_counter()) and job.handed is not None:
-            job.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
+        if self._took(answer, token, time.perf_counter()) and answer.handed is not None:
+            answer.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
         if token in self.tokenizer.eos_token_ids:
             # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
             self._finish(answer, "stop", prefill.cache, prefill.tokens)
             return
-        if job.max_tokens == 1:
+        if answer.max_tokens == 1:
             # A one-token answer: shown, so part of the history, but never fed to the cache.
             self._finish(answer, "length", prefill.cache, prefill.tokens, unfed=[token])
             return
@@ -249,7 +248,7 @@ class Steps:
                 answer.spec = Speculation(PromptLookup(prior=self._last_answers.get(session_id)))
         # The next decode step feeds the first token; the row's max_tokens counts from the second token.
         assert answer.draws is not None
-        answer.row = Row(session_id, list(prefill.tokens), answer.draws, job.max_tokens - 1,
+        answer.row = Row(session_id, list(prefill.tokens), answer.draws, answer.max_tokens - 1,
                       frozenset(self.tokenizer.eos_token_ids), answer.constraint, answer.spec,
                       cache=prefill.cache, first=token)  # it enters the batch at the next decode step
         self.scheduler.decode(answer)
@@ -272,7 +271,7 @@ class Steps:
             # The batch is in an unknown state: fail every answer in it, start afresh.
             log.exception("generation step failed")
             for a in decoding:
-                a.job.emit(Failed(p.INTERNAL, f"generation failed: {e}"))
+                a.emit(AnswerError(p.INTERNAL, f"generation failed: {e}"))
                 self._end(a.key)
             self.decoder.reset()
             return
@@ -298,7 +297,7 @@ class Steps:
                 self.scheduler.end(session_id)
                 if a.read is not None and self.caches is not None:
                     self.caches.abandon(a.read)
-                a.job.emit(Done("cancelled", a.usage(self.max_context), None))
+                a.emit(Done("cancelled", a.usage(self.max_context), None))
             case Phase.PREFILLING:
                 # Keep what was prefilled for next time; the fed ids stay as they were.
                 pre = a.prefill
@@ -322,18 +321,18 @@ class Steps:
         """
         answer.detokenizer.finalize()
         if text := answer.detokenizer.last_segment:
-            answer.job.emit(Delta(text))
-        sid = answer.job.session_id
+            answer.say(text)
+        sid = answer.session_id
         self._end(sid)
         history = [*tokens, *unfed]
         if changed and len(history) > len(answer.prompt):
             self._last_answers.keep(sid, history[len(answer.prompt):])
         failure = answer.constraint.failure if answer.constraint is not None and reason != "cancelled" else None
         if failure is not None:  # ended because it left its grammar: not JSON, so never a normal finish
-            answer.job.emit(Failed(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
+            answer.emit(AnswerError(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
                                 "try a simpler schema"))
         else:
-            answer.job.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None))
+            answer.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
         # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
         if cache is not None and tokens and self.caches is not None:

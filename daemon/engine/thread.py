@@ -26,10 +26,9 @@ from cachestore import FirstTokens
 from common.sizes import human_bytes
 
 from ..config import Config
+from ..events import AnswerError
 from .jobs import (
-    AnswerJob,
     Cancel,
-    Failed,
     Forget,
     ReadReported,
     Status,
@@ -53,7 +52,7 @@ MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 
 
 class Engine:
-    """Owns the model; serves AnswerJobs through one decode batch (decode.py)."""
+    """Owns the model; serves Answers through one decode batch (decode.py)."""
 
     def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
         """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
@@ -64,7 +63,7 @@ class Engine:
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[AnswerJob | Cancel | Forget | Stop | Status | ReadReported] = \
+        self._inbox: queue.SimpleQueue[Answer | Cancel | Forget | Stop | Status | ReadReported] = \
             queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         # Every answer, in its phase: running, restoring, and waiting past max_generations.
@@ -101,9 +100,9 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: AnswerJob) -> None:
+    def submit(self, answer: Answer) -> None:
         self.first_tokens.arrived()
-        self._inbox.put(job)
+        self._inbox.put(answer)
 
     def cancel(self, session_id: str) -> None:
         self._inbox.put(Cancel(session_id))
@@ -117,7 +116,7 @@ class Engine:
         self._inbox.put(Status(reply))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Cancel whatever runs (each job gets its Done) and end the thread."""
+        """Cancel whatever runs (each answer gets its Done) and end the thread."""
         self._inbox.put(Stop())
         self._thread.join(timeout)
 
@@ -172,13 +171,12 @@ class Engine:
                                lockstep=self.lockstep, max_context=self.max_context,
                                publish=self._publish_stats)
         if self.lockstep is not None:
-            self.lockstep.stream = self.steps.decoder.stream
+            self.lockstep.stream = self.steps.stream
             self.lockstep.open_doorbell()
         probe = make_cache(self.model, kv_bits)
         from .draws import Draws
 
-        s = c.sampling()
-        draws = Draws(s.temperature, s.top_p, seed=0, size=1) if s.temperature > 0 else None
+        draws = Draws(c.temperature, c.top_p, seed=0, size=1) if c.temperature > 0 else None
         self.warm_up_ms = warm_up(self.model, self.tokenizer, probe, current().warm_up_tokens,
                                   draw=draws.take if draws is not None else None)
         if self.lockstep is None:  # (ranks run one graph: each would decide alone)
@@ -300,7 +298,7 @@ class Engine:
         self._publish_stats()
 
     def close(self) -> None:
-        """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
+        """Cancel whatever runs (each answer gets its Done), page every cache out, close the tiers."""
         if self.steps is not None:
             s = self.scheduler
             for a in [*s.phase(Phase.WAITING), *s.phase(Phase.RESTORING), *s.started()]:
@@ -328,7 +326,7 @@ class Engine:
     def advance(self) -> None:
         self._advance()
 
-    def apply(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
+    def apply(self, cmd: Answer | Cancel | Forget | Status | ReadReported) -> None:
         self._handle(cmd)
 
     def _advance(self) -> None:
@@ -356,10 +354,10 @@ class Engine:
             self._handle(cmd)
         self._advance()
 
-    def _handle(self, cmd: AnswerJob | Cancel | Forget | Status | ReadReported) -> None:
-        if isinstance(cmd, AnswerJob):
+    def _handle(self, cmd: Answer | Cancel | Forget | Status | ReadReported) -> None:
+        if isinstance(cmd, Answer):
             if self.steps is None:
-                cmd.emit(Failed(p.INTERNAL, f"the model failed to load: {self.load_error}"))
+                cmd.emit(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
             self.first_tokens.taken(self.scheduler.before_first_tokens())
