@@ -206,6 +206,17 @@ class SegmentIndex:
             "SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM segments) + "
             "(SELECT COALESCE(SUM(nbytes), 0) FROM blocks)").fetchone()[0])
 
+    def bytes_by_model(self) -> dict[str, int]:
+        """`total_bytes` by the model that wrote them: its name where one was recorded, else its fingerprint."""
+        rows = self.db.execute(
+            "SELECT COALESCE(m.name, f.fingerprint), SUM(f.nbytes) FROM (SELECT fingerprint, nbytes FROM segments "
+            "UNION ALL SELECT fingerprint, nbytes FROM blocks) f LEFT JOIN models m ON m.fingerprint = f.fingerprint "
+            "GROUP BY f.fingerprint").fetchall()
+        out: dict[str, int] = {}
+        for name, n in rows:
+            out[str(name)] = out.get(str(name), 0) + int(n)
+        return out
+
     def count(self) -> tuple[int, int]:
         """(keys with segments or blocks, segments), of this index's model."""
         mine, m = self._mine()

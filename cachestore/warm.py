@@ -52,6 +52,10 @@ class WarmTier:
         self.block_bytes = 0
         self.blocks = 0  # block copies held
         self.stats = TierStats()
+        #: Called after every change (the store reports it to the daemon's shared budget: pool.py).
+        self.changed: Callable[[], None] = lambda: None
+        #: The bytes of the same budget other models' warm tiers hold: room a cold put does not take.
+        self.others: Callable[[], int] = lambda: 0
 
     def __contains__(self, key: str) -> bool:
         return key in self.tails
@@ -85,7 +89,7 @@ class WarmTier:
         if not cuttable(snap) and s.keys:
             self.table.attach(key, s.tokens, [])  # a window's snapshot cannot be cut into blocks
         tail = self.packed(section(snap, len(s.keys) * self.table.block, snap.end))
-        if cold and self.nbytes + snap.nbytes > self.budget:
+        if cold and self.nbytes + snap.nbytes + self.others() > self.budget:
             return False
         for bk in s.keys:
             b = self.table.blocks[bk]
@@ -100,7 +104,7 @@ class WarmTier:
     def put(self, key: str, tail: Snapshot, now: float, *, cold: bool = False) -> bool:
         """Keep a session's tail (after its memory chain's blocks); `cold`: only if it fits, at the cold end."""
         s = self.table.sessions[key]
-        if cold and self.nbytes + tail.nbytes > self.budget:
+        if cold and self.nbytes + tail.nbytes + self.others() > self.budget:
             return False
         self.discard(key)
         self.held.pop(key, None)
@@ -157,27 +161,44 @@ class WarmTier:
         """The tail goes without counting as a use (superseded by a newer cache, forgotten)."""
         self._remove(key)
         self.held.pop(key, None)
+        self.changed()
 
     def take(self, key: str) -> None:
         """The tail was copied into a live cache (a hit): it goes."""
         self.stats.hits += self._remove(key) is not None
         self.stats.page_ins += 1
         self.held.pop(key, None)
+        self.changed()
 
     def _fit(self) -> None:
-        while self.nbytes > self.budget:
-            if self.spare:
-                bk, _ = self.spare.popitem(last=False)
-                b = self.table.blocks[bk]
-                self.nbytes -= b.warm.nbytes
-                self.block_bytes -= b.warm.nbytes
-                self.blocks -= 1
-                b.warm = None
-                self.table._maybe_drop(b)
-            elif self.tails:
-                self.leave(next(iter(self.tails)))
-            else:
-                return
+        while self.nbytes > self.budget and self.evict_oldest():
+            pass
+        self.changed()
+
+    def oldest(self) -> float | None:
+        """When what `evict_oldest` takes next was last used (a block copy no tail needs: first of all,
+        -inf); None: nothing held."""
+        if self.spare:
+            return float("-inf")
+        return next((used for _, used in self.tails.values()), None)
+
+    def evict_oldest(self) -> bool:
+        """Let the least recently used go: a block copy no warm tail needs, else the oldest tail; False
+        when nothing is held."""
+        if self.spare:
+            bk, _ = self.spare.popitem(last=False)
+            b = self.table.blocks[bk]
+            self.nbytes -= b.warm.nbytes
+            self.block_bytes -= b.warm.nbytes
+            self.blocks -= 1
+            b.warm = None
+            self.table._maybe_drop(b)
+            self.changed()
+            return True
+        if self.tails:
+            self.leave(next(iter(self.tails)))
+            return True
+        return False
 
     def leave(self, key: str) -> None:
         """A tail leaves the tier (budget or idleness); kept aside if disk may not hold it yet."""

@@ -86,7 +86,8 @@ class Steps:
             job.emit(Failed(p.BUSY, "this session is already generating"))
             return
         a = Answer(job, need=self._need(job))
-        if not self.scheduler.has_room(a.need) or self.scheduler.phase(Phase.WAITING):  # first come, first served
+        # First come, first served: nobody overtakes a waiting answer.
+        if self.scheduler.phase(Phase.WAITING) or not self.scheduler.has_room(a.need, a.key):
             job.emit(Queued(self.scheduler.wait(a)))
             return
         self._admit(a)
@@ -104,6 +105,8 @@ class Steps:
             self._admit(a)
         for a in self.scheduler.moved():
             a.job.emit(Queued(a.told))
+        if self.caches is not None and not self.scheduler.phase(Phase.WAITING):
+            self.caches.share.want_nothing()  # (a queued answer may have been cancelled)
 
     def _admit(self, a: Answer) -> None:
         job = a.job
