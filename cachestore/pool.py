@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 __all__ = ["Member", "Pool", "Room"]
 
@@ -200,7 +201,9 @@ class Pool:
         with self._lock:
             return sum(o.held[tier].nbytes + o.held[tier].fixed for o in self._members if o is not m)
 
-    def statistics(self) -> dict[str, dict[str, int]]:
-        """Each tier's budget and bytes held, by every store together."""
+    def statistics(self) -> dict[str, dict[str, Any]]:
+        """Each tier's budget and the bytes every store holds there (idle and running), in all and by store."""
         with self._lock:
-            return {tier: {"budget": budget, "bytes": self._total(tier)} for tier, budget in self.budgets.items()}
+            return {tier: {"budget": budget, "bytes": self._total(tier),
+                           "by_model": {m.name: m.held[tier].nbytes + m.held[tier].fixed for m in self._members}}
+                    for tier, budget in self.budgets.items()}

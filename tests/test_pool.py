@@ -51,7 +51,7 @@ def test_a_grant_holds_the_bytes_so_two_stores_never_take_the_same_room() -> Non
     a, b = p.join("a"), p.join("b")
     assert a.plan(R, 70) is Room.FITS
     assert b.plan(R, 70) is Room.STUCK  # a's 70 count until a reports what it holds
-    assert p.statistics()[R] == {"budget": 100, "bytes": 70}
+    assert p.statistics()[R] == {"budget": 100, "bytes": 70, "by_model": {"a": 70, "b": 0}}
     a.report(R, 0, None, fixed=0)  # a's turn ended and its cache went
     assert b.plan(R, 70) is Room.FITS
 

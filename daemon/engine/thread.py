@@ -392,6 +392,7 @@ class Engine:
         elif isinstance(cmd, RoomFreed):
             if self.caches is not None:
                 self.caches.share.fit()  # the queued answers are tried again after it (`_advance`)
+                self._publish_stats()  # where the sessions' caches are now
         elif isinstance(cmd, Forget):
             a = self.scheduler.get(cmd.session_id)
             if self.caches is not None and (a is None or a.phase in (Phase.WAITING, Phase.RESTORING)):
@@ -438,6 +439,8 @@ class Engine:
                       "answering": {sid: asdict(a) for sid, a in s.answers.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
                       "kept_for": kept_for,
+                      # the memory budgets every loaded model shares: their bytes, in all and by model
+                      "budgets": self.pool.statistics() if self.pool is not None else {},
                       "warm_up_ms": self.warm_up_ms, "device": self.device}
         if (ls := self.lockstep) is not None:  # the control channel's traffic, from this rank's side
             self.stats["ranks"] = {"world_size": ls.size, "messages": ls.messages, "bytes": ls.bytes}
