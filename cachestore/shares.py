@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from common.tiers import RESIDENT, WARM
 
+from .cost import cache_cost
 from .lru import Tier
 from .pool import Member, Room
 from .table import BlockTable
@@ -76,7 +77,7 @@ class Share:
         room for it (False: another store was asked for that room); else warm makes room from this
         store's own snapshots."""
         got = self.resident.oldest()
-        if got is None or (wait and not self._warm_room(cache_nbytes(got[1]))):
+        if got is None or (wait and not self._warm_room(self._snapshot_bytes(got[0], got[1]))):
             return False
         key, cache, _ = got
         self.resident.discard(key)
@@ -86,9 +87,18 @@ class Share:
         self._within_warm()
         return True
 
+    def _snapshot_bytes(self, key: str, cache: Cache) -> int:
+        """At most what a warm snapshot of a session's live cache takes: its ids' bytes, not its buffers'."""
+        s = self.table.sessions.get(key)
+        return min(cache_nbytes(cache), cache_cost(cache)(len(s.tokens) if s else 0, whole_steps=False))
+
     def _warm_room(self, nbytes: int) -> bool:
         """Room in the warm tier for a snapshot of at most `nbytes`: this store's oldest snapshots go while
-        they are the oldest of all; False when another store's are (it was asked)."""
+        they are the oldest of all; False when another store's are (it was asked). A snapshot larger than
+        the whole budget is not waited for, nor other stores asked for it: it cannot stay (warm.py's own
+        budget lets it go at once)."""
+        if nbytes > self.member.pool.budgets[WARM]:
+            return True
         while True:
             r = self.member.plan(WARM, nbytes)
             if r is Room.FITS:

@@ -154,9 +154,9 @@ def test_a_store_evicts_its_own_oldest_without_asking_when_it_is_the_oldest(two:
 
 
 def test_warm_snapshots_give_way_across_models_too(tmp_path: Path, models: dict[str, Any]) -> None:
-    """A warm tier with room for one snapshot: the swa model's demotion waits until the tiny model has
-    let its older snapshot go (disk holds it), then takes its place."""
-    t = Two(tmp_path, models, resident=1400 * KiB, warm=320 * KiB)
+    """A warm tier with room for one snapshot (80 KiB: 40 ids of tiny's): the swa model's demotion waits
+    until the tiny model has let its older snapshot go (disk holds it), then takes its place."""
+    t = Two(tmp_path, models, resident=1400 * KiB, warm=120 * KiB)
     try:
         t.turn(TINY, "a1")
         t.turn(TINY, "a2")
@@ -164,8 +164,10 @@ def test_warm_snapshots_give_way_across_models_too(tmp_path: Path, models: dict[
         assert where(t, TINY)["a1"] == W
         t.turn(SWA, "b2")  # a2 demoted: warm makes room from tiny's own older a1 first
         t.stores[TINY].flush()
+        t.history.clear()
         t.turn(TINY, "a3", need=900 * KiB)  # b1 is the oldest resident: its snapshot needs a2's warm room
-        assert where(t, SWA)["b1"] == W
+        assert t.history[:2] == [SWA, TINY]  # swa asked to demote b1; b1's snapshot asks tiny for a2's room
+        assert where(t, SWA)["b1"] == W, t.pool.statistics()
         assert where(t, TINY)["a2"] == "disk" and where(t, TINY)["a1"] == "disk"
         got = t.stores[TINY].checkout("a1", ids("a1", 40) + [1])
         assert got.restored_from == "disk" and got.tokens == 40  # nothing lost: disk held it
