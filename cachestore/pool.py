@@ -74,9 +74,9 @@ class Member:
         """Woken: whether to evict this store's oldest entry now, for a store waiting or a budget passed."""
         return self.pool.fit(self, tier)
 
-    def want_nothing(self) -> None:
-        """Nothing of this store waits for room any more (its queued turns started or went)."""
-        self.pool.want_nothing(self)
+    def want_nothing(self, tier: str | None = None) -> None:
+        """Nothing of this store waits for room in `tier` (None: in any) any more."""
+        self.pool.want_nothing(self, tier)
 
     def over(self, tier: str) -> int:
         """By how many bytes the tier's total passes its budget (0: within it)."""
@@ -108,6 +108,13 @@ class Pool:
         with self._lock:
             self._members.append(m)
         return m
+
+    def stores(self) -> int:
+        """How many stores are in the pool now. A store that opens its cache directory while another is in
+        it skips the start's sweep (sweep.py), which would take that one's files in flight (written, not
+        yet indexed) for a crash's leftovers and delete them."""
+        with self._lock:
+            return len(self._members)
 
     def leave(self, m: Member) -> None:
         with self._lock:
@@ -179,10 +186,11 @@ class Pool:
             oldest.wake()  # the baton passes on: another store holds an older entry
         return False
 
-    def want_nothing(self, m: Member) -> None:
+    def want_nothing(self, m: Member, tier: str | None) -> None:
         with self._lock:
-            for h in m.held.values():
-                h.want = 0
+            for t, h in m.held.items():
+                if tier is None or t == tier:
+                    h.want = 0
 
     def resize(self, budgets: dict[str, int]) -> None:
         """New budgets (a model loaded: the device's memory left changed); every store is woken, and the

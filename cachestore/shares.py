@@ -54,19 +54,22 @@ class Share:
             r = self.member.plan(RESIDENT, max(0, need - own))
             if r is Room.FITS:
                 self.resident.reserved += need
+                self.member.want_nothing()  # (warm room its demotions asked for, too)
                 return True
             if r is not Room.EVICT or not self.evict_resident(wait=True):
                 return False
 
     def want_nothing(self) -> None:
-        """No turn of this store waits for room any more."""
-        self.member.want_nothing()
+        """No turn of this store waits for resident room any more (the warm room a demotion for another
+        store waits for is that demotion's: `fit` asks for it again while it is needed)."""
+        self.member.want_nothing(RESIDENT)
 
     def fit(self) -> None:
         """Woken by the pool: let this store's least recently used caches go while they are the oldest of
         every model's and another store waits for the room (or a budget is passed)."""
         budgets = self.member.pool.budgets
         self.resident.budget, self.warm.budget = budgets[RESIDENT], budgets[WARM]
+        self.member.want_nothing(WARM)  # asked again below while a demotion still waits for warm room
         while self.member.fit(RESIDENT) and self.evict_resident(wait=True):
             pass
         while self.member.fit(WARM) and self.warm.evict_oldest():

@@ -76,7 +76,7 @@ class SessionCaches:
         self._indexes.index = SegmentIndex(root, fingerprint)
         if self.index.lost is not None:
             rebuild_index(self.index, self.index.lost)
-        if removed := sweep(self.index):
+        if not (pool and pool.stores()) and (removed := sweep(self.index)):  # (another model's store writes there)
             log.info("removed %d cache file(s) left incomplete by a crash", removed)
         self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
                                  block=self.block, disk_bytes=budgets.disk_bytes,

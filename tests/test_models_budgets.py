@@ -130,6 +130,7 @@ async def test_status_counts_every_models_bytes_on_disk(tmp_path: Path) -> None:
         for model in (TINY, SWA):
             session = (await c.request("session.create", model=model))["session"]["id"]
             await turn(c, session, f"Something for {model} to keep on disk.")
+            await c.request("status")  # (the default model's writes are done)
         swa = d.daemon.turns.engines.get(SWA)
         assert swa is not None
         await engine_status(swa)  # tiny-swa's writes are on disk

@@ -96,7 +96,10 @@ class Two:
                 return
             self.check()
             while self.woken:  # each woken engine's turn: it evicts for the other (then asks again)
-                self.stores[self.woken.pop(0)].share.fit()
+                other = self.woken.pop(0)
+                self.stores[other].share.fit()
+                if other != model:  # its step then finds no turn of its own queued (Steps.admit_waiting)
+                    self.stores[other].share.want_nothing()
                 self.check()
         raise AssertionError(f"{model} never got room for {need} bytes")
 
@@ -173,3 +176,22 @@ def test_warm_snapshots_give_way_across_models_too(tmp_path: Path, models: dict[
         assert got.restored_from == "disk" and got.tokens == 40  # nothing lost: disk held it
     finally:
         t.close()
+
+
+def test_a_model_loaded_later_never_sweeps_away_another_models_writes_in_flight(tmp_path: Path) -> None:
+    """The start's sweep deletes files no index row lists (a crash's leftovers). A second model's store
+    opening the cache directory while the first one's I/O worker writes there found that one's files in
+    flight (written, not yet indexed) and deleted them; now only the first store in the pool sweeps."""
+    b = Budgets(resident_bytes=1 << 20, warm_bytes=1 << 20, disk_bytes=1 << 30, resident_idle=600.0,
+                warm_idle=6000.0, max_segments=16)
+    pool = Pool({R: 1 << 20, W: 1 << 20})
+    first = SessionCaches(tmp_path, "fp-tiny", b, model=TINY, pool=pool)
+    in_flight = first.index.blocks / ".a-b.safetensors.1234.tmp"  # as a write leaves it before its rename
+    in_flight.write_bytes(b"half a block")
+    second = SessionCaches(tmp_path, "fp-swa", b, model=SWA, pool=pool)
+    assert in_flight.exists()
+    second.close()
+    first.close()
+    alone = SessionCaches(tmp_path, "fp-tiny", b, model=TINY, pool=Pool({R: 1 << 20, W: 1 << 20}))
+    assert not in_flight.exists()  # opened first in its pool, a store still sweeps what a crash left
+    alone.close()
