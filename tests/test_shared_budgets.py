@@ -20,6 +20,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from cachestore.index import SegmentIndex
 from cachestore.pool import Pool
 from cachestore.store import Budgets, SessionCaches
 
@@ -195,3 +196,24 @@ def test_a_model_loaded_later_never_sweeps_away_another_models_writes_in_flight(
     alone = SessionCaches(tmp_path, "fp-tiny", b, model=TINY, pool=Pool({R: 1 << 20, W: 1 << 20}))
     assert not in_flight.exists()  # opened first in its pool, a store still sweeps what a crash left
     alone.close()
+
+
+def test_a_block_another_models_worker_wrote_is_never_collected_before_its_chain_lists_it(tmp_path: Path) -> None:
+    """Each model's I/O worker lists a block it wrote, then the chain that needs it (two transactions).
+    Another model's worker collecting unlisted blocks in between deleted it, file and row, and the chain
+    then listed a block disk no longer had (the session prefilled from 0: 3 of 20 conversations after two
+    models' turns in one daemon). A store collects only its own model's blocks."""
+    tiny, swa = SegmentIndex(tmp_path, "fp-tiny"), SegmentIndex(tmp_path, "fp-swa")
+    block, parent = "a" * 32, "b" * 32
+    path = tiny.block_path(block, parent)
+    path.write_bytes(b"a whole block")
+    tiny.add_block(block, parent, 0, 4, path, 13, "0", "fp-tiny", [1, 2, 3, 4], 1.0)
+    swa.set_chain("cccc", [], 2.0)  # the swa model's worker sets a chain: it collects what no chain lists
+    swa.drop_from("cccc", 0)  # and forgets a session of its own
+    assert path.exists() and block in tiny.find_blocks([block])
+    tiny.set_chain("dddd", [block], 3.0)
+    assert [b.block for b in tiny.blocks_of("dddd")] == [block]
+    swa.drop_from("dddd", 0, "fp-tiny")  # the disk budget evicts across models: the chain's own blocks go
+    assert not path.exists() and tiny.find_blocks([block]) == {}
+    tiny.close()
+    swa.close()
