@@ -208,19 +208,11 @@ class Engine:
         return c
 
     def _pool(self, c: Config) -> Pool:
-        """The memory budgets this model's caches share with every loaded model's: made by the first
-        engine, and sized again (from the device's memory left now) by each engine that loads."""
-        from cachestore import Pool
-
-        resident, warm = self._tier_budgets(c)
-        if self.pool is None:
-            return Pool({RESIDENT: resident, WARM: warm})
-        self.pool.resize({RESIDENT: resident, WARM: warm})
-        return self.pool
-
-    def _tier_budgets(self, c: Config) -> tuple[int, int]:
-        """The resident and warm budgets, within the device's memory (a GPU's: never past what it has free)."""
+        """The resident and warm budgets, within the device's memory (a GPU's: never past what it has free),
+        that every loaded model's caches share: made by the first engine, sized again by each that loads."""
         import mlx.core as mx
+
+        from cachestore import Pool
 
         from ..device import current
 
@@ -232,11 +224,14 @@ class Engine:
                         "(configured %s and %s)", current().device.label(), resident, warm,
                         c.resident_bytes, c.warm_bytes)
         if len(configured) < 2:
-            log.info("cache budgets from %s's memory: resident %s, warm %s", current().device.label(),
-                     human_bytes(resident), human_bytes(warm))
+            log.info("cache budgets (every loaded model's) from %s's memory: resident %s, warm %s",
+                     current().device.label(), human_bytes(resident), human_bytes(warm))
         if self.lockstep is None:
             self.scheduler.budget = resident  # running caches count against what the resident tier may hold
-        return resident, warm
+        if self.pool is None:
+            return Pool({RESIDENT: resident, WARM: warm})
+        self.pool.resize({RESIDENT: resident, WARM: warm})
+        return self.pool
 
     def _connect_caches(self, probe: list[Any]) -> None:
         """What the cache store and the admission need from the engine, once the model is warm:
@@ -253,8 +248,14 @@ class Engine:
             self.caches.on_read = lambda: self._inbox.put(ReadReported())
             # Bytes are admitted across every loaded model's caches; the pool wakes this thread to evict
             # its own for another model, or when room a queued answer waits for was given back.
-            self.scheduler.room = self.caches.share.room
+            self.scheduler.room = self._room
             self.caches.share.on_room = lambda: self._inbox.put(RoomFreed())
+
+    def _room(self, key: str, need: int) -> bool:
+        """The cache store's `room`, once its running answers' bytes are counted afresh (`make_room`)."""
+        assert self.caches is not None
+        self.caches.make_room()
+        return self.caches.share.room(key, need)
 
     def open(self) -> None:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
