@@ -19,9 +19,10 @@ and no MLX: it only says who evicts next.
   captured) makes room from its own entries: `over` says by how much the
   total passes the budget.
 
-So the bytes the pool counts never pass a budget, and what leaves memory
-is the least recently used entry across models wherever a store can wait for
-its owner. Thread-safe (one lock; `wake` is called outside it).
+So the bytes the pool counts never pass a budget (but by a turn larger than
+the whole budget, which runs alone once every store is empty: `plan`), and
+what leaves memory is the least recently used entry across models wherever a
+store can wait for its owner. Thread-safe (one lock; `wake` is called outside it).
 """
 
 from __future__ import annotations
