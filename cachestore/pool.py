@@ -51,6 +51,7 @@ class Held:
     coldest: float | None = None  # its least recently used idle entry's last use (None: none)
     fixed: int = 0  # bytes nobody evicts: the running answers' caches (resident)
     want: int = 0  # bytes it waits for (a queued turn's cache), 0: none
+    asked: bool = False  # woken to evict for another store, and not yet looked (`fit`): not woken again
 
 
 @dataclass
@@ -169,12 +170,16 @@ class Pool:
             if oldest is m:
                 return Room.EVICT
             h.want = need
+            if oldest.held[tier].asked:
+                return Room.ASKED  # woken already, not yet looked: once is enough
+            oldest.held[tier].asked = True
             ask = oldest
         ask.wake()
         return Room.ASKED
 
     def fit(self, m: Member, tier: str) -> bool:
         with self._lock:
+            m.held[tier].asked = False
             wanted = [w.held[tier].want for w in self._members if w is not m and w.held[tier].want]
             total = self._total(tier)
             budget = self.budgets[tier]

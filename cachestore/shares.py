@@ -64,16 +64,18 @@ class Share:
         store waits for is that demotion's: `fit` asks for it again while it is needed)."""
         self.member.want_nothing(RESIDENT)
 
-    def fit(self) -> None:
+    def fit(self) -> bool:
         """Woken by the pool: let this store's least recently used caches go while they are the oldest of
-        every model's and another store waits for the room (or a budget is passed)."""
+        every model's and another store waits for the room (or a budget is passed); whether any went."""
         budgets = self.member.pool.budgets
         self.resident.budget, self.warm.budget = budgets[RESIDENT], budgets[WARM]
         self.member.want_nothing(WARM)  # asked again below while a demotion still waits for warm room
+        went = False
         while self.member.fit(RESIDENT) and self.evict_resident(wait=True):
-            pass
+            went = True
         while self.member.fit(WARM) and self.warm.evict_oldest():
-            pass
+            went = True
+        return went
 
     def evict_resident(self, *, wait: bool) -> bool:
         """Demote the least recently used idle resident cache to warm. `wait`: only once the warm tier has

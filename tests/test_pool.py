@@ -86,8 +86,10 @@ def test_fit_passes_the_baton_to_the_store_holding_the_oldest() -> None:
     b.report(W, 20, coldest=1.0)
     c.report(W, 10, coldest=9.0)
     assert c.plan(W, 20) is Room.ASKED and woken == ["b"]
+    assert c.plan(W, 20) is Room.ASKED and woken == ["b"]  # asked once: not woken again before it looks
     woken.clear()
-    b.report(W, 0, None)  # b let its snapshot go
+    assert b.fit(W)  # b looks: its snapshot is the oldest, and c waits
+    b.report(W, 0, None)  # b let it go
     assert woken == ["c"]
     assert c.plan(W, 20) is Room.FITS  # 20 + 10 + 20 = 50
     # a passes: a fit asked of a store whose entry is not the oldest wakes the one whose is.

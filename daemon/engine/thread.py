@@ -392,8 +392,8 @@ class Engine:
                 self.steps.read_reported()
         elif isinstance(cmd, RoomFreed):
             if self.caches is not None:
-                self.caches.share.fit()  # the queued answers are tried again after it (`_advance`)
-                self._publish_stats()  # where the sessions' caches are now
+                if self.caches.share.fit():  # (the queued answers are tried again after it: `_advance`)
+                    self._publish_stats()  # where the sessions' caches are now
         elif isinstance(cmd, Forget):
             a = self.scheduler.get(cmd.session_id)
             if self.caches is not None and (a is None or a.phase in (Phase.WAITING, Phase.RESTORING)):
