@@ -80,9 +80,10 @@ class Member:
         """Nothing of this store waits for room in `tier` (None: in any) any more."""
         self.pool.want_nothing(self, tier)
 
-    def over(self, tier: str) -> int:
-        """By how many bytes the tier's total passes its budget (0: within it)."""
-        return self.pool.over(tier)
+    def over(self, tier: str, extra: int = 0) -> int:
+        """By how many bytes the tier's total passes its budget (0: within it); with `extra`, once `extra`
+        more bytes of this store's are in it, in place of what a grant of its holds for them."""
+        return self.pool.over(tier, extra, self if extra else None)
 
     def others(self, tier: str) -> int:
         """The bytes the other stores hold in `tier` (idle and running): what this one may not use."""
@@ -207,9 +208,10 @@ class Pool:
         for m in members:
             m.wake()
 
-    def over(self, tier: str) -> int:
+    def over(self, tier: str, extra: int = 0, granted: Member | None = None) -> int:
         with self._lock:
-            return max(0, self._total(tier) - self.budgets[tier])
+            held = granted.held[tier].fixed if granted is not None else 0
+            return max(0, self._total(tier) - held + extra - self.budgets[tier])
 
     def others(self, m: Member, tier: str) -> int:
         with self._lock:

@@ -41,6 +41,7 @@ class Share:
         resident.changed, warm.changed = self._report_resident, self._report_warm
         resident.others = lambda: member.others(RESIDENT)
         warm.others = lambda: member.others(WARM)
+        warm.room = self._room_in_warm
 
     def room(self, key: str, need: int) -> bool:
         """Whether a turn on session `key` whose cache may reach `need` bytes may start now, beside every
@@ -117,6 +118,14 @@ class Share:
         while self.member.over(RESIDENT) and self.evict_resident(wait=False):
             pass
         self._within_warm()
+
+    def _room_in_warm(self, nbytes: int) -> bool:
+        """`nbytes` of this store's come into warm now: its own oldest snapshots go first while the total
+        would pass the budget (it cannot wait; where it could, `_warm_room` asked the oldest's owner);
+        False when that is not enough (they are let go at once)."""
+        while self.member.over(WARM, nbytes) and self.warm.evict_oldest():
+            pass
+        return not self.member.over(WARM, nbytes)
 
     def _within_warm(self) -> None:
         while self.member.over(WARM) and self.warm.evict_oldest():

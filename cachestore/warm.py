@@ -56,6 +56,10 @@ class WarmTier:
         self.changed: Callable[[], None] = lambda: None
         #: The bytes of the same budget other models' warm tiers hold: room a cold put does not take.
         self.others: Callable[[], int] = lambda: 0
+        #: Called before this many bytes come in (not cold): the store makes room for them first, from its
+        #: own least recently used, so the budget every model shares is never passed (shares.py); False:
+        #: there is none, and they are let go at once (disk holds them).
+        self.room: Callable[[int], bool] = lambda nbytes: True
 
     def __contains__(self, key: str) -> bool:
         return key in self.tails
@@ -112,19 +116,26 @@ class WarmTier:
             b = self.table.blocks[bk]
             b.warm_users += 1
             self.spare.pop(bk, None)
+        kept = cold or self.room(tail.nbytes)  # (its blocks are referenced now: they stay)
         self.tails[key] = (tail, now)
         if cold:
             self.tails.move_to_end(key, last=False)
         self.nbytes += tail.nbytes
+        if not kept:
+            self.leave(key)
+            return False
         self._fit()
         return True
 
     def add_copies(self, blocks: dict[str, Snapshot]) -> None:
         """Warm copies of blocks a prefill captured (a window's), unreferenced until a warm tail needs them."""
-        for bk, snap in blocks.items():
+        new = {bk: self.packed(snap) for bk, snap in blocks.items() if self.table.blocks[bk].warm is None}
+        if not self.room(sum(p.nbytes for p in new.values())):
+            return  # no room: disk will hold them (the turn's write-behind has them)
+        for bk, packed in new.items():
             b = self.table.blocks[bk]
             if b.warm is None:
-                b.warm = self.packed(snap)
+                b.warm = packed
                 self.block_bytes += b.warm.nbytes
                 self.nbytes += b.warm.nbytes
                 self.blocks += 1

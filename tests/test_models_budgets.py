@@ -145,3 +145,26 @@ async def test_status_counts_every_models_bytes_on_disk(tmp_path: Path) -> None:
     each = ", ".join(f"{m} {human(disk['by_model'][m])}" for m in (TINY, SWA))
     assert f"  disk: {human(disk['bytes'])} of 20.0 GiB ({each})" in shown
     assert re.search(rf"\n  resident: .* of .* \({re.escape(TINY)} .*, {re.escape(SWA)} .*\)\n", shown), shown
+
+
+async def test_both_models_answering_at_once_under_a_tight_budget_all_answer_within_it(tmp_path: Path) -> None:
+    """Two clients, one per model, each resuming three conversations in turn at the same time, under a
+    budget that holds about one conversation's cache beside a turn: the engines ask each other for room
+    while both run, every turn answers, and the sampled totals never pass the budgets."""
+    async with running_daemon(tmp_path, model=TINY, resident_bytes=RESIDENT, warm_bytes=256 * KiB) as d, \
+            client(d) as c1, client(d) as c2:
+        ids = {m: [(await c1.request("session.create", model=m))["session"]["id"] for _ in range(3)]
+               for m in (TINY, SWA)}
+        topics = iter(f"Topic {n}" for n in range(100))
+
+        async def talk(c: Client, model: str) -> list[str]:
+            got = []
+            for _ in range(2):
+                for sid in ids[model]:
+                    got.append((await turn(c, sid, long(next(topics))))["usage"]["restored_from"])
+            return got
+
+        with sampled(d) as peak:
+            done = await asyncio.gather(talk(c1, TINY), talk(c2, SWA))
+        assert [len(x) for x in done] == [6, 6]
+        assert 0 < peak["resident"] <= RESIDENT and peak["warm"] <= 256 * KiB
