@@ -16,8 +16,8 @@ and no MLX: it only says who evicts next.
   room (`fit`). The store that asked waits where it can (a turn's admission
   stays queued) and is woken when bytes are given back.
 - A store that cannot wait (a cache checked in, window blocks a prefill
-  captured) makes room from its own entries: `over` says by how much the
-  total passes the budget.
+  captured) makes room from its own entries, or lets what comes in go (disk
+  holds it): `over` says by how much the total would pass the budget.
 
 So the bytes the pool counts never pass a budget (but by a turn larger than
 the whole budget, which runs alone once every store is empty: `plan`), and

@@ -7,8 +7,9 @@ recently used resident cache while it is the oldest of every model's (and
 only once the warm tier has room for it), and waits when another model's is
 older (that store was asked). `fit` is that other side: woken by the pool,
 this store lets its oldest caches go while someone waits for the room. Where
-a store cannot wait (`within`: a cache checked in, demoted, a window's
-blocks captured) it keeps the totals within the budgets from its own caches.
+a store cannot wait (`within`, and warm.py's `room`: a cache checked in,
+demoted, a window's blocks captured) it keeps the totals within the budgets
+from its own caches, or lets what comes in go (disk holds it).
 Engine thread only (the pool itself is thread-safe).
 """
 
