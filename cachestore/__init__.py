@@ -1,7 +1,8 @@
 """KV cache state across the tiers (resident, warm, disk): the front door the engine uses.
 
-The engine makes a `SessionCaches` with `model_fingerprint(...)` and
-`Budgets`, then only checks caches out (`Checkout`) and back in. Everything
+The engine makes a `SessionCaches` with `model_fingerprint(...)`, `Budgets`
+and the daemon's `Pool` (the memory budgets every loaded model's store
+shares), then only checks caches out (`Checkout`) and back in. Everything
 else in the package (snapshot, segments, index, tiers, packing) is how that
 is done, and stays behind this door.
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .cost import CacheCost, cache_cost
 from .ioworker import FirstTokens
 from .layout import cached_session_ids, check_usable, disk_ids
+from .pool import Pool
 from .prefix import common_prefix_len
 
 if TYPE_CHECKING:
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from .store import Budgets, Checkout, SessionCaches
     from .terms import Pending
 
-__all__ = ["Budgets", "CacheCost", "Checkout", "FirstTokens", "Pending", "SessionCaches", "cache_cost",
+__all__ = ["Budgets", "CacheCost", "Checkout", "FirstTokens", "Pending", "Pool", "SessionCaches", "cache_cost",
            "cached_session_ids", "check_usable", "common_prefix_len", "disk_ids", "model_fingerprint", "rewind"]
 
 

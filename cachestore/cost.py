@@ -26,9 +26,10 @@ class CacheCost:
     windows: tuple[tuple[int, float], ...] = ()  # (window, bytes per token) of sliding-window layers
     fixed: int = 0  # layers whose size does not grow with the tokens (recurrent state)
 
-    def __call__(self, tokens: int) -> int:
-        """The bytes a live cache holding `tokens` ids takes, its buffers in whole steps."""
-        t = -(-max(tokens, 0) // STEP) * STEP
+    def __call__(self, tokens: int, *, whole_steps: bool = True) -> int:
+        """The bytes a live cache holding `tokens` ids takes, its buffers in whole steps (without
+        `whole_steps`: what a snapshot of exactly those ids takes)."""
+        t = -(-max(tokens, 0) // STEP) * STEP if whole_steps else max(tokens, 0)
         return int(self.per_token * t + sum(b * min(t, w) for w, b in self.windows)) + self.fixed
 
 

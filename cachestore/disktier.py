@@ -14,6 +14,7 @@ the worker's figures are its Writeback's, the engine's its PageIn's.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,7 @@ class DiskTier:
         # assumes disk holds nothing (and the worker writes what the index lacks, reusing the rest).
         self._dropping = False
         self._kept_for: dict[str, list[str]] | None = None  # other models' caches by session, read when changed
+        self.by_model: dict[str, int] = {}  # every model's bytes on disk: replaced wholesale by `count`
 
     def settle(self) -> list[object]:
         """Take in the worker's reports: the index rows its jobs changed, and which sessions have
@@ -161,6 +163,22 @@ class DiskTier:
         if self._kept_for is None:
             self._kept_for = self._index().models_of()
         return self._kept_for
+
+    def count(self) -> dict[str, int]:
+        """Count every model's bytes on disk (`by_model`): on the I/O worker, where the index is read."""
+        try:
+            self.by_model = self._index().bytes_by_model()
+        except sqlite3.Error:  # a busy or full disk: the last count stays
+            log.debug("counting the disk's bytes failed", exc_info=True)
+        return self.by_model
+
+    def statistics(self, budget: int) -> dict[str, Any]:
+        """The disk tier's figures: this model's sessions, segments and bytes; every model's bytes (one
+        budget holds them all), as `count` last found them, in all and by model."""
+        t, by_model = self.table, dict(self.by_model)
+        return {"sessions": len(t.on_disk), "segments": t.disk_segments, "model_bytes": t.disk_bytes,
+                "bytes": sum(by_model.values()) if by_model else t.disk_bytes, "by_model": by_model,
+                "budget": budget, **t.sharing()}
 
     def forget(self, key: str) -> None:
         self.later(lambda index: index.forget(key), key)  # every model's; after its queued writes, which it undoes

@@ -1,21 +1,17 @@
 """The disk tier's index: which blocks and segment files exist, for which tokens.
 
-Two kinds of file (store.py says why): content-addressed *blocks*, each
-stored once under ``blocks/`` and listed in any number of sessions'
-*chains*, and each session's private *segments* under ``segments/<key>/``
-(what follows its last whole block). A block's reference count is the number
-of chains that list it; a block no chain lists is deleted (`collect`).
+Two kinds of file (store.py says why): content-addressed *blocks*, each stored once under ``blocks/`` and
+listed in any number of sessions' *chains*, and each session's private *segments* under ``segments/<key>/``
+(what follows its last whole block). A block's reference count is the number of chains that list it; a block
+no chain lists is deleted (`collect`).
 
-Its own SQLite file (cachestore owns these rows and no others), used only
-from the engine thread. A segment file is listed here only after it is
-complete on disk (written, fsynced, renamed, directory fsynced), so a row
-never points at a partial file; files without a row are leftovers of a
-crash and are deleted on open.
+Its own SQLite file (cachestore owns these rows and no others), used only from the engine thread. A segment
+file is listed here only after it is complete on disk (written, fsynced, renamed, directory fsynced), so a row
+never points at a partial file; files without a row are leftovers of a crash and are deleted on open.
 
-The index is not the only record, though: each segment's header holds its
-range, fingerprint and token ids. An index that is missing, empty or not a
-database is therefore set aside (`lost` says how it was found) and rebuilt
-from the files by the owner (store.py), not taken as "no segments".
+The index is not the only record, though: each segment's header holds its range, fingerprint and token ids. An
+index that is missing, empty or not a database is therefore set aside (`lost` says how it was found) and
+rebuilt from the files by the owner (store.py), not taken as "no segments".
 """
 
 from __future__ import annotations
@@ -210,6 +206,13 @@ class SegmentIndex:
             "SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM segments) + "
             "(SELECT COALESCE(SUM(nbytes), 0) FROM blocks)").fetchone()[0])
 
+    def bytes_by_model(self) -> dict[str, int]:
+        """`total_bytes` by the model that wrote them: its name where one was recorded, else its fingerprint."""
+        return {str(name): int(n) for name, n in self.db.execute(
+            "SELECT COALESCE(m.name, f.fingerprint), SUM(f.nbytes) FROM (SELECT fingerprint, nbytes FROM segments "
+            "UNION ALL SELECT fingerprint, nbytes FROM blocks) f LEFT JOIN models m ON m.fingerprint = f.fingerprint "
+            "GROUP BY 1")}
+
     def count(self) -> tuple[int, int]:
         """(keys with segments or blocks, segments), of this index's model."""
         mine, m = self._mine()
@@ -314,6 +317,7 @@ class SegmentIndex:
         its chain too, and every block no other chain lists.
         """
         rows = [r for r in self.chain(key, model) if r.start >= start]
+        listed = [b.block for b in self.blocks_of(key, model)] if start == 0 else []
         mine, m = self._mine(model)
         self._changed.add((key, model or self.model))
         with self._transaction():
@@ -328,7 +332,7 @@ class SegmentIndex:
             for d in sorted({r.path.parent for r in rows}, reverse=True) + [self.dir_for(key)]:
                 with contextlib.suppress(OSError):
                     d.rmdir()  # the model's directory, then the session's once no model's is left
-            freed += self.collect()
+            freed += self.collect(among=listed)  # (another model's: only the blocks its chain listed)
         return freed
 
     def forget(self, key: str) -> int:
@@ -365,11 +369,15 @@ class SegmentIndex:
         self.collect(also=[block])
         return [key for key, _, _ in cut]
 
-    def collect(self, also: Sequence[str] = ()) -> int:
-        """Delete the blocks no chain lists (and `also`); returns bytes freed. Delete means delete."""
+    def collect(self, also: Sequence[str] = (), among: Sequence[str] | None = None) -> int:
+        """Delete the blocks no chain lists (and `also`); returns bytes freed. Delete means delete. Only this
+        index's model's (`among`: only those): another model's I/O worker lists a block before the chain that
+        needs it, and one collected in between was deleted under that chain."""
+        scope, args = (("fingerprint = ?", [self.model]) if among is None and self.model is not None else
+                       (f"block IN ({','.join('?' * len(among))})", list(among)) if among is not None else ("1", []))
         rows = self.db.execute(
-            "SELECT block, file, nbytes FROM blocks WHERE block NOT IN (SELECT block FROM chains) "
-            f"OR block IN ({','.join('?' * len(also))})", list(also)).fetchall()
+            f"SELECT block, file, nbytes FROM blocks WHERE (block NOT IN (SELECT block FROM chains) AND {scope}) "
+            f"OR block IN ({','.join('?' * len(also))})", [*args, *also]).fetchall()
         if not rows:
             return 0
         with self._transaction():

@@ -11,7 +11,7 @@ Tested with fakes that have only a size, like mlx-lm's own LRU cache tests.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
@@ -63,6 +63,10 @@ class Tier(Generic[V]):
         self.reserved = 0
         self.stats = TierStats()
         self._entries: OrderedDict[str, Entry[V]] = OrderedDict()
+        #: Called after every change (the store reports it to the daemon's shared budget: pool.py).
+        self.changed: Callable[[], None] = lambda: None
+        #: The bytes of the same budget that other models' tiers hold: room a value does not `fit` in.
+        self.others: Callable[[], int] = lambda: 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -87,10 +91,13 @@ class Tier(Generic[V]):
             self.nbytes -= old.nbytes
         if nbytes + self.reserved > self.budget or self.max_entries == 0:
             self.stats.page_outs += 1
+            self.changed()
             return [(key, value)]
         self._entries[key] = Entry(value, nbytes, now)
         self.nbytes += nbytes
-        return evicted + self._fit()
+        evicted += self._fit()
+        self.changed()
+        return evicted
 
     def reserve(self, nbytes: int) -> list[tuple[str, V]]:
         """Hold `nbytes` of the budget for something outside the tier (running caches, all of them
@@ -98,7 +105,9 @@ class Tier(Generic[V]):
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
         self.reserved = nbytes
-        return self._fit()
+        evicted = self._fit()
+        self.changed()
+        return evicted
 
     def _fit(self) -> list[tuple[str, V]]:
         evicted: list[tuple[str, V]] = []
@@ -112,7 +121,7 @@ class Tier(Generic[V]):
 
     def fits(self, nbytes: int) -> bool:
         """Whether a value of `nbytes` would go in without evicting anything."""
-        return self.nbytes + nbytes + self.reserved <= self.budget and (
+        return self.nbytes + nbytes + self.reserved + self.others() <= self.budget and (
             self.max_entries is None or len(self._entries) < self.max_entries)
 
     def offer(self, key: str, value: V, nbytes: int, now: float) -> bool:
@@ -127,6 +136,7 @@ class Tier(Generic[V]):
         self._entries[key] = Entry(value, nbytes, min(now, coldest.last_used) if coldest else now)
         self._entries.move_to_end(key, last=False)
         self.nbytes += nbytes
+        self.changed()
         return True
 
     def take(self, key: str) -> V | None:
@@ -138,6 +148,7 @@ class Tier(Generic[V]):
         self.nbytes -= entry.nbytes
         self.stats.hits += 1
         self.stats.page_ins += 1
+        self.changed()
         return entry.value
 
     def discard(self, key: str) -> V | None:
@@ -146,6 +157,7 @@ class Tier(Generic[V]):
         if entry is None:
             return None
         self.nbytes -= entry.nbytes
+        self.changed()
         return entry.value
 
     def idle(self, now: float, idle_for: float) -> list[tuple[str, V]]:
@@ -158,7 +170,28 @@ class Tier(Generic[V]):
             self.nbytes -= entry.nbytes
             self.stats.page_outs += 1
             out.append((key, entry.value))
+        if out:
+            self.changed()
         return out
+
+    def touch(self, key: str, now: float) -> None:
+        """The value is in use now (a turn on it was admitted): most recently used, left in the tier."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.last_used = now
+            self._entries.move_to_end(key)
+            self.changed()
+
+    def size(self, key: str) -> int:
+        """The value's bytes (0: not held)."""
+        entry = self._entries.get(key)
+        return entry.nbytes if entry is not None else 0
+
+    def oldest(self) -> tuple[str, V, float] | None:
+        """The least recently used entry (key, value, last use), left where it is."""
+        for key, entry in self._entries.items():
+            return key, entry.value, entry.last_used
+        return None
 
     def statistics(self) -> dict[str, Any]:
         return {"sessions": len(self._entries), "bytes": self.nbytes, "budget": self.budget,

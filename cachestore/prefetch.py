@@ -39,11 +39,12 @@ def prefetch_plan(disk: PageIn, by_use: list[tuple[str, int]], resident: Tier[Ca
     """Sessions only on disk that memory has room for, most recently used first.
 
     `by_use`: the index's sessions, least recently used first. Only free room
-    is planned (the resident tier's, then the warm tier's), and at most `limit`
+    is planned (the resident tier's, then the warm tier's, less what other models' caches hold of the
+    budgets they share), and at most `limit`
     bytes in all (the device's share of the memory free at start: daemon/device.py).
     """
-    resident_room = resident.budget - resident.nbytes - resident.reserved
-    warm_room = warm.budget - warm.nbytes
+    resident_room = resident.budget - resident.nbytes - resident.reserved - resident.others()
+    warm_room = warm.budget - warm.nbytes - warm.others()
     left = limit if limit is not None else resident_room + warm_room
     plan = []
     for key, nbytes in reversed(by_use):

@@ -1,29 +1,25 @@
 """Every session's cache across the tiers, resident, warm and disk: the policy (engine thread).
 
-The engine thread holds the live caches and only evaluates what a turn
-writes; the I/O worker writes it (writeback.py, queued by disktier.py), and
-its reader reads what a restore or a prefetch (prefetch.py) needs, planned
-by pagein.py: a checkout that needs disk returns its pending read, which the
-caller holds and turns into the checkout once it has ended (`read_out`), so
-no decode step waits on disk. Each thread has its own index connection.
+The engine thread holds the live caches and only evaluates what a turn writes; the I/O worker writes it
+(writeback.py, queued by disktier.py), and its reader reads what a restore or a prefetch (prefetch.py) needs,
+planned by pagein.py: a checkout that needs disk returns its pending read, which the caller holds and turns
+into the checkout once it has ended (`read_out`), so no decode step waits on disk. Each thread has its own
+index connection.
 
-- After a turn the live cache stays *resident*, and what the turn added is
-  written *behind* it: the whole blocks it completed and a private tail, so
-  page-out cost grows with the new tokens, not the history.
-- Resident over budget or idle: the least recently used cache is demoted to
-  *warm* (warm.py). Warm over budget or idle: dropped, disk holds it (while
-  writes are queued the snapshot is kept aside until the worker is done).
-  Disk over budget: the least recently used sessions are forgotten on disk.
-- `checkout` restores the longest prefix of the wanted ids anything holds:
-  the session's own cache, another session's memory (sharing.py), or blocks
-  on disk any session wrote; one walk down the ids' block keys in the block
-  table (table.py), no scan of other sessions. The caller prefills the rest.
+- After a turn the live cache stays *resident*, and what the turn added is written *behind* it: the whole
+  blocks it completed and a private tail, so page-out cost grows with the new tokens, not the history.
+- Resident over budget or idle: the least recently used cache is demoted to *warm* (warm.py). Warm over budget
+  or idle: dropped, disk holds it (while writes are queued the snapshot is kept aside until the worker is
+  done). Disk over budget: the least recently used sessions are forgotten on disk. Every budget is the
+  daemon's, one for all loaded models' stores: least recently used across them (pool.py, shares.py).
+- `checkout` restores the longest prefix of the wanted ids anything holds: the session's own cache, another
+  session's memory (sharing.py), or blocks on disk any session wrote; one walk down the ids' block keys in the
+  block table (table.py), no scan of other sessions. The caller prefills the rest.
 
-A session's disk chain is its whole content-addressed blocks (blocks.py,
-stored once, listed by every chain through them) and then private segments.
-The index (SQLite) is the durable record, read once at start into the block
-table, which the worker's reports keep current. A file that fails
-verification is dropped with everything after it; the sessions prefill.
+A session's disk chain is its whole content-addressed blocks (blocks.py, stored once, listed by every chain
+through them) and then private segments. The index (SQLite) is the durable record, read once at start into the
+block table, which the worker's reports keep current. A file that fails verification is dropped with
+everything after it; the sessions prefill.
 """
 
 from __future__ import annotations
@@ -44,9 +40,11 @@ from .index import SegmentIndex
 from .ioworker import FirstTokens
 from .lru import DiskStats, Tier
 from .pagein import DiskPlan, PageIn, Reading, ReadReport
+from .pool import Pool
 from .prefetch import PREFETCH_ROOM, Prefetcher
 from .prefix import MIN_SHARED, common_prefix_len
 from .rebuild import rebuild_index
+from .shares import Share
 from .sharing import Found, find_shared
 from .snapshot import Snapshot, cuttable, rewind
 from .sweep import sweep
@@ -65,7 +63,7 @@ log = logging.getLogger("kvd.cache")
 class SessionCaches:
     def __init__(self, root: Path, fingerprint: str, budgets: Budgets,
                  *, clock: Callable[[], float] = time.time, first_tokens: FirstTokens | None = None,
-                 model: str = ""):
+                 model: str = "", pool: Pool | None = None):
         if budgets.block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
         self.fingerprint = fingerprint
@@ -78,7 +76,7 @@ class SessionCaches:
         self._indexes.index = SegmentIndex(root, fingerprint)
         if self.index.lost is not None:
             rebuild_index(self.index, self.index.lost)
-        if removed := sweep(self.index):
+        if not (pool and pool.stores()) and (removed := sweep(self.index)):  # (another model's store writes there)
             log.info("removed %d cache file(s) left incomplete by a crash", removed)
         self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
                                  block=self.block, disk_bytes=budgets.disk_bytes,
@@ -93,9 +91,12 @@ class SessionCaches:
                                   max_segments=budgets.max_segments, on_idle=self._on_idle,
                                   first_tokens=first_tokens)
         self._io = self._disktier.io
-        self.resident: Tier[Cache] = Tier("resident", budgets.resident_bytes, budgets.resident_sessions)
-        self.warm = WarmTier(self.table, budgets.warm_bytes, bits=budgets.warm_bits,
+        self.pool = pool or Pool({RESIDENT: budgets.resident_bytes, WARM: budgets.warm_bytes})  # (every model's)
+        self.resident: Tier[Cache] = Tier("resident", self.pool.budgets[RESIDENT], budgets.resident_sessions)
+        self.warm = WarmTier(self.table, self.pool.budgets[WARM], bits=budgets.warm_bits,
                              busy=lambda: not self._io.idle())
+        #: This store's place in the memory budgets (the engine asks it for a turn's `room`).
+        self.share = Share(self.pool.join(model or fingerprint), self.resident, self.warm, self.table, clock)
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
                             dropped=self._disktier.dropped, clock=clock,
                             read=lambda job: self._io.read(job, done=self._read_done))
@@ -130,10 +131,11 @@ class SessionCaches:
         return DiskStats(**{f.name: getattr(mine, f.name) + getattr(theirs, f.name) for f in fields(DiskStats)})
 
     def close(self) -> None:
-        """Finish every queued disk job, then close the index."""
+        """Finish every queued disk job, then close the index; the memory budgets' share is given back."""
         self._io.submit(self._close_index)
         self._io.close()
         self._close_index()
+        self.share.leave()
 
     def _close_index(self) -> None:
         index = getattr(self._indexes, "index", None)
@@ -149,8 +151,9 @@ class SessionCaches:
         self._settle()
 
     def after_writes(self, fn: Callable[[], object]) -> None:
-        """Call `fn` on the I/O worker once every disk job queued so far is done; it must not block."""
-        self._io.submit(fn)
+        """Call `fn` on the I/O worker once every disk job queued so far is done, every model's bytes on disk
+        counted first (for the statistics); it must not block."""
+        self._io.submit(lambda: (self._disktier.count(), fn()))
 
     def before_reads(self, fn: Callable[[], object]) -> None:
         """Call `fn` on the I/O worker's reader before any later read (a test holds the reader so)."""
@@ -186,17 +189,15 @@ class SessionCaches:
     def checkout(self, key: str, wanted: Sequence[int], *, wait: bool = True) -> Checkout:
         """Take the session's cache out of the tiers, holding the longest usable prefix anything holds.
 
-        At least one wanted token is always left to feed. Candidates, best
-        first on a tie: the session's own resident cache (rewound in place),
-        its own warm snapshot, another session's resident cache or warm
-        snapshots (a copy of the shared prefix; that session keeps its own),
-        then disk (the session's chain, and blocks any session wrote).
+        At least one wanted token is always left to feed. Candidates, best first on a tie: the session's own
+        resident cache (rewound in place), its own warm snapshot, another session's resident cache or warm
+        snapshots (a copy of the shared prefix; that session keeps its own), then disk (the session's chain,
+        and blocks any session wrote).
 
-        Disk is read by the I/O worker's reader, never here: with `wait`,
-        this waits for the read (tools, tests, ranks in lockstep); without, a
-        checkout that needs disk returns at once with its pending `read`, which
-        `read_out` turns into the checkout once the read has ended (the engine
-        keeps stepping the other sessions meanwhile).
+        Disk is read by the I/O worker's reader, never here: with `wait`, this waits for the read (tools,
+        tests, ranks in lockstep); without, a checkout that needs disk returns at once with its pending
+        `read`, which `read_out` turns into the checkout once the read has ended (the engine keeps stepping
+        the other sessions meanwhile).
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
@@ -232,10 +233,9 @@ class SessionCaches:
         self._settle()
 
     def allocate(self, *, others: bool) -> None:
-        """Make the buffers the reads under way wait for (engine thread, once per step while a
-        checkout's read is pending or a prefetch's is under way). `others`: other answers are
-        running, so they are made a few per call, beside their steps; with none, all at once
-        (nobody waits on this thread meanwhile)."""
+        """Make the buffers the reads under way wait for (engine thread, once per step while a checkout's read
+        is pending or a prefetch's is under way). `others`: other answers are running, so they are made a few
+        per call, beside their steps; with none, all at once (nobody waits on this thread meanwhile)."""
         self._disk.allocate(all_of_it=not others)
 
     def read_out(self, pending: Pending) -> Checkout | None:
@@ -285,8 +285,8 @@ class SessionCaches:
         return Checkout(None, 0, NO_CACHE, ms())
 
     def _others(self, key: str, wanted: Sequence[int], limit: int, best: int) -> tuple[Found | None, DiskPlan]:
-        """One walk down the wanted ids' blocks: the best copy of another session's memory (more
-        than `best` ids), and the disk plan."""
+        """One walk down the wanted ids' blocks: the best copy of another session's memory (more than `best`
+        ids), and the disk plan."""
         walk = self.table.walk(self.table.keys_for(key, wanted))
         other = find_shared(self.table, self.resident, self.warm, key, wanted, limit, walk, best)
         return other, self._disk.plan(key, wanted, limit, walk)
@@ -318,8 +318,8 @@ class SessionCaches:
         return self._prefetch.plan(self.index.keys_by_use(), limit)
 
     def prefetch(self, key: str) -> str | None:
-        """Page one session's whole disk chain into memory if it fits, waiting for the read here
-        (tools, tests, ranks in lockstep); the tier it went to."""
+        """Page one session's whole disk chain into memory if it fits, waiting for the read here (tools,
+        tests, ranks in lockstep); the tier it went to."""
         if key in self.resident or key in self.warm:
             return None
         if (got := self._prefetch.start(key)) is None:
@@ -329,9 +329,9 @@ class SessionCaches:
         return self._prefetch.keep(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
 
     def prefetch_later(self, keys: Sequence[str]) -> None:
-        """Page sessions' whole disk chains into memory where they fit, one read at a time on the
-        reader, without waiting for any: each is kept as it arrives (`_settle`), unless the session
-        was checked out since."""
+        """Page sessions' whole disk chains into memory where they fit, one read at a time on the reader,
+        without waiting for any: each is kept as it arrives (`_settle`), unless the session was checked out
+        since."""
         self._prefetch.later(keys, busy=self.restoring)
 
     def prefetching(self) -> bool:
@@ -340,8 +340,8 @@ class SessionCaches:
 
     def _attach(self, key: str, held: Cache | Snapshot, tokens: list[int],
                 captured: dict[str, Snapshot] | None = None) -> list[str]:
-        """Make the session's memory chain the whole blocks of `tokens`: all of them for a cache that
-        can be cut; for a window, those from the first on that its prefill captured or kvd holds."""
+        """Make the session's memory chain the whole blocks of `tokens`: all of them for a cache that can be
+        cut; for a window, those from the first on that its prefill captured or kvd holds."""
         keys = self.table.keys_for(key, tokens)[:whole_blocks(len(tokens), self.block)]
         if not cuttable(held):
             have = 0
@@ -373,6 +373,7 @@ class SessionCaches:
         for cold, c in self.resident.reserve(self.running_bytes()):
             self.table.set_live(cold, False)
             self.warm.demote(cold, c, now)
+        self.share.within()
 
     def checkin(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
         """Keep a session's live cache resident and queue the writing of its new tokens behind it."""
@@ -391,18 +392,19 @@ class SessionCaches:
         for cold, c in self.resident.put(key, cache, cache_nbytes(cache), now):
             self.table.set_live(cold, False)
             self.warm.demote(cold, c, now)
+        self.share.within()
 
     # --- housekeeping ---
 
     def maintain(self) -> None:
         """Idle demotions: resident -> warm after resident_idle, warm dropped after warm_idle."""
         self._settle()
-        self.make_room()
         now = self._clock()
         for key, cache in self.resident.idle(now, self.budgets.resident_idle):
             self.table.set_live(key, False)
             self.warm.demote(key, cache, now)
         self.warm.idle(now, self.budgets.warm_idle)
+        self.make_room()  # (and within the budgets every model shares)
 
     def page_out_all(self) -> None:
         """Make sure disk holds every session kept in memory (on shutdown; disktier.py)."""
@@ -435,16 +437,14 @@ class SessionCaches:
 
     def statistics(self) -> dict[str, Any]:
         self._settle()
-        t = self.table
         return {
-            "running": {"bytes": self.running_bytes(), "budget": self.budgets.resident_bytes},
+            "running": {"bytes": self.running_bytes(), "budget": self.pool.budgets[RESIDENT]},
             RESIDENT: self.resident.statistics(),
             WARM: self.warm.statistics(),
             "prefetched": {"sessions": (p := self._prefetch.stats)["done"], "bytes": p["bytes"],
                            RESIDENT: p[RESIDENT], WARM: p[WARM]},
-            DISK: {"sessions": len(t.on_disk), "segments": t.disk_segments, "bytes": t.disk_bytes,
-                     "budget": self.budgets.disk_bytes, "block_tokens": self.block,
-                     **t.sharing(), **asdict(self.disk_stats)},
+            DISK: {**self._disktier.statistics(self.budgets.disk_bytes), "block_tokens": self.block,
+                   **asdict(self.disk_stats)},
             SHARED: dict(self.shared_stats),
         }
 

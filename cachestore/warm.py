@@ -52,6 +52,14 @@ class WarmTier:
         self.block_bytes = 0
         self.blocks = 0  # block copies held
         self.stats = TierStats()
+        #: Called after every change (the store reports it to the daemon's shared budget: pool.py).
+        self.changed: Callable[[], None] = lambda: None
+        #: The bytes of the same budget other models' warm tiers hold: room a cold put does not take.
+        self.others: Callable[[], int] = lambda: 0
+        #: Called before this many bytes come in (not cold): the store makes room for them first, from its
+        #: own least recently used, so the budget every model shares is never passed (shares.py); False:
+        #: there is none, and they are let go at once (disk holds them).
+        self.room: Callable[[int], bool] = lambda nbytes: True
 
     def __contains__(self, key: str) -> bool:
         return key in self.tails
@@ -85,7 +93,7 @@ class WarmTier:
         if not cuttable(snap) and s.keys:
             self.table.attach(key, s.tokens, [])  # a window's snapshot cannot be cut into blocks
         tail = self.packed(section(snap, len(s.keys) * self.table.block, snap.end))
-        if cold and self.nbytes + snap.nbytes > self.budget:
+        if cold and self.nbytes + snap.nbytes + self.others() > self.budget:
             return False
         for bk in s.keys:
             b = self.table.blocks[bk]
@@ -100,7 +108,7 @@ class WarmTier:
     def put(self, key: str, tail: Snapshot, now: float, *, cold: bool = False) -> bool:
         """Keep a session's tail (after its memory chain's blocks); `cold`: only if it fits, at the cold end."""
         s = self.table.sessions[key]
-        if cold and self.nbytes + tail.nbytes > self.budget:
+        if cold and self.nbytes + tail.nbytes + self.others() > self.budget:
             return False
         self.discard(key)
         self.held.pop(key, None)
@@ -108,19 +116,26 @@ class WarmTier:
             b = self.table.blocks[bk]
             b.warm_users += 1
             self.spare.pop(bk, None)
+        kept = cold or self.room(tail.nbytes)  # (its blocks are referenced now: they stay)
         self.tails[key] = (tail, now)
         if cold:
             self.tails.move_to_end(key, last=False)
         self.nbytes += tail.nbytes
+        if not kept:
+            self.leave(key)
+            return False
         self._fit()
         return True
 
     def add_copies(self, blocks: dict[str, Snapshot]) -> None:
         """Warm copies of blocks a prefill captured (a window's), unreferenced until a warm tail needs them."""
-        for bk, snap in blocks.items():
+        new = {bk: self.packed(snap) for bk, snap in blocks.items() if self.table.blocks[bk].warm is None}
+        if not self.room(sum(p.nbytes for p in new.values())):
+            return  # no room: disk will hold them (the turn's write-behind has them)
+        for bk, packed in new.items():
             b = self.table.blocks[bk]
             if b.warm is None:
-                b.warm = self.packed(snap)
+                b.warm = packed
                 self.block_bytes += b.warm.nbytes
                 self.nbytes += b.warm.nbytes
                 self.blocks += 1
@@ -157,27 +172,44 @@ class WarmTier:
         """The tail goes without counting as a use (superseded by a newer cache, forgotten)."""
         self._remove(key)
         self.held.pop(key, None)
+        self.changed()
 
     def take(self, key: str) -> None:
         """The tail was copied into a live cache (a hit): it goes."""
         self.stats.hits += self._remove(key) is not None
         self.stats.page_ins += 1
         self.held.pop(key, None)
+        self.changed()
 
     def _fit(self) -> None:
-        while self.nbytes > self.budget:
-            if self.spare:
-                bk, _ = self.spare.popitem(last=False)
-                b = self.table.blocks[bk]
-                self.nbytes -= b.warm.nbytes
-                self.block_bytes -= b.warm.nbytes
-                self.blocks -= 1
-                b.warm = None
-                self.table._maybe_drop(b)
-            elif self.tails:
-                self.leave(next(iter(self.tails)))
-            else:
-                return
+        while self.nbytes > self.budget and self.evict_oldest():
+            pass
+        self.changed()
+
+    def oldest(self) -> float | None:
+        """When what `evict_oldest` takes next was last used (a block copy no tail needs: first of all,
+        -inf); None: nothing held."""
+        if self.spare:
+            return float("-inf")
+        return next((used for _, used in self.tails.values()), None)
+
+    def evict_oldest(self) -> bool:
+        """Let the least recently used go: a block copy no warm tail needs, else the oldest tail; False
+        when nothing is held."""
+        if self.spare:
+            bk, _ = self.spare.popitem(last=False)
+            b = self.table.blocks[bk]
+            self.nbytes -= b.warm.nbytes
+            self.block_bytes -= b.warm.nbytes
+            self.blocks -= 1
+            b.warm = None
+            self.table._maybe_drop(b)
+            self.changed()
+            return True
+        if self.tails:
+            self.leave(next(iter(self.tails)))
+            return True
+        return False
 
     def leave(self, key: str) -> None:
         """A tail leaves the tier (budget or idleness); kept aside if disk may not hold it yet."""

@@ -247,7 +247,9 @@ class Daemon:
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,
-        and every loaded model (`models`, what `kvd ps` shows), each answering session with its model."""
+        every loaded model (`models`, what `kvd ps` shows), each answering session with its model, and
+        the budgets every model's caches share (`budgets`; the disk tier's `bytes` count every model's
+        files too, `by_model` says whose)."""
         engine = self.turns.engine
         stats = await self._engine_status(engine)
         answering = {sid: {**turn, "model": self.engines.default} for sid, turn in stats.get("answering", {}).items()}
@@ -263,7 +265,8 @@ class Daemon:
                 "generating": sum(e.stats.get("generating", 0) for e in self.engines.engines() if e is not engine)
                 + stats.get("generating", 0),
                 "waiting": stats.get("waiting", 0), "answering": answering,
-                "tiers": stats.get("tiers", {}), "prefetched": stats.get("prefetched", {}),
+                "tiers": stats.get("tiers", {}), "budgets": stats.get("budgets", {}),
+                "prefetched": stats.get("prefetched", {}),
                 "locations": stats.get("locations", {}),
                 "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
                 "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded()}

@@ -58,6 +58,12 @@ class Stop:
 
 
 @dataclass
+class RoomFreed:
+    """The memory budgets every loaded model shares changed (cachestore's pool): another model waits for
+    room this one's older caches hold, or room a queued answer waits for was given back."""
+
+
+@dataclass
 class ReadReported:
     """The I/O worker's reader reported on a read (cachestore's `on_read`): the engine takes the
     report in and starts the answers whose read has ended (`Steps.read_reported`)."""

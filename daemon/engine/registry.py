@@ -2,7 +2,8 @@
 
 Each loaded model is an `Engine` (thread.py) exactly as a single-model daemon
 has one: its own thread, which owns that model and every MLX array of it, its
-own decode batch and its own cache tiers. This registry, on the event loop,
+own decode batch and its own cache tiers, whose byte budgets every loaded model
+shares (cachestore's `Pool`, made by the first engine). This registry, on the event loop,
 says which names mean which model (`resolve`), loads a model the first time a
 turn asks for it (`engine`), and unloads one: when another needs its memory
 (daemon/device.py's `make_room` decides, before a weight is read) or after
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -35,6 +36,9 @@ from ..config import Config
 from ..device import LoadedModel, make_room
 from ..models.catalog import SERVED_ALIAS, model_names
 from .thread import Engine
+
+if TYPE_CHECKING:
+    from cachestore import Pool
 
 log = logging.getLogger("kvd.models")
 
@@ -104,7 +108,8 @@ class Engines:
         self.config = config
         self.default = config.model
         self._busy = busy
-        self._make = make or (lambda c, path: Engine(c, model_dir=path))
+        # Every engine's caches share one pair of memory budgets (cachestore's Pool), the first engine's.
+        self._make = make or (lambda c, path: Engine(c, model_dir=path, pool=self.pool()))
         self._slots: dict[str, Slot] = {self.default: Slot(self.default, first)}
         # The start-up load is not the registry's: kvd serve started it, doors/loading.py watches it,
         # and the turn core waits for its `ready` as a single-model daemon does.
@@ -165,6 +170,10 @@ class Engines:
         """The model's engine if it is loaded (or loading); None otherwise."""
         slot = self._slots.get(name)
         return slot.engine if slot is not None else None
+
+    def pool(self) -> Pool | None:
+        """The memory budgets the loaded models' caches share (made by the first engine to load)."""
+        return next((e.pool for e in self.engines() if e.pool is not None), None)
 
     def engines(self) -> list[Engine]:
         return [s.engine for s in self._slots.values() if s.engine is not None]

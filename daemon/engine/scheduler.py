@@ -21,7 +21,9 @@ objects like cachestore/lru.py is. The engine thread is its only caller.
   until nothing else runs, then runs alone: memory then holds that one
   cache, over the budget by what it needs (a budget of 0, "keep no idle
   cache resident", still runs one answer at a time). Idle caches do not
-  count here: the cache store evicts them to make room for what runs.
+  count here: the cache store evicts them to make room for what runs. Where
+  several models share the budget, `room` (the cache store's) decides the
+  bytes instead, across every model's running and idle caches.
 - Prompts are fed one at a time, first come first (a prompt is one unpadded
   sequence: prefill.py), one chunk per engine step.
 - Alone, a chunk is `prefill_step` tokens. Beside decoding answers, a chunk
@@ -32,7 +34,7 @@ objects like cachestore/lru.py is. The engine thread is its only caller.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
@@ -78,6 +80,10 @@ class Scheduler(Generic[A]):
         self.prefill_step = prefill_step
         self.prefill_slice = prefill_slice
         self.budget = budget
+        #: Where the budget is shared with other models' engines: whether an answer on a session (`key`)
+        #: of `need` bytes fits beside everything every model holds (the cache store's `room`, which
+        #: holds the bytes for it when it does). None: the bytes are counted here, against `budget`.
+        self.room: Callable[[str, int], bool] | None = None
         self.answers: list[A] = []  # in the order each entered its phase
         self._prefill_tps: float | None = None  # the last chunk's tokens per second
 
@@ -117,11 +123,14 @@ class Scheduler(Generic[A]):
         """What the admitted answers' caches may reach together."""
         return sum(a.need for a in self.answers if a.phase is not Phase.WAITING)
 
-    def has_room(self, need: int = 0) -> bool:
+    def has_room(self, need: int = 0, key: str = "") -> bool:
         """An answer whose cache may reach `need` bytes can be admitted now (and nobody waits before it)."""
         admitted = [a for a in self.answers if a.phase is not Phase.WAITING]
-        return (len(admitted) < self.max_running
-                and (self.budget is None or not admitted or sum(a.need for a in admitted) + need <= self.budget))
+        if len(admitted) >= self.max_running:
+            return False
+        if self.room is not None:
+            return self.room(key, need)
+        return self.budget is None or not admitted or sum(a.need for a in admitted) + need <= self.budget
 
     def wait(self, a: A) -> int:
         """Queue an answer that found no room; its place in the queue (1: next)."""
@@ -138,7 +147,7 @@ class Scheduler(Generic[A]):
         Room is checked again before each one: the engine admits each
         before the next is considered.
         """
-        while (waiting := self.phase(Phase.WAITING)) and self.has_room(waiting[0].need):
+        while (waiting := self.phase(Phase.WAITING)) and self.has_room(waiting[0].need, waiting[0].key):
             self._drop(waiting[0])
             yield waiting[0]
 

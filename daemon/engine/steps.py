@@ -90,7 +90,8 @@ class Steps:
             a.emit(AnswerError(p.BUSY, "this session is already generating"))
             return
         a.need = self._need(a)
-        if not self.scheduler.has_room(a.need) or self.scheduler.phase(Phase.WAITING):  # first come, first served
+        # First come, first served: nobody overtakes a waiting answer.
+        if self.scheduler.phase(Phase.WAITING) or not self.scheduler.has_room(a.need, a.key):
             a.emit(AnswerQueued(self.scheduler.wait(a)))
             return
         self._admit(a)
@@ -108,6 +109,8 @@ class Steps:
             self._admit(a)
         for a in self.scheduler.moved():
             a.emit(AnswerQueued(a.told))
+        if self.caches is not None and not self.scheduler.phase(Phase.WAITING):
+            self.caches.share.want_nothing()  # (a queued answer may have been cancelled)
 
     def _admit(self, a: Answer) -> None:
         if self.scheduler.alone(a.need):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 from cachestore import FirstTokens
 from common.sizes import human_bytes
+from common.tiers import RESIDENT, WARM
 
 from ..config import Config
 from ..events import AnswerError
@@ -31,6 +32,7 @@ from .jobs import (
     Cancel,
     Forget,
     ReadReported,
+    RoomFreed,
     Status,
     Stop,
 )
@@ -40,7 +42,7 @@ from .scheduler import Phase, Scheduler
 from .steps import Steps
 
 if TYPE_CHECKING:
-    from cachestore import SessionCaches
+    from cachestore import Pool, SessionCaches
 
     from .lockstep import Lockstep
 
@@ -54,16 +56,20 @@ MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
 class Engine:
     """Owns the model; serves Answers through one decode batch (decode.py)."""
 
-    def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None):
+    def __init__(self, config: Config, model_dir: Path | None = None, lockstep: Lockstep | None = None,
+                 pool: Pool | None = None):
         """`model_dir`: the model already prepared (daemon/models/sources.py) by `kvd serve` before it
         listened; None prepares it on the engine thread. `lockstep`: this rank's end of the group
-        when the model is sharded across ranks (lockstep.py; rank 0 sends, followers apply)."""
+        when the model is sharded across ranks (lockstep.py; rank 0 sends, followers apply). `pool`:
+        the memory budgets the other loaded models' engines share (registry.py); None: the first
+        engine makes them, at its load, from the device's memory."""
         self.config = config
+        self.pool = pool
         self.model_dir = model_dir
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[Answer | Cancel | Forget | Stop | Status | ReadReported] = \
+        self._inbox: queue.SimpleQueue[Answer | Cancel | Forget | Stop | Status | ReadReported | RoomFreed] = \
             queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         # Every answer, in its phase: running, restoring, and waiting past max_generations.
@@ -150,18 +156,18 @@ class Engine:
         kv_bits = c.kv_bits or None
         if refusal := current().kv_bits_refusal(c.kv_bits, weights_label(tree_flatten(loaded.model.parameters()), {})):
             raise ValueError(refusal)
-        resident, warm = self._tier_budgets(c)
+        self.pool = self._pool(c)
         self.caches = SessionCaches(
             c.cache_dir,
             model_fingerprint(model_id=c.model, config=loaded.config, dtype=loaded.dtype, kv_bits=kv_bits,
                               fresh_cache=make_cache(loaded.model, kv_bits), rank=c.rank,
                               world_size=c.world_size),
-            Budgets(resident_bytes=resident, warm_bytes=warm,
+            Budgets(resident_bytes=self.pool.budgets[RESIDENT], warm_bytes=self.pool.budgets[WARM],
                     disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                     warm_idle=c.warm_idle, max_segments=c.max_segments,
                     resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
                     block_tokens=c.block_tokens),
-            first_tokens=self.first_tokens, model=c.model,
+            first_tokens=self.first_tokens, model=c.model, pool=self.pool,
         )
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
@@ -200,9 +206,12 @@ class Engine:
         self.scheduler.prefill_step = c.prefill_step_size
         return c
 
-    def _tier_budgets(self, c: Config) -> tuple[int, int]:
-        """The resident and warm budgets, within the device's memory (a GPU's: never past what it has free)."""
+    def _pool(self, c: Config) -> Pool:
+        """The resident and warm budgets, within the device's memory (a GPU's: never past what it has free),
+        that every loaded model's caches share: made by the first engine, sized again by each that loads."""
         import mlx.core as mx
+
+        from cachestore import Pool
 
         from ..device import current
 
@@ -214,11 +223,14 @@ class Engine:
                         "(configured %s and %s)", current().device.label(), resident, warm,
                         c.resident_bytes, c.warm_bytes)
         if len(configured) < 2:
-            log.info("cache budgets from %s's memory: resident %s, warm %s", current().device.label(),
-                     human_bytes(resident), human_bytes(warm))
+            log.info("cache budgets (every loaded model's) from %s's memory: resident %s, warm %s",
+                     current().device.label(), human_bytes(resident), human_bytes(warm))
         if self.lockstep is None:
             self.scheduler.budget = resident  # running caches count against what the resident tier may hold
-        return resident, warm
+        if self.pool is None:
+            return Pool({RESIDENT: resident, WARM: warm})
+        self.pool.resize({RESIDENT: resident, WARM: warm})
+        return self.pool
 
     def _connect_caches(self, probe: list[Any]) -> None:
         """What the cache store and the admission need from the engine, once the model is warm:
@@ -233,6 +245,16 @@ class Engine:
         self.caches.restoring = lambda key: (a := self.scheduler.get(key)) is not None and a.read is not None
         if self.lockstep is None:
             self.caches.on_read = lambda: self._inbox.put(ReadReported())
+            # Bytes are admitted across every loaded model's caches; the pool wakes this thread to evict
+            # its own for another model, or when room a queued answer waits for was given back.
+            self.scheduler.room = self._room
+            self.caches.share.on_room = lambda: self._inbox.put(RoomFreed())
+
+    def _room(self, key: str, need: int) -> bool:
+        """The cache store's `room`, once its running answers' bytes are counted afresh (`make_room`)."""
+        assert self.caches is not None
+        self.caches.make_room()
+        return self.caches.share.room(key, need)
 
     def open(self) -> None:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
@@ -277,7 +299,7 @@ class Engine:
                     self._release()
                     return
                 if cmd is not None:
-                    if ls is not None and not isinstance(cmd, (Status, ReadReported)):
+                    if ls is not None and not isinstance(cmd, (Status, ReadReported, RoomFreed)):
                         ls.send(cmd)
                     self.apply(cmd)
                 if self._inbox.empty():  # every request so far handled: the engine moves one step
@@ -326,7 +348,7 @@ class Engine:
     def advance(self) -> None:
         self._advance()
 
-    def apply(self, cmd: Answer | Cancel | Forget | Status | ReadReported) -> None:
+    def apply(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
         self._handle(cmd)
 
     def _advance(self) -> None:
@@ -354,7 +376,7 @@ class Engine:
             self._handle(cmd)
         self._advance()
 
-    def _handle(self, cmd: Answer | Cancel | Forget | Status | ReadReported) -> None:
+    def _handle(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
         if isinstance(cmd, Answer):
             if self.steps is None:
                 cmd.emit(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
@@ -367,6 +389,10 @@ class Engine:
         elif isinstance(cmd, ReadReported):
             if self.steps is not None:
                 self.steps.read_reported()
+        elif isinstance(cmd, RoomFreed):
+            if self.caches is not None:
+                if self.caches.share.fit():  # (the queued answers are tried again after it: `_advance`)
+                    self._publish_stats()  # where the sessions' caches are now
         elif isinstance(cmd, Forget):
             a = self.scheduler.get(cmd.session_id)
             if self.caches is not None and (a is None or a.phase in (Phase.WAITING, Phase.RESTORING)):
@@ -413,6 +439,8 @@ class Engine:
                       "answering": {sid: asdict(a) for sid, a in s.answers.items()},
                       "prefetched": caches.pop("prefetched", {}), "tiers": caches, "locations": where,
                       "kept_for": kept_for,
+                      # the memory budgets every loaded model shares: their bytes, in all and by model
+                      "budgets": self.pool.statistics() if self.pool is not None else {},
                       "warm_up_ms": self.warm_up_ms, "device": self.device}
         if (ls := self.lockstep) is not None:  # the control channel's traffic, from this rank's side
             self.stats["ranks"] = {"world_size": ls.size, "messages": ls.messages, "bytes": ls.bytes}

@@ -86,6 +86,7 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
                       f"{ranks.get('messages', 0)} lockstep message(s), {ranks.get('bytes', 0)} bytes "
                       "(docs/distributed.md)", soft_wrap=True)
     _render_tiers(status, console)
+    _render_shared(status, console)
     disk = status.get("tiers", {}).get("disk") or {}
     if "blocks" in disk:
         console.print(f"disk blocks: {disk['blocks']} of {disk['block_tokens']} tokens, "
@@ -134,6 +135,21 @@ def _render_tiers(status: dict[str, Any], console: Console) -> None:
         console.print(f"* one budget: running and resident caches together stay within "
                       f"{human(running['budget'])} (cache.resident_bytes); running counts what each "
                       "admitted turn's cache may reach, its prompt plus max_tokens", soft_wrap=True)
+
+
+def _render_shared(status: dict[str, Any], console: Console) -> None:
+    """Where caches of several models are held: the budgets they share, and each model's bytes in each."""
+    shared = dict(status.get("budgets") or {})
+    disk = status.get("tiers", {}).get("disk") or {}
+    if disk.get("by_model"):
+        shared["disk"] = {"budget": disk["budget"], "bytes": disk["bytes"], "by_model": disk["by_model"]}
+    if len({m for t in shared.values() for m, n in t.get("by_model", {}).items() if n}) < 2:
+        return
+    console.print(f"the rows above are {status['model']}'s but for disk's bytes; every model's caches share "
+                  "one budget per tier:", soft_wrap=True)
+    for tier, t in shared.items():
+        each = ", ".join(f"{m} {human(n)}" for m, n in sorted(t.get("by_model", {}).items()))
+        console.print(f"  {tier}: {human(t['bytes'])} of {human(t['budget'])} ({each})", soft_wrap=True)
 
 
 LAST_LINES = 10  # of the log, shown when the daemon is not there
