@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from common.tiers import RESIDENT, WARM
 
-from .cost import cache_cost
+from .cost import CacheCost, cache_cost
 from .lru import Tier
 from .pool import Member, Room
 from .table import BlockTable
@@ -43,6 +43,16 @@ class Share:
         resident.others = lambda: member.others(RESIDENT)
         warm.others = lambda: member.others(WARM)
         warm.room = self._room_in_warm
+        self.cost: CacheCost | None = None  # a live cache's bytes by its length (`measure`)
+
+    def measure(self, cache: Cache) -> None:
+        """Learn what a live cache of this model takes by its length, from one that holds a token (the engine's
+        warm-up cache)."""
+        self.cost = cache_cost(cache)
+
+    def bytes_for(self, tokens: int) -> int:
+        """The bytes a live cache of `tokens` ids takes, its buffers in whole steps (0 before `measure`)."""
+        return self.cost(tokens) if self.cost is not None else 0
 
     def room(self, key: str, need: int) -> bool:
         """Whether a turn on session `key` whose cache may reach `need` bytes may start now, beside every

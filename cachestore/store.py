@@ -1,25 +1,24 @@
 """Every session's cache across the tiers, resident, warm and disk: the policy (engine thread).
 
-The engine thread holds the live caches and only evaluates what a turn writes; the I/O worker writes it
-(writeback.py, queued by disktier.py), and its reader reads what a restore or a prefetch (prefetch.py) needs,
-planned by pagein.py: a checkout that needs disk returns its pending read, which the caller holds and turns
-into the checkout once it has ended (`read_out`), so no decode step waits on disk. Each thread has its own
-index connection.
+The engine thread holds the live caches and only evaluates what a turn writes; the I/O worker writes it (writeback.py,
+queued by disktier.py), and its reader reads what a restore or a prefetch (prefetch.py) needs, planned by pagein.py: a
+checkout that needs disk returns its pending read, which the caller holds and turns into the checkout once it has ended
+(`read_out`), so no decode step waits on disk. Each thread has its own index connection.
 
-- After a turn the live cache stays *resident*, and what the turn added is written *behind* it: the whole
-  blocks it completed and a private tail, so page-out cost grows with the new tokens, not the history.
-- Resident over budget or idle: the least recently used cache is demoted to *warm* (warm.py). Warm over budget
-  or idle: dropped, disk holds it (while writes are queued the snapshot is kept aside until the worker is
-  done). Disk over budget: the least recently used sessions are forgotten on disk. Every budget is the
-  daemon's, one for all loaded models' stores: least recently used across them (pool.py, shares.py).
-- `checkout` restores the longest prefix of the wanted ids anything holds: the session's own cache, another
-  session's memory (sharing.py), or blocks on disk any session wrote; one walk down the ids' block keys in the
-  block table (table.py), no scan of other sessions. The caller prefills the rest.
+- After a turn the live cache stays *resident*, and what the turn added is written *behind* it: the whole blocks it
+  completed and a private tail, so page-out cost grows with the new tokens, not the history.
+- Resident over budget or idle: the least recently used cache is demoted to *warm* (warm.py). Warm over budget or idle:
+  dropped, disk holds it (while writes are queued the snapshot is kept aside until the worker is done). Disk over
+  budget: the least recently used sessions are forgotten on disk. Every budget is the daemon's, one for all loaded
+  models' stores: least recently used across them (pool.py, shares.py).
+- `checkout` restores the longest prefix of the wanted ids anything holds: the session's own cache, another session's
+  memory (sharing.py), or blocks on disk any session wrote; one walk down the ids' block keys in the block table
+  (table.py), no scan of other sessions. The caller prefills the rest.
 
-A session's disk chain is its whole content-addressed blocks (blocks.py, stored once, listed by every chain
-through them) and then private segments. The index (SQLite) is the durable record, read once at start into the
-block table, which the worker's reports keep current. A file that fails verification is dropped with
-everything after it; the sessions prefill.
+A session's disk chain is its whole content-addressed blocks (blocks.py, stored once, listed by every chain through
+them) and then private segments. The index (SQLite) is the durable record, read once at start into the block table,
+which the worker's reports keep current. A file that fails verification is dropped with everything after it; the
+sessions prefill.
 """
 
 from __future__ import annotations
@@ -151,8 +150,8 @@ class SessionCaches:
         self._settle()
 
     def after_writes(self, fn: Callable[[], object]) -> None:
-        """Call `fn` on the I/O worker once every disk job queued so far is done, every model's bytes on disk
-        counted first (for the statistics); it must not block."""
+        """Call `fn` on the I/O worker once every disk job queued so far is done, every model's bytes on disk counted
+        first (for the statistics); it must not block."""
         self._io.submit(lambda: (self._disktier.count(), fn()))
 
     def before_reads(self, fn: Callable[[], object]) -> None:
@@ -189,15 +188,13 @@ class SessionCaches:
     def checkout(self, key: str, wanted: Sequence[int], *, wait: bool = True) -> Checkout:
         """Take the session's cache out of the tiers, holding the longest usable prefix anything holds.
 
-        At least one wanted token is always left to feed. Candidates, best first on a tie: the session's own
-        resident cache (rewound in place), its own warm snapshot, another session's resident cache or warm
-        snapshots (a copy of the shared prefix; that session keeps its own), then disk (the session's chain,
-        and blocks any session wrote).
+        At least one wanted token is always left to feed. Candidates, best first on a tie: the session's own resident
+        cache (rewound in place), its own warm snapshot, another session's resident cache or warm snapshots (a copy of
+        the shared prefix; that session keeps its own), then disk (the session's chain, and blocks any session wrote).
 
-        Disk is read by the I/O worker's reader, never here: with `wait`, this waits for the read (tools,
-        tests, ranks in lockstep); without, a checkout that needs disk returns at once with its pending
-        `read`, which `read_out` turns into the checkout once the read has ended (the engine keeps stepping
-        the other sessions meanwhile).
+        Disk is read by the I/O worker's reader, never here: with `wait`, this waits for the read (tools, tests, ranks
+        in lockstep); without, a checkout that needs disk returns at once with its pending `read`, which `read_out`
+        turns into the checkout once the read has ended (the engine keeps stepping the other sessions meanwhile).
         """
         t0 = time.perf_counter()
         limit = len(wanted) - 1
@@ -233,9 +230,9 @@ class SessionCaches:
         self._settle()
 
     def allocate(self, *, others: bool) -> None:
-        """Make the buffers the reads under way wait for (engine thread, once per step while a checkout's read
-        is pending or a prefetch's is under way). `others`: other answers are running, so they are made a few
-        per call, beside their steps; with none, all at once (nobody waits on this thread meanwhile)."""
+        """Make the buffers the reads under way wait for (engine thread, once per step while a checkout's read is
+        pending or a prefetch's is under way). `others`: other answers are running, so they are made a few per call,
+        beside their steps; with none, all at once (nobody waits on this thread meanwhile)."""
         self._disk.allocate(all_of_it=not others)
 
     def read_out(self, pending: Pending) -> Checkout | None:
@@ -285,8 +282,8 @@ class SessionCaches:
         return Checkout(None, 0, NO_CACHE, ms())
 
     def _others(self, key: str, wanted: Sequence[int], limit: int, best: int) -> tuple[Found | None, DiskPlan]:
-        """One walk down the wanted ids' blocks: the best copy of another session's memory (more than `best`
-        ids), and the disk plan."""
+        """One walk down the wanted ids' blocks: the best copy of another session's memory (more than `best` ids),
+        and the disk plan."""
         walk = self.table.walk(self.table.keys_for(key, wanted))
         other = find_shared(self.table, self.resident, self.warm, key, wanted, limit, walk, best)
         return other, self._disk.plan(key, wanted, limit, walk)
@@ -305,6 +302,10 @@ class SessionCaches:
             return SHARED, other[0]
         return (RESIDENT, own) if own else (WARM, own_warm) if own_warm else (NO_CACHE, 0)
 
+    def bytes_for(self, tokens: int) -> int:
+        """The bytes a live cache of `tokens` ids takes (shares.py, once the engine `measure`d one)."""
+        return self.share.bytes_for(tokens)
+
     def _counted(self, out: Checkout) -> Checkout:
         if out.shared_tokens:
             self.shared_stats["restores"] += 1
@@ -318,8 +319,7 @@ class SessionCaches:
         return self._prefetch.plan(self.index.keys_by_use(), limit)
 
     def prefetch(self, key: str) -> str | None:
-        """Page one session's whole disk chain into memory if it fits, waiting for the read here (tools,
-        tests, ranks in lockstep); the tier it went to."""
+        """Page a session's disk chain into memory if it fits, waiting here (tools, tests, ranks); its tier."""
         if key in self.resident or key in self.warm:
             return None
         if (got := self._prefetch.start(key)) is None:
@@ -329,9 +329,8 @@ class SessionCaches:
         return self._prefetch.keep(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
 
     def prefetch_later(self, keys: Sequence[str]) -> None:
-        """Page sessions' whole disk chains into memory where they fit, one read at a time on the reader,
-        without waiting for any: each is kept as it arrives (`_settle`), unless the session was checked out
-        since."""
+        """Page sessions' whole disk chains into memory where they fit, a read at a time, waiting for none: each kept
+        as it arrives (`_settle`) unless the session was checked out since."""
         self._prefetch.later(keys, busy=self.restoring)
 
     def prefetching(self) -> bool:
@@ -340,8 +339,8 @@ class SessionCaches:
 
     def _attach(self, key: str, held: Cache | Snapshot, tokens: list[int],
                 captured: dict[str, Snapshot] | None = None) -> list[str]:
-        """Make the session's memory chain the whole blocks of `tokens`: all of them for a cache that can be
-        cut; for a window, those from the first on that its prefill captured or kvd holds."""
+        """Make the session's memory chain the whole blocks of `tokens`: all of them for a cache that can be cut; for
+        a window, those from the first on that its prefill captured or kvd holds."""
         keys = self.table.keys_for(key, tokens)[:whole_blocks(len(tokens), self.block)]
         if not cuttable(held):
             have = 0

@@ -39,7 +39,7 @@ from .running import Answer, fit_advice
 from .scheduler import Phase, Scheduler
 
 if TYPE_CHECKING:
-    from cachestore import CacheCost, Checkout, SessionCaches
+    from cachestore import Checkout, SessionCaches
 
     from .grammar import Constraint
     from .lockstep import Lockstep
@@ -79,7 +79,6 @@ class Steps:
         self.decoder = Decoder(model, self.stream)
         self._last_answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
-        self.cost: CacheCost | None = None  # a cache's bytes by its length (the engine sets it after warm-up)
         self.last: Any | None = None  # the model for a prompt's last chunk (prefill.last_position), after warm-up
 
     # --- what the engine calls ---
@@ -98,7 +97,7 @@ class Steps:
 
     def _need(self, a: Answer) -> int:
         """The bytes the answer's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
-        return self.cost(len(a.tokens) + a.max_tokens) if self.cost is not None else 0
+        return self.caches.bytes_for(len(a.tokens) + a.max_tokens) if self.caches is not None else 0
 
     def admit_waiting(self) -> None:
         """Make the next buffers of the reads under way, start waiting answers while there is room;

@@ -237,10 +237,8 @@ class Engine:
         a cache's bytes by its length (from the warm-up's cache), the bytes the admitted answers hold,
         which sessions wait for a read, and a message when the I/O worker's reader reported (not across
         ranks: they wait, in step)."""
-        from cachestore import cache_cost
-
         assert self.caches is not None and self.steps is not None
-        self.steps.cost = cache_cost(probe)
+        self.caches.share.measure(probe)
         self.caches.running_bytes = self.scheduler.held_bytes
         self.caches.restoring = lambda key: (a := self.scheduler.get(key)) is not None and a.read is not None
         if self.lockstep is None:
