@@ -26,6 +26,7 @@ from cachestore import FirstTokens
 from common.sizes import human_bytes
 
 from ..config import Config
+from . import heap
 from .jobs import (
     AnswerJob,
     Cancel,
@@ -82,6 +83,7 @@ class Engine:
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
         self.weights_bytes: int | None = None  # the model's weights in memory, once loaded (the registry's)
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
+        self._refault = False  # fault the heap's reserve in again once the planned prefetch is done
         #: Whether an answer wants its first token: the cache store's writes give way to it (ioworker.py).
         self.first_tokens = FirstTokens()
 
@@ -248,6 +250,7 @@ class Engine:
             from ..device import current
 
             self._prefetch = self.caches.prefetch_plan(limit=current().prefetch_bytes(in_use=mx.get_active_memory()))
+            self._refault = bool(self._prefetch)
         self._publish_stats()
         self.ready.set()
 
@@ -296,7 +299,15 @@ class Engine:
             self._prefetch_one()
         else:
             self.caches.maintain()
+            self._refault_heap()
         self._publish_stats()
+
+    def _refault_heap(self) -> None:
+        """Once the start's prefetch is done: it took the warm-up's heap reserve for its caches, so
+        fault the reserve in again, beside the engine, for a first turn's buffers (engine/heap.py)."""
+        if self._refault and not self._prefetch and self.caches is not None and not self.caches.prefetching():
+            self._refault = False
+            heap.reserve_later()
 
     def close(self) -> None:
         """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
@@ -368,6 +379,7 @@ class Engine:
         elif isinstance(cmd, ReadReported):
             if self.steps is not None:
                 self.steps.read_reported()
+            self._refault_heap()
         elif isinstance(cmd, Forget):
             a = self.scheduler.get(cmd.session_id)
             if self.caches is not None and (a is None or a.phase in (Phase.WAITING, Phase.RESTORING)):
