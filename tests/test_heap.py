@@ -64,4 +64,4 @@ def test_a_first_and_a_next_turn_find_touched_pages() -> None:
 def test_nothing_is_tuned_where_the_policy_keeps_nothing() -> None:
     """A GPU's policy keeps 0: malloc is left alone and there is no reserve to touch."""
     assert heap.tune(0) == "heap: as the C library keeps it"
-    assert heap.tuned() == 0 and heap.reserve() == 0 and heap.reserve_later() is None
+    assert heap.tuned() == 0 and heap.reserve() == 0

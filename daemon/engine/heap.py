@@ -23,7 +23,7 @@ thresholds), chunks under 32 MiB from the heap, and `keep` bytes always kept
 at the heap's top when it is trimmed. :func:`reserve` then touches `keep`
 bytes of that heap once (malloc, write, free), so the first turn's buffers
 are pages already faulted in: after the warm-up, before `ready`, and again
-after a start's prefetch (whose caches took the reserve's pages).
+after a start's prefetch (whose caches took the reserve's pages; engine/thread.py).
 
 Where. glibc only (Linux); elsewhere both do nothing. The device policy
 says whether and how much (daemon/device.py: the CPU backend; a GPU's
@@ -36,12 +36,11 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import threading
 
 log = logging.getLogger("kvd.heap")
 
 __all__ = ["ENV_VAR", "M_ARENA_MAX", "M_MMAP_THRESHOLD", "M_TOP_PAD", "M_TRIM_THRESHOLD", "MMAP_THRESHOLD",
-           "glibc", "reserve", "reserve_later", "tune", "tune_as_policy", "tuned"]
+           "glibc", "reserve", "tune", "tune_as_policy", "tuned"]
 
 ENV_VAR = "KVD_HEAP"
 # mallopt(3)'s parameters (malloc.h).
@@ -120,13 +119,3 @@ def reserve(nbytes: int | None = None) -> int:
         for p in reversed(chunks):
             libc.free(p)
     return len(chunks) * CHUNK
-
-
-def reserve_later() -> threading.Thread | None:
-    """:func:`reserve` on a thread of its own (ctypes lets go of the GIL: the engine goes on); None
-    where malloc is not tuned."""
-    if not tuned():
-        return None
-    t = threading.Thread(target=reserve, name="kvd-heap-reserve", daemon=True)
-    t.start()
-    return t

@@ -16,6 +16,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -304,10 +305,14 @@ class Engine:
 
     def _refault_heap(self) -> None:
         """Once the start's prefetch is done: it took the warm-up's heap reserve for its caches, so
-        fault the reserve in again, beside the engine, for a first turn's buffers (engine/heap.py)."""
+        fault the reserve in again for a first turn's buffers (engine/heap.py). On the engine thread,
+        before the next request: a turn that came meanwhile would have faulted those pages itself."""
         if self._refault and not self._prefetch and self.caches is not None and not self.caches.prefetching():
             self._refault = False
-            heap.reserve_later()
+            t0 = time.perf_counter()
+            if touched := heap.reserve():
+                log.info("after the start's prefetch, %d MiB of heap faulted in again in %.0f ms", touched >> 20,
+                         (time.perf_counter() - t0) * 1000)
 
     def close(self) -> None:
         """Cancel whatever runs (each job gets its Done), page every cache out, close the tiers."""
