@@ -11,6 +11,7 @@ is loaded, which the engine owns and calls.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import logging
 import queue
@@ -85,6 +86,7 @@ class Engine:
         self.weights_bytes: int | None = None  # the model's weights in memory, once loaded (the registry's)
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
         self._refault = False  # fault the heap's reserve in again once the planned prefetch is done
+        self.stage_tokenizer: Any = None  # the turn core's own tokenizer (prompt.py's Tokenizing), once loaded
         #: Whether an answer wants its first token: the cache store's writes give way to it (ioworker.py).
         self.first_tokens = FirstTokens()
 
@@ -187,6 +189,10 @@ class Engine:
             from .prefill import last_position
 
             self.steps.last = last_position(self.model, lambda: make_cache(self.model, kv_bits))
+        # The turn core's tokenizer stage works on a copy of its own (prompt.py's Tokenizing): made here,
+        # before `ready`, so no first turn waits for it (Gemma 3's 262k-token one: 2-3 s of a first
+        # turn's TTFT after a restart on the busy 2-core CPU, when it was made after `ready`).
+        self.stage_tokenizer = copy.deepcopy(self.tokenizer)
         self._connect_caches(probe)
         if self.lockstep is not None:
             import random
@@ -329,7 +335,7 @@ class Engine:
         model's memory is another's to use; daemon/engine/registry.py)."""
         self.steps = None
         self.caches = None
-        self.model = self.tokenizer = None
+        self.model = self.tokenizer = self.stage_tokenizer = None
         import gc
 
         import mlx.core as mx
