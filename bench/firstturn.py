@@ -114,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     print("before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     prepare_model(args.model, STORE)
-    ratios, faults = [], []
+    ratios, cpu, faults = [], [], []
     with tempfile.TemporaryDirectory(prefix="kvd-bench-firstturn-") as tmp:
         data = Path(tmp) / "kvd"
         shutil.copytree(STORE, data / "models", copy_function=os.link)
@@ -146,6 +146,7 @@ def main() -> None:
                 first, running = us[0], us[1:]
                 mid = statistics.median(u["ttft_ms"] for u in running)
                 ratios.append(first["ttft_ms"] / mid)
+                cpu.append(first["cpu_ms"] / statistics.median(u["cpu_ms"] for u in running))
                 faults.append((first["faults"], statistics.median(u["faults"] for u in running)))
                 print(f"restart {cycle}: first turn {first['ttft_ms']:.1f} ms, running turns' median "
                       f"{mid:.1f} ms: {ratios[-1]:.2f}x", flush=True)
@@ -156,7 +157,8 @@ def main() -> None:
             d.terminate()
     print(f"{args.model}, {args.history}-token history, {args.new}-token turns: first turn / running turn, "
           f"median of {len(ratios)} restarts: {statistics.median(ratios):.2f}x "
-          f"({', '.join(f'{r:.2f}' for r in ratios)}); page faults first / running: "
+          f"({', '.join(f'{r:.2f}' for r in ratios)}); its CPU time: {statistics.median(cpu):.2f}x "
+          f"({', '.join(f'{r:.2f}' for r in cpu)}); page faults first / running: "
           f"{', '.join(f'{a}/{b:.0f}' for a, b in faults)}")
     print("after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
