@@ -310,13 +310,13 @@ class Engine:
         self._publish_stats()
 
     def _refault_heap(self) -> None:
-        """Once the start's prefetch is done: it took the warm-up's heap reserve for its caches, so
-        fault the reserve in again for a first turn's buffers (engine/heap.py). On the engine thread,
-        before the next request: a turn that came meanwhile would have faulted those pages itself."""
+        """Once the start's prefetch is done: its caches took (up to) their bytes of the warm-up's heap
+        reserve, so fault that much in again for a first turn's buffers (engine/heap.py). On the engine
+        thread, before the next request: a turn that came meanwhile would have faulted those pages itself."""
         if self._refault and not self._prefetch and self.caches is not None and not self.caches.prefetching():
             self._refault = False
             t0 = time.perf_counter()
-            if touched := heap.reserve():
+            if touched := heap.reserve(int(self.caches.statistics()["prefetched"]["bytes"])):
                 log.info("after the start's prefetch, %d MiB of heap faulted in again in %.0f ms", touched >> 20,
                          (time.perf_counter() - t0) * 1000)
 
