@@ -222,8 +222,10 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     if config.host not in LOOPBACK:
         log.warning("listening on %s, not loopback: anyone who can reach this address and holds the "
                     "token can read every conversation; the token is then the only guard", config.host)
+    from .engine.heap import tune_as_policy
     from .service.ranks import blas_threads
 
+    log.info("%s", tune_as_policy())  # malloc first: before any thread, before MLX
     blas = preload_blas(config.blas, threads=blas_threads(config))
     for line in blas.rejected:
         log.warning("BLAS: %s", line)

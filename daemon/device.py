@@ -63,6 +63,10 @@ WARM_DEFAULT = (128 * MiB, 2 * GiB)
 # a restart pages back the sessions in use, never a machine's worth of old ones (a 135M model's
 # daemon prefetched 1.6 GiB with the old constant budgets, whatever the machine).
 PREFETCH_SHARE = 1 / 16
+# On the CPU every array is malloc's: the freed memory glibc keeps for the next forward, touched before a
+# first turn (engine/heap.py). It covers a next turn's working set at a long cache (builtin:tiny at 5k
+# tokens faulted ~70 MB in a first turn after a start, SmolLM2 at 2k ~140 MB in any turn before).
+CPU_HEAP_KEEP = 256 * MiB
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ class Policy:
     prefill_step: int  # tokens per prefill chunk when the config leaves it to the device (0)
     prefill_clear_cache: bool  # return the allocator's buffers after every chunk
     warm_up_tokens: tuple[int, ...]  # the prefills run before `ready` (engine/modelload.py's warm_up)
+    # Memory: freed bytes malloc keeps, faulted in before a first turn (engine/heap.py; 0: malloc as it is)
+    heap_keep: int
     # Decode
     speculation: SpeculationLimits
 
@@ -278,12 +284,12 @@ def policy(device: Device, *, env: dict[str, str] | None = None) -> Policy:
         return Policy(device, weights_dtype="float32",
                       kvd_attention=env.get(ATTENTION_ENV, "").lower() != "mlx",
                       gguf_mode="float32", probe_blas=True, prefill_step=512, prefill_clear_cache=True,
-                      warm_up_tokens=(16,), speculation=speculation)
+                      warm_up_tokens=(16,), heap_keep=CPU_HEAP_KEEP, speculation=speculation)
     # Metal and CUDA alike: mlx-lm's own choices (its generate_step's 2048-token prefill chunks). The
     # warm-up runs a whole chunk too, so the kernels a long first turn needs are built before `ready`
     # (a GPU's first use of a shape compiles; a 2048-token forward costs it well under a second).
     return Policy(device, weights_dtype=None, kvd_attention=False, gguf_mode="quantized", probe_blas=False,
-                  prefill_step=2048, prefill_clear_cache=False, warm_up_tokens=(2048, 16),
+                  prefill_step=2048, prefill_clear_cache=False, warm_up_tokens=(2048, 16), heap_keep=0,
                   speculation=speculation)
 
 

@@ -138,9 +138,11 @@ class Tokenizing:
     at once can fail ("Already borrowed"). One call runs at a time.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, own: Any = None) -> None:
+        """`own`: a copy of `tokenizer` made already (the engine makes one before `ready`); None: copied
+        on first use."""
         self._source = tokenizer
-        self._own: Any = None
+        self._own: Any = own
         self._limiter = anyio.CapacityLimiter(1)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -148,11 +150,12 @@ class Tokenizing:
         return await anyio.to_thread.run_sync(self._call, fn, args, limiter=self._limiter)
 
     async def prepare(self) -> None:
-        """Make the stage's tokenizer now (once the model is ready), not in the first turn after a start.
+        """Make the stage's tokenizer now if it has none yet, not in the first turn after a start.
 
         Copying Gemma 3's 262k-token tokenizer took 3.7-5.6 s on a busy 2-core machine: a turn restored
-        from disk in 0.3 s after a restart waited that long for its first token. A turn that arrives
-        while the copy is made waits for it, as before.
+        from disk in 0.3 s after a restart waited that long for its first token. The engine now makes
+        the copy before `ready` (`Engine.stage_tokenizer`), so this finds it made; a turn that arrives
+        while a copy is made here waits for it.
         """
         await self.run(lambda tokenizer: None)
 

@@ -114,7 +114,7 @@ class Turns:
         if engine not in self._tokenizing:
             loaded = set(self.engines.engines())
             self._tokenizing = {e: t for e, t in self._tokenizing.items() if e in loaded}
-            self._tokenizing[engine] = Tokenizing(engine.tokenizer)
+            self._tokenizing[engine] = Tokenizing(engine.tokenizer, own=engine.stage_tokenizer)
         return self._tokenizing[engine]
 
     @property

@@ -69,6 +69,7 @@ TIERS: dict[str, frozenset[str]] = {
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
+        "test_heap",
         "test_distributed", "test_hostile_http", "test_index_rebuild", "test_kill9", "test_kvchat_daily_tmux",
         "test_kvchat_tmux", "test_docs_run",
         "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",

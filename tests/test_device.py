@@ -20,6 +20,7 @@ def test_the_cpu_branch_is_what_kvd_always_did() -> None:
     p = policy(CPU, env={})
     assert (p.weights_dtype, p.kvd_attention, p.gguf_mode, p.probe_blas) == ("float32", True, "float32", True)
     assert (p.prefill_step, p.prefill_clear_cache, p.warm_up_tokens) == (512, True, (modelload.WARM_UP_TOKENS,))
+    assert p.heap_keep == device.CPU_HEAP_KEEP  # every array is malloc's: freed memory kept (engine/heap.py)
     assert p.speculation == CPU_SPECULATION and p.speculation.auto
     # The CPU's limits are the ones draft.py and speculate.py measured and still name.
     assert (CPU_SPECULATION.start_k, CPU_SPECULATION.max_k, CPU_SPECULATION.min_rate,
@@ -35,6 +36,7 @@ def test_a_gpu_runs_like_mlx_lm(gpu: Device) -> None:
     p = policy(gpu, env={})
     assert (p.weights_dtype, p.kvd_attention, p.gguf_mode, p.probe_blas) == (None, False, "quantized", False)
     assert (p.prefill_step, p.prefill_clear_cache) == (2048, False)
+    assert p.heap_keep == 0  # a GPU's arrays are not malloc's: malloc left as it is
     assert p.warm_up_tokens[0] == p.prefill_step  # the first turn's chunk is built before `ready`
     assert p.speculation == GPU_SPECULATION and not p.speculation.auto
 

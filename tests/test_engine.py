@@ -278,6 +278,9 @@ def test_the_model_is_warmed_up_before_ready(tmp_path: Path) -> None:
         assert e.load_error is None
         assert e.warm_up_ms is not None and e.warm_up_ms > 0
         assert e.stats["warm_up_ms"] == e.warm_up_ms  # published with the first statistics
+        # The turn core's tokenizer copy is made before `ready` too: a first turn never waits for it.
+        assert e.stage_tokenizer is not None and e.stage_tokenizer is not e.tokenizer
+        assert e.stage_tokenizer.encode("Hello, who are you?") == e.tokenizer.encode("Hello, who are you?")
         # The device line (daemon/device.py), for the start line and `kvd status`, and the config's 0
         # chunk resolved to the device's; on a CPU the choices kvd always made there.
         here = device.current()

@@ -11,11 +11,13 @@ is loaded, which the engine owns and calls.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +30,7 @@ from common.tiers import RESIDENT, WARM
 
 from ..config import Config
 from ..events import AnswerError
+from . import heap
 from .jobs import (
     Cancel,
     Forget,
@@ -87,6 +90,8 @@ class Engine:
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
         self.weights_bytes: int | None = None  # the model's weights in memory, once loaded (the registry's)
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
+        self._refault = False  # fault the heap's reserve in again once the planned prefetch is done
+        self.stage_tokenizer: Any = None  # the turn core's own tokenizer (prompt.py's Tokenizing), once loaded
         #: Whether an answer wants its first token: the cache store's writes give way to it (ioworker.py).
         self.first_tokens = FirstTokens()
 
@@ -189,6 +194,10 @@ class Engine:
             from .prefill import last_position
 
             self.steps.last = last_position(self.model, lambda: make_cache(self.model, kv_bits))
+        # The turn core's tokenizer stage works on a copy of its own (prompt.py's Tokenizing): made here,
+        # before `ready`, so no first turn waits for it (Gemma 3's 262k-token one: 2-3 s of a first
+        # turn's TTFT after a restart on the busy 2-core CPU, when it was made after `ready`).
+        self.stage_tokenizer = copy.deepcopy(self.tokenizer)
         self._connect_caches(probe)
         if self.lockstep is not None:
             import random
@@ -267,6 +276,7 @@ class Engine:
             from ..device import current
 
             self._prefetch = self.caches.prefetch_plan(limit=current().prefetch_bytes(in_use=mx.get_active_memory()))
+            self._refault = bool(self._prefetch)
         self._publish_stats()
         self.ready.set()
 
@@ -315,7 +325,19 @@ class Engine:
             self._prefetch_one()
         else:
             self.caches.maintain()
+            self._refault_heap()
         self._publish_stats()
+
+    def _refault_heap(self) -> None:
+        """Once the start's prefetch is done: its caches took (up to) their bytes of the warm-up's heap
+        reserve, so fault that much in again for a first turn's buffers (engine/heap.py). On the engine
+        thread, before the next request: a turn that came meanwhile would have faulted those pages itself."""
+        if self._refault and not self._prefetch and self.caches is not None and not self.caches.prefetching():
+            self._refault = False
+            t0 = time.perf_counter()
+            if touched := heap.reserve(int(self.caches.statistics()["prefetched"]["bytes"])):
+                log.info("after the start's prefetch, %d MiB of heap faulted in again in %.0f ms", touched >> 20,
+                         (time.perf_counter() - t0) * 1000)
 
     def close(self) -> None:
         """Cancel whatever runs (each answer gets its Done), page every cache out, close the tiers."""
@@ -332,7 +354,7 @@ class Engine:
         model's memory is another's to use; daemon/engine/registry.py)."""
         self.steps = None
         self.caches = None
-        self.model = self.tokenizer = None
+        self.model = self.tokenizer = self.stage_tokenizer = None
         import gc
 
         import mlx.core as mx
@@ -387,6 +409,7 @@ class Engine:
         elif isinstance(cmd, ReadReported):
             if self.steps is not None:
                 self.steps.read_reported()
+            self._refault_heap()
         elif isinstance(cmd, RoomFreed):
             if self.caches is not None:
                 if self.caches.share.fit():  # (the queued answers are tried again after it: `_advance`)
