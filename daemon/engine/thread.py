@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import protocol as p
 from cachestore import FirstTokens
-from common.sizes import human_bytes
-from common.tiers import RESIDENT, WARM
+from common.tiers import RESIDENT
 
 from ..config import Config
 from ..events import AnswerError
@@ -144,10 +143,9 @@ class Engine:
         """Load the model, open the caches and warm up: the first thing the engine thread does."""
         from mlx.utils import tree_flatten
 
-        from cachestore import Budgets, SessionCaches, model_fingerprint
-
         from ..device import current
         from ..models.sources import prepare_model
+        from .budgets import open_caches, shared_budgets
         from .modelload import load_model, warm_up, weights_label
         from .quantized import make_cache
 
@@ -161,19 +159,10 @@ class Engine:
         kv_bits = c.kv_bits or None
         if refusal := current().kv_bits_refusal(c.kv_bits, weights_label(tree_flatten(loaded.model.parameters()), {})):
             raise ValueError(refusal)
-        self.pool = self._pool(c)
-        self.caches = SessionCaches(
-            c.cache_dir,
-            model_fingerprint(model_id=c.model, config=loaded.config, dtype=loaded.dtype, kv_bits=kv_bits,
-                              fresh_cache=make_cache(loaded.model, kv_bits), rank=c.rank,
-                              world_size=c.world_size),
-            Budgets(resident_bytes=self.pool.budgets[RESIDENT], warm_bytes=self.pool.budgets[WARM],
-                    disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
-                    warm_idle=c.warm_idle, max_segments=c.max_segments,
-                    resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
-                    block_tokens=c.block_tokens),
-            first_tokens=self.first_tokens, model=c.model, pool=self.pool,
-        )
+        self.pool = shared_budgets(c, self.pool)
+        if self.lockstep is None:
+            self.scheduler.budget = self.pool.budgets[RESIDENT]  # running caches count against the resident tier's
+        self.caches = open_caches(c, loaded, kv_bits, self.pool, self.first_tokens)
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
         params: Any = tree_flatten(loaded.model.parameters())
@@ -214,32 +203,6 @@ class Engine:
         c = configured(c, current())
         self.scheduler.prefill_step = c.prefill_step_size
         return c
-
-    def _pool(self, c: Config) -> Pool:
-        """The resident and warm budgets, within the device's memory (a GPU's: never past what it has free),
-        that every loaded model's caches share: made by the first engine, sized again by each that loads."""
-        import mlx.core as mx
-
-        from cachestore import Pool
-
-        from ..device import current
-
-        resident, warm = current().budgets(c.resident_bytes, c.warm_bytes, in_use=mx.get_active_memory())
-        configured = [(got, want) for got, want in ((resident, c.resident_bytes), (warm, c.warm_bytes))
-                      if want is not None]
-        if any(got != want for got, want in configured):
-            log.warning("cache budgets cut to what %s has room for: resident %d bytes, warm %d bytes "
-                        "(configured %s and %s)", current().device.label(), resident, warm,
-                        c.resident_bytes, c.warm_bytes)
-        if len(configured) < 2:
-            log.info("cache budgets (every loaded model's) from %s's memory: resident %s, warm %s",
-                     current().device.label(), human_bytes(resident), human_bytes(warm))
-        if self.lockstep is None:
-            self.scheduler.budget = resident  # running caches count against what the resident tier may hold
-        if self.pool is None:
-            return Pool({RESIDENT: resident, WARM: warm})
-        self.pool.resize({RESIDENT: resident, WARM: warm})
-        return self.pool
 
     def _connect_caches(self, probe: list[Any]) -> None:
         """What the cache store and the admission need from the engine, once the model is warm:
