@@ -58,6 +58,7 @@ from .events import (
     AnswerError,
     AnswerProgress,
     AnswerQueued,
+    AnswerReading,
     AnswerStarted,
     AnswerToolCall,
 )
@@ -441,6 +442,7 @@ class Turns:
                     elif isinstance(ev, Progress):
                         turn.publish(AnswerProgress(ev.fed, ev.total))
                     elif isinstance(ev, Started):
+                        turn.publish(AnswerReading(ev.prompt_tokens, ev.cached_tokens))
                         if ev.retokenized:
                             turn.writes.append(t.forget_fed_ends(held, turn.message_index))
                     elif isinstance(ev, Delta):
