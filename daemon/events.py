@@ -1,8 +1,9 @@
 """A turn's events: what the turn core publishes, as typed values each door encodes in its own shape.
 
 The turn core (turns.py) publishes these to every listener of a turn, in this
-order: `AnswerStarted` once; `AnswerQueued` and `AnswerProgress` while it waits
-or reads a long prompt; `AnswerDelta` for each piece of shown text; then
+order: `AnswerStarted` once; `AnswerQueued` while it waits for the engine;
+`AnswerReading` once the engine has taken the prompt; `AnswerProgress` while
+it reads a long prompt; `AnswerDelta` for each piece of shown text; then
 `AnswerToolCall` for each call the answer made (parsed once, by the turn core,
 when the request offered tools; their text never arrives as a delta); then
 exactly one of `AnswerDone` (committed, whatever its finish) or `AnswerError`.
@@ -43,6 +44,16 @@ class AnswerStarted:
 @dataclass(frozen=True, slots=True)
 class AnswerQueued:
     position: int  # 1: the next to start; published again whenever it moves up
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerReading:
+    """The engine has taken the prompt: it fits the model's context and its cache is restored; what the
+    cache did not hold is read (prefilled) next. The answer's input figures, known before its first token
+    (Anthropic's `message_start` carries them); the same as its `AnswerDone` usage's."""
+
+    prompt_tokens: int  # the prompt's tokens in all
+    cached_tokens: int  # of those, restored from a cache instead of read
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +105,8 @@ class AnswerError:
     answered: bool = False
 
 
-TurnEvent = AnswerStarted | AnswerQueued | AnswerProgress | AnswerDelta | AnswerToolCall | AnswerDone | AnswerError
+TurnEvent = (AnswerStarted | AnswerQueued | AnswerReading | AnswerProgress | AnswerDelta | AnswerToolCall | AnswerDone
+             | AnswerError)
 
 
 CACHE_FIGURES = ("restored_from", "shared_tokens", "ttft_ms", "prefill_tokens", "drafted_tokens", "accepted_tokens")

@@ -57,6 +57,7 @@ from .events import (
     AnswerError,
     AnswerProgress,
     AnswerQueued,
+    AnswerReading,
     AnswerStarted,
     AnswerToolCall,
 )
@@ -441,6 +442,9 @@ class Turns:
                         taken = True
                         turn.writes += [write() for write in turn.unstored]
                         turn.unstored.clear()
+                        # The input figures, before the first token (Anthropic's message_start): the engine
+                        # set them on the answer before the event that says it took it.
+                        turn.publish(AnswerReading(len(answer.tokens), answer.cached_len))
                         if answer.retokenized:
                             turn.writes.append(t.forget_fed_ends(held, turn.message_index))
                     if isinstance(ev, AnswerQueued | AnswerProgress):

@@ -52,9 +52,12 @@ def test_create_and_stream_answer(daemon: DaemonProcess) -> None:
     assert made.usage.output_tokens >= 1 and made.usage.input_tokens > 0
 
     names: list[str] = []
+    started: Any = None
     with api.messages.stream(model=MODEL, system="Be brief.", messages=ask, **GREEDY) as stream:
         for event in stream:
             names.append(event.type)
+            if event.type == "message_start":
+                started = event.message.usage
         streamed = stream.get_final_message()
     assert names[0] == "message_start" and names[-1] == "message_stop" and "content_block_delta" in names
     assert streamed.content[0].type == "text" and made.content[0].type == "text"
@@ -64,6 +67,10 @@ def test_create_and_stream_answer(daemon: DaemonProcess) -> None:
     total = streamed.usage.input_tokens + (streamed.usage.cache_read_input_tokens or 0)
     assert total == made.usage.input_tokens + (made.usage.cache_read_input_tokens or 0)
     assert (streamed.usage.cache_read_input_tokens or 0) > 0
+    # message_start already says what the prompt cost, as Anthropic's does (it said 0 and 0: clients that
+    # count a conversation's tokens from it, as Claude Code does, saw an empty prompt).
+    assert (started.input_tokens, started.cache_read_input_tokens) == (
+        streamed.usage.input_tokens, streamed.usage.cache_read_input_tokens), started
 
 
 def test_a_stop_sequence_says_which(daemon: DaemonProcess) -> None:
@@ -214,8 +221,8 @@ def test_structured_output_holds_the_answer_to_its_schema(daemon: DaemonProcess)
 
 
 def test_a_long_prompt_is_pinged_while_it_is_read(daemon: DaemonProcess) -> None:
-    """The stream opens once the engine reports progress on the prompt (it was admitted and fits), and
-    pings until the first token, so that no client times out while kvd reads."""
+    """The stream opens once the engine has taken the prompt (it was admitted and fits), its message_start
+    saying what the prompt is, and pings until the first token, so that no client times out while kvd reads."""
     long = "Read this first. " + " ".join(f"item {i}" for i in range(400))
     names: list[str] = []
     with httpx.stream("POST", f"{daemon.base_url.removesuffix('/v1')}/v1/messages", timeout=60,
@@ -223,9 +230,12 @@ def test_a_long_prompt_is_pinged_while_it_is_read(daemon: DaemonProcess) -> None
                       json={"model": MODEL, "max_tokens": 4, "stream": True,
                             "messages": [{"role": "user", "content": long}]}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        names = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+        lines = list(r.iter_lines())
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     first_block = names.index("content_block_start")
     assert names[0] == "message_start" and "ping" in names[:first_block], names
+    started = json.loads(lines[1].removeprefix("data: "))["message"]["usage"]  # the prompt's, before it is read
+    assert started["input_tokens"] + started["cache_read_input_tokens"] > 400, started
     assert names[-2:] == ["message_delta", "message_stop"] and "ping" not in names[first_block:]
 
 

@@ -15,7 +15,15 @@ from daemon.doors.anthropic_schema import conversation, error_body, parse
 from daemon.doors.guards import check
 from daemon.doors.openai_schema import ApiError, answers_to
 from daemon.doors.placement import Said
-from daemon.events import AnswerDelta, AnswerDone, AnswerProgress, AnswerStarted, AnswerToolCall, TurnEvent
+from daemon.events import (
+    AnswerDelta,
+    AnswerDone,
+    AnswerProgress,
+    AnswerReading,
+    AnswerStarted,
+    AnswerToolCall,
+    TurnEvent,
+)
 
 CONFIG = Config(model="builtin:tiny")
 USER = {"role": "user", "content": "hi"}
@@ -173,7 +181,8 @@ def test_a_whole_answer_with_a_call() -> None:
 def test_a_streamed_answer_in_anthropics_order() -> None:
     stream = MessageStream("msg_1", "builtin:tiny")
     events: list[TurnEvent] = [
-        AnswerStarted(3), AnswerProgress(512, 4096), AnswerDelta(0, "Let "), AnswerDelta(1, "me."),
+        AnswerStarted(3), AnswerReading(100, 90), AnswerProgress(512, 4096),
+        AnswerDelta(0, "Let "), AnswerDelta(1, "me."),
         AnswerToolCall(0, "call_1", "f", "{}"), AnswerToolCall(1, "call_2", "g", '{"a": 1}'),
         AnswerDone(3, "stop", DONE.usage, "Let me.", ())]
     out = [e for event in events for e in stream.feed(event)]
@@ -186,11 +195,16 @@ def test_a_streamed_answer_in_anthropics_order() -> None:
     assert [data["index"] for name, data in out if name.startswith("content_block")] == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert out[7][1]["delta"] == {"type": "input_json_delta", "partial_json": "{}"}
     assert out[-2][1]["usage"]["cache_read_input_tokens"] == 90
+    # message_start says what the prompt costs, as Anthropic's does: known once the engine has taken it.
+    assert out[0][1]["message"]["usage"] == {"input_tokens": 10, "cache_creation_input_tokens": 0,
+                                             "cache_read_input_tokens": 90, "output_tokens": 0}
     assert out[-2][1]["kvd"]["restored_from"] == "disk"  # in a stream too
     assert sse(out[-1]) == b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
 
 
 def test_an_empty_streamed_answer_still_has_a_text_block() -> None:
     stream = MessageStream("m", "x")
-    names = [name for name, _ in stream.feed(AnswerDone(0, "stop", {}), "STOP")]
-    assert names == ["message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
+    out = stream.feed(DONE, "STOP")
+    assert [name for name, _ in out] == [
+        "message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
+    assert out[0][1]["message"]["usage"]["cache_read_input_tokens"] == 90  # the usage's, when it begins at the end

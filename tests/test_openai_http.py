@@ -96,6 +96,26 @@ async def test_http_refusals(tmp_path: Path, headers: dict[str, str], status: in
         await still_serving(d)
 
 
+async def test_the_root_answers_a_probe_without_the_token_and_nothing_else_does(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Claude Code sends `HEAD /` without a key before each run: it was a 401, and a token refusal in kvd's
+    log every run. The root says that kvd runs (as llama-server's and Ollama's do), nothing more."""
+    async with running_daemon(tmp_path) as d:
+        base = d.url.replace("ws://", "http://").removesuffix("/v1")
+        async with httpx.AsyncClient(base_url=base, timeout=60) as h:  # no token
+            head, got = await h.head("/"), await h.get("/?probe=1")
+            assert not [r for r in caplog.records if "refused" in r.getMessage()]
+            assert (head.status_code, head.content) == (200, b"")
+            assert (got.status_code, got.text) == (200, "kvd is running\n")
+            for r in (await h.post("/"), await h.get("/v1/models"), await h.head("/v1/models"), await h.get("/v1/"),
+                      await h.post("/v1/responses", json={}), await h.post("/v1/messages", json={})):
+                assert r.status_code == 401, (r.request.method, r.request.url, r.text)
+            # The Host and Origin checks still hold: a page on a rebound domain is refused here too.
+            assert (await h.get("/", headers={"Host": "evil.example"})).status_code == 403
+            assert (await h.head("/", headers={"Origin": "http://evil.example"})).status_code == 403
+        await still_serving(d)
+
+
 async def test_loopback_and_configured_hosts_are_allowed(tmp_path: Path) -> None:
     async with running_daemon(tmp_path, allowed_hosts=["kvd.example"]) as d:
         port = d.url.split(":")[2].split("/")[0]

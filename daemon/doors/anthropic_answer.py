@@ -1,11 +1,13 @@
 """One Anthropic Messages answer: a turn's events as Anthropic's JSON body or server-sent events.
 
 The response's life is every door's (answering.py); the shapes are
-anthropic_events.py's. A streamed answer begins with the first token, or
-earlier with a `ping` once the engine reports progress on a long prompt:
-by then the request was admitted and fits the context, so a refusal is still
-an HTTP error with its status, while a client reading a long prompt's
-answer sees the stream open and keep alive.
+anthropic_events.py's. A streamed answer begins once the engine has taken the
+prompt (`AnswerReading`): by then the request was admitted, fits the context
+and has its cache restored, so a refusal is still an HTTP error with its
+status, and `message_start` carries the prompt's real input figures
+(`input_tokens`, `cache_read_input_tokens`), as Anthropic's does. The
+`ping`s of a long prompt's reading come after it (the engine reports progress
+only on a prompt it has taken), and the SDKs want `message_start` first.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class MessagesAnswer(TurnAnswer):
         stream = MessageStream(self.message_id, self.config.model)
         async for event in self.events:
             if isinstance(event, (AnswerStarted, AnswerQueued)):
-                continue  # not yet known to fit: an error may still be an HTTP status
+                continue  # not yet taken by the engine: an error may still be an HTTP status
             if isinstance(event, AnswerError) and not self.started:
                 await self._error(send, event)
                 return

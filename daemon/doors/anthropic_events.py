@@ -2,11 +2,14 @@
 
 `whole` makes the JSON body of a non-streamed answer from its `AnswerDone`;
 `MessageStream` makes the server-sent events of a streamed one, in
-Anthropic's order: ``message_start``; per content block
+Anthropic's order: ``message_start`` once the engine has taken the prompt
+(an `AnswerReading`), with the prompt's input figures, as Anthropic's
+carries them; per content block
 ``content_block_start``, its ``content_block_delta``s (``text_delta``,
 ``input_json_delta``) and ``content_block_stop``; ``message_delta`` with the
-stop reason and the usage; ``message_stop``. ``ping`` while a long prompt is
-read (an `AnswerProgress`), so that no client times out before the first token.
+stop reason and the whole usage; ``message_stop``. ``ping`` while a long prompt
+is read (an `AnswerProgress`, always after `AnswerReading`), so that no client
+times out before the first token.
 
 Usage in Anthropic's terms: ``input_tokens`` are the prompt tokens kvd did
 not restore (Anthropic's uncached input), ``cache_read_input_tokens`` those it
@@ -26,6 +29,7 @@ from ..events import (
     AnswerDone,
     AnswerProgress,
     AnswerQueued,
+    AnswerReading,
     AnswerToolCall,
     TurnEvent,
     cache_figures,
@@ -34,10 +38,18 @@ from ..events import (
 Sse = tuple[str, dict[str, Any]]  # (event name, data)
 
 
-def usage_of(u: Mapping[str, Any]) -> dict[str, Any]:
-    prompt, cached = int(u.get("prompt_tokens") or 0), int(u.get("cached_tokens") or 0)
+def input_usage(prompt: int, cached: int) -> dict[str, int]:
+    """A prompt's figures in Anthropic's terms: what was read, what was restored (nothing is "created")."""
     return {"input_tokens": max(0, prompt - cached), "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": int(u.get("completion_tokens") or 0)}
+            "cache_read_input_tokens": cached}
+
+
+def usage_of(u: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_input_of(u), "output_tokens": int(u.get("completion_tokens") or 0)}
+
+
+def _input_of(u: Mapping[str, Any]) -> dict[str, int]:
+    return input_usage(int(u.get("prompt_tokens") or 0), int(u.get("cached_tokens") or 0))
 
 
 def stop_reason_of(done: AnswerDone, stop_sequence: str | None) -> str:
@@ -88,18 +100,20 @@ class MessageStream:
         self.begun = False
         self.blocks = 0  # content blocks opened so far
         self.open: str | None = None  # the open block's type
+        self.input = input_usage(0, 0)  # the prompt's figures, once the engine has taken it
 
     def begin(self) -> list[Sse]:
         if self.begun:
             return []
         self.begun = True
-        start = _message(self.message_id, self.model, [], None, None,
-                         {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-                          "output_tokens": 0})
+        start = _message(self.message_id, self.model, [], None, None, {**self.input, "output_tokens": 0})
         return [("message_start", {"type": "message_start", "message": start})]
 
     def feed(self, event: TurnEvent, stop_sequence: str | None = None) -> list[Sse]:
         """The events `event` makes (an `AnswerDone` needs the stop sequence that ended the answer, if one did)."""
+        if isinstance(event, AnswerReading):
+            self.input = input_usage(event.prompt_tokens, event.cached_tokens)
+            return self.begin()
         if isinstance(event, (AnswerProgress, AnswerQueued)):
             return [*self.begin(), ("ping", {"type": "ping"})]
         if isinstance(event, AnswerDelta):
@@ -110,6 +124,8 @@ class MessageStream:
                    *self._open("tool_use", {"type": "tool_use", "id": event.id, "name": event.name, "input": {}})]
             return [*out, self._delta({"type": "input_json_delta", "partial_json": event.arguments}), *self._close()]
         if isinstance(event, AnswerDone):
+            if not self.begun:  # no AnswerReading seen: the prompt's figures are the usage's
+                self.input = _input_of(event.usage)
             out = [*self.begin()]
             if self.blocks == 0:  # an empty answer still has its one (empty) text block
                 out += self._open("text", {"type": "text", "text": ""})

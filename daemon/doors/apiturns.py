@@ -41,7 +41,7 @@ from ..turn import EventStream, Turn
 from ..turns import Turns
 from .admission import Admission
 from .asgi import headers_of
-from .guards import check
+from .guards import check, public
 from .loading import LoadingWatch
 from .openai_schema import ApiError, answers_to
 from .placement import Diverged, Said, place
@@ -121,7 +121,8 @@ async def read_body(request: Request, config: Config) -> bytes | None:
 
 def guard_refusal(scope: Scope, config: Config, token: str) -> ApiError | None:
     """Who may ask (guards.py), as the refusal each door words in its own shape; logged."""
-    refused = check(headers_of(scope), config, token)
+    refused = check(headers_of(scope), config, token,
+                    token_needed=not public(str(scope.get("method", "")), str(scope.get("path", ""))))
     if refused is None:
         return None
     log.warning("refused an HTTP request: %s", refused.message)

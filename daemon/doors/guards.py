@@ -12,7 +12,10 @@ handshake and the HTTP API cannot drift apart:
 - Token: `Authorization: Bearer <token>` (the token file in the data
   directory; OpenAI clients send their API key exactly so) or
   `x-api-key: <token>` (as Anthropic's clients send theirs), compared in
-  constant time.
+  constant time. Only `GET /` and `HEAD /` go without one (`public`): they
+  say that kvd runs and nothing more, as llama-server's and Ollama's roots
+  do, and clients probe them without a key (Claude Code sends `HEAD /`
+  before each run). The Host and Origin checks still apply to them.
 
 `asked` says in a log line who asked for what (a refusal, a 404), so an
 operator can tell which client is misconfigured.
@@ -63,7 +66,12 @@ def host_allowed(host_header: str | None, config: Config) -> bool:
         return False
 
 
-def check(headers: dict[str, str], config: Config, token: str) -> Refusal | None:
+def public(method: str, path: str) -> bool:
+    """Whether a request may come without the token: the root's probe, which learns only that kvd runs."""
+    return path == "/" and method in ("GET", "HEAD")
+
+
+def check(headers: dict[str, str], config: Config, token: str, *, token_needed: bool = True) -> Refusal | None:
     """The first reason to refuse a request with these (lower-cased) headers, or None."""
     if not host_allowed(headers.get("host"), config):
         return Refusal(HTTPStatus.FORBIDDEN,
@@ -73,6 +81,8 @@ def check(headers: dict[str, str], config: Config, token: str) -> Refusal | None
     if origin is not None and origin not in config.allowed_origins:
         return Refusal(HTTPStatus.FORBIDDEN,
                        "browser origins are not allowed; see allowed_origins in config.toml")
+    if not token_needed:
+        return None
     bearer = hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {token}".encode())
     api_key = hmac.compare_digest(headers.get("x-api-key", "").encode(), token.encode())
     if not (bearer or api_key):

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP door: `POST /v1/chat/completions`, `GET /v1/models` (docs/openai.md).
+"""The OpenAI-compatible HTTP door: `POST /v1/chat/completions`, `GET /v1/models`, and `GET /` (kvd runs:
+the one request that needs no token, guards.py) (docs/openai.md).
 
 A thin layer over the turn core, like the websocket door: it checks who is
 asking (guards.py), validates the body (openai_schema.py), lets placement.py
@@ -18,7 +19,7 @@ from typing import Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from protocol.requests import RequestError
@@ -88,12 +89,19 @@ class OpenAIDoor:
         self.api = api  # shared with the Anthropic door: one admission queue for both
         self._created = int(time.time())
         routes: list[BaseRoute] = [
+            Route("/", self.root, methods=["GET"]),  # and HEAD; no token needed (guards.public)
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
         self.app = guarded(routes, config, token, error_response,
                            "/v1/chat/completions, /v1/responses and /v1/models")
+
+    # --- GET / ---
+
+    async def root(self, request: Request) -> Response:
+        """That kvd runs, for a client's probe (llama-server and Ollama answer theirs); nothing else."""
+        return PlainTextResponse("kvd is running\n")
 
     # --- GET /v1/models ---
 
