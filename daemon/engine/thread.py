@@ -157,7 +157,8 @@ class Engine:
 
             shard(c.model, loaded, self.lockstep.group)
         kv_bits = c.kv_bits or None
-        if refusal := current().kv_bits_refusal(c.kv_bits, weights_label(tree_flatten(loaded.model.parameters()), {})):
+        params: Any = tree_flatten(loaded.model.parameters())
+        if refusal := current().kv_bits_refusal(c.kv_bits, weights_label(params, {})):
             raise ValueError(refusal)
         self.pool = shared_budgets(c, self.pool)
         if self.lockstep is None:
@@ -165,7 +166,6 @@ class Engine:
         self.caches = open_caches(c, loaded, kv_bits, self.pool, self.first_tokens)
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
-        params: Any = tree_flatten(loaded.model.parameters())
         self.weights_bytes = sum(int(v.nbytes) for _, v in params)
         self.steps = Steps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
                                lockstep=self.lockstep, max_context=self.max_context,
