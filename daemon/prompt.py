@@ -12,16 +12,10 @@ template that trims whitespace.
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
-
-import anyio
-import anyio.to_thread
-
-T = TypeVar("T")
+from typing import Any, Protocol
 
 _SENTINEL = "\x00kvd-sentinel\x00"
 
@@ -126,43 +120,6 @@ def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], syst
                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """The whole conversation as a fresh session would feed it (with the tools it may call)."""
     return list(tokenizer.encode(render(tokenizer, messages, system, tools=tools), add_special_tokens=False))
-
-
-class Tokenizing:
-    """The turn core's tokenizer stage: every template render and every encode of a turn happens here.
-
-    Off the event loop (a long conversation takes milliseconds to render and
-    tokenize) and off the engine thread (where it would stall every decoding
-    stream), on a tokenizer of its own: the engine keeps the one it loaded
-    for detokenizing, and a Hugging Face fast tokenizer used from two threads
-    at once can fail ("Already borrowed"). One call runs at a time.
-    """
-
-    def __init__(self, tokenizer: Any, *, own: Any = None) -> None:
-        """`own`: a copy of `tokenizer` made already (the engine makes one before `ready`); None: copied
-        on first use."""
-        self._source = tokenizer
-        self._own: Any = own
-        self._limiter = anyio.CapacityLimiter(1)
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(tokenizer, *args)` on a worker thread, with the stage's own tokenizer."""
-        return await anyio.to_thread.run_sync(self._call, fn, args, limiter=self._limiter)
-
-    async def prepare(self) -> None:
-        """Make the stage's tokenizer now if it has none yet, not in the first turn after a start.
-
-        Copying Gemma 3's 262k-token tokenizer took 3.7-5.6 s on a busy 2-core machine: a turn restored
-        from disk in 0.3 s after a restart waited that long for its first token. The engine now makes
-        the copy before `ready` (`Engine.stage_tokenizer`), so this finds it made; a turn that arrives
-        while a copy is made here waits for it.
-        """
-        await self.run(lambda tokenizer: None)
-
-    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        if self._own is None:  # copied on first use, on the worker (a large vocabulary takes a moment)
-            self._own = copy.deepcopy(self._source)
-        return fn(self._own, *args)
 
 
 # --- how a turn's prompt ids are made (the turn core's rule, run by the tokenizer stage) ---

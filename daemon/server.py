@@ -186,7 +186,6 @@ class Daemon:
                 with loading:
                     await self._loading.run(self.websocket.broadcast)
                 if self._loading.ready:
-                    await self.turns.tokenizing.prepare()
                     await self.api.seed()
 
             async def serve() -> None:

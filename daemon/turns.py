@@ -61,7 +61,7 @@ from .events import (
     AnswerStarted,
     AnswerToolCall,
 )
-from .prompt import Prompt, Tokenizing, prompt_tokens
+from .prompt import Prompt, prompt_tokens
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
 from .turn import CallSplit, Listener, StopScan, Turn
@@ -93,7 +93,6 @@ class Turns:
         self.transcripts = Transcripts(store, busy=self.active.__contains__)
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
-        self._tokenizing: dict[Engine, Tokenizing] = {}
         self._renders: dict[str, Renders] = {}  # stateless requests' last renders, per model (tokenizer stage)
 
     @property
@@ -104,19 +103,6 @@ class Turns:
     def answering(self, model: str) -> bool:
         """Whether a turn runs on `model` now (the registry never unloads such a model)."""
         return any(t.model == model for t in self.active.values())
-
-    @property
-    def tokenizing(self) -> Tokenizing:
-        """The default model's tokenizer stage (it must be loaded: the stage copies its tokenizer)."""
-        return self.tokenizing_for(self.engine)
-
-    def tokenizing_for(self, engine: Engine) -> Tokenizing:
-        """A loaded model's tokenizer stage (made on first use; unloaded models' stages let go)."""
-        if engine not in self._tokenizing:
-            loaded = set(self.engines.engines())
-            self._tokenizing = {e: t for e, t in self._tokenizing.items() if e in loaded}
-            self._tokenizing[engine] = Tokenizing(engine.tokenizer, own=engine.stage_tokenizer)
-        return self._tokenizing[engine]
 
     @property
     def renders(self) -> Renders:
@@ -376,7 +362,7 @@ class Turns:
             engine.submit(answer)  # no tokenizer: the engine answers with why the model did not load
             return
         try:
-            answer.tokens, answer.retokenized = await self.tokenizing_for(engine).run(ids)
+            answer.tokens, answer.retokenized = await engine.tokenize(ids)
         except TemplateError as e:  # the model's chat template refuses the conversation (raise_exception)
             log.info("the chat template of %s refused session %s's conversation: %s", turn.model, turn.session_id, e)
             events.send_nowait(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "

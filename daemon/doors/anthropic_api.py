@@ -119,7 +119,7 @@ class AnthropicDoor:
             model, engine = await self.api.ready(ask.model)
             shown = ask.tools if self.api.tool_format(ask.tools, engine, model, refuse=False) else None  # as answered
             prompt = Conversation(ask.convo, ask.system, shown)
-            ids, _ = await self.api.turns.tokenizing_for(engine).run(prompt.ids)
+            ids, _ = await engine.tokenize(prompt.ids)
         except ApiError as e:
             return error_response(e)
         return JSONResponse({"input_tokens": len(ids)})

@@ -225,7 +225,7 @@ class OpenAIDoor:
             system = session["system"]
             prompt = Conversation(asked, system, None, chain=links(system, asked), renders=self.turns.renders)
             try:
-                await self.turns.tokenizing.run(prompt.ids)  # the default model's (seeded at start)
+                await self.turns.engine.tokenize(prompt.ids)  # the default model's (seeded at start)
             except Exception:  # a template that refuses it: its next request renders whole
                 log.debug("seeding the render of session %s failed", session["id"], exc_info=True)
                 continue

@@ -266,7 +266,7 @@ class ResponsesDoor:
             system, convo = await self._conversation(req)
             tools = [t.for_template() for t in req.functions()] or None
             shown = tools if self.api.tool_format(tools, engine, model, refuse=False) is not None else None
-            ids, _ = await self.turns.tokenizing_for(engine).run(Conversation(convo, system, shown).ids)
+            ids, _ = await engine.tokenize(Conversation(convo, system, shown).ids)
         except (ApiError, RequestError) as e:
             return _refusal(e, {})
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})

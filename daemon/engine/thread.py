@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
 
 import protocol as p
 from cachestore import FirstTokens
@@ -53,6 +55,8 @@ log = logging.getLogger("kvd.engine")
 
 
 MAINTAIN_EVERY = 5.0  # seconds between idle-demotion checks while nothing runs
+
+T = TypeVar("T")
 
 
 class Engine:
@@ -90,7 +94,8 @@ class Engine:
         self.weights_bytes: int | None = None  # the model's weights in memory, once loaded (the registry's)
         self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
         self._refault = False  # fault the heap's reserve in again once the planned prefetch is done
-        self.stage_tokenizer: Any = None  # the turn core's own tokenizer (prompt.py's Tokenizing), once loaded
+        self.stage_tokenizer: Any = None  # the tokenizer stage's own copy (`tokenize`), once loaded
+        self._stage: anyio.CapacityLimiter | None = None  # one call at a time in the stage (made in the loop)
         #: Whether an answer wants its first token: the cache store's writes give way to it (ioworker.py).
         self.first_tokens = FirstTokens()
 
@@ -116,6 +121,19 @@ class Engine:
 
     def cancel(self, session_id: str) -> None:
         self._inbox.put(Cancel(session_id))
+
+    async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(tokenizer, *args)` in the model's tokenizer stage, where a turn's every render and encode
+        runs (prompt.py): a worker thread, one call at a time, off the event loop (a long conversation takes
+        milliseconds) and off this thread (it would stall every decoding stream). Its tokenizer is its own,
+        copied before `ready`: a fast tokenizer used from two threads can fail ("Already borrowed")."""
+        self._stage = self._stage or anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(self._in_stage, fn, args, limiter=self._stage)
+
+    def _in_stage(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        if (tokenizer := self.stage_tokenizer) is None:  # the registry unloads no model a turn is on
+            raise RuntimeError(f"{self.config.model} is not loaded")
+        return fn(tokenizer, *args)
 
     def forget(self, session_id: str) -> None:
         """Drop a deleted session's cache from every tier (it must not be generating)."""
@@ -183,7 +201,7 @@ class Engine:
             from .prefill import last_position
 
             self.steps.last = last_position(self.model, lambda: make_cache(self.model, kv_bits))
-        # The turn core's tokenizer stage works on a copy of its own (prompt.py's Tokenizing): made here,
+        # The tokenizer stage works on a copy of its own (`tokenize`): made here,
         # before `ready`, so no first turn waits for it (Gemma 3's 262k-token one: 2-3 s of a first
         # turn's TTFT after a restart on the busy 2-core CPU, when it was made after `ready`).
         self.stage_tokenizer = copy.deepcopy(self.tokenizer)
