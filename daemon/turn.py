@@ -1,8 +1,8 @@
 """One turn, as the turn core (turns.py) holds it: its state, its listeners, and what it shows.
 
 A `Turn` is a session's next answer while it is generated and committed;
-its `Listener`s (a websocket connection's `Frames`, an HTTP door's
-`EventStream`) receive its typed events (events.py); a `StopScan` keeps a
+its `Listener`s (a websocket client's `Connection`, an HTTP door's
+`EventStream`) hear its typed events (events.py); a `StopScan` keeps a
 stop sequence from ever being shown, and a `CallSplit` (toolcalls.py) takes
 the answer's tool calls out of its text. Plain objects on the event loop:
 the turn core drives them.
@@ -25,10 +25,10 @@ from .transcripts import Held, Write
 
 class Listener(Protocol):
     """Whoever wants a turn's events (a websocket client, an HTTP response): it encodes them in its
-    door's own shape (events.py) and calls the first delta's `written` once it has written it (or
-    knows it never will); must not block."""
+    door's own shape (events.py), with what it needs of the turn (its request and session ids), and
+    calls the first delta's `written` once it has written it (or knows it never will); must not block."""
 
-    def publish(self, event: TurnEvent) -> None: ...
+    def hear(self, turn: Turn, event: TurnEvent) -> None: ...
 
 
 class EventStream:
@@ -42,7 +42,7 @@ class EventStream:
     def __init__(self) -> None:
         self._send, self.receive = anyio.create_memory_object_stream[TurnEvent](math.inf)
 
-    def publish(self, event: TurnEvent) -> None:
+    def hear(self, turn: Turn, event: TurnEvent) -> None:
         try:
             self._send.send_nowait(event)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
@@ -148,7 +148,7 @@ class Turn:
 
     def publish(self, event: TurnEvent) -> None:
         for listener in list(self.subscribers):
-            listener.publish(event)
+            listener.hear(self, event)
 
     def attach(self, listener: Listener, after_seq: int) -> None:
         """Re-send the deltas `listener` has not seen, as first published, then subscribe it.
@@ -158,5 +158,5 @@ class Turn:
         duplicate.
         """
         for seq in range(after_seq + 1, len(self.deltas)):
-            listener.publish(AnswerDelta(seq, self.deltas[seq]))
+            listener.hear(self, AnswerDelta(seq, self.deltas[seq]))
         self.subscribers.add(listener)

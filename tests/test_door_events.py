@@ -115,17 +115,17 @@ class _SlowSocket:
 @pytest.mark.anyio
 async def test_the_websocket_hands_the_first_token_off_once_it_has_sent_it() -> None:
     from daemon.doors.connection import Connection
-    from daemon.doors.websocket import Frames
     from daemon.events import AnswerDelta, AnswerStarted
+    from daemon.turn import Turn
 
     ws = _SlowSocket()
     conn = Connection(cast(Any, ws), send_timeout=5.0, abort=lambda: None)
     handed: list[int] = []
-    listener = Frames(conn, 7, "0123456789abcdef")
+    turn = Turn(7, "0123456789abcdef", 3, 2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(conn.writer)
-        listener.publish(AnswerStarted(3))
-        listener.publish(AnswerDelta(0, "Hi", lambda: handed.append(len(ws.sent))))
+        conn.hear(turn, AnswerStarted(3))
+        conn.hear(turn, AnswerDelta(0, "Hi", lambda: handed.append(len(ws.sent))))
         for _ in range(10):  # the writer has had every chance to run: it waits on the client
             await anyio.lowlevel.checkpoint()
         assert handed == [] and ws.sent == []
@@ -137,6 +137,6 @@ async def test_the_websocket_hands_the_first_token_off_once_it_has_sent_it() -> 
         assert ws.sent[1] == '{"id":7,"session":"0123456789abcdef","type":"chat.delta","seq":0,"text":"Hi"}'
         # A client already gone: nothing will be sent, so the hand-off is at once.
         conn.close()
-        listener.publish(AnswerDelta(1, "!", lambda: handed.append(-1)))
+        conn.hear(turn, AnswerDelta(1, "!", lambda: handed.append(-1)))
         assert handed == [2, -1]
         tg.cancel_scope.cancel()

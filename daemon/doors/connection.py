@@ -17,8 +17,10 @@ request that may wait (status waits up to 5 s for a busy engine) runs beside
 the client's later requests, so a chat.cancel sent after it is not held up;
 at most MAX_SLOW such requests per client run at once, the rest are `busy`.
 
-An answer's first delta comes with a `written` callback (events.py): the
-writer calls it right after sending that frame, the hand-off the engine
+A connection listens to its client's turns (turn.py's Listener): each typed
+event (events.py) becomes its protocol frame (`frame`). An answer's first
+delta comes with a `written` callback: the writer calls it right after
+sending that frame, the hand-off the engine
 waits for; a frame that will never be sent (the client has gone) calls it at once.
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -39,12 +41,37 @@ import protocol as p
 from protocol import encode
 from protocol.requests import RequestError, RequestId
 
+from .. import events as ev
+
+if TYPE_CHECKING:
+    from ..turn import Turn
+
 log = logging.getLogger("kvd.server")
 
 OUTBOX_SIZE = 1024
 MAX_SLOW = 4
 
 Written = Callable[[], None] | None  # called once the frame is sent (or never will be)
+
+
+def frame(request_id: RequestId, session: str, event: ev.TurnEvent) -> dict[str, Any] | None:
+    """A turn's event as its protocol frame (docs/protocol.md); None for what the protocol does not carry
+    (an answer's tool calls: the websocket offers no tools)."""
+    head = {"id": request_id, "session": session}
+    if isinstance(event, ev.AnswerDelta):
+        return {**head, "type": p.CHAT_DELTA, "seq": event.seq, "text": event.text}
+    if isinstance(event, ev.AnswerStarted):
+        return {**head, "type": p.CHAT_START, "message_index": event.message_index}
+    if isinstance(event, ev.AnswerQueued):
+        return {**head, "type": p.CHAT_QUEUED, "position": event.position}
+    if isinstance(event, ev.AnswerProgress):
+        return {**head, "type": p.CHAT_PROGRESS, "fed": event.fed, "total": event.total}
+    if isinstance(event, ev.AnswerDone):
+        return {**head, "type": p.CHAT_DONE, "message_index": event.message_index,
+                "finish_reason": event.finish_reason, "usage": event.usage}
+    if isinstance(event, ev.AnswerError):
+        return {**head, "type": p.ERROR, "code": event.code, "message": event.message}
+    return None
 
 
 @dataclass(frozen=True)
@@ -78,6 +105,11 @@ class Connection:
     def peer(self) -> str:
         addr = self.ws.client
         return f"{addr[0]}:{addr[1]}" if addr else "?"
+
+    def hear(self, turn: Turn, event: ev.TurnEvent) -> None:
+        """One of the client's turns said something (turn.py's Listener): its frame into the outbox."""
+        if (out := frame(turn.request_id, turn.session_id, event)) is not None:
+            self.publish(out, event.written if isinstance(event, ev.AnswerDelta) else None)
 
     def publish(self, event: dict[str, Any], written: Written = None) -> None:
         """Queue an event for this client without ever blocking the caller."""

@@ -3,15 +3,15 @@
 A thin layer: it checks the handshake, keeps one bounded outbox per client
 (connection.py), turns each frame into a typed request (protocol/requests.py) and
 calls the turn core (turns.py), which owns the sessions' store. Answers are turns,
-owned by the daemon, so a client that goes away does not stop one. A turn's
-typed events (events.py) become protocol frames here (`frame`).
+owned by the daemon, so a client that goes away does not stop one. The client's
+`Connection` listens to its turns: their typed events (events.py) become protocol
+frames there (`frame`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -30,7 +30,6 @@ from protocol.requests import (
     ChatSend,
     Ping,
     RequestError,
-    RequestId,
     SessionCreate,
     SessionDelete,
     SessionGet,
@@ -43,7 +42,6 @@ from protocol.shapes import merge, resolve
 from sessions import KEEP, Keep, Message, Session, Store, is_disk_full
 
 from .. import __version__
-from .. import events as ev
 from ..config import Config
 from ..engine.thread import Engine
 from ..turns import DISK_FULL_MESSAGE, Turns
@@ -53,39 +51,6 @@ from .guards import check
 from .loading import LoadingWatch
 
 log = logging.getLogger("kvd.server")
-
-
-def frame(request_id: RequestId, session: str, event: ev.TurnEvent) -> dict[str, Any] | None:
-    """A turn's event as its protocol frame (docs/protocol.md); None for what the protocol does not carry
-    (an answer's tool calls: the websocket offers no tools)."""
-    head = {"id": request_id, "session": session}
-    if isinstance(event, ev.AnswerDelta):
-        return {**head, "type": p.CHAT_DELTA, "seq": event.seq, "text": event.text}
-    if isinstance(event, ev.AnswerStarted):
-        return {**head, "type": p.CHAT_START, "message_index": event.message_index}
-    if isinstance(event, ev.AnswerQueued):
-        return {**head, "type": p.CHAT_QUEUED, "position": event.position}
-    if isinstance(event, ev.AnswerProgress):
-        return {**head, "type": p.CHAT_PROGRESS, "fed": event.fed, "total": event.total}
-    if isinstance(event, ev.AnswerDone):
-        return {**head, "type": p.CHAT_DONE, "message_index": event.message_index,
-                "finish_reason": event.finish_reason, "usage": event.usage}
-    if isinstance(event, ev.AnswerError):
-        return {**head, "type": p.ERROR, "code": event.code, "message": event.message}
-    return None
-
-
-@dataclass(frozen=True)
-class Frames:
-    """One client listening to one turn (turns.py's Listener): its events, as frames, into the client's outbox."""
-
-    conn: Connection
-    request_id: RequestId
-    session: str
-
-    def publish(self, event: ev.TurnEvent) -> None:
-        if (out := frame(self.request_id, self.session, event)) is not None:
-            self.conn.publish(out, event.written if isinstance(event, ev.AnswerDelta) else None)
 
 
 class WebSocketDoor:
@@ -146,7 +111,7 @@ class WebSocketDoor:
         finally:
             self.connections.discard(conn)
             for turn in self.turns.active.values():
-                turn.subscribers.discard(Frames(conn, turn.request_id, turn.session_id))
+                turn.subscribers.discard(conn)
 
     def _hello(self) -> dict[str, Any]:
         return {"type": p.HELLO, "protocol": p.PROTOCOL_VERSION, "server": f"kvd {__version__}",
@@ -194,12 +159,12 @@ class WebSocketDoor:
                 await self._chat_attach(conn, req)
             elif isinstance(req, ChatSend):
                 model = await self.turns.engines.resolve(req.model, rid) if req.model is not None else None
-                await self.turns.send(Frames(conn, req.id, req.session), req.id, req.session, req.text,
+                await self.turns.send(conn, req.id, req.session, req.text,
                                       req.sampling, model=model)
             elif isinstance(req, ChatRegenerate):
-                await self.turns.regenerate(Frames(conn, req.id, req.session), req.id, req.session, req.sampling)
+                await self.turns.regenerate(conn, req.id, req.session, req.sampling)
             elif isinstance(req, ChatEdit):
-                await self.turns.edit(Frames(conn, req.id, req.session), req.id, req.session, req.message_index,
+                await self.turns.edit(conn, req.id, req.session, req.message_index,
                                       req.text, req.sampling)
             elif isinstance(req, ChatCancel):
                 if req.session not in self.turns.active:
@@ -260,7 +225,7 @@ class WebSocketDoor:
             return
         conn.publish({"type": p.CHAT_ATTACHED, "id": req.id, "session": req.session, "generating": True,
                       "request": turn.request_id, "message_index": turn.message_index})
-        turn.attach(Frames(conn, turn.request_id, turn.session_id), req.after_seq)
+        turn.attach(conn, req.after_seq)
 
 
 def _session_and_messages(session_id: str, store: Store) -> tuple[Session, list[Message]] | None:
