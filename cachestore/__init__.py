@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .ioworker import FirstTokens
 from .layout import cached_session_ids, check_usable, disk_ids
 from .pool import Pool
 from .prefix import common_prefix_len
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
     from .store import Budgets, Checkout, SessionCaches
     from .terms import Pending
 
-__all__ = ["Budgets", "Checkout", "FirstTokens", "Pending", "Pool", "SessionCaches", "cached_session_ids",
+__all__ = ["Budgets", "Checkout", "Pending", "Pool", "SessionCaches", "cached_session_ids",
            "check_usable", "common_prefix_len", "disk_ids", "model_fingerprint", "rewind"]
 
 

@@ -25,13 +25,36 @@ from .index import SegmentIndex
 from .ioworker import FirstTokens, IOWorker
 from .lru import Tier
 from .packing import unpack
+from .rebuild import rebuild_index
 from .rows import BlockRow, DiskNews, SegmentRow
 from .snapshot import Snapshot, cuttable, merge
+from .sweep import sweep
 from .table import BlockTable
+from .terms import Budgets
 from .warm import WarmTier
 from .writeback import NOTHING, Promise, Writeback, evaluate, plan, promise_of
 
 log = logging.getLogger("kvd.cache")
+
+
+def open_disk(index: Callable[[], SegmentIndex], budgets: Budgets, *, fingerprint: str, root: str, model: str,
+              sweep_files: bool, clock: Callable[[], float]) -> tuple[Writeback, BlockTable]:
+    """The disk tier as a start finds it: the index rebuilt from the files if it was lost, the files a crash left
+    incomplete removed (`sweep_files`: no other model's store writes there now), the disk budget kept, and the
+    block table loaded from the index (`index`: the calling thread's connection)."""
+    if (lost := index().lost) is not None:
+        rebuild_index(index(), lost)
+    if sweep_files and (removed := sweep(index())):
+        log.info("removed %d cache file(s) left incomplete by a crash", removed)
+    writer = Writeback(index, fingerprint=fingerprint, root=root, block=budgets.block_tokens,
+                       disk_bytes=budgets.disk_bytes, max_segments=budgets.max_segments, clock=clock)
+    if model:
+        index().name_model(model)
+    writer.enforce_disk_budget(keep=None)
+    table = BlockTable(root, budgets.block_tokens, index().blocks)
+    table.load(*index().load_all())
+    index().news()  # what start-up changed is loaded already
+    return writer, table
 
 WRITTEN_WAIT = 5.0  # seconds a checkout waits at most for its session's own queued writes (`written`)
 DROPPING = "drop"  # the I/O worker's key for a block drop's job (session keys are hex: never this)

@@ -28,13 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
 
-from .blocks import root_key, whole_blocks
-from .disktier import DiskTier
+from .blocks import root_key
+from .disktier import DiskTier, open_disk
 from .index import SegmentIndex
 from .ioworker import FirstTokens
 from .lru import DiskStats, Tier
@@ -42,16 +43,13 @@ from .pagein import DiskPlan, PageIn, Reading, ReadReport
 from .pool import Pool
 from .prefetch import PREFETCH_ROOM, Prefetcher
 from .prefix import MIN_SHARED, common_prefix_len
-from .rebuild import rebuild_index
 from .shares import Share
 from .sharing import Found, find_shared
-from .snapshot import Snapshot, cuttable, rewind
-from .sweep import sweep
-from .table import BlockTable
+from .snapshot import cuttable, rewind
 from .terms import Budgets, Checkout, Pending
 from .warm import Cache, WarmTier, cache_nbytes
-from .windows import Captures
-from .writeback import NOTHING_TO_EVICT, Writeback
+from .windows import Captures, attach
+from .writeback import NOTHING_TO_EVICT
 
 __all__ = ["MIN_SHARED", "NOTHING_TO_EVICT", "PREFETCH_ROOM", "Budgets", "Checkout", "SessionCaches",
            "cache_nbytes"]
@@ -73,19 +71,8 @@ class SessionCaches:
         self._dir = root
         self._indexes = threading.local()  # each thread's own connection to the index
         self._indexes.index = SegmentIndex(root, fingerprint)
-        if self.index.lost is not None:
-            rebuild_index(self.index, self.index.lost)
-        if not (pool and pool.stores()) and (removed := sweep(self.index)):  # (another model's store writes there)
-            log.info("removed %d cache file(s) left incomplete by a crash", removed)
-        self._writer = Writeback(lambda: self.index, fingerprint=fingerprint, root=self.root,
-                                 block=self.block, disk_bytes=budgets.disk_bytes,
-                                 max_segments=budgets.max_segments, clock=clock)
-        if model:
-            self.index.name_model(model)
-        self._writer.enforce_disk_budget(keep=None)
-        self.table = BlockTable(self.root, self.block, self.index.blocks)
-        self.table.load(*self.index.load_all())
-        self.index.news()  # what start-up changed is loaded already
+        self._writer, self.table = open_disk(lambda: self.index, budgets, fingerprint=fingerprint, root=self.root,
+                                             model=model, sweep_files=not (pool and pool.stores()), clock=clock)
         self._disktier = DiskTier(lambda: self.index, self.table, self._writer,
                                   max_segments=budgets.max_segments, on_idle=self._on_idle,
                                   first_tokens=first_tokens)
@@ -99,21 +86,15 @@ class SessionCaches:
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
                             dropped=self._disktier.dropped, clock=clock,
                             read=lambda job: self._io.read(job, done=self._read_done))
-        #: Called on the I/O worker's reader when a read reported (it must not block): the engine
-        #: takes the report in (`take_reports`) and starts the answers whose read ended. None: nobody
-        #: is told (tests, tools).
+        # What the engine tells the store (`connect`); until then, nothing runs and nobody is told.
         self.on_read: Callable[[], None] | None = None
-        self._read_event = threading.Event()  # a read reported: what a waiting `checkout` waits for
-        #: Whether a session's checkout waits for its read (the engine's answers say): a prefetch
-        #: leaves it alone.
         self.restoring: Callable[[str], bool] = lambda key: False
-        #: What the running turns' caches may reach together (the engine's scheduler says): they
-        #: count against the resident budget, so idle resident caches make room for them.
         self.running_bytes: Callable[[], int] = lambda: 0
+        self._read_event = threading.Event()  # a read reported: what a waiting `checkout` waits for
         self._captured = Captures(self.table)  # a window's blocks a prefill took
         self.shared_stats = {"restores": 0, "tokens": 0}
-        self._prefetch = Prefetcher(self._disk, self.table, self.resident, self.warm, attach=self._attach,
-                                    make_room=self.make_room, clock=clock)
+        self._prefetch = Prefetcher(self._disk, self.table, self.resident, self.warm,
+                                    attach=partial(attach, self.table), make_room=self.make_room, clock=clock)
 
     @property
     def index(self) -> SegmentIndex:
@@ -150,9 +131,17 @@ class SessionCaches:
         self._settle()
 
     def after_writes(self, fn: Callable[[], object]) -> None:
-        """Call `fn` on the I/O worker once every disk job queued so far is done, every model's bytes on disk counted
-        first (for the statistics); it must not block."""
+        """`fn` on the I/O worker once the disk jobs queued so far are done, every model's disk bytes counted first."""
         self._io.submit(lambda: (self._disktier.count(), fn()))
+
+    def arrived(self) -> None:
+        """An answer is on its way to the engine (any thread): the writes give way until it is taken (ioworker.py)."""
+        self._io.first_tokens.arrived()
+
+    def answering(self, busy: bool, *, took: bool = False) -> None:
+        """Whether the engine's answers still want their first token (waiting, restoring or prefilling): the engine
+        thread says after each step, and as it takes an arrived answer (`took`)."""
+        (self._io.first_tokens.taken if took else self._io.first_tokens.engine)(busy)
 
     def before_reads(self, fn: Callable[[], object]) -> None:
         """Call `fn` on the I/O worker's reader before any later read (a test holds the reader so)."""
@@ -302,9 +291,35 @@ class SessionCaches:
             return SHARED, other[0]
         return (RESIDENT, own) if own else (WARM, own_warm) if own_warm else (NO_CACHE, 0)
 
+    # --- the memory budgets every loaded model shares (shares.py) ---
+
+    def connect(self, probe: Cache, *, running_bytes: Callable[[], int], restoring: Callable[[str], bool],
+                on_read: Callable[[], None] | None = None, on_room: Callable[[], None] | None = None) -> None:
+        """What the store needs of its engine once the model is warm: a live cache's bytes by length (`probe`, the
+        warm-up's, holds a token); the bytes the running answers may reach (idle resident caches make room for them);
+        whether a session's answer waits for its read (a prefetch leaves it alone); whom to tell, from any thread,
+        never blocking: `on_read` when the reader reported (the engine calls `take_reports`), `on_room` when another
+        model's store wants room this one's older caches hold, or room this one waits for came back (`fit`, `room`)."""
+        self.share.measure(probe)
+        self.running_bytes, self.restoring, self.on_read = running_bytes, restoring, on_read
+        self.share.on_room = on_room
+
     def bytes_for(self, tokens: int) -> int:
-        """The bytes a live cache of `tokens` ids takes (shares.py, once the engine `measure`d one)."""
+        """The bytes a live cache of `tokens` ids takes (0 before `connect`)."""
         return self.share.bytes_for(tokens)
+
+    def room(self, key: str, need: int) -> bool:
+        """Whether a turn on `key` whose cache may reach `need` bytes starts now, beside every model's
+        caches (shares.py's `room`), once the running answers' bytes are counted afresh; True holds them."""
+        self.make_room()
+        return self.share.room(key, need)
+
+    def want_nothing(self) -> None:  # no turn of this store waits for room any more
+        self.share.want_nothing()
+
+    def fit(self) -> bool:
+        """Woken through `on_room`: let this store's oldest caches go while another store waits for the room."""
+        return self.share.fit()
 
     def _counted(self, out: Checkout) -> Checkout:
         if out.shared_tokens:
@@ -337,22 +352,6 @@ class SessionCaches:
         """Whether prefetch reads are planned or under way."""
         return self._prefetch.reading is not None or bool(self._prefetch.queue)
 
-    def _attach(self, key: str, held: Cache | Snapshot, tokens: list[int],
-                captured: dict[str, Snapshot] | None = None) -> list[str]:
-        """Make the session's memory chain the whole blocks of `tokens`: all of them for a cache that can be cut; for
-        a window, those from the first on that its prefill captured or kvd holds."""
-        keys = self.table.keys_for(key, tokens)[:whole_blocks(len(tokens), self.block)]
-        if not cuttable(held):
-            have = 0
-            for bk in keys if isinstance(held, list) else ():
-                b = self.table.blocks.get(bk)
-                if not (captured and bk in captured) and (b is None or (b.disk is None and b.warm is None)):
-                    break
-                have += 1
-            keys = keys[:have]
-        self.table.attach(key, tokens, keys)
-        return keys
-
     # --- windows: blocks captured during a prefill (windows.py) ---
 
     def boundary(self, cache: Cache) -> int | None:
@@ -381,7 +380,7 @@ class SessionCaches:
         self.make_room()  # the turn that ended holds nothing any more
         self.warm.discard(key)
         captured = self._captured.pop(key)
-        keys = self._attach(key, cache, tokens, captured)
+        keys = attach(self.table, key, cache, tokens, captured)
         by_end = {self.table.blocks[bk].end: snap for bk in keys
                   if (snap := captured.get(bk) or self.warm.exact_copy(bk)) is not None}
         self._disktier.write_behind(key, cache, tokens, keys, captured=by_end)

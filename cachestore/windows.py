@@ -14,7 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .snapshot import Snapshot, snapshot
+from .blocks import whole_blocks
+from .snapshot import Snapshot, cuttable, snapshot
 from .table import BlockTable
 
 
@@ -37,3 +38,20 @@ class Captures:
     def pop(self, key: str) -> dict[str, Snapshot]:
         """What the session's prefill took (empty: nothing), forgotten here."""
         return self._taken.pop(key, {})
+
+
+def attach(table: BlockTable, key: str, held: Any, tokens: list[int],
+           captured: dict[str, Snapshot] | None = None) -> list[str]:
+    """Make the session's memory chain the whole blocks of `tokens`: all of them for a cache that can be cut; for
+    a window, those from the first on that its prefill captured or kvd holds."""
+    keys = table.keys_for(key, tokens)[:whole_blocks(len(tokens), table.block)]
+    if not cuttable(held):
+        have = 0
+        for bk in keys if isinstance(held, list) else ():
+            b = table.blocks.get(bk)
+            if not (captured and bk in captured) and (b is None or (b.disk is None and b.warm is None)):
+                break
+            have += 1
+        keys = keys[:have]
+    table.attach(key, tokens, keys)
+    return keys

@@ -15,7 +15,7 @@ from common.tiers import RESIDENT, WARM
 from ..config import Config
 
 if TYPE_CHECKING:
-    from cachestore import FirstTokens, Pool, SessionCaches
+    from cachestore import Pool, SessionCaches
 
 log = logging.getLogger("kvd.engine")
 
@@ -45,8 +45,7 @@ def shared_budgets(c: Config, pool: Pool | None) -> Pool:
     return pool
 
 
-def open_caches(c: Config, loaded: Any, kv_bits: int | None, pool: Pool,
-                first_tokens: FirstTokens) -> SessionCaches:
+def open_caches(c: Config, loaded: Any, kv_bits: int | None, pool: Pool) -> SessionCaches:
     """This model's cache store: its caches' fingerprint (model, dtype, cache layout, rank), the budgets."""
     from cachestore import Budgets, SessionCaches, model_fingerprint
 
@@ -62,5 +61,5 @@ def open_caches(c: Config, loaded: Any, kv_bits: int | None, pool: Pool,
                 warm_idle=c.warm_idle, max_segments=c.max_segments,
                 resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
                 block_tokens=c.block_tokens),
-        first_tokens=first_tokens, model=c.model, pool=pool,
+        model=c.model, pool=pool,
     )

@@ -109,7 +109,7 @@ class Steps:
         for a in self.scheduler.moved():
             a.emit(AnswerQueued(a.told))
         if self.caches is not None and not self.scheduler.phase(Phase.WAITING):
-            self.caches.share.want_nothing()  # (a queued answer may have been cancelled)
+            self.caches.want_nothing()  # (a queued answer may have been cancelled)
 
     def _admit(self, a: Answer) -> None:
         if self.scheduler.alone(a.need):

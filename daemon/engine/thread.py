@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 
 import protocol as p
-from cachestore import FirstTokens
 from common.tiers import RESIDENT
 
 from ..config import Config
@@ -96,8 +95,6 @@ class Engine:
         self._refault = False  # fault the heap's reserve in again once the planned prefetch is done
         self.stage_tokenizer: Any = None  # the tokenizer stage's own copy (`tokenize`), once loaded
         self._stage: anyio.CapacityLimiter | None = None  # one call at a time in the stage (made in the loop)
-        #: Whether an answer wants its first token: the cache store's writes give way to it (ioworker.py).
-        self.first_tokens = FirstTokens()
 
     @property
     def config(self) -> Config:
@@ -116,7 +113,8 @@ class Engine:
         self._thread.start()
 
     def submit(self, answer: Answer) -> None:
-        self.first_tokens.arrived()
+        if self.caches is not None:  # (the cache store's writes give way to an answer's first token)
+            self.caches.arrived()
         self._inbox.put(answer)
 
     def cancel(self, session_id: str) -> None:
@@ -181,7 +179,7 @@ class Engine:
         self.pool = shared_budgets(c, self.pool)
         if self.lockstep is None:
             self.scheduler.budget = self.pool.budgets[RESIDENT]  # running caches count against the resident tier's
-        self.caches = open_caches(c, loaded, kv_bits, self.pool, self.first_tokens)
+        self.caches = open_caches(c, loaded, kv_bits, self.pool)
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
         self.weights_bytes = sum(int(v.nbytes) for _, v in params)
@@ -223,26 +221,18 @@ class Engine:
         return c
 
     def _connect_caches(self, probe: list[Any]) -> None:
-        """What the cache store and the admission need from the engine, once the model is warm:
-        a cache's bytes by its length (from the warm-up's cache), the bytes the admitted answers hold,
-        which sessions wait for a read, and a message when the I/O worker's reader reported (not across
-        ranks: they wait, in step)."""
-        assert self.caches is not None and self.steps is not None
-        self.caches.share.measure(probe)
-        self.caches.running_bytes = self.scheduler.held_bytes
-        self.caches.restoring = lambda key: (a := self.scheduler.get(key)) is not None and a.read is not None
-        if self.lockstep is None:
-            self.caches.on_read = lambda: self._inbox.put(ReadReported())
-            # Bytes are admitted across every loaded model's caches; the pool wakes this thread to evict
-            # its own for another model, or when room a queued answer waits for was given back.
-            self.scheduler.room = self._room
-            self.caches.share.on_room = lambda: self._inbox.put(RoomFreed())
-
-    def _room(self, key: str, need: int) -> bool:
-        """The cache store's `room`, once its running answers' bytes are counted afresh (`make_room`)."""
+        """What the cache store and the admission need from the engine, once the model is warm (not
+        across ranks: they wait for reads in step, and each rank's share of the budgets differs). Bytes
+        are admitted across every loaded model's caches (`SessionCaches.room`); the pool wakes this
+        thread to let its own go for another model, or when room a queued answer waits for came back."""
         assert self.caches is not None
-        self.caches.make_room()
-        return self.caches.share.room(key, need)
+        alone = self.lockstep is None
+        self.caches.connect(probe, running_bytes=self.scheduler.held_bytes,
+                            restoring=lambda key: (a := self.scheduler.get(key)) is not None and a.read is not None,
+                            on_read=(lambda: self._inbox.put(ReadReported())) if alone else None,
+                            on_room=(lambda: self._inbox.put(RoomFreed())) if alone else None)
+        if alone:
+            self.scheduler.room = self.caches.room
 
     def open(self) -> None:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
@@ -359,7 +349,8 @@ class Engine:
         self.steps.admit_waiting()
         if self.scheduler.started():
             self.steps.step()
-        self.first_tokens.engine(self.scheduler.before_first_tokens())
+        if self.caches is not None:
+            self.caches.answering(self.scheduler.before_first_tokens())
 
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
@@ -379,11 +370,11 @@ class Engine:
 
     def _handle(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
         if isinstance(cmd, Answer):
-            if self.steps is None:
+            if self.steps is None or self.caches is None:
                 cmd.emit(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
-            self.first_tokens.taken(self.scheduler.before_first_tokens())
+                self.caches.answering(self.scheduler.before_first_tokens(), took=True)
         elif isinstance(cmd, Cancel):
             if self.steps is not None:
                 self.steps.cancel(cmd.session_id)
@@ -393,7 +384,7 @@ class Engine:
             self._refault_heap()
         elif isinstance(cmd, RoomFreed):
             if self.caches is not None:
-                if self.caches.share.fit():  # (the queued answers are tried again after it: `_advance`)
+                if self.caches.fit():  # (the queued answers are tried again after it: `_advance`)
                     self._publish_stats()  # where the sessions' caches are now
         elif isinstance(cmd, Forget):
             a = self.scheduler.get(cmd.session_id)
