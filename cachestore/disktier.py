@@ -129,7 +129,8 @@ class DiskTier:
         """Wait, on the engine thread, for the session's own writes still queued: at most
         WRITTEN_WAIT seconds; whether there were any (`settle`: the store's, taking in reports).
 
-        The one place the engine waits for the disk. A checkout asks only when
+        One of the two places the engine waits for the disk while it serves (the
+        other: ranks in lockstep wait for a read; docs/architecture.md, "Threads"). A checkout asks only when
         the session's live cache and warm snapshot cannot serve its turn (a
         window cache rewound by a regenerate or an edit, a cache paged out) and
         those queued writes hold what can: rare, and a few milliseconds, for

@@ -43,8 +43,8 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 PACKAGES = frozenset(ALLOWED)
 # daemon/'s stack, top to bottom: a module may import only from its own unit or one below it.
-DAEMON_LAYERS = ("cli", "server", "doors", "turns", "prompt", "service", "engine", "models", "device",
-                 "config")
+DAEMON_LAYERS = ("cli", "server", "doors", "turns", "turn", "transcripts", "renders", "prompt", "service", "engine",
+                 "models", "device", "config", "events")
 
 
 def imported(tree: ast.AST, module: str) -> Iterator[tuple[int, str]]:

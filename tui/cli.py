@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "new sessions are made with it, a resumed one switches to it (/model does so later)")
     gen = parser.add_argument_group("generation (for this run; /params sets a session's own)")
     gen.add_argument("--max-tokens", type=_positive_int, metavar="N", help="longest answer, in tokens")
-    gen.add_argument("--temperature", type=_temperature, metavar="T", help="0 (greedy) to 2")
+    gen.add_argument("--temperature", type=_temperature, metavar="T", help=f"0 (greedy) to {TEMPERATURE.high:g}")
     parser.add_argument("--version", action="version", version=f"kvchat {_version()}")
     script = parser.add_argument_group("scripts (with MESSAGE or -)")
     script.add_argument("--json", action="store_true",

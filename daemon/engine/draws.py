@@ -36,7 +36,8 @@ class Draws:
 
     def __init__(self, temperature: float, top_p: float, *, seed: int | None, size: int):
         self.temperature = temperature
-        self.top_p = top_p if top_p_filters(top_p) else 1.0  # 1 means off (common/limits.py)
+        self.cuts = top_p_filters(top_p)  # (1, the top of top_p's range, means off: common/limits.py)
+        self.top_p = top_p if self.cuts else 1.0
         self.size = max(1, size)
         self.drawn = 0  # answer positions drawn so far: the next draw uses key `drawn`
         self._seed = seed
@@ -53,7 +54,7 @@ class Draws:
         sum to one, and mlx-lm's `apply_top_p` before 0.32.2 assumed they did (its main branch at
         d78bf58 still does), cutting every allowed token when the allowed mass was under 1 - top_p.
         """
-        if self.top_p < 1:
+        if self.cuts:
             logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
             logprobs = apply_top_p(logprobs, self.top_p)
         return logprobs * (1.0 / self.temperature)

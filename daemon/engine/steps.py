@@ -155,7 +155,7 @@ class Steps:
                 + fit_advice(len(tokens), self.max_context, history=a.history)
             )
         assert self.caches is not None
-        # The engine never waits for disk: a cache on disk is read by the I/O worker and the answer
+        # The engine does not wait for a read: a cache on disk is read by the I/O worker and the answer
         # starts when the read has ended (`read_reported`); ranks in lockstep wait, to stay in step.
         out = self.caches.checkout(a.session_id, tokens, wait=self.lockstep is not None)
         self.caches.make_room()  # idle caches leave memory for what the admitted answers may reach
