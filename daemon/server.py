@@ -38,7 +38,7 @@ from .doors.anthropic_api import AnthropicDoor, is_anthropic
 from .doors.apiturns import ApiTurns
 from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
-from .doors.guards import asked
+from .doors.guards import NO_ROUTE, asked
 from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
 from .doors.openai_api import OpenAIDoor
@@ -54,9 +54,10 @@ GRACEFUL_SHUTDOWN = 10  # seconds uvicorn waits for open HTTP responses when kvd
 
 
 
-# Answers an operator should see with who asked and for what: a refused token or Host, and a path kvd
-# does not serve (a client pointed at an endpoint kvd lacks, e.g. /v1/messages, failed unseen).
-LOGGED_STATUSES = {401: "refused", 403: "refused", 404: "no such path:"}
+# Answers an operator should see with who asked and for what: a refused token or Host, a path kvd
+# does not serve (a client pointed at an endpoint kvd lacks, e.g. /v1/messages, failed unseen), and
+# something a served path names that kvd does not have (an unknown response id, session or model).
+LOGGED_STATUSES = {401: "refused", 403: "refused", 404: "not found:"}
 
 
 def _logging_refusals(scope: Scope, send: Send) -> Send:
@@ -69,7 +70,8 @@ def _logging_refusals(scope: Scope, send: Send) -> Send:
             started = True
             status = message.get("status")
             if status in LOGGED_STATUSES:
-                log.warning("%s %s: HTTP %d", LOGGED_STATUSES[status], asked(scope), status)
+                said = "no such path:" if scope.get(NO_ROUTE) else LOGGED_STATUSES[status]
+                log.warning("%s %s: HTTP %d", said, asked(scope), status)
         elif not started and message["type"] == "websocket.accept":
             started = True
         await send(message)

@@ -165,7 +165,8 @@ async def test_client_that_stops_reading_is_cut_off(tmp_path: Path) -> None:
 async def test_the_log_names_who_was_refused_and_what_they_asked_for(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A refused token was logged without the path or the client; a 404 not at all (Claude Code's requests to
-    /v1/messages went unseen). The official openai client, a wrong key, a path kvd lacks, a wrong websocket path."""
+    /v1/messages went unseen). The official openai client, a wrong key, a path kvd lacks, a wrong websocket path,
+    and a path kvd serves naming a response it does not have (logged once as "no such path")."""
     import logging
     import re
 
@@ -183,6 +184,8 @@ async def test_the_log_names_who_was_refused_and_what_they_asked_for(
         with pytest.raises(InvalidStatus):
             async with connect(d.url.replace("/v1", "/v2"), additional_headers={"Authorization": f"Bearer {d.token}"}):
                 pass
+        with pytest.raises(openai.NotFoundError):  # a path kvd serves, naming what it does not have
+            await right.responses.retrieve("resp_nope")
         await wrong.close()
         await right.close()
     said = [r.getMessage() for r in caplog.records if r.name == "kvd.server"]
@@ -193,3 +196,6 @@ async def test_the_log_names_who_was_refused_and_what_they_asked_for(
                for line in said), said
     assert any(re.fullmatch(r"no such path: websocket /v2 from 127\.0\.0\.1:\d+ \(User-Agent '[^']+'\): HTTP 404",
                             line) for line in said), said
+    # Not "no such path": an operator would look for a client pointed at the wrong endpoint.
+    assert any(re.fullmatch(rf"not found: GET /v1/responses/resp_nope from 127\.0\.0\.1:\d+ {agent}: HTTP 404", line)
+               for line in said), said

@@ -41,7 +41,7 @@ from ..turn import EventStream, Turn
 from ..turns import Turns
 from .admission import Admission
 from .asgi import headers_of
-from .guards import check, public
+from .guards import NO_ROUTE, check, public
 from .loading import LoadingWatch
 from .openai_schema import ApiError, answers_to
 from .placement import Diverged, Said, place
@@ -138,6 +138,7 @@ def guarded(routes: list[BaseRoute], config: Config, token: str, refuse: Callabl
         assert isinstance(exc, HTTPException)
         status = HTTPStatus(exc.status_code)
         if status == HTTPStatus.NOT_FOUND:
+            request.scope[NO_ROUTE] = True  # (the log says "no such path": server.py)
             return refuse(ApiError(status, f"no such endpoint {request.url.path}; kvd serves {endpoints}"))
         return refuse(ApiError(status, f"{request.method} is not allowed on {request.url.path}"))
 

@@ -18,7 +18,10 @@ handshake and the HTTP API cannot drift apart:
   before each run). The Host and Origin checks still apply to them.
 
 `asked` says in a log line who asked for what (a refusal, a 404), so an
-operator can tell which client is misconfigured.
+operator can tell which client is misconfigured; a door that answers 404
+because kvd serves no such path marks the request (`NO_ROUTE`), so the log
+tells that apart from a 404 for something a served path names (an unknown
+response id, session or model).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 from ..config import Config
 
 LOOPBACK_NAMES = ("localhost",)
+NO_ROUTE = "kvd.no_route"  # set in a request's ASGI scope by the door that found no path for it
 LOGGED_CHARS = 200  # of a path or User-Agent in a log line
 
 

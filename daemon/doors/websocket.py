@@ -47,7 +47,7 @@ from ..engine.thread import Engine
 from ..turns import DISK_FULL_MESSAGE, Turns
 from .asgi import abort_transport, headers_of
 from .connection import Connection
-from .guards import check
+from .guards import NO_ROUTE, check
 from .loading import LoadingWatch
 
 log = logging.getLogger("kvd.server")
@@ -83,6 +83,7 @@ class WebSocketDoor:
 
     def _refusal(self, ws: WebSocket) -> PlainTextResponse | None:
         if ws.url.path != p.PATH:
+            ws.scope[NO_ROUTE] = True
             return PlainTextResponse(f"kvd speaks on {p.PATH}\n", 404)
         refused = check(headers_of(ws.scope), self.config, self._token)
         if refused is not None:
