@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -270,7 +271,10 @@ class Daemon:
                 "prefetched": stats.get("prefetched", {}),
                 "locations": stats.get("locations", {}),
                 "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
-                "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded()}
+                "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded(),
+                # kvd's own threads by name, with their kernel ids (top -H, /proc/PID/task: bench/hostcost.py)
+                "threads": _threads(),
+                **({"profile": stats["profile"]} if "profile" in stats else {})}  # the step profiler's, when on
 
     async def _engine_status(self, engine: Engine) -> dict[str, Any]:
         """The engine's statistics, fresh where it answers within STATUS_TIMEOUT."""
@@ -291,3 +295,13 @@ class Daemon:
             with anyio.move_on_after(STATUS_TIMEOUT):
                 stats = await fresh
         return stats
+
+
+def _threads() -> dict[str, list[int]]:
+    """The daemon's Python threads (kvd-engine, kvd-writer, kvd-io, ...; the event loop is the main thread,
+    "kvd-loop"), each name's kernel thread ids."""
+    out: dict[str, list[int]] = {}
+    for t in threading.enumerate():
+        if t.native_id is not None:
+            out.setdefault(t.name, []).append(t.native_id)
+    return out
