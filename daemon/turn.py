@@ -122,9 +122,12 @@ class Turn:
     message_index: int
     first_new: int  # the first message this turn added (taken back if it can never fit)
     subscribers: set[Listener] = field(default_factory=set)
-    text: str = ""  # the answer so far, as kept while it streams (a tool call's text included)
+    # The answer so far, as kept while it streams (a tool call's text included), in pieces (`text` joins them).
+    pieces: list[str] = field(default_factory=list)
     seq: int = 0
     deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
+    unsent: list[str] = field(default_factory=list)  # shown text waiting for the listeners to write the last delta
+    writing: int = 0  # listeners that have not yet written the last published delta
     stop: StopScan | None = None
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
@@ -146,9 +149,44 @@ class Turn:
     # write one; the engine waits for it (Answer.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
+    @property
+    def text(self) -> str:
+        """The answer so far (joined once per call, not per piece: read at its end and on failures)."""
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
+
     def publish(self, event: TurnEvent) -> None:
         for listener in list(self.subscribers):
             listener.hear(self, event)
+
+    def show(self, text: str, *, now: bool = False) -> None:
+        """Text a client may be shown: published as the next delta once every listener has written the
+        last one (`written`), with whatever else came meanwhile; `now`: at once (the answer's end).
+
+        So a delta carries everything said since the one before it: one engine step's text when the
+        client keeps up, more when it reads slowly. A slow reader gets bigger deltas, never a slower
+        engine, and its outbox holds one delta of a turn at a time.
+        """
+        if text:
+            self.unsent.append(text)
+        if self.unsent and (now or self.writing == 0):
+            text, self.unsent[:] = "".join(self.unsent), []
+            self.deltas.append(text)
+            self.writing = len(self.subscribers)
+            event = AnswerDelta(self.seq, text, self._written if self.writing else None)
+            self.seq += 1
+            if not self.writing:
+                self.handed.set()  # nobody writes it: the engine need not wait
+            self.publish(event)
+
+    def _written(self) -> None:
+        """A listener wrote the last delta (or never will): the first one's hand-off to the engine, and
+        the next delta goes out once every listener has."""
+        self.handed.set()
+        self.writing = max(0, self.writing - 1)
+        if not self.writing and self.unsent:
+            self.show("")
 
     def attach(self, listener: Listener, after_seq: int) -> None:
         """Re-send the deltas `listener` has not seen, as first published, then subscribe it.
