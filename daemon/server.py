@@ -165,6 +165,9 @@ class Daemon:
             proxy_headers=False,
             access_log=False, server_header=False, headers=[("server", f"kvd/{__version__}")],
             ws_max_size=self.config.max_message_bytes, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+            # Frames are small JSON (a delta of a few tokens): compressing each cost the event loop more
+            # than sending it (py-spy, bench/hostcost.py), and the peer is on this machine by default.
+            ws_per_message_deflate=False,
             # No limit_concurrency: past it uvicorn answers everyone, token or not, with a plain-text
             # 503. Connections are bounded where kvd knows who is asking: heads by the protocol
             # (h11guard.py), websockets by max_connections, API turns by max_queued (admission.py).
