@@ -200,6 +200,7 @@ class Steps:
             if self.profile is not None:
                 self.profile.lap("books")
         if (a := self.scheduler.next_prefill()) is not None:
+            self.out.flush(force=True)  # the text held back leaves before a chunk that may take long
             self._prefill(a)
             if self.profile is not None:
                 self.profile.lap("prefill")
@@ -240,7 +241,7 @@ class Steps:
             return
         prefill, answer.prefill = answer.prefill, None
         if self._took(answer, token, time.perf_counter()) and answer.handed is not None:
-            self.out.flush()
+            self.out.flush(force=True)
             answer.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
         if token in self.tokenizer.eos_token_ids:
             # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.

@@ -317,7 +317,7 @@ class Engine:
             s = self.scheduler
             for a in [*s.phase(Phase.WAITING), *s.phase(Phase.RESTORING), *s.started()]:
                 self.steps.cancel(a.key)
-        self.out.flush()  # (the answers' Dones, before the caches are paged out)
+        self.out.flush(force=True)  # (the answers' Dones, before the caches are paged out)
         if self.caches is not None:
             self.caches.page_out_all()
             self.caches.close()
@@ -373,7 +373,7 @@ class Engine:
             assert not isinstance(cmd, Stop), "stop() is for a started engine"
             self._handle(cmd)
         self._advance()
-        self.out.flush()
+        self.out.flush(force=True)
 
     def _handle(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
         if isinstance(cmd, Answer):
