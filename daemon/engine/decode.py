@@ -220,8 +220,12 @@ class Decoder:
     def _speculative(self) -> list[Out] | None:
         """Feed each row's pending token and its draft (if any) in one forward; None: no row drafts.
 
-        Declines when a layer cannot roll back or a row is held to a grammar (its
-        matcher must see every token once, in order).
+        The step waits for the device once: the drafts are looked up in the ids the rows have fed
+        (the lookup's first token is its guess at the pending token, still being computed, and the
+        rest is the draft), the pending tokens join the forward's input on the device, and the
+        verdicts' evaluation is the one wait. A wrong guess costs its draft (verification is exact
+        whatever the draft). Declines when a layer cannot roll back or a row is held to a grammar
+        (its matcher must see every token once, in order).
         """
         rows = self.rows
         if any(r.constraint is not None for r in rows):
@@ -238,10 +242,6 @@ class Decoder:
         k_max = speculate.width(n, max(wanted.values(), default=0))
         if k_max == 0:
             return None
-        assert self.pending is not None
-        self._lap("books")
-        pending = _ints(self.pending)
-        self._lap("device")
         drafts: list[list[int]] = [[] for _ in range(n)]
         for i, k in wanted.items():
             spec = rows[i].spec
@@ -249,19 +249,22 @@ class Decoder:
             room = rows[i].max_tokens - rows[i].reported - 1  # tokens this row may still take
             k = min(k, k_max, room)
             if k > 0:
-                drafts[i] = spec.drafter.propose(k, after=[pending[i]])
+                drafts[i] = spec.drafter.propose(k + 1)[1:]  # (its first: the guess at the pending token)
         K = max(len(d) for d in drafts)
         if K == 0:
             return None
         if not speculate.supported(self.cache):  # a lone row's rotating layer: only a batch cache takes it back
             self._batch()
+        assert self.pending is not None
         self.cache = speculate.in_temporal_order(self.cache)
-        inputs = mx.array([[p, *d, *[p] * (K - len(d))] for p, d in zip(pending, drafts)], dtype=mx.uint32)
+        drafted = mx.array([[*d, *[0] * (K - len(d))] for d in drafts], dtype=mx.uint32)
+        inputs = mx.concatenate([self.pending.astype(mx.uint32)[:, None], drafted], axis=1)
         self._lap("books")
         logits = self.model(inputs, cache=self.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self._lap("graph")
-        verdicts = verify(logprobs, drafts, [r.draws for r in rows])
+        verdicts = verify(logprobs, drafts, [r.draws for r in rows], also=self.pending)
+        pending = _ints(self.pending)  # (evaluated with the verdicts: no second wait)
         self._lap("device")
 
         fed: list[list[int]] = []

@@ -7,7 +7,8 @@ timed by the monotonic clock and the thread's CPU clock at its end (`lap`):
 
 - graph: building the step's graph (the model call, the sampler's ops);
 - launch: `mx.async_eval`, handing the graph to the device (on a GPU the
-  host encodes its kernels here);
+  host encodes its kernels here; MLX's CPU backend waits here until all but a
+  few of the graph's ops have run, so on the CPU this is most of the compute);
 - device: waiting for the device (`tolist`, `item` or `eval` of a result
   not computed yet), the GIL's return after it included;
 - books: kvd's bookkeeping (each row's tokens, stops, the detokenizer, the
@@ -19,8 +20,8 @@ timed by the monotonic clock and the thread's CPU clock at its end (`lap`):
 
 Two figures come from the clocks rather than a section: `gil` is the time
 the thread was neither running nor waiting for a core in the sections that
-hold the GIL (graph, launch, books, handoff, other: wall - CPU - run-queue
-wait), which is the time it waited for the GIL (the event loop held it);
+hold the GIL (graph, books, handoff, other: wall - CPU - run-queue wait),
+which is the time it waited for the GIL (the event loop held it);
 `runq` is its wait for a core (Linux's /proc/thread-self/schedstat: the
 machine's load, not kvd's). `loop` is the event loop's time delivering the
 hand-offs (measured on the loop). Each answer gets one summary line in the
@@ -35,7 +36,9 @@ from dataclasses import dataclass
 
 PROFILE_ENV = "KVD_PROFILE"
 SECTIONS = ("graph", "launch", "device", "books", "handoff", "prefill", "other")
-GIL_SECTIONS = ("graph", "launch", "books", "handoff", "other")  # the GIL held throughout (device waits release it)
+# The GIL held throughout: what else they wait for is the GIL. `mx.async_eval` and the device waits release
+# it, and on MLX's CPU backend async_eval itself waits until all but a few of the graph's ops have run.
+GIL_SECTIONS = ("graph", "books", "handoff", "other")
 FIGURES = (*SECTIONS, "gil", "runq", "loop", "step")
 
 
