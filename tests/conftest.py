@@ -75,7 +75,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
         "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_models_e2e",
-        "test_responses_restart",
+        "test_responses_restart", "test_model_loads",
         "test_anthropic", "test_hostile_messages",
     }),
 }  # fmt: skip

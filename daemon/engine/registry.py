@@ -14,6 +14,11 @@ answers, since each runs on its own thread.
 The model kvd starts with (`--model`, config's `model`) is the default: what a
 request that names no model gets. It is loaded at start as before; after that it
 is a model like the others, except that keep_alive does not unload it.
+
+Loads run one at a time (`_loading`), each after the start-up load of the default has ended: two
+models loading at once on their threads gained nothing (both read disk and warm up on the same
+cores), and every load is one decision counted against the memory the others hold. A load that fails
+logs its exception with its traceback; its waiting requests get one line.
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ class Engines:
         self._slots[self.default].settled.set()
         self._names: tuple[float, dict[str, str]] | None = None
         self.tg: TaskGroup | None = None  # the daemon's; loads run in it
+        self._loading = anyio.Lock()  # one load at a time, in the order asked
         #: Daemon events to every websocket client (the server sets it): `loading` while a model loads.
         self.broadcast: Callable[[dict[str, Any]], None] = lambda event: None
 
@@ -211,7 +217,12 @@ class Engines:
             async with anyio.create_task_group() as announcing:
                 announcing.start_soon(self._announce, slot.name, t0)
                 try:
-                    await self._load_now(slot)
+                    async with self._loading:
+                        await self._after_loads(slot)
+                        await self._load_now(slot)
+                except Exception as e:  # never a waiter left without an answer, nor a load without its cause
+                    log.exception("loading model %s failed", slot.name)
+                    slot.error = f"the model {slot.name} failed to load: {e}; kvd's log has the details"
                 finally:
                     announcing.cancel_scope.cancel()
             if slot.error is None:
@@ -233,13 +244,22 @@ class Engines:
             self.broadcast({"type": p.LOADING, "model": name, "stage": f"loading {name}",
                             "elapsed_s": round(time.monotonic() - t0, 1)})
 
+    async def _after_loads(self, slot: Slot) -> None:
+        """Wait until no other engine is loading (the default's start-up load is not the registry's)."""
+        while any(not e.ready.is_set() for e in self.engines() if e is not slot.engine):
+            await anyio.sleep(POLL)
+
     async def _load_now(self, slot: Slot) -> None:
         """Prepare the model, make room for it, start its engine and wait until it is ready; a failure or a
         refusal is left in `slot.error`."""
+        from ..models.sources import ModelError
+
         name = slot.name
         try:
             path, slot.nbytes = await anyio.to_thread.run_sync(_prepare, name, self.config.models_dir)
-        except Exception as e:  # ModelError: one line; anything else from a model file: still one
+        except Exception as e:  # ModelError: one line; anything else from a model file: still one, and its cause
+            if not isinstance(e, ModelError):
+                log.error("preparing model %s failed", name, exc_info=e)
             slot.error = f"the model {name} cannot be loaded: {e}"
             return
         if (refusal := await self._make_room(name, slot.nbytes)) is not None:
@@ -250,8 +270,9 @@ class Engines:
         engine.start()
         while not engine.ready.is_set():  # a threading.Event the engine thread sets
             await anyio.sleep(POLL)
-        if engine.load_error is not None:
-            slot.error = f"the model {name} failed to load: {engine.load_error}; kvd's log has the details"
+        if (error := engine.load_error) is not None:
+            log.error("loading model %s failed", name, exc_info=error)
+            slot.error = f"the model {name} failed to load: {error}; kvd's log has the details"
             await anyio.to_thread.run_sync(engine.stop)
             return
         slot.nbytes = engine.weights_bytes or slot.nbytes

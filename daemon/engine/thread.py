@@ -238,9 +238,8 @@ class Engine:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
         try:
             self.load()
-        except BaseException as e:  # reported to every client; `kvd serve` then stops (startup.py)
-            log.debug("loading model %s failed", self.config.model, exc_info=True)
-            self.load_error = e
+        except BaseException as e:  # reported to every client, its traceback logged by whoever loaded it:
+            self.load_error = e  # `kvd serve` at start (startup.py, then it stops), the registry after
         if self.caches is not None and self.config.prefetch:
             import mlx.core as mx
 
