@@ -176,13 +176,14 @@ class Engine:
         params: Any = tree_flatten(loaded.model.parameters())
         if refusal := current().kv_bits_refusal(c.kv_bits, weights_label(params, {})):
             raise ValueError(refusal)
-        self.pool = shared_budgets(c, self.pool)
+        weights = sum(int(v.nbytes) for _, v in params)
+        self.pool = shared_budgets(c, self.pool, weights)
         if self.lockstep is None:
             self.scheduler.budget = self.pool.budgets[RESIDENT]  # running caches count against the resident tier's
         self.caches = open_caches(c, loaded, kv_bits, self.pool)
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
-        self.weights_bytes = sum(int(v.nbytes) for _, v in params)
+        self.weights_bytes = weights
         self.steps = Steps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
                                lockstep=self.lockstep, max_context=self.max_context,
                                publish=self._publish_stats)
@@ -382,9 +383,7 @@ class Engine:
                 self.steps.read_reported()
             self._refault_heap()
         elif isinstance(cmd, RoomFreed):
-            if self.caches is not None:
-                if self.caches.fit():  # (the queued answers are tried again after it: `_advance`)
-                    self._publish_stats()  # where the sessions' caches are now
+            self._room_freed()
         elif isinstance(cmd, Forget):
             a = self.scheduler.get(cmd.session_id)
             if self.caches is not None and (a is None or a.phase in (Phase.WAITING, Phase.RESTORING)):
@@ -400,6 +399,14 @@ class Engine:
                 return
             self._publish_stats()
             cmd.reply(self.stats)
+
+    def _room_freed(self) -> None:
+        """The budgets every model shares changed (memory.py), or room came back, or another model waits
+        for room this one's older caches hold."""
+        if self.pool is not None and self.lockstep is None:
+            self.scheduler.budget = self.pool.budgets[RESIDENT]
+        if self.caches is not None and self.caches.fit():  # (queued answers are tried again after it: `_advance`)
+            self._publish_stats()  # where the sessions' caches are now
 
     def _prefetch_one(self) -> None:
         """Hand the planned sessions to the cache store, which pages them into memory one read at
