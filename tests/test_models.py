@@ -199,7 +199,8 @@ async def test_kvchat_model_flag_and_model_command(tmp_path: Path) -> None:
             "/quit"])
         lines = screen.lines
         assert "model: tiny-swa; /model NAME answers from another" in lines
-        assert "the next answer comes from builtin:tiny (kvd loads it on first use)" in lines
+        assert "the next answer comes from builtin:tiny (loaded)" in lines  # the default is: not "loads it"
+        assert "the next answer comes from nonsense (kvd loads it on first use)" in lines
         assert "model: builtin:tiny; /model NAME answers from another" in lines
         assert any(line.startswith("error: kvd cannot serve a model named 'nonsense'") for line in lines), lines
         sid = re.search(r"session ([0-9a-f]{16}) · model builtin:tiny-swa", screen.text).group(1)  # type: ignore[union-attr]

@@ -76,7 +76,7 @@ class OpenAIDoor:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
         self.app = guarded(routes, config, token, error_response,
-                           "/v1/chat/completions, /v1/responses and /v1/models", door="chat")
+                           "/v1/chat/completions, /v1/responses, /v1/messages and /v1/models", door="chat")
 
     # --- GET / ---
 
