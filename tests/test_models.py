@@ -206,9 +206,9 @@ async def test_a_switch_to_a_loaded_model_says_which_model_keeps_the_cache_in_th
         first = await api(d).chat.completions.create(model=TINY, messages=ask, max_tokens=3, temperature=0)
         ask += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "On?"}]
         second = await api(d).chat.completions.create(model=SWA, messages=ask, max_tokens=3, temperature=0)
-    kvd: Any = second.model_extra["kvd"]
+    kvd: Any = (second.model_extra or {})["kvd"]
     assert (kvd["restored_from"], kvd["model"], kvd["kept_for"]) == ("none", SWA, [TINY]), kvd
-    assert second.usage is not None and second.usage.model_extra["kvd"]["kept_for"] == [TINY]  # in usage too
+    assert second.usage is not None and (second.usage.model_extra or {})["kvd"]["kept_for"] == [TINY]  # usage too
 
 
 async def test_kvchat_model_flag_and_model_command(tmp_path: Path) -> None:
