@@ -70,4 +70,14 @@ def _by_client(db: Database, out: dict[str, str]) -> dict[str, str]:
         head = first.setdefault(origin, out.get(sid, sid))
         if head != sid and sid not in out:
             out[sid] = head
-    return out
+    return {sid: _root(out, sid) for sid in out}
+
+
+def _root(out: dict[str, str], sid: str) -> str:
+    """The conversation's first session: what `sid` branches, and what that branches, to the end (a
+    branch of a session the client's conversation joined to another is that other's too)."""
+    seen = {sid}
+    while (up := out.get(sid)) is not None and up not in seen:  # (each step goes to an older session)
+        seen.add(up)
+        sid = up
+    return sid
