@@ -215,3 +215,25 @@ async def test_an_agents_first_requests_are_titled_by_the_users_words_and_groupe
     first, second = sorted(claudes, key=lambda s: s["created_at"])
     assert second["branch_of"] == first["id"] and first["branch_of"] is None  # one row in kvchat's list
     assert str(by_title["List the files."]["origin"]) == "api (codex_exec/0.50.0; conversation 0199-codex)"
+
+
+async def test_an_answer_that_filled_the_room_the_context_left_says_so(tmp_path: Path) -> None:
+    """Claude Code asks for 64,000 tokens; beside a long prompt the answer gets the room the context leaves, and
+    one cut there is not "max_tokens" (Claude Code: "exceeded the 64000 output token maximum") but Anthropic's
+    own `model_context_window_exceeded`; the OpenAI doors say `length`, and every `kvd` object `context_full`.
+    (builtin:tiny's random weights, greedy, write to the end of the room.)"""
+    long = "x " * 4_040  # ~8,100 tokens of the 8,192-token context: under 100 left
+    async with running_daemon(tmp_path) as d:
+        base = d.url.replace("ws://", "http://")
+        claude = anthropic.AsyncAnthropic(base_url=base.removesuffix("/v1"), api_key=d.token, max_retries=0)
+        made = await claude.messages.create(model="kvd", messages=[{"role": "user", "content": long}],
+                                            max_tokens=64_000, extra_body={"temperature": 0}, timeout=300)
+        chat = openai.AsyncOpenAI(base_url=base, api_key=d.token, max_retries=0)
+        cut = await chat.chat.completions.create(model="kvd", messages=[{"role": "user", "content": long}],
+                                                 max_tokens=64_000, temperature=0)
+        await claude.close()
+        await chat.close()
+    kvd: Any = (made.model_extra or {})["kvd"]
+    assert made.stop_reason == "model_context_window_exceeded" and kvd["context_full"], (made.stop_reason, kvd)
+    assert made.usage.output_tokens == kvd["max_tokens"] < 100 and kvd["max_tokens_asked"] == 64_000, kvd
+    assert cut.choices[0].finish_reason == "length" and (cut.model_extra or {})["kvd"]["context_full"]
