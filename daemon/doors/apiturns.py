@@ -11,7 +11,6 @@ are httpdoor's `ApiError`s, which each door words in its own error shape.
 
 from __future__ import annotations
 
-import logging
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -47,8 +46,6 @@ from .placement import Diverged, Said, place
 from .rules import OUTPUT_LIMIT_FITS, without_tools
 from .titles import title_for
 from .toolcalls import StreamSplit, ToolFormat
-
-log = logging.getLogger("kvd.api")
 
 SESSION_HEADER = "X-Kvd-Session"
 REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
