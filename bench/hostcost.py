@@ -1,7 +1,9 @@
 """The host's cost per decoded token, on any machine: kvd against in-process mlx-lm on a model whose
 forward is nearly free, so what is left is the host's own path (issue 50's CPU guard).
 
-Run: .venv/bin/python bench/hostcost.py [--runs 5] [--tokens 512] [--shapes micro small]
+Run: .venv/bin/python bench/hostcost.py [--runs 5] [--tokens 512] [--shapes micro [small]]
+
+(../shared/gpu/check.sh runs it with its defaults, the micro model only, within 120 s on a GPU.)
 
 Models (bench/llamas.py): random-weight Llamas in the device's dtype, `micro` (one layer, 64 wide:
 the forward nearly free) and `small` (4 layers, 256 wide). For each, alternately, `--runs` times:
@@ -243,7 +245,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="alternating runs per side and shape")
     ap.add_argument("--tokens", type=int, default=512, help="tokens per answer")
-    ap.add_argument("--shapes", nargs="+", default=["micro", "small"])
+    ap.add_argument("--shapes", nargs="+", default=["micro"], help="of micro, small (default: micro)")
     ap.add_argument("--dir", help="where the models and the data dir go (default a temp dir)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
