@@ -243,7 +243,7 @@ def pays(queries: mx.array, keys: Any) -> bool:
     cache's keys are a (packed, scales, biases) triple)."""
     B, H, L, _ = queries.shape
     S = (keys[0] if isinstance(keys, Sequence) else keys).shape[2]
-    return B * H * L * S >= MIN_SCORES
+    return bool(B * H * L * S >= MIN_SCORES)
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
