@@ -217,7 +217,9 @@ def after_kill(data: Path, convs: list[Conversation]) -> None:
     (the last turn's prompt and answer, read as kvd's next start reads them)
     begin with: a kill that cut the last turn's write-behind leaves the turn
     before's chain, whose last ids (an answer drawn, which the OpenAI door
-    encodes again otherwise) the conversation may have parted from.
+    encodes again otherwise) the conversation may have parted from. A window's
+    chain parting before its end restores at the last block's end before that
+    (or a turn's end between: a bound on the safe side).
     """
     held = disk_ids(data / "cache")
     with closing(sqlite3.connect(f"file:{data / 'kvd.sqlite'}?mode=ro", uri=True)) as db:
@@ -225,7 +227,10 @@ def after_kill(data: Path, convs: list[Conversation]) -> None:
     fed = {sid: unpack_tokens(bytes(blob)) for sid, blob in rows}
     for c in convs:
         if c.session is not None:
-            agree = common_prefix_len(held.get(c.session, ()), fed.get(c.session, ()))
+            chain = held.get(c.session, ())
+            agree = common_prefix_len(chain, fed.get(c.session, ()))
+            if c.model in WINDOWS and agree < len(chain):
+                agree = agree // BLOCK * BLOCK  # a window's chain parting there restores at a block's end
             c.held, c.restarted = min(c.held, agree), True
 
 
