@@ -304,3 +304,33 @@ async def test_a_window_models_warm_cache_keeps_its_blocks_through_an_unload(tmp
         assert regen["type"] == "chat.done", regen
         assert regen["usage"]["prompt_tokens"] == two["usage"]["prompt_tokens"]
         assert regen["usage"]["restored_from"] == "disk" and regen["usage"]["cached_tokens"] >= turn_one, regen
+
+
+async def test_a_window_models_prompt_that_ends_on_a_block_end_keeps_that_block(tmp_path: Path) -> None:
+    """Issue 51: a sliding window's block is taken where its prefill passes the block's end, and a prompt
+    that ended exactly there took none (the capture came only while ids were left to feed), so its last
+    block was lost: the next turn through the OpenAI door, whose render parts from the ids drawn after
+    the prompt, restored a block short (768 of a 896-id prompt in the campaign). Here the prompt is two
+    blocks and the next request's answer is another text: it restores both blocks."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from daemon.models.builtin import ensure_builtin
+    from daemon.prompt import conversation_ids
+
+    tokenizer = load_tokenizer(ensure_builtin(SWA, tmp_path / "models"))
+    words = "the sea hills weather river stone light morning city road garden window story letter".split()
+    said: list[str] = []
+    while len(conversation_ids(tokenizer, [{"role": "user", "content": " ".join(said)}], None)) < 2 * 128:
+        said.append(words[len(said) % len(words)])
+    messages = [{"role": "user", "content": " ".join(said)}]
+    assert len(conversation_ids(tokenizer, messages, None)) == 2 * 128  # each word one id
+    async with running_daemon(tmp_path / "kvd", model=SWA) as d:
+        first = await api(d).chat.completions.create(model=SWA, messages=messages,  # type: ignore[arg-type]
+                                                      max_tokens=8, temperature=0)
+        assert first.usage is not None and first.usage.prompt_tokens == 2 * 128
+        messages += [{"role": "assistant", "content": "Another answer, not the one drawn."},
+                     {"role": "user", "content": "And then?"}]
+        second = await api(d).chat.completions.create(model=SWA, messages=messages,  # type: ignore[arg-type]
+                                                       max_tokens=8, temperature=0)
+        assert second.usage is not None and second.usage.prompt_tokens_details is not None
+        assert second.usage.prompt_tokens_details.cached_tokens == 2 * 128, second.usage

@@ -3,7 +3,8 @@
 `prefill.last_position` builds the twin and checks it at load; a prefill with
 it must give the very first token and the very cache a prefill without it
 gives, over a cache and from nothing, on both built-in models (a sliding
-window among them); a model of another structure keeps its whole head.
+window among them); a model of another structure keeps its whole head. And a window's prefill
+reports every block end it reaches, the prompt's own end included.
 """
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ def test_the_last_chunk_through_the_twin_gives_the_same_logits_and_cache(models:
     for a, b in zip(cache_a, cache_b, strict=True):
         for x, y in zip(a, b, strict=True):
             assert mx.array_equal(x, y)  # the layers ran the same: only the head's rows differ
+
+
+@pytest.mark.parametrize("fed", [0, 100])
+def test_a_windows_block_ends_are_each_reported_the_prompts_own_end_included(models: dict[str, Any],
+                                                                            fed: int) -> None:
+    """A sliding window's block is taken where the prefill reaches its end (`at_boundary`): a prompt
+    that ends on one reports it too, after its last chunk (issue 51: that block was lost)."""
+    model = models["builtin:tiny-swa"]
+    cache = make_cache(model, None)
+    if fed:
+        Prefill(model, cache, PROMPT[:fed + 1], 0, step=64).advance(fed)  # a cache of `fed` ids
+    seen: list[tuple[int, int]] = []
+    pre = Prefill(model, cache, PROMPT[:128], fed, step=48, boundary=32,
+                  at_boundary=lambda c, ids: seen.append((len(ids), c[0].offset)))
+    while pre.advance() is None:
+        pass
+    assert seen == [(n, n) for n in (32, 64, 96, 128) if n > fed]
 
 
 def test_the_twin_shares_the_weights_and_leaves_the_model_alone(models: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ class Prefill:
     """The state of one prompt's prefill: `cache` holds `tokens[:fed]`.
 
     `boundary`: a chunk never crosses a multiple of it, and `at_boundary(cache,
-    ids fed)` is called at each one the prompt goes past (a cache with a
+    ids fed)` is called at each one the prompt reaches, its end included (a cache with a
     sliding window, whose state at a block's end can only be taken there:
     cachestore's `SessionCaches.windows`).
 
@@ -81,10 +81,11 @@ class Prefill:
         model = self.last if self.fed + len(chunk) == len(self.tokens) else self.model
         logits = model(mx.array(chunk)[None], cache=self.cache)
         self.fed += len(chunk)
+        if self.boundary and self.at_boundary and self.fed % self.boundary == 0:
+            # the prompt's last chunk too: a prompt that ends on a block's end keeps that block
+            self.at_boundary(self.cache, self.tokens[:self.fed])
         if self.remaining:
             mx.eval([c.state for c in self.cache])
-            if self.boundary and self.at_boundary and self.fed % self.boundary == 0:
-                self.at_boundary(self.cache, self.tokens[:self.fed])
             if self.clear_cache:
                 mx.clear_cache()
             return None
