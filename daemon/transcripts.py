@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from sessions import DamagedFedIds, Message, Session, Store, stash
+from sessions import DamagedFedIds, Message, Session, Store, new_session_id, stash
 from sessions.chains import Chains, build, said
+from sessions.responses import Points, answered_at, branch_away
 from sessions.writer import Writer
 
 from .prompt import template_message
@@ -58,9 +59,19 @@ class Held:
     stashed: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     said_index: list[int] = field(default_factory=list)  # said messages (chains.said), as a prompt renders them
     said_template: list[dict[str, Any]] = field(default_factory=list)
+    responses: list[int] = field(default_factory=list)  # the answer indices of its stored responses, in order
 
     def __post_init__(self) -> None:
         self.resay()
+
+    def fed_cut(self, index: int) -> tuple[int, int]:
+        """How many fed ids stand for messages before `index`, and for how many messages: the end of the
+        last earlier turn whose boundary is known (the next turn appends to exactly what was fed)."""
+        keep, covers = 0, 0
+        for m in self.messages[:index]:
+            if m["fed_end"] is not None and m["fed_end"] <= len(self.fed):
+                keep, covers = m["fed_end"], m["index"] + 1
+        return keep, covers
 
     def resay(self) -> None:
         # An answer that ended empty is said: its fed ids hold it, and the API door keeps it too.
@@ -132,7 +143,7 @@ def _load(session_id: str) -> Callable[[Store], Held | None]:
         fed, covers = _fed(store, session_id)
         return Held(session_id, session["system"], session["params"], store.messages(session_id), fed, covers,
                     model=session["model"], fed_model=stash.fed_model(store, session_id) if fed else None,
-                    stashed=stash.stashed(store, session_id))
+                    stashed=stash.stashed(store, session_id), responses=answered_at(store, session_id))
 
     return load
 
@@ -147,6 +158,7 @@ class Transcripts:
         self.chains = Chains()
         self._held: OrderedDict[str, Held] = OrderedDict()
         self._clock = time.time  # the memory's timestamps; the rows get the store's own
+        self.points = Points()  # the Responses API's ids used lately: their session and answer
 
     async def start(self) -> None:
         """Start the writer and build the chains index from the store (on the writer thread)."""
@@ -252,7 +264,11 @@ class Transcripts:
         return self._write(lambda s: s.update_message(sid, index, **fields), durable=durable,
                            label="answer" if fields.get("status") else "")
 
-    def truncate(self, held: Held, from_index: int) -> Write:
+    def truncate(self, held: Held, from_index: int, *, taken_back: bool = False) -> Write:
+        """Cut the session back to its first `from_index` messages; stored responses that named what is cut
+        keep it, in a new session (`_branch`), in the same write. `taken_back`: a refused turn's own messages,
+        which no response names but its own (forgotten by its door)."""
+        branch = None if taken_back else self._branch(held, from_index)
         if held.stashed:  # other models' ids may stand for messages cut here: their next turn renders afresh
             held.stashed.clear()
             self._write(partial(stash.drop_stash, session_id=held.session_id), durable=False)
@@ -261,7 +277,39 @@ class Transcripts:
             held.resay()
         self.chains.truncate(held.session_id, from_index)
         sid = held.session_id
-        return self._write(lambda s: s.truncate_messages(sid, from_index), durable=True)
+
+        def cut(store: Store) -> int:
+            if branch is not None:
+                branch(store)
+            return store.truncate_messages(sid, from_index)
+
+        return self._write(cut, durable=True)
+
+    def _branch(self, held: Held, from_index: int) -> Callable[[Store], int] | None:
+        """What keeps the answers of the session's stored responses at `from_index` or later when the session
+        is cut there (sessions/responses.py's `branch_away`): a response id names one answer forever. The new
+        session is not held nor chained here: continuing a response holds it (and so chains it)."""
+        moving = [i for i in held.responses if i >= from_index]
+        if not moving:
+            return None
+        end = moving[-1] + 1
+        keep, covers = held.fed_cut(end)
+        new_id = new_session_id()
+        held.responses = [i for i in held.responses if i < from_index]
+        self.points.moved(held.session_id, from_index)
+        log.info("session %s is rewritten from message %d: %d stored response(s) keep their conversation "
+                 "(messages 0-%d) in a new session %s", held.session_id, from_index, len(moving), end - 1, new_id)
+        return partial(branch_away, session_id=held.session_id, new_id=new_id, end=end, moving_from=from_index,
+                       tokens=held.fed[:keep], covers=covers, model=held.fed_model if keep else None)
+
+    def responded(self, held: Held, index: int) -> None:
+        """A stored response names answer `index` of the session (its row is queued by the Responses door)."""
+        bisect.insort(held.responses, index)
+
+    def unresponded(self, session_id: str, index: int) -> None:
+        """A stored response of the session was deleted (or refused): a rewrite need not keep its answer."""
+        if (held := self._held.get(session_id)) is not None and index in held.responses:
+            held.responses.remove(index)
 
     def set_tokens(self, held: Held, tokens: Sequence[int], *, covers: int) -> Write:
         held.fed, held.covers = list(tokens), covers

@@ -153,10 +153,7 @@ class Turns:
         known, so the next turn appends to exactly what was fed; the engine
         then rewinds the session's cache to the longest prefix it still shares.
         """
-        keep, covers = 0, 0
-        for m in held.messages[:index]:
-            if m["fed_end"] is not None and m["fed_end"] <= len(held.fed):
-                keep, covers = m["fed_end"], m["index"] + 1
+        keep, covers = held.fed_cut(index)
         self.transcripts.truncate(held, index)
         self.transcripts.set_tokens(held, held.fed[:keep], covers=covers)
 
@@ -246,10 +243,10 @@ class Turns:
             found = self.transcripts.get(session_id)
             assert found is not None, "placement holds the session before it applies its plan"
             held = found
+            if rewind_from is not None:  # first: stored responses it branches away keep the old system prompt
+                self.rewind(held, rewind_from)
             if new_system:
                 self.transcripts.system_changed(held, system)
-            if rewind_from is not None:
-                self.rewind(held, rewind_from)
         first_new = len(held.messages)
         chained = links is None or len(links) != len(messages) or not all(
             said(m["content"], m.get("tool_calls")) for m in messages)
@@ -487,7 +484,7 @@ class Turns:
             # Nothing was generated and the turn can never be answered as it is (too long, no such
             # model, a conversation the template refuses): take it back, so the session stays usable
             # (the client still has the text).
-            turn.writes.append(t.truncate(held, turn.first_new))
+            turn.writes.append(t.truncate(held, turn.first_new, taken_back=True))
         else:
             turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                         status="error", finish_reason="error"))

@@ -215,3 +215,11 @@ def m009_responses(db: Database) -> None:
         """
     )
     db.execute("CREATE INDEX responses_session ON responses (session_id)")
+
+
+@migration
+def m010_response_items(db: Database) -> None:
+    # responses.items_session: the session whose id names the response's input items (`msg_<session><idx>`)
+    # when its conversation was branched away from a session rewritten in place (sessions/responses.py's
+    # branch_away): the items keep the ids they were listed under. NULL: the response's own session.
+    db.execute("ALTER TABLE responses ADD COLUMN items_session TEXT")

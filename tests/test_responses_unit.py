@@ -16,7 +16,15 @@ from daemon.doors.responses_schema import conversation, parse
 from daemon.doors.responses_stored import input_items, stored_object
 from daemon.events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerStarted, AnswerToolCall
 from sessions import Store
-from sessions.responses import StoredResponse, delete_response, get_response, put_response
+from sessions.responses import (
+    Points,
+    StoredResponse,
+    answered_at,
+    branch_away,
+    delete_response,
+    get_response,
+    put_response,
+)
 
 CONFIG = Config()
 
@@ -225,9 +233,57 @@ def test_a_stored_response_shows_its_answer_and_its_input(tmp_path: Path) -> Non
         newest = input_items(store, "resp_2", order="desc", limit=1, after=None)
         assert newest is not None and newest["data"][0]["content"][0]["text"] == "more"
 
-        assert delete_response(store, "resp_1") and not delete_response(store, "resp_1")
+        assert delete_response(store, "resp_1") == (sid, 1) and delete_response(store, "resp_1") is None
         assert stored_object(store, "resp_1", "m") is None and stored_object(store, "resp_2", "m") is not None
         store.truncate_messages(sid, 2)  # the session was cut back before resp_2's answer
         assert stored_object(store, "resp_2", "m") is None
         store.delete_session(sid)
         assert get_response(store, "resp_2") is None  # a session takes its responses with it
+
+
+def test_a_rewrite_branches_the_responses_it_would_touch_away_and_they_show_what_they_did(tmp_path: Path) -> None:
+    with Store(tmp_path / "kvd.sqlite") as store:
+        sid = store.create_session(title="t", system="be brief", origin="api (x)")["id"]
+        for i, (role, text) in enumerate([("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d"),
+                                          ("user", "e"), ("assistant", "f")]):
+            store.append_message(sid, role, text)
+            if role == "assistant":
+                store.update_message(sid, i, status="complete", finish_reason="stop", usage=USAGE, fed_end=10 * i)
+        store.set_tokens(sid, list(range(50)), covers=6, model="m")
+        for rid, answer in (("resp_1", 1), ("resp_3", 3), ("resp_5", 5)):
+            put_response(store, row(rid, sid, answer))
+        assert answered_at(store, sid) == [1, 3, 5]
+        shown = {rid: (stored_object(store, rid, "m"), input_items(store, rid, order="asc", limit=20, after=None))
+                 for rid in ("resp_1", "resp_3", "resp_5")}
+
+        # An edit of message 2 touches resp_3 and resp_5 (their input or answer): they go, with messages 0-5.
+        assert branch_away(store, session_id=sid, new_id="b" * 16, end=6, moving_from=2, tokens=list(range(30)),
+                           covers=4, model="m") == 2
+        store.truncate_messages(sid, 2)
+        assert answered_at(store, sid) == [1] and answered_at(store, "b" * 16) == [3, 5]
+        for rid, (got, items) in shown.items():
+            assert input_items(store, rid, order="asc", limit=20, after=None) == items  # the ids they had
+            moved = stored_object(store, rid, "m")
+            assert moved is not None and got is not None
+            assert {**moved, "kvd": None} == {**got, "kvd": None}
+            assert moved["kvd"]["session"] == (sid if rid == "resp_1" else "b" * 16)
+        branch = store.get_session("b" * 16)
+        assert branch is not None and (branch["title"], branch["system"], branch["origin"]) == ("t", "be brief",
+                                                                                             "api (x)")
+        assert [m["content"] for m in store.messages("b" * 16)] == list("abcdef")
+        assert store.fed("b" * 16) == (list(range(30)), 4)  # its own checksum: verified as it is read
+        # A second rewrite of the branch keeps the ids its responses' items were first listed under.
+        assert branch_away(store, session_id="b" * 16, new_id="c" * 16, end=6, moving_from=4, tokens=[],
+                           covers=0, model=None) == 1
+        assert input_items(store, "resp_5", order="asc", limit=20, after=None) == shown["resp_5"][1]
+
+
+def test_points_forget_what_a_rewrite_moved() -> None:
+    points = Points(size=2)
+    points.remember("r1", "s", 1)
+    points.remember("r3", "s", 3)
+    points.moved("s", 2)
+    assert points.get("r1") == ("s", 1) and points.get("r3") is None
+    points.remember("r5", "t", 5)
+    points.remember("r7", "t", 7)
+    assert points.get("r1") is None  # the least recently used went

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from http import HTTPStatus
@@ -61,7 +60,6 @@ log = logging.getLogger("kvd.api")
 
 PATH = "/v1/responses"
 Sender = Callable[[dict[str, Any]], Any]
-RECENT = 4096  # response ids whose point is remembered in memory (a continuation then reads no row)
 
 
 class Read(NamedTuple):
@@ -113,7 +111,7 @@ class ResponsesDoor:
         self.config = config
         self.turns = api.turns
         self.api = api  # shared with the other HTTP doors: one admission queue for all
-        self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, answer index)
+        self.points = api.turns.transcripts.points  # id -> (session, answer index), lately used ones
         routes: list[BaseRoute] = [
             Route(PATH, self.create, methods=["POST"]),
             Route(f"{PATH}/input_tokens", self.input_tokens, methods=["POST"]),
@@ -179,24 +177,21 @@ class ResponsesDoor:
                 turn.unstored.append(write)
             else:
                 turn.writes.append(write())
-            self._remember(rid, turn.session_id, turn.message_index)
+            assert turn.held is not None
+            self.turns.transcripts.responded(turn.held, turn.message_index)  # a rewrite keeps its answer
+            self.points.remember(rid, turn.session_id, turn.message_index)
         shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": turn.session_id})
         return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
                                stored=req.store)
 
-    def _remember(self, rid: str, session_id: str, index: int) -> None:
-        self._recent[rid] = (session_id, index)
-        while len(self._recent) > RECENT:
-            self._recent.popitem(last=False)
-
     async def _point(self, response_id: str) -> tuple[str, int]:
         """The session and answer index a stored response names (a 404 when none)."""
-        if (point := self._recent.get(response_id)) is not None:
+        if (point := self.points.get(response_id)) is not None:
             return point
         row = await self.turns.transcripts.read(lambda s: get_response(s, response_id))
         if row is None:
             raise _not_found(response_id, "previous_response_id")
-        self._remember(response_id, row.session_id, row.answer_idx)
+        self.points.remember(response_id, row.session_id, row.answer_idx)
         return row.session_id, row.answer_idx
 
     async def _history(self, response_id: str) -> list[Said]:
@@ -207,7 +202,8 @@ class ResponsesDoor:
         except RequestError:
             raise _not_found(response_id, "previous_response_id") from None
         if index >= len(held.messages) or held.messages[index]["role"] != "assistant":
-            # Its session was cut back (kvchat's regenerate or edit).
+            # Not its answer: a rewrite branches responses away first (sessions/responses.py), so only a
+            # response whose own turn was refused gets here, before the door forgets it.
             raise _not_found(response_id, "previous_response_id")
         if held.messages[index]["status"] == "streaming":
             raise ApiError(HTTPStatus.CONFLICT, f"the response {response_id} is still being generated; wait for it "
@@ -218,8 +214,11 @@ class ResponsesDoor:
         return await anyio.to_thread.run_sync(_said, kept)  # a long conversation: off the loop
 
     async def forget(self, response_id: str) -> bool:
-        self._recent.pop(response_id, None)
-        return await self.turns.transcripts.writer.run(lambda s: delete_response(s, response_id), durable=True)
+        self.points.drop(response_id)
+        point = await self.turns.transcripts.writer.run(lambda s: delete_response(s, response_id), durable=True)
+        if point is not None:
+            self.turns.transcripts.unresponded(*point)
+        return point is not None
 
     # --- GET, DELETE /v1/responses/{id}, GET .../input_items ---
 

@@ -66,7 +66,7 @@ def input_items(store: Store, response_id: str, *, order: str, limit: int,
     if row is None or answer_of(store, row) is None:
         return None
     items = [item for m in input_of(store, row) if said(m["content"], m["tool_calls"], m["status"])
-             for item in _items(row.session_id, m)]
+             for item in _items(row.items_of, m)]
     if order == "desc":
         items.reverse()
     if after is not None:
