@@ -223,3 +223,21 @@ def m010_response_items(db: Database) -> None:
     # when its conversation was branched away from a session rewritten in place (sessions/responses.py's
     # branch_away): the items keep the ids they were listed under. NULL: the response's own session.
     db.execute("ALTER TABLE responses ADD COLUMN items_session TEXT")
+
+
+@migration
+def m011_commit_count(db: Database) -> None:
+    # How many fsynced commits the writer made (sessions/commits.py): a start that finds fewer than the
+    # note beside the database says lost them (a deleted or damaged WAL). `database` names this database
+    # (a backup is marked `backup`, and takes a new id when it is put back and served).
+    db.execute(
+        """
+        CREATE TABLE commit_count (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            database BLOB NOT NULL,
+            commits INTEGER NOT NULL CHECK (commits >= 0),
+            backup INTEGER NOT NULL DEFAULT 0
+        )
+        """
+    )
+    db.execute("INSERT INTO commit_count (id, database, commits) VALUES (1, randomblob(16), 0)")

@@ -68,8 +68,9 @@ def get_response(store: Store, response_id: str) -> StoredResponse | None:
 def delete_response(store: Store, response_id: str) -> tuple[str, int] | None:
     """Forget the response; the conversation it answered stays (other responses may continue it).
     Returns the point it named (its session and answer index), None if there was no such response."""
-    row = store.db.execute("DELETE FROM responses WHERE id = ? RETURNING session_id, answer_idx",
-                           [response_id]).fetchone()
+    with store.db.atomic():  # RETURNING: its rows are read inside the transaction
+        row = store.db.execute("DELETE FROM responses WHERE id = ? RETURNING session_id, answer_idx",
+                               [response_id]).fetchone()
     return (str(row[0]), int(row[1])) if row is not None else None
 
 

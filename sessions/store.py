@@ -96,7 +96,10 @@ class Store:
         if not self.db.memory:
             self.db.enable_wal()
         self.db.execute(f"PRAGMA synchronous = {self.synchronous}")
-        migrate(self.db)
+        self.path = None if memory else Path(path)
+        if migrate(self.db) and not memory:
+            # A new schema (a new database's commit count among it) in the main file, not only in the WAL.
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
         self.db.close()
@@ -377,11 +380,6 @@ class Store:
     def session_ids(self) -> set[str]:
         """Every session's id (a start compares them with what the cache holds)."""
         return {row[0] for row in self.db.execute("SELECT id FROM sessions")}
-
-    def interrupted_session_ids(self) -> set[str]:
-        """Sessions with an answer a crash left 'streaming' (a start asks before recover_interrupted)."""
-        rows = self.db.execute("SELECT DISTINCT session_id FROM messages WHERE status = 'streaming'")
-        return {row[0] for row in rows}
 
     def message_count(self) -> int:
         """Messages in every session (backups are taken after enough new ones)."""

@@ -415,7 +415,7 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
                                                "WHERE migration_set = 'kvd.sessions' ORDER BY id")]
     assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks",
                      "m005_session_origin", "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model",
-                     "m009_responses", "m010_response_items"]
+                     "m009_responses", "m010_response_items", "m011_commit_count"]
 
 
 def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
@@ -439,7 +439,7 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
     db.conn.commit()
     assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks", "m005_session_origin",
                            "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model",
-                           "m009_responses", "m010_response_items"]
+                           "m009_responses", "m010_response_items", "m011_commit_count"]
     assert LEGACY_TABLE not in db.table_names() and MIGRATIONS.pending(db) == []
     assert migrate(db) == []
     db.close()
