@@ -102,12 +102,13 @@ class Held:
 
 
 def _message(index: int, role: str, content: str, status: str, now: float,
-             tool_calls: Sequence[Mapping[str, str]] | None, tool_call_id: str | None) -> Message:
+             tool_calls: Sequence[Mapping[str, str]] | None, tool_call_id: str | None,
+             reasoning: str | None = None) -> Message:
     return Message(index=index, role=role,  # type: ignore[typeddict-item]
                    content=content, status=status,  # type: ignore[typeddict-item]
                    finish_reason=None, usage=None, fed_end=None, created_at=now, updated_at=now,
                    tool_calls=[dict(c) for c in tool_calls] if tool_calls else None,
-                   tool_call_id=tool_call_id)
+                   tool_call_id=tool_call_id, reasoning=reasoning or None)
 
 
 def prepared(session_id: str, system: str | None, messages: Sequence[Mapping[str, Any]]) -> Held:
@@ -115,7 +116,8 @@ def prepared(session_id: str, system: str | None, messages: Sequence[Mapping[str
     thread: a stateless request may carry thousands, and the event loop then only adopts it."""
     now = time.time()
     return Held(session_id, system, {}, [_message(i, m["role"], m["content"], "complete", now, m.get("tool_calls"),
-                                                  m.get("tool_call_id")) for i, m in enumerate(messages)], [], 0)
+                                                  m.get("tool_call_id"), m.get("reasoning"))
+                                         for i, m in enumerate(messages)], [], 0)
 
 
 log = logging.getLogger("kvd.turns")
@@ -224,13 +226,13 @@ class Transcripts:
 
     def append(self, held: Held, role: str, content: str, *, status: str = "complete",
                tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
-               chained: bool = True) -> int:
+               chained: bool = True, reasoning: str | None = None) -> int:
         """Append a message in memory; `write_new` writes it (with the others of its turn).
 
         `chained=False`: the caller extends the chains index itself (`chains.extend`), with links it made off the loop.
         """
         index = len(held.messages)
-        m = _message(index, role, content, status, self._clock(), tool_calls, tool_call_id)
+        m = _message(index, role, content, status, self._clock(), tool_calls, tool_call_id, reasoning)
         held.messages.append(m)
         held.said_changed(m)
         if chained:
@@ -246,7 +248,7 @@ class Transcripts:
         def write(store: Store) -> None:
             for m in rows:
                 store.append_message(sid, m["role"], m["content"], status=m["status"], tool_calls=m["tool_calls"],
-                                     tool_call_id=m["tool_call_id"], index=m["index"])
+                                     tool_call_id=m["tool_call_id"], index=m["index"], reasoning=m.get("reasoning"))
 
         return self._write(write, durable=durable, label="messages")
 
@@ -325,7 +327,7 @@ class Transcripts:
 
     def _chain(self, held: Held, m: Message) -> None:
         if not self.chains.message(held.session_id, m["index"], m["role"], m["content"], m["tool_calls"],
-                                   m["tool_call_id"], m["status"]):
+                                   m["tool_call_id"], m["status"], m.get("reasoning")):
             self.chains.put(held.session_id, held.system, held.messages)
 
     # --- session-level changes, acknowledged to whoever asked: waited for ---

@@ -252,7 +252,7 @@ class Turns:
             said(m["content"], m.get("tool_calls")) for m in messages)
         for m in messages:
             self.transcripts.append(held, m["role"], m["content"], tool_calls=m.get("tool_calls"),
-                                    tool_call_id=m.get("tool_call_id"), chained=chained)
+                                    tool_call_id=m.get("tool_call_id"), chained=chained, reasoning=m.get("reasoning"))
         if not chained and links:
             self.transcripts.chains.extend(session_id, links, range(first_new, len(held.messages)))
         return session_id, first_new

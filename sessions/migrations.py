@@ -241,3 +241,11 @@ def m011_commit_count(db: Database) -> None:
         """
     )
     db.execute("INSERT INTO commit_count (id, database, commits) VALUES (1, randomblob(16), 0)")
+
+
+@migration
+def m012_message_reasoning(db: Database) -> None:
+    # messages.reasoning: an assistant message's reasoning as a client sent it back apart from its content
+    # (OpenAI-style `reasoning_content`, Anthropic's `thinking` blocks, Responses' `reasoning` items), which
+    # chat templates render (Qwen3's in <think>). NULL: none.
+    db.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")

@@ -94,8 +94,8 @@ def branch_away(store: Store, *, session_id: str, new_id: str, end: int, moving_
             [new_id, time.time(), session_id])
         store.db.execute(
             "INSERT INTO messages (session_id, idx, role, content, status, finish_reason, usage, fed_end, "
-            "created_at, updated_at, tool_calls, tool_call_id) SELECT ?, idx, role, content, status, finish_reason, "
-            "usage, fed_end, created_at, updated_at, tool_calls, tool_call_id FROM messages "
+            "created_at, updated_at, tool_calls, tool_call_id, reasoning) SELECT ?, idx, role, content, status, "
+            "finish_reason, usage, fed_end, created_at, updated_at, tool_calls, tool_call_id, reasoning FROM messages "
             "WHERE session_id = ? AND idx < ?", [new_id, session_id, end])
         store.set_tokens(new_id, tokens, covers=covers, model=model)
         return int(store.db.execute(

@@ -64,7 +64,7 @@ _SESSION_KEYS = (
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
-    "fed_end", "created_at", "updated_at", "tool_calls", "tool_call_id",
+    "fed_end", "created_at", "updated_at", "tool_calls", "tool_call_id", "reasoning",
 )  # fmt: skip
 
 
@@ -200,7 +200,7 @@ class Store:
         """The session's messages in order (those with first <= index < end, when given)."""
         rows = self.db.execute(
             "SELECT idx, role, content, status, finish_reason, usage, fed_end, "
-            "created_at, updated_at, tool_calls, tool_call_id FROM messages WHERE session_id = ? "
+            "created_at, updated_at, tool_calls, tool_call_id, reasoning FROM messages WHERE session_id = ? "
             "AND idx >= ? AND idx < ? ORDER BY idx",
             [session_id, first, (1 << 62) if end is None else end],
         ).fetchall()
@@ -211,11 +211,12 @@ class Store:
     def append_message(
         self, session_id: str, role: str, content: str, *, status: str = "complete",
         tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
-        index: int | None = None,
+        index: int | None = None, reasoning: str | None = None,
     ) -> int:
         """Append a message and touch the session; return its index (0, 1, ...).
 
-        `tool_calls` (an assistant's) and `tool_call_id` (a tool message's) come from the API's tool calling.
+        `tool_calls` (an assistant's) and `tool_call_id` (a tool message's) come from the API's tool calling;
+        `reasoning`, an assistant's reasoning as a client sent it back.
         `index`, when given, is the index the caller holds in memory for it (the turn core): a
         transcript that disagrees fails here rather than drifting apart.
         """
@@ -233,9 +234,9 @@ class Store:
             index = next_index
             self.db.execute(
                 "INSERT INTO messages (session_id, idx, role, content, status, "
-                "created_at, updated_at, tool_calls, tool_call_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "created_at, updated_at, tool_calls, tool_call_id, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [session_id, index, role, content, status, now, now,
-                 json.dumps([dict(c) for c in tool_calls]) if tool_calls else None, tool_call_id],
+                 json.dumps([dict(c) for c in tool_calls]) if tool_calls else None, tool_call_id, reasoning],
             )
         return int(index)
 
@@ -367,11 +368,12 @@ class Store:
                 [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers), model],
             )
 
-    def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None, str]]:
+    def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None, str, str | None]]:
         """Every session's messages, least recently used session first, for sessions.chains.build
         (a session without messages: one row with index -1)."""
         yield from self.db.execute(
-            "SELECT s.id, s.system, coalesce(m.idx, -1), m.role, m.content, m.tool_calls, m.tool_call_id, m.status "
+            "SELECT s.id, s.system, coalesce(m.idx, -1), m.role, m.content, m.tool_calls, m.tool_call_id, m.status, "
+            "m.reasoning "
             "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id "
             "ORDER BY s.updated_at, s.rowid, m.idx")
 

@@ -77,6 +77,26 @@ def test_a_call_alone_is_an_answer_with_no_text_and_an_output_may_answer_the_pre
     assert answered.messages == (Said("tool", "x", (), "c9"),)
 
 
+def test_a_reasoning_item_is_the_reasoning_of_the_answer_it_comes_with() -> None:
+    def reasoning(text: str, *, summary: bool = False) -> dict[str, Any]:
+        part = {"type": "summary_text" if summary else "reasoning_text", "text": text}
+        return {"type": "reasoning", "id": "rs_1", **({"summary": [part]} if summary else {"summary": [],
+                                                                                            "content": [part]})}
+
+    items = [{"role": "user", "content": "a"}, reasoning("first"),  # before the answer's text
+             {"role": "assistant", "content": "b"}, reasoning("then", summary=True), call("c1"),  # between its calls
+             {"type": "function_call_output", "call_id": "c1", "output": "x"},
+             reasoning("alone"), call("c2"),  # before a call with no text
+             {"type": "function_call_output", "call_id": "c2", "output": "y"},
+             reasoning("answered by nothing"), {"role": "user", "content": "and?"}]
+    new = conversation(req(input=items).input)
+    c1, c2 = ({"id": c, "name": "f", "arguments": "{}"} for c in ("c1", "c2"))
+    assert new.messages == (Said("user", "a"), Said("assistant", "b", (c1,), reasoning="first\nthen"),
+                            Said("tool", "x", (), "c1"), Said("assistant", "", (c2,), reasoning="alone"),
+                            Said("tool", "y", (), "c2"), Said("user", "and?"))
+    assert new.messages[1].for_template()["reasoning"] == "first\nthen"
+
+
 BAD: list[tuple[str, dict[str, Any], str | None, str]] = [
     ("no input", {}, "input", "Field required"),
     ("an empty input", {"input": []}, "input", "input is empty"),

@@ -72,7 +72,7 @@ def _read(body: bytes, config: Config) -> tuple[ChatRequest, str | None, list[Sa
     the conversation: on a worker thread unless the body is at most INLINE_BYTES)."""
     req = _decode(body, config)
     convo = [Said(m.role, m.content if type(m.content) is str else m.text(),  # the common case first: 2x faster
-                  tuple(c.stored() for c in m.tool_calls) if m.tool_calls else (), m.tool_call_id)
+                  tuple(c.stored() for c in m.tool_calls) if m.tool_calls else (), m.tool_call_id, m.thought())
              for m in req.messages if not m.instructs]
     return req, instructions(req), convo
 
@@ -154,6 +154,8 @@ class OpenAIDoor:
                 message["tool_calls"] = openai_calls(m["tool_calls"])
             if m["tool_call_id"] is not None:
                 message["tool_call_id"] = m["tool_call_id"]
+            if m.get("reasoning"):
+                message["reasoning_content"] = m.get("reasoning")
             messages.append(message)
         return JSONResponse({"object": "kvd.session", "id": session_id, "title": session["title"],
                              "created": session["created_at"], "updated": session["updated_at"],
@@ -221,7 +223,7 @@ class OpenAIDoor:
             if len(said) < 2 or said[-1]["role"] != "assistant" or any(
                     m["tool_calls"] or m["tool_call_id"] is not None or m["role"] == "tool" for m in said):
                 continue
-            asked = [Said(m["role"], m["content"]) for m in said[:-1]]
+            asked = [Said(m["role"], m["content"], reasoning=m.get("reasoning")) for m in said[:-1]]
             system = session["system"]
             prompt = Conversation(asked, system, None, chain=links(system, asked), renders=self.turns.renders)
             try:

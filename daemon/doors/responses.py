@@ -273,7 +273,7 @@ class ResponsesDoor:
 
 def _said(messages: list[Message]) -> list[Said]:
     """A session's messages as placement compares them (those a client could have been shown)."""
-    return [Said(m["role"], m["content"], tuple(m["tool_calls"] or ()), m["tool_call_id"])
+    return [Said(m["role"], m["content"], tuple(m["tool_calls"] or ()), m["tool_call_id"], m.get("reasoning"))
             for m in messages if said(m["content"], m["tool_calls"], m["status"])]
 
 
