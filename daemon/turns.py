@@ -73,6 +73,8 @@ ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the 
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
+DISK_FULL_KEPT = ("the disk holding kvd's data directory is full, so the answer was cut here: what was written "
+                  "of it is kept, marked failed; free some space, then send it again (nothing saved before is lost)")
 
 
 class Turns:
@@ -403,8 +405,7 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, answer: Answer,  # noqa: C901 - 17: one branch per engine event kind,
-                    events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # sharing the commit clock and stop scan
+    async def _pump(self, turn: Turn, answer: Answer, events: MemoryObjectReceiveStream[EngineEvent]) -> None:
         """Commit and publish one answer's events until it is done.
 
         The engine has taken the answer once it says anything but its queue
@@ -450,30 +451,48 @@ class Turns:
                         await self._failed(turn, ev)
                         return
         except Exception as e:
-            if turn.engine is not None:
-                turn.engine.cancel(sid)  # nobody is left to keep what it generates
-            if is_disk_full(e):
-                log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
-                error = AnswerError(p.DISK_FULL, DISK_FULL_MESSAGE, answered=turn.seq > 0)
-            else:
-                log.exception("answer for session %s failed", sid)
-                error = AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged", answered=turn.seq > 0)
-            if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
-                turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
-                                            status="error", finish_reason="error"))
-                try:
-                    await self._committed(turn)
-                except Exception as again:  # the answer keeps what was committed before; recovered at start
-                    log.warning("could not mark the answer of %s as cut: %s", sid, again)
-            t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
-            if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
-                del self.active[sid]
-            turn.publish(error)
+            await self._cut(turn, e)
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
+
+    async def _cut(self, turn: Turn, e: Exception) -> None:
+        """The answer could not go on (a write failed: a full disk; or a bug): what was committed of it is
+        kept, marked cut, and the client is told which: kept, or not saved at all (read back from the store)."""
+        sid, held, t = turn.session_id, turn.held, self.transcripts
+        assert held is not None
+        if turn.engine is not None:
+            turn.engine.cancel(sid)  # nobody is left to keep what it generates
+        full = is_disk_full(e)
+        if full:
+            log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
+        else:
+            log.exception("answer for session %s failed", sid, exc_info=e)
+        if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
+            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                        status="error", finish_reason="error"))
+            try:
+                await self._committed(turn)
+            except Exception as again:  # the answer keeps what was committed before; recovered at start
+                log.warning("could not mark the answer of %s as cut: %s", sid, again)
+        if full:
+            kept = not turn.unstored and await self._kept(sid, turn.message_index)
+            error = AnswerError(p.DISK_FULL, DISK_FULL_KEPT if kept else DISK_FULL_MESSAGE, answered=turn.seq > 0)
+        else:
+            error = AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged", answered=turn.seq > 0)
+        t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
+        if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
+            del self.active[sid]
+        turn.publish(error)
+
+    async def _kept(self, session_id: str, index: int) -> bool:
+        """Whether the store holds the answer at `index` (what a client is told of an answer a full disk cut)."""
+        try:
+            return bool(await self.transcripts.read(lambda s: s.messages(session_id, first=index, end=index + 1)))
+        except Exception:  # the store cannot say: as if nothing were kept
+            return False
 
     async def _failed(self, turn: Turn, ev: AnswerError) -> None:
         t, held = self.transcripts, turn.held

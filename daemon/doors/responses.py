@@ -224,7 +224,9 @@ class ResponsesDoor:
 
     async def get(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        found = await self.turns.transcripts.read(lambda s: stored_object(s, response_id, self.config.model))
+        answering = frozenset(self.turns.active)  # a 'streaming' answer of another session was cut
+        found = await self.turns.transcripts.read(lambda s: stored_object(s, response_id, self.config.model,
+                                                                          answering))
         if found is None:
             return error_response(_not_found(response_id))
         return JSONResponse(found)

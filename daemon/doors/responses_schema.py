@@ -21,6 +21,7 @@ means nothing to kvd.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -178,8 +179,8 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ResponsesReq
     try:
         req = validated(ResponsesRequest, checked_body(body, surrogates=surrogates, listed="input"), config)
     except ApiError as e:
-        if e.param == "max_output_tokens":
-            e.message = e.message.replace("max_tokens", "max_output_tokens")
+        if e.param == "max_output_tokens":  # the field's name; not the config key (limits.max_tokens_limit)
+            e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
         raise
     _check_asks(req, config)
     return req

@@ -8,7 +8,7 @@ calls, status and usage are the transcript's, as the turn core kept them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 from sessions import Message, Store
@@ -17,8 +17,15 @@ from sessions.responses import answer_of, get_response, input_of
 
 from .responses_events import Shape, outcome, output_of, response_object
 
+FAILED = "the answer failed; kvd's log says why"
+CUT = ("the answer was cut short: kvd could not write the rest of it (its disk was full) or stopped (a crash); "
+       "what was written of it is kept")
 
-def stored_object(store: Store, response_id: str, model: str) -> dict[str, Any] | None:
+
+def stored_object(store: Store, response_id: str, model: str,
+                  answering: Container[str] = ()) -> dict[str, Any] | None:
+    """The stored response as GET shows it; `answering`: the sessions whose answer is under way now (a
+    'streaming' answer of any other was cut by a write that failed, its end never written)."""
     row = get_response(store, response_id)
     if row is None:
         return None
@@ -27,12 +34,12 @@ def stored_object(store: Store, response_id: str, model: str) -> dict[str, Any] 
         return None
     shape = Shape(row.id, int(row.created_at), model, row.request, {"session": row.session_id})
     calls = answer["tool_calls"] or []
-    if answer["status"] == "streaming":
+    if answer["status"] == "streaming" and row.session_id in answering:
         return response_object(shape, status="in_progress", output=[])
-    if answer["status"] == "error" and answer["finish_reason"] != "interrupted":
+    if answer["status"] in ("streaming", "error"):  # as the client was told live: response.failed
+        why = FAILED if answer["finish_reason"] == "error" else CUT
         return response_object(shape, status="failed", output=output_of(row.id, answer["content"], calls),
-                               usage=answer["usage"], error={"code": "server_error",
-                                                             "message": "the answer failed; kvd's log says why"})
+                               usage=answer["usage"], error={"code": "server_error", "message": why})
     status, incomplete = outcome(answer["finish_reason"] or "stop")
     item_status = "completed" if status == "completed" else "incomplete"
     return response_object(shape, status=status, output=output_of(row.id, answer["content"], calls,
