@@ -249,3 +249,13 @@ def m012_message_reasoning(db: Database) -> None:
     # (OpenAI-style `reasoning_content`, Anthropic's `thinking` blocks, Responses' `reasoning` items), which
     # chat templates render (Qwen3's in <think>). NULL: none.
     db.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
+
+
+@migration
+def m013_item_names(db: Database) -> None:
+    # The Responses API names a message's input items after its session and index (msg_<session><idx>); a
+    # session cut back reuses those indices. `sessions.gen` counts the cuts, and each message keeps the one
+    # it was written under (`messages.gen`): a message written after a cut at or below its index is named
+    # apart (msg_<session><idx>g<gen>), so an item id kvd issued always names the item it was issued for.
+    db.execute("ALTER TABLE sessions ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE messages ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")

@@ -74,6 +74,17 @@ def delete_response(store: Store, response_id: str) -> tuple[str, int] | None:
     return (str(row[0]), int(row[1])) if row is not None else None
 
 
+def holding(store: Store, session_id: str, index: int, gen: int) -> str | None:
+    """The session that holds the message written as message `index` of session `session_id` under `gen`
+    (how its items were named): that session itself, or one the message was branched away to with a
+    response that names its items so (`items_session`). None when no session holds it any more."""
+    row = store.db.execute(
+        "SELECT session_id FROM messages WHERE idx = ? AND gen = ? AND (session_id = ? OR session_id IN "
+        "(SELECT session_id FROM responses WHERE items_session = ?)) ORDER BY session_id = ? DESC LIMIT 1",
+        [index, gen, session_id, session_id, session_id]).fetchone()
+    return str(row[0]) if row is not None else None
+
+
 def answered_at(store: Store, session_id: str) -> list[int]:
     """The answer indices of the session's stored responses, in order (what a rewrite must keep)."""
     rows = store.db.execute("SELECT answer_idx FROM responses WHERE session_id = ? ORDER BY answer_idx",
@@ -89,13 +100,14 @@ def branch_away(store: Store, *, session_id: str, new_id: str, end: int, moving_
     is at `moving_from` or later moved onto it. Returns how many moved. All or nothing."""
     with store.db.atomic():
         store.db.execute(
-            "INSERT INTO sessions (id, title, system, created_at, updated_at, params, origin, model) "
-            "SELECT ?, title, system, ?, updated_at, params, origin, model FROM sessions WHERE id = ?",
+            "INSERT INTO sessions (id, title, system, created_at, updated_at, params, origin, model, gen) "
+            "SELECT ?, title, system, ?, updated_at, params, origin, model, gen FROM sessions WHERE id = ?",
             [new_id, time.time(), session_id])
         store.db.execute(
             "INSERT INTO messages (session_id, idx, role, content, status, finish_reason, usage, fed_end, "
-            "created_at, updated_at, tool_calls, tool_call_id, reasoning) SELECT ?, idx, role, content, status, "
-            "finish_reason, usage, fed_end, created_at, updated_at, tool_calls, tool_call_id, reasoning FROM messages "
+            "created_at, updated_at, tool_calls, tool_call_id, reasoning, gen) SELECT ?, idx, role, content, status, "
+            "finish_reason, usage, fed_end, created_at, updated_at, tool_calls, tool_call_id, reasoning, gen "
+            "FROM messages "
             "WHERE session_id = ? AND idx < ?", [new_id, session_id, end])
         store.set_tokens(new_id, tokens, covers=covers, model=model)
         return int(store.db.execute(

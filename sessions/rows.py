@@ -44,3 +44,5 @@ class Message(TypedDict):
     # An assistant's reasoning as a client sent it back apart from its content (chat templates render it);
     # always there in what the store returns.
     reasoning: NotRequired[str | None]
+    # How many cuts of its session came before it was written (sessions/migrations.py, m013): names its items.
+    gen: NotRequired[int]

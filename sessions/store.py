@@ -64,7 +64,7 @@ _SESSION_KEYS = (
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
-    "fed_end", "created_at", "updated_at", "tool_calls", "tool_call_id", "reasoning",
+    "fed_end", "created_at", "updated_at", "tool_calls", "tool_call_id", "reasoning", "gen",
 )  # fmt: skip
 
 
@@ -200,7 +200,7 @@ class Store:
         """The session's messages in order (those with first <= index < end, when given)."""
         rows = self.db.execute(
             "SELECT idx, role, content, status, finish_reason, usage, fed_end, "
-            "created_at, updated_at, tool_calls, tool_call_id, reasoning FROM messages WHERE session_id = ? "
+            "created_at, updated_at, tool_calls, tool_call_id, reasoning, gen FROM messages WHERE session_id = ? "
             "AND idx >= ? AND idx < ? ORDER BY idx",
             [session_id, first, (1 << 62) if end is None else end],
         ).fetchall()
@@ -234,9 +234,11 @@ class Store:
             index = next_index
             self.db.execute(
                 "INSERT INTO messages (session_id, idx, role, content, status, "
-                "created_at, updated_at, tool_calls, tool_call_id, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "created_at, updated_at, tool_calls, tool_call_id, reasoning, gen) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, (SELECT gen FROM sessions WHERE id = ?))",
                 [session_id, index, role, content, status, now, now,
-                 json.dumps([dict(c) for c in tool_calls]) if tool_calls else None, tool_call_id, reasoning],
+                 json.dumps([dict(c) for c in tool_calls]) if tool_calls else None, tool_call_id, reasoning,
+                 session_id],
             )
         return int(index)
 
@@ -304,12 +306,14 @@ class Store:
         """Delete messages with index >= `from_index` (regenerate, edit); return how many.
 
         The session's token ids are left alone: what was fed is still a valid
-        cache prefix, and the daemon decides how much of it to keep.
+        cache prefix, and the daemon decides how much of it to keep. The messages
+        written from now on count one more cut (`gen`): they are named apart from
+        the ones they replace (daemon/doors/responses_stored.py).
         """
         if from_index < 0:
             raise ValueError(f"from_index must be >= 0, not {from_index}")
         with self.db.atomic():
-            self._update_session(session_id, "updated_at = ?", [self._clock()])
+            self._update_session(session_id, "updated_at = ?, gen = gen + 1", [self._clock()])
             cursor = self.db.execute(
                 "DELETE FROM messages WHERE session_id = ? AND idx >= ?",
                 [session_id, from_index],

@@ -101,6 +101,10 @@ async def test_rewriting_a_session_never_changes_what_a_response_id_names(tmp_pa
             assert d.store.messages(sid) != transcript  # rewritten in place
             for rid, was in before.items():
                 assert await looks(oc, rid) == was, rid
+            # The items' ids name what they were issued for, not what the rewrite put at their place.
+            refs: list[Any] = [{"type": "item_reference", "id": i["id"]} for i in before[two.id][1]]
+            again = await oc.responses.create(input=[*refs, {"role": "user", "content": "Once more."}], **GREEDY)
+            assert texts((await looks(oc, again.id))[1]) == [*texts(before[two.id][1]), ("user", "Once more.")]
             # Continuing the old ids continues their own conversation, not the rewritten one.
             go_on = await oc.responses.create(input="Go on.", previous_response_id=two.id, **GREEDY)
             _, items = await looks(oc, go_on.id)

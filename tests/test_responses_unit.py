@@ -309,3 +309,29 @@ def test_points_forget_what_a_rewrite_moved() -> None:
     points.remember("r5", "t", 5)
     points.remember("r7", "t", 7)
     assert points.get("r1") is None  # the least recently used went
+
+
+def test_an_item_id_names_the_item_it_was_issued_for_after_its_session_is_rewritten(tmp_path: Path) -> None:
+    from daemon.doors.responses_stored import referenced
+
+    with Store(tmp_path / "kvd.sqlite") as store:
+        sid = store.create_session(title="t")["id"]
+        for role, text in [("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")]:
+            store.append_message(sid, role, text)
+        put_response(store, row("resp_3", sid, 3))
+        old = input_items(store, "resp_3", order="asc", limit=20, after=None)
+        assert old is not None
+        old_ids = [i["id"] for i in old["data"]]
+        # An edit of message 2: resp_3 goes with its conversation, the session is cut and goes on.
+        branch_away(store, session_id=sid, new_id="b" * 16, end=4, moving_from=2, tokens=[], covers=0, model=None)
+        store.truncate_messages(sid, 2)
+        for role, text in [("user", "C"), ("assistant", "D"), ("user", "E")]:
+            store.append_message(sid, role, text)
+        put_response(store, row("resp_new", sid, 3))
+        new = input_items(store, "resp_new", order="asc", limit=20, after=None)
+        assert new is not None and input_items(store, "resp_3", order="asc", limit=20, after=None) == old
+        new_ids = [i["id"] for i in new["data"]]
+        assert new_ids[:2] == old_ids[:2] and not set(new_ids[2:]) & set(old_ids)  # rewritten: other names
+        found = referenced(store, [*old_ids, *new_ids])
+        assert [found[i]["content"] for i in old_ids] == ["a", "b", "c"]  # still what they were issued for
+        assert [found[i]["content"] for i in new_ids] == ["a", "b", "C"]
