@@ -317,3 +317,17 @@ def test_the_warm_up_draws_a_token_as_the_configured_sampling_does(tmp_path: Pat
     finally:
         assert e.caches is not None
         e.caches.close()
+
+
+def test_an_answer_submitted_as_the_engine_stops_ends_cut_short(tmp_path: Path) -> None:
+    """A turn that was tokenizing while kvd stopped submits its answer to an engine whose thread has ended:
+    it gets its Done (cancelled, nothing generated) at once, and kvd's stop does not wait for it forever."""
+    e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny"))
+    e.start()
+    assert e.ready.wait(120)
+    events: list[EngineEvent] = []
+    answer = job(e, "0123456789abcdef", "hello", events)  # ids made while the model is loaded
+    e.stop()
+    e.submit(answer)
+    assert done(events).finish_reason == "cancelled" and done(events).tokens is None
+    assert len(events) == 1

@@ -31,14 +31,7 @@ from common.tiers import RESIDENT
 from ..config import Config
 from ..events import AnswerError
 from . import heap
-from .jobs import (
-    Cancel,
-    Forget,
-    ReadReported,
-    RoomFreed,
-    Status,
-    Stop,
-)
+from .jobs import Cancel, Done, Forget, Inbox, ReadReported, RoomFreed, Status, Stop
 from .lockstep import Op
 from .running import Answer, EngineStatistics
 from .scheduler import Phase, Scheduler
@@ -74,8 +67,7 @@ class Engine:
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[Answer | Cancel | Forget | Stop | Status | ReadReported | RoomFreed] = \
-            queue.SimpleQueue()
+        self._inbox = Inbox()  # Answer, Cancel, Forget, Stop, Status, ReadReported, RoomFreed
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         # Every answer, in its phase: running, restoring, and waiting past max_generations.
         self.scheduler: Scheduler[Answer] = Scheduler(
@@ -276,6 +268,7 @@ class Engine:
                         ls.send(cmd)
                     self.close()
                     self._release()
+                    self._inbox.close(self._late)
                     return
                 if cmd is not None:
                     if ls is not None and not isinstance(cmd, (Status, ReadReported, RoomFreed)):
@@ -309,6 +302,12 @@ class Engine:
             if touched := heap.reserve(int(self.caches.statistics()["prefetched"]["bytes"])):
                 log.info("after the start's prefetch, %d MiB of heap faulted in again in %.0f ms", touched >> 20,
                          (time.perf_counter() - t0) * 1000)
+
+    def _late(self, job: Any) -> None:
+        """What reached the inbox after the thread stopped: an answer is cut before it began, as a stop cuts
+        one still waiting (its turn keeps it as 'cancelled'); the rest needs no one."""
+        if isinstance(job, Answer):
+            job.emit(Done("cancelled", job.usage(self.max_context), None))
 
     def close(self) -> None:
         """Cancel whatever runs (each answer gets its Done), page every cache out, close the tiers."""
