@@ -259,3 +259,6 @@ def m013_item_names(db: Database) -> None:
     # apart (msg_<session><idx>g<gen>), so an item id kvd issued always names the item it was issued for.
     db.execute("ALTER TABLE sessions ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE messages ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
+    # An item_reference to such an id whose message was branched away is found through the responses that
+    # keep its name (responses.items_session, m010; sessions/responses.py's `holding`): without a scan.
+    db.execute("CREATE INDEX responses_items ON responses (items_session) WHERE items_session IS NOT NULL")

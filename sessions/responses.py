@@ -76,12 +76,20 @@ def delete_response(store: Store, response_id: str) -> tuple[str, int] | None:
 
 def holding(store: Store, session_id: str, index: int, gen: int) -> str | None:
     """The session that holds the message written as message `index` of session `session_id` under `gen`
-    (how its items were named): that session itself, or one the message was branched away to with a
-    response that names its items so (`items_session`). None when no session holds it any more."""
+    (how its items were named): that session itself, or one it was branched away to with a response that
+    names its items so (`items_session`) and has it in its input. None when no session holds it any more.
+
+    Only such a response's input is the message it named: a branch goes on after it was made, and a cut of
+    the branch counts its own cuts from the count it was made with, so the branch may hold another message
+    under the same index and count (sessions/migrations.py, m013)."""
+    row = store.db.execute("SELECT 1 FROM messages WHERE session_id = ? AND idx = ? AND gen = ?",
+                           [session_id, index, gen]).fetchone()
+    if row is not None:
+        return session_id
     row = store.db.execute(
-        "SELECT session_id FROM messages WHERE idx = ? AND gen = ? AND (session_id = ? OR session_id IN "
-        "(SELECT session_id FROM responses WHERE items_session = ?)) ORDER BY session_id = ? DESC LIMIT 1",
-        [index, gen, session_id, session_id, session_id]).fetchone()
+        "SELECT r.session_id FROM responses r JOIN messages m ON m.session_id = r.session_id AND m.idx = ? "
+        "WHERE r.items_session = ? AND r.answer_idx > ? AND m.gen = ? LIMIT 1",
+        [index, session_id, index, gen]).fetchone()
     return str(row[0]) if row is not None else None
 
 

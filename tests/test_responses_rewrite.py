@@ -124,3 +124,37 @@ async def test_rewriting_a_session_never_changes_what_a_response_id_names(tmp_pa
         async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=d.token, max_retries=0) as oc:
             for rid, was in before.items():
                 assert await looks(oc, rid) == was, rid
+
+
+async def extend(oc: openai.AsyncOpenAI, d: RunningDaemon, sid: str, text: str) -> Any:
+    """A stored response that goes on with the session as it is now (the whole conversation, pinned to it)."""
+    said: list[Any] = [{"role": m["role"], "content": m["content"]} for m in d.store.messages(sid)]
+    r = await oc.responses.create(input=[*said, {"role": "user", "content": text}], **GREEDY,
+                                  extra_headers={"X-Kvd-Session": sid})
+    assert session_of(r) == sid
+    return r
+
+
+async def test_a_regenerate_an_edit_and_rewinds_in_turn_leave_every_id_as_it_was(tmp_path: Path) -> None:
+    """One session rewritten again and again (each rewrite after a new stored response on it): every id
+    issued before any of them returns, lists and names what it did, through branches of branches."""
+    async with running_daemon(tmp_path, model=MODEL) as d:
+        base = d.url.replace("ws://", "http://").removesuffix("/v1")
+        async with (openai.AsyncOpenAI(base_url=base + "/v1", api_key=d.token, max_retries=0) as oc,
+                    anthropic.AsyncAnthropic(base_url=base, api_key=d.token, max_retries=0) as ac):
+            first = await oc.responses.create(input="Tell me a story.", **GREEDY)
+            sid = session_of(first)
+            seen = {first.id: await looks(oc, first.id)}
+            # The Messages door's rewind drops the system prompt, which a pinned request must then match: last.
+            for how in ("chat.regenerate", "chat.edit", "chat completions rewind", "responses rewind",
+                        "messages rewind"):
+                made = await extend(oc, d, sid, f"Before the {how}.")
+                seen[made.id] = await looks(oc, made.id)
+                await REWRITES[how](d, sid, oc, ac)
+                assert session_of(await oc.responses.retrieve(made.id)) != sid, how  # branched away
+                for rid, was in seen.items():
+                    assert await looks(oc, rid) == was, (how, rid)
+            for rid, (_, items) in seen.items():  # every item id still names what it was issued for
+                refs: list[Any] = [{"type": "item_reference", "id": i["id"]} for i in items]
+                again = await oc.responses.create(input=[*refs, {"role": "user", "content": "Once more."}], **GREEDY)
+                assert texts((await looks(oc, again.id))[1]) == [*texts(items), ("user", "Once more.")], rid

@@ -335,3 +335,41 @@ def test_an_item_id_names_the_item_it_was_issued_for_after_its_session_is_rewrit
         found = referenced(store, [*old_ids, *new_ids])
         assert [found[i]["content"] for i in old_ids] == ["a", "b", "c"]  # still what they were issued for
         assert [found[i]["content"] for i in new_ids] == ["a", "b", "C"]
+
+
+def test_an_item_id_is_not_taken_by_a_branch_that_went_on_and_was_cut_itself(tmp_path: Path) -> None:
+    from daemon.doors.responses_stored import referenced
+
+    def say(store: Store, session: str, *texts: str) -> None:  # a user's turn at each even index
+        for text in texts:
+            store.append_message(session, "assistant" if len(store.messages(session)) % 2 else "user", text)
+
+    def ids(rid: str) -> list[str]:
+        items = input_items(store, rid, order="asc", limit=50, after=None)
+        assert items is not None
+        return [i["id"] for i in items["data"]]
+
+    b1, s2 = "b" * 16, "c" * 16
+    with Store(tmp_path / "kvd.sqlite") as store:
+        sid = store.create_session(title="t")["id"]
+        say(store, sid, "a", "b", "c", "d")
+        put_response(store, row("resp_3", sid, 3))
+        # An edit of message 2: resp_3 keeps its conversation in b1, and the session goes on (its first cut).
+        branch_away(store, session_id=sid, new_id=b1, end=4, moving_from=2, tokens=[], covers=0, model=None)
+        store.truncate_messages(sid, 2)
+        say(store, sid, "C", "D", "E", "F")
+        put_response(store, row("resp_s5", sid, 5))
+        named = ids("resp_s5")  # message 4 of the session, written after its first cut
+        # resp_3 is continued in b1, which is then cut itself (its own first cut) and goes on.
+        say(store, b1, "e", "f")
+        put_response(store, row("resp_b5", b1, 5))
+        branch_away(store, session_id=b1, new_id="d" * 16, end=6, moving_from=4, tokens=[], covers=0, model=None)
+        store.truncate_messages(b1, 4)
+        say(store, b1, "not the session's E", "nor its F")
+        # The session is cut again before message 4: resp_s5 keeps it in s2.
+        branch_away(store, session_id=sid, new_id=s2, end=6, moving_from=2, tokens=[], covers=0, model=None)
+        store.truncate_messages(sid, 2)
+        say(store, sid, "x", "y", "z")
+        assert ids("resp_s5") == named
+        found = referenced(store, named)
+        assert [found[i]["content"] for i in named] == ["a", "b", "C", "D", "E"]
