@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from common.threadname import name_thread
+
 from .commits import Noter, count_one, note_path
 from .store import Store
 
@@ -71,7 +73,7 @@ class Writer:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvd-transcript", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="kvd-writer", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
@@ -100,6 +102,7 @@ class Writer:
         await self.run(lambda store: None, durable=False)
 
     def _run(self) -> None:
+        name_thread("kvd-writer")  # the kernel's name too (top -H, py-spy, bench/hostcost.py)
         while True:
             first = self._queue.get()
             if first is None:
