@@ -41,6 +41,7 @@ from .doors.connection import ConnectionStatistics
 from .doors.guards import NO_ROUTE, asked
 from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
+from .doors.ollama_api import OllamaDoor, is_ollama
 from .doors.openai_api import OpenAIDoor
 from .doors.responses import ResponsesDoor, is_responses
 from .doors.websocket import WebSocketDoor
@@ -133,6 +134,7 @@ class Daemon:
         self.api = OpenAIDoor(config, api, token)
         self.messages = AnthropicDoor(config, api, token)
         self.responses = ResponsesDoor(config, api, token)
+        self.ollama = OllamaDoor(config, api, token)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -243,7 +245,8 @@ class Daemon:
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
             path = scope["path"]
-            door = self.messages if is_anthropic(path) else self.responses if is_responses(path) else self.api
+            door = (self.messages if is_anthropic(path) else self.responses if is_responses(path)
+                    else self.ollama if is_ollama(path) else self.api)
             await door.app(scope, receive, _logging_refusals(scope, send))
 
     async def status(self) -> dict[str, Any]:

@@ -138,6 +138,7 @@ class Turn:
     # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
     # context leaves instead of the turn being refused (Turns._fit)
     fit: bool = False
+    context: int | None = None  # a context smaller than the model's that `fit` lowers max_tokens to (num_ctx)
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
     # A new session's rows (its own, its first messages), queued once the engine takes the turn:
     # a first turn refused before that leaves nothing stored, so nothing has to be deleted.

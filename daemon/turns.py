@@ -266,7 +266,7 @@ class Turns:
               sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
               grammar: str | None = None, tools: CallSplit | None = None,
-              model: str | None = None, fit: bool = False) -> Turn:
+              model: str | None = None, fit: bool = False, context: int | None = None) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
@@ -294,7 +294,7 @@ class Turns:
             prompt.ids, prompt.fed_before)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
-                    model=serving, switched_from=previous if switched else None, fit=fit)
+                    model=serving, switched_from=previous if switched else None, fit=fit, context=context)
         turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
@@ -373,7 +373,8 @@ class Turns:
             events.send_nowait(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
-            self._fit(answer, engine.max_context)
+            contexts = [c for c in (engine.max_context, turn.context) if c]
+            self._fit(answer, min(contexts) if contexts else None)
         engine.submit(answer)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
             engine.cancel(turn.session_id)

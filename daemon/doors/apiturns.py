@@ -36,12 +36,12 @@ from sessions import is_valid_session_id
 from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
-from ..prompt import Conversation
+from ..prompt import Conversation, Prompt
 from ..turn import EventStream, Turn
 from ..turns import Turns
 from .admission import Admission
 from .asgi import headers_of
-from .guards import NO_ROUTE, check, public
+from .guards import NO_ROUTE, check, token_needed
 from .loading import LoadingWatch
 from .openai_schema import ApiError, answers_to
 from .placement import Diverged, Said, place
@@ -121,8 +121,10 @@ async def read_body(request: Request, config: Config) -> bytes | None:
 
 def guard_refusal(scope: Scope, config: Config, token: str) -> ApiError | None:
     """Who may ask (guards.py), as the refusal each door words in its own shape; logged."""
-    refused = check(headers_of(scope), config, token,
-                    token_needed=not public(str(scope.get("method", "")), str(scope.get("path", ""))))
+    headers = headers_of(scope)
+    client = scope.get("client")
+    refused = check(headers, config, token, token_needed=token_needed(
+        str(scope.get("method", "")), str(scope.get("path", "")), headers, client[0] if client else None, config))
     if refused is None:
         return None
     log.warning("refused an HTTP request: %s", refused.message)
@@ -172,6 +174,9 @@ class Ask:
     model: str | None = None  # the name the request gave (None: the default model)
     door: str = "api"  # which door asked, as the log's turn line says
     fit: bool = False  # max_tokens is a ceiling ("as much as fits"): lowered to the context's room, not refused
+    call_ids: Callable[[int], str] | None = None  # the id of the answer's k-th tool call (None: the model's, or new)
+    prompt: Prompt | None = None  # the prompt's ids made otherwise than by the chat template (rawprompt.py)
+    context: int | None = None  # a context smaller than the model's the answer must fit (Ollama's num_ctx)
 
 
 class ApiTurns:
@@ -259,9 +264,10 @@ class ApiTurns:
             events, f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
             sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p),
             stop=ask.stop, seed=ask.seed,
-            prompt=Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
-                                renders=self.turns.renders_for(model)),
+            prompt=ask.prompt or Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
+                                              renders=self.turns.renders_for(model)),
             door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
-            tools=StreamSplit(tool_format) if tool_format is not None else None, model=model, fit=ask.fit,
+            tools=StreamSplit(tool_format, ask.call_ids) if tool_format is not None else None, model=model, fit=ask.fit,
+            context=ask.context,
         )
         return turn, events

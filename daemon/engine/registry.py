@@ -71,6 +71,7 @@ class Slot:
     settled: anyio.Event = field(default_factory=anyio.Event)  # the load ended, loaded or failed
     error: str | None = None
     refused: bool = False  # the error is "no room" (too_large), not "cannot be loaded"
+    keep_alive: float | None = None  # seconds it stays loaded once idle, as a request set it (None: [models]'s)
 
     @property
     def ready(self) -> bool:
@@ -289,6 +290,16 @@ class Engines:
         await anyio.to_thread.run_sync(slot.engine.stop)
         return True
 
+    def keep(self, name: str, seconds: float) -> None:
+        """How long `name` stays loaded once idle, as a request asked (Ollama's keep_alive; inf: until another
+        model needs its memory); the default model stays loaded whatever is asked."""
+        if (slot := self._slots.get(name)) is not None:
+            slot.keep_alive = seconds
+
+    def _keep_alive(self, name: str) -> float:
+        slot = self._slots.get(name)
+        return slot.keep_alive if slot is not None and slot.keep_alive is not None else self.config.keep_alive
+
     async def keep_alive(self) -> None:
         """Unload every model but the default once it has been idle for [models] keep_alive seconds."""
         while True:
@@ -299,7 +310,7 @@ class Engines:
         """One look for models idle past keep_alive (the default stays); the ones unloaded."""
         gone = []
         for m in self._view():
-            if m.name != self.default and m.idle_s is not None and m.idle_s >= self.config.keep_alive:
+            if m.name != self.default and m.idle_s is not None and m.idle_s >= self._keep_alive(m.name):
                 log.info("unloading model %s: idle for %.0f s ([models] keep_alive)", m.name, m.idle_s)
                 if await self.unload(m.name):
                     gone.append(m.name)
@@ -315,8 +326,9 @@ class Engines:
             e = s.engine
             state = "loading" if not s.ready else "answering" if self._busy(s.name) else "idle"
             idle = round(now - s.last_used, 1) if state == "idle" else None
-            expires = (None if s.name == self.default or idle is None or self.config.keep_alive == float("inf")
-                       else round(max(0.0, self.config.keep_alive - idle), 1))
+            keep = self._keep_alive(s.name)
+            expires = (None if s.name == self.default or idle is None or keep == float("inf")
+                       else round(max(0.0, keep - idle), 1))
             out.append({"model": s.name, "default": s.name == self.default, "state": state,
                         "weights_bytes": self._bytes(s), "context_length": e.max_context if e is not None else None,
                         "idle_s": idle, "unloads_in_s": expires, "device": e.device if e is not None else None})
