@@ -41,8 +41,10 @@ from .doors.connection import ConnectionStatistics
 from .doors.guards import NO_ROUTE, asked
 from .doors.h11guard import guarded_h11
 from .doors.loading import LoadingWatch
+from .doors.metrics import Live, Metrics, door_of
 from .doors.ollama_api import OllamaDoor, is_ollama
-from .doors.openai_api import OpenAIDoor
+from .doors.openai_api import OpenAIDoor, error_response
+from .doors.operations import OperationsDoor, is_operations
 from .doors.responses import ResponsesDoor, is_responses
 from .doors.websocket import WebSocketDoor
 from .engine.thread import Engine
@@ -61,9 +63,11 @@ GRACEFUL_SHUTDOWN = 10  # seconds uvicorn waits for open HTTP responses when kvd
 LOGGED_STATUSES = {401: "refused", 403: "refused", 404: "not found:"}
 
 
-def _logging_refusals(scope: Scope, send: Send) -> Send:
-    """`send`, logging the response's status when it is one of LOGGED_STATUSES (the doors say why)."""
+def _logging_refusals(scope: Scope, send: Send, metrics: Metrics | None = None) -> Send:
+    """`send`, logging the response's status when it is one of LOGGED_STATUSES (the doors say why), and
+    counting every response's status by door (`metrics`)."""
     started = False
+    door = door_of(str(scope.get("path", "")), websocket=scope.get("type") == "websocket")
 
     async def logged(message: MutableMapping[str, Any]) -> None:
         nonlocal started
@@ -73,8 +77,12 @@ def _logging_refusals(scope: Scope, send: Send) -> Send:
             if status in LOGGED_STATUSES:
                 said = "no such path:" if scope.get(NO_ROUTE) else LOGGED_STATUSES[status]
                 log.warning("%s %s: HTTP %d", said, asked(scope), status)
+            if metrics is not None and isinstance(status, int):
+                metrics.responded(door, status)
         elif not started and message["type"] == "websocket.accept":
             started = True
+            if metrics is not None:
+                metrics.responded(door, 101)
         await send(message)
 
     logged.__wrapped__ = send  # type: ignore[attr-defined]  # abort_transport cuts the connection behind it
@@ -135,6 +143,9 @@ class Daemon:
         self.messages = AnthropicDoor(config, api, token)
         self.responses = ResponsesDoor(config, api, token)
         self.ollama = OllamaDoor(config, api, token)
+        self.metrics = Metrics(self._live)
+        self.turns.watchers.append(self.metrics)
+        self.operations = OperationsDoor(config, self._loading, self.metrics, token, error_response)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -241,13 +252,19 @@ class Daemon:
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Route by kind: websockets to kvchat's door, HTTP by path to the Messages, Responses or OpenAI door."""
         if scope["type"] == "websocket":
-            await self.websocket(scope, receive, _logging_refusals(scope, send))
+            await self.websocket(scope, receive, _logging_refusals(scope, send, self.metrics))
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
             path = scope["path"]
             door = (self.messages if is_anthropic(path) else self.responses if is_responses(path)
-                    else self.ollama if is_ollama(path) else self.api)
-            await door.app(scope, receive, _logging_refusals(scope, send))
+                    else self.ollama if is_ollama(path) else self.operations if is_operations(path) else self.api)
+            await door.app(scope, receive, _logging_refusals(scope, send, self.metrics))
+
+    def _live(self) -> Live:
+        """What /metrics reads when scraped: each engine's published statistics, the loaded models, the API
+        requests admitted but not started."""
+        engines = {e.config.model: e.stats for e in self.engines.engines() if e.ready.is_set()}
+        return Live(engines=engines, loaded=self.engines.loaded(), admitted=self.api.api.admission.pending)
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,

@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -75,6 +75,14 @@ DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was
                      "free some space and send it again (nothing saved before is lost)")
 
 
+class TurnWatcher(Protocol):
+    """Told of every turn's end, whatever its door (the metrics: doors/metrics.py); must not block."""
+
+    def done(self, turn: Turn, usage: Mapping[str, Any], reason: str) -> None: ...
+
+    def failed(self, turn: Turn, code: str) -> None: ...
+
+
 class Turns:
     """Every running turn, by session; starts, streams, commits, cancels.
 
@@ -94,6 +102,7 @@ class Turns:
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
         self._renders: dict[str, Renders] = {}  # stateless requests' last renders, per model (tokenizer stage)
+        self.watchers: list[TurnWatcher] = []  # told of every turn's end
 
     @property
     def engine(self) -> Engine:
@@ -469,6 +478,7 @@ class Turns:
                     await self._committed(turn)
                 except Exception as again:  # the answer keeps what was committed before; recovered at start
                     log.warning("could not mark the answer of %s as cut: %s", sid, again)
+            self._tell(lambda w: w.failed(turn, error.code))
             t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
             if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
                 del self.active[sid]
@@ -479,7 +489,15 @@ class Turns:
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
+    def _tell(self, what: Callable[[TurnWatcher], None]) -> None:
+        for watcher in self.watchers:
+            try:
+                what(watcher)
+            except Exception:  # a watcher's fault is never the turn's
+                log.exception("a turn watcher failed")
+
     async def _failed(self, turn: Turn, ev: AnswerError) -> None:
+        self._tell(lambda w: w.failed(turn, ev.code))
         t, held = self.transcripts, turn.held
         assert held is not None
         if turn.unstored:  # refused before the engine took it: a new session, never stored
@@ -540,6 +558,7 @@ class Turns:
                  u.get("restored_from"),
                  u.get("cached_tokens"),
                  u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
+        self._tell(lambda w: w.done(turn, u, reason))
         content, calls = turn.text, list[dict[str, str]]()
         if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
             rest, calls = turn.tools.finish()

@@ -128,6 +128,8 @@ def test_ollama_token_required_asks_everyone(tmp_path: Path) -> None:
     config.write_text('[cache]\nprefetch = false\n[api]\nollama_token = "required"\n')
     d = DaemonProcess(tmp_path / "data", "--config", str(config))
     try:
+        with d.client():
+            pass  # the model has loaded
         without = call(d, "/api/tags", method="GET")
         chat = call(d, "/api/chat", HI)
         token = call(d, "/api/tags", method="GET", Authorization=f"Bearer {d.token}")
