@@ -15,7 +15,7 @@ import json
 import json.scanner
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
@@ -44,7 +44,7 @@ from .asgi import headers_of
 from .guards import NO_ROUTE, check, token_needed
 from .loading import LoadingWatch
 from .openai_schema import ApiError, answers_to
-from .placement import Diverged, Said, place
+from .placement import Diverged, Placement, Said, place
 from .toolcalls import StreamSplit, ToolFormat
 
 log = logging.getLogger("kvd.api")
@@ -237,10 +237,11 @@ class ApiTurns:
                            "serve a model that calls tools (docs/openai.md lists them)", param="tools")
         return tool_format
 
-    async def start(self, request: Request, ask: Ask, headers: dict[str, str], *,
-                    rid_prefix: str) -> tuple[Turn, EventStream]:
+    async def start(self, request: Request, ask: Ask, headers: dict[str, str], *, rid_prefix: str,
+                    placed: Callable[[str], Awaitable[Placement]] | None = None) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be); `headers` gets
-        the session's id. The caller holds an admission slot (`self.admission.slot()`)."""
+        the session's id. The caller holds an admission slot (`self.admission.slot()`). `placed(model)`:
+        the door's own placement (a text completion's session: completions.py), not the conversation's."""
         model, engine = await self.ready(ask.model)
         pinned = request.headers.get(SESSION_HEADER)
         if pinned is not None and not is_valid_session_id(pinned):
@@ -253,8 +254,9 @@ class ApiTurns:
             ask = replace(ask, tools=None)
         rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
         try:
-            placement = await place(self.turns, ask.system, ask.convo, pinned, rewind=rewind,
-                                    origin=api_origin(request.headers.get("user-agent")))
+            placement = await (placed(model) if placed is not None else place(
+                self.turns, ask.system, ask.convo, pinned, rewind=rewind,
+                origin=api_origin(request.headers.get("user-agent"))))
         except Diverged as e:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
@@ -268,6 +270,6 @@ class ApiTurns:
                                               renders=self.turns.renders_for(model)),
             door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
             tools=StreamSplit(tool_format, ask.call_ids) if tool_format is not None else None, model=model, fit=ask.fit,
-            context=ask.context,
+            context=ask.context, raw=bool(getattr(ask.prompt, "raw", False)),
         )
         return turn, events

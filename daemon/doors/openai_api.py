@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP door: `POST /v1/chat/completions`, `GET /v1/models`, and `GET /` (kvd runs:
+"""The OpenAI-compatible HTTP door: `POST /v1/chat/completions`, `POST /v1/completions` (completions.py),
+`GET /v1/models`, and `GET /` (kvd runs:
 the one request that needs no token, guards.py) (docs/openai.md).
 
 A thin layer over the turn core, like the websocket door: it checks who is
@@ -29,6 +30,7 @@ from ..config import Config
 from ..prompt import Conversation
 from ..turn import EventStream, Turn
 from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
+from .completions import CompletionsDoor
 from .jsonoutput import output_grammar
 from .openai_answer import Answer
 from .openai_schema import (
@@ -88,14 +90,16 @@ class OpenAIDoor:
         self.turns = api.turns
         self.api = api  # shared with the Anthropic door: one admission queue for both
         self._created = int(time.time())
+        self.completions = CompletionsDoor(config, api)
         routes: list[BaseRoute] = [
             Route("/", self.root, methods=["GET"]),  # and HEAD; no token needed (guards.public)
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            self.completions.route,
             Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
         self.app = guarded(routes, config, token, error_response,
-                           "/v1/chat/completions, /v1/responses and /v1/models")
+                           "/v1/chat/completions, /v1/completions, /v1/responses and /v1/models")
 
     # --- GET / ---
 

@@ -54,6 +54,7 @@ class RawPrompt:
     suffix: str | None = None
     markers: tuple[str, str, str] | None = None
     fed_before: int = 0
+    raw: bool = True  # its answer continues its text: the first space is kept (engine/running.py)
 
     def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
         if self.ids_given is not None:

@@ -35,7 +35,7 @@ from ..config import Config
 from ..events import AnswerError, AnswerProgress, AnswerQueued
 from .draft import Answers
 from .jobs import Done, PromptTooLong
-from .running import Answer, fit_advice
+from .running import Answer, detokenizer_for, fit_advice
 from .scheduler import Phase, Scheduler
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class Steps:
         cache, cached, shared = out.cache, out.tokens, out.shared_tokens
         if cache is None or cached == 0:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
-        a.detokenizer, a.prompt, a.cached_len = self.tokenizer.detokenizer, tokens, cached
+        a.detokenizer, a.prompt, a.cached_len = detokenizer_for(self.tokenizer, raw=a.raw), tokens, cached
         a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
         a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET)
         a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
