@@ -275,7 +275,8 @@ class Turns:
               sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
               seed: int | None = None, door: str = "websocket", history: bool | None = None,
               grammar: str | None = None, tools: CallSplit | None = None,
-              model: str | None = None, fit: bool = False, context: int | None = None, raw: bool = False) -> Turn:
+              model: str | None = None, fit: bool = False, context: int | None = None, raw: bool = False,
+              logprobs: int | None = None, prompt_logprobs: bool = False) -> Turn:
         """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
@@ -326,7 +327,8 @@ class Turns:
         answer = Answer(session_id=session_id, tokens=[], seed=seed, fed_before=fed_before,
                         history=first_new > 1 if history is None else history,
                         sampling=resolved,
-                        emit=emit, grammar=grammar, handed=turn.handed, raw=raw)
+                        emit=emit, grammar=grammar, handed=turn.handed, raw=raw, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs)
         self.tg.start_soon(self._submit, turn, ids, answer, send)
         self.tg.start_soon(self._pump, turn, answer, receive)
         turn.publish(AnswerStarted(index))
@@ -574,4 +576,5 @@ class Turns:
         made = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(calls))
         for call in made:
             turn.publish(call)
-        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made))
+        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made, logprobs=ev.logprobs,
+                                prompt_logprobs=ev.prompt_logprobs))

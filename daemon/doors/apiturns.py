@@ -177,6 +177,8 @@ class Ask:
     call_ids: Callable[[int], str] | None = None  # the id of the answer's k-th tool call (None: the model's, or new)
     prompt: Prompt | None = None  # the prompt's ids made otherwise than by the chat template (rawprompt.py)
     context: int | None = None  # a context smaller than the model's the answer must fit (Ollama's num_ctx)
+    logprobs: int | None = None  # each answer token's log-probability, and this many alternatives (None: none)
+    prompt_logprobs: bool = False  # the prompt's too (a text completion's echo)
 
 
 class ApiTurns:
@@ -270,6 +272,7 @@ class ApiTurns:
                                               renders=self.turns.renders_for(model)),
             door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
             tools=StreamSplit(tool_format, ask.call_ids) if tool_format is not None else None, model=model, fit=ask.fit,
-            context=ask.context, raw=bool(getattr(ask.prompt, "raw", False)),
+            context=ask.context, raw=bool(getattr(ask.prompt, "raw", False)), logprobs=ask.logprobs,
+            prompt_logprobs=ask.prompt_logprobs,
         )
         return turn, events

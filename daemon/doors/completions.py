@@ -130,7 +130,7 @@ class CompletionsDoor:
                 prompt, text = await self._prompt(req, model, engine)
                 ask = Ask(None, [Said("user", text)], max_tokens=req.max_tokens, temperature=req.temperature,
                           top_p=req.top_p, stop=stops(req), seed=req.seed, model=model, door="completions",
-                          prompt=prompt)
+                          prompt=prompt, logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None)
                 turn, events = await self.api.start(request, ask, headers, rid_prefix="cmpl-",
                                                     placed=lambda _: self.pool.place(ask.convo[0]))
         except ApiError as e:

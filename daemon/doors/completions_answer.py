@@ -43,13 +43,34 @@ class CompletionAnswer(TurnAnswer):
         e = api_error(event.code, event.message, model=self.config.model)
         await self.send_body(send, e.status, e.body())
 
+    async def _logprobs(self, done: AnswerDone) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for the text returned (the echoed prompt's tokens first): each token's text,
+        its log-probability, its alternatives, its offset in the text; the tokens after a stop sequence cut."""
+        if done.logprobs is None or self.turn.engine is None:
+            return None
+        kept = list(done.prompt_logprobs or ()) if self.echo is not None else []
+        answer = list(done.logprobs)
+        ids = sorted({r.token for r in (*kept, *answer)} | {i for r in (*kept, *answer) for i, _ in r.top})
+        texts = dict(zip(ids, await self.turn.engine.tokenize(_token_texts, ids)))
+        offset, limit = 0, len(self.echo or "") + len(done.content)
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for n, r in enumerate((*kept, *answer)):
+            if offset >= limit and n >= len(kept):
+                break  # past a stop sequence: the text was cut there
+            out["tokens"].append(texts[r.token])
+            out["token_logprobs"].append(r.logprob)
+            out["top_logprobs"].append({texts[i]: v for i, v in r.top} if r.logprob is not None else None)
+            out["text_offset"].append(offset)
+            offset += len(texts[r.token])
+        return out
+
     async def _whole(self, send: Send) -> None:
         async for event in self.events:
             if isinstance(event, AnswerDelta) and event.written is not None:
                 event.written()  # nothing is sent before the end: the engine need not wait
             elif isinstance(event, AnswerDone):
                 text = (self.echo or "") + event.content
-                body = self._body([{"text": text, "index": 0, "logprobs": None,
+                body = self._body([{"text": text, "index": 0, "logprobs": await self._logprobs(event),
                                     "finish_reason": finish_reason_of(event.finish_reason)}])
                 await self.send_body(send, 200, {**body, "usage": {**usage_of(event.usage), "kvd": self._kvd(event)},
                                                  "kvd": self._kvd(event)})
@@ -65,8 +86,8 @@ class CompletionAnswer(TurnAnswer):
             payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
             await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
 
-        def chunk(text: str, finish: str | None = None) -> dict[str, Any]:
-            body = self._body([{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}])
+        def chunk(text: str, finish: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+            body = self._body([{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}])
             return {**body, "usage": None} if self._usage_wanted() else body
 
         async for event in self.events:
@@ -81,7 +102,9 @@ class CompletionAnswer(TurnAnswer):
             elif isinstance(event, AnswerDone):
                 if not self.started and self.echo:
                     await sse(chunk(self.echo))
-                await sse(chunk("", finish_reason_of(event.finish_reason)))
+                # Streamed, the log-probabilities come whole with the last chunk (their tokens' text, not the
+                # deltas', which the detokenizer cuts elsewhere).
+                await sse(chunk("", finish_reason_of(event.finish_reason), await self._logprobs(event)))
                 if self._usage_wanted():
                     await sse({**self._body([]), "usage": {**usage_of(event.usage), "kvd": self._kvd(event)}})
                 break
@@ -97,3 +120,8 @@ class CompletionAnswer(TurnAnswer):
 
     def _usage_wanted(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+
+def _token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token's own text (tokenizer stage)."""
+    return [tokenizer.decode([i]) for i in ids]

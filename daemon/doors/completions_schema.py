@@ -87,8 +87,6 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> CompletionRe
     if req.n not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "n: kvd generates one choice per completion request; send n = 1 "
                        "(or leave it out)", param="n")
-    if req.logprobs is not None:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "logprobs: not returned yet; leave logprobs out", param="logprobs")
     if req.suffix is not None and req.echo:
         raise ApiError(HTTPStatus.BAD_REQUEST, "echo with a suffix: the prompt of a fill-in-the-middle is not the "
                        "text before its answer; send one or the other", param="echo")

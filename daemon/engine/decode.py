@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from . import speculate
 from .draws import Draws
+from .logprobs import Picked, pick
 from .verify import verify
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ class Row:
     # and its first answer token, fed then. Both None once it is in.
     cache: list[Any] | None = None
     first: int | None = None
+    # Log-probabilities asked for: this many alternatives per token (None: none), and those of its pending
+    # token, read when that token is reported (logprobs.py).
+    logprobs: int | None = None
+    picked: Picked | None = None
 
     @property
     def entering(self) -> bool:
@@ -78,6 +83,7 @@ class Out:
     finish: str | None = None
     cache: list[Any] | None = None
     tokens: list[int] | None = None
+    picked: Picked | None = None  # its log-probabilities, where its row asked for them
 
 
 class Decoder:
@@ -107,7 +113,9 @@ class Decoder:
             logits = row.constraint.mask(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nxt = row.draws.take(logprobs)
-        mx.async_eval(nxt)
+        if row.logprobs is not None:
+            row.picked = pick(logprobs, nxt, row.logprobs)
+        mx.async_eval(nxt, *(row.picked.arrays() if row.picked is not None else ()))
         row.tokens.append(first)
         if not self.rows:
             self.cache, self.pending = merged, nxt
@@ -154,6 +162,7 @@ class Decoder:
     def _plain(self) -> list[Out]:
         assert self.pending is not None
         inputs = self.pending
+        picked = [r.picked for r in self.rows]  # the pending tokens' log-probabilities, where asked for
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
         fed: list[int] | None = None
@@ -174,10 +183,13 @@ class Decoder:
         else:
             nxt = mx.concatenate([r.draws.take(logprobs[i:i + 1]) for i, r in enumerate(self.rows)])
         self.pending = nxt
-        mx.async_eval(nxt)
+        for i, r in enumerate(self.rows):
+            if r.logprobs is not None:
+                r.picked = pick(logprobs[i:i + 1], nxt[i:i + 1], r.logprobs)
+        mx.async_eval(nxt, *(a for r in self.rows if r.picked is not None for a in r.picked.arrays()))
         if fed is None:
             fed = _ints(inputs)
-        return self._report([[t] for t in fed])
+        return self._report([[t] for t in fed], picked)
 
     # --- a speculative step ---
 
@@ -188,7 +200,8 @@ class Decoder:
         matcher must see every token once, in order).
         """
         rows = self.rows
-        if not speculate.supported(self.cache) or any(r.constraint is not None for r in rows):
+        if not speculate.supported(self.cache) or any(r.constraint is not None or r.logprobs is not None
+                                                        for r in rows):
             return None
         n = len(rows)
         wanted: dict[int, int] = {}
@@ -234,19 +247,21 @@ class Decoder:
 
     # --- both ---
 
-    def _report(self, fed: Sequence[Sequence[int]]) -> list[Out]:
-        """Record what each row was fed (already cut at its end), finish the rows that ended."""
+    def _report(self, fed: Sequence[Sequence[int]], picked: Sequence[Picked | None] | None = None) -> list[Out]:
+        """Record what each row was fed (already cut at its end), finish the rows that ended. `picked`: the
+        log-probabilities of each row's one fed token (a plain step), where asked for."""
         out: list[Out] = []
         keep: list[int] = []
         for i, (r, toks) in enumerate(zip(self.rows, fed)):
             r.tokens.extend(toks)
             finish = _finish(r, toks)
-            out.extend(Out(r.key, t) for t in toks)
+            out.extend(Out(r.key, t, picked=picked[i] if picked is not None else None) for t in toks)
             if finish is None:
                 keep.append(i)
             else:
                 last = out[-1]
-                out[-1] = Out(last.key, last.token, finish, [c.extract(i) for c in self.cache], r.tokens)
+                out[-1] = Out(last.key, last.token, finish, [c.extract(i) for c in self.cache], r.tokens,
+                              last.picked)
         if len(keep) < len(self.rows):
             self._keep(keep)
         return out

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 from protocol.shapes import Sampling
 
-from ..events import AnswerDelta
+from ..events import AnswerDelta, TokenLogprob
 from .jobs import EngineEvent
 from .scheduler import Phase
 
@@ -69,6 +69,8 @@ class Answer:
     history: bool = True  # earlier turns come before this one's messages (what a too-long error advises)
     grammar: str | None = None  # llguidance's grammar the answer must follow (the API's response_format)
     raw: bool = False  # a prompt fed as it is (a text completion): its answer's first space is its text's too
+    logprobs: int | None = None  # each answer token's log-probability and this many alternatives (None: none)
+    prompt_logprobs: bool = False  # the prompt's too (a text completion's echo): read whole, no cache restored
     # Set by the listener that wrote the first delta to its client (events.py, AnswerDelta.written): the
     # engine waits for it (at most FIRST_HANDOFF_S) before its next step, so the event loop sends the
     # first token without waiting behind that step for a core and the GIL. None: nobody sends it (a
@@ -102,6 +104,8 @@ class Answer:
     prefetched: bool = False  # restored_from's tier got the cache by a prefetch from disk after the start
     constraint: Constraint | None = None  # the grammar its answer is held to (JSON output), from the first token
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # asked for: its shown tokens', in order
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.inserted = self.inserted or self.arrived

@@ -35,6 +35,7 @@ from ..config import Config
 from ..events import AnswerError, AnswerProgress, AnswerQueued
 from .draft import Answers
 from .jobs import Done, PromptTooLong
+from .logprobs import pick, records
 from .running import Answer, detokenizer_for, fit_advice
 from .scheduler import Phase, Scheduler
 
@@ -157,6 +158,11 @@ class Steps:
         assert self.caches is not None
         # The engine does not wait for a read: a cache on disk is read by the I/O worker and the answer
         # starts when the read has ended (`read_reported`); ranks in lockstep wait, to stay in step.
+        if a.prompt_logprobs:  # every prompt position's logits are wanted: read whole, nothing restored
+            from cachestore import Checkout
+
+            self._begin(a, Checkout(None, 0, p.NO_CACHE, 0.0))
+            return
         out = self.caches.checkout(a.session_id, tokens, wait=self.lockstep is not None)
         self.caches.make_room()  # idle caches leave memory for what the admitted answers may reach
         if out.read is not None:
@@ -183,7 +189,8 @@ class Steps:
         a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET)
         a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
                             boundary=self.caches.boundary(cache),
-                            at_boundary=functools.partial(self.caches.capture, a.session_id), last=self.last)
+                            at_boundary=functools.partial(self.caches.capture, a.session_id), last=self.last,
+                            collect=(a.logprobs or 0) if a.prompt_logprobs else None)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
         self.scheduler.prefill(a)
 
@@ -214,6 +221,9 @@ class Steps:
                 draws = answer.draws
                 assert draws is not None
                 token = first_token(logprobs, draws.take) if logprobs is not None else None
+                if token is not None and logprobs is not None and answer.logprobs is not None:
+                    answer.token_logprobs += records([token], pick(logprobs, mx.array([token]), answer.logprobs))
+                    answer.prompt_token_logprobs = answer.prefill.prompt_logprobs()
             now = time.perf_counter()
             self.scheduler.chunk_fed(answer.prefill.fed - before, now - t0)
             if token is None:
@@ -242,7 +252,8 @@ class Steps:
         from .decode import Row
 
         # Speculation runs on one rank only (docs/distributed.md).
-        if self.config.speculate == "auto" and answer.constraint is None and self.lockstep is None:
+        if (self.config.speculate == "auto" and answer.constraint is None and answer.logprobs is None
+                and self.lockstep is None):
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
 
@@ -252,7 +263,8 @@ class Steps:
         assert answer.draws is not None
         answer.row = Row(session_id, list(prefill.tokens), answer.draws, answer.max_tokens - 1,
                       frozenset(self.tokenizer.eos_token_ids), answer.constraint, answer.spec,
-                      cache=prefill.cache, first=token)  # it enters the batch at the next decode step
+                      cache=prefill.cache, first=token,  # it enters the batch at the next decode step
+                      logprobs=answer.logprobs)
         self.scheduler.decode(answer)
 
     def _constraint(self, grammar: str, width: int) -> Constraint:
@@ -282,6 +294,8 @@ class Steps:
         for r in out:
             answer = answers[r.key]
             self._took(answer, r.token, now, shown=r.finish != "stop")
+            if r.picked is not None and r.finish != "stop":
+                answer.token_logprobs += records([r.token], r.picked)
             if r.finish is not None:
                 self._finish(answer, r.finish, r.cache, list(r.tokens or ()))
 
@@ -334,7 +348,9 @@ class Steps:
             answer.emit(AnswerError(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
                                 "try a simpler schema"))
         else:
-            answer.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None))
+            answer.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None,
+                             logprobs=tuple(answer.token_logprobs) if answer.logprobs is not None else None,
+                             prompt_logprobs=tuple(answer.prompt_token_logprobs) if answer.prompt_logprobs else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
         # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
         if cache is not None and tokens and self.caches is not None:
