@@ -295,7 +295,7 @@ class Turns:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
         resolved = resolve(sampling.given(), held.params, self.config.sampling(),
-                           max_tokens_limit=self.config.max_tokens_limit)
+                           max_tokens_limit=self.config.max_tokens_limit, knobs=sampling.knobs())
         previous = (held.model, held.fed_model)
         switched = self._serve_with(held, model)
         serving = held.model or self.engines.default

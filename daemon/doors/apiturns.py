@@ -15,8 +15,8 @@ import json
 import json.scanner
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -178,7 +178,12 @@ class Ask:
     prompt: Prompt | None = None  # the prompt's ids made otherwise than by the chat template (rawprompt.py)
     context: int | None = None  # a context smaller than the model's the answer must fit (Ollama's num_ctx)
     logprobs: int | None = None  # each answer token's log-probability, and this many alternatives (None: none)
+    knobs: Mapping[str, Any] = field(default_factory=dict)  # the sampling's knobs (protocol/shapes.py KNOBS)
     prompt_logprobs: bool = False  # the prompt's too (a text completion's echo)
+
+
+def _vocabulary(tokenizer: Any) -> int:
+    return len(tokenizer.get_vocab())
 
 
 class ApiTurns:
@@ -187,6 +192,7 @@ class ApiTurns:
     def __init__(self, config: Config, engine: Engine, turns: Turns, loading: LoadingWatch):
         self.config, self.engine, self.turns, self.loading = config, engine, turns, loading
         self.admission = Admission(config, turns)
+        self._vocabulary: dict[str, int] = {}  # each model's vocabulary size, once asked
 
     async def model(self, name: str | None) -> str:
         """The model a request's `model` names: one kvd can serve (the registry's names, [models] aliases),
@@ -227,6 +233,16 @@ class ApiTurns:
                            "kvd's log has the details, fix the model setting and restart kvd",
                            code="model_not_loaded")
 
+    async def check_ids(self, ids: Sequence[int], engine: Engine, model: str, *, param: str) -> None:
+        """ApiError (400) for a token id outside the model's vocabulary (its size asked once per model)."""
+        if not ids:
+            return
+        if model not in self._vocabulary:
+            self._vocabulary[model] = await engine.tokenize(_vocabulary)
+        if (top := max(ids)) >= self._vocabulary[model] or min(ids) < 0:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"{param} holds token id {top if top >= 0 else min(ids)}, outside "
+                           f"{model}'s vocabulary of {self._vocabulary[model]}", param=param)
+
     @staticmethod
     def tool_format(tools: list[dict[str, Any]] | None, engine: Engine, model: str, *,
                     refuse: bool = True) -> ToolFormat | None:
@@ -245,6 +261,8 @@ class ApiTurns:
         the session's id. The caller holds an admission slot (`self.admission.slot()`). `placed(model)`:
         the door's own placement (a text completion's session: completions.py), not the conversation's."""
         model, engine = await self.ready(ask.model)
+        if bias := ask.knobs.get("logit_bias"):
+            await self.check_ids([token for token, _ in bias], engine, model, param="logit_bias")
         pinned = request.headers.get(SESSION_HEADER)
         if pinned is not None and not is_valid_session_id(pinned):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
@@ -266,7 +284,8 @@ class ApiTurns:
         events = EventStream()
         turn = self.turns.start(
             events, f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
-            sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p),
+            sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p,
+                                              **ask.knobs),
             stop=ask.stop, seed=ask.seed,
             prompt=ask.prompt or Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                               renders=self.turns.renders_for(model)),

@@ -54,10 +54,6 @@ def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONRe
     return JSONResponse(e.body(), status_code=e.status, headers={**(headers or {}), **e.headers})
 
 
-def _vocabulary(tokenizer: Any) -> int:
-    return len(tokenizer.get_vocab())
-
-
 class Pool:
     """The sessions text completions run in: an idle one is reused (rewound), else a new one is made."""
 
@@ -100,7 +96,6 @@ class CompletionsDoor:
     def __init__(self, config: Config, api: ApiTurns):
         self.config, self.api, self.turns = config, api, api.turns
         self.pool = Pool(api.turns)
-        self._vocab: dict[str, int] = {}
         self.route = Route(PATH, self.complete, methods=["POST"])
 
     async def _request(self, request: Request) -> CompletionRequest | None:
@@ -130,7 +125,8 @@ class CompletionsDoor:
                 prompt, text = await self._prompt(req, model, engine)
                 ask = Ask(None, [Said("user", text)], max_tokens=req.max_tokens, temperature=req.temperature,
                           top_p=req.top_p, stop=stops(req), seed=req.seed, model=model, door="completions",
-                          prompt=prompt, logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None)
+                          prompt=prompt, logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
+                          knobs=req.knobs())
                 turn, events = await self.api.start(request, ask, headers, rid_prefix="cmpl-",
                                                     placed=lambda _: self.pool.place(ask.convo[0]))
         except ApiError as e:
@@ -145,11 +141,7 @@ class CompletionsDoor:
         what `echo` repeats); ApiError for ids outside the vocabulary or a suffix the model cannot take."""
         given = req.one_prompt()
         if isinstance(given, list):
-            if model not in self._vocab:
-                self._vocab[model] = await engine.tokenize(_vocabulary)
-            if (top := max(given)) >= self._vocab[model]:
-                raise ApiError(HTTPStatus.BAD_REQUEST, f"prompt holds token id {top}, outside {model}'s vocabulary "
-                               f"of {self._vocab[model]}", param="prompt")
+            await self.api.check_ids(given, engine, model, param="prompt")
             text = await engine.tokenize(lambda tokenizer: tokenizer.decode(given))
             return RawPrompt(ids_given=tuple(given)), text
         if req.suffix is None:

@@ -14,24 +14,20 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from protocol.shapes import MaxTokens, Seed, Stop, Temperature, TopP
 from protocol.shapes import stops as stop_list
 
 from ..config import Config
-from .openai_schema import ApiError, StreamOptions, checked_body, fits, validated
+from .openai_schema import ApiError, Knobs, StreamOptions, checked_body, fits, validated
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's own limit is 5; vLLM's and llama-server's 20)
 MAX_PROMPT_IDS = 1 << 20
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class CompletionRequest(_Strict):
+class CompletionRequest(Knobs):
     model: str | None = None
     prompt: str | list[int] | list[str] | list[list[int]]
     suffix: str | None = None
@@ -91,6 +87,7 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> CompletionRe
         raise ApiError(HTTPStatus.BAD_REQUEST, "echo with a suffix: the prompt of a fill-in-the-middle is not the "
                        "text before its answer; send one or the other", param="echo")
     req.one_prompt()
+    req.knobs()  # logit_bias's keys are token ids
     return req
 
 

@@ -28,6 +28,7 @@ from ..turn import Turn
 from ..turns import Turns
 from .answering import TurnAnswer
 from .ollama_schema import error_body, ollama_calls
+from .openai_answer import token_logprobs
 from .openai_schema import api_error
 
 Send = Callable[[dict[str, Any]], Any]
@@ -87,6 +88,16 @@ class OllamaAnswer(TurnAnswer):
             message["tool_calls"] = calls
         return {"message": message}
 
+    async def _logprobs(self, done: AnswerDone) -> dict[str, Any]:
+        """Ollama's logprobs (each answer token, its log-probability, its top alternatives), where asked for;
+        streamed, they come whole with the last object."""
+        if done.logprobs is None or self.turn.engine is None:
+            return {}
+        listed = await token_logprobs(self.turn.engine, done.logprobs, len(done.content) or 1 << 30)
+        return {"logprobs": [{"token": t["token"], "logprob": t["logprob"],
+                              "top_logprobs": [{"token": a["token"], "logprob": a["logprob"]}
+                                               for a in t["top_logprobs"]]} for t in listed]}
+
     def _final(self, done: AnswerDone, text: str, *, calls: bool) -> dict[str, Any]:
         return {**self._head(True), **self._text(text, ollama_calls(done.calls) if calls else None),
                 "done_reason": done_reason(done.finish_reason),
@@ -102,7 +113,8 @@ class OllamaAnswer(TurnAnswer):
             if isinstance(event, AnswerDelta) and event.written is not None:
                 event.written()  # nothing is sent before the end: the engine need not wait
             elif isinstance(event, AnswerDone):
-                await self.send_body(send, 200, self._final(event, event.content, calls=True))
+                await self.send_body(send, 200, {**self._final(event, event.content, calls=True),
+                                                 **await self._logprobs(event)})
                 return
             elif isinstance(event, AnswerError):
                 await self._error(send, event)
@@ -125,7 +137,7 @@ class OllamaAnswer(TurnAnswer):
             elif isinstance(event, AnswerDone):
                 if event.calls:
                     await line({**self._head(False), **self._text("", ollama_calls(event.calls))})
-                await line(self._final(event, "", calls=False))
+                await line({**self._final(event, "", calls=False), **await self._logprobs(event)})
                 break
             elif isinstance(event, AnswerError):
                 if not self.started:

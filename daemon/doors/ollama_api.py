@@ -32,6 +32,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.requests import RequestError
+from protocol.shapes import MAX_PENALTY_WINDOW
 
 from .. import __version__
 from ..config import Config
@@ -122,7 +123,8 @@ def _read(body: bytes, parse: Callable[..., Req], config: Config) -> Req:
 
 def _sampling(options: Options | None, config: Config) -> dict[str, Any]:
     """What Ask takes of `options`: max_tokens (num_predict: -1 and -2 and more than kvd's limit are "as
-    much as fits"), temperature, top_p, seed (a negative one: random), the num_ctx context."""
+    much as fits"), temperature, top_p, seed (a negative one: random), the num_ctx context, and the knobs
+    (top_k, min_p, repeat_penalty, the presence and frequency penalties over repeat_last_n tokens)."""
     o = options or Options()
     limit = config.max_tokens_limit
     predict = o.num_predict
@@ -130,13 +132,18 @@ def _sampling(options: Options | None, config: Config) -> dict[str, Any]:
         raise ApiError(HTTPStatus.BAD_REQUEST, "options.num_predict is 0: ask for at least one token, or -1 for as "
                        "many as fit")
     fit = predict is None or predict in NUM_PREDICT_ALL or predict > limit
-    unapplied = sorted(k for k, v in (("top_k", o.top_k), ("min_p", o.min_p), ("repeat_penalty", o.repeat_penalty),
-                                      ("presence_penalty", o.presence_penalty),
-                                      ("frequency_penalty", o.frequency_penalty)) if v is not None)
-    if unapplied:
-        log.info("options %s are not applied (kvd samples with temperature and top_p)", ", ".join(unapplied))
+    knobs: dict[str, Any] = {k: v for k, v in (("top_k", o.top_k), ("min_p", o.min_p),
+                                                ("repetition_penalty", o.repeat_penalty),
+                                                ("presence_penalty", o.presence_penalty),
+                                                ("frequency_penalty", o.frequency_penalty)) if v not in (None, 0)}
+    if o.repeat_last_n == 0:  # Ollama's "penalize nothing"
+        knobs = {k: v for k, v in knobs.items() if k not in ("repetition_penalty", "presence_penalty",
+                                                            "frequency_penalty")}
+    elif o.repeat_last_n is not None:  # -1: the whole context, as far as kvd looks back
+        knobs["penalty_window"] = MAX_PENALTY_WINDOW if o.repeat_last_n < 0 else min(o.repeat_last_n,
+                                                                                    MAX_PENALTY_WINDOW)
     return {"max_tokens": limit if fit else predict, "fit": fit, "temperature": o.temperature, "top_p": o.top_p,
-            "seed": o.seed if o.seed is not None and o.seed >= 0 else None, "context": o.num_ctx}
+            "seed": o.seed if o.seed is not None and o.seed >= 0 else None, "context": o.num_ctx, "knobs": knobs}
 
 
 class Lines(Response):
@@ -277,7 +284,7 @@ class OllamaDoor:
             grammar = await output_grammar(response_format(req.format))  # a worker, within bounds
             ask = Ask(ask.system, ask.convo, ask.tools, stop=stops(req.options), grammar=grammar, model=model,
                       tools_optional=False, door=ask.door, call_ids=ask.call_ids, prompt=ask.prompt,
-                      context=context, **sampling)
+                      context=context, logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling)
             turn, events = await self.api.start(request, ask, headers, rid_prefix="ollama-")
         if keep is not None:
             self.turns.engines.keep(model, keep)

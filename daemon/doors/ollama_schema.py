@@ -192,9 +192,8 @@ def _check_common(req: _Asked) -> None:
     if req.think not in (None, False):
         raise ApiError(HTTPStatus.BAD_REQUEST, f"think: kvd does not separate a model's thinking from its answer, "
                        f"and {req.model!r} is not served as a thinking model; leave think out or false")
-    if req.logprobs or req.top_logprobs:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "logprobs: kvd's Ollama door does not return log-probabilities "
-                       "yet; leave logprobs and top_logprobs out (POST /v1/completions has them)")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs: true")
 
 
 def response_format(fmt: str | dict[str, Any] | None) -> ResponseFormat | None:

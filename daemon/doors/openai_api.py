@@ -189,7 +189,7 @@ class OpenAIDoor:
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds
         ask = Ask(system, convo, req.offered_tools(), max_tokens=req.max_completion_tokens or req.max_tokens,
                   temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar,
-                  model=req.model)
+                  model=req.model, knobs=req.knobs(), logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
 
     async def seed(self, count: int = SEEDED) -> int:

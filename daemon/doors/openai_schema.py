@@ -5,9 +5,10 @@ for the websocket protocol (requests.py). A turn's parameters (max_tokens,
 temperature, top_p, stop, seed, a message's text) are the shared shapes of
 protocol/shapes.py, checked against config's limits; this module words their
 errors as OpenAI's 400s, `param` naming the field. Fields the API defines but kvd
-does not implement are refused when they ask for something (n > 1,
-logprobs, a forced tool call) and ignored when they are left at their defaults; unknown
-fields are ignored, as OpenAI's clients add new ones often.
+does not implement are refused when they ask for something (n > 1, a forced tool call) and
+ignored when they are left at their defaults; unknown fields are ignored, as OpenAI's clients
+add new ones often. The sampling knobs (`Knobs`: top_k, min_p, the penalties, logit_bias) and
+logprobs are the engine's (engine/processing.py, engine/logprobs.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
@@ -26,14 +27,20 @@ from common.limits import MAX_MESSAGES, MAX_TOOLS
 from protocol.shapes import (
     ABOVE_LIMIT,
     BAD_KEY,
+    LOGIT_BIAS,
+    MAX_LOGIT_BIAS,
     STOP_TOO_LONG,
     TEXT_TOO_LONG,
     TOO_MANY_STOPS,
     Limits,
     MaxTokens,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
     Seed,
     Stop,
     Temperature,
+    TopK,
     TopP,
     fits_text,
     lone_surrogate,
@@ -42,6 +49,7 @@ from protocol.shapes import stops as stop_list
 
 from ..config import Config
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's own limit)
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in error paths
 
 
@@ -203,7 +211,34 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatRequest(_Strict):
+class Knobs(_Strict):
+    """The sampling knobs beyond temperature and top_p a request may set (vLLM's and mlx_lm.server's names,
+    OpenAI's penalties and logit_bias): carried to the engine as the turn's Sampling (protocol/shapes.py)."""
+
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS, le=LOGIT_BIAS, allow_inf_nan=False)]] | None = \
+        Field(default=None, max_length=MAX_LOGIT_BIAS)
+
+    def knobs(self) -> dict[str, Any]:
+        """The knobs set, as Sampling takes them (logit_bias as (token id, bias) pairs)."""
+        out: dict[str, Any] = {k: v for k in ("top_k", "min_p", "repetition_penalty", "presence_penalty",
+                                               "frequency_penalty") if (v := getattr(self, k)) not in (None, 0)}
+        if self.logit_bias:
+            pairs = []
+            for key, bias in self.logit_bias.items():
+                if not key.isdigit() or len(key) > 9:
+                    raise ApiError(HTTPStatus.BAD_REQUEST, f"logit_bias: {key[:20]!r} is not a token id (a string of "
+                                   "digits)", param="logit_bias")
+                pairs.append((int(key), float(bias)))
+            out["logit_bias"] = tuple(pairs)
+        return out
+
+
+class ChatRequest(Knobs):
     model: str | None = None  # a model `kvd models` lists, an alias, or none (the default): the registry resolves it
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: MaxTokens | None = None
@@ -216,6 +251,7 @@ class ChatRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: the model calls as many as it writes
@@ -306,8 +342,9 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
     if req.n not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd generates one choice per request; send n = 1 "
                        "(or leave it out) and make several requests for several answers", param="n")
-    if req.logprobs:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "kvd does not return logprobs; leave logprobs out", param="logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs: true", param="top_logprobs")
+    req.knobs()  # logit_bias's keys are token ids
     if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd cannot force a tool call: the model decides whether to "
                        "call one; send tool_choice \"auto\" (or \"none\", or leave it out)", param="tool_choice")

@@ -43,6 +43,7 @@ from .verify import verify
 
 if TYPE_CHECKING:
     from .grammar import Constraint
+    from .processing import Processing
     from .speculate import Speculation
 
 CLEAR_EVERY = 512  # steps between returns of MLX's buffer cache to the allocator (as mlx-lm's generator does)
@@ -68,6 +69,7 @@ class Row:
     # token, read when that token is reported (logprobs.py).
     logprobs: int | None = None
     picked: Picked | None = None
+    processing: Processing | None = None  # its logits processors (its sampling's knobs): processing.py
 
     @property
     def entering(self) -> bool:
@@ -108,6 +110,8 @@ class Decoder:
         assert cache is not None and first is not None
         merged = [c.merge([c]) for c in as_batchable(cache)]
         logits = self.model(mx.array([[first]]), cache=merged)[:, -1, :]
+        if row.processing is not None:
+            logits = row.processing.apply([*row.tokens, first], logits)
         if row.constraint is not None:
             row.constraint.take(first)
             logits = row.constraint.mask(logits)
@@ -164,16 +168,18 @@ class Decoder:
         inputs = self.pending
         picked = [r.picked for r in self.rows]  # the pending tokens' log-probabilities, where asked for
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
-        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
+        shaped = [i for i, r in enumerate(self.rows) if r.constraint is not None or r.processing is not None]
         fed: list[int] | None = None
-        if constrained:
+        if shaped:  # rows whose logits their processors and grammar change, each on its own
             fed = _ints(inputs)
             parts = [logits[i:i + 1] for i in range(len(self.rows))]
-            for i in constrained:
-                c = self.rows[i].constraint
-                assert c is not None
-                c.take(fed[i])
-                parts[i] = c.mask(parts[i])
+            for i in shaped:
+                r = self.rows[i]
+                if r.processing is not None:
+                    parts[i] = r.processing.apply([*r.tokens, fed[i]], parts[i])
+                if (c := r.constraint) is not None:
+                    c.take(fed[i])
+                    parts[i] = c.mask(parts[i])
             logits = mx.concatenate(parts, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.draws.greedy for r in self.rows):
@@ -200,8 +206,8 @@ class Decoder:
         matcher must see every token once, in order).
         """
         rows = self.rows
-        if not speculate.supported(self.cache) or any(r.constraint is not None or r.logprobs is not None
-                                                        for r in rows):
+        if not speculate.supported(self.cache) or any(
+                r.constraint is not None or r.logprobs is not None or r.processing is not None for r in rows):
             return None
         n = len(rows)
         wanted: dict[int, int] = {}

@@ -49,7 +49,8 @@ class Prefill:
     def __init__(self, model: Any, cache: list[Any], tokens: Sequence[int], fed: int, *, step: int,
                  boundary: int | None = None,
                  at_boundary: Callable[[list[Any], Sequence[int]], None] | None = None,
-                 clear_cache: bool | None = None, last: Any | None = None, collect: int | None = None):
+                 clear_cache: bool | None = None, last: Any | None = None, collect: int | None = None,
+                 raw: bool = False):
         if not 0 <= fed < len(tokens):
             raise ValueError(f"a prefill needs at least one token to feed ({fed} of {len(tokens)} fed)")
         if step < 1:
@@ -71,6 +72,7 @@ class Prefill:
         # completion's echo): every chunk then runs the whole head (engine/logprobs.py).
         self.collect = collect
         self.collected: list[tuple[list[int], Picked]] = []
+        self.raw = raw  # the last position's logits as the model gives them (logits processors come first)
 
     @property
     def remaining(self) -> int:
@@ -79,7 +81,7 @@ class Prefill:
     def advance(self, n: int | None = None) -> mx.array | None:
         """Feed the next `n` (default `step`) tokens.
 
-        After the last ones: the next token's log-probabilities, shape (1, vocab).
+        After the last ones: the next token's log-probabilities, shape (1, vocab) (`raw`: its logits).
         """
         n = n or self.step
         if self.boundary:
@@ -102,7 +104,7 @@ class Prefill:
                 mx.clear_cache()
             return None
         last: mx.array = logits[:, -1, :]
-        return last - mx.logsumexp(last, axis=-1, keepdims=True)
+        return last if self.raw else last - mx.logsumexp(last, axis=-1, keepdims=True)
 
 
     def prompt_logprobs(self) -> list[TokenLogprob]:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .draws import Draws
     from .grammar import Constraint
     from .prefill import Prefill
+    from .processing import Processing
     from .speculate import Speculation
 
 MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggesting
@@ -104,6 +105,7 @@ class Answer:
     prefetched: bool = False  # restored_from's tier got the cache by a prefetch from disk after the start
     constraint: Constraint | None = None  # the grammar its answer is held to (JSON output), from the first token
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
+    processing: Processing | None = None  # its logits processors (its sampling's knobs), from its start
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # asked for: its shown tokens', in order
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
 

@@ -36,6 +36,7 @@ from ..events import AnswerError, AnswerProgress, AnswerQueued
 from .draft import Answers
 from .jobs import Done, PromptTooLong
 from .logprobs import pick, records
+from .processing import processing
 from .running import Answer, detokenizer_for, fit_advice
 from .scheduler import Phase, Scheduler
 
@@ -186,11 +187,13 @@ class Steps:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
         a.detokenizer, a.prompt, a.cached_len = detokenizer_for(self.tokenizer, raw=a.raw), tokens, cached
         a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
-        a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET)
+        a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET,
+                        top_k=a.sampling.top_k or 0, min_p=a.sampling.min_p or 0.0)
+        a.processing = processing(a.sampling)
         a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
                             boundary=self.caches.boundary(cache),
                             at_boundary=functools.partial(self.caches.capture, a.session_id), last=self.last,
-                            collect=(a.logprobs or 0) if a.prompt_logprobs else None)
+                            collect=(a.logprobs or 0) if a.prompt_logprobs else None, raw=a.processing is not None)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
         self.scheduler.prefill(a)
 
@@ -215,6 +218,9 @@ class Steps:
             t0 = time.perf_counter()
             with mx.stream(self.stream):
                 logprobs = answer.prefill.advance(n)
+                if logprobs is not None and answer.processing is not None:  # the prefill gave raw logits
+                    logits = answer.processing.apply(answer.prefill.tokens, logprobs)
+                    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 if logprobs is not None and answer.grammar is not None:
                     answer.constraint = self._constraint(answer.grammar, logprobs.shape[-1])
                     logprobs = answer.constraint.mask(logprobs)
@@ -253,7 +259,7 @@ class Steps:
 
         # Speculation runs on one rank only (docs/distributed.md).
         if (self.config.speculate == "auto" and answer.constraint is None and answer.logprobs is None
-                and self.lockstep is None):
+                and answer.processing is None and self.lockstep is None):
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
 
@@ -264,7 +270,7 @@ class Steps:
         answer.row = Row(session_id, list(prefill.tokens), answer.draws, answer.max_tokens - 1,
                       frozenset(self.tokenizer.eos_token_ids), answer.constraint, answer.spec,
                       cache=prefill.cache, first=token,  # it enters the batch at the next decode step
-                      logprobs=answer.logprobs)
+                      logprobs=answer.logprobs, processing=answer.processing)
         self.scheduler.decode(answer)
 
     def _constraint(self, grammar: str, width: int) -> Constraint:
