@@ -37,10 +37,11 @@ from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
 from ..prompt import Conversation, Prompt
-from ..turn import EventStream, Turn
+from ..turn import CallSplit, EventStream, Turn
 from ..turns import Turns
 from .admission import Admission
 from .asgi import headers_of
+from .forcedcall import ForcedCall
 from .guards import NO_ROUTE, check, token_needed
 from .loading import LoadingWatch
 from .openai_schema import ApiError, answers_to
@@ -179,6 +180,7 @@ class Ask:
     context: int | None = None  # a context smaller than the model's the answer must fit (Ollama's num_ctx)
     logprobs: int | None = None  # each answer token's log-probability, and this many alternatives (None: none)
     knobs: Mapping[str, Any] = field(default_factory=dict)  # the sampling's knobs (protocol/shapes.py KNOBS)
+    forced: bool = False  # the answer is one tool call, held to it by `grammar` (forcedcall.py)
     prompt_logprobs: bool = False  # the prompt's too (a text completion's echo)
 
 
@@ -267,11 +269,13 @@ class ApiTurns:
         if pinned is not None and not is_valid_session_id(pinned):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
                            "(16 lowercase hex characters)", param=SESSION_HEADER)
-        tool_format = self.tool_format(ask.tools, engine, model, refuse=not ask.tools_optional)
+        tool_format = self.tool_format(ask.tools, engine, model, refuse=not (ask.tools_optional or ask.forced))
         if ask.tools and tool_format is None:
-            log.info("the model %s calls no tools: answering a request that offered %d without them",
-                     model, len(ask.tools))
+            log.info("the model %s calls no tools: answering a request that offered %d without %s", model,
+                     len(ask.tools), "showing them (the call is forced)" if ask.forced else "them")
             ask = replace(ask, tools=None)
+        calls: CallSplit | None = (ForcedCall(ask.call_ids) if ask.forced else
+                                   StreamSplit(tool_format, ask.call_ids) if tool_format is not None else None)
         rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
         try:
             placement = await (placed(model) if placed is not None else place(
@@ -290,7 +294,7 @@ class ApiTurns:
             prompt=ask.prompt or Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                               renders=self.turns.renders_for(model)),
             door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
-            tools=StreamSplit(tool_format, ask.call_ids) if tool_format is not None else None, model=model, fit=ask.fit,
+            tools=calls, model=model, fit=ask.fit,
             context=ask.context, raw=bool(getattr(ask.prompt, "raw", False)), logprobs=ask.logprobs,
             prompt_logprobs=ask.prompt_logprobs,
         )

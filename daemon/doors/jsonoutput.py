@@ -33,10 +33,11 @@ from typing import Any
 
 import anyio
 
-from .openai_schema import ApiError, ResponseFormat
+from .openai_schema import ApiError, JsonSchemaFormat, ResponseFormat
 from .schemaends import has_finite_value
 
-__all__ = ["COMPILERS", "DEADLINE", "DRY_STEPS", "MAX_SCHEMA_BYTES", "compile_grammar", "output_grammar"]
+__all__ = ["COMPILERS", "DEADLINE", "DRY_STEPS", "MAX_SCHEMA_BYTES", "call_grammar", "compile_grammar",
+           "output_grammar"]
 
 # Whitespace as models write JSON (a newline and an indent between items), but at most 16 characters
 # in a row: a model may not pad an answer with blanks until max_tokens runs out.
@@ -92,6 +93,22 @@ async def output_grammar(fmt: ResponseFormat | None) -> str | None:
     assert scope.cancel_called
     raise ApiError(HTTPStatus.BAD_REQUEST, f"the schema did not compile within {DEADLINE:g} s; send a simpler "
                    "one", param=param)
+
+
+async def call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
+    """The grammar of one call of `tools` (of the function `name`): a forced tool call (forcedcall.py); an
+    ApiError naming `tools` when their schemas cannot be followed."""
+    from .forcedcall import call_schema
+
+    fmt = ResponseFormat.model_construct(type="json_schema", json_schema=JsonSchemaFormat.model_construct(
+        name="call", schema_=call_schema(tools, name), strict=False))
+    try:
+        grammar = await output_grammar(fmt)
+    except ApiError as e:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"tools: a call of them cannot be forced: {e.message}",
+                       param="tools") from None
+    assert grammar is not None
+    return grammar
 
 
 def _size(schema: Any, limit: int = MAX_SCHEMA_BYTES) -> int:

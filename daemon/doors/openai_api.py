@@ -31,7 +31,7 @@ from ..prompt import Conversation
 from ..turn import EventStream, Turn
 from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .completions import CompletionsDoor
-from .jsonoutput import output_grammar
+from .jsonoutput import call_grammar, output_grammar
 from .openai_answer import Answer
 from .openai_schema import (
     ApiError,
@@ -186,10 +186,16 @@ class OpenAIDoor:
     async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
                      headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        grammar = await output_grammar(req.response_format)  # on a worker, within bounds
-        ask = Ask(system, convo, req.offered_tools(), max_tokens=req.max_completion_tokens or req.max_tokens,
+        tools, forced = req.offered_tools(), req.forced()
+        grammar: str | None
+        if forced is not None and tools:
+            grammar = await call_grammar(tools, forced[0])
+        else:
+            grammar = await output_grammar(req.response_format)  # on a worker, within bounds
+        ask = Ask(system, convo, tools, max_tokens=req.max_completion_tokens or req.max_tokens,
                   temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar,
-                  model=req.model, knobs=req.knobs(), logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                  model=req.model, knobs=req.knobs(), logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                  forced=forced is not None)
         return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
 
     async def seed(self, count: int = SEEDED) -> int:

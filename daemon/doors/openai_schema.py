@@ -5,7 +5,7 @@ for the websocket protocol (requests.py). A turn's parameters (max_tokens,
 temperature, top_p, stop, seed, a message's text) are the shared shapes of
 protocol/shapes.py, checked against config's limits; this module words their
 errors as OpenAI's 400s, `param` naming the field. Fields the API defines but kvd
-does not implement are refused when they ask for something (n > 1, a forced tool call) and
+does not implement are refused when they ask for something (n > 1) and
 ignored when they are left at their defaults; unknown fields are ignored, as OpenAI's clients
 add new ones often. The sampling knobs (`Knobs`: top_k, min_p, the penalties, logit_bias) and
 logprobs are the engine's (engine/processing.py, engine/logprobs.py).
@@ -257,6 +257,14 @@ class ChatRequest(Knobs):
     parallel_tool_calls: bool | None = None  # accepted: the model calls as many as it writes
     response_format: ResponseFormat | None = None
 
+    def forced(self) -> tuple[str | None] | None:
+        """A forced call: (None,) for any of the tools ("required"), (name,) for that function; None if not."""
+        if self.tool_choice == "required":
+            return (None,)
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return (self.tool_choice.function.name,)
+        return None
+
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model: none when tool_choice is "none"."""
         if not self.tools or self.tool_choice == "none":
@@ -345,12 +353,16 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs: true", param="top_logprobs")
     req.knobs()  # logit_bias's keys are token ids
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "kvd cannot force a tool call: the model decides whether to "
-                       "call one; send tool_choice \"auto\" (or \"none\", or leave it out)", param="tool_choice")
-    if req.tool_choice == "auto" and not req.tools:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice asks for a tool but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")
+    if isinstance(req.tool_choice, NamedToolChoice) and req.tools and req.tool_choice.function.name not in {
+            t.function.name for t in req.tools}:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"tool_choice names {req.tool_choice.function.name[:64]!r}, which is "
+                       "not among tools", param="tool_choice.function.name")
+    if req.forced() is not None and req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice forces a tool call, whose arguments are JSON already; "
+                       "leave response_format out", param="response_format")
 
 
 def _check_messages(req: ChatRequest) -> None:

@@ -49,7 +49,7 @@ from ..prompt import Conversation
 from ..turn import Turn
 from .answering import TurnAnswer
 from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
-from .jsonoutput import output_grammar
+from .jsonoutput import call_grammar, output_grammar
 from .openai_api import error_response
 from .openai_schema import ApiError, ResponseFormat, api_error, may_hold_surrogates
 from .placement import INLINE_MESSAGES, Said
@@ -161,10 +161,12 @@ class ResponsesDoor:
         # No max_output_tokens: as OpenAI's, up to what the model may write (limits.max_tokens_limit, within the
         # context), not the chat default: Codex names none, and reports an answer cut at 512 as an error.
         unbounded = req.max_output_tokens is None
-        ask = Ask(system, convo, [t.for_template() for t in req.functions()] or None,
+        tools, forced = [t.for_template() for t in req.functions()] or None, req.forced()
+        grammar = await call_grammar(tools, forced[0]) if forced is not None and tools else await _grammar(read.fmt)
+        ask = Ask(system, convo, tools,
                   max_tokens=self.config.max_tokens_limit if unbounded else req.max_output_tokens,
-                  temperature=req.temperature, top_p=req.top_p, grammar=await _grammar(read.fmt),
-                  tools_optional=True, model=req.model, door="responses", fit=unbounded)
+                  temperature=req.temperature, top_p=req.top_p, grammar=grammar,
+                  tools_optional=True, model=req.model, door="responses", fit=unbounded, forced=forced is not None)
         turn, events = await self.api.start(request, ask, headers, rid_prefix=RESPONSE_PREFIX)
         rid = str(turn.request_id)
         request_shape = read.asked

@@ -143,6 +143,14 @@ class ResponsesRequest(_Strict):
     top_logprobs: int | None = None
     conversation: str | dict[str, Any] | None = None
 
+    def forced(self) -> tuple[str | None] | None:
+        """A forced call: (None,) for any function ("required"), (name,) for that one; None if not."""
+        if self.tool_choice == "required":
+            return (None,)
+        if isinstance(self.tool_choice, NamedTool):
+            return (self.tool_choice.name,)
+        return None
+
     def functions(self) -> list[ToolSpec]:
         """The function tools the chat template shows the model: none when tool_choice is "none"."""
         if self.tool_choice == "none":
@@ -197,9 +205,18 @@ def _check_asks(req: ResponsesRequest, config: Config) -> None:
     if req.conversation is not None:
         raise _bad("kvd does not serve the Conversations API; continue a conversation with previous_response_id",
                    "conversation")
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise _bad("kvd cannot force a tool call: the model decides whether to call one; send tool_choice "
-                   "\"auto\" (or \"none\", or leave it out)", "tool_choice")
+    if req.forced() is not None:
+        names = {t.name for t in req.functions()}
+        if not names:
+            raise _bad("tool_choice forces a tool call but there are no function tools; send tools or leave "
+                       "tool_choice out", "tool_choice")
+        if isinstance(req.tool_choice, NamedTool) and (req.tool_choice.type != "function"
+                                                       or req.tool_choice.name not in names):
+            raise _bad(f"tool_choice names {str(req.tool_choice.name)[:64]!r}, which is not among the function "
+                       "tools", "tool_choice.name")
+        if req.text is not None and req.text.format is not None and req.text.format.type != "text":
+            raise _bad("tool_choice forces a tool call, whose arguments are JSON already; leave text.format out",
+                       "text.format")
     for i, tool in enumerate(req.tools or ()):
         if tool.type == "function" and tool.name is None:
             raise _bad(f"tools[{i}] is a function without a name; send its name", f"tools[{i}].name")
