@@ -80,7 +80,7 @@ def test_calls_sent_back_without_ids_get_the_ids_kvd_gave() -> None:
 
 
 def test_a_forced_calls_schema_closes_the_arguments_and_names_the_function() -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+    tools: list[dict[str, Any]] = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}}}}}},
              {"type": "function", "function": {"name": "g"}}]
     both = call_schema(tools)
