@@ -50,6 +50,7 @@ from ..turn import Turn
 from .answering import TurnAnswer
 from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
 from .jsonoutput import call_grammar, output_grammar
+from .openai_answer import token_logprobs
 from .openai_api import error_response
 from .openai_schema import ApiError, ResponseFormat, api_error, may_hold_surrogates
 from .placement import INLINE_MESSAGES, Said
@@ -166,7 +167,8 @@ class ResponsesDoor:
         ask = Ask(system, convo, tools,
                   max_tokens=self.config.max_tokens_limit if unbounded else req.max_output_tokens,
                   temperature=req.temperature, top_p=req.top_p, grammar=grammar,
-                  tools_optional=True, model=req.model, door="responses", fit=unbounded, forced=forced is not None)
+                  tools_optional=True, model=req.model, door="responses", fit=unbounded, forced=forced is not None,
+                  logprobs=req.top_logprobs)
         turn, events = await self.api.start(request, ask, headers, rid_prefix=RESPONSE_PREFIX)
         rid = str(turn.request_id)
         request_shape = read.asked
@@ -332,6 +334,8 @@ class ResponsesAnswer(TurnAnswer):
 
     async def _write(self, send: Sender, event: TurnEvent) -> bool:
         """Encode one event; True once the response is whole."""
+        if isinstance(event, AnswerDone) and event.logprobs is not None and self.turn.engine is not None:
+            self.encoder.logprobs = await token_logprobs(self.turn.engine, event.logprobs, len(event.content))
         out = self.encoder.encode(event)
         last = isinstance(event, (AnswerDone, AnswerError))
         if not self.stream:

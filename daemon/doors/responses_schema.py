@@ -140,7 +140,7 @@ class ResponsesRequest(_Strict):
     stream: bool = False
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # each output token's, with this many alternatives
     conversation: str | dict[str, Any] | None = None
 
     def forced(self) -> tuple[str | None] | None:
@@ -200,8 +200,6 @@ def _check_asks(req: ResponsesRequest, config: Config) -> None:
         raise _bad("kvd never drops part of a conversation to make it fit; send truncation \"disabled\" (or leave "
                    "it out): a conversation past the model's context is refused with an error that says so",
                    "truncation")
-    if req.top_logprobs:
-        raise _bad("kvd does not return logprobs; leave top_logprobs out", "top_logprobs")
     if req.conversation is not None:
         raise _bad("kvd does not serve the Conversations API; continue a conversation with previous_response_id",
                    "conversation")
