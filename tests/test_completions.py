@@ -122,3 +122,18 @@ async def test_stream_stop_seed_and_refusals(tmp_path: Path) -> None:
                 assert refused.value.param == param, refused.value
         assert d.store.list_sessions() == before
         await api.close()
+
+
+async def test_completions_at_once_each_take_their_own_pooled_session(tmp_path: Path) -> None:
+    import asyncio
+
+    async with running_daemon(tmp_path) as d:
+        api = api_of(d)
+        made = await asyncio.gather(*(api.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=4,
+                                                             temperature=0) for i in range(4)))
+        again = await asyncio.gather(*(api.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=4,
+                                                              temperature=0) for i in range(4)))
+        await api.close()
+        sessions = d.store.list_sessions()
+    assert [m.choices[0].text for m in made] == [a.choices[0].text for a in again]  # greedy: as before
+    assert len(sessions) <= 4  # the second round reused the first's sessions

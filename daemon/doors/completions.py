@@ -35,7 +35,7 @@ from sessions import Session
 
 from ..config import Config
 from ..turns import Turns
-from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, read_body
+from .apiturns import INLINE_BYTES, SESSION_HEADER, ApiTurns, Ask, decode_json, read_body
 from .completions_answer import CompletionAnswer
 from .completions_schema import CompletionRequest, parse, stops
 from .openai_schema import ApiError, api_error, may_hold_surrogates
@@ -60,6 +60,7 @@ class Pool:
     def __init__(self, turns: Turns):
         self.turns = turns
         self.sessions: list[str] = []
+        self.placing: set[str] = set()  # taken by a request whose turn has not started yet (`release`)
         self._found = False
 
     async def _find(self) -> None:
@@ -76,18 +77,27 @@ class Pool:
         await self._find()
         message = [said.for_template()]
         for sid in list(self.sessions):
-            if sid in self.turns.active:
+            if sid in self.turns.active or sid in self.placing:
                 continue
+            self.placing.add(sid)  # before the wait below: no other request takes it meanwhile
             held = await self.turns.transcripts.hold(sid)
             if held is None or len(held.messages) > 2 or sid in self.turns.active:  # gone, or a conversation now
-                self.sessions.remove(sid)
+                self.placing.discard(sid)
+                if sid in self.sessions:
+                    self.sessions.remove(sid)
                 continue
             session_id, first_new = self.turns.apply(sid, system=None, messages=message, rewind_from=0,
                                                      new_system=held.system is not None, title=TITLE, origin=ORIGIN)
             return Placement(session_id, first_new, "continued")
         session_id, first_new = self.turns.apply(None, system=None, messages=message, title=TITLE, origin=ORIGIN)
         self.sessions.append(session_id)
+        self.placing.add(session_id)
         return Placement(session_id, first_new, "new")
+
+    def release(self, session_id: str | None) -> None:
+        """The request that took `session_id` has started its turn (the turn core holds it now) or failed."""
+        if session_id is not None:
+            self.placing.discard(session_id)
 
 
 class CompletionsDoor:
@@ -127,8 +137,11 @@ class CompletionsDoor:
                           top_p=req.top_p, stop=stops(req), seed=req.seed, model=model, door="completions",
                           prompt=prompt, logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
                           knobs=req.knobs())
-                turn, events = await self.api.start(request, ask, headers, rid_prefix="cmpl-",
-                                                    placed=lambda _: self.pool.place(ask.convo[0]))
+                try:
+                    turn, events = await self.api.start(request, ask, headers, rid_prefix="cmpl-",
+                                                        placed=lambda _: self.pool.place(ask.convo[0]))
+                finally:
+                    self.pool.release(headers.get(SESSION_HEADER))
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:

@@ -162,9 +162,9 @@ class Steps:
         if a.prompt_logprobs:  # every prompt position's logits are wanted: read whole, nothing restored
             from cachestore import Checkout
 
-            self._begin(a, Checkout(None, 0, p.NO_CACHE, 0.0))
-            return
-        out = self.caches.checkout(a.session_id, tokens, wait=self.lockstep is not None)
+            out = Checkout(None, 0, p.NO_CACHE, 0.0)
+        else:
+            out = self.caches.checkout(a.session_id, tokens, wait=self.lockstep is not None)
         self.caches.make_room()  # idle caches leave memory for what the admitted answers may reach
         if out.read is not None:
             a.read = out.read  # it stays restoring
