@@ -137,3 +137,31 @@ async def test_completions_at_once_each_take_their_own_pooled_session(tmp_path: 
         sessions = d.store.list_sessions()
     assert [m.choices[0].text for m in made] == [a.choices[0].text for a in again]  # greedy: as before
     assert len(sessions) <= 4  # the second round reused the first's sessions
+
+
+async def test_malformed_huge_and_nested_bodies_are_4xx_that_store_nothing(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    import logging
+
+    import httpx
+
+    caplog.set_level(logging.INFO)
+    deep = b'{"y": ' * 300 + b"1" + b"}" * 300
+    ok = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+    bodies = [(b"{nope", 400), (b"[" * 100_000 + b"]" * 100_000, 400), (b"[1, 2]", 400),
+              (ok[:-1] + b', "extra": ' + deep + b"}", 400), (ok[:-1] + b', "prompt": ' + deep + b"}", 400),
+              (b'{"prompt": "a\\ud800b"}', 400), (json.dumps({"prompt": "x" * 1_100_000}).encode(), 413),
+              (json.dumps({"prompt": list(range(5)) * 300_000}).encode(), 413), (b'{"prompt": 5}', 400)]
+    async with running_daemon(tmp_path) as d:
+        before = d.store.list_sessions()
+        async with httpx.AsyncClient(base_url=d.url.replace("ws://", "http://"), timeout=60,
+                                     headers={"Authorization": f"Bearer {d.token}"}) as http:
+            for body, status in bodies:
+                r = await http.post("completions", content=body, headers={"Content-Type": "application/json"})
+                assert r.status_code == status, (body[:40], r.text[:200])
+                assert r.json()["error"]["message"]
+            assert d.store.list_sessions() == before
+            assert (await http.post("completions", content=ok, headers={"Content-Type": "application/json"})
+                    ).status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
