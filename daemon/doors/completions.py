@@ -25,9 +25,8 @@ import time
 from http import HTTPStatus
 from typing import Any
 
-import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from protocol.requests import RequestError
@@ -35,10 +34,10 @@ from sessions import Session
 
 from ..config import Config
 from ..turns import Turns
-from .apiturns import INLINE_BYTES, SESSION_HEADER, ApiTurns, Ask, decode_json, read_body
+from .apiturns import SESSION_HEADER, ApiTurns, Ask
 from .completions_answer import CompletionAnswer
 from .completions_schema import CompletionRequest, parse, stops
-from .openai_schema import ApiError, api_error, may_hold_surrogates
+from .httpdoor import ApiError, Refusal, api_error, read_request
 from .placement import Placement, Said
 from .rawprompt import RawPrompt, fim_markers
 
@@ -50,8 +49,8 @@ TITLE = "text completions"
 POOL_LOOKUP = 64  # sessions looked at after a start for the pool's earlier ones
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers={**(headers or {}), **e.headers})
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Refusal:
+    return Refusal(e, e.body(), headers)
 
 
 class Pool:
@@ -109,20 +108,8 @@ class CompletionsDoor:
         self.route = Route(PATH, self.complete, methods=["POST"])
 
     async def _request(self, request: Request) -> CompletionRequest | None:
-        body = await read_body(request, self.config)
-        if body is None:
-            return None
-
-        def read() -> CompletionRequest:
-            decoded = decode_json(body)
-            try:
-                return parse(decoded, self.config, surrogates=may_hold_surrogates(body))
-            except ApiError as e:
-                refused = e
-            del decoded
-            raise refused.with_traceback(None)
-
-        return read() if len(body) <= INLINE_BYTES else await anyio.to_thread.run_sync(read)
+        return await read_request(request, self.config,
+                                  lambda decoded, surrogates: parse(decoded, self.config, surrogates=surrogates))
 
     async def complete(self, request: Request) -> Response:
         headers: dict[str, str] = {}

@@ -20,8 +20,8 @@ from ..turn import Turn
 from ..turns import Turns
 from .answering import TurnAnswer
 from .completions_schema import CompletionRequest
+from .httpdoor import api_error
 from .openai_answer import finish_reason_of, usage_of
-from .openai_schema import api_error
 
 Send = Callable[[dict[str, Any]], Any]
 

@@ -20,7 +20,8 @@ from protocol.shapes import MaxTokens, Seed, Stop, Temperature, TopP
 from protocol.shapes import stops as stop_list
 
 from ..config import Config
-from .openai_schema import ApiError, Knobs, StreamOptions, checked_body, fits, validated
+from .httpdoor import ApiError
+from .openai_schema import Knobs, StreamOptions, checked_body, fits, validated
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's own limit is 5; vLLM's and llama-server's 20)

@@ -27,9 +27,9 @@ from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent, cache_figu
 from ..turn import Turn
 from ..turns import Turns
 from .answering import TurnAnswer
+from .httpdoor import api_error
 from .ollama_schema import error_body, ollama_calls
 from .openai_answer import token_logprobs
-from .openai_schema import api_error
 
 Send = Callable[[dict[str, Any]], Any]
 NDJSON = "application/x-ndjson"

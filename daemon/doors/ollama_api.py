@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -37,7 +36,8 @@ from protocol.shapes import MAX_PENALTY_WINDOW
 from .. import __version__
 from ..config import Config
 from . import ollama_models
-from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
+from .apiturns import ApiTurns, Ask, guarded
+from .httpdoor import ApiError, Refusal, api_error, read_request
 from .jsonoutput import output_grammar
 from .ollama_answer import OllamaAnswer, created_at
 from .ollama_schema import (
@@ -54,7 +54,7 @@ from .ollama_schema import (
     response_format,
     stops,
 )
-from .openai_schema import ApiError, api_error, may_hold_surrogates, validated
+from .openai_schema import validated
 from .placement import Said
 from .rawprompt import RawPrompt, fim_markers
 from .toolturns import stray_result
@@ -84,8 +84,8 @@ def is_ollama(path: str) -> bool:
     return path.startswith(PREFIX)
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=e.status, headers={**(headers or {}), **e.headers})
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Refusal:
+    return Refusal(e, error_body(e), headers)
 
 
 def keep_alive_seconds(value: float | int | str | None) -> float | None:
@@ -108,17 +108,6 @@ def keep_alive_seconds(value: float | int | str | None) -> float | None:
                                "(300), a duration (\"5m\", \"1h\"), 0 to unload, or -1 to keep loaded") from None
             seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
     return float("inf") if seconds < 0 else seconds
-
-
-def _read(body: bytes, parse: Callable[..., Req], config: Config) -> Req:
-    """The body as a validated request (a worker thread past INLINE_BYTES); refused, its objects freed here."""
-    decoded = decode_json(body)
-    try:
-        return parse(decoded, config, surrogates=may_hold_surrogates(body))
-    except ApiError as e:
-        refused = e
-    del decoded
-    raise refused.with_traceback(None)
 
 
 def _sampling(options: Options | None, config: Config) -> dict[str, Any]:
@@ -193,15 +182,11 @@ class OllamaDoor:
             *(Route(path, self.not_served, methods=["POST", "GET"]) for path in NOT_SERVED)]
         self.app = guarded(routes, config, token, error_response,
                            "/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/pull, /api/delete and "
-                           "/api/version")
+                           "/api/version", door="ollama")
 
     async def _body(self, request: Request, parse: Callable[..., Req]) -> Req | None:
-        body = await read_body(request, self.config)
-        if body is None:
-            return None
-        if len(body) <= INLINE_BYTES:
-            return _read(body, parse, self.config)
-        return await anyio.to_thread.run_sync(_read, body, parse, self.config)
+        return await read_request(request, self.config,
+                                  lambda decoded, surrogates: parse(decoded, self.config, surrogates=surrogates))
 
     async def _model(self, name: str) -> str:
         """The model a request names; Ollama's clients add ":latest" to a name without a tag."""
@@ -283,7 +268,7 @@ class OllamaDoor:
                 context = engine.max_context
             grammar = await output_grammar(response_format(req.format))  # a worker, within bounds
             ask = Ask(ask.system, ask.convo, ask.tools, stop=stops(req.options), grammar=grammar, model=model,
-                      tools_optional=False, door=ask.door, call_ids=ask.call_ids, prompt=ask.prompt,
+                      door=ask.door, call_ids=ask.call_ids, prompt=ask.prompt,
                       context=context, logprobs=(req.top_logprobs or 0) if req.logprobs else None, **sampling)
             turn, events = await self.api.start(request, ask, headers, rid_prefix="ollama-")
         if keep is not None:

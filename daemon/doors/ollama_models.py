@@ -41,7 +41,7 @@ import anyio
 
 from ..engine.registry import Engines
 from ..models.catalog import Entry
-from .openai_schema import ApiError
+from .httpdoor import ApiError
 
 log = logging.getLogger("kvd.api")
 

@@ -36,7 +36,8 @@ from common.limits import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS, TE
 from protocol.shapes import stops as stop_list
 
 from ..config import Config
-from .openai_schema import ApiError, JsonSchemaFormat, ResponseFormat, Tool, checked_body, fits, validated
+from .httpdoor import ApiError
+from .openai_schema import JsonSchemaFormat, ResponseFormat, Tool, checked_body, fits, validated
 from .placement import Said
 
 #: An Ollama client's `stop` may list more than OpenAI's four; kvd scans each against every delta.

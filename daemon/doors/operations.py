@@ -19,9 +19,9 @@ from starlette.routing import BaseRoute, Route
 
 from ..config import Config
 from .apiturns import guarded
+from .httpdoor import ApiError
 from .loading import LoadingWatch
 from .metrics import CONTENT_TYPE, Metrics
-from .openai_schema import ApiError
 
 PATHS = ("/health", "/metrics")
 
@@ -36,7 +36,7 @@ class OperationsDoor:
         self.loading, self.metrics = loading, metrics
         routes: list[BaseRoute] = [Route("/health", self.health, methods=["GET"]),  # and HEAD
                                    Route("/metrics", self.scrape, methods=["GET"])]
-        self.app = guarded(routes, config, token, refuse, "/health and /metrics")
+        self.app = guarded(routes, config, token, refuse, "/health and /metrics", door="operations")
 
     async def health(self, request: Request) -> Response:
         if self.loading.ready:

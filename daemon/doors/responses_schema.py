@@ -7,7 +7,9 @@ of items (messages whose content is a string or `input_text`/`output_text`
 parts, `function_call`, `function_call_output`), `instructions`, `text.format`,
 `max_output_tokens`. Unknown fields are ignored, as OpenAI's clients add new
 ones often; what kvd cannot do is refused when asked for (images and files,
-`background`, `truncation: "auto"`, a forced tool call, item references).
+`background`, `truncation: "auto"`, a forced tool call: the door rules,
+rules.py, for what every door refuses). An `item_reference` names an item kvd
+issued; the door replaces it with that item (responses_stored.referenced).
 
 `conversation` makes the items the messages the transcript keeps (the chat
 door's `Said`): an assistant's text and the calls that follow it are one
@@ -27,27 +29,21 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from common import jsondepth
 from common.limits import MAX_TOOLS
-from protocol.shapes import Limits, MaxTokens, Temperature, TopP, fits_text
+from protocol.shapes import Limits, Temperature, TopP, fits_text
 
 from ..config import Config
-from .openai_schema import (
-    ApiError,
-    JsonSchemaFormat,
-    ResponseFormat,
-    _Strict,
-    checked_body,
-    validated,
-)
+from .httpdoor import ApiError
+from .openai_schema import JsonSchemaFormat, ResponseFormat, _Strict, checked_body, validated
 from .placement import Said
+from .rules import OutputLimit, text_only
 
 METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
 METADATA_KEY_CHARS = 64
 METADATA_VALUE_CHARS = 512
-NOT_TEXT = ("input_image", "input_file", "input_audio")
 
 
 class ContentPart(_Strict):
-    type: Literal["input_text", "output_text", "refusal", "input_image", "input_file", "input_audio"]
+    type: Literal["input_text", "output_text", "refusal"]  # what is not text is refused first (rules.text_only)
     text: str | None = None
     refusal: str | None = None
 
@@ -121,7 +117,7 @@ class ResponsesRequest(_Strict):
     store: bool = True
     metadata: dict[str, str] | None = None
     # The answer: how long, how sampled, in what format, with which tools.
-    max_output_tokens: MaxTokens | None = None
+    max_output_tokens: OutputLimit | None = None  # a ceiling: lowered to what fits (rules.py)
     temperature: Temperature | None = None
     top_p: TopP | None = None
 
@@ -142,6 +138,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # each output token's, with this many alternatives
     conversation: str | dict[str, Any] | None = None
+    prompt_cache_key: str | None = None  # the client's name for its conversation (Codex's): its sessions are one row
 
     def forced(self) -> tuple[str | None] | None:
         """A forced call: (None,) for any function ("required"), (name,) for that one; None if not."""
@@ -178,12 +175,9 @@ class ResponsesRequest(_Strict):
 
 def parse(body: Any, config: Config, *, surrogates: bool = True) -> ResponsesRequest:
     """A decoded body as a ResponsesRequest, or the ApiError (4xx) that says what to fix."""
-    try:
-        req = validated(ResponsesRequest, checked_body(body, surrogates=surrogates, listed="input"), config)
-    except ApiError as e:
-        if e.param == "max_output_tokens":
-            e.message = e.message.replace("max_tokens", "max_output_tokens")
-        raise
+    checked = checked_body(body, surrogates=surrogates, listed="input")
+    text_only(checked.get("input"), "input")
+    req = validated(ResponsesRequest, checked, config)
     _check_asks(req, config)
     return req
 
@@ -257,9 +251,6 @@ def _text(parts: str | list[ContentPart] | None, where: str) -> str:
         return parts
     out = []
     for j, part in enumerate(parts):
-        if part.type in NOT_TEXT:
-            raise _bad(f"{where}[{j}] is {part.type}; kvd's models read text only: send input_text parts",
-                       f"{where}[{j}].type")
         text = part.refusal if part.type == "refusal" else part.text
         if text is None:
             raise _bad(f"{where}[{j}] ({part.type}) has no text", f"{where}[{j}].text")
@@ -280,9 +271,8 @@ def conversation(items: str | Sequence[InputItem], issued: Collection[str] = ())
         where = f"input[{i}]"
         if item.type == "reasoning":
             continue
-        if item.type == "item_reference":
-            raise _bad(f"{where} is an item_reference; kvd does not look items up by id: send the item itself, "
-                       "or continue the response it belongs to with previous_response_id", f"{where}.type")
+        if item.type == "item_reference":  # the door resolves them first (responses_stored.referenced)
+            raise _bad(f"{where} is an item_reference kvd did not resolve; send the item itself", f"{where}.id")
         if item.type == "message":
             said = _message(item, where)
             if said is None:  # a system or developer message
