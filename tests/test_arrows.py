@@ -236,7 +236,8 @@ def test_an_import_cycle_is_found(tmp_path: Path) -> None:
 
 # --- the doors ask the turn core (issue 52) ------------------------------------------------------
 
-HTTP_DOORS = ("openai_api", "anthropic_api", "responses", "ollama_api", "completions")  # each reads its body through httpdoor.read_request
+# Each reads its body through httpdoor.read_request.
+HTTP_DOORS = ("openai_api", "anthropic_api", "responses", "ollama_api", "completions")
 
 
 def reaches_past_the_turn_core(source: str) -> list[str]:

@@ -171,23 +171,28 @@ async def test_every_door_forces_a_call_through_the_grammar_on_a_model_that_call
         plain_model: Path, tmp_path: Path) -> None:
     """A forced tool call (OpenAI's "required", Anthropic's "any") is made at every door, on a model whose chat
     template has no tool calling (its tools are dropped from the prompt): the grammar holds the answer to one
-    call (daemon/doors/forcedcall.py), which each door answers in its own shape."""
+    call (daemon/doors/forcedcall.py), which each door answers in its own shape. (The script model's logits
+    are all equal, so greedy it would fill a string until max_tokens: the function takes a finite value.)"""
+    finite: dict[str, Any] = {**FUNCTION, "parameters": {"type": "object", "properties": {
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}
     async with doors(tmp_path, plain_model) as asking:
         chat = await asking.openai.chat.completions.create(
-            model=asking.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=64, temperature=0,
-            tools=[{"type": "function", "function": cast(Any, FUNCTION)}], tool_choice=FORCED["chat"])
+            model=asking.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=200, temperature=0,
+            tools=[{"type": "function", "function": cast(Any, finite)}], tool_choice=FORCED["chat"])
         responses = await asking.openai.responses.create(
-            model=asking.model, input=QUESTION, max_output_tokens=64, temperature=0,
-            tools=[cast(Any, {"type": "function", **FUNCTION})], tool_choice=FORCED["responses"])
+            model=asking.model, input=QUESTION, max_output_tokens=200, temperature=0,
+            tools=[cast(Any, {"type": "function", **finite})], tool_choice=FORCED["responses"])
         create: Any = asking.anthropic.messages.create
         messages = await create(
-            model=asking.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=64,
-            extra_body={"temperature": 0}, tools=[{"name": FUNCTION["name"], "description": FUNCTION["description"],
-                                                   "input_schema": FUNCTION["parameters"]}],
+            model=asking.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=200,
+            extra_body={"temperature": 0}, tools=[{"name": finite["name"], "description": finite["description"],
+                                                   "input_schema": finite["parameters"]}],
             tool_choice=FORCED["messages"])
+    assert chat.choices[0].message.tool_calls, chat
     (call,) = chat.choices[0].message.tool_calls or []
     assert chat.choices[0].finish_reason == "tool_calls" and call.type == "function"
-    assert call.function.name == FUNCTION["name"]
+    assert call.function.name == FUNCTION["name"] and call.function.arguments in ('{"unit": "celsius"}',
+                                                                                  '{"unit": "fahrenheit"}')
     assert [o.type for o in responses.output] == ["function_call"]
     assert messages.stop_reason == "tool_use" and [b.type for b in messages.content] == ["tool_use"]
 
