@@ -69,7 +69,7 @@ async def test_metrics_move_by_exactly_one_turn(tmp_path: Path) -> None:
     def moved(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert moved("kvd_turns_total", model=MODEL, door="api", finish=kvd["finish_reason"]) == 1
+    assert moved("kvd_turns_total", model=MODEL, door="chat", finish=kvd["finish_reason"]) == 1
     assert moved("kvd_prompt_tokens_total", model=MODEL) == usage["prompt_tokens"]
     assert moved("kvd_prefilled_tokens_total", model=MODEL) == kvd["prefill_tokens"]
     tier = kvd["restored_from"]

@@ -131,7 +131,7 @@ def _sampling(options: Options | None, config: Config) -> dict[str, Any]:
     elif o.repeat_last_n is not None:  # -1: the whole context, as far as kvd looks back
         knobs["penalty_window"] = MAX_PENALTY_WINDOW if o.repeat_last_n < 0 else min(o.repeat_last_n,
                                                                                     MAX_PENALTY_WINDOW)
-    return {"max_tokens": limit if fit else predict, "fit": fit, "temperature": o.temperature, "top_p": o.top_p,
+    return {"max_tokens": limit if fit else predict, "temperature": o.temperature, "top_p": o.top_p,
             "seed": o.seed if o.seed is not None and o.seed >= 0 else None, "context": o.num_ctx, "knobs": knobs}
 
 
