@@ -35,7 +35,7 @@ class Checkout:
     restore_ms: float
     shared_tokens: int = 0  # of `tokens`, those another session's cache or blocks supplied
     prefetched: bool = False  # its own resident/warm cache, paged in from disk after a start, first use
-    read: Pending | None = None  # a disk read is under way: the checkout is its `read_out` (cache None until then)
+    read: Pending | None = None  # a disk read under way: the store's `restored` makes the checkout (cache None now)
 
 
 @dataclass

@@ -34,7 +34,7 @@ class Prefill:
     `boundary`: a chunk never crosses a multiple of it, and `at_boundary(cache,
     ids fed)` is called at each one the prompt goes past (a cache with a
     sliding window, whose state at a block's end can only be taken there:
-    cachestore's `SessionCaches.boundary` and `capture`).
+    cachestore's `SessionCaches.windows`).
 
     `last`: the model to feed the prompt's last chunk with, one that computes
     the logits of its last position only (`last_position`); None: `model`.
