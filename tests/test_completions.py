@@ -165,3 +165,22 @@ async def test_malformed_huge_and_nested_bodies_are_4xx_that_store_nothing(tmp_p
             assert (await http.post("completions", content=ok, headers={"Content-Type": "application/json"})
                     ).status_code == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def test_a_prompt_past_the_context_is_refused_and_the_log_says_why(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's refusal (the prompt does not fit the model's context) comes after the turn started: still a
+    400 that stores nothing, and the log's refusal line gives the reason the client got."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    async with running_daemon(tmp_path) as d:
+        api = api_of(d)
+        before = d.store.list_sessions()
+        with pytest.raises(openai.BadRequestError) as refused:
+            await api.completions.create(model=MODEL, prompt="x " * 15_500, max_tokens=4)
+        assert refused.value.code == "context_length_exceeded"
+        assert d.store.list_sessions() == before
+        await api.close()
+    said = [r.getMessage() for r in caplog.records if "POST /v1/completions" in r.getMessage()]
+    assert said and "context_length_exceeded" in said[0] and "(no reason given)" not in said[0], said

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from common.limits import MAX_MESSAGES
+from conftest import running_daemon
 from daemonproc import DaemonProcess
 
 HI: dict[str, Any] = {"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False,
@@ -219,3 +220,25 @@ def test_pull_and_delete_refuse_bad_bodies_too(daemon: DaemonProcess, path: str)
         assert r.status_code == status and r.json()["error"], (body[:40], r.text[:200])
     outside = call(daemon, "/api/delete", {"model": "/etc/passwd"}, method="DELETE", **auth)
     assert outside.status_code in (403, 404) and Path("/etc/passwd").exists()
+
+
+@pytest.mark.anyio
+async def test_a_refusal_after_the_turn_started_gives_the_log_its_reason(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A conversation past the model's context is refused by the engine, after the turn started: the log's
+    refusal line still says why, as for a refusal of the body."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    async with running_daemon(tmp_path / "data") as d:
+        async with httpx.AsyncClient(base_url=d.url.replace("ws://", "http://").removesuffix("/v1"),
+                                     timeout=60) as http:
+            for stream in (False, True):
+                r = await http.post("/api/chat", json={**HI, "stream": stream, "messages": [
+                    {"role": "user", "content": "x " * 15_500}]})
+                assert r.status_code == 400 and set(r.json()) == {"error"}, r.text[:300]
+        assert d.store.list_sessions() == []
+    # (The second, of the same kind within a second, is counted into the next line rather than logged.)
+    said = [r.getMessage() for r in caplog.records if "POST /api/chat" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]
+    assert all("(ollama door)" in line and "context" in line and "(no reason given)" not in line for line in said)

@@ -40,8 +40,10 @@ class CompletionAnswer(TurnAnswer):
         return {"session": self.turn.session_id, "finish_reason": done.finish_reason, **cache_figures(done.usage)}
 
     async def _error(self, send: Send, event: AnswerError) -> None:
+        """An error before the answer began: a refusal (the turn core stored nothing of a session this
+        request made, and took back what it added to a pinned one); the log says why."""
         e = api_error(event.code, event.message, model=self.config.model)
-        await self.send_body(send, e.status, e.body())
+        await self.refuse(send, e, e.body())
 
     async def _logprobs(self, done: AnswerDone) -> dict[str, Any] | None:
         """OpenAI's logprobs object for the text returned (the echoed prompt's tokens first): each token's text,

@@ -105,8 +105,10 @@ class OllamaAnswer(TurnAnswer):
                 "kvd": {**kvd_figures(self.turn.session_id, done), **self.extra}}
 
     async def _error(self, send: Send, event: AnswerError) -> None:
+        """An error before the answer began: a refusal (the turn core stored nothing of a session this
+        request made, and took back what it added to a pinned one); the log says why."""
         e = api_error(event.code, event.message, model=self.config.model)
-        await self.send_body(send, e.status, error_body(e))
+        await self.refuse(send, e, error_body(e))
 
     async def _whole(self, send: Send) -> None:
         async for event in self.events:
