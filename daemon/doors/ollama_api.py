@@ -18,6 +18,7 @@ A chat with no messages, or a generate with no prompt, loads the model (done_rea
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -143,8 +144,6 @@ class Lines(Response):
         self.produce = produce
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        import json
-
         started = False
 
         async def emit(obj: dict[str, Any]) -> None:
