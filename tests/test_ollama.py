@@ -1,6 +1,7 @@
 """The official `ollama` package against a real `kvd serve`: chat (multi-turn, tools, format with a schema),
 generate (also raw), list, show, ps, pull, delete and /api/version, streaming and not; a chat's second turn
-restored from its cache, also after `kvd stop` and a start; who may connect without the token.
+restored from its cache, also after `kvd stop` and a start; who may connect without the token; LangChain's
+`ChatOllama` (langchain-ollama, over the same package) through a multi-turn exchange.
 
 The package drops fields it does not know, so kvd's own figures (`kvd` in a final object) are read from the
 very responses the package got, by an httpx event hook (the package passes its keyword arguments to httpx).
@@ -17,6 +18,8 @@ import httpx
 import jsonschema
 import ollama
 import pytest
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_ollama import ChatOllama
 
 from daemonproc import DaemonProcess
 from toolmodel import WEATHER_TOOL, write_tool_model
@@ -182,6 +185,27 @@ def test_what_kvd_does_not_serve_is_a_clear_error(daemon: DaemonProcess) -> None
     with pytest.raises(ollama.ResponseError) as think:
         api.chat(model=MODEL, messages=[{"role": "user", "content": "Hi"}], think=True)
     assert think.value.status_code == 400
+
+
+def test_langchain_chat_ollama_multi_turn(daemon: DaemonProcess) -> None:
+    """LangChain's ChatOllama as its users write it: the address, the model, options as fields; no token."""
+    finals = Finals()
+    chat = ChatOllama(model=MODEL, base_url=root(daemon), temperature=0, num_predict=8,
+                      sync_client_kwargs={"event_hooks": {"response": [finals.hook]}})
+    convo: list[BaseMessage] = [SystemMessage(LONG + " (langchain)"), HumanMessage("Tell me about rivers.")]
+    first = chat.invoke(convo)
+    assert isinstance(first, AIMessage) and first.content
+    assert first.usage_metadata is not None and first.usage_metadata["output_tokens"] >= 1
+    one = finals.last["kvd"]
+    convo += [first, HumanMessage("And lakes?")]
+    second = "".join(str(chunk.content) for chunk in chat.stream(convo))
+    two = finals.last["kvd"]
+    assert second and two["session"] == one["session"]  # the same conversation, found again
+    print(f"ChatOllama's 2nd turn: {two['cached_tokens']} of {two['prompt_tokens']} prompt tokens restored")
+    assert two["cached_tokens"] >= 0.9 * two["prompt_tokens"], two
+    convo += [AIMessage(second), HumanMessage("And seas?")]
+    third = chat.invoke(convo)
+    assert third.content and finals.last["kvd"]["session"] == one["session"]
 
 
 # --- tools: the script model calls get_weather; the call goes back without an id, as Ollama's clients send it
