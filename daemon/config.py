@@ -62,6 +62,7 @@ class Config:
     prefill_slice: float = 0.5
     # Decode: "auto" speculates (prompt-lookup drafts, verified exactly) where it pays; "off" never
     speculate: str = "auto"
+    profile: bool = False  # log each answer's decode steps split into sections (engine/profile.py; KVD_PROFILE=1)
     # Cache tiers: byte budgets (hard limits) and idle times
     resident_bytes: int | None = None  # None: from the machine's memory (daemon/device.py, docs/caches.md)
     warm_bytes: int | None = None
@@ -152,6 +153,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "prefill_step_size": ("generation", "prefill_step_size"),
     "prefill_slice": ("generation", "prefill_slice"),
     "speculate": ("decode", "speculate"),
+    "profile": ("decode", "profile"),
     "resident_bytes": ("cache", "resident_bytes"),
     "warm_bytes": ("cache", "warm_bytes"),
     "disk_bytes": ("cache", "disk_bytes"),
@@ -273,6 +275,7 @@ _CHECKS: dict[str, Check] = {
     "prefill_step_size": _integer(0, "must be >= 0 (0: the device's own, 512 on the CPU, 2048 on a GPU)"),
     "prefill_slice": _positive_number,
     "speculate": _kind(str, '"auto" or "off"', ok=lambda v: v in ("auto", "off")),
+    "profile": _kind(bool, "a bool"),
     "resident_bytes": _TIER,
     "warm_bytes": _TIER,
     "disk_bytes": _TIER,

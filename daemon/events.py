@@ -13,13 +13,16 @@ turn core passes the first two on as they are, numbers the deltas it shows
 (a stop sequence or a tool call's text is never shown) and says whether an
 error came after text (`answered`).
 
-The first token's hand-off: the answer's first delta carries `written`, which
-the listener that writes it to its client calls right after that write (or
-as soon as it knows it never will: its client has gone, it sends nothing
-before the end). The engine waits for the first of those calls, a few
-milliseconds at most, before its next step, so that step does not hold the
-first token back (engine/steps.py, FIRST_HANDOFF_S). A door that forgets
-it costs its clients that bound on every answer's first token.
+Each delta carries `written`, which every listener that got it calls right
+after writing it to its client (or as soon as it knows it never will: its
+client has gone, it sends nothing before the end). The turn core publishes
+the next delta, holding everything said meanwhile, only once every listener
+has (turn.py, `Turn.show`): a slow reader gets fewer, bigger deltas, and the
+engine never waits for it. The first delta's call is also the first token's
+hand-off: the engine waits for it, a few milliseconds at most, before its
+next step, so that step does not hold the first token back (engine/steps.py,
+FIRST_HANDOFF_S). A door that forgets it stalls its answer's text until the
+end, and costs the first token that bound.
 
 The websocket door turns them into protocol frames (`protocol.wire`), the
 OpenAI doors into their JSON bodies and server-sent events, the Anthropic door
@@ -67,8 +70,8 @@ class AnswerProgress:
 @dataclass(frozen=True, slots=True)
 class AnswerDelta:
     seq: int  # per turn, from 0, no gaps: a client that reattaches asks for what it missed by seq
-    text: str
-    # The answer's first delta only (never a replayed one): call once written to the client (see above).
+    text: str  # everything the answer said since the delta before (one token's text, or many)
+    # Call once written to the client (see above); None on a replayed delta (chat.attach).
     written: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 

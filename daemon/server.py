@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
@@ -202,6 +203,9 @@ class Daemon:
             proxy_headers=False,
             access_log=False, server_header=False, headers=[("server", f"kvd/{__version__}")],
             ws_max_size=self.config.max_message_bytes, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+            # Frames are small JSON (a delta of a few tokens): compressing each cost the event loop more
+            # than sending it (py-spy, bench/hostcost.py), and the peer is on this machine by default.
+            ws_per_message_deflate=False,
             # No limit_concurrency: past it uvicorn answers everyone, token or not, with a plain-text
             # 503. Connections are bounded where kvd knows who is asking: heads by the protocol
             # (h11guard.py), websockets by max_connections, API turns by max_queued (admission.py).
@@ -316,7 +320,10 @@ class Daemon:
                 "locations": stats.get("locations", {}),
                 "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
                 "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded(),
-                "memory": self.engines.memory.statistics()}
+                "memory": self.engines.memory.statistics(),
+                # kvd's own threads by name, with their kernel ids (top -H, /proc/PID/task: bench/hostcost.py)
+                "threads": _threads(),
+                **({"profile": stats["profile"]} if "profile" in stats else {})}  # the step profiler's, when on
 
     async def _engine_status(self, engine: Engine) -> dict[str, Any]:
         """The engine's statistics, fresh where it answers within STATUS_TIMEOUT."""
@@ -337,3 +344,13 @@ class Daemon:
             with anyio.move_on_after(STATUS_TIMEOUT):
                 stats = await fresh
         return stats
+
+
+def _threads() -> dict[str, list[int]]:
+    """The daemon's Python threads (kvd-engine, kvd-writer, kvd-io, ...; the event loop is the main thread,
+    "kvd-loop"), each name's kernel thread ids."""
+    out: dict[str, list[int]] = {}
+    for t in threading.enumerate():
+        if t.native_id is not None:
+            out.setdefault(t.name, []).append(t.native_id)
+    return out

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol
@@ -52,15 +51,12 @@ from .engine.registry import Engines, ModelRefused
 from .engine.running import MIN_ANSWER, Answer
 from .engine.thread import Engine
 from .events import (
-    AnswerDelta,
     AnswerDone,
     AnswerError,
-    AnswerProgress,
-    AnswerQueued,
-    AnswerReading,
     AnswerStarted,
     AnswerToolCall,
 )
+from .feed import End, Feed
 from .prompt import prompt_tokens
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
@@ -68,8 +64,11 @@ from .turn import ASKED_NOTHING, Listener, StopScan, Turn, TurnSpec
 
 log = logging.getLogger("kvd.turns")
 
+
+def _nowhere(event: EngineEvent) -> None:
+    """An answer's sink until its feed is made (a moment later, in `Turns.start`)."""
+
 PromptIds = Callable[[Any], tuple[list[int], bool]]  # a turn's ids from a tokenizer, and whether they were rebuilt
-COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
 
@@ -308,25 +307,17 @@ class Turns:
         else:
             turn.writes.append(write_new())
         self.active[session_id] = turn
-        send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
-        loop = asyncio.get_running_loop()
-
-        def emit(event: EngineEvent) -> None:  # engine thread
-            loop.call_soon_threadsafe(_deliver, event)
-
-        def _deliver(event: EngineEvent) -> None:  # event loop
-            try:
-                send.send_nowait(event)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass
-
+        end, ended = anyio.create_memory_object_stream[End](math.inf)
         answer = Answer(session_id=session_id, tokens=[], seed=spec.seed, fed_before=fed_before,
                         history=first_new > 1 if spec.history is None else spec.history,
-                        sampling=resolved,
-                        emit=emit, grammar=spec.grammar, handed=turn.handed, raw=spec.raw, logprobs=spec.logprobs,
-                        prompt_logprobs=spec.prompt_logprobs)
-        self.tg.start_soon(self._submit, turn, ids, answer, send)
-        self.tg.start_soon(self._pump, turn, answer, receive)
+                        sampling=resolved, emit=_nowhere, grammar=spec.grammar, handed=turn.handed, raw=spec.raw,
+                        logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs)
+        # Its events, heard on this loop a step at a time (feed.py; the engine's hand-off calls it)
+        feed = Feed(asyncio.get_running_loop(), turn, answer, self.transcripts,
+                    cancel=partial(self.cancel, session_id, turn), end=end)
+        answer.emit = feed
+        self.tg.start_soon(self._submit, turn, ids, answer, feed)
+        self.tg.start_soon(self._pump, turn, feed, ended)
         turn.publish(AnswerStarted(index))
         return turn
 
@@ -349,7 +340,7 @@ class Turns:
             writes += self.transcripts.feed_for(held, serving)
         return writes
 
-    async def _submit(self, turn: Turn, ids: PromptIds, answer: Answer, events: Any) -> None:
+    async def _submit(self, turn: Turn, ids: PromptIds, answer: Answer, events: Feed) -> None:
         """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
         answer to its engine."""
         try:
@@ -361,7 +352,7 @@ class Turns:
                     turn.writes.append(self.transcripts.choose_model(turn.held, chosen))
                 if fed_by is not None and fed_by != turn.held.fed_model:
                     turn.writes += self.transcripts.feed_for(turn.held, fed_by)
-            events.send_nowait(AnswerError(e.code, str(e)))
+            events(AnswerError(e.code, str(e)))
             return
         while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
@@ -372,12 +363,12 @@ class Turns:
             answer.tokens, answer.retokenized = await engine.tokenize(ids)
         except TemplateError as e:  # the model's chat template refuses the conversation (raise_exception)
             log.info("the chat template of %s refused session %s's conversation: %s", turn.model, turn.session_id, e)
-            events.send_nowait(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
-                                           "send one it takes (docs/openai.md)"))
+            events(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
+                               "send one it takes (docs/openai.md)"))
             return
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
-            events.send_nowait(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
+            events(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
             contexts = [c for c in (engine.max_context, turn.context) if c]
@@ -428,52 +419,20 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, answer: Answer,  # noqa: C901 - 17: one branch per engine event kind,
-                    events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # sharing the commit clock and stop scan
-        """Commit and publish one answer's events until it is done.
-
-        The engine has taken the answer once it says anything but its queue
-        position or a refusal: then a new session's rows are queued, and a
-        retokenized prompt's old answer boundaries forgotten. The first delta
-        is queued for commit at once, later ones at most every
-        COMMIT_INTERVAL: a crash loses at most that much of an answer. The
-        answer's end is published once its commit is back (fsynced).
-        """
-        last_commit = -math.inf
-        taken = False
+    async def _pump(self, turn: Turn, feed: Feed, ended: MemoryObjectReceiveStream[End]) -> None:
+        """Wait for the answer's end (its events until then are heard by `feed`, a step at a time), commit
+        it and publish it once committed (fsynced). A failure while hearing them ends it here too."""
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
-            async with events:
-                async for ev in events:
-                    if not taken and isinstance(ev, AnswerProgress | AnswerDelta | Done):  # the engine took it
-                        taken = True
-                        turn.writes += [write() for write in turn.unstored]
-                        turn.unstored.clear()
-                        # The input figures, before the first token (Anthropic's message_start): the engine
-                        # set them on the answer before the event that says it took it.
-                        turn.publish(AnswerReading(len(answer.tokens), answer.cached_len))
-                        if answer.retokenized:
-                            turn.writes.append(t.forget_fed_ends(held, turn.message_index))
-                    if isinstance(ev, AnswerQueued | AnswerProgress):
-                        turn.publish(ev)
-                    elif isinstance(ev, AnswerDelta):
-                        text = ev.text
-                        if turn.stop is not None:
-                            stopped = turn.stop.hit
-                            text = turn.stop.feed(text)
-                            if turn.stop.hit and not stopped:
-                                self.cancel(sid, turn)  # the rest would be cut anyway
-                        self._said(turn, text, first=ev.seq == 0)
-                        if time.monotonic() - last_commit >= COMMIT_INTERVAL:
-                            turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
-                            last_commit = time.monotonic()
-                    elif isinstance(ev, Done):
-                        await self._done(turn, ev)
-                        return
-                    else:
-                        await self._failed(turn, ev)
-                        return
+            async with ended:
+                end = await ended.receive()
+            if isinstance(end, Exception):
+                raise end
+            if isinstance(end, Done):
+                await self._done(turn, feed, end)
+            else:
+                await self._failed(turn, end)
         except Exception as e:
             if turn.engine is not None:
                 turn.engine.cancel(sid)  # nobody is left to keep what it generates
@@ -494,6 +453,7 @@ class Turns:
             t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
             if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
                 del self.active[sid]
+            turn.show("", now=True)
             turn.publish(error)
         finally:
             if self.active.get(sid) is turn:
@@ -523,26 +483,8 @@ class Turns:
             turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                         status="error", finish_reason="error"))
         await self._committed(turn)
+        turn.show("", now=True)
         turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
-
-    def _said(self, turn: Turn, text: str, *, first: bool = False) -> None:
-        """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
-
-        The engine waits after the answer's first token until it is written
-        (Answer.handed): the listener that writes it sets that, or this does
-        when there is nothing to write or nobody to write it.
-        """
-        turn.text += text
-        shown = turn.tools.feed(text) if turn.tools is not None else text
-        if first and not (shown and turn.subscribers):
-            turn.handed.set()
-        self._show(turn, shown, written=turn.handed.set if first else None)
-
-    def _show(self, turn: Turn, text: str, written: Callable[[], None] | None = None) -> None:
-        if text:
-            turn.deltas.append(text)
-            turn.publish(AnswerDelta(turn.seq, text, written))
-            turn.seq += 1
 
     def _usage(self, turn: Turn, usage: dict[str, Any], reason: str) -> dict[str, Any]:
         """The answer's usage, plus the model that answered, its output limit (`max_tokens_asked`: what the
@@ -564,11 +506,11 @@ class Turns:
                 usage["kept_for"] = others
         return usage
 
-    async def _done(self, turn: Turn, ev: Done) -> None:
+    async def _done(self, turn: Turn, feed: Feed, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
         if turn.stop is not None:
-            self._said(turn, turn.stop.flush())
+            feed.say(turn.stop.flush())
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
@@ -587,8 +529,9 @@ class Turns:
         content, calls = turn.text, list[dict[str, str]]()
         if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
             rest, calls = turn.tools.finish()
-            self._show(turn, rest)
+            turn.show(rest)
             content = turn.tools.content if calls else turn.text
+        turn.show("", now=True)  # whatever waited for a slow reader, before the end
         held = turn.held
         assert held is not None
         fed_end = self._record(turn, held, ev.tokens, exact=not stopped)

@@ -33,16 +33,7 @@ class HeldEnds:
         submit = d.daemon.engine.submit
 
         def submit_holding(answer: Answer) -> None:
-            emit = answer.emit
-
-            def emit_or_hold(event: Any) -> None:  # engine thread
-                with self._lock:
-                    if isinstance(event, Done) and not self._released:
-                        self._held.append((emit, event))
-                        return
-                emit(event)
-
-            answer.emit = emit_or_hold
+            answer.emit = _Holding(self, answer.emit)
             submit(answer)
 
         d.daemon.engine.submit = submit_holding  # type: ignore[method-assign]
@@ -52,6 +43,22 @@ class HeldEnds:
             self._released, held, self._held = True, self._held, []
         for emit, event in held:
             emit(event)
+
+
+class _Holding:
+    """An answer's sink that holds its Done back: heard on the turn's event loop, as the turn core's own
+    sink is (engine/handoff.py hands each step's events to the sink's `loop`)."""
+
+    def __init__(self, ends: HeldEnds, emit: Callable[[Any], None]) -> None:
+        self.ends, self.emit = ends, emit
+        self.loop = getattr(emit, "loop", None)
+
+    def __call__(self, event: Any) -> None:
+        with self.ends._lock:
+            if isinstance(event, Done) and not self.ends._released:
+                self.ends._held.append((self.emit, event))
+                return
+        self.emit(event)
 
 
 def http(d: RunningDaemon, **headers: str) -> httpx.AsyncClient:

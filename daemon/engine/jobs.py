@@ -2,7 +2,8 @@
 
 A turn core (turns.py) submits an `Answer` (running.py: the one object an
 answer is, from its submission to its end); the engine thread answers
-through its `emit` with EngineEvents, in this order: `AnswerQueued`
+through its `emit` with EngineEvents (each engine step's in one hand-off to the
+event loop: handoff.py), in this order: `AnswerQueued`
 (only past max_generations, again whenever its place moves up),
 `AnswerProgress` (long prefills), `AnswerDelta`s, then exactly one `Done` or
 `AnswerError`. All but `Done` are the turn's own events (daemon/events.py),

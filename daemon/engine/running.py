@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from .decode import Row
     from .draws import Draws
     from .grammar import Constraint
+    from .handoff import Handoff
     from .prefill import Prefill
     from .processing import Processing
+    from .profile import Mark
     from .speculate import Speculation
 
 MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggesting
@@ -63,7 +65,9 @@ class Answer:
     session_id: str
     tokens: list[int]
     sampling: Sampling  # max_tokens, temperature, top_p: every one set (resolved once, by the turn core)
-    emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
+    # Where its events go (the turn core's sink): handed over at the end of each engine step, through
+    # the engine's Handoff (handoff.py: one wake-up of the sink's event loop per step); must not block.
+    emit: Callable[[EngineEvent], None]
     seed: int | None = None  # seeds MLX's sampler when the answer starts
     retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
     fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
@@ -79,6 +83,7 @@ class Answer:
     handed: threading.Event | None = None
     arrived: float = field(default_factory=time.perf_counter)
     # The engine's, from here on.
+    out: Handoff | None = None  # the engine's hand-off to the loop, once it has taken the answer
     phase: Phase = Phase.WAITING
     need: int = 0  # bytes its cache may reach (its prompt plus max_tokens): held while admitted
     told: int = 0  # the queue position it was last told, while it waits
@@ -108,6 +113,7 @@ class Answer:
     processing: Processing | None = None  # its logits processors (its sampling's knobs), from its start
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # asked for: its shown tokens', in order
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    profiled: Mark | None = None  # the step profiler's totals when it began decoding (profile.py), when on
 
     def __post_init__(self) -> None:
         self.inserted = self.inserted or self.arrived
@@ -146,8 +152,16 @@ class Answer:
 
     def say(self, text: str) -> None:
         """Emit a piece of the answer's text (its seq: the engine's count; the turn core numbers what it shows)."""
-        self.emit(AnswerDelta(self.said, text))
+        self.tell(AnswerDelta(self.said, text))
         self.said += 1
+
+    def tell(self, event: EngineEvent) -> None:
+        """An event for the turn core: into the engine's hand-off (out at the end of the step), or straight
+        to `emit` before the engine has taken the answer."""
+        if self.out is not None:
+            self.out.put(self.emit, event)
+        else:
+            self.emit(event)
 
     def statistics(self) -> AnswerStatistics:
         pre = self.prefill if self.phase is Phase.PREFILLING else None

@@ -45,7 +45,9 @@ if TYPE_CHECKING:
     from cachestore import Checkout, SessionCaches
 
     from .grammar import Constraint
+    from .handoff import Handoff
     from .lockstep import Lockstep
+    from .profile import StepProfile
 
 
 log = logging.getLogger("kvd.engine")
@@ -63,9 +65,11 @@ class Steps:
 
     def __init__(self, config: Config, model: Any, tokenizer: Any, caches: SessionCaches, *,
                  scheduler: Scheduler[Answer], lockstep: Lockstep | None, max_context: int | None,
-                 publish: Callable[[], None]):
+                 publish: Callable[[], None], out: Handoff, profile: StepProfile | None = None):
         """`scheduler`: the engine's, with its list of answers; `publish`: the engine's statistics
-        for other threads, refreshed after an answer's cache is kept."""
+        for other threads, refreshed after an answer's cache is kept; `out`: the engine's hand-off of
+        the answers' events to the event loop (flushed by the engine after each step); `profile`: the
+        step profiler, when it is on (profile.py)."""
         import mlx.core as mx
 
         from .decode import Decoder
@@ -78,8 +82,10 @@ class Steps:
         self.max_context = max_context
         self.scheduler = scheduler
         self._publish_stats = publish
+        self.out = out
         self.stream = mx.new_stream(mx.default_device())  # the engine's own: every prefill chunk and decode step
         self.decoder = Decoder(model, self.stream)
+        self.profile = self.decoder.prof = profile
         self._last_answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
         self.last: Any | None = None  # the model for a prompt's last chunk (prefill.last_position), after warm-up
@@ -91,12 +97,12 @@ class Steps:
     def start(self, a: Answer) -> None:
         """A new answer: it starts, waits, or is refused (its session is busy)."""
         if self.scheduler.holds(a.session_id):
-            a.emit(AnswerError(p.BUSY, "this session is already generating"))
+            a.tell(AnswerError(p.BUSY, "this session is already generating"))
             return
         a.need = self._need(a)
         # First come, first served: nobody overtakes a waiting answer.
         if self.scheduler.phase(Phase.WAITING) or not self.scheduler.has_room(a.need, a.key):
-            a.emit(AnswerQueued(self.scheduler.wait(a)))
+            a.tell(AnswerQueued(self.scheduler.wait(a)))
             return
         self._admit(a)
 
@@ -109,7 +115,7 @@ class Steps:
         for a in self.scheduler.admissible():
             self._admit(a)
         for a in self.scheduler.moved():
-            a.emit(AnswerQueued(a.told))
+            a.tell(AnswerQueued(a.told))
 
     def _admit(self, a: Answer) -> None:
         if self.scheduler.alone(a.need):
@@ -120,13 +126,13 @@ class Steps:
             self._insert(a)
         except PromptTooLong as e:
             self.scheduler.end(a.session_id)
-            a.emit(AnswerError(p.TOO_LARGE, str(e)))
+            a.tell(AnswerError(p.TOO_LARGE, str(e)))
         except Exception as e:
             self.scheduler.end(a.session_id)
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("starting generation for %s failed", a.session_id)
-            a.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
+            a.tell(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def read_reported(self) -> None:
         """The I/O worker's reader reported on a read: start the answers whose read has ended (their
@@ -142,7 +148,7 @@ class Steps:
             except Exception as e:
                 self.scheduler.end(a.key)
                 log.exception("starting generation for %s failed", a.key)
-                a.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
+                a.tell(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def _insert(self, a: Answer) -> None:
         tokens = a.tokens
@@ -196,8 +202,13 @@ class Steps:
         """One decode step for every row in the batch, then one prefill chunk."""
         if self.scheduler.any_decoding():
             self._decode()
+            if self.profile is not None:
+                self.profile.lap("books")
         if (a := self.scheduler.next_prefill()) is not None:
+            self.out.flush(force=True)  # the text held back leaves before a chunk that may take long
             self._prefill(a)
+            if self.profile is not None:
+                self.profile.lap("prefill")
 
     def _prefill(self, answer: Answer) -> None:
         import mlx.core as mx
@@ -230,17 +241,18 @@ class Steps:
             if token is None:
                 if answer.progress_at is None or now - answer.progress_at >= PROGRESS_EVERY:
                     answer.progress_at = now
-                    answer.emit(AnswerProgress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
+                    answer.tell(AnswerProgress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
                 return
         except Exception as e:
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("prefill for %s failed", session_id)
-            answer.emit(AnswerError(p.INTERNAL, f"generation failed: {e}"))
+            answer.tell(AnswerError(p.INTERNAL, f"generation failed: {e}"))
             self._end(session_id)
             return
         prefill, answer.prefill = answer.prefill, None
         if self._took(answer, token, time.perf_counter()) and answer.handed is not None:
+            self.out.flush(force=True)
             answer.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
         if token in self.tokenizer.eos_token_ids:
             # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
@@ -267,6 +279,8 @@ class Steps:
                       cache=prefill.cache, first=token,  # it enters the batch at the next decode step
                       logprobs=answer.logprobs, processing=answer.processing)
         self.scheduler.decode(answer)
+        if self.profile is not None:
+            answer.profiled = self.profile.mark()  # its decode steps' profile starts at the next one
 
     def _constraint(self, grammar: str, width: int) -> Constraint:
         """A matcher for one answer's grammar over the model's tokens (the tokenizer's view made once)."""
@@ -286,7 +300,7 @@ class Steps:
             # The batch is in an unknown state: fail every answer in it, start afresh.
             log.exception("generation step failed")
             for a in decoding:
-                a.emit(AnswerError(p.INTERNAL, f"generation failed: {e}"))
+                a.tell(AnswerError(p.INTERNAL, f"generation failed: {e}"))
                 self._end(a.key)
             self.decoder.reset()
             return
@@ -314,7 +328,7 @@ class Steps:
                 self.scheduler.end(session_id)
                 if a.read is not None and self.caches is not None:
                     self.caches.tell(Abandoned(a.read))
-                a.emit(Done("cancelled", a.usage(self.max_context), None))
+                a.tell(Done("cancelled", a.usage(self.max_context), None))
             case Phase.PREFILLING:
                 # Keep what was prefilled for next time; the fed ids stay as they were.
                 pre = a.prefill
@@ -341,15 +355,17 @@ class Steps:
             answer.say(text)
         sid = answer.session_id
         self._end(sid)
+        if self.profile is not None and answer.profiled is not None:
+            log.info("profile of %s: %s", sid, self.profile.summary(answer.profiled, answer.generated - 1))
         history = [*tokens, *unfed]
         if changed and len(history) > len(answer.prompt):
             self._last_answers.keep(sid, history[len(answer.prompt):])
         failure = answer.constraint.failure if answer.constraint is not None and reason != "cancelled" else None
         if failure is not None:  # ended because it left its grammar: not JSON, so never a normal finish
-            answer.emit(AnswerError(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
+            answer.tell(AnswerError(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
                                 "try a simpler schema"))
         else:
-            answer.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None,
+            answer.tell(Done(reason, answer.usage(self.max_context), history if tokens and changed else None,
                              logprobs=tuple(answer.token_logprobs) if answer.logprobs is not None else None,
                              prompt_logprobs=tuple(answer.prompt_token_logprobs) if answer.prompt_logprobs else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
