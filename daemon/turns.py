@@ -32,7 +32,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -71,6 +71,16 @@ def _nowhere(event: EngineEvent) -> None:
 PromptIds = Callable[[Any], tuple[list[int], bool]]  # a turn's ids from a tokenizer, and whether they were rebuilt
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
+DISK_FULL_KEPT = ("the disk holding kvd's data directory is full, so the answer was cut here: what was written "
+                  "of it is kept, marked failed; free some space, then send it again (nothing saved before is lost)")
+
+
+class TurnWatcher(Protocol):
+    """Told of every turn's end, whatever its door (the metrics: doors/metrics.py); must not block."""
+
+    def done(self, turn: Turn, usage: Mapping[str, Any], reason: str) -> None: ...
+
+    def failed(self, turn: Turn, code: str) -> None: ...
 
 
 class Turns:
@@ -92,6 +102,7 @@ class Turns:
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
         self._renders: dict[str, Renders] = {}  # stateless requests' last renders, per model (tokenizer stage)
+        self.watchers: list[TurnWatcher] = []  # told of every turn's end
 
     @property
     def engine(self) -> Engine:
@@ -151,10 +162,7 @@ class Turns:
         known, so the next turn appends to exactly what was fed; the engine
         then rewinds the session's cache to the longest prefix it still shares.
         """
-        keep, covers = 0, 0
-        for m in held.messages[:index]:
-            if m["fed_end"] is not None and m["fed_end"] <= len(held.fed):
-                keep, covers = m["fed_end"], m["index"] + 1
+        keep, covers = held.fed_cut(index)
         self.transcripts.truncate(held, index)
         self.transcripts.set_tokens(held, held.fed[:keep], covers=covers)
 
@@ -244,16 +252,16 @@ class Turns:
             found = self.transcripts.get(session_id)
             assert found is not None, "placement holds the session before it applies its plan"
             held = found
+            if rewind_from is not None:  # first: stored responses it branches away keep the old system prompt
+                self.rewind(held, rewind_from)
             if new_system:
                 self.transcripts.system_changed(held, system)
-            if rewind_from is not None:
-                self.rewind(held, rewind_from)
         first_new = len(held.messages)
         chained = links is None or len(links) != len(messages) or not all(
             said(m["content"], m.get("tool_calls")) for m in messages)
         for m in messages:
             self.transcripts.append(held, m["role"], m["content"], tool_calls=m.get("tool_calls"),
-                                    tool_call_id=m.get("tool_call_id"), chained=chained)
+                                    tool_call_id=m.get("tool_call_id"), chained=chained, reasoning=m.get("reasoning"))
         if not chained and links:
             self.transcripts.chains.extend(session_id, links, range(first_new, len(held.messages)))
         return session_id, first_new
@@ -280,7 +288,7 @@ class Turns:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
         resolved = resolve(spec.sampling.given(), held.params, self.config.sampling(),
-                           max_tokens_limit=self.config.max_tokens_limit)
+                           max_tokens_limit=self.config.max_tokens_limit, knobs=spec.sampling.knobs())
         previous = (held.model, held.fed_model)
         switched = self._serve_with(held, spec.model)
         serving = held.model or self.engines.default
@@ -290,7 +298,7 @@ class Turns:
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(spec.stop) if spec.stop else None, door=spec.door, held=held, tools=spec.tools,
                     model=serving, switched_from=previous if switched else None, fit=spec.fit,
-                    max_tokens_asked=spec.sampling.max_tokens)
+                    max_tokens_asked=spec.sampling.max_tokens, context=spec.context)
         turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
@@ -301,7 +309,8 @@ class Turns:
         end, ended = anyio.create_memory_object_stream[End](math.inf)
         answer = Answer(session_id=session_id, tokens=[], seed=spec.seed, fed_before=fed_before,
                         history=first_new > 1 if spec.history is None else spec.history,
-                        sampling=resolved, emit=_nowhere, grammar=spec.grammar, handed=turn.handed)
+                        sampling=resolved, emit=_nowhere, grammar=spec.grammar, handed=turn.handed, raw=spec.raw,
+                        logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs)
         # Its events, heard on this loop a step at a time (feed.py; the engine's hand-off calls it)
         feed = Feed(asyncio.get_running_loop(), turn, answer, self.transcripts,
                     cancel=partial(self.cancel, session_id, turn), end=end)
@@ -361,7 +370,8 @@ class Turns:
             events(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
-            turn.context_bound = self._fit(answer, engine.max_context)
+            contexts = [c for c in (engine.max_context, turn.context) if c]
+            turn.context_bound = self._fit(answer, min(contexts) if contexts else None)
         turn.max_tokens = answer.max_tokens
         engine.submit(answer)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
@@ -411,8 +421,7 @@ class Turns:
     async def _pump(self, turn: Turn, feed: Feed, ended: MemoryObjectReceiveStream[End]) -> None:
         """Wait for the answer's end (its events until then are heard by `feed`, a step at a time), commit
         it and publish it once committed (fsynced). A failure while hearing them ends it here too."""
-        sid, held, t = turn.session_id, turn.held, self.transcripts
-        assert held is not None
+        sid = turn.session_id
         try:
             async with ended:
                 end = await ended.receive()
@@ -423,33 +432,60 @@ class Turns:
             else:
                 await self._failed(turn, end)
         except Exception as e:
-            if turn.engine is not None:
-                turn.engine.cancel(sid)  # nobody is left to keep what it generates
-            if is_disk_full(e):
-                log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
-                error = AnswerError(p.DISK_FULL, DISK_FULL_MESSAGE, answered=turn.seq > 0)
-            else:
-                log.exception("answer for session %s failed", sid)
-                error = AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged", answered=turn.seq > 0)
-            if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
-                turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
-                                            status="error", finish_reason="error"))
-                try:
-                    await self._committed(turn)
-                except Exception as again:  # the answer keeps what was committed before; recovered at start
-                    log.warning("could not mark the answer of %s as cut: %s", sid, again)
-            t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
-            if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
-                del self.active[sid]
-            turn.show("", now=True)
-            turn.publish(error)
+            await self._cut(turn, e)
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
+    async def _cut(self, turn: Turn, e: Exception) -> None:
+        """The answer could not go on (a write failed: a full disk; or a bug): what was committed of it is
+        kept, marked cut, and the client is told which: kept, or not saved at all (read back from the store)."""
+        sid, held, t = turn.session_id, turn.held, self.transcripts
+        assert held is not None
+        if turn.engine is not None:
+            turn.engine.cancel(sid)  # nobody is left to keep what it generates
+        full = is_disk_full(e)
+        if full:
+            log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
+        else:
+            log.exception("answer for session %s failed", sid, exc_info=e)
+        if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
+            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                        status="error", finish_reason="error"))
+            try:
+                await self._committed(turn)
+            except Exception as again:  # the answer keeps what was committed before; recovered at start
+                log.warning("could not mark the answer of %s as cut: %s", sid, again)
+        if full:
+            kept = not turn.unstored and await self._kept(sid, turn.message_index)
+            error = AnswerError(p.DISK_FULL, DISK_FULL_KEPT if kept else DISK_FULL_MESSAGE, answered=turn.seq > 0)
+        else:
+            error = AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged", answered=turn.seq > 0)
+        self._tell(lambda w: w.failed(turn, error.code))
+        t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
+        if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
+            del self.active[sid]
+        turn.show("", now=True)
+        turn.publish(error)
+
+    async def _kept(self, session_id: str, index: int) -> bool:
+        """Whether the store holds the answer at `index` (what a client is told of an answer a full disk cut)."""
+        try:
+            return bool(await self.transcripts.read(lambda s: s.messages(session_id, first=index, end=index + 1)))
+        except Exception:  # the store cannot say: as if nothing were kept
+            return False
+
+    def _tell(self, what: Callable[[TurnWatcher], None]) -> None:
+        for watcher in self.watchers:
+            try:
+                what(watcher)
+            except Exception:  # a watcher's fault is never the turn's
+                log.exception("a turn watcher failed")
+
     async def _failed(self, turn: Turn, ev: AnswerError) -> None:
+        self._tell(lambda w: w.failed(turn, ev.code))
         t, held = self.transcripts, turn.held
         assert held is not None
         if turn.unstored:  # refused before the engine took it: a new session, never stored
@@ -458,7 +494,7 @@ class Turns:
             # Nothing was generated and the turn can never be answered as it is (too long, no such
             # model, a conversation the template refuses): take it back, so the session stays usable
             # (the client still has the text).
-            turn.writes.append(t.truncate(held, turn.first_new))
+            turn.writes.append(t.truncate(held, turn.first_new, taken_back=True))
         else:
             turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                         status="error", finish_reason="error"))
@@ -505,6 +541,7 @@ class Turns:
                  f" (max_tokens {u['max_tokens_asked']} lowered to {u['max_tokens']}, "
                  f"{'the room the context left' if turn.context_bound else 'limits.max_tokens_limit'})"
                  if "max_tokens_asked" in u else "")
+        self._tell(lambda w: w.done(turn, u, reason))
         content, calls = turn.text, list[dict[str, str]]()
         if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
             rest, calls = turn.tools.finish()
@@ -521,4 +558,5 @@ class Turns:
         made = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(calls))
         for call in made:
             turn.publish(call)
-        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made))
+        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made, logprobs=ev.logprobs,
+                                prompt_logprobs=ev.prompt_logprobs))

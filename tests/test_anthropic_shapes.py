@@ -57,7 +57,8 @@ def test_a_conversation_with_tools_reads_as_the_transcript_keeps_it() -> None:
         "name": "get_weather", "parameters": {"type": "object"}, "description": "The weather."}}]
     assert conversation(req) == [
         Said("user", "Weather\nin Paris?"),
-        Said("assistant", "Looking.", ({"id": "toolu_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},)),
+        Said("assistant", "Looking.", ({"id": "toolu_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},),
+             reasoning="hm"),  # its thinking block, as its reasoning
         Said("tool", "18 C", tool_call_id="toolu_1"),
         Said("tool", "Error: timeout", tool_call_id="toolu_1"),
         Said("user", "and?"),
@@ -120,10 +121,9 @@ REFUSALS: list[tuple[str, Any, str, str]] = [
     ("tool_choice without tools", {**ASK, "tool_choice": {"type": "any"}}, "tool_choice", "no tools"),
     ("tool_choice naming no tool", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"}},
      "tool_choice.name", "not among tools"),
-    ("a forced tool (any)", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}}, "tool_choice",
-     "cannot force"),
-    ("a forced tool (named)", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}},
-     "tool_choice", "cannot force"),
+    ("a forced tool with an output format", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "any"},
+                                               "output_config": {"format": {"type": "json_schema", "schema": {
+                                                   "type": "object"}}}}, "output_config.format", "JSON already"),
     ("not an object", [ASK], "", "JSON object"),
 ]
 

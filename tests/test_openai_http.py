@@ -38,6 +38,10 @@ class HeldEnds:
 
         d.daemon.engine.submit = submit_holding  # type: ignore[method-assign]
 
+    @property
+    def released(self) -> bool:
+        return self._released
+
     def release(self) -> None:
         with self._lock:
             self._released, held, self._held = True, self._held, []
@@ -171,14 +175,22 @@ BAD: list[tuple[Any, int, str, str | None]] = [
     ({**HI, "max_tokens": True}, 400, "valid integer", "max_tokens"),
     ({**HI, "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
     ({**HI, "max_completion_tokens": 0}, 400, "greater than or equal to 1", "max_completion_tokens"),
-    ({**HI, "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "kvd cannot force one", "tool_choice"),
+    ({**HI, "tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "not among tools", "tool_choice.function.name"),
     ({**HI, "temperature": 3}, 400, "less than or equal to 2", "temperature"),
     ({**HI, "top_p": 0}, 400, "greater than 0", "top_p"),
     ({**HI, "stream": "yes"}, 400, "valid boolean", "stream"),
     ({**HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),
     ({**HI, "n": 3}, 400, "n = 1", "n"),
-    ({**HI, "logprobs": True}, 400, "logprobs", "logprobs"),
+    ({**HI, "top_logprobs": 2}, 400, "logprobs", "top_logprobs"),
+    ({**HI, "logprobs": True, "top_logprobs": 21}, 400, "less than or equal to 20", "top_logprobs"),
+    ({**HI, "logit_bias": {"x": 1}}, 400, "not a token id", "logit_bias"),
+    ({**HI, "logit_bias": {"5": 101}}, 400, "less than or equal to 100", "logit_bias"),
+    ({**HI, "logit_bias": {"999999999": 1}}, 400, "vocabulary", "logit_bias"),
+    ({**HI, "top_k": -1}, 400, "greater than or equal to 0", "top_k"),
+    ({**HI, "min_p": 2}, 400, "less than or equal to 1", "min_p"),
+    ({**HI, "frequency_penalty": 3}, 400, "less than or equal to 2", "frequency_penalty"),
+    ({**HI, "repetition_penalty": 0}, 400, "greater than 0", "repetition_penalty"),
 ]
 
 
