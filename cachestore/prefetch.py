@@ -23,8 +23,9 @@ from common.sizes import human_bytes
 from common.tiers import RESIDENT, WARM
 
 from .direct import capacity
+from .diskplan import DiskRow
 from .lru import Tier
-from .pagein import DiskRow, PageIn, Reading
+from .pagein import PageIn, Reading
 from .snapshot import Snapshot
 from .table import BlockTable, Walk
 from .warm import Cache, WarmTier, cache_nbytes
@@ -109,6 +110,17 @@ class Prefetcher:
     kept: set[str] = field(default_factory=set)  # paged in after a start and not checked out since
     stats: dict[str, int] = field(default_factory=lambda: {"planned": 0, "done": 0, RESIDENT: 0, WARM: 0,
                                                             "bytes": 0})
+
+    def now(self, key: str, *, wait: Callable[[Reading], None]) -> str | None:
+        """Page a session's disk chain into memory if it fits and memory holds none of it, `wait`ing for the read
+        here; the tier it went to."""
+        if key in self.resident or key in self.warm:
+            return None
+        if (got := self.start(key)) is None:
+            return None
+        r, tokens = got
+        wait(r)
+        return self.keep(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
 
     def checked_out(self, key: str) -> bool:
         """A checkout of `key`: a prefetch of it under way is dropped; whether memory held it by a prefetch."""

@@ -35,17 +35,19 @@ from typing import Any
 from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
 
 from .blocks import root_key
+from .checkpoints import Checkpoints
+from .diskplan import DiskPlan
 from .disktier import DiskTier, open_disk
 from .index import SegmentIndex
 from .ioworker import FirstTokens
 from .lru import DiskStats, Tier
-from .pagein import DiskPlan, PageIn, Reading, ReadReport
+from .pagein import PageIn, ReadReport
 from .pool import Pool
 from .prefetch import PREFETCH_ROOM, Prefetcher
 from .prefix import MIN_SHARED, common_prefix_len
 from .shares import Share
 from .sharing import Found, find_shared
-from .snapshot import cuttable, rewind
+from .snapshot import cuttable
 from .terms import Budgets, Checkout, Pending
 from .warm import Cache, WarmTier, cache_nbytes
 from .windows import Captures, attach
@@ -79,18 +81,18 @@ class SessionCaches:
         self._io = self._disktier.io
         self.pool = pool or Pool({RESIDENT: budgets.resident_bytes, WARM: budgets.warm_bytes})  # (every model's)
         self.resident: Tier[Cache] = Tier("resident", self.pool.budgets[RESIDENT], budgets.resident_sessions)
+        self.points = Checkpoints(budgets.checkpoints)  # where caches cannot be cut: state kept at earlier points
         self.warm = WarmTier(self.table, self.pool.budgets[WARM], bits=budgets.warm_bits,
-                             busy=lambda: not self._io.idle())
+                             busy=lambda: not self._io.idle(), points=self.points)
         #: This store's place in the memory budgets (the engine asks it for a turn's `room`).
         self.share = Share(self.pool.join(model or fingerprint), self.resident, self.warm, self.table, clock)
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
                             dropped=self._disktier.dropped, clock=clock,
-                            read=lambda job: self._io.read(job, done=self._read_done))
+                            read=lambda job: self._io.read(job, done=self._read_done))  # (its `wait`s)
         # What the engine tells the store (`connect`); until then, nothing runs and nobody is told.
         self.on_read: Callable[[], None] | None = None
         self.restoring: Callable[[str], bool] = lambda key: False
         self.running_bytes: Callable[[], int] = lambda: 0
-        self._read_event = threading.Event()  # a read reported: what a waiting `checkout` waits for
         self._captured = Captures(self.table)  # a window's blocks a prefill took
         self.shared_stats = {"restores": 0, "tokens": 0}
         self._prefetch = Prefetcher(self._disk, self.table, self.resident, self.warm,
@@ -155,19 +157,9 @@ class SessionCaches:
 
     def _read_done(self) -> None:
         """On the reader: a read reported."""
-        self._read_event.set()
+        self._disk.reported.set()
         if (wake := self.on_read) is not None:
             wake()
-
-    def _wait(self, r: Reading) -> None:
-        """Wait for a read here (a checkout or prefetch asked to wait: tools, tests, ranks in lockstep)."""
-        while not r.done:
-            if self._disk.allocating(r):
-                self._disk.allocate(all_of_it=True)
-                continue
-            self._read_event.wait()
-            self._read_event.clear()
-            self._settle()
 
     def _on_idle(self) -> None:
         self.warm.release_held()  # disk holds them now (or never will: they were not writable)
@@ -192,12 +184,10 @@ class SessionCaches:
         self._captured.pop(key)  # a prefill that did not end in a checkin
         own: Checkout | None = None
         if (cache := self.resident.take(key)) is not None:
-            toks = self.table.session(key).tokens
-            n = min(common_prefix_len(toks, wanted), limit)
-            if n > 0 and rewind(cache, len(toks) - n):
-                own = Checkout(cache, n, RESIDENT, 0.0, prefetched=prefetched)
+            if (got := self.points.rewound(key, cache, self.table.session(key).tokens, wanted, limit)) is not None:
+                own = Checkout(got[0], got[1], RESIDENT, 0.0, prefetched=prefetched, checkpoint=got[2])
             else:
-                log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
+                log.debug("resident cache of %s not reusable for this turn", key)
             self.warm.discard(key)
             self.table.detach(key)  # the live cache is the engine's now
         own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
@@ -208,8 +198,8 @@ class SessionCaches:
         if disk.end > max(best_n, other[0] if other else 0):
             r = self._disk.begin(key, disk, room=len(wanted) - disk.end)
             pending = Pending(key, list(wanted), t0, r, own, prefetched)
-            if wait:
-                self._wait(r)
+            if wait:  # (tools, tests, ranks in lockstep)
+                self._disk.wait(r, self._settle)
                 return self._read_out(pending)
             return Checkout(None, 0, DISK, 0.0, read=pending)
         return self._from_memory(key, wanted, t0, own, own_warm_n, other, prefetched)
@@ -242,7 +232,9 @@ class SessionCaches:
             self._disktier.later(lambda index: index.touch(key, now), key)
             shared = max(end - own_tokens, 0)
             ms = (time.perf_counter() - pending.t0) * 1000
-            return self._counted(Checkout(held, end, SHARED if shared else DISK, ms, shared))
+            point = not cuttable(held) and (shared > 0 or end < r.plan.chain)
+            return self._handed(key, wanted, Checkout(held, end, SHARED if shared else DISK, ms, shared,
+                                                      checkpoint=point))
         limit = len(wanted) - 1
         own = pending.own
         own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
@@ -255,20 +247,26 @@ class SessionCaches:
             return (time.perf_counter() - t0) * 1000
 
         if other is not None:
-            n, copy = other
+            n, copy, point = other
             if (copied := copy()) is not None:
-                return self._counted(Checkout(copied, n, SHARED, ms(), n))
+                return self._handed(key, wanted, Checkout(copied, n, SHARED, ms(), n, checkpoint=point))
         if own is not None:
             own.restore_ms = ms()
-            return own
+            return self._handed(key, wanted, own)
         if own_warm_n > 0:
+            point = own_warm_n < self.warm.held_ids(key) and not self.warm.cuttable(key)
             copied = self.warm.copy(key, own_warm_n)
             self.warm.take(key)
             self.table.detach(key)
             if copied is not None:
-                return Checkout(copied, own_warm_n, WARM, ms(), prefetched=prefetched)
+                return self._handed(key, wanted, Checkout(copied, own_warm_n, WARM, ms(), prefetched=prefetched,
+                                                          checkpoint=point))
         self._disk.stats.misses += 1
         return Checkout(None, 0, NO_CACHE, ms())
+
+    def _handed(self, key: str, wanted: Sequence[int], out: Checkout) -> Checkout:
+        self.points.handed(key, out.cache, wanted[:out.tokens], checkpoint=out.checkpoint)
+        return self._counted(out)
 
     def _others(self, key: str, wanted: Sequence[int], limit: int, best: int) -> tuple[Found | None, DiskPlan]:
         """One walk down the wanted ids' blocks: the best copy of another session's memory (more than `best` ids),
@@ -301,12 +299,14 @@ class SessionCaches:
         never blocking: `on_read` when the reader reported (the engine calls `take_reports`), `on_room` when another
         model's store wants room this one's older caches hold, or room this one waits for came back (`fit`, `room`)."""
         self.share.measure(probe)
+        self._disk.cuts = cuttable(probe)  # (else a restore from disk ends at a file's end: its state is there)
         self.running_bytes, self.restoring, self.on_read = running_bytes, restoring, on_read
         self.share.on_room = on_room
 
     def bytes_for(self, tokens: int) -> int:
-        """The bytes a live cache of `tokens` ids takes (0 before `connect`)."""
-        return self.share.bytes_for(tokens)
+        """The bytes a live cache of `tokens` ids takes with the checkpoints its session may keep (0 before
+        `connect`)."""
+        return self.share.bytes_for(tokens) + self.points.keep * self.share.point_bytes(tokens)
 
     def room(self, key: str, need: int) -> bool:
         """Whether a turn on `key` whose cache may reach `need` bytes starts now, beside every model's
@@ -335,13 +335,7 @@ class SessionCaches:
 
     def prefetch(self, key: str) -> str | None:
         """Page a session's disk chain into memory if it fits, waiting here (tools, tests, ranks); its tier."""
-        if key in self.resident or key in self.warm:
-            return None
-        if (got := self._prefetch.start(key)) is None:
-            return None
-        r, tokens = got
-        self._wait(r)
-        return self._prefetch.keep(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
+        return self._prefetch.now(key, wait=lambda r: self._disk.wait(r, self._settle))
 
     def prefetch_later(self, keys: Sequence[str]) -> None:
         """Page sessions' whole disk chains into memory where they fit, a read at a time, waiting for none: each kept
@@ -355,12 +349,16 @@ class SessionCaches:
     # --- windows: blocks captured during a prefill (windows.py) ---
 
     def boundary(self, cache: Cache) -> int | None:
-        """Every how many ids a prefill into `cache` stops for `capture` (None: a cache that can be cut)."""
+        """Every how many ids a prefill into `cache` stops for `capture`, and before its last id (None: a cache that
+        can be cut)."""
         return None if cuttable(cache) else self.block
 
-    def capture(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
-        """A prefill into a window's cache reached a block boundary: keep the block that ends here."""
+    def capture(self, key: str, cache: Cache, tokens: Sequence[int], *, last: bool = False) -> None:
+        """A prefill into a cache that cannot be cut reached a block boundary (keep the block that ends here) or,
+        `last`, its prompt's last id (keep a checkpoint: a regenerate comes back to it)."""
         self._captured.capture(key, cache, tokens)
+        if last:
+            self.points.take(key, cache, tokens)
 
     # --- after a turn ---
 
@@ -386,8 +384,9 @@ class SessionCaches:
         self._disktier.write_behind(key, cache, tokens, keys, captured=by_end)
         self.warm.add_copies({bk: captured[bk] for bk in keys if bk in captured})
         self.table.set_live(key, True)
+        self.points.follow(key, tokens)
         now = self._clock()
-        for cold, c in self.resident.put(key, cache, cache_nbytes(cache), now):
+        for cold, c in self.resident.put(key, cache, cache_nbytes(cache) + self.points.nbytes(key), now):
             self.table.set_live(cold, False)
             self.warm.demote(cold, c, now)
         self.share.within()
@@ -415,6 +414,7 @@ class SessionCaches:
         if self.resident.discard(key) is not None:
             self.table.set_live(key, False)
         self.warm.discard(key)
+        self.points.drop(key)
         self.table.detach(key)
         self._captured.pop(key)
         self._disktier.forget(key)
@@ -444,5 +444,6 @@ class SessionCaches:
             DISK: {**self._disktier.statistics(self.budgets.disk_bytes), "block_tokens": self.block,
                    **asdict(self.disk_stats)},
             SHARED: dict(self.shared_stats),
+            "checkpoints": self.points.statistics(),
         }
 

@@ -109,7 +109,8 @@ TurnEvent = (AnswerStarted | AnswerQueued | AnswerReading | AnswerProgress | Ans
              | AnswerError)
 
 
-CACHE_FIGURES = ("restored_from", "shared_tokens", "ttft_ms", "prefill_tokens", "drafted_tokens", "accepted_tokens")
+CACHE_FIGURES = ("restored_from", "shared_tokens", "checkpoint", "ttft_ms", "prefill_tokens", "drafted_tokens",
+                 "accepted_tokens")
 
 
 def cache_figures(usage: Mapping[str, Any]) -> dict[str, Any]:

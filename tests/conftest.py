@@ -76,7 +76,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
         "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_models_e2e",
         "test_responses_restart",
-        "test_anthropic", "test_hostile_messages",
+        "test_anthropic", "test_hostile_messages", "test_hybrid",
     }),
 }  # fmt: skip
 

@@ -28,10 +28,14 @@ import mlx.core as mx
 class Prefill:
     """The state of one prompt's prefill: `cache` holds `tokens[:fed]`.
 
-    `boundary`: a chunk never crosses a multiple of it, and `at_boundary(cache,
-    ids fed)` is called at each one the prompt goes past (a cache with a
-    sliding window, whose state at a block's end can only be taken there:
-    cachestore's `SessionCaches.boundary` and `capture`).
+    `boundary`: a chunk never crosses a multiple of it nor the prompt's last
+    id, and `at_boundary(cache, ids fed, last=...)` is called at each one the
+    prompt goes past (`last`: there, before its last id). That is for a cache
+    with a sliding window or a recurrent state, whose state at a point can
+    only be taken there: a block's end (shared), and the prompt's end less
+    one id, where a regenerate comes back to (cachestore's
+    `SessionCaches.boundary` and `capture`; the extra forward of one id
+    costs about a decode step).
 
     `last`: the model to feed the prompt's last chunk with, one that computes
     the logits of its last position only (`last_position`); None: `model`.
@@ -45,7 +49,7 @@ class Prefill:
 
     def __init__(self, model: Any, cache: list[Any], tokens: Sequence[int], fed: int, *, step: int,
                  boundary: int | None = None,
-                 at_boundary: Callable[[list[Any], Sequence[int]], None] | None = None,
+                 at_boundary: Callable[..., None] | None = None,
                  clear_cache: bool | None = None, last: Any | None = None):
         if not 0 <= fed < len(tokens):
             raise ValueError(f"a prefill needs at least one token to feed ({fed} of {len(tokens)} fed)")
@@ -75,16 +79,17 @@ class Prefill:
         After the last ones: the next token's log-probabilities, shape (1, vocab).
         """
         n = n or self.step
+        stop = len(self.tokens) - 1  # where a prefill into a cache that cannot be cut stops before its last id
         if self.boundary:
-            n = min(n, self.boundary - self.fed % self.boundary)
+            n = min(n, self.boundary - self.fed % self.boundary, *((stop - self.fed,) if self.fed < stop else ()))
         chunk = self.tokens[self.fed:self.fed + n]
         model = self.last if self.fed + len(chunk) == len(self.tokens) else self.model
         logits = model(mx.array(chunk)[None], cache=self.cache)
         self.fed += len(chunk)
         if self.remaining:
             mx.eval([c.state for c in self.cache])
-            if self.boundary and self.at_boundary and self.fed % self.boundary == 0:
-                self.at_boundary(self.cache, self.tokens[:self.fed])
+            if self.boundary and self.at_boundary and (self.fed % self.boundary == 0 or self.fed == stop):
+                self.at_boundary(self.cache, self.tokens[:self.fed], last=self.fed == stop)
             if self.clear_cache:
                 mx.clear_cache()
             return None

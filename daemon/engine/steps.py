@@ -185,6 +185,7 @@ class Steps:
                             boundary=self.caches.boundary(cache),
                             at_boundary=functools.partial(self.caches.capture, a.session_id), last=self.last)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
+        a.checkpoint = out.checkpoint and cached > 0
         self.scheduler.prefill(a)
 
     def step(self) -> None:
