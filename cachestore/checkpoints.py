@@ -33,6 +33,7 @@ Engine thread only.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ from typing import Any
 from common.sizes import CHECKPOINTS
 
 from .prefix import common_prefix_len
-from .snapshot import Snapshot, checkpoint, cuttable, rewind, rewind_to
+from .snapshot import Snapshot, checkpoint, cuttable, layer_kinds, rewind, rewind_to
 
 __all__ = ["Checkpoints"]
 
@@ -62,6 +63,13 @@ class Checkpoints:
         self._held: dict[str, _Held] = {}
         self.taken = 0  # checkpoints taken so far
         self.restores = 0  # checkouts that restored one
+        self.kinds: dict[str, int] = {}  # the model's cache layers by kind (`learn`)
+        self.most = 0  # the bytes of one checkpoint at most (its windows full), 0: a cache that can be cut
+
+    def learn(self, probe: Sequence[Any], *, most: int) -> None:
+        """What the model's caches are (a live one of its, `probe`): its layers' kinds, and a checkpoint's bytes."""
+        self.kinds = dict(Counter(layer_kinds(probe)))
+        self.most = most
 
     def __contains__(self, key: str) -> bool:
         return key in self._held
@@ -146,7 +154,8 @@ class Checkpoints:
         h.nbytes -= h.points.pop(end).nbytes
 
     def statistics(self) -> dict[str, Any]:
-        return {"sessions": sum(1 for h in self._held.values() if h.points),
+        return {"kinds": self.kinds, "each_bytes": self.most,
+                "sessions": sum(1 for h in self._held.values() if h.points),
                 "held": sum(len(h.points) for h in self._held.values()),
                 "bytes": sum(h.nbytes for h in self._held.values()),
                 "keep": self.keep, "taken": self.taken, "restores": self.restores}

@@ -20,7 +20,6 @@ from .errors import CannotSplit, SnapshotError
 from .kinds import (
     KINDS,
     cut_layer,
-    kind_named,
     kind_of,
     layer_at,
     layer_cuttable,
@@ -36,6 +35,7 @@ __all__ = [
     "Snapshot",
     "at_point",
     "checkpoint",
+    "layer_kinds",
     "layout",
     "merge",
     "cuttable",
@@ -319,7 +319,6 @@ def rewind_to(cache: Sequence[Any], point: Snapshot) -> list[Any]:
     return [live_at(c, p, end) for c, p in zip(cache, point.layers)]
 
 
-def point_kinds(point: Snapshot) -> list[str]:
-    """The kinds of a checkpoint's layers that hold state (those that cannot be cut), by name."""
-    return sorted({n.kind for layer in point.layers for n in layer.walk()
-                   if n.kind in KINDS and not kind_named(n.kind).cuttable and not kind_named(n.kind).has_children})
+def layer_kinds(cache: Sequence[Any]) -> list[str]:
+    """A live cache's layers by kind name, a cache list's children in its place (``["arrays", "arrays", "kv"]``)."""
+    return [name for c in cache for name in (layer_kinds(c.caches) if kind_of(c).has_children else [kind_of(c).name])]

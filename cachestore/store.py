@@ -300,6 +300,7 @@ class SessionCaches:
         model's store wants room this one's older caches hold, or room this one waits for came back (`fit`, `room`)."""
         self.share.measure(probe)
         self._disk.cuts = cuttable(probe)  # (else a restore from disk ends at a file's end: its state is there)
+        self.points.learn(probe, most=self.share.point_bytes(1 << 62))
         self.running_bytes, self.restoring, self.on_read = running_bytes, restoring, on_read
         self.share.on_room = on_room
 

@@ -81,14 +81,15 @@ HYBRID = tuple(a for a in ARCHS if a != "gpt_oss")
 SEED = 20250555
 
 
-def build(arch: str, path: Path, *, seed: int = SEED) -> Path:
-    """Write the tiny `arch` model into `path` (a new directory) and return it."""
+def build(arch: str, path: Path, *, seed: int = SEED, config: dict[str, Any] | None = None) -> Path:
+    """Write the tiny `arch` model into `path` (a new directory) and return it; `config`: another shape of it
+    (bench/hybrid.py's larger ones; any model_type mlx-lm has)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     vocab, merges = bpe_vocab_and_merges()
     special = {tok: len(vocab) + i for i, tok in enumerate(SPECIAL_TOKENS)}
-    config = {"model_type": arch, **ARCHS[arch], "vocab_size": len(vocab) + len(SPECIAL_TOKENS),
+    config = {"model_type": arch, **(config or ARCHS[arch]), "vocab_size": len(vocab) + len(SPECIAL_TOKENS),
               "eos_token_id": special[EOS_TOKEN], "pad_token_id": special[PAD_TOKEN], "torch_dtype": "float32"}
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     mx.random.seed(seed)

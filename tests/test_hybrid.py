@@ -20,9 +20,11 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
+from rich.console import Console
 
 import hybrids
 from conftest import fed_tokens
+from daemon.service.status import human, render_status
 from daemonproc import DaemonProcess, SyncClient
 
 MAX = 6  # tokens per answer
@@ -53,11 +55,19 @@ class Turns:
 
 
 def ws_turn(c: SyncClient, turns: Turns, what: str, type: str, sid: str, **fields: Any) -> dict[str, Any]:
-    rid = c.send(type=type, session=sid, max_tokens=MAX, temperature=0, **fields)
-    while (e := c.recv())["id"] != rid or e["type"] not in ("chat.done", "error"):
-        pass
-    assert e["type"] == "chat.done", (what, e)
-    return turns.add(what, sid, e["usage"], e["finish_reason"])
+    return ws_turns(c, turns, [(what, type, sid, fields)])[0]
+
+
+def ws_turns(c: SyncClient, turns: Turns, asks: list[tuple[str, str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Requests sent at once (their answers decode in one batch), each one's usage once all are done."""
+    rids = {c.send(type=type, session=sid, max_tokens=MAX, temperature=0, **fields): (what, sid)
+            for what, type, sid, fields in asks}
+    done: dict[str, dict[str, Any]] = {}
+    while len(done) < len(rids):
+        if (e := c.recv()).get("id") in rids and e["type"] in ("chat.done", "error"):
+            assert e["type"] == "chat.done", (rids[e["id"]], e)
+            done[e["id"]] = e
+    return [turns.add(*rids[rid], done[rid]["usage"], done[rid]["finish_reason"]) for rid in rids]
 
 
 def api_turn(api: OpenAI, turns: Turns, what: str, messages: list[Any]) -> tuple[str, dict[str, Any]]:
@@ -100,13 +110,15 @@ def test_every_rewind_restores_a_checkpoint_exactly(model_dirs: dict[str, Path],
             regen = ws_turn(c, turns, "regenerate", "chat.regenerate", sid)
             restored(regen, "resident", point=True)
             assert regen["restored_tokens"] == regen["prompt_tokens"] - 1
-            # An edit of the last message comes back to the end of the answer before it.
-            edit = ws_turn(c, turns, "edit", "chat.edit", sid, message_index=4, text="Was it grey?")
+            # An edit of the last message comes back to the end of the answer before it; at once, a second
+            # conversation with the same system prompt starts from the blocks the first one's prefill captured.
+            # The two answers decode side by side in one batch.
+            other = c.request("session.create", system=SYSTEM)["session"]["id"]
+            edit, second = ws_turns(c, turns, [
+                ("edit", "chat.edit", sid, {"message_index": 4, "text": "Was it grey?"}),
+                ("second session", "chat.send", other, {"text": "Who started the ledger?"})])
             restored(edit, "resident", point=True)
             assert edit["restored_tokens"] == end(u[1])
-            # A second conversation with the same system prompt: the blocks its first prefill captured.
-            other = c.request("session.create", system=SYSTEM)["session"]["id"]
-            second = ws_turn(c, turns, "second session", "chat.send", other, text="Who started the ledger?")
             restored(second, "shared", point=True)
             assert second["restored_tokens"] % BLOCK == 0
 
@@ -126,7 +138,18 @@ def test_every_rewind_restores_a_checkpoint_exactly(model_dirs: dict[str, Path],
         assert retry["restored_from"] == "shared" and retry["checkpoint"], retry
         assert retry["cached"] == a1["prompt_tokens"] - 1, retry
         with d.client() as c:
-            c.request("status")  # (answered once the writes queued before it are on disk)
+            status = c.request("status")  # (answered once the writes queued before it are on disk)
+        # `kvd status` and /v1/models say what the model's cache keeps, and what its checkpoints cost.
+        points = status["tiers"]["checkpoints"]
+        kind = "rotating" if arch == "gpt_oss" else "arrays"
+        assert points["kinds"][kind] > 0 and points["each_bytes"] > 0 and points["held"] > 0, points
+        assert points["restores"] >= 4 and 0 < points["bytes"] <= points["held"] * points["each_bytes"], points
+        console = Console(width=200, color_system=None, record=True)
+        render_status(status, console)
+        assert f"checkpoints: {human(points['each_bytes'])} each at most, up to 4 per session" in console.export_text()
+        (listed,) = [m for m in api.models.list().data if m.id == str(model)]
+        assert listed.model_extra is not None and listed.model_extra["kvd"]["cache"]["kinds"][kind] > 0
+        assert listed.model_extra["kvd"]["cache"]["checkpoint_bytes"] == points["each_bytes"]
     finally:
         assert d.terminate() == 0
 
