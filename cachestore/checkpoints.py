@@ -137,6 +137,11 @@ class Checkpoints:
             return None
         return rewind_to(cache, point), point.end, True
 
+    def of(self, key: str) -> dict[int, Snapshot]:
+        """The session's checkpoints, by the ids they hold (a copy: the disk's write-behind splits its tail there)."""
+        h = self._held.get(key)
+        return dict(h.points) if h is not None else {}
+
     def ends(self, key: str) -> list[int]:
         """Where the session's checkpoints are, in order."""
         h = self._held.get(key)

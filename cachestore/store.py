@@ -382,10 +382,10 @@ class SessionCaches:
         keys = attach(self.table, key, cache, tokens, captured)
         by_end = {self.table.blocks[bk].end: snap for bk in keys
                   if (snap := captured.get(bk) or self.warm.exact_copy(bk)) is not None}
-        self._disktier.write_behind(key, cache, tokens, keys, captured=by_end)
+        self.points.follow(key, tokens)
+        self._disktier.write_behind(key, cache, tokens, keys, captured=by_end, points=self.points.of(key))
         self.warm.add_copies({bk: captured[bk] for bk in keys if bk in captured})
         self.table.set_live(key, True)
-        self.points.follow(key, tokens)
         now = self._clock()
         for cold, c in self.resident.put(key, cache, cache_nbytes(cache) + self.points.nbytes(key), now):
             self.table.set_live(cold, False)
