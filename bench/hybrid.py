@@ -23,6 +23,10 @@ long messages, 16-token greedy answers). Then, one after another:
 - after restart: kvd stopped and started, the next message (from disk);
 - regenerate after restart.
 
+With --forwards, it measures instead what speculation would pay for: on each
+model, in this process, a forward of 1 token and one of 5 (a draft of 4
+verified at once) after a 2,000-token prefill, the median of 20 each.
+
 Per kind, the median over --reps runs (each run a fresh daemon and data
 directory): where the cache came from, tokens restored, whether at a
 checkpoint, tokens computed again (the prompt's rest), and kvd's TTFT (from
@@ -37,6 +41,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,14 +148,53 @@ def one_run(model: Path, work: Path, history: int) -> dict[str, dict[str, Any]]:
     return out
 
 
+def forwards(model_dir: Path, context: int = 2000, draft: int = 4, reps: int = 20) -> tuple[float, float]:
+    """Milliseconds of a 1-token forward and of a (1 + draft)-token one, after `context` tokens, taken back after
+    each (the KV layers trimmed, the recurrent ones restored from a checkpoint: kvd's own rewind)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from cachestore.snapshot import checkpoint, rewind_to
+    from daemon.engine import attention
+
+    model = load(str(model_dir))[0]
+    model.set_dtype(mx.float32)
+    attention.install()
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5 + i % 1500 for i in range(context)]]), cache=cache))
+    point = checkpoint(cache, context)
+
+    def timed(n: int) -> float:
+        nonlocal cache
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mx.eval(model(mx.array([[7] * n]), cache=cache))
+            times.append((time.perf_counter() - t0) * 1000)
+            cache = rewind_to(cache, point)
+        return statistics.median(times)
+
+    return timed(1), timed(1 + draft)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--history", type=int, default=2048, help="tokens of the conversation before the rewinds")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--forwards", action="store_true", help="measure a 1- and a 5-token forward instead")
     args = ap.parse_args()
     print(f"uptime before: {os.getloadavg()}, {os.cpu_count()} CPUs")
+    if args.forwards:
+        with tempfile.TemporaryDirectory(prefix="kvd-bench-hybrid-") as tmp:
+            for arch, config in shapes(args.hidden, args.layers).items():
+                one, five = forwards(hybrids.build(arch, Path(tmp) / arch, config=config))
+                print(f"{arch}: a 1-token forward {one:.1f} ms, a 5-token forward {five:.1f} ms "
+                      f"({five / one:.1f}x) after 2,000 tokens")
+        print(f"uptime after: {os.getloadavg()}")
+        return
     with tempfile.TemporaryDirectory(prefix="kvd-bench-hybrid-") as tmp:
         results: dict[str, list[dict[str, dict[str, Any]]]] = {}
         for arch, config in shapes(args.hidden, args.layers).items():

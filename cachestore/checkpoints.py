@@ -21,13 +21,16 @@ snapshots at a trie node, llama.cpp's context checkpoints per slot):
 - the end of each answer (the cache checked in; when the next turn takes the
   cache on, its state there is kept: an edit of the next message comes back to it).
 
-On disk the same points are the ends of a session's private segments and of
-the blocks its prefills captured (windows.py, writeback.py); memory keeps
-them for the sessions it holds. Each session keeps its last `keep` (the
-oldest goes first: a conversation comes back mostly to its recent turns);
-they count against the budget of the tier that holds the session, and go
-with it (warm.py drops them when the warm tier lets the session go: disk's
-stay). A point stays only while its ids agree with the session's.
+On disk the same points are the ends of a session's files: its private tail
+ends a segment at each checkpoint a turn passes and at the turn's end
+(writeback.py), and a prefill keeps the block at each block boundary
+(windows.py); memory keeps them for the sessions it holds. Each session keeps
+its last `keep` in memory (4 by default, `cache.checkpoints`: the last two
+turns' prompt and answer ends; the oldest goes first: a conversation comes
+back mostly to its recent turns); they count against the budget of the tier
+that holds the session, and go with it (warm.py drops them when the warm tier
+lets the session go: disk's stay). A point stays only while its ids agree
+with the session's. docs/caches.md has their bytes and what each rewind costs.
 Engine thread only.
 """
 

@@ -120,10 +120,12 @@ def spans(pos: int, n: int, kept: int, base: int, splits: Sequence[int], *, max_
     """The private segments a tail from `pos` to `n` is written as, after `kept` segments that stay: where the
     first starts, where each ends (at the `splits` it passes, then `n`), and whether they replace the kept ones
     (compaction from the last block, `base`: they would pass max_segments, or a window's snapshot follows none;
-    then only the last split is kept). The engine's plan and the worker's write share this one rule."""
+    then only the last split is kept, if two files are allowed). The engine's plan and the worker's write share
+    this one rule."""
     ends = [e for e in splits if pos < e < n] + [n]
     if kept + len(ends) > max_segments or (rewrite and pos != base):
-        return base, [e for e in splits if base < e < n][-1:] + [n], True
+        last = [e for e in splits if base < e < n][-1:] if max_segments > 1 else []
+        return base, [*last, n], True
     return pos, ends, False
 
 

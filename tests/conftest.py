@@ -55,7 +55,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_table", "test_transcript_writer", "test_tui_render", "test_wire", "test_writeback_plan",
         "test_prune_paths", "test_schemaends", "test_admission", "test_renders", "test_terminal_modes",
         "test_render_templates", "test_logfile", "test_anthropic_shapes", "test_responses_unit", "test_jsondepth",
-        "test_pool", "test_shared_budgets",
+        "test_pool", "test_shared_budgets", "test_checkpoints",
     }),
     "integration": frozenset({
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",

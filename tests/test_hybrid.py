@@ -24,6 +24,7 @@ from rich.console import Console
 
 import hybrids
 from conftest import fed_tokens
+from daemon.models.catalog import folder_entry
 from daemon.service.status import human, render_status
 from daemonproc import DaemonProcess, SyncClient
 
@@ -96,6 +97,9 @@ def restored(u: dict[str, Any], tier: str, *, point: bool) -> None:
 def test_every_rewind_restores_a_checkpoint_exactly(model_dirs: dict[str, Path], tmp_path: Path,
                                                     arch: str) -> None:
     model = model_dirs[arch]
+    # `kvd models` says what the model's caches keep, from its config and mlx-lm's class, loading nothing.
+    assert folder_entry(arch, "here", model).caches == ("plain + rotating" if arch == "gpt_oss" else
+                                                        "plain + recurrent")
     data = tmp_path / "kvd"
     turns = Turns(data)
     d = DaemonProcess(data, "--model", str(model), block_tokens=BLOCK)
