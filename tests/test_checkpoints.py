@@ -100,9 +100,9 @@ def test_a_session_keeps_its_latest_checkpoints_that_agree_with_its_ids() -> Non
     points.follow("a", ids[:25] + [7, 7, 7, 7, 7, 7])  # a regenerate's new answer: the later ones go
     assert points.ends("a") == [20]
     cache = grow(hybrid(20), 31)
-    got = points.rewound("a", cache, ids[:25] + [7] * 6, ids[:22] + [5], limit=22)
-    assert got is not None and got[1:] == (20, True)
-    holds(got[0], 20)
+    rewound = points.rewound("a", cache, ids[:25] + [7] * 6, ids[:22] + [5], limit=22)
+    assert rewound is not None and rewound[1:] == (20, True)
+    holds(rewound[0], 20)
     points.drop("a")
     assert points.ends("a") == [] and points.nbytes("a") == 0
 
