@@ -114,3 +114,11 @@ def test_a_cache_that_can_be_cut_keeps_no_checkpoint() -> None:
     points.handed("b", hybrid(8), list(range(8)), checkpoint=True)
     assert points.ends("b") == [8] and points.statistics()["restores"] == 1
     assert Checkpoints(keep=0).ends("b") == []
+
+
+def test_speculation_declines_for_a_cache_with_recurrent_layers() -> None:
+    """A verify forward would leave the state past every drafted token: prompt lookup never drafts on it
+    (docs/caches.md says why, measured)."""
+    from daemon.engine.speculate import speculable
+
+    assert speculable([kv_layer(4)]) and not speculable(hybrid(4)) and not speculable([state_layer(1.0)])
