@@ -110,10 +110,12 @@ TurnEvent = (AnswerStarted | AnswerQueued | AnswerReading | AnswerProgress | Ans
 
 
 CACHE_FIGURES = ("restored_from", "shared_tokens", "checkpoint", "ttft_ms", "prefill_tokens", "drafted_tokens",
-                 "accepted_tokens")
+                 "accepted_tokens", "model", "kept_for", "max_tokens", "max_tokens_asked", "context_full")
 
 
 def cache_figures(usage: Mapping[str, Any]) -> dict[str, Any]:
     """What the cache did for a finished answer, from its usage: the `kvd` object every HTTP door adds to
-    its own usage (where the cache came from, what was shared, read and drafted), one definition for all."""
+    its own usage (where the cache came from, what was shared, read and drafted; the model that answered,
+    the others that keep a cache of the session; the output limit, and what was asked when the door rules
+    lowered it), one definition for all. A figure the usage lacks is null."""
     return {key: usage.get(key) for key in CACHE_FIGURES}

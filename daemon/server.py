@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import anyio
@@ -40,6 +41,7 @@ from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
 from .doors.guards import NO_ROUTE, asked
 from .doors.h11guard import guarded_h11
+from .doors.httpdoor import DOOR, REFUSED, ApiError
 from .doors.loading import LoadingWatch
 from .doors.openai_api import OpenAIDoor
 from .doors.responses import ResponsesDoor, is_responses
@@ -54,30 +56,52 @@ GRACEFUL_SHUTDOWN = 10  # seconds uvicorn waits for open HTTP responses when kvd
 
 
 
-# Answers an operator should see with who asked and for what: a refused token or Host, a path kvd
-# does not serve (a client pointed at an endpoint kvd lacks, e.g. /v1/messages, failed unseen), and
-# something a served path names that kvd does not have (an unknown response id, session or model).
-LOGGED_STATUSES = {401: "refused", 403: "refused", 404: "not found:"}
+class RefusalLog:
+    """Every 4xx and 5xx an HTTP door or the websocket's handshake answers, logged with the door, who asked
+    (the client's address and User-Agent), the path, the status and code, and the reason the door gave
+    (its `Refusal`, httpdoor.py): `kvd logs` says why a client failed. At most one line a second per kind
+    (door, status, code, field): a client retrying in a loop says how many more it sent, not each."""
 
+    INTERVAL = 1.0  # seconds between two lines of one kind
 
-def _logging_refusals(scope: Scope, send: Send) -> Send:
-    """`send`, logging the response's status when it is one of LOGGED_STATUSES (the doors say why)."""
-    started = False
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last: dict[tuple[Any, ...], tuple[float, int]] = {}  # kind -> (when last logged, how many since)
 
-    async def logged(message: MutableMapping[str, Any]) -> None:
-        nonlocal started
-        if not started and message["type"] in ("http.response.start", "websocket.http.response.start"):
-            started = True
-            status = message.get("status")
-            if status in LOGGED_STATUSES:
-                said = "no such path:" if scope.get(NO_ROUTE) else LOGGED_STATUSES[status]
-                log.warning("%s %s: HTTP %d", said, asked(scope), status)
-        elif not started and message["type"] == "websocket.accept":
-            started = True
-        await send(message)
+    def wrap(self, scope: Scope, send: Send) -> Send:
+        """`send`, logging the response's status when it is 400 or more."""
+        started = False
 
-    logged.__wrapped__ = send  # type: ignore[attr-defined]  # abort_transport cuts the connection behind it
-    return logged
+        async def logged(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
+            if not started and message["type"] in ("http.response.start", "websocket.http.response.start"):
+                started = True
+                if int(message.get("status", 200)) >= 400:
+                    self.said(scope, int(message["status"]))
+            elif not started and message["type"] == "websocket.accept":
+                started = True
+            await send(message)
+
+        logged.__wrapped__ = send  # type: ignore[attr-defined]  # abort_transport cuts the connection behind it
+        return logged
+
+    def said(self, scope: Scope, status: int) -> None:
+        error: ApiError | None = scope.get(REFUSED)
+        door = scope.get(DOOR) or ("websocket" if scope.get("type") == "websocket" else "http")
+        code, param = (error.code, error.param) if error is not None else (None, None)
+        kind = (door, status, code, param)
+        now = self._clock()
+        last, since = self._last.get(kind, (-math.inf, 0))
+        if now - last < self.INTERVAL:
+            self._last[kind] = (last, since + 1)
+            return
+        self._last[kind] = (now, 0)
+        lead = ("no such path" if scope.get(NO_ROUTE) else "not found" if status == 404
+                else "refused" if status < 500 else "failed")
+        reason = error.message if error is not None else "(no reason given)"
+        more = f" ({since} more like it not logged)" if since else ""
+        log.warning("%s (%s door) %s: HTTP %d%s: %s%s", lead, door, asked(scope), status,
+                    f" {code}" if code else "", reason, more)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -133,6 +157,7 @@ class Daemon:
         self.api = OpenAIDoor(config, api, token)
         self.messages = AnthropicDoor(config, api, token)
         self.responses = ResponsesDoor(config, api, token)
+        self.refusals = RefusalLog()
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -239,12 +264,12 @@ class Daemon:
     async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Route by kind: websockets to kvchat's door, HTTP by path to the Messages, Responses or OpenAI door."""
         if scope["type"] == "websocket":
-            await self.websocket(scope, receive, _logging_refusals(scope, send))
+            await self.websocket(scope, receive, self.refusals.wrap(scope, send))
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
             path = scope["path"]
             door = self.messages if is_anthropic(path) else self.responses if is_responses(path) else self.api
-            await door.app(scope, receive, _logging_refusals(scope, send))
+            await door.app(scope, receive, self.refusals.wrap(scope, send))
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,

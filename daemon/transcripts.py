@@ -161,6 +161,11 @@ class Transcripts:
         """`fn(store)` on the writer: it sees every write queued before it."""
         return await self.writer.run(fn, durable=False)
 
+    async def write(self, fn: Callable[[Store], T]) -> T:
+        """`fn(store)` on the writer, committed (fsynced) before this returns: a write of a row the turn
+        core does not hold in memory (a stored response's, sessions/responses.py)."""
+        return await self.writer.run(fn, durable=True)
+
     async def hold(self, session_id: str) -> Held | None:
         """The session in memory, loaded if need be; None if there is no such session."""
         held = self._held.get(session_id)

@@ -18,9 +18,15 @@ from typing import Any, Protocol
 
 import anyio
 
+from protocol.requests import RequestId
+from protocol.shapes import Sampling
+
 from .engine.thread import Engine
 from .events import AnswerDelta, TurnEvent
+from .prompt import Prompt
 from .transcripts import Held, Write
+
+ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the session's params and the config
 
 
 class Listener(Protocol):
@@ -115,6 +121,28 @@ class StopScan:
 # --- one turn -------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TurnSpec:
+    """What a door (or the turn core's own send, regenerate and edit) asks of a turn: the one value
+    `Turns.start` takes. The session holds the turn's new messages, from `first_new`, already."""
+
+    request_id: RequestId
+    session_id: str
+    first_new: int
+    sampling: Sampling = ASKED_NOTHING  # the request's (None: the session's params, then the config)
+    prompt: Prompt | None = None  # the turn's ids; None: the transcript under the fed-token rule
+    stop: Sequence[str] = ()
+    seed: int | None = None
+    door: str = "websocket"  # which front door asked (the log's turn line says)
+    history: bool | None = None  # the prompt holds an earlier exchange (None: first_new > 1)
+    grammar: str | None = None  # the answer held to a JSON schema (doors/jsonoutput.py)
+    tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
+    model: str | None = None  # the model that answers, from now on, for the session; None: the session's
+    # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
+    # context leaves instead of the turn being refused (Turns._fit)
+    fit: bool = False
+
+
 @dataclass
 class Turn:
     request_id: Any
@@ -138,6 +166,9 @@ class Turn:
     # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
     # context leaves instead of the turn being refused (Turns._fit)
     fit: bool = False
+    max_tokens_asked: int | None = None  # what the request asked for (None: it left it to the defaults)
+    max_tokens: int | None = None  # what the answer may be, once fitted (the engine's answer has it)
+    context_bound: bool = False  # max_tokens was lowered to the room the model's context leaves
     writes: list[Write] = field(default_factory=list)  # queued to the writer, not yet seen committed
     # A new session's rows (its own, its first messages), queued once the engine takes the turn:
     # a first turn refused before that leaves nothing stored, so nothing has to be deleted.

@@ -61,15 +61,14 @@ from .events import (
     AnswerStarted,
     AnswerToolCall,
 )
-from .prompt import Prompt, prompt_tokens
+from .prompt import prompt_tokens
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
-from .turn import CallSplit, Listener, StopScan, Turn
+from .turn import ASKED_NOTHING, Listener, StopScan, Turn, TurnSpec
 
 log = logging.getLogger("kvd.turns")
 
 PromptIds = Callable[[Any], tuple[list[int], bool]]  # a turn's ids from a tokenizer, and whether they were rebuilt
-ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the session's params and the config
 COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
@@ -189,7 +188,7 @@ class Turns:
         held = await self.hold(session_id, rid)
         self.check_idle(session_id, rid)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, sampling=sampling, model=model)
+        return self.start(listener, TurnSpec(rid, session_id, first_new, sampling=sampling, model=model))
 
     async def regenerate(self, listener: Listener | None, rid: RequestId, session_id: str,
                          sampling: Sampling = ASKED_NOTHING) -> Turn:
@@ -201,7 +200,7 @@ class Turns:
                                "there is nothing to regenerate", rid)
         last = held.messages[-1]["index"]
         self.rewind(held, last)
-        return self.start(listener, rid, session_id, last, sampling=sampling)
+        return self.start(listener, TurnSpec(rid, session_id, last, sampling=sampling))
 
     async def edit(self, listener: Listener | None, rid: RequestId, session_id: str, index: int, text: str,
                    sampling: Sampling = ASKED_NOTHING) -> Turn:
@@ -214,7 +213,7 @@ class Turns:
                                "of this session; session.get lists them", rid)
         self.rewind(held, index)
         first_new = self.transcripts.append(held, "user", text)
-        return self.start(listener, rid, session_id, first_new, sampling=sampling)
+        return self.start(listener, TurnSpec(rid, session_id, first_new, sampling=sampling))
 
     def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
               rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
@@ -262,39 +261,37 @@ class Turns:
 
     # --- a turn's life ---
 
-    def start(self, listener: Listener | None, rid: RequestId, session_id: str, first_new: int, *,
-              sampling: Sampling = ASKED_NOTHING, prompt: Prompt | None = None, stop: Sequence[str] = (),
-              seed: int | None = None, door: str = "websocket", history: bool | None = None,
-              grammar: str | None = None, tools: CallSplit | None = None,
-              model: str | None = None, fit: bool = False) -> Turn:
-        """Generate an answer to the session as held (its new messages, from `first_new`, are in memory).
+    def start(self, listener: Listener | None, spec: TurnSpec) -> Turn:
+        """Generate an answer to the session as held (its new messages, from `spec.first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
         as one operation; the answer goes to the engine without waiting for it.
-        `prompt` defaults to the transcript under the fed-token rule. The
+        The prompt defaults to the transcript under the fed-token rule. The
         cache comes from wherever the longest prefix of its ids is held: the
-        session's own or any other's (cachestore's checkout). `tools` (from a
+        session's own or any other's (cachestore's checkout). `spec.tools` (from a
         door whose request offered tools) takes the answer's calls out of its
-        text: they are published once the answer ends, and kept as its calls. `model`
+        text: they are published once the answer ends, and kept as its calls. `spec.model`
         (resolved by the registry): the model that answers, from now on, for the
         session; None: the session's own (the default for a session that has none).
         """
         assert self.tg is not None, "the daemon is not serving"
+        rid, session_id, first_new, prompt = spec.request_id, spec.session_id, spec.first_new, spec.prompt
         held = self.transcripts.get(session_id)
         if held is None:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
-        resolved = resolve(sampling.given(), held.params, self.config.sampling(),
+        resolved = resolve(spec.sampling.given(), held.params, self.config.sampling(),
                            max_tokens_limit=self.config.max_tokens_limit)
         previous = (held.model, held.fed_model)
-        switched = self._serve_with(held, model)
+        switched = self._serve_with(held, spec.model)
         serving = held.model or self.engines.default
         index = self.transcripts.append(held, "assistant", "", status="streaming")
         ids, fed_before = (self._continuation(held, index), len(held.fed)) if prompt is None else (
             prompt.ids, prompt.fed_before)
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
-                    stop=StopScan(stop) if stop else None, door=door, held=held, tools=tools,
-                    model=serving, switched_from=previous if switched else None, fit=fit)
+                    stop=StopScan(spec.stop) if spec.stop else None, door=spec.door, held=held, tools=spec.tools,
+                    model=serving, switched_from=previous if switched else None, fit=spec.fit,
+                    max_tokens_asked=spec.sampling.max_tokens)
         turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
@@ -314,10 +311,10 @@ class Turns:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
 
-        answer = Answer(session_id=session_id, tokens=[], seed=seed, fed_before=fed_before,
-                        history=first_new > 1 if history is None else history,
+        answer = Answer(session_id=session_id, tokens=[], seed=spec.seed, fed_before=fed_before,
+                        history=first_new > 1 if spec.history is None else spec.history,
                         sampling=resolved,
-                        emit=emit, grammar=grammar, handed=turn.handed)
+                        emit=emit, grammar=spec.grammar, handed=turn.handed)
         self.tg.start_soon(self._submit, turn, ids, answer, send)
         self.tg.start_soon(self._pump, turn, answer, receive)
         turn.publish(AnswerStarted(index))
@@ -373,19 +370,33 @@ class Turns:
             events.send_nowait(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
-            self._fit(answer, engine.max_context)
+            turn.context_bound = self._fit(answer, engine.max_context)
+        turn.max_tokens = answer.max_tokens
         engine.submit(answer)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
             engine.cancel(turn.session_id)
 
+    def write_with(self, turn: Turn, fn: Callable[[Store], Any], *, label: str) -> None:
+        """Queue `fn(store)` with the turn's own writes (a Responses API row naming its answer): committed
+        behind the session's rows, before the turn acknowledges its answer; for a new session, only once
+        the engine takes the turn (a refused first turn stores nothing, this row neither)."""
+        write = partial(self.transcripts.writer.submit, fn, label=label)
+        if turn.unstored:
+            turn.unstored.append(write)
+        else:
+            turn.writes.append(write())
+
     @staticmethod
-    def _fit(answer: Answer, context: int | None) -> None:
+    def _fit(answer: Answer, context: int | None) -> bool:
         """Lower a ceiling max_tokens to the room the model's context leaves after the prompt, where that
         room is still an answer (MIN_ANSWER): an agent that asks for 64k tokens, or names no limit, wants
-        as much as fits, not a refusal. Less room than that: the engine refuses, with its advice."""
+        as much as fits, not a refusal. Less room than that: the engine refuses, with its advice. Returns
+        whether the context's room is now the answer's limit."""
         room = context - len(answer.tokens) if context else None
         if room is not None and answer.max_tokens > room >= MIN_ANSWER:
             answer.sampling = answer.sampling.model_copy(update={"max_tokens": room})
+            return True
+        return False
 
     def cancel(self, session_id: str, turn: Turn | None = None) -> None:
         """Stop the session's answer (only if it is still `turn`, when given); what was generated is kept."""
@@ -513,14 +524,24 @@ class Turns:
             turn.publish(AnswerDelta(turn.seq, text, written))
             turn.seq += 1
 
-    @staticmethod
-    def _usage(turn: Turn, usage: dict[str, Any]) -> dict[str, Any]:
-        """The answer's usage, plus the model that answered and, when it had no cache of the session,
-        the other models that keep one (the cache store's `kept_for`): said, never restored from."""
-        usage = {**usage, "model": turn.model}
+    def _usage(self, turn: Turn, usage: dict[str, Any], reason: str) -> dict[str, Any]:
+        """The answer's usage, plus the model that answered, its output limit (`max_tokens_asked`: what the
+        request said, when the door rules lowered it; `context_full`: cut at the room the model's context
+        left), and, when it had no cache of the session, the other
+        models that keep one: said, never restored from. Those are the loaded models whose cache stores
+        hold one (written in this run too) and those disk keeps one for (the cache store's `kept_for`)."""
+        usage = {**usage, "model": turn.model, "max_tokens": turn.max_tokens}
+        asked, fitted = turn.max_tokens_asked, turn.max_tokens
+        if asked is not None and fitted is not None and asked > fitted:
+            usage["max_tokens_asked"] = asked
+        if turn.context_bound and reason == "length":  # cut there: it filled the model's context
+            usage["context_full"] = True
         if usage.get("restored_from") == p.NO_CACHE and turn.engine is not None:
-            if others := turn.engine.stats.get("kept_for", {}).get(turn.session_id):
-                usage["kept_for"] = list(others)
+            others = [e.config.model for e in self.engines.engines()
+                      if e is not turn.engine and turn.session_id in e.stats.get("locations", {})]
+            others += [m for m in turn.engine.stats.get("kept_for", {}).get(turn.session_id, ()) if m not in others]
+            if others:
+                usage["kept_for"] = others
         return usage
 
     async def _done(self, turn: Turn, ev: Done) -> None:
@@ -531,14 +552,17 @@ class Turns:
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
-        u = ev.usage = self._usage(turn, ev.usage)
-        log.info("turn in session %s (%s): cache %s, %s tok restored, %s prefilled, TTFT %s ms, %s tok, %s",
+        u = ev.usage = self._usage(turn, ev.usage, ev.finish_reason)
+        log.info("turn in session %s (%s): cache %s, %s tok restored, %s prefilled, TTFT %s ms, %s tok, %s%s",
                  turn.session_id, turn.door,
                  f"{u.get('restored_from')} (prefetched from disk)" if u.get("prefetched") else
                  f"none for {turn.model} (kept for {', '.join(u['kept_for'])})" if u.get("kept_for") else
                  u.get("restored_from"),
                  u.get("cached_tokens"),
-                 u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason)
+                 u.get("prefill_tokens"), u.get("ttft_ms"), u.get("completion_tokens"), reason,
+                 f" (max_tokens {u['max_tokens_asked']} lowered to {u['max_tokens']}, "
+                 f"{'the room the context left' if turn.context_bound else 'limits.max_tokens_limit'})"
+                 if "max_tokens_asked" in u else "")
         content, calls = turn.text, list[dict[str, str]]()
         if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
             rest, calls = turn.tools.finish()

@@ -1,11 +1,14 @@
-"""Which API sessions are branches of one conversation (a retry, an edited message): the session list
-shows each conversation once (kvchat's list, `session.list`'s `branch_of`)."""
+"""Which API sessions are branches of one conversation (a retry, an edited message, or a session the same
+client named its conversation for): the session list shows each conversation once (kvchat's list,
+`session.list`'s `branch_of`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from sqlite_utils import Database
+
+from common import origins
 
 # An assistant message kvd wrote (not one a client sent along with its conversation): it has usage, a
 # finish_reason, or did not complete.
@@ -53,4 +56,28 @@ def branch_map(db: Database) -> dict[str, str]:
             if found is not None and made[found] < made[sid]:  # a branch is younger than what it branches
                 out[sid] = out.get(found, found)
                 break
-    return out
+    return _by_client(db, out)
+
+
+def _by_client(db: Database, out: dict[str, str]) -> dict[str, str]:
+    """`out`, with the sessions one client named its conversation for (its origin says: a Claude Code session's
+    title request and its conversation, each a session of its own) joined to that conversation's first."""
+    first: dict[str, str] = {}  # origin -> the first session of that client's conversation (or what it branches)
+    for sid, origin in db.execute("SELECT id, origin FROM sessions WHERE origin LIKE 'api (%conversation %' "
+                                  "ORDER BY created_at, rowid").fetchall():
+        if origins.conversation_of(origin) is None:
+            continue
+        head = first.setdefault(origin, out.get(sid, sid))
+        if head != sid and sid not in out:
+            out[sid] = head
+    return {sid: _root(out, sid) for sid in out}
+
+
+def _root(out: dict[str, str], sid: str) -> str:
+    """The conversation's first session: what `sid` branches, and what that branches, to the end (a
+    branch of a session the client's conversation joined to another is that other's too)."""
+    seen = {sid}
+    while (up := out.get(sid)) is not None and up not in seen:  # (each step goes to an older session)
+        seen.add(up)
+        sid = up
+    return sid

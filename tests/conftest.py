@@ -65,7 +65,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_session_requests", "test_shared", "test_seeds",
         "test_speculate",
         "test_fed_checksum", "test_tool_turns", "test_prefill", "test_render_exact", "test_empty_answers",
-        "test_models", "test_models_budgets", "test_responses",
+        "test_models", "test_models_budgets", "test_responses", "test_door_rules",
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",

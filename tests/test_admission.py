@@ -11,7 +11,7 @@ import pytest
 
 from daemon.config import Config
 from daemon.doors.admission import Admission
-from daemon.doors.openai_schema import ApiError
+from daemon.doors.httpdoor import ApiError
 from daemon.turns import Turns
 
 

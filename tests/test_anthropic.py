@@ -240,8 +240,8 @@ def test_a_long_prompt_is_pinged_while_it_is_read(daemon: DaemonProcess) -> None
 
 
 def test_tools_offered_to_a_model_that_cannot_call_them_are_left_out(tool_model: Path, tmp_path: Path) -> None:
-    """An agent offers its tools with every request; a model without tool calling answers without them
-    (the chat door refuses them instead: test_openai_tools.py)."""
+    """An agent offers its tools with every request; a model without tool calling answers without them (as
+    every door does: test_door_rules.py), and count_tokens counts what the answer read."""
     plain = write_plain_model(tool_model, tmp_path)
     d = DaemonProcess(tmp_path / "kvd", "--model", str(plain))
     try:
@@ -253,4 +253,5 @@ def test_tools_offered_to_a_model_that_cannot_call_them_are_left_out(tool_model:
         assert d.terminate() == 0
     assert made.stop_reason == "end_turn" and made.content[0].type == "text"  # the call's text is only text
     assert counted.input_tokens == made.usage.input_tokens + (made.usage.cache_read_input_tokens or 0)
-    assert "calls no tools: answering a request that offered 1 without them" in (d.data_dir / "kvd.log").read_text()
+    assert "calls no tools: answering a messages request that offered 1 without them" in (
+        d.data_dir / "kvd.log").read_text()

@@ -13,7 +13,8 @@ from daemon.config import Config, ConfigError, load_config
 from daemon.doors.anthropic_events import MessageStream, sse, usage_of, whole
 from daemon.doors.anthropic_schema import conversation, error_body, parse
 from daemon.doors.guards import check
-from daemon.doors.openai_schema import ApiError, answers_to
+from daemon.doors.httpdoor import ApiError
+from daemon.doors.openai_schema import answers_to
 from daemon.doors.placement import Said
 from daemon.events import (
     AnswerDelta,
@@ -64,19 +65,25 @@ def test_a_conversation_with_tools_reads_as_the_transcript_keeps_it() -> None:
 
 
 def test_a_system_message_in_the_conversation_is_text_in_the_users_turn() -> None:
-    """Claude Code's mid-conversation system messages: one user turn, as chat templates want turns to alternate."""
+    """Claude Code's mid-conversation system messages: one user turn, as chat templates want turns to alternate,
+    the system text first and the user's words last (where the default model answers them)."""
     req = parse({**ASK, "messages": [USER, {"role": "system", "content": [{"type": "text", "text": "Agents: x"}]},
                                      {"role": "assistant", "content": "Hello."},
                                      {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go"}]},
                 CONFIG)
-    assert conversation(req) == [Said("user", "hi\n\nAgents: x"), Said("assistant", "Hello."),
+    assert conversation(req) == [Said("user", "Agents: x\n\nhi"), Said("assistant", "Hello."),
                                  Said("user", "Be brief.\n\nGo")]
 
 
-def test_tool_choice_none_offers_no_tools_and_the_others_offer_them() -> None:
-    for choice, offered in (("none", False), ("auto", True), ("any", True)):
+def test_tool_choice_none_offers_no_tools_and_auto_offers_them() -> None:
+    for choice, offered in (("none", False), ("auto", True)):
         req = parse({**ASK, "tools": [WEATHER], "tool_choice": {"type": choice}}, CONFIG)
         assert (req.offered_tools() is not None) == offered
+    # A server tool (not kvd's to run) is accepted and not shown, as the Responses door's other kinds.
+    server = {"type": "web_search_20250305", "name": "web_search"}
+    assert parse({**ASK, "tools": [server, WEATHER]}, CONFIG).offered_tools() == parse(
+        {**ASK, "tools": [WEATHER]}, CONFIG).offered_tools()
+    assert parse({**ASK, "tools": [server]}, CONFIG).offered_tools() is None
 
 
 REFUSALS: list[tuple[str, Any, str, str]] = [
@@ -87,7 +94,7 @@ REFUSALS: list[tuple[str, Any, str, str]] = [
     ("a document in a tool result", {**ASK, "messages": [
         {"role": "assistant", "content": [CALL]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
-            {"type": "document", "source": {}}]}]}]}, "messages[1].content[0].content[0]", "document block"),
+            {"type": "document", "source": {}}]}]}]}, "messages[1].content[0].content[0]", "'document' content"),
     ("an unknown block", {**ASK, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
      "messages[0].content[0]", "which kvd does not take"),
     ("a stray tool result", {**ASK, "messages": [{"role": "user", "content": [
@@ -109,10 +116,14 @@ REFUSALS: list[tuple[str, Any, str, str]] = [
     ("a surrogate", json.loads('{"max_tokens": 8, "messages": [{"role": "user", "content": "a\\ud800"}]}'),
      "messages[0].content", "surrogate"),
     ("five stop sequences", {**ASK, "stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences", ""),
-    ("a server tool", {**ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]", ""),
+    ("a custom tool without its schema", {**ASK, "tools": [{"name": "f"}]}, "tools[0].input_schema", "no input_schema"),
     ("tool_choice without tools", {**ASK, "tool_choice": {"type": "any"}}, "tool_choice", "no tools"),
     ("tool_choice naming no tool", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"}},
      "tool_choice.name", "not among tools"),
+    ("a forced tool (any)", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}}, "tool_choice",
+     "cannot force"),
+    ("a forced tool (named)", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}},
+     "tool_choice", "cannot force"),
     ("not an object", [ASK], "", "JSON object"),
 ]
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
 from daemon.config import load_config
 from daemon.doors.guards import host_allowed, host_name
-from daemon.doors.placement import Said, links, title_for
+from daemon.doors.httpdoor import DOOR, REFUSED, ApiError
+from daemon.doors.placement import Said, links
+from daemon.doors.titles import title_for
+from daemon.server import RefusalLog
 from daemon.turn import StopScan
 from sessions.chains import Chains
 
@@ -62,6 +66,16 @@ def test_agreement_and_titles() -> None:
     assert title_for([Said("user", "  What is a KV cache?\nsecond line")]) == "What is a KV cache?"
     assert len(title_for([Said("user", "x" * 500)])) == 60
     assert title_for([Said("assistant", "only")]) == "New chat"
+    # An agent's own text is not a title: Claude Code's context before the question, its title request's
+    # <session>, Codex's AGENTS.md and environment as user messages of their own.
+    reminder = "<system-reminder>\nContents of /w/CLAUDE.md:\nRun the tests.\n</system-reminder>\n"
+    assert title_for([Said("user", f"{reminder}Say hello.")]) == "Say hello."
+    assert title_for([Said("user", "<session>\nSay hello.\n</session>\n\nWrite the title in ...")]) == "Say hello."
+    codex = [Said("user", "# AGENTS.md instructions for /w\n\n<INSTRUCTIONS>\nbe brief\n</INSTRUCTIONS>"),
+             Said("user", "<environment_context>\n  <cwd>/w</cwd>\n</environment_context>")]
+    assert title_for([*codex, Said("user", "List the files.")]) == "List the files."
+    assert title_for(codex) == "New chat"  # nothing of the user's yet
+    assert title_for([Said("user", "Use <b>bold</b> here")]) == "Use <b>bold</b> here"
     # A tool call is the same call when a client sends its arguments back re-serialized; another id is not.
     call = {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}
     called = links(None, [a, Said("assistant", "", (call,))])
@@ -83,9 +97,10 @@ def test_agreement_and_titles() -> None:
 def test_a_body_that_cannot_hold_a_surrogate_is_not_walked_for_one(body: bytes, holds: bool) -> None:
     """The bytes say when the decoded body may hold a surrogate; each one that may is walked, a lone one refused."""
     import json
+    from functools import partial
 
-    from daemon.doors.openai_api import _decode
-    from daemon.doors.openai_schema import ApiError, may_hold_surrogates
+    from daemon.doors.httpdoor import ApiError, may_hold_surrogates, read_bytes
+    from daemon.doors.openai_api import _read
     from protocol.shapes import lone_surrogate
 
     assert may_hold_surrogates(body) == holds
@@ -94,6 +109,29 @@ def test_a_body_that_cannot_hold_a_surrogate_is_not_walked_for_one(body: bytes, 
     config = load_config(None, model="builtin:tiny")
     if lone:
         with pytest.raises(ApiError, match="lone UTF-16 surrogate"):
-            _decode(body, config)
+            read_bytes(body, partial(_read, config=config))
     else:
-        assert _decode(body, config).messages[0].role == "user"
+        assert read_bytes(body, partial(_read, config=config))[0].messages[0].role == "user"
+
+
+def test_a_client_that_repeats_a_refused_request_is_logged_once_a_second(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvd.server")
+    now = [100.0]
+    refusals = RefusalLog(clock=lambda: now[0])
+
+    def refuse(code: str) -> None:
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "client": ("127.0.0.1", 5),
+                 "headers": [], DOOR: "chat", REFUSED: ApiError(400, f"bad {code}", code=code)}  # type: ignore[arg-type]
+        refusals.said(scope, 400)
+
+    for _ in range(3):
+        refuse("a")
+    refuse("b")  # another kind: its own line
+    now[0] += 1.0
+    refuse("a")
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvd.server"]
+    assert lines == [
+        "refused (chat door) POST /v1/chat/completions from 127.0.0.1:5: HTTP 400 a: bad a",
+        "refused (chat door) POST /v1/chat/completions from 127.0.0.1:5: HTTP 400 b: bad b",
+        "refused (chat door) POST /v1/chat/completions from 127.0.0.1:5: HTTP 400 a: bad a (2 more like it not logged)",
+    ], lines

@@ -232,3 +232,63 @@ def test_an_import_cycle_is_found(tmp_path: Path) -> None:
     (tmp_path / "tui" / "commands.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                                   "    from .repl import Chat\n")
     assert import_cycles(tmp_path, "tui") == [["tui.commands", "tui.repl"]]
+
+
+# --- the doors ask the turn core (issue 52) ------------------------------------------------------
+
+HTTP_DOORS = ("openai_api", "anthropic_api", "responses")  # each reads its body through httpdoor.read_request
+
+
+def reaches_past_the_turn_core(source: str) -> list[str]:
+    """What a door module does that is the turn core's to do: write a `Turn`'s fields (`turn.x = …`,
+    `turn.x += …`, `turn.x.append(…)`), or call the transcript writer (`….transcripts.writer`)."""
+    found = []
+
+    def is_turn(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "turn") or (
+            isinstance(node, ast.Attribute) and node.attr == "turn")
+
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        found += [f"line {t.lineno}: writes turn.{t.attr}" for t in targets
+                  if isinstance(t, ast.Attribute) and is_turn(t.value)]
+        if isinstance(node, ast.Call) and isinstance(f := node.func, ast.Attribute) and isinstance(
+                f.value, ast.Attribute) and is_turn(f.value.value) and f.attr in ("append", "extend", "clear", "pop"):
+            found.append(f"line {node.lineno}: changes turn.{f.value.attr}")
+        if isinstance(node, ast.Attribute) and node.attr == "writer" and isinstance(
+                node.value, ast.Attribute) and node.value.attr == "transcripts":
+            found.append(f"line {node.lineno}: calls the transcript writer")
+    return found
+
+
+def test_no_door_writes_a_turn_or_calls_the_transcript_writer() -> None:
+    found = {path.name: reached for path in sorted((ROOT / "daemon" / "doors").glob("*.py"))
+             if (reached := reaches_past_the_turn_core(path.read_text()))}
+    assert found == {}
+
+
+def test_a_door_reaching_past_the_turn_core_is_found() -> None:
+    source = ("def start(self, turn, row):\n    turn.writes.append(self.turns.transcripts.writer.submit(row))\n"
+              "    turn.unstored = []\n")
+    assert reaches_past_the_turn_core(source) == [
+        "line 3: writes turn.unstored", "line 2: changes turn.writes", "line 2: calls the transcript writer"]
+
+
+def _calls(path: Path) -> set[str]:
+    return {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Name, ast.Attribute))}
+
+
+def test_every_http_door_reads_its_body_one_way_and_refuses_with_one_error_type() -> None:
+    doors = ROOT / "daemon" / "doors"
+    for name in HTTP_DOORS:
+        calls = _calls(doors / f"{name}.py")
+        assert "read_request" in calls and not calls & {"read_body", "decode_json", "with_traceback"}, name
+    readers = {path.name for path in doors.glob("*.py") if _calls(path) & {"read_body", "decode_json"}}
+    assert readers <= {"httpdoor.py"}, readers
+    errors = {f"{path.name}: {node.name}" for path in doors.glob("*.py")
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.ClassDef) and node.name.endswith("Error")}
+    assert errors == {"httpdoor.py: ApiError"}, errors

@@ -207,6 +207,20 @@ async def test_regen_and_edit(tmp_path: Path) -> None:
     assert edited == rendered(got["messages"][1]["content"])
 
 
+async def test_editing_the_first_message_of_a_chat_titled_after_it_retitles_it(tmp_path: Path) -> None:
+    """/export after /edit kept the original first message as the title; a title given by hand stays."""
+    async with running_daemon(tmp_path) as d:
+        out = tmp_path / "chat.md"
+        await kvchat(d, "--new", "--max-tokens", "3", script=[
+            "Tell me about the sea", "/edit 1", "Tell me about lakes", f"/export {out}", "/quit"])
+        async with client(d) as c:
+            named = await make_session(c, "Named by hand", max_tokens=3)
+        await kvchat(d, "--session", named, script=["First words", "/edit 1", "Other words", "/quit"])
+        titles = {s["id"]: s["title"] for s in d.store.list_sessions()}
+    assert out.read_text().splitlines()[0] == "# Tell me about lakes"
+    assert sorted(titles.values()) == ["Named by hand", "Tell me about lakes"], titles
+
+
 async def test_history_is_kept_across_runs(tmp_path: Path) -> None:
     async with running_daemon(tmp_path) as d:
         path = data_file(d, "kvchat_history")

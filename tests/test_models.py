@@ -190,6 +190,27 @@ async def test_a_model_that_can_never_fit_is_refused_in_one_line(tmp_path: Path)
         assert done["type"] == "chat.done" and done["usage"]["restored_from"] != "none"
 
 
+async def test_a_switch_to_a_loaded_model_says_which_model_keeps_the_cache_in_the_same_run(tmp_path: Path) -> None:
+    """With both models loaded, a conversation switched to the other one in the same run said `cache none`: the
+    note came from the disk index as the other model's engine read it when it loaded, before this conversation
+    existed. Now from every loaded model's cache store too, on the websocket and on every HTTP door."""
+    async with running_daemon(tmp_path, model=TINY) as d, client(d) as c:
+        _, done, _ = await turn(c, (await c.request("session.create", model=SWA))["session"]["id"], "load it")
+        assert done["type"] == "chat.done"  # both are loaded from here on
+        session = (await c.request("session.create"))["session"]["id"]
+        await turn(c, session, "first")
+        _, done, _ = await turn(c, session, "second", model=SWA)
+        usage = done["usage"]
+        assert (usage["restored_from"], usage["model"], usage["kept_for"]) == ("none", SWA, [TINY]), usage
+        ask: Any = [{"role": "user", "content": "An HTTP conversation."}]
+        first = await api(d).chat.completions.create(model=TINY, messages=ask, max_tokens=3, temperature=0)
+        ask += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "On?"}]
+        second = await api(d).chat.completions.create(model=SWA, messages=ask, max_tokens=3, temperature=0)
+    kvd: Any = (second.model_extra or {})["kvd"]
+    assert (kvd["restored_from"], kvd["model"], kvd["kept_for"]) == ("none", SWA, [TINY]), kvd
+    assert second.usage is not None and (second.usage.model_extra or {})["kvd"]["kept_for"] == [TINY]  # usage too
+
+
 async def test_kvchat_model_flag_and_model_command(tmp_path: Path) -> None:
     from kvchat_harness import kvchat
 
@@ -199,7 +220,8 @@ async def test_kvchat_model_flag_and_model_command(tmp_path: Path) -> None:
             "/quit"])
         lines = screen.lines
         assert "model: tiny-swa; /model NAME answers from another" in lines
-        assert "the next answer comes from builtin:tiny (kvd loads it on first use)" in lines
+        assert "the next answer comes from builtin:tiny (loaded)" in lines  # the default is: not "loads it"
+        assert "the next answer comes from nonsense (kvd loads it on first use)" in lines
         assert "model: builtin:tiny; /model NAME answers from another" in lines
         assert any(line.startswith("error: kvd cannot serve a model named 'nonsense'") for line in lines), lines
         sid = re.search(r"session ([0-9a-f]{16}) · model builtin:tiny-swa", screen.text).group(1)  # type: ignore[union-attr]

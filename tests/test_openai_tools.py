@@ -12,7 +12,7 @@ import pytest
 
 from conftest import running_daemon
 from daemon.doors.toolcalls import StreamSplit, ToolFormat, split
-from toolmodel import CALL_TEXT, WEATHER_TOOL, write_alternating_model, write_plain_model, write_tool_model
+from toolmodel import CALL_TEXT, WEATHER_TOOL, write_alternating_model, write_tool_model
 
 pytestmark = pytest.mark.anyio
 
@@ -122,24 +122,6 @@ def test_calls_are_split_from_the_text_in_the_models_own_format(tool_model: Path
     stream = StreamSplit(fmt)
     assert stream.feed("a <tool") == "a " and stream.feed("box> b") == "<toolbox> b"
     assert stream.finish() == ("", [])
-
-
-async def test_tools_on_a_model_that_cannot_call_them_are_refused_and_store_nothing(
-        tool_model: Path, tmp_path: Path) -> None:
-    import openai
-
-    plain = write_plain_model(tool_model, tmp_path)
-    async with running_daemon(tmp_path / "kvd", model=str(plain)) as d:
-        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
-        with pytest.raises(openai.BadRequestError) as refused:
-            await api.chat.completions.create(model=plain.name, messages=ASK, tools=TOOLS, max_tokens=5)
-        answered = await api.chat.completions.create(model=plain.name, messages=ASK, max_tokens=2)
-        await api.close()
-        sessions = d.store.list_sessions()
-    error: Any = refused.value.body
-    assert error["param"] == "tools" and "has no tool calling" in error["message"]
-    assert answered.choices[0].message.content is not None
-    assert len(sessions) == 1  # the refused request stored nothing; the plain one did
 
 
 async def test_a_conversation_the_chat_template_refuses_is_a_400_that_stores_nothing(

@@ -87,6 +87,35 @@ async def test_create_then_continue_then_stream_then_get(tmp_path: Path) -> None
         assert items.data[-1].model_dump()["content"][0]["text"] == "And seas?"
 
 
+async def test_an_item_reference_to_an_item_kvd_stored_continues_with_its_cache(tmp_path: Path) -> None:
+    """The AI SDK's default OpenAI provider (store: true) sends earlier answers back as item_references to the
+    ids kvd issued (it was a 400): each resolves to the stored item, and the conversation is placed on the
+    session that holds it, read from its cache. An id kvd did not store here is a 400 naming it."""
+    async with api(tmp_path) as (client, d):
+        first = await client.responses.create(input="Tell me about rivers.", instructions=LONG, **GREEDY)
+        (answer,) = first.output
+        asked: Any = [{"role": "user", "content": "Tell me about rivers."}, {"type": "item_reference", "id": answer.id},
+                      {"role": "user", "content": "And lakes?"}]
+        second = await client.responses.create(input=asked, instructions=LONG, **GREEDY)
+        assert session_of(second) == session_of(first)  # the referenced answer is the stored one, word for word
+        assert second.usage is not None and first.usage is not None
+        assert second.usage.input_tokens_details.cached_tokens >= 0.9 * first.usage.input_tokens, second.usage
+        # input_items' ids name the stored messages too (user and assistant alike).
+        items = (await client.responses.input_items.list(second.id, order="asc")).data
+        (latest,) = second.output
+        referenced: Any = [*({"type": "item_reference", "id": i.id} for i in items),
+                           {"type": "item_reference", "id": latest.id}, {"role": "user", "content": "And seas?"}]
+        third = await client.responses.create(input=referenced, instructions=LONG, **GREEDY)
+        assert session_of(third) == session_of(first)
+
+        unstored = await client.responses.create(input="Not kept.", store=False, **GREEDY)
+        for unknown in (unstored.output[0].id, "msg_nope", f"msg_{'0' * 24}", "rs_abc"):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(input=[{"type": "item_reference", "id": unknown}], **GREEDY)
+            error: Any = refused.value.body
+            assert error["param"] == "input[0].id" and repr(unknown) in error["message"], error
+
+
 async def test_continuing_an_older_response_branches_and_leaves_the_newer_one(tmp_path: Path) -> None:
     async with api(tmp_path) as (client, d):
         one = await client.responses.create(input="Let us talk about trees.", instructions=LONG, **GREEDY)
@@ -248,6 +277,11 @@ async def test_a_tool_round_trip_call_output_answer(tool_model: Path, tmp_path: 
                             *[i.model_dump(exclude_none=True) for i in first.output], output]
         third = await client.responses.create(input=convo, store=False, **ask)
         assert third.usage is not None and third.usage.input_tokens_details.cached_tokens > 0
+        # And with the call as an item_reference to the id kvd issued (the AI SDK's store: true).
+        referenced: list[Any] = [convo[0], {"type": "item_reference", "id": call.id}, output]
+        fourth = await client.responses.create(input=referenced, **ask)
+        assert fourth.usage is not None and fourth.usage.input_tokens == third.usage.input_tokens
+        assert fourth.usage.input_tokens_details.cached_tokens > 0
 
 
 async def test_no_max_output_tokens_is_as_much_as_the_context_leaves(tool_model: Path, tmp_path: Path) -> None:

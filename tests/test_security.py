@@ -190,12 +190,13 @@ async def test_the_log_names_who_was_refused_and_what_they_asked_for(
         await right.close()
     said = [r.getMessage() for r in caplog.records if r.name == "kvd.server"]
     agent = r"\(User-Agent 'AsyncOpenAI/Python [^']+'\)"
-    assert any(re.fullmatch(rf"refused POST /v1/chat/completions from 127\.0\.0\.1:\d+ {agent}: HTTP 401", line)
-               for line in said), said
-    assert any(re.fullmatch(rf"no such path: POST /v1/assistants from 127\.0\.0\.1:\d+ {agent}: HTTP 404", line)
-               for line in said), said
-    assert any(re.fullmatch(r"no such path: websocket /v2 from 127\.0\.0\.1:\d+ \(User-Agent '[^']+'\): HTTP 404",
-                            line) for line in said), said
+    assert any(re.fullmatch(rf"refused \(chat door\) POST /v1/chat/completions from 127\.0\.0\.1:\d+ {agent}: HTTP 401 "
+                            r"invalid_api_key: missing or wrong token; .+", line) for line in said), said
+    assert any(re.fullmatch(rf"no such path \(chat door\) POST /v1/assistants from 127\.0\.0\.1:\d+ {agent}: HTTP 404: "
+                            r"no such endpoint /v1/assistants; .+", line) for line in said), said
+    assert any(re.fullmatch(r"no such path \(websocket door\) websocket /v2 from 127\.0\.0\.1:\d+ \(User-Agent "
+                            r"'[^']+'\): HTTP 404: kvd speaks on /v1", line) for line in said), said
     # Not "no such path": an operator would look for a client pointed at the wrong endpoint.
-    assert any(re.fullmatch(rf"not found: GET /v1/responses/resp_nope from 127\.0\.0\.1:\d+ {agent}: HTTP 404", line)
-               for line in said), said
+    assert any(re.fullmatch(rf"not found \(responses door\) GET /v1/responses/resp_nope from 127\.0\.0\.1:\d+ {agent}: "
+                            r"HTTP 404 not_found: no response 'resp_nope' .+", line) for line in said), said
+    assert len(said) == 4, said  # each once

@@ -557,3 +557,17 @@ def test_other_models_fed_ids_are_put_aside_and_checked(store: Store) -> None:
     assert stash.stashed(store, sid) == {}
     stash.stash(store, sid, "builtin:gemma3", [7, 8], 2)
     assert store.delete_session(sid) and store.db.execute("SELECT COUNT(*) FROM session_stash").fetchone()[0] == 0
+
+
+def test_the_sessions_a_client_named_one_conversation_are_one_conversation(store: Store) -> None:
+    """Claude Code's title request and its conversation are two sessions its metadata names as one run; a
+    retry of that conversation is a branch of it, and so of the run: every one lists under the run's first."""
+    origin = "api (claude-cli/2.1.197; conversation c0ffee)"
+    title = store.create_session(title="t", system="Write a title.", origin=origin)["id"]
+    main = store.create_session(title="t", system="You are Claude Code.", origin=origin)["id"]
+    store.append_message(main, "user", "Say hello.")
+    retry = store.create_session(title="t", system="You are Claude Code.", origin="api (claude-cli/2.1.197)")["id"]
+    store.append_message(retry, "user", "Say hello.")  # the same first request, in another session: a branch
+    other = store.create_session(title="t", origin="api (claude-cli/2.1.197; conversation beef)")["id"]
+    listed = {s["id"]: s.get("branch_of") for s in store.list_sessions(branches=True)}
+    assert listed == {title: None, main: title, retry: title, other: None}

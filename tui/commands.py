@@ -241,9 +241,24 @@ def _model(chat: ChatView, args: str) -> None:
     if not args:
         render.print_note(chat.console, f"model: {render.sanitize(str(current))}; /model NAME answers from another")
         return
-    chat.options = dataclasses.replace(chat.options, model=args.strip())
-    render.print_note(chat.console, f"the next answer comes from {render.sanitize(args.strip())} "
-                      "(kvd loads it on first use)")
+    name = args.strip()
+    chat.options = dataclasses.replace(chat.options, model=name)
+    render.print_note(chat.console, f"the next answer comes from {render.sanitize(name)} "
+                      f"({'loaded' if _loaded(chat, name) else 'kvd loads it on first use'})")
+
+
+def _loaded(chat: ChatView, name: str) -> bool:
+    """Whether kvd has a model of that name loaded (`status`'s models: by its name, its name without a
+    `builtin:` prefix or a path, or `kvd` for the default)."""
+    try:
+        models = chat.request(protocol.STATUS).get("models") or []
+    except Exception:  # an older daemon, a lost connection: say what is usual
+        return False
+    for m in models:
+        full = str(m.get("model"))
+        if name in (full, full.removeprefix("builtin:"), Path(full).name) or (name == "kvd" and m.get("default")):
+            return True
+    return False
 
 
 def _param_value(key: str, raw: str) -> float | int | None:
@@ -352,7 +367,11 @@ def _edit(chat: ChatView, args: str) -> None:
     if not text.strip():
         render.print_note(chat.console, "left as it was")
         return
+    # A chat titled after its first message (repl.name_after) is titled after that message as edited.
+    retitle = n == 1 and chat.session.get("title") == listing.one_line(content, listing.TITLE_CHARS)
     chat.turn(protocol.CHAT_EDIT, message_index=old["index"], text=text.strip("\n"))
+    if retitle and (title := listing.one_line(text, listing.TITLE_CHARS)):
+        chat.session = chat.request(protocol.SESSION_UPDATE, session=chat.session_id, title=title)["session"]
 
 
 @command("/history", "/history", "show every message of this session, whole")

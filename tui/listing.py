@@ -16,6 +16,7 @@ from common import origins
 from .sanitize import sanitize
 
 # Who made a session (docs/protocol.md, the session object's `origin`): kvchat says which of its two it is.
+TITLE_CHARS = 50  # of a chat's first message, as its title
 ORIGIN = origins.KVCHAT
 ONE_SHOT = origins.ONE_SHOT
 ORIGINS = origins.KINDS

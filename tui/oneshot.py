@@ -45,7 +45,6 @@ from .link import Link
 from .listing import ONE_SHOT
 from .sanitize import StreamSanitizer
 
-TITLE_CHARS = 50
 # Errors that refuse a chat.send before anything is generated (max_tokens past the limit, a message
 # longer than the model's context): a session this call made for it is deleted again.
 REFUSALS = frozenset({protocol.BAD_REQUEST, protocol.TOO_LARGE})
@@ -187,7 +186,7 @@ async def _session(client: Client, args: argparse.Namespace, text: str) -> tuple
             return str(sessions[0]["id"]), False
     # Titled after what was typed: the question, not the file piped in before it.
     typed = args.message if args.message not in (None, "-") and args.message.strip() else text
-    title = args.title or listing.one_line(typed, TITLE_CHARS) or None
+    title = args.title or listing.one_line(typed, listing.TITLE_CHARS) or None
     fields = {k: v for k, v in (("title", title), ("system", args.system), ("model", args.model)) if v}
     return str((await client.request(protocol.SESSION_CREATE, origin=ONE_SHOT, **fields))["session"]["id"]), True
 

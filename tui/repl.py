@@ -30,7 +30,6 @@ from .listing import ORIGIN
 from .loop_thread import LoopThread
 from .turn import RECONNECTED, RECONNECTING, Turn
 
-TITLE_CHARS = 50
 COPY_FILE = "kvchat-copy.txt"
 PICK = "number or title, Enter for a new chat: "
 FULL_HINT = ("the session is full. /params max_tokens=N lowers the answer's room if that is enough; "
@@ -312,7 +311,7 @@ class Chat:
         whether it was."""
         if self.last_index >= 0 or self.session.get("title") != protocol.DEFAULT_TITLE:
             return False
-        title = listing.one_line(text, TITLE_CHARS)
+        title = listing.one_line(text, listing.TITLE_CHARS)
         if title:
             with contextlib.suppress(KvchatError):
                 self.session = self.request(protocol.SESSION_UPDATE, session=self.session_id, title=title)["session"]

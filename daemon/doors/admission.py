@@ -22,7 +22,7 @@ from http import HTTPStatus
 
 from ..config import Config
 from ..turns import Turns
-from .openai_schema import ApiError
+from .httpdoor import ApiError
 
 RETRY_AFTER_MIN = 1  # seconds
 

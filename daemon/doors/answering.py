@@ -24,6 +24,7 @@ from ..config import Config
 from ..events import TurnEvent
 from ..turn import Turn
 from ..turns import Turns
+from .httpdoor import REFUSED, ApiError
 
 log = logging.getLogger("kvd.api")
 
@@ -40,8 +41,10 @@ class TurnAnswer(Response):
         self.stream = stream  # server-sent events, not one JSON body
         self.extra_headers = headers
         self.started = False
+        self.scope: Scope = {}  # the request's, once answering (a refusal leaves itself there for the log)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope = scope
         abort: Callable[[], None] = scope.get("kvd.abort", lambda: None)
         turns, turn = self.turns, self.turn
         answered = False  # the whole answer was sent: a disconnect after it is the client leaving, not hanging up
@@ -91,6 +94,12 @@ class TurnAnswer(Response):
         await self.begin_response(send, status, "application/json")
         await send({"type": "http.response.body", "body": data})
 
+
+    async def refuse(self, send: Callable[[dict[str, Any]], Any], error: ApiError, body: dict[str, Any]) -> None:
+        """A refusal before the answer began (the turn core's: a conversation too long, a template that
+        refuses it), with its HTTP status and the door's `body`; the log says why (server.py)."""
+        self.scope[REFUSED] = error
+        await self.send_body(send, error.status, body)
 
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
         raise NotImplementedError

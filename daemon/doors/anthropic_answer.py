@@ -25,7 +25,7 @@ from ..turns import Turns
 from .answering import TurnAnswer
 from .anthropic_events import MessageStream, sse, whole
 from .anthropic_schema import error_body
-from .openai_schema import api_error
+from .httpdoor import api_error
 
 Send = Callable[[dict[str, Any]], Any]
 
@@ -44,7 +44,7 @@ class MessagesAnswer(TurnAnswer):
         """An error before the answer began: a refusal (the turn core stored nothing of a session this
         request made, and took back what it added to a pinned one)."""
         e = api_error(event.code, event.message, model=self.config.model)
-        await self.send_body(send, e.status, error_body(e))
+        await self.refuse(send, e, error_body(e))
 
     async def _whole(self, send: Send) -> None:
         async for event in self.events:

@@ -10,21 +10,20 @@ stateless: each request carries the whole conversation and is placed as the
 chat door's are, so its cache is found again, also after a restart.
 
 `anthropic-version` and `anthropic-beta` headers are accepted and change
-nothing. `max_tokens` is required, as Anthropic's; more than kvd's
-`limits.max_tokens_limit` is lowered to it (agents ask for 32,000 meaning "as
-much as you like"), and the answer says `max_tokens` if it is cut there.
-Tools offered to a model whose chat template cannot call them are left out
-(the log says so) rather than refused: Claude Code offers its tools with
-every request, and a model without tools can still answer the question.
+nothing. `max_tokens` is required, as Anthropic's, and is a ceiling (agents
+ask for 32,000 meaning "as much as you like"): what the door rules (rules.py)
+do with it, and with tools offered to a model that calls none, is every
+HTTP door's.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 from http import HTTPStatus
+from typing import Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -36,9 +35,11 @@ from ..config import Config
 from ..prompt import Conversation
 from .anthropic_answer import MessagesAnswer
 from .anthropic_schema import MessagesRequest, conversation, error_body, parse
-from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
+from .apiturns import ApiTurns, Ask, guarded
+from .httpdoor import ApiError, Refusal, api_error, read_request
 from .jsonoutput import output_grammar
-from .openai_schema import ApiError, api_error, may_hold_surrogates
+from .placement import Said
+from .titles import title_for
 
 log = logging.getLogger("kvd.api")
 
@@ -50,25 +51,19 @@ def is_anthropic(path: str) -> bool:
     return path == PATH or path.startswith(PATH + "/")
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=e.status, headers={**(headers or {}), **e.headers})
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Refusal:
+    return Refusal(e, error_body(e), headers)
 
 
-def _read(body: bytes, config: Config, *, count: bool = False) -> tuple[MessagesRequest, Ask]:
-    """The body as a validated request and what it asks the turn core for (a worker thread past
-    INLINE_BYTES: its cost grows with the conversation). Refused, its objects are freed here too."""
-    decoded = decode_json(body)
-    try:
-        req = parse(decoded, config, count=count, surrogates=may_hold_surrogates(body))
-        ask = Ask(req.instructions(), conversation(req), req.offered_tools(),
-                  max_tokens=min(req.max_tokens, config.max_tokens_limit), temperature=req.temperature,
-                  top_p=req.top_p, stop=stops(req.stop_sequences), tools_optional=True, model=req.model,
-                  door="messages", fit=req.max_tokens > config.max_tokens_limit)  # 64k from Claude Code: what fits
-        return req, ask
-    except ApiError as e:
-        refused = e
-    del decoded
-    raise refused.with_traceback(None)
+def _read(decoded: Any, surrogates: bool, config: Config, *, count: bool = False) -> tuple[MessagesRequest, Ask]:
+    """The body as a validated request and what it asks the turn core for (httpdoor.read_request runs this
+    on a worker thread past INLINE_BYTES: its cost grows with the conversation)."""
+    req = parse(decoded, config, count=count, surrogates=surrogates)
+    ask = Ask(req.instructions(), conversation(req), req.offered_tools(), max_tokens=req.max_tokens,
+              temperature=req.temperature, top_p=req.top_p, stop=stops(req.stop_sequences), model=req.model,
+              door="messages", conversation=req.metadata.conversation() if req.metadata is not None else None,
+              title=title_for([Said("user", text) for text in req.users_texts()]))
+    return req, ask
 
 
 class AnthropicDoor:
@@ -77,16 +72,12 @@ class AnthropicDoor:
         self.api = api  # shared with the chat door: one admission queue for both
         routes: list[BaseRoute] = [Route(PATH, self.messages, methods=["POST"]),
                                    Route(f"{PATH}/count_tokens", self.count_tokens, methods=["POST"])]
-        self.app = guarded(routes, config, token, error_response, f"{PATH} and {PATH}/count_tokens")
+        self.app = guarded(routes, config, token, error_response, f"{PATH} and {PATH}/count_tokens",
+                           door="messages")
 
     async def _request(self, request: Request, *, count: bool = False) -> tuple[MessagesRequest, Ask] | None:
         """The request's body, read and validated (None: the client hung up mid-body)."""
-        body = await read_body(request, self.config)
-        if body is None:
-            return None
-        if len(body) <= INLINE_BYTES:
-            return _read(body, self.config, count=count)
-        return await anyio.to_thread.run_sync(lambda: _read(body, self.config, count=count))
+        return await read_request(request, self.config, partial(_read, config=self.config, count=count))
 
     # --- POST /v1/messages ---
 
@@ -116,8 +107,8 @@ class AnthropicDoor:
             if read is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)
             _, ask = read
-            model, engine = await self.api.ready(ask.model)
-            shown = ask.tools if self.api.tool_format(ask.tools, engine, model, refuse=False) else None  # as answered
+            _, engine = await self.api.ready(ask.model)
+            shown = ask.tools if self.api.tool_format(ask.tools, engine) else None  # as answered
             prompt = Conversation(ask.convo, ask.system, shown)
             ids, _ = await engine.tokenize(prompt.ids)
         except ApiError as e:

@@ -55,7 +55,10 @@ def _input_of(u: Mapping[str, Any]) -> dict[str, int]:
 def stop_reason_of(done: AnswerDone, stop_sequence: str | None) -> str:
     """Anthropic's stop_reason. An answer cut short (kvd stopping, a cancel from kvchat on the same
     session) says "max_tokens", Anthropic's value for an answer that ended before the model ended it (as
-    the chat door says "length"), so a client never takes it for a whole one."""
+    the chat door says "length"), so a client never takes it for a whole one; one that filled the room
+    the model's context left (less than it asked for: the door rules) says so."""
+    if done.finish_reason == "length" and done.usage.get("context_full"):
+        return "model_context_window_exceeded"  # what fits was less than asked, and the answer filled it
     if done.finish_reason in ("length", "cancelled"):
         return "max_tokens"
     if done.calls:

@@ -16,7 +16,8 @@ the user, assistant and tool messages the transcript keeps (`Said`):
   calls, their ``input`` as JSON text (as the turn core keeps a call);
 - ``thinking`` and ``redacted_thinking`` blocks are accepted and dropped: kvd
   keeps no reasoning in a transcript, so no template is shown them;
-- ``image`` and ``document`` blocks are refused: kvd serves text models.
+- ``image`` and ``document`` blocks are refused: kvd serves text models (the
+  door rules, rules.py, word it as every door does).
 
 ``cache_control`` on any block is accepted and means nothing: kvd caches every
 conversation. Unknown fields are ignored, as Anthropic's clients add new ones.
@@ -35,8 +36,10 @@ from common.limits import MAX_MESSAGES, MAX_TOOLS
 from protocol.shapes import Stop, Temperature, TopP
 
 from ..config import Config
-from .openai_schema import ApiError, JsonSchemaFormat, ResponseFormat, checked_body, fits, validated
+from .httpdoor import ApiError
+from .openai_schema import JsonSchemaFormat, ResponseFormat, checked_body, fits, validated
 from .placement import Said
+from .rules import OutputLimit, cannot_force, text_only
 from .toolturns import stray_result
 
 #: Anthropic's error type for each status kvd answers with.
@@ -55,7 +58,6 @@ ERROR_TYPES = {
 
 #: Content block types a request may carry, for the refusal of any other.
 BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-MEDIA_TYPES = ("image", "document")  # refused by name: kvd serves text models
 
 
 def error_body(e: ApiError) -> dict[str, Any]:
@@ -125,14 +127,20 @@ def _texts(blocks: list[Any]) -> Iterator[str]:
 
 
 class Tool(_Strict):
-    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, bash...) are not kvd's to run
+    # "custom" (or none): a tool the client runs. Anthropic's server tools (web_search_…, bash_…) are not
+    # kvd's to run: accepted and not shown to the model, as the Responses door's other kinds of tool.
+    type: str | None = Field(default=None, min_length=1, max_length=64)
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # a custom tool's: required (_check_tools)
+
+    @property
+    def custom(self) -> bool:
+        return self.type in (None, "custom")
 
     def as_function(self) -> dict[str, Any]:
         """As the chat template is shown a tool (the chat door's function tools)."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema or {}}
         if self.description is not None:
             function["description"] = self.description
         return {"type": "function", "function": function}
@@ -146,6 +154,17 @@ class ToolChoice(_Strict):
 
 class Metadata(_Strict):
     user_id: str | None = None
+
+    def conversation(self) -> str | None:
+        """The client's name for its conversation: Claude Code's user_id is JSON naming its `session_id`."""
+        if self.user_id is None:
+            return None
+        try:
+            said = json.loads(self.user_id)
+        except ValueError:
+            return self.user_id
+        session = said.get("session_id") if isinstance(said, dict) else None
+        return session if isinstance(session, str) else self.user_id
 
 
 class OutputFormat(_Strict):
@@ -165,7 +184,7 @@ class MessagesRequest(_Strict):
     model: str | None = None
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[TextBlock] | None = None
-    max_tokens: int = Field(ge=1)  # required, as Anthropic's; more than kvd's limit is lowered to it (docs)
+    max_tokens: OutputLimit  # required, as Anthropic's; a ceiling, lowered to what fits (rules.py)
     stop_sequences: Stop = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -185,7 +204,7 @@ class MessagesRequest(_Strict):
         """The tools the chat template shows the model: none when tool_choice is "none"."""
         if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
             return None
-        return [tool.as_function() for tool in self.tools]
+        return [tool.as_function() for tool in self.tools if tool.custom] or None
 
     def response_format(self) -> ResponseFormat | None:
         """output_config.format as the chat door's JSON output asks for it (the same grammar, compiled once)."""
@@ -194,6 +213,12 @@ class MessagesRequest(_Strict):
             return None
         return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(name="output", schema=fmt.schema_,
                                                                                strict=True))
+
+    def users_texts(self) -> list[str]:
+        """The text of each user message, as the user's (not the system messages joined to them: a title's)."""
+        return [m.content if isinstance(m.content, str) else "\n".join(b.text for b in m.content
+                                                                       if isinstance(b, TextBlock))
+                for m in self.messages if m.role == "user"]
 
     def instructions(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
@@ -210,34 +235,32 @@ class CountRequest(MessagesRequest):
 def parse(body: Any, config: Config, *, count: bool = False, surrogates: bool = True) -> MessagesRequest:
     """A decoded body as a Messages request (a CountRequest with `count`), or the ApiError saying what to fix."""
     checked = checked_body(body, surrogates=surrogates)
-    _check_media(checked)
+    _check_blocks(checked)
     req = validated(CountRequest if count else MessagesRequest, checked, config)
     _check_tools(req)
     return req
 
 
-def _check_media(body: dict[str, Any]) -> None:
-    """Image and document blocks, refused by name before validation (whose words for them would be a
-    list of the block types it expected)."""
+def _check_blocks(body: dict[str, Any]) -> None:
+    """Blocks that are not text refused (the door rules, rules.py), and those of a type kvd does not know
+    refused by name, before validation (whose words for them would be a list of the block types it expected)."""
     messages = body.get("messages")
+    text_only(messages, "messages")
     for i, m in enumerate(messages if isinstance(messages, list) else ()):
         content = m.get("content") if isinstance(m, dict) else None
         for j, block in enumerate(content if isinstance(content, list) else ()):
-            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
-            for where, b in [(f"messages[{i}].content[{j}]", block),
-                             *((f"messages[{i}].content[{j}].content[{k}]", b)
-                               for k, b in enumerate(inner if isinstance(inner, list) else ()))]:
-                kind = b.get("type") if isinstance(b, dict) else None
-                if kind in MEDIA_TYPES:
-                    raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} is an {kind} block; kvd serves text models "
-                                   "and reads text only: send its text as a text block, or leave it out",
-                                   param=where)
-                if isinstance(kind, str) and kind not in BLOCK_TYPES:
-                    raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} is a {kind!r} block, which kvd does not "
-                                   f"take; it takes {', '.join(BLOCK_TYPES)}", param=where)
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in BLOCK_TYPES:
+                where = f"messages[{i}].content[{j}]"
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} is a {kind!r} block, which kvd does not "
+                               f"take; it takes {', '.join(BLOCK_TYPES)}", param=where)
 
 
 def _check_tools(req: MessagesRequest) -> None:
+    for i, tool in enumerate(req.tools or ()):
+        if tool.custom and tool.input_schema is None:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"tools[{i}] has no input_schema; send its JSON Schema",
+                           param=f"tools[{i}].input_schema")
     choice = req.tool_choice
     if choice is not None and choice.type != "none" and not req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"tool_choice is {choice.type!r} but there are no tools; send "
@@ -245,6 +268,10 @@ def _check_tools(req: MessagesRequest) -> None:
     if choice is not None and choice.type == "tool" and choice.name not in {t.name for t in req.tools or ()}:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"tool_choice names the tool {choice.name!r}, which is not "
                        "among tools", param="tool_choice.name")
+    if choice is not None and choice.type == "any":
+        raise cannot_force("tool_choice", '"any"')
+    if choice is not None and choice.type == "tool":
+        raise cannot_force("tool_choice", f"the tool {choice.name!r}")
 
 
 def conversation(req: MessagesRequest) -> list[Said]:
@@ -286,21 +313,29 @@ def conversation(req: MessagesRequest) -> list[Said]:
 class _Said:
     """The conversation being read, with where each message came from (an error's param). A system
     message in the conversation is text for the model in the user's turn, and consecutive user texts
-    are one message, as Anthropic reads them (the chat templates want turns to alternate)."""
+    are one message, as Anthropic reads them (the chat templates want turns to alternate). In that
+    turn the system messages' text comes first and the user's own words last, where a model answers
+    them: Claude Code sends its list of agents as a system message after the question, and the
+    default model went on with the list instead of answering (docs/agents.md)."""
 
     def __init__(self) -> None:
         self.messages: list[Said] = []
         self.origin: list[str] = []
+        self._turn: tuple[list[str], list[str]] = ([], [])  # the last user message's system texts, user texts
 
     def add(self, role: str, content: str, where: str, *, calls: tuple[dict[str, str], ...] = (),
             call_id: str | None = None) -> None:
-        if role == "system":
-            role = "user"
         last = self.messages[-1] if self.messages else None
-        if role == "user" and last is not None and last.role == "user":
-            self.messages[-1] = Said("user", f"{last.content}\n\n{content}")
-            return
-        self.messages.append(Said(role, content, calls, call_id))
+        if role not in ("user", "system"):
+            self.messages.append(Said(role, content, calls, call_id))
+        else:
+            if last is None or last.role != "user":
+                self._turn = ([], [])
+                self.messages.append(Said("user", ""))
+            self._turn[role == "user"].append(content)
+            self.messages[-1] = Said("user", "\n\n".join([*self._turn[0], *self._turn[1]]))
+            if last is not None and last.role == "user":
+                return
         self.origin.append(where)
 
 

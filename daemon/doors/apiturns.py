@@ -1,19 +1,16 @@
-"""What every HTTP door does with a request for an answer, written once: read its body within the
-limits, decode its JSON off the event loop when it is large, wait for the model, place the
-conversation (placement.py) and start its turn in the turn core.
+"""What every HTTP door does with a request for an answer, written once: who may ask (guards.py), wait
+for the model, apply the door rules (rules.py: what a door clamps and drops), place the conversation
+(placement.py) and start its turn in the turn core.
 
-A door (openai_api.py, anthropic_api.py) differs only in how it reads its
-request into an `Ask` (kvd's terms: a system prompt, the conversation as the
-transcript keeps it, the tools, the sampling) and how it writes the turn's
-events. Refusals are `ApiError`s (openai_schema.py), which each door words
-in its own error shape.
+A door (openai_api.py, responses.py, anthropic_api.py) differs only in how it
+reads its request into an `Ask` (kvd's terms: a system prompt, the
+conversation as the transcript keeps it, the tools, the sampling) and how it
+writes the turn's events. Its body is read by httpdoor.read_request; refusals
+are httpdoor's `ApiError`s, which each door words in its own error shape.
 """
 
 from __future__ import annotations
 
-import json
-import json.scanner
-import logging
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -23,12 +20,12 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common import jsondepth
+from common import origins
 from protocol.requests import RequestError
 from protocol.shapes import Sampling
 from sessions import is_valid_session_id
@@ -37,120 +34,68 @@ from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
 from ..prompt import Conversation
-from ..turn import EventStream, Turn
+from ..turn import EventStream, Turn, TurnSpec
 from ..turns import Turns
 from .admission import Admission
 from .asgi import headers_of
 from .guards import NO_ROUTE, check, public
+from .httpdoor import DOOR, ApiError
 from .loading import LoadingWatch
-from .openai_schema import ApiError, answers_to
+from .openai_schema import answers_to
 from .placement import Diverged, Said, place
+from .rules import OUTPUT_LIMIT_FITS, without_tools
+from .titles import title_for
 from .toolcalls import StreamSplit, ToolFormat
-
-log = logging.getLogger("kvd.api")
 
 SESSION_HEADER = "X-Kvd-Session"
 REWIND_HEADER = "X-Kvd-Rewind"  # "true": a pinned request may rewind its session (docs/openai.md)
 LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading before a 503
-C_PARSE_BYTES = 64 << 10  # bodies up to this are parsed by the C parser (a stall of a millisecond or so)
-# Bodies up to this are read on the event loop itself (~0.1 ms for a dozen messages): a worker
-# thread's round trip costs more than that (~0.15 ms idle, milliseconds beside a busy engine).
-INLINE_BYTES = 16 << 10
-DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so the client sees the 413
-
-
-def api_origin(user_agent: str | None) -> str:
-    """A session's origin for the list: "api (<the client's User-Agent>)", cut to a readable length."""
-    agent = " ".join((user_agent or "").split())[:80]
-    return f"api ({agent})" if agent else "api"
-
-
-def _cooperative_decoder() -> json.JSONDecoder:
-    decoder = json.JSONDecoder()
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
-    return decoder
-
-
-_COOPERATIVE = _cooperative_decoder()
-
-
-def decode_json(body: bytes) -> Any:
-    """The body's JSON (a worker thread for a large one: its cost grows with the body's size).
-
-    The C parser holds the GIL from start to end, and the event loop waits
-    for it even from a worker (a 1 MiB body of small objects: tens of ms); so
-    a large body goes through the standard library's Python scanner instead,
-    slower but handing the GIL back every few milliseconds.
-    """
-    try:
-        value = json.loads(body) if len(body) <= C_PARSE_BYTES else _COOPERATIVE.decode(body.decode("utf-8"))
-        return jsondepth.check_depth(value, body)
-    except RecursionError:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply; a request "
-                       "is at most a few levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
-
-
-async def read_body(request: Request, config: Config) -> bytes | None:
-    """The whole body, within limits.body_timeout and limits.max_message_bytes; None if the client hung
-    up mid-body."""
-    limit = config.max_message_bytes
-    body, size = bytearray(), 0
-    try:
-        with anyio.fail_after(config.body_timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size <= limit:
-                    body += chunk
-                elif size > DRAIN_LIMIT:
-                    break
-    except TimeoutError:
-        raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive whole within "
-                       f"{config.body_timeout:g} s (limits.body_timeout in config.toml); send "
-                       "all the bytes its Content-Length announces", code="request_timeout") from None
-    except ClientDisconnect:
-        log.info("a client hung up before sending its whole request body")
-        return None
-    if size > limit:
-        raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                       f"the request body is {size} bytes, more than kvd accepts ({limit}; "
-                       "limits.max_message_bytes in config.toml)", code="request_too_large")
-    return bytes(body)
 
 
 def guard_refusal(scope: Scope, config: Config, token: str) -> ApiError | None:
-    """Who may ask (guards.py), as the refusal each door words in its own shape; logged."""
+    """Who may ask (guards.py), as the refusal each door words in its own shape (server.py logs it)."""
     refused = check(headers_of(scope), config, token,
                     token_needed=not public(str(scope.get("method", "")), str(scope.get("path", ""))))
     if refused is None:
         return None
-    log.warning("refused an HTTP request: %s", refused.message)
     status = HTTPStatus(refused.status)
     return ApiError(status, refused.message, code="invalid_api_key" if status == HTTPStatus.UNAUTHORIZED else None)
 
 
 def guarded(routes: list[BaseRoute], config: Config, token: str, refuse: Callable[[ApiError], Response],
-            endpoints: str) -> ASGIApp:
+            endpoints: str, *, door: str) -> ASGIApp:
     """A door's routes behind the guards (guards.py), every refusal worded by the door (`refuse`), an
-    unknown path or method too (saying what the door serves: `endpoints`)."""
+    unknown path or method too (saying what the door serves: `endpoints`). `door` names it in the log."""
     async def route_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         status = HTTPStatus(exc.status_code)
         if status == HTTPStatus.NOT_FOUND:
             request.scope[NO_ROUTE] = True  # (the log says "no such path": server.py)
-            return refuse(ApiError(status, f"no such endpoint {request.url.path}; kvd serves {endpoints}"))
+            return refuse(ApiError(status, f"no such endpoint {request.url.path}; kvd serves {endpoints}"
+                                   f"{_base_url_hint(request.url.path)}"))
         return refuse(ApiError(status, f"{request.method} is not allowed on {request.url.path}"))
 
     router = Starlette(routes=routes, exception_handlers={HTTPException: route_error})
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[DOOR] = door
         if (refused := guard_refusal(scope, config, token)) is not None:
             await refuse(refused)(scope, receive, send)
             return
         await router(scope, receive, send)
 
     return app
+
+
+#: Paths a client reaches when its base URL lacks kvd's /v1 (the AI SDK posts to `{baseURL}/messages`).
+_UNDER_V1 = ("/messages", "/chat/completions", "/responses", "/models", "/completions")
+
+
+def _base_url_hint(path: str) -> str:
+    """What to fix when a client's base URL left out /v1: a 404 that says so."""
+    if path.startswith(_UNDER_V1):
+        return f"; did you mean /v1{path}? Set the client's base URL to kvd's address with /v1 at its end"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -160,18 +105,19 @@ class Ask:
     system: str | None
     convo: Sequence[Said]
     tools: list[dict[str, Any]] | None = None  # as the chat template is shown them (function tools)
+    # The most the answer may be (None: the door's default): a ceiling, lowered to what fits (rules.py).
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: Sequence[str] = ()
     seed: int | None = None
     grammar: str | None = None  # the answer held to a JSON schema (jsonoutput.py)
-    # A model that cannot call tools answers without them, instead of the request being refused: coding
-    # agents offer tools with every request, also when asked something a model without tools can answer.
-    tools_optional: bool = False
     model: str | None = None  # the name the request gave (None: the default model)
-    door: str = "api"  # which door asked, as the log's turn line says
-    fit: bool = False  # max_tokens is a ceiling ("as much as fits"): lowered to the context's room, not refused
+    door: str = "chat"  # which door asked, as the log's turn line says
+    # The client's own name for its conversation, where its request says one (Claude Code's metadata, a
+    # prompt_cache_key): its sessions are one row of the list.
+    conversation: str | None = None
+    title: str | None = None  # a new session's title (None: titles.title_for of the conversation)
 
 
 class ApiTurns:
@@ -221,16 +167,9 @@ class ApiTurns:
                            code="model_not_loaded")
 
     @staticmethod
-    def tool_format(tools: list[dict[str, Any]] | None, engine: Engine, model: str, *,
-                    refuse: bool = True) -> ToolFormat | None:
-        """How the model writes a call of `tools`; ApiError when tools are offered to a model that has none
-        (unless not `refuse`: then the answer is asked for without them)."""
-        tool_format = ToolFormat.of(engine.tokenizer, tools)
-        if tools and tool_format is None and refuse:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the model {model}'s chat template has no "
-                           "tool calling (mlx-lm finds no tool-call format in it); leave tools out, or "
-                           "serve a model that calls tools (docs/openai.md lists them)", param="tools")
-        return tool_format
+    def tool_format(tools: list[dict[str, Any]] | None, engine: Engine) -> ToolFormat | None:
+        """How the model writes a call of `tools` (None: no tools, or a model that calls none)."""
+        return ToolFormat.of(engine.tokenizer, tools)
 
     async def start(self, request: Request, ask: Ask, headers: dict[str, str], *,
                     rid_prefix: str) -> tuple[Turn, EventStream]:
@@ -241,27 +180,26 @@ class ApiTurns:
         if pinned is not None and not is_valid_session_id(pinned):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
                            "(16 lowercase hex characters)", param=SESSION_HEADER)
-        tool_format = self.tool_format(ask.tools, engine, model, refuse=not ask.tools_optional)
+        tool_format = self.tool_format(ask.tools, engine)
         if ask.tools and tool_format is None:
-            log.info("the model %s calls no tools: answering a request that offered %d without them",
-                     model, len(ask.tools))
+            without_tools(model, ask.door, len(ask.tools))
             ask = replace(ask, tools=None)
         rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
         try:
             placement = await place(self.turns, ask.system, ask.convo, pinned, rewind=rewind,
-                                    origin=api_origin(request.headers.get("user-agent")))
+                                    title=ask.title or title_for(ask.convo),
+                                    origin=origins.api(request.headers.get("user-agent"), ask.conversation))
         except Diverged as e:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
         headers[SESSION_HEADER] = placement.session_id
         events = EventStream()
-        turn = self.turns.start(
-            events, f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
+        spec = TurnSpec(
+            f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
             sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p),
-            stop=ask.stop, seed=ask.seed,
             prompt=Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                 renders=self.turns.renders_for(model)),
-            door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1, grammar=ask.grammar,
-            tools=StreamSplit(tool_format) if tool_format is not None else None, model=model, fit=ask.fit,
-        )
-        return turn, events
+            stop=ask.stop, seed=ask.seed, door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1,
+            grammar=ask.grammar, tools=StreamSplit(tool_format) if tool_format is not None else None, model=model,
+            fit=OUTPUT_LIMIT_FITS)
+        return self.turns.start(events, spec), events

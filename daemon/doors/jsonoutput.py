@@ -33,7 +33,8 @@ from typing import Any
 
 import anyio
 
-from .openai_schema import ApiError, ResponseFormat
+from .httpdoor import ApiError
+from .openai_schema import ResponseFormat
 from .schemaends import has_finite_value
 
 __all__ = ["COMPILERS", "DEADLINE", "DRY_STEPS", "MAX_SCHEMA_BYTES", "compile_grammar", "output_grammar"]

@@ -21,7 +21,8 @@ from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnE
 from ..turn import Turn
 from ..turns import Turns
 from .answering import TurnAnswer
-from .openai_schema import ChatRequest, api_error
+from .httpdoor import api_error
+from .openai_schema import ChatRequest
 from .toolcalls import openai_calls
 
 log = logging.getLogger("kvd.api")
@@ -60,7 +61,7 @@ class Answer(TurnAnswer):
         """An error before the answer began: a refusal (the turn core stored nothing of a session this
         request made, and took back what it added to a pinned one)."""
         e = api_error(event.code, event.message, model=self.config.model)
-        await self.send_body(send, e.status, e.body())
+        await self.refuse(send, e, e.body())
 
     def _called(self, event: AnswerDone) -> str:
         """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""

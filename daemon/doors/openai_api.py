@@ -28,18 +28,11 @@ from sessions import Message, Store, chains, is_valid_session_id
 from ..config import Config
 from ..prompt import Conversation
 from ..turn import EventStream, Turn
-from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
+from .apiturns import ApiTurns, Ask, guarded
+from .httpdoor import ApiError, Refusal, api_error, read_request
 from .jsonoutput import output_grammar
 from .openai_answer import Answer
-from .openai_schema import (
-    ApiError,
-    ChatRequest,
-    api_error,
-    instructions,
-    may_hold_surrogates,
-    parse,
-    stops,
-)
+from .openai_schema import ChatRequest, instructions, parse, stops
 from .placement import Said, links
 from .toolcalls import openai_calls
 from .toolturns import check_tool_turns
@@ -49,28 +42,16 @@ log = logging.getLogger("kvd.api")
 SEEDED = 8  # API conversations whose last request is rendered again after a start (`OpenAIDoor.seed`)
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers={**(headers or {}), **e.headers})
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Refusal:
+    """A refusal in OpenAI's shape (the chat and Responses doors')."""
+    return Refusal(e, e.body(), headers)
 
 
-def _decode(body: bytes, config: Config) -> ChatRequest:
-    """The body as a validated request (a worker thread: its cost grows with the body's size). Its
-    objects are freed here too, not on the loop, when the request is refused."""
-    decoded = decode_json(body)
-    try:
-        req = parse(decoded, config, surrogates=may_hold_surrogates(body))
-        check_tool_turns(req.messages)
-        return req
-    except ApiError as e:
-        refused = e
-    del decoded
-    raise refused.with_traceback(None)
-
-
-def _read(body: bytes, config: Config) -> tuple[ChatRequest, str | None, list[Said]]:
+def _read(decoded: Any, surrogates: bool, config: Config) -> tuple[ChatRequest, str | None, list[Said]]:
     """The body as a validated request, its system prompt and its conversation (all three grow with
-    the conversation: on a worker thread unless the body is at most INLINE_BYTES)."""
-    req = _decode(body, config)
+    the conversation: httpdoor.read_request runs this on a worker thread past INLINE_BYTES)."""
+    req = parse(decoded, config, surrogates=surrogates)
+    check_tool_turns(req.messages)
     convo = [Said(m.role, m.content if type(m.content) is str else m.text(),  # the common case first: 2x faster
                   tuple(c.stored() for c in m.tool_calls) if m.tool_calls else (), m.tool_call_id)
              for m in req.messages if not m.instructs]
@@ -95,7 +76,7 @@ class OpenAIDoor:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
         self.app = guarded(routes, config, token, error_response,
-                           "/v1/chat/completions, /v1/responses and /v1/models")
+                           "/v1/chat/completions, /v1/responses, /v1/messages and /v1/models", door="chat")
 
     # --- GET / ---
 
@@ -166,13 +147,10 @@ class OpenAIDoor:
     async def chat(self, request: Request) -> Response:
         headers: dict[str, str] = {}
         try:
-            body = await read_body(request, self.config)
-            if body is None:
+            read = await read_request(request, self.config, functools.partial(_read, config=self.config))
+            if read is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
-            if len(body) <= INLINE_BYTES:
-                req, system, convo = _read(body, self.config)
-            else:
-                req, system, convo = await anyio.to_thread.run_sync(_read, body, self.config)
+            req, system, convo = read
             with self.api.admission.slot():  # a place in the queue from here until the turn has started
                 turn, events = await self._start(request, req, system, convo, headers)
         except ApiError as e:
@@ -187,7 +165,7 @@ class OpenAIDoor:
         grammar = await output_grammar(req.response_format)  # on a worker, within bounds
         ask = Ask(system, convo, req.offered_tools(), max_tokens=req.max_completion_tokens or req.max_tokens,
                   temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar,
-                  model=req.model)
+                  model=req.model, door="chat", conversation=req.prompt_cache_key)
         return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
 
     async def seed(self, count: int = SEEDED) -> int:

@@ -12,8 +12,6 @@ fields are ignored, as OpenAI's clients add new ones often.
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
 from typing import Any, Literal, TypeVar
@@ -21,7 +19,6 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
 
-import protocol as p
 from common.limits import MAX_MESSAGES, MAX_TOOLS
 from protocol.shapes import (
     ABOVE_LIMIT,
@@ -30,7 +27,6 @@ from protocol.shapes import (
     TEXT_TOO_LONG,
     TOO_MANY_STOPS,
     Limits,
-    MaxTokens,
     Seed,
     Stop,
     Temperature,
@@ -41,63 +37,10 @@ from protocol.shapes import (
 from protocol.shapes import stops as stop_list
 
 from ..config import Config
+from .httpdoor import ApiError
+from .rules import OutputLimit, cannot_force, text_only
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in error paths
-
-
-class ApiError(Exception):
-    """A request the API answers with an error body: {"error": {message, type, param, code}}."""
-
-    TYPES = {
-        HTTPStatus.BAD_REQUEST: "invalid_request_error",
-        HTTPStatus.UNAUTHORIZED: "authentication_error",
-        HTTPStatus.FORBIDDEN: "permission_error",
-        HTTPStatus.NOT_FOUND: "not_found_error",
-        HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
-        HTTPStatus.CONFLICT: "conflict_error",
-        HTTPStatus.REQUEST_TIMEOUT: "invalid_request_error",
-        HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
-        HTTPStatus.TOO_MANY_REQUESTS: "requests",  # OpenAI's type for a request-rate limit
-        HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable",
-        HTTPStatus.INTERNAL_SERVER_ERROR: "server_error",
-    }
-
-    def __init__(self, status: HTTPStatus, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}  # sent with the body (a 429's Retry-After)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-
-
-# The turn core's error codes, as HTTP statuses and OpenAI error codes.
-_STATUS = {
-    p.BAD_REQUEST: (HTTPStatus.BAD_REQUEST, None),
-    p.TOO_LARGE: (HTTPStatus.BAD_REQUEST, "context_length_exceeded"),
-    p.UNKNOWN_SESSION: (HTTPStatus.NOT_FOUND, "session_not_found"),
-    p.UNKNOWN_MODEL: (HTTPStatus.NOT_FOUND, "model_not_found"),
-    p.BUSY: (HTTPStatus.CONFLICT, "session_busy"),
-}
-
-
-#: A built-in model with a longer context than the default's, for the advice of a conversation too long.
-LONGER_CONTEXT = "builtin:gemma3"
-
-
-def api_error(code: str, message: str, *, model: str | None = None) -> ApiError:
-    """The turn core's error as the HTTP doors' refusal. A conversation past the served `model`'s context
-    also says which model to serve instead (agents' first requests are long: Claude Code's ~15-25k tokens)."""
-    status, api_code = _STATUS.get(code, (HTTPStatus.INTERNAL_SERVER_ERROR, None))
-    if code == p.TOO_LARGE and model is not None and model != LONGER_CONTEXT:
-        message = (f"{message}; or serve a model with a longer context: `kvd serve --model {LONGER_CONTEXT}` "
-                   "has 32k tokens (docs/models.md)")
-    return ApiError(status, message, code=api_code)
 
 
 class _Strict(BaseModel):
@@ -206,8 +149,8 @@ class StreamOptions(_Strict):
 class ChatRequest(_Strict):
     model: str | None = None  # a model `kvd models` lists, an alias, or none (the default): the registry resolves it
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None  # wins over max_tokens when both are given
+    max_tokens: OutputLimit | None = None  # a ceiling: lowered to what fits (rules.py)
+    max_completion_tokens: OutputLimit | None = None  # wins over max_tokens when both are given
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stop: Stop = None
@@ -220,6 +163,7 @@ class ChatRequest(_Strict):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: the model calls as many as it writes
     response_format: ResponseFormat | None = None
+    prompt_cache_key: str | None = None  # the client's name for its conversation: its sessions are one row
 
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model: none when tool_choice is "none"."""
@@ -234,7 +178,9 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
     `surrogates=False`: the caller saw that the body's bytes cannot hold a lone surrogate
     (`may_hold_surrogates`), so its strings are not walked for one.
     """
-    req = validated(ChatRequest, checked_body(body, surrogates=surrogates), config)
+    checked = checked_body(body, surrogates=surrogates)
+    text_only(checked.get("messages"), "messages")
+    req = validated(ChatRequest, checked, config)
     _check_asks(req, config)
     _check_messages(req)
     return req
@@ -270,16 +216,6 @@ def validated(shape: type[Shape], body: dict[str, Any], config: Config) -> Shape
         raise refusal(max(e.errors(), key=lambda err: len(err["loc"]))) from None
 
 
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped one; one UTF-8 encoded (surrogatepass)
-
-
-def may_hold_surrogates(body: bytes) -> bool:
-    """Whether `body`, decoded by json.loads, can hold a surrogate: only through a \\uD800-\\uDFFF escape, or
-    surrogate bytes json.loads lets through (it decodes with surrogatepass), or an encoding other than UTF-8.
-    A regex over the bytes instead of a walk of every string (a long conversation: half a millisecond)."""
-    return json.detect_encoding(body) != "utf-8" or _SURROGATE.search(body) is not None
-
-
 def where_of(loc: tuple[str | int, ...]) -> str:
     """A field's path as OpenAI's `param` spells it: messages[0].content."""
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
@@ -308,9 +244,10 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
                        "(or leave it out) and make several requests for several answers", param="n")
     if req.logprobs:
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd does not return logprobs; leave logprobs out", param="logprobs")
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "kvd cannot force a tool call: the model decides whether to "
-                       "call one; send tool_choice \"auto\" (or \"none\", or leave it out)", param="tool_choice")
+    if isinstance(req.tool_choice, NamedToolChoice):
+        raise cannot_force("tool_choice", f"the function {req.tool_choice.function.name!r}")
+    if req.tool_choice == "required":
+        raise cannot_force("tool_choice", '"required"')
     if req.tool_choice == "auto" and not req.tools:
         raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")

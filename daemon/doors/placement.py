@@ -55,8 +55,6 @@ from ..turns import Turns
 #: whose round trip costs more (the same rule as the doors' bodies: apiturns.INLINE_BYTES).
 INLINE_MESSAGES = 64
 
-TITLE_CHARS = 60
-
 Kind = Literal["continued", "new", "pinned"]
 
 
@@ -112,21 +110,6 @@ class Placement:
     chain: Sequence[bytes] | None = None  # the request's chain, rooted in its system prompt (renders.py)
 
 
-def title_for(messages: Sequence[Said]) -> str:
-    """A new session's title: the first line of the request's last user message with text.
-
-    What a person typed ends the request their typing caused; what a client sends before it is its
-    own: few-shot examples (aider sends its "Change the greeting to be more casual" as a user message,
-    which titled every aider session), a repository map, files it was given. A request that holds a
-    whole earlier conversation (a retry, an edit, another server's history) is titled by its latest
-    question; the session list shows it under the conversation it branches (store._branches)."""
-    last = next((m.content for m in reversed(messages) if m.role == "user" and m.content.strip()), "")
-    line = last.strip().splitlines()[0] if last.strip() else ""
-    if not line:
-        return DEFAULT_TITLE
-    return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1] + "…"
-
-
 def links(system: str | None, messages: Sequence[Said]) -> list[bytes]:
     """The request's chain (sessions/chains.py): its cost grows with the conversation, so it runs
     on a worker thread past INLINE_MESSAGES."""
@@ -175,15 +158,14 @@ def _pinned(chains: Chains, active: Container[str], system: str | None, count: i
 
 
 async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinned: str | None = None, *,
-                rewind: bool = False, origin: str = "api") -> Placement:
+                rewind: bool = False, origin: str = "api", title: str = DEFAULT_TITLE) -> Placement:
     """Place the request and have the turn core write its messages there.
 
     `messages` are the conversation's user, assistant and tool messages;
-    `system` the request's system prompt. A session the plan names that the
-    turn core does not hold yet is loaded first, and the plan made again
-    (something may have changed meanwhile); the plan and its application
-    then run in one step of the event loop, so nothing can start a turn in
-    between.
+    `system` the request's system prompt; `origin` and `title` are a new session's (titles.py). A
+    session the plan names that the turn core does not hold yet is loaded first, and the plan made
+    again (something may have changed meanwhile); the plan and its application then run in one step
+    of the event loop, so nothing can start a turn in between.
     """
     chains = turns.transcripts.chains
     root = chains.system_of(pinned) if pinned is not None and pinned in chains else system
@@ -206,6 +188,6 @@ async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinn
         decision.session_id, system=system,
         messages=[] if new is not None else [m.for_template() for m in messages[decision.agree:]],
         rewind_from=decision.rewind_from, new_system=decision.new_system,
-        title=title_for(messages), origin=origin,
+        title=title, origin=origin,
         links=None if decision.new_system or root != system else request[decision.agree:], prepared=new)
     return Placement(session_id, first_new, decision.kind, chain=request if root == system else None)

@@ -48,14 +48,15 @@ from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent
 from ..prompt import Conversation
 from ..turn import Turn
 from .answering import TurnAnswer
-from .apiturns import INLINE_BYTES, ApiTurns, Ask, decode_json, guarded, read_body
+from .apiturns import ApiTurns, Ask, guarded
+from .httpdoor import ApiError, api_error, read_request
 from .jsonoutput import output_grammar
 from .openai_api import error_response
-from .openai_schema import ApiError, ResponseFormat, api_error, may_hold_surrogates
+from .openai_schema import ResponseFormat
 from .placement import INLINE_MESSAGES, Said
 from .responses_events import RESPONSE_PREFIX, Encoder, Shape
-from .responses_schema import Input, ResponsesRequest, calls_of, conversation, parse
-from .responses_stored import input_items, stored_object
+from .responses_schema import Input, InputItem, ResponsesRequest, calls_of, conversation, parse
+from .responses_stored import input_items, referenced, stored_object
 
 log = logging.getLogger("kvd.api")
 
@@ -73,15 +74,9 @@ class Read(NamedTuple):
     asked: dict[str, Any]  # what it asked for, as its response object shows it
 
 
-def _read(body: bytes, config: Config) -> Read:
-    decoded = decode_json(body)
-    try:
-        req = parse(decoded, config, surrogates=may_hold_surrogates(body))
-        return Read(req, req.response_format(), asked(req))
-    except ApiError as e:
-        refused = e
-    del decoded  # freed here, not on the loop
-    raise refused.with_traceback(None)
+def _read(decoded: Any, surrogates: bool, config: Config) -> Read:
+    req = parse(decoded, config, surrogates=surrogates)
+    return Read(req, req.response_format(), asked(req))
 
 
 def asked(req: ResponsesRequest) -> dict[str, Any]:
@@ -121,7 +116,8 @@ class ResponsesDoor:
             Route(f"{PATH}/{{response_id}}", self.delete, methods=["DELETE"]),
             Route(f"{PATH}/{{response_id}}/input_items", self.items, methods=["GET"])]
         self.app = guarded(routes, config, token, error_response, f"{PATH} (and its ids' GET, DELETE, "
-                           "input_items), /v1/responses/input_tokens, /v1/chat/completions and /v1/models")
+                           "input_items), /v1/responses/input_tokens, /v1/chat/completions and /v1/models",
+                           door="responses")
 
     # --- POST /v1/responses ---
 
@@ -136,49 +132,57 @@ class ResponsesDoor:
             return _refusal(e, headers)
 
     async def _request(self, request: Request) -> Read | None:
-        body = await read_body(request, self.config)
-        if body is None:
-            return None
-        if len(body) <= INLINE_BYTES:
-            return _read(body, self.config)
-        return await anyio.to_thread.run_sync(_read, body, self.config)
+        return await read_request(request, self.config, partial(_read, config=self.config))
 
     async def _conversation(self, req: ResponsesRequest) -> tuple[str | None, list[Said]]:
         """The request's system prompt and whole conversation: the previous response's point, then its input."""
         history = await self._history(req.previous_response_id) if req.previous_response_id else []
-        items = req.input
+        items = await self._resolved(req.input)
         if isinstance(items, list) and len(items) > INLINE_MESSAGES:
             new = await anyio.to_thread.run_sync(conversation, items, calls_of(history))
         else:
             new = conversation(items, calls_of(history))
         return system_of(req, new), [*history, *new.messages]
 
+    async def _resolved(self, items: str | list[InputItem]) -> str | list[InputItem]:
+        """The input with each `item_reference` replaced by the item it names: one kvd issued for a response
+        of this data directory (its message, a function call, a function call output); 400 for any other id."""
+        if isinstance(items, str) or not any(item.type == "item_reference" for item in items):
+            return items
+        ids = {item.id for item in items if item.type == "item_reference" and item.id}
+        found = await self.turns.transcripts.read(partial(referenced, ids=ids))
+        out = []
+        for i, item in enumerate(items):
+            if item.type != "item_reference":
+                out.append(item)
+            elif item.id is None:
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"input[{i}] is an item_reference without an id",
+                               param=f"input[{i}].id")
+            elif (named := found.get(item.id)) is None:
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"input[{i}] refers to the item {item.id!r:.80}, which kvd "
+                               "did not issue for a stored response of this data directory (or its response was "
+                               "deleted); send the item itself", param=f"input[{i}].id", code="item_not_found")
+            else:
+                out.append(InputItem.model_construct(**named))
+        return out
+
     async def _start(self, request: Request, read: Read, headers: dict[str, str]) -> Response:
         req = read.req
         system, convo = await self._conversation(req)
-        # A model whose template cannot call tools answers in text (tools_optional): an agent offers tools with
-        # every request, and refusing them would refuse the agent (docs/agents.md).
         # No max_output_tokens: as OpenAI's, up to what the model may write (limits.max_tokens_limit, within the
         # context), not the chat default: Codex names none, and reports an answer cut at 512 as an error.
-        unbounded = req.max_output_tokens is None
         ask = Ask(system, convo, [t.for_template() for t in req.functions()] or None,
-                  max_tokens=self.config.max_tokens_limit if unbounded else req.max_output_tokens,
+                  max_tokens=req.max_output_tokens or self.config.max_tokens_limit,
                   temperature=req.temperature, top_p=req.top_p, grammar=await _grammar(read.fmt),
-                  tools_optional=True, model=req.model, door="responses", fit=unbounded)
+                  model=req.model, door="responses", conversation=req.prompt_cache_key)
         turn, events = await self.api.start(request, ask, headers, rid_prefix=RESPONSE_PREFIX)
         rid = str(turn.request_id)
         request_shape = read.asked
         if req.store:
             row = StoredResponse(rid, turn.session_id, turn.message_index, turn.first_new,
                                  req.previous_response_id, time.time(), request_shape)
-            # Committed before the turn acknowledges its answer (the turn core awaits its writes), behind the
-            # session's rows (a new session's wait until the engine takes its turn: so does this one).
-            write = partial(self.turns.transcripts.writer.submit, partial(put_response, response=row),
-                            label="response")
-            if turn.unstored:
-                turn.unstored.append(write)
-            else:
-                turn.writes.append(write())
+            # Committed with the turn's own rows, before it acknowledges its answer (the turn core's).
+            self.turns.write_with(turn, partial(put_response, response=row), label="response")
             self._remember(rid, turn.session_id, turn.message_index)
         shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": turn.session_id})
         return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
@@ -219,7 +223,7 @@ class ResponsesDoor:
 
     async def forget(self, response_id: str) -> bool:
         self._recent.pop(response_id, None)
-        return await self.turns.transcripts.writer.run(lambda s: delete_response(s, response_id), durable=True)
+        return await self.turns.transcripts.write(lambda s: delete_response(s, response_id))
 
     # --- GET, DELETE /v1/responses/{id}, GET .../input_items ---
 
@@ -262,10 +266,10 @@ class ResponsesDoor:
             if read is None:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)
             req = read.req
-            model, engine = await self.api.ready(req.model)
+            _, engine = await self.api.ready(req.model)
             system, convo = await self._conversation(req)
             tools = [t.for_template() for t in req.functions()] or None
-            shown = tools if self.api.tool_format(tools, engine, model, refuse=False) is not None else None
+            shown = tools if self.api.tool_format(tools, engine) is not None else None
             ids, _ = await engine.tokenize(Conversation(convo, system, shown).ids)
         except (ApiError, RequestError) as e:
             return _refusal(e, {})
@@ -353,7 +357,7 @@ class ResponsesAnswer(TurnAnswer):
         if self.stored:
             await self.door.forget(self.turn.request_id)
         e = api_error(event.code, event.message, model=self.config.model)
-        await self.send_body(send, e.status, e.body())
+        await self.refuse(send, e, e.body())
 
 
 def _json(value: Any) -> str:

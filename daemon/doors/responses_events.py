@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerQueued, TurnEvent, cache_figures
-from .openai_schema import api_error
+from .httpdoor import api_error
 
 RESPONSE_PREFIX = "resp_"
 

@@ -7,7 +7,9 @@ of items (messages whose content is a string or `input_text`/`output_text`
 parts, `function_call`, `function_call_output`), `instructions`, `text.format`,
 `max_output_tokens`. Unknown fields are ignored, as OpenAI's clients add new
 ones often; what kvd cannot do is refused when asked for (images and files,
-`background`, `truncation: "auto"`, a forced tool call, item references).
+`background`, `truncation: "auto"`, a forced tool call: the door rules,
+rules.py, for what every door refuses). An `item_reference` names an item kvd
+issued; the door replaces it with that item (responses_stored.referenced).
 
 `conversation` makes the items the messages the transcript keeps (the chat
 door's `Said`): an assistant's text and the calls that follow it are one
@@ -27,27 +29,21 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from common import jsondepth
 from common.limits import MAX_TOOLS
-from protocol.shapes import Limits, MaxTokens, Temperature, TopP, fits_text
+from protocol.shapes import Limits, Temperature, TopP, fits_text
 
 from ..config import Config
-from .openai_schema import (
-    ApiError,
-    JsonSchemaFormat,
-    ResponseFormat,
-    _Strict,
-    checked_body,
-    validated,
-)
+from .httpdoor import ApiError
+from .openai_schema import JsonSchemaFormat, ResponseFormat, _Strict, checked_body, validated
 from .placement import Said
+from .rules import OutputLimit, cannot_force, text_only
 
 METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
 METADATA_KEY_CHARS = 64
 METADATA_VALUE_CHARS = 512
-NOT_TEXT = ("input_image", "input_file", "input_audio")
 
 
 class ContentPart(_Strict):
-    type: Literal["input_text", "output_text", "refusal", "input_image", "input_file", "input_audio"]
+    type: Literal["input_text", "output_text", "refusal"]  # what is not text is refused first (rules.text_only)
     text: str | None = None
     refusal: str | None = None
 
@@ -121,7 +117,7 @@ class ResponsesRequest(_Strict):
     store: bool = True
     metadata: dict[str, str] | None = None
     # The answer: how long, how sampled, in what format, with which tools.
-    max_output_tokens: MaxTokens | None = None
+    max_output_tokens: OutputLimit | None = None  # a ceiling: lowered to what fits (rules.py)
     temperature: Temperature | None = None
     top_p: TopP | None = None
 
@@ -142,6 +138,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None
     conversation: str | dict[str, Any] | None = None
+    prompt_cache_key: str | None = None  # the client's name for its conversation (Codex's): its sessions are one row
 
     def functions(self) -> list[ToolSpec]:
         """The function tools the chat template shows the model: none when tool_choice is "none"."""
@@ -170,12 +167,9 @@ class ResponsesRequest(_Strict):
 
 def parse(body: Any, config: Config, *, surrogates: bool = True) -> ResponsesRequest:
     """A decoded body as a ResponsesRequest, or the ApiError (4xx) that says what to fix."""
-    try:
-        req = validated(ResponsesRequest, checked_body(body, surrogates=surrogates, listed="input"), config)
-    except ApiError as e:
-        if e.param == "max_output_tokens":
-            e.message = e.message.replace("max_tokens", "max_output_tokens")
-        raise
+    checked = checked_body(body, surrogates=surrogates, listed="input")
+    text_only(checked.get("input"), "input")
+    req = validated(ResponsesRequest, checked, config)
     _check_asks(req, config)
     return req
 
@@ -197,9 +191,11 @@ def _check_asks(req: ResponsesRequest, config: Config) -> None:
     if req.conversation is not None:
         raise _bad("kvd does not serve the Conversations API; continue a conversation with previous_response_id",
                    "conversation")
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise _bad("kvd cannot force a tool call: the model decides whether to call one; send tool_choice "
-                   "\"auto\" (or \"none\", or leave it out)", "tool_choice")
+    if isinstance(req.tool_choice, NamedTool):
+        raise cannot_force("tool_choice", f"the {req.tool_choice.type} {req.tool_choice.name!r}"
+                           if req.tool_choice.name else f"{req.tool_choice.type!r}")
+    if req.tool_choice == "required":
+        raise cannot_force("tool_choice", '"required"')
     for i, tool in enumerate(req.tools or ()):
         if tool.type == "function" and tool.name is None:
             raise _bad(f"tools[{i}] is a function without a name; send its name", f"tools[{i}].name")
@@ -242,9 +238,6 @@ def _text(parts: str | list[ContentPart] | None, where: str) -> str:
         return parts
     out = []
     for j, part in enumerate(parts):
-        if part.type in NOT_TEXT:
-            raise _bad(f"{where}[{j}] is {part.type}; kvd's models read text only: send input_text parts",
-                       f"{where}[{j}].type")
         text = part.refusal if part.type == "refusal" else part.text
         if text is None:
             raise _bad(f"{where}[{j}] ({part.type}) has no text", f"{where}[{j}].text")
@@ -265,9 +258,8 @@ def conversation(items: str | Sequence[InputItem], issued: Collection[str] = ())
         where = f"input[{i}]"
         if item.type == "reasoning":
             continue
-        if item.type == "item_reference":
-            raise _bad(f"{where} is an item_reference; kvd does not look items up by id: send the item itself, "
-                       "or continue the response it belongs to with previous_response_id", f"{where}.type")
+        if item.type == "item_reference":  # the door resolves them first (responses_stored.referenced)
+            raise _bad(f"{where} is an item_reference kvd did not resolve; send the item itself", f"{where}.id")
         if item.type == "message":
             said = _message(item, where)
             if said is None:  # a system or developer message

@@ -8,14 +8,20 @@ calls, status and usage are the transcript's, as the turn core kept them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from sessions import Message, Store
 from sessions.chains import said
 from sessions.responses import answer_of, get_response, input_of
 
-from .responses_events import Shape, outcome, output_of, response_object
+from .responses_events import RESPONSE_PREFIX, Shape, outcome, output_of, response_object
+
+# The item ids kvd issues: a response's output (msg_<its id's tail>, fc_<tail>_<i>) and input_items'
+# (msg_ / fco_ <session><message index:06d>, fc_<session><index>_<i>).
+_OUTPUT_ID = re.compile(r"(msg|fc)_([0-9a-f]{24})(?:_(\d+))?")
+_INPUT_ID = re.compile(r"(msg|fco|fc)_([0-9a-f]{16})(\d{6})(?:_(\d+))?")
 
 
 def stored_object(store: Store, response_id: str, model: str) -> dict[str, Any] | None:
@@ -75,3 +81,52 @@ def input_items(store: Store, response_id: str, *, order: str, limit: int,
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def referenced(store: Store, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The items kvd issued under `ids`, as input items (an `item_reference` replaced by what it names): a
+    stored response's message or call, or a message, call or call output input_items listed. An id kvd did
+    not issue, or whose response or message is gone, is left out."""
+    out = {}
+    for item_id in ids:
+        if (item := _output_item(store, item_id) or _input_item(store, item_id)) is not None:
+            out[item_id] = item
+    return out
+
+
+def _output_item(store: Store, item_id: str) -> dict[str, Any] | None:
+    m = _OUTPUT_ID.fullmatch(item_id)
+    if m is None or (m[1] == "msg") != (m[3] is None):
+        return None
+    row = get_response(store, f"{RESPONSE_PREFIX}{m[2]}")
+    answer = answer_of(store, row) if row is not None else None
+    if answer is None or answer["status"] == "streaming":
+        return None
+    return _as_input(answer, None if m[3] is None else int(m[3]))
+
+
+def _input_item(store: Store, item_id: str) -> dict[str, Any] | None:
+    m = _INPUT_ID.fullmatch(item_id)
+    if m is None or (m[1] == "fc") != (m[4] is not None):
+        return None
+    index = int(m[3])
+    found = store.messages(m[2], first=index, end=index + 1)
+    if not found or found[0]["status"] == "streaming":
+        return None
+    message = found[0]
+    if (m[1] == "fco") != (message["role"] == "tool"):
+        return None
+    return _as_input(message, None if m[4] is None else int(m[4]))
+
+
+def _as_input(m: Message, call: int | None) -> dict[str, Any] | None:
+    """A stored message as the input item it was issued as: its text (`call` None) or its call `call`."""
+    if m["role"] == "tool":
+        return {"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]}
+    if call is None:
+        return {"type": "message", "role": m["role"], "content": m["content"]}
+    calls = m["tool_calls"] or []
+    if not 0 <= call < len(calls):
+        return None
+    c = calls[call]
+    return {"type": "function_call", "call_id": c["id"], "name": c["name"], "arguments": c["arguments"]}

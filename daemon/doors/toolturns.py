@@ -20,7 +20,8 @@ from http import HTTPStatus
 
 from common import jsondepth
 
-from .openai_schema import ApiError, ChatMessage
+from .httpdoor import ApiError
+from .openai_schema import ChatMessage
 from .placement import Said
 
 __all__ = ["Stray", "check_tool_turns", "stray_result"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
+from http import HTTPStatus
 from typing import Any
 
 import anyio
@@ -48,6 +49,7 @@ from ..turns import DISK_FULL_MESSAGE, Turns
 from .asgi import abort_transport, headers_of
 from .connection import Connection
 from .guards import NO_ROUTE, check
+from .httpdoor import REFUSED, ApiError
 from .loading import LoadingWatch
 
 log = logging.getLogger("kvd.server")
@@ -82,17 +84,16 @@ class WebSocketDoor:
     # --- handshake and connection ---
 
     def _refusal(self, ws: WebSocket) -> PlainTextResponse | None:
+        """Why the handshake is refused, if it is; left in the scope for the log (server.py)."""
         if ws.url.path != p.PATH:
             ws.scope[NO_ROUTE] = True
-            return PlainTextResponse(f"kvd speaks on {p.PATH}\n", 404)
+            return _refused(ws, HTTPStatus.NOT_FOUND, f"kvd speaks on {p.PATH}")
         refused = check(headers_of(ws.scope), self.config, self._token)
         if refused is not None:
-            log.warning("refused a handshake: %s", refused.message)
-            return PlainTextResponse(refused.message + "\n", refused.status)
+            return _refused(ws, refused.status, refused.message)
         if len(self.connections) >= self.config.max_connections:
-            log.warning("refused a connection: %d open (limits.max_connections)", len(self.connections))
-            return PlainTextResponse(f"kvd has {len(self.connections)} connections open, its limit "
-                                     "(limits.max_connections in config.toml); close one and retry\n", 503)
+            return _refused(ws, HTTPStatus.SERVICE_UNAVAILABLE, f"kvd has {len(self.connections)} connections "
+                            "open, its limit (limits.max_connections in config.toml); close one and retry")
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -234,3 +235,8 @@ def _session_and_messages(session_id: str, store: Store) -> tuple[Session, list[
     session = store.get_session(session_id)
     return None if session is None else (session, store.messages(session_id))
 
+
+
+def _refused(ws: WebSocket, status: HTTPStatus, message: str) -> PlainTextResponse:
+    ws.scope[REFUSED] = ApiError(status, message)
+    return PlainTextResponse(message + "\n", status)
