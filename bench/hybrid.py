@@ -23,9 +23,11 @@ long messages, 16-token greedy answers). Then, one after another:
 - after restart: kvd stopped and started, the next message (from disk);
 - regenerate after restart.
 
-With --forwards, it measures instead what speculation would pay for: on each
-model, in this process, a forward of 1 token and one of 5 (a draft of 4
-verified at once) after a 2,000-token prefill, the median of 20 each.
+With --forwards, it measures instead what speculation would pay for and what
+the checkpoint at a prompt's end costs: on each model, in this process, after
+a 2,000-token prefill, a forward of 1 token and one of 5 (a draft of 4
+verified at once), and a 235-token message read in one chunk and in two (all
+but its last token, then that one), the median of 20 each.
 
 Per kind, the median over --reps runs (each run a fresh daemon and data
 directory): where the cache came from, tokens restored, whether at a
@@ -148,9 +150,11 @@ def one_run(model: Path, work: Path, history: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def forwards(model_dir: Path, context: int = 2000, draft: int = 4, reps: int = 20) -> tuple[float, float]:
-    """Milliseconds of a 1-token forward and of a (1 + draft)-token one, after `context` tokens, taken back after
-    each (the KV layers trimmed, the recurrent ones restored from a checkpoint: kvd's own rewind)."""
+def forwards(model_dir: Path, context: int = 2000, draft: int = 4, reps: int = 20) -> tuple[float, ...]:
+    """Milliseconds of a 1-token forward, of a (1 + draft)-token one, of a 235-token message's prefill in one
+    chunk and in two (234 tokens, then the last one: where kvd stops to keep a checkpoint), after `context`
+    tokens, each taken back after (the KV layers trimmed, the recurrent ones restored from a checkpoint: kvd's
+    own rewind)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
@@ -165,17 +169,18 @@ def forwards(model_dir: Path, context: int = 2000, draft: int = 4, reps: int = 2
     mx.eval(model(mx.array([[5 + i % 1500 for i in range(context)]]), cache=cache))
     point = checkpoint(cache, context)
 
-    def timed(n: int) -> float:
+    def timed(*chunks: int) -> float:
         nonlocal cache
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            mx.eval(model(mx.array([[7] * n]), cache=cache))
+            for n in chunks:
+                mx.eval(model(mx.array([[7] * n]), cache=cache))
             times.append((time.perf_counter() - t0) * 1000)
             cache = rewind_to(cache, point)
         return statistics.median(times)
 
-    return timed(1), timed(1 + draft)
+    return timed(1), timed(1 + draft), timed(MESSAGE_TOKENS), timed(MESSAGE_TOKENS - 1, 1)
 
 
 def main() -> None:
@@ -190,9 +195,10 @@ def main() -> None:
     if args.forwards:
         with tempfile.TemporaryDirectory(prefix="kvd-bench-hybrid-") as tmp:
             for arch, config in shapes(args.hidden, args.layers).items():
-                one, five = forwards(hybrids.build(arch, Path(tmp) / arch, config=config))
-                print(f"{arch}: a 1-token forward {one:.1f} ms, a 5-token forward {five:.1f} ms "
-                      f"({five / one:.1f}x) after 2,000 tokens")
+                one, five, whole, split = forwards(hybrids.build(arch, Path(tmp) / arch, config=config))
+                print(f"{arch}: after 2,000 tokens, a 1-token forward {one:.1f} ms, a 5-token forward {five:.1f} ms "
+                      f"({five / one:.1f}x); a {MESSAGE_TOKENS}-token message in one chunk {whole:.1f} ms, "
+                      f"stopping before its last token {split:.1f} ms")
         print(f"uptime after: {os.getloadavg()}")
         return
     with tempfile.TemporaryDirectory(prefix="kvd-bench-hybrid-") as tmp:
