@@ -2,9 +2,12 @@
 
 The engine makes a `SessionCaches` with `model_fingerprint(...)`, `Budgets`
 and the daemon's `Pool` (the memory budgets every loaded model's store
-shares), then only checks caches out (`Checkout`) and back in. Everything
-else in the package (snapshot, segments, index, tiers, packing) is how that
-is done, and stays behind this door.
+shares), then calls ten of its methods (store.py's class docstring): it is
+admitted, checks caches out (`Checkout`, or a `Pending` read) and back in,
+and tells the store what happened (told.py: `ARRIVED`, `Took`, `Stepped`, ...).
+Everything else in the package (the budget protocol, the I/O worker's manners,
+snapshot, segments, index, tiers, packing) is how that is done, and stays
+behind this door.
 
 Importing the package stays light (no MLX): the names that need MLX load on
 first use, on the engine thread. Importing MLX on the main thread of a `kvd
@@ -20,14 +23,16 @@ from typing import TYPE_CHECKING, Any
 from .layout import cached_session_ids, check_usable, disk_ids
 from .pool import Pool
 from .prefix import common_prefix_len
+from .told import ARRIVED, IDLE, READS_REPORTED, STOPPING, WOKEN, Abandoned, Stepped, Took
 
 if TYPE_CHECKING:
     from .snapshot import rewind
     from .store import Budgets, Checkout, SessionCaches
     from .terms import Pending
 
-__all__ = ["Budgets", "Checkout", "Pending", "Pool", "SessionCaches", "cached_session_ids",
-           "check_usable", "common_prefix_len", "disk_ids", "model_fingerprint", "rewind"]
+__all__ = ["ARRIVED", "IDLE", "READS_REPORTED", "STOPPING", "WOKEN", "Abandoned", "Budgets", "Checkout", "Pending",
+           "Pool", "SessionCaches", "Stepped", "Took", "cached_session_ids", "check_usable", "common_prefix_len",
+           "disk_ids", "model_fingerprint", "rewind"]
 
 
 def __getattr__(name: str) -> Any:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -142,7 +141,6 @@ class PageIn:
         self._stream: Any = None  # MLX's stream that restores' buffers are filled on
         self._fill_rate = FillRate()
         self._next = 0
-        self.reported = threading.Event()  # set by the store when the reader reported: what `wait` waits for
         #: Whether this model's caches can be cut anywhere (plain KV): a restore may end inside a file. Where they
         #: cannot (a recurrent state, a window: set when the store learns the model's cache), only at a file's end.
         self.cuts = True
@@ -225,17 +223,6 @@ class PageIn:
             r.buffers = None
         if not r.done:
             self._end(r, None)
-
-    def wait(self, r: Reading, settle: Callable[[], None]) -> None:
-        """Wait for a read on this thread (a checkout or prefetch asked to wait: tools, tests, ranks in lockstep),
-        making its buffers here; `settle` takes in the reports that `reported` says have come."""
-        while not r.done:
-            if self.allocating(r):
-                self.allocate(all_of_it=True)
-                continue
-            self.reported.wait()
-            self.reported.clear()
-            settle()
 
     def reading(self) -> bool:
         """Whether any read is in flight."""

@@ -104,23 +104,14 @@ class Prefetcher:
     attach: Attach
     make_room: Callable[[], None]
     clock: Callable[[], float]
+    wait: Callable[[Reading], None]  # the store's: wait here for a read (ranks in lockstep, tools, tests)
     queue: list[str] = field(default_factory=list)  # sessions to prefetch, one read at a time
     reading: tuple[Reading, list[int], int] | None = None  # (its read, ids, the session's uses when it began)
     uses: dict[str, int] = field(default_factory=dict)  # checkouts per session: one overtakes a prefetch
     kept: set[str] = field(default_factory=set)  # paged in after a start and not checked out since
+    planned: list[str] | None = None  # `after_start`'s sessions not read yet in step (None: not planned)
     stats: dict[str, int] = field(default_factory=lambda: {"planned": 0, "done": 0, RESIDENT: 0, WARM: 0,
                                                             "bytes": 0})
-
-    def now(self, key: str, *, wait: Callable[[Reading], None]) -> str | None:
-        """Page a session's disk chain into memory if it fits and memory holds none of it, `wait`ing for the read
-        here; the tier it went to."""
-        if key in self.resident or key in self.warm:
-            return None
-        if (got := self.start(key)) is None:
-            return None
-        r, tokens = got
-        wait(r)
-        return self.keep(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
 
     def checked_out(self, key: str) -> bool:
         """A checkout of `key`: a prefetch of it under way is dropped; whether memory held it by a prefetch."""
@@ -133,6 +124,35 @@ class Prefetcher:
         plan = prefetch_plan(self.disk, by_use, self.resident, self.warm, limit)
         self.stats["planned"] += len(plan)
         return plan
+
+    def after_start(self, by_use: Callable[[], list[tuple[str, int]]], limit: int | None, *, in_step: bool,
+                    busy: Callable[[str], bool]) -> int:
+        """The store's `prefetch`: the first call plans (`by_use`: the index's sessions, least recently used first)
+        and, but `in_step`, queues every read; each later call `in_step` reads the next one, waiting for it. How
+        many are left to read (the first call: how many were planned)."""
+        if self.planned is None:
+            self.planned = self.plan(by_use(), limit)
+            planned = len(self.planned)
+            if not in_step:
+                self.later(self.planned, busy)
+                self.planned = []
+            return planned
+        if self.planned:
+            key = self.planned.pop(0)
+            try:
+                if tier := self.page_in(key):
+                    log.debug("prefetched the cache of %s into %s", key, tier)
+            except Exception:
+                log.exception("prefetching the cache of %s failed; it stays on disk", key)
+        return len(self.planned)
+
+    def page_in(self, key: str) -> str | None:
+        """Page one session's disk chain into memory if it fits, waiting here for its read; its tier (None: none)."""
+        if key in self.resident or key in self.warm or (got := self.start(key)) is None:
+            return None
+        r, tokens = got
+        self.wait(r)
+        return self.keep(key, r.result[0], tokens[:r.result[1]]) if r.result is not None else None
 
     def start(self, key: str) -> tuple[Reading, list[int]] | None:
         """Begin one session's read (None: nothing to read)."""

@@ -3,7 +3,7 @@
 The engine thread holds the live caches and only evaluates what a turn writes; the I/O worker writes it (writeback.py,
 queued by disktier.py), and its reader reads what a restore or a prefetch (prefetch.py) needs, planned by pagein.py: a
 checkout that needs disk returns its pending read, which the caller holds and turns into the checkout once it has ended
-(`read_out`), so no decode step waits on disk. Each thread has its own index connection.
+(`restored`), so no decode step waits on disk. Each thread has its own index connection.
 
 - After a turn the live cache stays *resident*, and what the turn added is written *behind* it: the whole blocks it
   completed and a private tail, so page-out cost grows with the new tokens, not the history.
@@ -32,23 +32,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
+from common.tiers import DISK, RESIDENT, SHARED, WARM
 
 from .blocks import root_key
 from .checkpoints import Checkpoints
-from .diskplan import DiskPlan
 from .disktier import DiskTier, open_disk
 from .index import SegmentIndex
 from .ioworker import FirstTokens
 from .lru import DiskStats, Tier
-from .pagein import PageIn, ReadReport
+from .pagein import PageIn, Reading, ReadReport
 from .pool import Pool
 from .prefetch import PREFETCH_ROOM, Prefetcher
-from .prefix import MIN_SHARED, common_prefix_len
+from .prefix import MIN_SHARED
+from .resume import Resume
 from .shares import Share
-from .sharing import Found, find_shared
 from .snapshot import cuttable
 from .terms import Budgets, Checkout, Pending
+from .told import Abandoned, Arrived, Idle, ReadsReported, Stepped, Stopping, Told, Took, Woken
 from .warm import Cache, WarmTier, cache_nbytes
 from .windows import Captures, attach
 from .writeback import NOTHING_TO_EVICT
@@ -60,6 +60,12 @@ log = logging.getLogger("kvd.cache")
 
 
 class SessionCaches:
+    """One model's caches in every tier. The engine's door is ten calls, each for what it needs: `connect` once its
+    model is warm (what a cache of n ids takes comes back), `admit` (room or no room, as a value), `checkout` and,
+    for one that reads disk, `restored`, `windows` (where a prefill keeps a window's blocks), `checkin`, `forget`,
+    `tell` (what happened: told.py), `statistics` and `prefetch` (after a start). The rest is the store's own (and
+    its tests' and tools'): tests/test_arrows.py fails if the daemon calls more than ten."""
+
     def __init__(self, root: Path, fingerprint: str, budgets: Budgets,
                  *, clock: Callable[[], float] = time.time, first_tokens: FirstTokens | None = None,
                  model: str = "", pool: Pool | None = None):
@@ -88,15 +94,18 @@ class SessionCaches:
         self.share = Share(self.pool.join(model or fingerprint), self.resident, self.warm, self.table, clock)
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
                             dropped=self._disktier.dropped, clock=clock,
-                            read=lambda job: self._io.read(job, done=self._read_done))  # (its `wait`s)
+                            read=lambda job: self._io.read(job, done=self._read_done))
         # What the engine tells the store (`connect`); until then, nothing runs and nobody is told.
         self.on_read: Callable[[], None] | None = None
         self.restoring: Callable[[str], bool] = lambda key: False
         self.running_bytes: Callable[[], int] = lambda: 0
+        self._read_event = threading.Event()  # a read reported: what a waiting `checkout` waits for
         self._captured = Captures(self.table)  # a window's blocks a prefill took
-        self.shared_stats = {"restores": 0, "tokens": 0}
         self._prefetch = Prefetcher(self._disk, self.table, self.resident, self.warm,
-                                    attach=partial(attach, self.table), make_room=self.make_room, clock=clock)
+                                    attach=partial(attach, self.table), make_room=self.make_room, clock=clock,
+                                    wait=self._wait)
+        self._resume = Resume(self.table, self.resident, self.warm, self._disk, self._disktier, self._prefetch,
+                              self._captured, self.points, settle=self._settle, wait=self._wait, clock=clock)
 
     @property
     def index(self) -> SegmentIndex:
@@ -136,15 +145,6 @@ class SessionCaches:
         """`fn` on the I/O worker once the disk jobs queued so far are done, every model's disk bytes counted first."""
         self._io.submit(lambda: (self._disktier.count(), fn()))
 
-    def arrived(self) -> None:
-        """An answer is on its way to the engine (any thread): the writes give way until it is taken (ioworker.py)."""
-        self._io.first_tokens.arrived()
-
-    def answering(self, busy: bool, *, took: bool = False) -> None:
-        """Whether the engine's answers still want their first token (waiting, restoring or prefilling): the engine
-        thread says after each step, and as it takes an arrived answer (`took`)."""
-        (self._io.first_tokens.taken if took else self._io.first_tokens.engine)(busy)
-
     def before_reads(self, fn: Callable[[], object]) -> None:
         """Call `fn` on the I/O worker's reader before any later read (a test holds the reader so)."""
         self._io.read(fn)
@@ -157,9 +157,19 @@ class SessionCaches:
 
     def _read_done(self) -> None:
         """On the reader: a read reported."""
-        self._disk.reported.set()
+        self._read_event.set()
         if (wake := self.on_read) is not None:
             wake()
+
+    def _wait(self, r: Reading) -> None:
+        """Wait for a read here (a checkout or prefetch asked to wait: tools, tests, ranks in lockstep)."""
+        while not r.done:
+            if self._disk.allocating(r):
+                self._disk.allocate(all_of_it=True)
+                continue
+            self._read_event.wait()
+            self._read_event.clear()
+            self._settle()
 
     def _on_idle(self) -> None:
         self.warm.release_held()  # disk holds them now (or never will: they were not writable)
@@ -167,166 +177,81 @@ class SessionCaches:
     # --- resume ---
 
     def checkout(self, key: str, wanted: Sequence[int], *, wait: bool = True) -> Checkout:
-        """Take the session's cache out of the tiers, holding the longest usable prefix anything holds.
-
-        At least one wanted token is always left to feed. Candidates, best first on a tie: the session's own resident
-        cache (rewound in place), its own warm snapshot, another session's resident cache or warm snapshots (a copy of
-        the shared prefix; that session keeps its own), then disk (the session's chain, and blocks any session wrote).
-
-        Disk is read by the I/O worker's reader, never here: with `wait`, this waits for the read (tools, tests, ranks
-        in lockstep); without, a checkout that needs disk returns at once with its pending `read`, which `read_out`
-        turns into the checkout once the read has ended (the engine keeps stepping the other sessions meanwhile).
-        """
-        t0 = time.perf_counter()
-        limit = len(wanted) - 1
+        """Take the session's cache out of the tiers (`_checkout`), then let idle caches leave memory for what the
+        admitted answers may reach."""
         self._settle()
-        prefetched = self._prefetch.checked_out(key)
-        self._captured.pop(key)  # a prefill that did not end in a checkin
-        own: Checkout | None = None
-        if (cache := self.resident.take(key)) is not None:
-            if (got := self.points.rewound(key, cache, self.table.session(key).tokens, wanted, limit)) is not None:
-                own = Checkout(got[0], got[1], RESIDENT, 0.0, prefetched=prefetched, checkpoint=got[2])
-            else:
-                log.debug("resident cache of %s not reusable for this turn", key)
-            self.warm.discard(key)
-            self.table.detach(key)  # the live cache is the engine's now
-        own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
-        if own is None and own_warm_n < limit and self._disktier.written(key, self._settle):
-            own_warm_n = self.warm.usable(key, wanted, limit)
-        best_n = max(own.tokens if own else 0, own_warm_n)
-        other, disk = self._others(key, wanted, limit, best_n)
-        if disk.end > max(best_n, other[0] if other else 0):
-            r = self._disk.begin(key, disk, room=len(wanted) - disk.end)
-            pending = Pending(key, list(wanted), t0, r, own, prefetched)
-            if wait:  # (tools, tests, ranks in lockstep)
-                self._disk.wait(r, self._settle)
-                return self._read_out(pending)
-            return Checkout(None, 0, DISK, 0.0, read=pending)
-        return self._from_memory(key, wanted, t0, own, own_warm_n, other, prefetched)
+        out = self._resume.checkout(key, wanted, wait=wait)
+        self.make_room()
+        return out
 
-    def take_reports(self) -> None:
-        """Take in what the I/O worker and its reader reported (`on_read`): a read goes on, or ends."""
+    def restored(self, pending: Pending) -> Checkout | None:
+        """The checkout a pending read ends in, once it has (None: still reading); the reports are taken in first."""
         self._settle()
-
-    def allocate(self, *, others: bool) -> None:
-        """Make the buffers the reads under way wait for (engine thread, once per step while a checkout's read is
-        pending or a prefetch's is under way). `others`: other answers are running, so they are made a few per call,
-        beside their steps; with none, all at once (nobody waits on this thread meanwhile)."""
-        self._disk.allocate(all_of_it=not others)
-
-    def read_out(self, pending: Pending) -> Checkout | None:
-        """The checkout a pending read ends in, once it has (None: still reading)."""
-        return self._read_out(pending) if pending.reading.done else None
-
-    def abandon(self, pending: Pending) -> None:
-        """A checkout waiting for its read is not wanted any more (its answer was cancelled)."""
-        self._disk.abandon(pending.reading)
-
-    def _read_out(self, pending: Pending) -> Checkout:
-        """A checkout whose read ended: what it read, or, if that failed, the best memory holds now."""
-        key, wanted, r = pending.key, pending.wanted, pending.reading
-        if r.result is not None:
-            held, end, own_tokens = r.result
-            assert isinstance(held, list)
-            now = self._clock()
-            self._disktier.later(lambda index: index.touch(key, now), key)
-            shared = max(end - own_tokens, 0)
-            ms = (time.perf_counter() - pending.t0) * 1000
-            point = not cuttable(held) and (shared > 0 or end < r.plan.chain)
-            return self._handed(key, wanted, Checkout(held, end, SHARED if shared else DISK, ms, shared,
-                                                      checkpoint=point))
-        limit = len(wanted) - 1
-        own = pending.own
-        own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
-        other, _ = self._others(key, wanted, limit, max(own.tokens if own else 0, own_warm_n))
-        return self._from_memory(key, wanted, pending.t0, own, own_warm_n, other, pending.prefetched)
-
-    def _from_memory(self, key: str, wanted: Sequence[int], t0: float, own: Checkout | None, own_warm_n: int,
-                     other: Found | None, prefetched: bool) -> Checkout:
-        def ms() -> float:
-            return (time.perf_counter() - t0) * 1000
-
-        if other is not None:
-            n, copy, point = other
-            if (copied := copy()) is not None:
-                return self._handed(key, wanted, Checkout(copied, n, SHARED, ms(), n, checkpoint=point))
-        if own is not None:
-            own.restore_ms = ms()
-            return self._handed(key, wanted, own)
-        if own_warm_n > 0:
-            point = own_warm_n < self.warm.held_ids(key) and not self.warm.cuttable(key)
-            copied = self.warm.copy(key, own_warm_n)
-            self.warm.take(key)
-            self.table.detach(key)
-            if copied is not None:
-                return self._handed(key, wanted, Checkout(copied, own_warm_n, WARM, ms(), prefetched=prefetched,
-                                                          checkpoint=point))
-        self._disk.stats.misses += 1
-        return Checkout(None, 0, NO_CACHE, ms())
-
-    def _handed(self, key: str, wanted: Sequence[int], out: Checkout) -> Checkout:
-        self.points.handed(key, out.cache, wanted[:out.tokens], checkpoint=out.checkpoint)
-        return self._counted(out)
-
-    def _others(self, key: str, wanted: Sequence[int], limit: int, best: int) -> tuple[Found | None, DiskPlan]:
-        """One walk down the wanted ids' blocks: the best copy of another session's memory (more than `best` ids),
-        and the disk plan."""
-        walk = self.table.walk(self.table.keys_for(key, wanted))
-        other = find_shared(self.table, self.resident, self.warm, key, wanted, limit, walk, best)
-        return other, self._disk.plan(key, wanted, limit, walk)
+        return self._resume.read_out(pending) if pending.reading.done else None
 
     def find(self, key: str, wanted: Sequence[int]) -> tuple[str, int]:
         """Where checkout would restore the longest prefix of `wanted` from, and how many ids; moves nothing."""
         self._settle()
-        limit = len(wanted) - 1
-        cache, s = self.resident.peek(key), self.table.sessions.get(key)
-        own = min(common_prefix_len(s.tokens, wanted), limit) if cache is not None and s is not None else 0
-        own_warm = self.warm.usable(key, wanted, limit) if not own else 0
-        other, disk = self._others(key, wanted, limit, max(own, own_warm))
-        if disk.end > max(own, own_warm, other[0] if other else 0):
-            return (SHARED if disk.end > disk.own else DISK), disk.end
-        if other is not None:
-            return SHARED, other[0]
-        return (RESIDENT, own) if own else (WARM, own_warm) if own_warm else (NO_CACHE, 0)
+        return self._resume.find(key, wanted)
 
     # --- the memory budgets every loaded model shares (shares.py) ---
 
     def connect(self, probe: Cache, *, running_bytes: Callable[[], int], restoring: Callable[[str], bool],
-                on_read: Callable[[], None] | None = None, on_room: Callable[[], None] | None = None) -> None:
+                on_read: Callable[[], None] | None = None,
+                on_room: Callable[[], None] | None = None) -> Callable[[int], int]:
         """What the store needs of its engine once the model is warm: a live cache's bytes by length (`probe`, the
         warm-up's, holds a token); the bytes the running answers may reach (idle resident caches make room for them);
         whether a session's answer waits for its read (a prefetch leaves it alone); whom to tell, from any thread,
-        never blocking: `on_read` when the reader reported (the engine calls `take_reports`), `on_room` when another
-        model's store wants room this one's older caches hold, or room this one waits for came back (`fit`, `room`)."""
+        never blocking: `on_read` when the reader reported (the engine tells `READS_REPORTED`), `on_room` when another
+        model's store wants room this one's older caches hold, or room this one waits for came back, or the budgets
+        changed (the engine tells `WOKEN`, and tries its queued answers again). Returns what the engine needs back: the
+        bytes a live cache of n ids takes, its buffers in whole steps, with the checkpoints its session may keep (an
+        answer's `need`)."""
         self.share.measure(probe)
         self._disk.cuts = cuttable(probe)  # (else a restore from disk ends at a file's end: its state is there)
         self.points.learn(probe, most=self.share.point_bytes(1 << 62))
         self.running_bytes, self.restoring, self.on_read = running_bytes, restoring, on_read
         self.share.on_room = on_room
+        return self.bytes_for
 
     def bytes_for(self, tokens: int) -> int:
         """The bytes a live cache of `tokens` ids takes with the checkpoints its session may keep (0 before
         `connect`)."""
         return self.share.bytes_for(tokens) + self.points.keep * self.share.point_bytes(tokens)
 
-    def room(self, key: str, need: int) -> bool:
-        """Whether a turn on `key` whose cache may reach `need` bytes starts now, beside every model's
-        caches (shares.py's `room`), once the running answers' bytes are counted afresh; True holds them."""
+    def admit(self, key: str, need: int) -> bool:
+        """Room or no room, as a value: whether an answer on `key` whose cache may reach `need` bytes starts now,
+        beside every model's caches (shares.py's `room`; the running answers' bytes counted afresh first). True
+        holds the bytes for it; False: it waits, and `on_room` says when to ask again."""
         self.make_room()
         return self.share.room(key, need)
 
-    def want_nothing(self) -> None:  # no turn of this store waits for room any more
-        self.share.want_nothing()
-
-    def fit(self) -> bool:
-        """Woken through `on_room`: let this store's oldest caches go while another store waits for the room."""
-        return self.share.fit()
-
-    def _counted(self, out: Checkout) -> Checkout:
-        if out.shared_tokens:
-            self.shared_stats["restores"] += 1
-            self.shared_stats["tokens"] += out.shared_tokens
-        return out
+    def tell(self, what: Told) -> bool:
+        """What happened (told.py); whether caches moved between tiers (the engine publishes where they are)."""
+        first = self._io.first_tokens
+        match what:  # (a step's first: told after every one)
+            case Stepped(running=running, wanting=wanting, waiting=waiting):
+                if self._disk.reading():
+                    self._disk.allocate(all_of_it=not running)  # the next buffers of the reads under way
+                first.engine(wanting)
+                if not waiting:
+                    self.share.want_nothing()  # (a queued answer may have been cancelled)
+            case Arrived():
+                first.arrived()  # the writes give way until it is taken (ioworker.py)
+            case Took(wanting=wanting):
+                first.taken(wanting)
+            case ReadsReported():
+                self._settle()
+            case Woken():
+                return self.share.fit()
+            case Idle():
+                self.maintain()
+            case Abandoned(read=read):
+                self._disk.abandon(read.reading)
+            case Stopping():
+                self.page_out_all()
+                self.close()
+        return False
 
     # --- prefetch after a restart ---
 
@@ -334,25 +259,24 @@ class SessionCaches:
         """Sessions only on disk that memory has room for (`limit`: bytes at most), latest first (prefetch.py)."""
         return self._prefetch.plan(self.index.keys_by_use(), limit)
 
-    def prefetch(self, key: str) -> str | None:
-        """Page a session's disk chain into memory if it fits, waiting here (tools, tests, ranks); its tier."""
-        return self._prefetch.now(key, wait=lambda r: self._disk.wait(r, self._settle))
+    def prefetch(self, limit: int | None = None, *, in_step: bool = False) -> int:
+        """Page the sessions only disk holds back into memory after a start, latest first, while they fit
+        (`limit`: bytes at most): planned at the first call; how many are left to read. Queued to the reader, a
+        read at a time at the lowest priority, each kept as it arrives unless its session was checked out since;
+        `in_step` (ranks in lockstep, which must read alike): nothing is queued, and each later call reads the
+        next one here, waiting for it (prefetch.py)."""
+        return self._prefetch.after_start(self.index.keys_by_use, limit, in_step=in_step, busy=self.restoring)
 
-    def prefetch_later(self, keys: Sequence[str]) -> None:
-        """Page sessions' whole disk chains into memory where they fit, a read at a time, waiting for none: each kept
-        as it arrives (`_settle`) unless the session was checked out since."""
-        self._prefetch.later(keys, busy=self.restoring)
-
-    def prefetching(self) -> bool:
-        """Whether prefetch reads are planned or under way."""
-        return self._prefetch.reading is not None or bool(self._prefetch.queue)
+    def page_in(self, key: str) -> str | None:
+        """Page a session's disk chain into memory if it fits, waiting here (tools, tests); its tier."""
+        return self._prefetch.page_in(key)
 
     # --- windows: blocks captured during a prefill (windows.py) ---
 
-    def boundary(self, cache: Cache) -> int | None:
-        """Every how many ids a prefill into `cache` stops for `capture`, and before its last id (None: a cache that
-        can be cut)."""
-        return None if cuttable(cache) else self.block
+    def windows(self, key: str, cache: Cache) -> tuple[int, Callable[..., None]] | None:
+        """A prefill of session `key` into `cache`: every how many ids it stops (and before its prompt's last id), and
+        what it calls there to keep the state there (`capture`); None: a cache that can be cut needs none."""
+        return None if cuttable(cache) else (self.block, partial(self.capture, key))
 
     def capture(self, key: str, cache: Cache, tokens: Sequence[int], *, last: bool = False) -> None:
         """A prefill into a cache that cannot be cut reached a block boundary (keep the block that ends here) or,
@@ -434,17 +358,23 @@ class SessionCaches:
         self._settle()
         return self._disktier.kept_for()
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self, *, where: bool = False, written: Callable[[], object] | None = None) -> dict[str, Any]:
+        """The tiers' figures; `where`: with each session's tier (`locations`) and the other models disk keeps its
+        cache for (`kept_for`); `written`: called on the I/O worker once disk holds what was asked of it so far
+        (`after_writes`: fresh figures then count what finished turns wrote)."""
+        if written is not None:
+            self.after_writes(written)
         self._settle()
-        return {
+        return ({"locations": self.locations(), "kept_for": self.kept_for()} if where else {}) | {
             "running": {"bytes": self.running_bytes(), "budget": self.pool.budgets[RESIDENT]},
             RESIDENT: self.resident.statistics(),
             WARM: self.warm.statistics(),
             "prefetched": {"sessions": (p := self._prefetch.stats)["done"], "bytes": p["bytes"],
-                           RESIDENT: p[RESIDENT], WARM: p[WARM]},
+                           RESIDENT: p[RESIDENT], WARM: p[WARM],
+                           "reading": self._prefetch.reading is not None or bool(self._prefetch.queue)},
             DISK: {**self._disktier.statistics(self.budgets.disk_bytes), "block_tokens": self.block,
                    **asdict(self.disk_stats)},
-            SHARED: dict(self.shared_stats),
+            SHARED: dict(self._resume.shared),
             "checkpoints": self.points.statistics(),
         }
 

@@ -39,7 +39,7 @@ class Checkout:
     #: Restored at a checkpoint (checkpoints.py): state kept at an earlier point than the end of the cache it came
     #: from, for a cache whose layers cannot all be cut there (recurrent state, a window).
     checkpoint: bool = False
-    read: Pending | None = None  # a disk read is under way: the checkout is its `read_out` (cache None until then)
+    read: Pending | None = None  # a disk read under way: the store's `restored` makes the checkout (cache None now)
 
 
 @dataclass

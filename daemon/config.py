@@ -38,7 +38,7 @@ class Config:
     blas_threads: int = 0  # 0: the CPUs this process may use
     # Models: several in one daemon, loaded by name on first use (daemon/engine/registry.py)
     keep_alive: float = 300.0  # seconds an idle model stays loaded (inf: until another needs its memory)
-    models_memory: int = 0  # bytes the loaded models' weights may take together; 0: the device's (device.py)
+    models_memory: int = 0  # bytes the models' weights and their caches in memory may take together; 0: the device's
     aliases: tuple[tuple[str, str], ...] = ()  # (alias, model) pairs: names a request may use for a model
     # Where kvd keeps its database, token, caches and built-in models
     data_dir: Path = field(default_factory=default_data_dir)

@@ -48,9 +48,10 @@ SPECULATE_ENV = "KVD_SPECULATE"
 # oversubscribing it can hang the GPU, so on CUDA this is a hard ceiling on any configured budget.
 GPU_CACHE_SHARE = 0.6
 GiB = 1 << 30
-# The share of the machine's memory the loaded models' weights may take on the CPU when [models] memory
-# is 0: the rest is the cache tiers', the prefill's activations and everything else the machine runs.
-CPU_MODELS_SHARE = 0.5
+# The share of the machine's memory the loaded models' weights and their caches' memory tiers may take
+# on the CPU when [models] memory is 0: the rest is the prefill's activations and everything else the
+# machine runs.
+CPU_MODELS_SHARE = 0.7  # (weights alone had 0.5, the tiers 1/8 + 1/16 beside them: about as much in all)
 MiB = 1 << 20
 # The memory tiers' default budgets where config.toml sets none, as a share of the memory the device
 # has (the host's total on the CPU, GPU_CACHE_SHARE of what is free after the weights on a GPU), the
@@ -177,6 +178,23 @@ class Policy:
         share = resident / (resident + warm) if resident + warm else 0.5
         return int(room * share), room - int(room * share)
 
+    def cache_budgets(self, resident: int | None, warm: int | None, *, weights: int,
+                      limit: int | None) -> tuple[int, int]:
+        """The resident and warm budgets beside `weights` bytes of model weights (every model loaded,
+        loading, or unloading and not yet stopped), within `limit` (`models_memory`: the weights and the
+        caches' memory tiers together; None: no limit known).
+
+        `budgets` first (a GPU: at most GPU_CACHE_SHARE of what was free after the weights), then cut,
+        in the same proportion, to what `limit` leaves beside the weights: so the weights and every
+        model's caches never pass the limit, and the budgets grow back when a model's weights go.
+        """
+        resident, warm = self.budgets(resident, warm, in_use=weights)
+        room = None if limit is None else max(0, limit - weights)
+        if room is None or resident + warm <= room:
+            return resident, warm
+        share = resident / (resident + warm)
+        return int(room * share), room - int(room * share)
+
     def default_budgets(self, in_use: int) -> tuple[int, int]:
         """The resident and warm budgets where none is configured, from the device's memory.
 
@@ -200,7 +218,8 @@ class Policy:
         return None if free is None else int(max(0, free - in_use) * PREFETCH_SHARE)
 
     def models_memory(self, configured: int) -> int | None:
-        """The bytes the loaded models' weights may take together; None: no limit known.
+        """The bytes the loaded models' weights and every model's caches in memory (the resident and warm
+        tiers) may take together; None: no limit known.
 
         `configured` ([models] memory) wins where it is set, but on a GPU never past what it had
         free. Unset: a GPU's free memory (Metal: its recommended working set), or CPU_MODELS_SHARE

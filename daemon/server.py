@@ -275,7 +275,7 @@ class Daemon:
         """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,
         every loaded model (`models`, what `kvd ps` shows), each answering session with its model, and
         the budgets every model's caches share (`budgets`; the disk tier's `bytes` count every model's
-        files too, `by_model` says whose)."""
+        files too, `by_model` says whose), and what the memory decision-maker counts (`memory`)."""
         engine = self.turns.engine
         stats = await self._engine_status(engine)
         answering = {sid: {**turn, "model": self.engines.default} for sid, turn in stats.get("answering", {}).items()}
@@ -295,7 +295,8 @@ class Daemon:
                 "prefetched": stats.get("prefetched", {}),
                 "locations": stats.get("locations", {}),
                 "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
-                "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded()}
+                "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded(),
+                "memory": self.engines.memory.statistics()}
 
     async def _engine_status(self, engine: Engine) -> dict[str, Any]:
         """The engine's statistics, fresh where it answers within STATUS_TIMEOUT."""

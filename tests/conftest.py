@@ -65,7 +65,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_session_requests", "test_shared", "test_seeds",
         "test_speculate",
         "test_fed_checksum", "test_tool_turns", "test_prefill", "test_render_exact", "test_empty_answers",
-        "test_models", "test_models_budgets", "test_responses", "test_door_rules",
+        "test_models", "test_models_budgets", "test_responses", "test_memory", "test_door_rules",
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
@@ -75,7 +75,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_missing_blocks", "test_mlx_backend", "test_model_places", "test_openai", "test_realmodel", "test_restart",
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
         "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_models_e2e",
-        "test_responses_restart",
+        "test_responses_restart", "test_model_loads",
         "test_anthropic", "test_hostile_messages", "test_hybrid",
     }),
 }  # fmt: skip

@@ -234,6 +234,77 @@ def test_an_import_cycle_is_found(tmp_path: Path) -> None:
     assert import_cycles(tmp_path, "tui") == [["tui.commands", "tui.repl"]]
 
 
+# --- the engine's door into the cache store: a handful of calls, each for what the engine needs (issue 52) ---
+
+DOOR_MOST = 10
+
+
+def store_members(root: Path) -> set[str]:
+    """SessionCaches' public members: its methods and properties, and the attributes its methods set."""
+    tree = ast.parse((root / "cachestore" / "store.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SessionCaches")
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return {n for n in names if not n.startswith("_")}
+
+
+def _names_a_store(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "caches") or (isinstance(node, ast.Attribute)
+                                                                     and node.attr == "caches")
+
+
+def door_calls(root: Path) -> dict[str, list[str]]:
+    """Each SessionCaches member the daemon reads off a cache store (`caches`, `self.caches`, `x.caches`), and where."""
+    members, used = store_members(root), dict[str, list[str]]()
+    for path in sorted((root / "daemon").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and _names_a_store(node.value) and node.attr in members:
+                used.setdefault(node.attr, []).append(f"{path.relative_to(root)}:{node.lineno}")
+    return used
+
+
+def stores_by_other_names(root: Path) -> list[str]:
+    """Where daemon/ holds a SessionCaches under another name than `caches` (door_calls would not see it)."""
+    wrong = []
+    for path in sorted((root / "daemon").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AnnAssign):
+                name, annotation = node.target, node.annotation
+                named = name.id if isinstance(name, ast.Name) else name.attr if isinstance(name, ast.Attribute) else ""
+            elif isinstance(node, ast.arg) and node.annotation is not None:
+                named, annotation = node.arg, node.annotation
+            else:
+                continue
+            if "SessionCaches" in ast.unparse(annotation) and named != "caches":
+                wrong.append(f"{path.relative_to(root)}:{node.lineno}: {named}")
+    return wrong
+
+
+def test_the_engine_calls_at_most_ten_of_the_cache_stores_methods() -> None:
+    """vLLM's scheduler needs about three calls on its cache manager; kvd's engine called 29 of SessionCaches'
+    (the budget protocol and the I/O worker's manners among them). The door: store.py's class docstring."""
+    used = door_calls(ROOT)
+    assert len(used) <= DOOR_MOST, sorted(used)
+    assert stores_by_other_names(ROOT) == []
+
+
+def test_a_wider_door_is_counted(tmp_path: Path) -> None:
+    (tmp_path / "cachestore").mkdir()
+    (tmp_path / "daemon" / "engine").mkdir(parents=True)
+    methods = [f"m{n}" for n in range(12)]
+    (tmp_path / "cachestore" / "store.py").write_text(
+        "class SessionCaches:\n    def __init__(self):\n        self.pool = None\n"
+        + "".join(f"    def {m}(self):\n        pass\n" for m in methods))
+    (tmp_path / "daemon" / "engine" / "thread.py").write_text(
+        "def f(self, caches, store: 'SessionCaches'):\n"
+        + "".join(f"    self.caches.{m}()\n" for m in methods[:9])
+        + "    caches.m9()\n    caches.pop('x')\n    self.caches.pool.resize()\n    return store.m10()\n")
+    assert sorted(door_calls(tmp_path)) == sorted([*methods[:10], "pool"])
+    assert [w.split(": ")[1] for w in stores_by_other_names(tmp_path)] == ["store"]
+
+
 # --- the doors ask the turn core (issue 52) ------------------------------------------------------
 
 HTTP_DOORS = ("openai_api", "anthropic_api", "responses")  # each reads its body through httpdoor.read_request

@@ -9,6 +9,7 @@ in tests/test_attention_model.py.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -114,6 +115,24 @@ def test_an_additive_mask_and_a_per_head_mask() -> None:
 def test_the_causal_mask_is_one_array_per_shape() -> None:
     assert causal_mask(16, 2064) is causal_mask(16, 2064)
     assert causal_mask(16, 2064).tolist() == create_causal_mask(16, 2048).tolist()
+
+
+def test_each_thread_builds_its_own_causal_mask() -> None:
+    """An MLX array is its thread's (its stream is): a mask one model's engine thread built, handed to
+    another's, failed that forward ("There is no Stream(cpu, 0) in current thread"), or crashed kvd
+    when both evaluated it at once (issue 51)."""
+    here = causal_mask(16, 48)
+    there: list[mx.array] = []
+
+    def build() -> None:  # another engine thread: its mask is made, and evaluated, on it
+        mask = causal_mask(16, 48)
+        mx.eval(mask)
+        there.append(mask)
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join()
+    assert there[0] is not here and there[0].tolist() == here.tolist()
 
 
 def test_batched_decode_with_left_padding() -> None:

@@ -11,6 +11,7 @@ from daemon.device import CPU_SPECULATION, GPU_SPECULATION, Device, LoadedModel,
 from daemon.engine import draft, modelload, speculate
 
 GiB = 1 << 30
+MiB = 1 << 20
 CPU = Device("cpu", "AMD EPYC")
 METAL = Device("metal", "Apple M2 Max", memory_total=64 * GiB, memory_free=48 * GiB)
 H200 = Device("cuda", "NVIDIA H200", memory_total=141 * GiB, memory_free=139 * GiB)
@@ -143,7 +144,7 @@ def test_what_the_config_leaves_to_the_device() -> None:
 
 
 @pytest.mark.parametrize(("device", "configured", "expected"), [
-    (Device("cpu", "AMD EPYC", memory_total=24 * GiB), 0, 12 * GiB),  # half the machine's
+    (Device("cpu", "AMD EPYC", memory_total=24 * GiB), 0, int(24 * GiB * 0.7)),  # 70% of the machine's
     (Device("cpu", "AMD EPYC", memory_total=24 * GiB), 3 * GiB, 3 * GiB),  # the configured one wins
     (CPU, 0, None),  # the machine did not say: no limit
     (METAL, 0, 48 * GiB),  # the recommended working set
@@ -153,6 +154,33 @@ def test_what_the_config_leaves_to_the_device() -> None:
 ])
 def test_models_memory_follows_the_device(device: Device, configured: int, expected: int | None) -> None:
     assert policy(device, env={}).models_memory(configured) == expected
+
+
+@pytest.mark.parametrize("dev", [Device("cpu", "laptop", memory_total=16 * GiB, memory_free=12 * GiB), METAL, H200,
+                                 Device("cuda", "NVIDIA L4", memory_total=24 * GiB, memory_free=22 * GiB)],
+                         ids=["cpu", "metal", "cuda-h200", "cuda-l4"])
+def test_the_caches_budgets_follow_the_weights_within_the_limit_on_every_device(dev: Device) -> None:
+    """The memory decision-maker's rule (engine/memory.py): weights plus the caches' budgets never pass the
+    limit (`models_memory`: on a GPU never past what it had free), down as weights load, back up as they go."""
+    p = policy(dev, env={})
+    limit = p.models_memory(0)
+    assert limit is not None
+    full = p.budgets(None, None, in_use=1 * GiB)
+    for weights in (1 * GiB, limit // 2, limit - 1 * GiB, limit - 64 * MiB, limit, limit + GiB):
+        resident, warm = p.cache_budgets(None, None, weights=weights, limit=limit)
+        assert weights + resident + warm <= max(limit, weights) and resident >= 0 and warm >= 0
+        assert (resident, warm) <= p.budgets(None, None, in_use=weights)  # never more than the device's rule
+        if dev.gpu:  # never past what the GPU had free, whatever was configured
+            configured = p.cache_budgets(64 * GiB, 64 * GiB, weights=weights, limit=limit)
+            assert weights + sum(configured) <= max(dev.memory_free or 0, weights)
+    squeezed = p.cache_budgets(None, None, weights=limit - 64 * MiB, limit=limit)
+    left = int(64 * MiB * device.GPU_CACHE_SHARE) if dev.gpu else 64 * MiB  # a GPU's 60% of what is left
+    assert left - 2 <= sum(squeezed) <= left and squeezed[0] > squeezed[1]  # resident the larger share
+    assert p.cache_budgets(None, None, weights=1 * GiB, limit=limit) == full  # grown back as the weights went
+    assert p.cache_budgets(None, None, weights=1 * GiB, limit=None) == full  # no limit known: the device's rule
+    # Configured budgets are cut in their own proportion.
+    resident, warm = p.cache_budgets(3 * GiB, 1 * GiB, weights=limit - 2 * GiB, limit=limit)
+    assert resident + warm <= 2 * GiB and abs(resident - 3 * warm) <= 3
 
 
 def test_a_model_that_fits_unloads_nothing() -> None:
@@ -180,8 +208,6 @@ def test_a_model_kept_out_by_busy_ones_is_refused_saying_so() -> None:
     assert room.refusal is not None and "there is 2.00 GiB of the 4.00 GiB" in room.refusal
     assert "answering now" in room.refusal
 
-
-MiB = 1 << 20
 
 
 @pytest.mark.parametrize("device, in_use, resident, warm, prefetch", [

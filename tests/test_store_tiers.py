@@ -205,11 +205,12 @@ def test_prefetch_pages_the_most_recent_sessions_into_warm_within_its_room(model
     plan = caches.prefetch_plan()
     assert plan == [C, B]
     for key in plan:
-        assert caches.prefetch(key) == "warm"
+        assert caches.page_in(key) == "warm"
     assert caches.locations() == {A: "disk", B: "warm", C: "warm"}
-    assert caches.prefetch(C) is None  # already warm
+    assert caches.page_in(C) is None  # already warm
     stats = caches.statistics()
-    assert stats["prefetched"] == {"sessions": 2, "bytes": caches.warm.nbytes, "resident": 0, "warm": 2}
+    assert stats["prefetched"] == {"sessions": 2, "bytes": caches.warm.nbytes, "resident": 0, "warm": 2,
+                                    "reading": False}
     assert stats["disk"]["hits"] == 0  # a prefetch is not a use
 
     cache, toks = kept[C]
@@ -244,7 +245,7 @@ def test_prefetch_fills_resident_room_first_with_live_caches(model: Any, tmp_pat
     live_bytes = per_session * 256 // 40  # a live buffer holds a whole 256-token step
     caches = SessionCaches(tmp_path, "fp", budgets(resident_bytes=live_bytes * 3 // 2, warm_bytes=per_session + 1),
                            clock=clock)
-    assert [caches.prefetch(key) for key in caches.prefetch_plan()] == ["resident", "warm"]
+    assert [caches.page_in(key) for key in caches.prefetch_plan()] == ["resident", "warm"]
     assert caches.locations() == {A: "disk", B: "warm", C: "resident"}
     assert caches.statistics()["prefetched"]["resident"] == 1
     assert caches.statistics()["disk"]["hits"] == 0  # a prefetch is not a use

@@ -12,7 +12,12 @@ over 2,064 keys (SmolLM2-135M) `mx.fast.scaled_dot_product_attention` took
   in two `mx.compile(shapeless=True)` kernels: max, subtract, mask and
   exp; then scale by 2^n, sum and normalize;
 - the causal mask for `mask="causal"` is built once per (queries, keys)
-  shape, i.e. once per forward, not once per layer;
+  shape, i.e. once per forward, not once per layer; and once per thread: an
+  MLX array belongs to the thread that made it (its stream is that thread's,
+  MLX 0.31.2 on), so a mask one engine thread built, shared with another
+  model's engine thread, failed its forward ("There is no Stream(cpu, 0) in
+  current thread") or crashed the daemon when both evaluated it at once
+  (SIGSEGV in libmlx: issue 51);
 - a long chunk of queries over a long cache goes in blocks (see BLOCK).
 
 Accuracy: a softmax only feeds the exp x - max(x) <= 0; there its relative
@@ -40,6 +45,7 @@ fast path there (daemon/device.py decides).
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,18 +104,26 @@ def softmax(scores: mx.array, mask: mx.array | None = None) -> mx.array:
     return _normalize_c(p, bits.view(mx.float32))
 
 
-_causal: dict[tuple[int, int], mx.array] = {}
+class _Masks(threading.local):
+    """Each thread's causal masks by shape: never another thread's (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.by_shape: dict[tuple[int, int], mx.array] = {}
+
+
+_causal = _Masks()
 
 
 def causal_mask(queries: int, keys: int) -> mx.array:
-    """The (queries, keys) causal mask, the queries being the last ones; one array per shape, so the
-    layers of one forward share it (and a graph computes it once)."""
-    mask = _causal.get((queries, keys))
+    """The (queries, keys) causal mask, the queries being the last ones; one array per shape and
+    thread, so the layers of one forward share it (and a graph computes it once)."""
+    masks = _causal.by_shape
+    mask = masks.get((queries, keys))
     if mask is None:
-        if len(_causal) >= 8:
-            _causal.clear()
+        if len(masks) >= 8:
+            masks.clear()
         mask = mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None]
-        _causal[(queries, keys)] = mask
+        masks[(queries, keys)] = mask
     return mask
 
 

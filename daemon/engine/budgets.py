@@ -1,7 +1,7 @@
 """An engine's cache store, opened at its load within the memory budgets every loaded model shares.
 
-Engine thread only: called from `Engine.load` (thread.py), after the model is on the device, so that
-the budgets are sized from the memory the weights left (daemon/device.py).
+Engine thread only: called from `Engine.load` (thread.py), after the model is on the device. The budgets
+are the daemon's memory decision-maker's (memory.py); the first engine makes them by its rule.
 """
 
 from __future__ import annotations
@@ -20,29 +20,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.engine")
 
 
-def shared_budgets(c: Config, pool: Pool | None) -> Pool:
-    """The resident and warm budgets, within the device's memory (a GPU's: never past what it has free),
-    that every loaded model's caches share: made by the first engine, sized again by each that loads."""
-    import mlx.core as mx
-
+def shared_budgets(c: Config, pool: Pool | None, weights: int) -> Pool:
+    """The resident and warm budgets every loaded model's caches share: `pool` as the daemon's memory
+    decision-maker (memory.py) sized it before this load; None: this is the first engine, which makes
+    them by the same rule beside its own `weights` (daemon/device.py's `cache_budgets`)."""
     from cachestore import Pool
 
     from ..device import current
 
-    resident, warm = current().budgets(c.resident_bytes, c.warm_bytes, in_use=mx.get_active_memory())
+    if pool is not None:
+        return pool
+    policy = current()
+    resident, warm = policy.cache_budgets(c.resident_bytes, c.warm_bytes, weights=weights,
+                                          limit=policy.models_memory(c.models_memory))
     configured = [(got, want) for got, want in ((resident, c.resident_bytes), (warm, c.warm_bytes))
                   if want is not None]
     if any(got != want for got, want in configured):
         log.warning("cache budgets cut to what %s has room for: resident %d bytes, warm %d bytes "
-                    "(configured %s and %s)", current().device.label(), resident, warm,
+                    "(configured %s and %s)", policy.device.label(), resident, warm,
                     c.resident_bytes, c.warm_bytes)
     if len(configured) < 2:
         log.info("cache budgets (every loaded model's) from %s's memory: resident %s, warm %s",
-                 current().device.label(), human_bytes(resident), human_bytes(warm))
-    if pool is None:
-        return Pool({RESIDENT: resident, WARM: warm})
-    pool.resize({RESIDENT: resident, WARM: warm})
-    return pool
+                 policy.device.label(), human_bytes(resident), human_bytes(warm))
+    return Pool({RESIDENT: resident, WARM: warm})
 
 
 def open_caches(c: Config, loaded: Any, kv_bits: int | None, pool: Pool) -> SessionCaches:

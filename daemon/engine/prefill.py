@@ -34,8 +34,8 @@ class Prefill:
     with a sliding window or a recurrent state, whose state at a point can
     only be taken there: a block's end (shared), and the prompt's end less
     one id, where a regenerate comes back to (cachestore's
-    `SessionCaches.boundary` and `capture`; the extra forward of one id
-    costs about a decode step).
+    `SessionCaches.windows`; the extra forward of one id costs about a decode
+    step).
 
     `last`: the model to feed the prompt's last chunk with, one that computes
     the logits of its last position only (`last_position`); None: `model`.

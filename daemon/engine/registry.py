@@ -4,12 +4,13 @@ Each loaded model is an `Engine` (thread.py) exactly as a single-model daemon
 has one: its own thread, which owns that model and every MLX array of it, its
 own decode batch and its own cache tiers, whose byte budgets every loaded model
 shares (cachestore's `Pool`, made by the first engine). This registry, on the event loop,
-says which names mean which model (`resolve`), loads a model the first time a
-turn asks for it (`engine`), and unloads one: when another needs its memory
-(daemon/device.py's `make_room` decides, before a weight is read) or after
-[models] keep_alive seconds without a turn (`keep_alive`). A model that is
-answering or loading is never unloaded; loading one never stops another's
-answers, since each runs on its own thread.
+says which names mean which model (`resolve`), hands a turn its model's engine (`engine`), and shows
+what is loaded (`loaded`). Whether and when a model loads or unloads, and what the caches' budgets
+are meanwhile, is the daemon's one memory decision-maker's (memory.py): one decision at a time,
+counting what a loading model will hold and what an unloading one holds until its engine has
+stopped. A model that is answering or loading is never unloaded; loading one never stops another's
+answers, since each runs on its own thread. A load that fails logs its exception with its traceback;
+its waiting requests get one line.
 
 The model kvd starts with (`--model`, config's `model`) is the default: what a
 request that names no model gets. It is loaded at start as before; after that it
@@ -18,11 +19,9 @@ is a model like the others, except that keep_alive does not unload it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +32,8 @@ import protocol as p
 from protocol.requests import RequestError, RequestId
 
 from ..config import Config
-from ..device import LoadedModel, make_room
 from ..models.catalog import SERVED_ALIAS, model_names
+from .memory import Memory, Slot
 from .thread import Engine
 
 if TYPE_CHECKING:
@@ -45,7 +44,6 @@ log = logging.getLogger("kvd.models")
 __all__ = ["Engines", "ModelRefused"]
 
 NAMES_FRESH = 10.0  # seconds a listing of the servable models is reused before it is walked again
-POLL = 0.05  # seconds between looks at a loading engine's `ready` (a threading.Event)
 ANNOUNCE = 1.0  # seconds between `loading` events while a model loads
 KEEP_ALIVE_CHECK = 5.0  # seconds between looks for models idle past keep_alive, at most
 KEEP_ALIVE_MIN_CHECK = 0.5  # and at least
@@ -60,41 +58,11 @@ class ModelRefused(Exception):
         self.code = code
 
 
-@dataclass
-class Slot:
-    """One model the registry holds: loading (engine None or not ready) or loaded."""
-
-    name: str
-    engine: Engine | None = None
-    nbytes: int = 0  # its weights' bytes: estimated before the load, measured after it
-    last_used: float = field(default_factory=time.monotonic)
-    settled: anyio.Event = field(default_factory=anyio.Event)  # the load ended, loaded or failed
-    error: str | None = None
-    refused: bool = False  # the error is "no room" (too_large), not "cannot be loaded"
-
-    @property
-    def ready(self) -> bool:
-        """Loaded and answering turns (a failed load is never ready)."""
-        e = self.engine
-        return self.error is None and e is not None and e.ready.is_set() and e.load_error is None
-
-
 def _servable(models_dir: Path) -> list[str]:
     """What `kvd models` lists and says runs (a worker thread: it walks Ollama's and the HF cache's folders)."""
     from ..models.catalog import entries
 
     return [e.name for e in entries(models_dir) if e.runs.startswith("yes")]
-
-
-def _prepare(name: str, models_dir: Path) -> tuple[Path, int]:
-    """The model's directory (fetched and converted first if needed) and its weights' bytes as the device
-    will run them (a worker thread)."""
-    from ..device import current
-    from ..models.footprint import weights_bytes
-    from ..models.sources import prepare_model
-
-    path = prepare_model(name, models_dir)
-    return path, weights_bytes(path, current().weights_dtype)
 
 
 class Engines:
@@ -105,19 +73,30 @@ class Engines:
         """`first`: the default model's engine (started by `kvd serve`). `busy(name)`: whether a turn
         runs on that model now (the turn core knows). `make`: an engine for a config and a prepared
         model directory (tests make their own)."""
-        self.config = config
         self.default = config.model
         self._busy = busy
-        # Every engine's caches share one pair of memory budgets (cachestore's Pool), the first engine's.
-        self._make = make or (lambda c, path: Engine(c, model_dir=path, pool=self.pool()))
         self._slots: dict[str, Slot] = {self.default: Slot(self.default, first)}
         # The start-up load is not the registry's: kvd serve started it, doors/loading.py watches it,
         # and the turn core waits for its `ready` as a single-model daemon does.
         self._slots[self.default].settled.set()
+        self._pool: Pool | None = None
+        # Every engine's caches share one pair of memory budgets (cachestore's Pool), the first engine's.
+        self.memory = Memory(config, self._slots, busy=busy, pool=self.pool,
+                             make=make or (lambda c, path: Engine(c, model_dir=path, pool=self.pool())))
+        self.config = config
         self._names: tuple[float, dict[str, str]] | None = None
         self.tg: TaskGroup | None = None  # the daemon's; loads run in it
         #: Daemon events to every websocket client (the server sets it): `loading` while a model loads.
         self.broadcast: Callable[[dict[str, Any]], None] = lambda event: None
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        """A new config (tests swap one in: keep_alive, the budgets) reaches the memory decisions too."""
+        self._config = self.memory.config = config
 
     # --- names ---
 
@@ -172,8 +151,11 @@ class Engines:
         return slot.engine if slot is not None else None
 
     def pool(self) -> Pool | None:
-        """The memory budgets the loaded models' caches share (made by the first engine to load)."""
-        return next((e.pool for e in self.engines() if e.pool is not None), None)
+        """The memory budgets the loaded models' caches share: made by the first engine to load, and the
+        daemon's from then on (every later engine joins it, even once that first one has unloaded)."""
+        if self._pool is None:
+            self._pool = next((e.pool for e in self.engines() if e.pool is not None), None)
+        return self._pool
 
     def engines(self) -> list[Engine]:
         return [s.engine for s in self._slots.values() if s.engine is not None]
@@ -190,6 +172,9 @@ class Engines:
     async def engine(self, name: str) -> Engine:
         """The loaded engine of `name`, loading it first (the caller waits); ModelRefused when it cannot be."""
         slot = self._slots.get(name)
+        while slot is not None and slot.unloading:  # its bytes are free once its engine has stopped: then load
+            await slot.gone.wait()
+            slot = self._slots.get(name)
         if slot is None and self.config.world_size > 1:
             raise ModelRefused(f"this kvd splits {self.default} across {self.config.world_size} ranks and serves "
                                f"only it; start another kvd for {name}")
@@ -211,17 +196,21 @@ class Engines:
             async with anyio.create_task_group() as announcing:
                 announcing.start_soon(self._announce, slot.name, t0)
                 try:
-                    await self._load_now(slot)
+                    await self.memory.load(slot)
+                except Exception as e:  # never a waiter left without an answer, nor a load without its cause
+                    log.exception("loading model %s failed", slot.name)
+                    slot.error = f"the model {slot.name} failed to load: {e}; kvd's log has the details"
                 finally:
                     announcing.cancel_scope.cancel()
             if slot.error is None:
                 log.info("model %s loaded in %.1f s (%s of weights)", slot.name, time.monotonic() - t0,
-                         _size(slot.nbytes))
+                         _size(slot.weights()))
                 self.broadcast({"type": p.READY, "model": slot.name})
         finally:
             if slot.error is not None:
                 log.warning("%s", slot.error)
-                del self._slots[slot.name]  # a later request tries again
+                if self._slots.get(slot.name) is slot:
+                    del self._slots[slot.name]  # a later request tries again
             slot.last_used = time.monotonic()
             slot.settled.set()
 
@@ -233,61 +222,9 @@ class Engines:
             self.broadcast({"type": p.LOADING, "model": name, "stage": f"loading {name}",
                             "elapsed_s": round(time.monotonic() - t0, 1)})
 
-    async def _load_now(self, slot: Slot) -> None:
-        """Prepare the model, make room for it, start its engine and wait until it is ready; a failure or a
-        refusal is left in `slot.error`."""
-        name = slot.name
-        try:
-            path, slot.nbytes = await anyio.to_thread.run_sync(_prepare, name, self.config.models_dir)
-        except Exception as e:  # ModelError: one line; anything else from a model file: still one
-            slot.error = f"the model {name} cannot be loaded: {e}"
-            return
-        if (refusal := await self._make_room(name, slot.nbytes)) is not None:
-            slot.error, slot.refused = refusal, True
-            return
-        log.info("loading model %s (%s of weights) on first use", name, _size(slot.nbytes))
-        engine = slot.engine = self._make(dataclasses.replace(self.config, model=name), path)
-        engine.start()
-        while not engine.ready.is_set():  # a threading.Event the engine thread sets
-            await anyio.sleep(POLL)
-        if engine.load_error is not None:
-            slot.error = f"the model {name} failed to load: {engine.load_error}; kvd's log has the details"
-            await anyio.to_thread.run_sync(engine.stop)
-            return
-        slot.nbytes = engine.weights_bytes or slot.nbytes
-
-    def _view(self) -> list[LoadedModel]:
-        now = time.monotonic()
-        return [LoadedModel(s.name, self._bytes(s),
-                            None if not s.ready or self._busy(s.name) else now - s.last_used)
-                for s in self._slots.values()]
-
-    def _bytes(self, slot: Slot) -> int:
-        if slot.engine is not None and slot.engine.weights_bytes is not None:
-            return slot.engine.weights_bytes
-        return slot.nbytes
-
-    async def _make_room(self, name: str, need: int) -> str | None:
-        """Unload what make_room says (idle models, least recently used first); its refusal, if any."""
-        from ..device import current
-
-        others = [m for m in self._view() if m.name != name]
-        room = make_room(name, need, current().models_memory(self.config.models_memory), others)
-        if room.refusal is not None:
-            return room.refusal
-        for victim in room.unload:
-            log.info("unloading model %s to make room for %s", victim, name)
-            await self.unload(victim)
-        return None
-
     async def unload(self, name: str) -> bool:
         """Stop the model's engine (its caches paged out, its memory let go); False if it was not idle."""
-        slot = self._slots.get(name)
-        if slot is None or slot.engine is None or not slot.ready or self._busy(name):
-            return False
-        del self._slots[name]
-        await anyio.to_thread.run_sync(slot.engine.stop)
-        return True
+        return await self.memory.unload(name)
 
     async def keep_alive(self) -> None:
         """Unload every model but the default once it has been idle for [models] keep_alive seconds."""
@@ -297,13 +234,7 @@ class Engines:
 
     async def expire(self) -> list[str]:
         """One look for models idle past keep_alive (the default stays); the ones unloaded."""
-        gone = []
-        for m in self._view():
-            if m.name != self.default and m.idle_s is not None and m.idle_s >= self.config.keep_alive:
-                log.info("unloading model %s: idle for %.0f s ([models] keep_alive)", m.name, m.idle_s)
-                if await self.unload(m.name):
-                    gone.append(m.name)
-        return gone
+        return await self.memory.expire(self.config.keep_alive, self.default)
 
     # --- what `kvd ps` and /v1/models show ---
 
@@ -313,12 +244,13 @@ class Engines:
         out = []
         for s in self._slots.values():
             e = s.engine
-            state = "loading" if not s.ready else "answering" if self._busy(s.name) else "idle"
+            state = ("unloading" if s.unloading else "loading" if not s.ready
+                     else "answering" if self._busy(s.name) else "idle")
             idle = round(now - s.last_used, 1) if state == "idle" else None
             expires = (None if s.name == self.default or idle is None or self.config.keep_alive == float("inf")
                        else round(max(0.0, self.config.keep_alive - idle), 1))
             out.append({"model": s.name, "default": s.name == self.default, "state": state,
-                        "weights_bytes": self._bytes(s), "context_length": e.max_context if e is not None else None,
+                        "weights_bytes": s.weights(), "context_length": e.max_context if e is not None else None,
                         "idle_s": idle, "unloads_in_s": expires, "device": e.device if e is not None else None,
                         "cache": _cache_of(e.stats if e is not None else {})})
         return out

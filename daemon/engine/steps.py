@@ -23,13 +23,13 @@ prefill never freezes the others.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
+from cachestore import Abandoned
 
 from ..config import Config
 from ..events import AnswerError, AnswerProgress, AnswerQueued
@@ -80,6 +80,8 @@ class Steps:
         self._last_answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
         self.last: Any | None = None  # the model for a prompt's last chunk (prefill.last_position), after warm-up
+        #: The bytes a live cache of n ids takes (the cache store's, once the engine connected it to the model).
+        self.cost: Callable[[int], int] = lambda n: 0
 
     # --- what the engine calls ---
 
@@ -97,19 +99,14 @@ class Steps:
 
     def _need(self, a: Answer) -> int:
         """The bytes the answer's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
-        return self.caches.bytes_for(len(a.tokens) + a.max_tokens) if self.caches is not None else 0
+        return self.cost(len(a.tokens) + a.max_tokens)
 
     def admit_waiting(self) -> None:
-        """Make the next buffers of the reads under way, start waiting answers while there is room;
-        tell the rest their new places."""
-        if self.caches is not None and (self.scheduler.phase(Phase.RESTORING) or self.caches.prefetching()):
-            self.caches.allocate(others=bool(self.scheduler.started()))
+        """Start waiting answers while there is room; tell the rest their new places."""
         for a in self.scheduler.admissible():
             self._admit(a)
         for a in self.scheduler.moved():
             a.emit(AnswerQueued(a.told))
-        if self.caches is not None and not self.scheduler.phase(Phase.WAITING):
-            self.caches.want_nothing()  # (a queued answer may have been cancelled)
 
     def _admit(self, a: Answer) -> None:
         if self.scheduler.alone(a.need):
@@ -129,14 +126,12 @@ class Steps:
             a.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def read_reported(self) -> None:
-        """The I/O worker's reader reported on a read: take the report in, and start the answers
-        whose read has ended (their reads were planned in `_insert`; a cancelled answer's read was
-        abandoned with it)."""
+        """The I/O worker's reader reported on a read: start the answers whose read has ended (their
+        reads were planned in `_insert`; a cancelled answer's read was abandoned with it)."""
         if self.caches is None:
             return
-        self.caches.take_reports()
         for a in self.scheduler.phase(Phase.RESTORING):
-            if a.read is None or (out := self.caches.read_out(a.read)) is None:
+            if a.read is None or (out := self.caches.restored(a.read)) is None:
                 continue
             a.read = None
             try:
@@ -158,7 +153,6 @@ class Steps:
         # The engine does not wait for a read: a cache on disk is read by the I/O worker and the answer
         # starts when the read has ended (`read_reported`); ranks in lockstep wait, to stay in step.
         out = self.caches.checkout(a.session_id, tokens, wait=self.lockstep is not None)
-        self.caches.make_room()  # idle caches leave memory for what the admitted answers may reach
         if out.read is not None:
             a.read = out.read  # it stays restoring
             return
@@ -181,9 +175,9 @@ class Steps:
         a.detokenizer, a.prompt, a.cached_len = self.tokenizer.detokenizer, tokens, cached
         a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
         a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET)
+        boundary, at_boundary = self.caches.windows(a.session_id, cache) or (None, None)
         a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
-                            boundary=self.caches.boundary(cache),
-                            at_boundary=functools.partial(self.caches.capture, a.session_id), last=self.last)
+                            boundary=boundary, at_boundary=at_boundary, last=self.last)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
         a.checkpoint = out.checkpoint and cached > 0
         self.scheduler.prefill(a)
@@ -299,7 +293,7 @@ class Steps:
             case Phase.WAITING | Phase.RESTORING:  # never started: nothing to keep
                 self.scheduler.end(session_id)
                 if a.read is not None and self.caches is not None:
-                    self.caches.abandon(a.read)
+                    self.caches.tell(Abandoned(a.read))
                 a.emit(Done("cancelled", a.usage(self.max_context), None))
             case Phase.PREFILLING:
                 # Keep what was prefilled for next time; the fed ids stay as they were.

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 
 import protocol as p
+from cachestore import ARRIVED, IDLE, READS_REPORTED, STOPPING, WOKEN, Abandoned, Stepped, Took
 from common.tiers import RESIDENT
 
 from ..config import Config
@@ -91,7 +92,7 @@ class Engine:
         self.warm_up_ms: float | None = None  # the first forward, run before `ready`
         self.device: str | None = None  # the device line (daemon/device.py), once loaded
         self.weights_bytes: int | None = None  # the model's weights in memory, once loaded (the registry's)
-        self._prefetch: list[str] = []  # sessions to page in from disk while idle, next first
+        self._prefetch = False  # sessions left to page in from disk, one per idle tick (ranks in lockstep)
         self._refault = False  # fault the heap's reserve in again once the planned prefetch is done
         self.stage_tokenizer: Any = None  # the tokenizer stage's own copy (`tokenize`), once loaded
         self._stage: anyio.CapacityLimiter | None = None  # one call at a time in the stage (made in the loop)
@@ -114,7 +115,7 @@ class Engine:
 
     def submit(self, answer: Answer) -> None:
         if self.caches is not None:  # (the cache store's writes give way to an answer's first token)
-            self.caches.arrived()
+            self.caches.tell(ARRIVED)
         self._inbox.put(answer)
 
     def cancel(self, session_id: str) -> None:
@@ -176,13 +177,14 @@ class Engine:
         params: Any = tree_flatten(loaded.model.parameters())
         if refusal := current().kv_bits_refusal(c.kv_bits, weights_label(params, {})):
             raise ValueError(refusal)
-        self.pool = shared_budgets(c, self.pool)
+        weights = sum(int(v.nbytes) for _, v in params)
+        self.pool = shared_budgets(c, self.pool, weights)
         if self.lockstep is None:
             self.scheduler.budget = self.pool.budgets[RESIDENT]  # running caches count against the resident tier's
         self.caches = open_caches(c, loaded, kv_bits, self.pool)
         self.model, self.tokenizer, self.max_context = loaded.model, loaded.tokenizer, loaded.max_context
         self.device = loaded.device
-        self.weights_bytes = sum(int(v.nbytes) for _, v in params)
+        self.weights_bytes = weights
         self.steps = Steps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
                                lockstep=self.lockstep, max_context=self.max_context,
                                publish=self._publish_stats)
@@ -227,27 +229,31 @@ class Engine:
         thread to let its own go for another model, or when room a queued answer waits for came back."""
         assert self.caches is not None
         alone = self.lockstep is None
-        self.caches.connect(probe, running_bytes=self.scheduler.held_bytes,
-                            restoring=lambda key: (a := self.scheduler.get(key)) is not None and a.read is not None,
-                            on_read=(lambda: self._inbox.put(ReadReported())) if alone else None,
-                            on_room=(lambda: self._inbox.put(RoomFreed())) if alone else None)
+        cost = self.caches.connect(probe, running_bytes=self.scheduler.held_bytes,
+                                   restoring=lambda key: (a := self.scheduler.get(key)) is not None
+                                   and a.read is not None,
+                                   on_read=(lambda: self._inbox.put(ReadReported())) if alone else None,
+                                   on_room=(lambda: self._inbox.put(RoomFreed())) if alone else None)
+        if self.steps is not None:
+            self.steps.cost = cost  # an answer's `need`: what its cache may reach
         if alone:
-            self.scheduler.room = self.caches.room
+            self.scheduler.room = self.caches.admit
 
     def open(self) -> None:
         """Load (a failure is kept in `load_error`), plan the prefetch, publish: then `ready`."""
         try:
             self.load()
-        except BaseException as e:  # reported to every client; `kvd serve` then stops (startup.py)
-            log.debug("loading model %s failed", self.config.model, exc_info=True)
-            self.load_error = e
+        except BaseException as e:  # reported to every client, its traceback logged by whoever loaded it:
+            self.load_error = e  # `kvd serve` at start (startup.py, then it stops), the registry after
         if self.caches is not None and self.config.prefetch:
             import mlx.core as mx
 
             from ..device import current
 
-            self._prefetch = self.caches.prefetch_plan(limit=current().prefetch_bytes(in_use=mx.get_active_memory()))
-            self._refault = bool(self._prefetch)
+            # Ranks in lockstep read one session per idle tick, in step (`_prefetch_one`); one rank queues them all.
+            planned = self.caches.prefetch(current().prefetch_bytes(in_use=mx.get_active_memory()),
+                                           in_step=self.lockstep is not None)
+            self._prefetch, self._refault = self.lockstep is not None and planned > 0, planned > 0
         self._publish_stats()
         self.ready.set()
 
@@ -293,9 +299,9 @@ class Engine:
         if self.scheduler.started() or self.caches is None:
             return
         if self._prefetch:
-            self._prefetch_one()
+            self._prefetch = self.caches.prefetch(in_step=True) > 0
         else:
-            self.caches.maintain()
+            self.caches.tell(IDLE)
             self._refault_heap()
         self._publish_stats()
 
@@ -303,10 +309,12 @@ class Engine:
         """Once the start's prefetch is done: its caches took (up to) their bytes of the warm-up's heap
         reserve, so fault that much in again for a first turn's buffers (engine/heap.py). On the engine
         thread, before the next request: a turn that came meanwhile would have faulted those pages itself."""
-        if self._refault and not self._prefetch and self.caches is not None and not self.caches.prefetching():
+        if not self._refault or self._prefetch or self.caches is None:
+            return
+        if not (prefetched := self.caches.statistics()["prefetched"])["reading"]:
             self._refault = False
             t0 = time.perf_counter()
-            if touched := heap.reserve(int(self.caches.statistics()["prefetched"]["bytes"])):
+            if touched := heap.reserve(int(prefetched["bytes"])):
                 log.info("after the start's prefetch, %d MiB of heap faulted in again in %.0f ms", touched >> 20,
                          (time.perf_counter() - t0) * 1000)
 
@@ -317,8 +325,7 @@ class Engine:
             for a in [*s.phase(Phase.WAITING), *s.phase(Phase.RESTORING), *s.started()]:
                 self.steps.cancel(a.key)
         if self.caches is not None:
-            self.caches.page_out_all()
-            self.caches.close()
+            self.caches.tell(STOPPING)  # every cache paged out, then the tiers closed
 
     def _release(self) -> None:
         """After close: let the model and its arrays go, and MLX's buffer cache with them (an unloaded
@@ -350,7 +357,9 @@ class Engine:
         if self.scheduler.started():
             self.steps.step()
         if self.caches is not None:
-            self.caches.answering(self.scheduler.before_first_tokens())
+            s = self.scheduler
+            self.caches.tell(Stepped(running=bool(s.started()), wanting=s.before_first_tokens(),
+                                     waiting=bool(s.phase(Phase.WAITING))))
 
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
@@ -374,59 +383,46 @@ class Engine:
                 cmd.emit(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
-                self.caches.answering(self.scheduler.before_first_tokens(), took=True)
+                self.caches.tell(Took(self.scheduler.before_first_tokens()))
         elif isinstance(cmd, Cancel):
             if self.steps is not None:
                 self.steps.cancel(cmd.session_id)
         elif isinstance(cmd, ReadReported):
+            if self.caches is not None:
+                self.caches.tell(READS_REPORTED)  # a restore or a prefetch goes on, or ends
             if self.steps is not None:
                 self.steps.read_reported()
             self._refault_heap()
         elif isinstance(cmd, RoomFreed):
-            if self.caches is not None:
-                if self.caches.fit():  # (the queued answers are tried again after it: `_advance`)
-                    self._publish_stats()  # where the sessions' caches are now
+            self._room_freed()
         elif isinstance(cmd, Forget):
             a = self.scheduler.get(cmd.session_id)
             if self.caches is not None and (a is None or a.phase in (Phase.WAITING, Phase.RESTORING)):
                 if a is not None and a.read is not None:
-                    self.caches.abandon(a.read)  # its answer starts without what the read held
+                    self.caches.tell(Abandoned(a.read))  # its answer starts without what the read held
                 self.caches.forget(cmd.session_id)
                 self._publish_stats()
         elif isinstance(cmd, Status):
             if self.caches is not None and not cmd.written:
                 # Counted once disk holds what finished turns wrote, without waiting for it here.
                 again = Status(cmd.reply, written=True)
-                self.caches.after_writes(lambda: self._inbox.put(again))
+                self.caches.statistics(written=lambda: self._inbox.put(again))
                 return
             self._publish_stats()
             cmd.reply(self.stats)
 
-    def _prefetch_one(self) -> None:
-        """Hand the planned sessions to the cache store, which pages them into memory one read at
-        a time on the I/O worker's reader (engine thread free meanwhile); ranks in lockstep read
-        one per idle tick here, in step.
-
-        The lowest priority there is: a restore's read waits behind at most
-        one prefetch read; a session asked for before its prefetch is
-        restored the usual way (its prefetch is then dropped).
-        """
-        assert self.caches is not None
-        if self.lockstep is None:
-            plan, self._prefetch = self._prefetch, []
-            self.caches.prefetch_later(plan)
-            return
-        key = self._prefetch.pop(0)
-        try:
-            if tier := self.caches.prefetch(key):
-                log.debug("prefetched the cache of %s into %s", key, tier)
-        except Exception:
-            log.exception("prefetching the cache of %s failed; it stays on disk", key)
+    def _room_freed(self) -> None:
+        """The budgets every model shares changed (memory.py), or room came back, or another model waits
+        for room this one's older caches hold."""
+        if self.pool is not None and self.lockstep is None:
+            self.scheduler.budget = self.pool.budgets[RESIDENT]
+        if self.caches is not None and self.caches.tell(WOKEN):  # (queued answers are tried again: `_advance`)
+            self._publish_stats()  # where the sessions' caches are now
 
     def _publish_stats(self) -> None:
-        caches = self.caches.statistics() if self.caches is not None else {}
-        where = self.caches.locations() if self.caches is not None else {}  # for this model only
-        kept_for = self.caches.kept_for() if self.caches is not None else {}  # other models' caches
+        caches = self.caches.statistics(where=True) if self.caches is not None else {}
+        where = caches.pop("locations", {})  # for this model only
+        kept_for = caches.pop("kept_for", {})  # other models' caches
         s = self.statistics()
         self.stats = {"generating": s.running, "waiting": s.waiting,
                       "answering": {sid: asdict(a) for sid, a in s.answers.items()},

@@ -26,6 +26,14 @@ LOG_MAX_BYTES = 5 << 20
 LOG_BACKUPS = 3
 FORMAT = "kvd: %(message)s"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: A record's `extra` key that keeps it off stderr: the details (a traceback) the file keeps where the
+#: terminal has the one line that says what happened and what to do (a model that fails at start).
+FILE_ONLY = "kvd_file_only"
+
+
+class _NotFileOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, FILE_ONLY, False)
 
 
 def setup_logging(*, verbose: bool, log_file: Path | None, stderr: bool = True) -> None:
@@ -37,6 +45,7 @@ def setup_logging(*, verbose: bool, log_file: Path | None, stderr: bool = True) 
     if stderr:
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter(FORMAT))
+        h.addFilter(_NotFileOnly())
         root.addHandler(h)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

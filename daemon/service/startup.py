@@ -40,9 +40,13 @@ def prepare(config: Config) -> Path | None:
 
 
 async def load_failure(engine: Engine) -> str | None:
-    """Wait until the engine has tried to load the model: None if it did, else why not."""
+    """Wait until the engine has tried to load the model: None if it did, else why not (one line; the
+    exception and its traceback go to the log file, not the terminal)."""
+    from .logfile import FILE_ONLY
+
     while not engine.ready.is_set():
         await anyio.sleep(POLL_INTERVAL)
-    if engine.load_error is None:
+    if (error := engine.load_error) is None:
         return None
-    return str(engine.load_error) or type(engine.load_error).__name__
+    log.error("loading %s failed", engine.config.model, exc_info=error, extra={FILE_ONLY: True})
+    return str(error) or type(error).__name__

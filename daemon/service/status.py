@@ -77,6 +77,10 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     if len(loaded := status.get("models") or []) > 1:
         console.print("models loaded: " + ", ".join(f"{m['model']} ({m['state']})" for m in loaded)
                       + " · kvd ps shows more", soft_wrap=True)
+    if (memory := status.get("memory") or {}).get("limit"):
+        console.print(f"memory: {human(memory['counted'])} of {human(memory['limit'])} (models.memory): "
+                      f"weights {human(memory['weights'])}, caches {human(memory['counted'] - memory['weights'])}",
+                      soft_wrap=True)
     if device := status.get("device"):
         console.print(device, soft_wrap=True)
     if blas := status.get("blas"):
