@@ -185,7 +185,7 @@ def profile(pid: int, out: Path, duration: int) -> subprocess.Popen[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
 
 
-THREADS = (("event loop", "_run_module_as_main"), ("tokenizer stage", "Engine._in_stage"),
+THREADS = (("event loop", "_run_module_as_main"), ("tokenizer stage", "TokenizerStage._call"),
            ("transcript writer", "Writer._run"), ("engine", "Engine._run"), ("I/O worker", "IOWorker"))
 
 

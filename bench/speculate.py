@@ -1,6 +1,13 @@
 """Speculative decoding on the real default model: decode tok/s with and without it, per task.
 
 Run: .venv/bin/python bench/speculate.py [--max-tokens 192] [--tasks rewrite,typos,regenerate,chat,concurrent]
+                                         [--model builtin:smollm2 | PATH]
+
+On any device (speculation is forced on as `[decode] speculate = "auto"` drafts, whatever the
+device's policy): the last line is the figure daemon/device.py's SPECULATION_MEASURED keeps for
+the device's kind, the median of the tasks' speedups, and what "auto" should do there. A model
+with random weights (bench/llamas.py, where no hub is reachable) still answers `regenerate`
+exactly as it did (greedy): its drafts are all right, the best case; `chat` is the worst.
 
 One kvd engine (the real engine thread's code, driven step by step in this
 process, greedy) loads SmolLM2-135M-Instruct once; every task runs twice in
@@ -176,6 +183,9 @@ def with_speculation(engine: Engine, mode: str) -> None:
     engine.config = replace(engine.config, speculate=mode)
 
 
+SPEEDUPS: list[float] = []  # each task's, for the verdict
+
+
 def row(name: str, off: list[Done], on: list[Done], tps_off: float, tps_on: float, k: list[float]) -> str:
     drafted = sum(d.usage["drafted_tokens"] for d in on)
     accepted = sum(d.usage["accepted_tokens"] for d in on)
@@ -183,6 +193,7 @@ def row(name: str, off: list[Done], on: list[Done], tps_off: float, tps_on: floa
     tokens = sum(d.usage["completion_tokens"] for d in on)
     rate = f"{accepted / drafted:.0%}" if drafted else "-"
     mean_k = f"{sum(k) / len(k):.1f}" if k else "-"
+    SPEEDUPS.append(tps_on / tps_off)
     return (f"| {name} | {tokens} | {tps_off:.1f} | {tps_on:.1f} | {tps_on / tps_off:.2f}x | "
             f"{accepted}/{drafted} | {rate} | {mean_k} | {'yes' if same else 'NO'} |")
 
@@ -191,11 +202,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--tasks", default="rewrite,typos,regenerate,chat,concurrent")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a model kvd serves (a built-in name or a path)")
     args = ap.parse_args()
+    model = args.model
     print(f"before: {uptime()}")
     print(BLAS.reason)
     store = Path(tempfile.gettempdir()) / "kvd-bench-real" / "models"
-    prepare_model(DEFAULT_MODEL, store)  # fetched and converted once, kept across runs
+    if not Path(model).is_dir():
+        prepare_model(model, store)  # fetched and converted once, kept across runs
 
     ks: list[float] = []
     usage = speculate.Speculation.usage
@@ -210,10 +224,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvd-bench-spec-") as tmp:
         data = Path(tmp) / "kvd"
         shutil.copytree(store, data / "models", copy_function=os.link)
-        engine = Engine(load_config(None, data_dir=data, model=DEFAULT_MODEL, resident_idle=3600.0))
+        engine = Engine(load_config(None, data_dir=data, model=model, resident_idle=3600.0),
+                        Path(model) if Path(model).is_dir() else None)
         engine.load()
         n = args.max_tokens
-        print(f"\n{DEFAULT_MODEL}, greedy, max_tokens {n}; tok/s = decode_tps (after the first token)\n")
+        print(f"\n{model} on {engine.device}, greedy, max_tokens {n}; tok/s = decode_tps (after the first token)\n")
         print("| task | tokens | off tok/s | on tok/s | speedup | accepted/drafted | rate | mean k | same answer |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         notes: list[str] = []
@@ -248,6 +263,15 @@ def main() -> None:
             print(row(name, [off], [on], off.usage["decode_tps"], on.usage["decode_tps"], ks), flush=True)
         for note in notes:
             print(f"\n{note}")
+        if SPEEDUPS:
+            import statistics
+
+            from daemon.device import current
+
+            kind = current().device.kind
+            mid = statistics.median(SPEEDUPS)
+            print(f"\nverdict for daemon/device.py's SPECULATION_MEASURED[{kind!r}]: median speedup {mid:.2f}x over "
+                  f"{len(SPEEDUPS)} tasks: \"auto\" should {'draft' if mid > 1.0 else 'not draft'} on {engine.device}")
         assert engine.caches is not None
         engine.caches.close()
     print(f"\nafter: {uptime()}")

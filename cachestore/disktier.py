@@ -231,10 +231,16 @@ class DiskTier:
             if got is None or not got[0] or got[0][0].start != 0:
                 continue
             parts, toks = got
+            toks = toks[:parts[-1].end]
+            if self.promise(key).tokens[:len(toks)] == tuple(toks):
+                # Disk holds it already (written behind its turn, or prefetched from there). Written again,
+                # a window's snapshot, which cannot be cut, would replace the session's blocks and files
+                # with one file from 0: the only places a turn parting from its ids before the end (a
+                # regenerate, an OpenAI request's new render of the answer) can restore at (issue 51).
+                continue
             try:
                 # A packed snapshot is saved at its rounded precision: the best there is.
                 snap = merge(*[unpack(p) for p in parts])
-                toks = toks[:snap.end]
                 keys = self.table.keys_for(key, toks)[:whole_blocks(len(toks), self.table.block)] \
                     if cuttable(snap) else []
                 self.write_behind(key, snap, toks, keys, evict=False)

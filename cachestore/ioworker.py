@@ -48,6 +48,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from common.threadname import name_thread
+
 log = logging.getLogger("kvd.cache")
 
 NICENESS = 10  # the worker's scheduling priority below the engine's: see IOWorker._run
@@ -223,6 +225,7 @@ class IOWorker:
             self.thread.join()
 
     def _read_loop(self) -> None:
+        name_thread(self.reader.name)  # the kernel's name too (top -H, py-spy)
         self._nice()  # the decoding sessions' steps go first; the read takes the cycles they leave
         while (job := self._reads.get()) is not None:
             try:
@@ -240,6 +243,7 @@ class IOWorker:
     def _run(self) -> None:
         # Copying and checksumming a file takes CPU too; on a machine with few cores the
         # decode's BLAS threads must win it, and the write takes the cycles they leave.
+        name_thread(self.thread.name)  # the kernel's name too (top -H, py-spy)
         self._nice()
         while (queued := self._jobs.get()) is not None:
             start, job = queued

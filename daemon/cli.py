@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 
 from common import durable, origins
+from common.threadname import name_thread
 from protocol import TOKEN_FILE, api_url, default_data_dir, default_url
 
 from . import __version__
@@ -276,6 +277,7 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
             raise StartError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
         engine.start()
         served = True
+        name_thread("kvd-loop")  # the event loop's thread (top -H, py-spy, bench/hostcost.py)
         failed = anyio.run(_main, config, daemon, detached, not lost)
         if not lost and not failed:
             _back_up(config, "at shutdown")

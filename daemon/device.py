@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .config import Config
 
 __all__ = ["ATTENTION_ENV", "KINDS", "Device", "LoadedModel", "Policy", "Room", "SpeculationLimits", "configured",
-           "current", "describe", "installed_backend", "make_room", "missing_backend", "policy"]
+           "current", "describe", "installed_backend", "make_room", "missing_backend", "policy", "speculation_pays"]
 
 KINDS = ("cpu", "metal", "cuda")
 #: `KVD_ATTENTION=mlx` keeps MLX's own attention on the CPU too (a benchmark's A/B, a suspected bug).
@@ -103,14 +103,31 @@ class SpeculationLimits:
     position_budget: int  # batch rows x (1 + k) one verifying forward may hold
 
 
+# What speculation did to decode on each kind of device, measured: its decode tok/s over plain decoding's
+# on the same turns (bench/speculate.py forces it on any device; bench/gpu.py's KVD_SPECULATE=on row).
+# "auto" drafts only where that is above 1 (`speculation_pays`); a kind never measured (Metal, so far)
+# does not draft. A new measurement on a device changes its line here.
+SPECULATION_MEASURED: dict[str, tuple[float, str]] = {
+    "cpu": (1.45, "the 2-core CPU, SmolLM2-135M: rewrite 1.45x, typos 2.59x, regenerate 4.60x, chat 0.88x "
+                  "(0.99x over four pairs), 4 sessions 0.99x (bench/speculate.py, 2026-11-23)"),
+    "cuda": (0.18, "an H100, the 1B shape: 32.6 against 184.7 tok/s (bench/gpu.py, 2026-11-27); an H200 "
+                   "6-8x slower (issue 33)"),
+}
+
+
+def speculation_pays(kind: str) -> bool:
+    """Whether "auto" speculation drafts on a device of `kind`: only where it measured faster (above)."""
+    measured = SPECULATION_MEASURED.get(kind)
+    return measured is not None and measured[0] > 1.0
+
+
 # Measured on the loaded 2-core CPU (draft.py, bench/speculate.py): a 9-token forward cost 1.7x a
 # 1-token one, 5 tokens 1.13x; 12 positions before a forward's compute shows beside its weight reads.
-CPU_SPECULATION = SpeculationLimits(auto=True, start_k=2, max_k=6, min_rate=0.3, pause_steps=16,
+CPU_SPECULATION = SpeculationLimits(auto=speculation_pays("cpu"), start_k=2, max_k=6, min_rate=0.3, pause_steps=16,
                                     position_budget=12)
 # On a GPU verifying k tokens costs about one decode step, so when drafting runs it may draft longer
-# and batch wider; but on an H200 (MLX 0.32.4) kvd's speculating decode loop ran 6-8x slower than
-# plain decoding on the 1B shape (issue 33), so "auto" does not draft on a GPU until bench/gpu.py
-# shows it pays there (KVD_SPECULATE=on measures it). A failed draft pauses longer than on the CPU.
+# and batch wider (KVD_SPECULATE=on measures it where "auto" does not draft). A failed draft pauses
+# longer than on the CPU.
 GPU_SPECULATION = SpeculationLimits(auto=False, start_k=4, max_k=8, min_rate=0.5, pause_steps=64,
                                     position_budget=64)
 
@@ -297,8 +314,9 @@ def policy(device: Device, *, env: dict[str, str] | None = None) -> Policy:
     """
     env = dict(os.environ) if env is None else env
     speculation = CPU_SPECULATION if device.kind == "cpu" else GPU_SPECULATION
-    if env.get(SPECULATE_ENV, "").lower() == "on" and not speculation.auto:
-        speculation = SpeculationLimits(**{**speculation.__dict__, "auto": True})
+    auto = speculation_pays(device.kind) or env.get(SPECULATE_ENV, "").lower() == "on"
+    if auto != speculation.auto:
+        speculation = SpeculationLimits(**{**speculation.__dict__, "auto": auto})
     if device.kind == "cpu":
         return Policy(device, weights_dtype="float32",
                       kvd_attention=env.get(ATTENTION_ENV, "").lower() != "mlx",

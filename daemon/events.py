@@ -13,13 +13,16 @@ turn core passes the first two on as they are, numbers the deltas it shows
 (a stop sequence or a tool call's text is never shown) and says whether an
 error came after text (`answered`).
 
-The first token's hand-off: the answer's first delta carries `written`, which
-the listener that writes it to its client calls right after that write (or
-as soon as it knows it never will: its client has gone, it sends nothing
-before the end). The engine waits for the first of those calls, a few
-milliseconds at most, before its next step, so that step does not hold the
-first token back (engine/steps.py, FIRST_HANDOFF_S). A door that forgets
-it costs its clients that bound on every answer's first token.
+Each delta carries `written`, which every listener that got it calls right
+after writing it to its client (or as soon as it knows it never will: its
+client has gone, it sends nothing before the end). The turn core publishes
+the next delta, holding everything said meanwhile, only once every listener
+has (turn.py, `Turn.show`): a slow reader gets fewer, bigger deltas, and the
+engine never waits for it. The first delta's call is also the first token's
+hand-off: the engine waits for it, a few milliseconds at most, before its
+next step, so that step does not hold the first token back (engine/steps.py,
+FIRST_HANDOFF_S). A door that forgets it stalls its answer's text until the
+end, and costs the first token that bound.
 
 The websocket door turns them into protocol frames (`protocol.wire`), the
 OpenAI doors into their JSON bodies and server-sent events, the Anthropic door
@@ -67,8 +70,8 @@ class AnswerProgress:
 @dataclass(frozen=True, slots=True)
 class AnswerDelta:
     seq: int  # per turn, from 0, no gaps: a client that reattaches asks for what it missed by seq
-    text: str
-    # The answer's first delta only (never a replayed one): call once written to the client (see above).
+    text: str  # everything the answer said since the delta before (one token's text, or many)
+    # Call once written to the client (see above); None on a replayed delta (chat.attach).
     written: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
@@ -83,6 +86,17 @@ class AnswerToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log-probability under the model (the log-softmax of its logits, before temperature), and the
+    `top` most likely tokens at its position with theirs, most likely first (a request's top_logprobs). None
+    for a prompt's first token, which nothing before it predicts."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class AnswerDone:
     """The answer is committed (durably). `finish_reason`: "stop", "length" or "cancelled"; a door that
     offered tools and got calls says so in its own words (OpenAI "tool_calls", Anthropic "tool_use")."""
@@ -92,6 +106,10 @@ class AnswerDone:
     usage: Mapping[str, Any]  # the wire's usage object (docs/protocol.md, chat.done): every figure kvd has
     content: str = ""  # the kept answer's text without its tool calls' text
     calls: tuple[AnswerToolCall, ...] = field(default=())
+    # Asked for (a request's logprobs): each answer token's, in order (the stop token not among them); and the
+    # prompt's, each of its tokens (a text completion's echo).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
@@ -43,7 +44,10 @@ from .doors.guards import NO_ROUTE, asked
 from .doors.h11guard import guarded_h11
 from .doors.httpdoor import DOOR, REFUSED, ApiError
 from .doors.loading import LoadingWatch
-from .doors.openai_api import OpenAIDoor
+from .doors.metrics import Live, Metrics, door_of
+from .doors.ollama_api import OllamaDoor, is_ollama
+from .doors.openai_api import OpenAIDoor, error_response
+from .doors.operations import OperationsDoor, is_operations
 from .doors.responses import ResponsesDoor, is_responses
 from .doors.websocket import WebSocketDoor
 from .engine.thread import Engine
@@ -64,13 +68,15 @@ class RefusalLog:
 
     INTERVAL = 1.0  # seconds between two lines of one kind
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None) -> None:
         self._clock = clock
         self._last: dict[tuple[Any, ...], tuple[float, int]] = {}  # kind -> (when last logged, how many since)
+        self.metrics = metrics  # every response's status counted by door (GET /metrics)
 
     def wrap(self, scope: Scope, send: Send) -> Send:
-        """`send`, logging the response's status when it is 400 or more."""
+        """`send`, logging the response's status when it is 400 or more, and counting every one."""
         started = False
+        door = door_of(str(scope.get("path", "")), websocket=scope.get("type") == "websocket")
 
         async def logged(message: MutableMapping[str, Any]) -> None:
             nonlocal started
@@ -78,8 +84,12 @@ class RefusalLog:
                 started = True
                 if int(message.get("status", 200)) >= 400:
                     self.said(scope, int(message["status"]))
+                if self.metrics is not None:
+                    self.metrics.responded(door, int(message.get("status", 200)))
             elif not started and message["type"] == "websocket.accept":
                 started = True
+                if self.metrics is not None:
+                    self.metrics.responded(door, 101)
             await send(message)
 
         logged.__wrapped__ = send  # type: ignore[attr-defined]  # abort_transport cuts the connection behind it
@@ -157,7 +167,11 @@ class Daemon:
         self.api = OpenAIDoor(config, api, token)
         self.messages = AnthropicDoor(config, api, token)
         self.responses = ResponsesDoor(config, api, token)
-        self.refusals = RefusalLog()
+        self.ollama = OllamaDoor(config, api, token)
+        self.metrics = Metrics(self._live)
+        self.turns.watchers.append(self.metrics)
+        self.operations = OperationsDoor(config, self._loading, self.metrics, token, error_response)
+        self.refusals = RefusalLog(metrics=self.metrics)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -189,6 +203,9 @@ class Daemon:
             proxy_headers=False,
             access_log=False, server_header=False, headers=[("server", f"kvd/{__version__}")],
             ws_max_size=self.config.max_message_bytes, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+            # Frames are small JSON (a delta of a few tokens): compressing each cost the event loop more
+            # than sending it (py-spy, bench/hostcost.py), and the peer is on this machine by default.
+            ws_per_message_deflate=False,
             # No limit_concurrency: past it uvicorn answers everyone, token or not, with a plain-text
             # 503. Connections are bounded where kvd knows who is asking: heads by the protocol
             # (h11guard.py), websockets by max_connections, API turns by max_queued (admission.py).
@@ -268,8 +285,15 @@ class Daemon:
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
             path = scope["path"]
-            door = self.messages if is_anthropic(path) else self.responses if is_responses(path) else self.api
+            door = (self.messages if is_anthropic(path) else self.responses if is_responses(path)
+                    else self.ollama if is_ollama(path) else self.operations if is_operations(path) else self.api)
             await door.app(scope, receive, self.refusals.wrap(scope, send))
+
+    def _live(self) -> Live:
+        """What /metrics reads when scraped: each engine's published statistics, the loaded models, the API
+        requests admitted but not started."""
+        engines = {e.config.model: e.stats for e in self.engines.engines() if e.ready.is_set()}
+        return Live(engines=engines, loaded=self.engines.loaded(), admitted=self.api.api.admission.pending)
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,
@@ -296,7 +320,10 @@ class Daemon:
                 "locations": stats.get("locations", {}),
                 "warm_up_ms": stats.get("warm_up_ms"), "blas": self.blas, "device": stats.get("device"),
                 "ranks": stats.get("ranks", {"world_size": 1}), "models": self.engines.loaded(),
-                "memory": self.engines.memory.statistics()}
+                "memory": self.engines.memory.statistics(),
+                # kvd's own threads by name, with their kernel ids (top -H, /proc/PID/task: bench/hostcost.py)
+                "threads": _threads(),
+                **({"profile": stats["profile"]} if "profile" in stats else {})}  # the step profiler's, when on
 
     async def _engine_status(self, engine: Engine) -> dict[str, Any]:
         """The engine's statistics, fresh where it answers within STATUS_TIMEOUT."""
@@ -317,3 +344,13 @@ class Daemon:
             with anyio.move_on_after(STATUS_TIMEOUT):
                 stats = await fresh
         return stats
+
+
+def _threads() -> dict[str, list[int]]:
+    """The daemon's Python threads (kvd-engine, kvd-writer, kvd-io, ...; the event loop is the main thread,
+    "kvd-loop"), each name's kernel thread ids."""
+    out: dict[str, list[int]] = {}
+    for t in threading.enumerate():
+        if t.native_id is not None:
+            out.setdefault(t.name, []).append(t.native_id)
+    return out

@@ -257,6 +257,12 @@ class Transcripts:
         return self._write(lambda s: s.update_message(sid, index, **fields), durable=durable,
                            label="answer" if fields.get("status") else "")
 
+    def append_text(self, held: Held, index: int, text: str) -> Write:
+        """A streaming answer's commit: `text` appended to message `index` in the store (not durable: the
+        answer's end is). Memory is left as it is until the answer's end sets its whole text (`update`)."""
+        sid = held.session_id
+        return self._write(lambda s: s.update_message(sid, index, append=text), durable=False)
+
     def truncate(self, held: Held, from_index: int) -> Write:
         if held.stashed:  # other models' ids may stand for messages cut here: their next turn renders afresh
             held.stashed.clear()

@@ -10,6 +10,7 @@ the turn core drives them.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -26,6 +27,11 @@ from .events import AnswerDelta, TurnEvent
 from .prompt import Prompt
 from .transcripts import Held, Write
 
+# The least time between two deltas of one answer (50 a second): a model faster than that (a small one on a
+# GPU) has each delta carry several tokens, so the event loop's work and the socket's sends do not grow with
+# the decode rate (each websocket frame cost the loop a send: ~60% of its time per token, py-spy). The
+# answer's first delta, and its last text, go out at once.
+DELTA_INTERVAL = 0.02
 ASKED_NOTHING = Sampling()  # a request that leaves every sampling value to the session's params and the config
 
 
@@ -141,6 +147,10 @@ class TurnSpec:
     # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
     # context leaves instead of the turn being refused (Turns._fit)
     fit: bool = False
+    context: int | None = None  # a context smaller than the model's the answer must fit in (Ollama's num_ctx)
+    raw: bool = False  # a prompt fed as it is (a text completion): its answer's first space is kept
+    logprobs: int | None = None  # each answer token's log-probability and this many alternatives (None: none)
+    prompt_logprobs: bool = False  # the prompt's too (a text completion's echo)
 
 
 @dataclass
@@ -150,9 +160,14 @@ class Turn:
     message_index: int
     first_new: int  # the first message this turn added (taken back if it can never fit)
     subscribers: set[Listener] = field(default_factory=set)
-    text: str = ""  # the answer so far, as kept while it streams (a tool call's text included)
+    # The answer so far, as kept while it streams (a tool call's text included), in pieces (`text` joins them).
+    pieces: list[str] = field(default_factory=list)
     seq: int = 0
     deltas: list[str] = field(default_factory=list)  # each published delta's text, by seq
+    unsent: list[str] = field(default_factory=list)  # shown text waiting for the listeners to write the last delta
+    writing: int = 0  # listeners that have not yet written the last published delta
+    last_delta: float = -math.inf  # when the last delta was published (the event loop's clock)
+    _later: asyncio.TimerHandle | None = None  # the next delta's publication, when it waits for DELTA_INTERVAL
     stop: StopScan | None = None
     finished: anyio.Event = field(default_factory=anyio.Event)  # the answer is committed, whatever its end
     cancelled: bool = False  # a cancel arrived (perhaps before the engine had the job)
@@ -166,6 +181,7 @@ class Turn:
     # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
     # context leaves instead of the turn being refused (Turns._fit)
     fit: bool = False
+    context: int | None = None  # a context smaller than the model's that `fit` lowers max_tokens to (num_ctx)
     max_tokens_asked: int | None = None  # what the request asked for (None: it left it to the defaults)
     max_tokens: int | None = None  # what the answer may be, once fitted (the engine's answer has it)
     context_bound: bool = False  # max_tokens was lowered to the room the model's context leaves
@@ -177,9 +193,64 @@ class Turn:
     # write one; the engine waits for it (Answer.handed).
     handed: threading.Event = field(default_factory=threading.Event)
 
+    @property
+    def text(self) -> str:
+        """The answer so far (joined once per call, not per piece: read at its end and on failures)."""
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
+
     def publish(self, event: TurnEvent) -> None:
         for listener in list(self.subscribers):
             listener.hear(self, event)
+
+    def show(self, text: str, *, now: bool = False) -> None:
+        """Text a client may be shown: published as the next delta once every listener has written the
+        last one (`written`) and DELTA_INTERVAL has passed since it, with whatever else came meanwhile;
+        `now`: at once (the answer's end).
+
+        So a delta carries everything said since the one before it: one engine step's text when the
+        model is slower than DELTA_INTERVAL a token and the client keeps up, more when it is faster or
+        the client reads slowly. A slow reader gets bigger deltas, never a slower engine, and its
+        outbox holds one delta of a turn at a time. The first delta goes out at once.
+        """
+        if text:
+            self.unsent.append(text)
+        if not self.unsent:
+            return
+        if not now:
+            if self.writing:
+                return  # `_written` shows it
+            loop = asyncio.get_running_loop()
+            if (wait := self.last_delta + DELTA_INTERVAL - loop.time()) > 0:
+                if self._later is None:
+                    self._later = loop.call_later(wait, self._due)
+                return
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+        text, self.unsent[:] = "".join(self.unsent), []
+        self.deltas.append(text)
+        self.writing = len(self.subscribers)
+        event = AnswerDelta(self.seq, text, self._written if self.writing else None)
+        self.seq += 1
+        self.last_delta = asyncio.get_running_loop().time()
+        if not self.writing:
+            self.handed.set()  # nobody writes it: the engine need not wait
+        self.publish(event)
+
+    def _due(self) -> None:
+        self._later = None
+        self.show("")
+
+    def _written(self) -> None:
+        """A listener wrote the last delta (or never will): the first one's hand-off to the engine, and
+        the next delta goes out once every listener has."""
+        if not self.handed.is_set():
+            self.handed.set()
+        self.writing = max(0, self.writing - 1)
+        if not self.writing and self.unsent:
+            self.show("")
 
     def attach(self, listener: Listener, after_seq: int) -> None:
         """Re-send the deltas `listener` has not seen, as first published, then subscribe it.

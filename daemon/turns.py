@@ -30,10 +30,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -52,15 +51,12 @@ from .engine.registry import Engines, ModelRefused
 from .engine.running import MIN_ANSWER, Answer
 from .engine.thread import Engine
 from .events import (
-    AnswerDelta,
     AnswerDone,
     AnswerError,
-    AnswerProgress,
-    AnswerQueued,
-    AnswerReading,
     AnswerStarted,
     AnswerToolCall,
 )
+from .feed import End, Feed
 from .prompt import prompt_tokens
 from .renders import Renders
 from .transcripts import Held, Transcripts, Write
@@ -68,10 +64,21 @@ from .turn import ASKED_NOTHING, Listener, StopScan, Turn, TurnSpec
 
 log = logging.getLogger("kvd.turns")
 
+
+def _nowhere(event: EngineEvent) -> None:
+    """An answer's sink until its feed is made (a moment later, in `Turns.start`)."""
+
 PromptIds = Callable[[Any], tuple[list[int], bool]]  # a turn's ids from a tokenizer, and whether they were rebuilt
-COMMIT_INTERVAL = 0.25  # seconds between commits of a streaming answer
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
+
+
+class TurnWatcher(Protocol):
+    """Told of every turn's end, whatever its door (the metrics: doors/metrics.py); must not block."""
+
+    def done(self, turn: Turn, usage: Mapping[str, Any], reason: str) -> None: ...
+
+    def failed(self, turn: Turn, code: str) -> None: ...
 
 
 class Turns:
@@ -93,6 +100,7 @@ class Turns:
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
         self._renders: dict[str, Renders] = {}  # stateless requests' last renders, per model (tokenizer stage)
+        self.watchers: list[TurnWatcher] = []  # told of every turn's end
 
     @property
     def engine(self) -> Engine:
@@ -281,7 +289,7 @@ class Turns:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
         resolved = resolve(spec.sampling.given(), held.params, self.config.sampling(),
-                           max_tokens_limit=self.config.max_tokens_limit)
+                           max_tokens_limit=self.config.max_tokens_limit, knobs=spec.sampling.knobs())
         previous = (held.model, held.fed_model)
         switched = self._serve_with(held, spec.model)
         serving = held.model or self.engines.default
@@ -291,7 +299,7 @@ class Turns:
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(spec.stop) if spec.stop else None, door=spec.door, held=held, tools=spec.tools,
                     model=serving, switched_from=previous if switched else None, fit=spec.fit,
-                    max_tokens_asked=spec.sampling.max_tokens)
+                    max_tokens_asked=spec.sampling.max_tokens, context=spec.context)
         turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
@@ -299,24 +307,17 @@ class Turns:
         else:
             turn.writes.append(write_new())
         self.active[session_id] = turn
-        send, receive = anyio.create_memory_object_stream[EngineEvent](math.inf)
-        loop = asyncio.get_running_loop()
-
-        def emit(event: EngineEvent) -> None:  # engine thread
-            loop.call_soon_threadsafe(_deliver, event)
-
-        def _deliver(event: EngineEvent) -> None:  # event loop
-            try:
-                send.send_nowait(event)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass
-
+        end, ended = anyio.create_memory_object_stream[End](math.inf)
         answer = Answer(session_id=session_id, tokens=[], seed=spec.seed, fed_before=fed_before,
                         history=first_new > 1 if spec.history is None else spec.history,
-                        sampling=resolved,
-                        emit=emit, grammar=spec.grammar, handed=turn.handed)
-        self.tg.start_soon(self._submit, turn, ids, answer, send)
-        self.tg.start_soon(self._pump, turn, answer, receive)
+                        sampling=resolved, emit=_nowhere, grammar=spec.grammar, handed=turn.handed, raw=spec.raw,
+                        logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs)
+        # Its events, heard on this loop a step at a time (feed.py; the engine's hand-off calls it)
+        feed = Feed(asyncio.get_running_loop(), turn, answer, self.transcripts,
+                    cancel=partial(self.cancel, session_id, turn), end=end)
+        answer.emit = feed
+        self.tg.start_soon(self._submit, turn, ids, answer, feed)
+        self.tg.start_soon(self._pump, turn, feed, ended)
         turn.publish(AnswerStarted(index))
         return turn
 
@@ -339,7 +340,7 @@ class Turns:
             writes += self.transcripts.feed_for(held, serving)
         return writes
 
-    async def _submit(self, turn: Turn, ids: PromptIds, answer: Answer, events: Any) -> None:
+    async def _submit(self, turn: Turn, ids: PromptIds, answer: Answer, events: Feed) -> None:
         """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
         answer to its engine."""
         try:
@@ -351,7 +352,7 @@ class Turns:
                     turn.writes.append(self.transcripts.choose_model(turn.held, chosen))
                 if fed_by is not None and fed_by != turn.held.fed_model:
                     turn.writes += self.transcripts.feed_for(turn.held, fed_by)
-            events.send_nowait(AnswerError(e.code, str(e)))
+            events(AnswerError(e.code, str(e)))
             return
         while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
@@ -362,15 +363,16 @@ class Turns:
             answer.tokens, answer.retokenized = await engine.tokenize(ids)
         except TemplateError as e:  # the model's chat template refuses the conversation (raise_exception)
             log.info("the chat template of %s refused session %s's conversation: %s", turn.model, turn.session_id, e)
-            events.send_nowait(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
-                                           "send one it takes (docs/openai.md)"))
+            events(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
+                               "send one it takes (docs/openai.md)"))
             return
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
-            events.send_nowait(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
+            events(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
-            turn.context_bound = self._fit(answer, engine.max_context)
+            contexts = [c for c in (engine.max_context, turn.context) if c]
+            turn.context_bound = self._fit(answer, min(contexts) if contexts else None)
         turn.max_tokens = answer.max_tokens
         engine.submit(answer)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
@@ -417,52 +419,20 @@ class Turns:
         if errors:
             raise errors[0]
 
-    async def _pump(self, turn: Turn, answer: Answer,  # noqa: C901 - 17: one branch per engine event kind,
-                    events: MemoryObjectReceiveStream[EngineEvent]) -> None:  # sharing the commit clock and stop scan
-        """Commit and publish one answer's events until it is done.
-
-        The engine has taken the answer once it says anything but its queue
-        position or a refusal: then a new session's rows are queued, and a
-        retokenized prompt's old answer boundaries forgotten. The first delta
-        is queued for commit at once, later ones at most every
-        COMMIT_INTERVAL: a crash loses at most that much of an answer. The
-        answer's end is published once its commit is back (fsynced).
-        """
-        last_commit = -math.inf
-        taken = False
+    async def _pump(self, turn: Turn, feed: Feed, ended: MemoryObjectReceiveStream[End]) -> None:
+        """Wait for the answer's end (its events until then are heard by `feed`, a step at a time), commit
+        it and publish it once committed (fsynced). A failure while hearing them ends it here too."""
         sid, held, t = turn.session_id, turn.held, self.transcripts
         assert held is not None
         try:
-            async with events:
-                async for ev in events:
-                    if not taken and isinstance(ev, AnswerProgress | AnswerDelta | Done):  # the engine took it
-                        taken = True
-                        turn.writes += [write() for write in turn.unstored]
-                        turn.unstored.clear()
-                        # The input figures, before the first token (Anthropic's message_start): the engine
-                        # set them on the answer before the event that says it took it.
-                        turn.publish(AnswerReading(len(answer.tokens), answer.cached_len))
-                        if answer.retokenized:
-                            turn.writes.append(t.forget_fed_ends(held, turn.message_index))
-                    if isinstance(ev, AnswerQueued | AnswerProgress):
-                        turn.publish(ev)
-                    elif isinstance(ev, AnswerDelta):
-                        text = ev.text
-                        if turn.stop is not None:
-                            stopped = turn.stop.hit
-                            text = turn.stop.feed(text)
-                            if turn.stop.hit and not stopped:
-                                self.cancel(sid, turn)  # the rest would be cut anyway
-                        self._said(turn, text, first=ev.seq == 0)
-                        if time.monotonic() - last_commit >= COMMIT_INTERVAL:
-                            turn.writes.append(t.update(held, turn.message_index, durable=False, content=turn.text))
-                            last_commit = time.monotonic()
-                    elif isinstance(ev, Done):
-                        await self._done(turn, ev)
-                        return
-                    else:
-                        await self._failed(turn, ev)
-                        return
+            async with ended:
+                end = await ended.receive()
+            if isinstance(end, Exception):
+                raise end
+            if isinstance(end, Done):
+                await self._done(turn, feed, end)
+            else:
+                await self._failed(turn, end)
         except Exception as e:
             if turn.engine is not None:
                 turn.engine.cancel(sid)  # nobody is left to keep what it generates
@@ -479,9 +449,11 @@ class Turns:
                     await self._committed(turn)
                 except Exception as again:  # the answer keeps what was committed before; recovered at start
                     log.warning("could not mark the answer of %s as cut: %s", sid, again)
+            self._tell(lambda w: w.failed(turn, error.code))
             t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
             if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
                 del self.active[sid]
+            turn.show("", now=True)
             turn.publish(error)
         finally:
             if self.active.get(sid) is turn:
@@ -489,7 +461,15 @@ class Turns:
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
+    def _tell(self, what: Callable[[TurnWatcher], None]) -> None:
+        for watcher in self.watchers:
+            try:
+                what(watcher)
+            except Exception:  # a watcher's fault is never the turn's
+                log.exception("a turn watcher failed")
+
     async def _failed(self, turn: Turn, ev: AnswerError) -> None:
+        self._tell(lambda w: w.failed(turn, ev.code))
         t, held = self.transcripts, turn.held
         assert held is not None
         if turn.unstored:  # refused before the engine took it: a new session, never stored
@@ -503,26 +483,8 @@ class Turns:
             turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                         status="error", finish_reason="error"))
         await self._committed(turn)
+        turn.show("", now=True)
         turn.publish(AnswerError(ev.code, ev.message, answered=turn.seq > 0))
-
-    def _said(self, turn: Turn, text: str, *, first: bool = False) -> None:
-        """Add `text` to the answer and publish what of it may be shown (not a tool call's text).
-
-        The engine waits after the answer's first token until it is written
-        (Answer.handed): the listener that writes it sets that, or this does
-        when there is nothing to write or nobody to write it.
-        """
-        turn.text += text
-        shown = turn.tools.feed(text) if turn.tools is not None else text
-        if first and not (shown and turn.subscribers):
-            turn.handed.set()
-        self._show(turn, shown, written=turn.handed.set if first else None)
-
-    def _show(self, turn: Turn, text: str, written: Callable[[], None] | None = None) -> None:
-        if text:
-            turn.deltas.append(text)
-            turn.publish(AnswerDelta(turn.seq, text, written))
-            turn.seq += 1
 
     def _usage(self, turn: Turn, usage: dict[str, Any], reason: str) -> dict[str, Any]:
         """The answer's usage, plus the model that answered, its output limit (`max_tokens_asked`: what the
@@ -544,11 +506,11 @@ class Turns:
                 usage["kept_for"] = others
         return usage
 
-    async def _done(self, turn: Turn, ev: Done) -> None:
+    async def _done(self, turn: Turn, feed: Feed, ev: Done) -> None:
         reason = ev.finish_reason
         stopped = turn.stop is not None and turn.stop.hit
         if turn.stop is not None:
-            self._said(turn, turn.stop.flush())
+            feed.say(turn.stop.flush())
             if stopped:
                 reason = "stop"  # cancelled by the stop sequence, as far as the client is concerned
         status = "cancelled" if reason == "cancelled" else "complete"
@@ -563,11 +525,13 @@ class Turns:
                  f" (max_tokens {u['max_tokens_asked']} lowered to {u['max_tokens']}, "
                  f"{'the room the context left' if turn.context_bound else 'limits.max_tokens_limit'})"
                  if "max_tokens_asked" in u else "")
+        self._tell(lambda w: w.done(turn, u, reason))
         content, calls = turn.text, list[dict[str, str]]()
         if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
             rest, calls = turn.tools.finish()
-            self._show(turn, rest)
+            turn.show(rest)
             content = turn.tools.content if calls else turn.text
+        turn.show("", now=True)  # whatever waited for a slow reader, before the end
         held = turn.held
         assert held is not None
         fed_end = self._record(turn, held, ev.tokens, exact=not stopped)
@@ -578,4 +542,5 @@ class Turns:
         made = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(calls))
         for call in made:
             turn.publish(call)
-        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made))
+        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made, logprobs=ev.logprobs,
+                                prompt_logprobs=ev.prompt_logprobs))

@@ -247,8 +247,10 @@ class Store:
         usage: dict[str, Any] | None = None,
         fed_end: int | None = None,
         tool_calls: Sequence[Mapping[str, str]] | None = None,
+        append: str | None = None,
     ) -> None:
-        """Change only the given fields (None means "leave as is").
+        """Change only the given fields (None means "leave as is"); `append`: text added to the content
+        (a streaming answer's commit: what came since the last one, never the whole answer again).
 
         Called for every streamed chunk, so it is one UPDATE and one commit;
         it does not touch the session (append_message already did).
@@ -258,6 +260,9 @@ class Store:
         if content is not None:
             sets.append("content = ?")
             params.append(content)
+        elif append is not None:
+            sets.append("content = content || ?")
+            params.append(append)
         if status is not None:
             _check_status(status)
             sets.append("status = ?")

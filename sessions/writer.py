@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from common.threadname import name_thread
+
 from .store import Store
 
 log = logging.getLogger("kvd.transcript")
@@ -66,7 +68,7 @@ class Writer:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvd-transcript", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="kvd-writer", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
@@ -95,6 +97,7 @@ class Writer:
         await self.run(lambda store: None, durable=False)
 
     def _run(self) -> None:
+        name_thread("kvd-writer")  # the kernel's name too (top -H, py-spy, bench/hostcost.py)
         while True:
             first = self._queue.get()
             if first is None:

@@ -184,14 +184,29 @@ def test_quantized_caches_equal_mlx_lms_quantized_path(bits: int, L: int, H: int
     close(as_lists, ours)
 
 
-def test_a_plain_cache_through_the_hooks_signature() -> None:
+@pytest.mark.parametrize("L,S", [(16, 16), (1, 300), (16, 300)])
+def test_a_plain_cache_through_the_hooks_signature(L: int, S: int) -> None:
+    """Through the hook: kvd's attention from MIN_SCORES scores up, exactly MLX's own below."""
     from daemon.engine.attention import scaled_dot_product_attention
 
     cache = KVCache()
-    q, k, v = qkv(1, 9, 3, 16, 16)
+    q, k, v = qkv(1, 9, 3, L, S)
     keys, values = cache.update_and_fetch(k, v)
-    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask="causal")
-    close(scaled_dot_product_attention(q, keys, values, cache, 0.125, "causal"), ref)
+    mask = "causal" if L > 1 else None
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask)
+    out = scaled_dot_product_attention(q, keys, values, cache, 0.125, mask)
+    close(out, ref)
+    ours = 9 * L * S >= attn.MIN_SCORES
+    assert attn.pays(q, keys) == ours
+    which = attention(q, keys, values, scale=0.125, mask=mask) if ours else ref
+    assert bool(mx.array_equal(out, which))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 128), (1, 1, 1536), (1, 16, 1536)])
+def test_the_hooks_swiglu_is_mlx_lms_below_its_size_and_vexps_above(shape: tuple[int, ...]) -> None:
+    gate, x = mx.random.normal(shape) * 4, mx.random.normal(shape)
+    which = swiglu if gate.size >= attn.MIN_SWIGLU else mlx_swiglu
+    assert bool(mx.array_equal(attn.swiglu(gate, x), which(gate, x)))
 
 
 @pytest.mark.parametrize("B,L,S", [(1, 64, 2100), (3, 40, 900)])

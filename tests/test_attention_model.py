@@ -26,7 +26,7 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import converted
-from daemon.engine import attention, vexp
+from daemon.engine import attention
 from daemon.engine.modelload import Loaded, load_model
 from daemon.models.sources import DEFAULT_MODEL
 
@@ -82,7 +82,7 @@ def test_every_layer_of_the_default_model_goes_through_kvds_attention(loaded: Lo
     assert attention.installed()
     module = sys.modules[type(loaded.model).__module__]
     assert module.scaled_dot_product_attention is attention.scaled_dot_product_attention
-    assert module.swiglu is vexp.swiglu
+    assert module.swiglu is attention.swiglu
     before = attention.calls[0]
     mx.eval(loaded.model(mx.array([[1, 2, 3, 4]]), cache=make_prompt_cache(loaded.model)))
     assert attention.calls[0] - before == len(loaded.model.layers) == 30
@@ -107,7 +107,7 @@ def test_the_hook_reaches_every_mlx_lm_model_imported_before_or_after_it() -> No
     swiglu_users = [name for name in names if hasattr(sys.modules[f"mlx_lm.models.{name}"], "swiglu")]
     assert len(swiglu_users) > 60  # mlx-lm 0.32: 77
     for name in swiglu_users:
-        assert sys.modules[f"mlx_lm.models.{name}"].swiglu is vexp.swiglu, name
+        assert sys.modules[f"mlx_lm.models.{name}"].swiglu is attention.swiglu, name
 
 
 def test_logits_agree_with_mlx_attention_over_prefill_chunks_and_decode(loaded: Loaded) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.service.blas import Candidate, Verdict, choose, probe, run_probe, system_libraries
-from daemon.service.blasprobe import core_misfit
+from daemon.service.blas import Candidate, Verdict, choose, cpu_flags, probe, run_probe, system_libraries
+from daemon.service.blasprobe import better_core, core_misfit
 from daemonproc import DaemonProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,6 +146,46 @@ def _run(code: str, env: dict[str, str] | None = None) -> dict[str, object]:
     out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
     out["stderr"] = proc.stderr
     return out
+
+
+AVX512 = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.parametrize("config, core, flags, better", [
+    ("OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Prescott MAX_THREADS=64", "Prescott", AVX512, "SkylakeX"),
+    ("OpenBLAS 0.3.21 DYNAMIC_ARCH Prescott MAX_THREADS=64", "Prescott", {"avx", "avx2", "fma"}, "Haswell"),
+    ("OpenBLAS 0.3.21 DYNAMIC_ARCH Core2 MAX_THREADS=64", "Core2", {"avx"}, "Sandybridge"),
+    ("OpenBLAS 0.3.21 DYNAMIC_ARCH Prescott MAX_THREADS=64", "Prescott", {"sse3"}, None),  # nothing better
+    ("OpenBLAS 0.3.21 DYNAMIC_ARCH Zen MAX_THREADS=64", "Zen", AVX512, None),  # a core chosen for this CPU
+    ("OpenBLAS 0.3.21 DYNAMIC_ARCH SkylakeX MAX_THREADS=64", "SkylakeX", AVX512, None),
+    ("OpenBLAS 0.3.26 PRESCOTT MAX_THREADS=8", "Prescott", AVX512, None),  # a single-core build: its only one
+])  # fmt: skip
+def test_a_dynamic_build_on_a_generic_core_gets_the_core_the_flags_allow(config: str, core: str, flags: set[str],
+                                                                         better: str | None) -> None:
+    assert better_core(config, core, flags) == better
+
+
+_CORE = ("import json, os\n"
+         "from pathlib import Path\n"
+         "from daemon.service.blas import preload_blas, probe\n"
+         "r = preload_blas(cache=Path({cache!r}))\n"
+         "v = probe(Path(r.path), cache=Path({cache!r}))\n"
+         "print(json.dumps({{'reason': r.reason, 'config': v.config, 'core': v.core,"
+         " 'env': os.environ.get('OPENBLAS_CORETYPE')}}))\n")
+
+
+def test_the_system_openblas_never_runs_a_generic_core_this_cpu_outdoes(tmp_path: Path) -> None:
+    """OpenBLAS 0.3.21 on a CPU it does not know (a virtual Xeon with AVX-512) chose Prescott's kernels."""
+    out = _run(_CORE.format(cache=str(tmp_path / "v.json")), env={"OPENBLAS_CORETYPE": ""})
+    assert out["core"] and f"core {out['core']}" in str(out["reason"])
+    assert better_core(str(out["config"]), str(out["core"]), cpu_flags()) is None, out
+
+
+def test_a_core_the_user_names_is_left_alone(tmp_path: Path) -> None:
+    named = "Haswell" if {"avx2", "fma"} <= cpu_flags() else "Prescott"
+    out = _run(_CORE.format(cache=str(tmp_path / "v.json")), env={"OPENBLAS_CORETYPE": named})
+    assert out["env"] == named and str(out["core"]).lower() == named.lower(), out
+    assert "it chose" not in str(out["reason"])
 
 
 def test_the_system_openblas_is_what_mlx_binds(tmp_path: Path) -> None:

@@ -249,3 +249,18 @@ def test_a_quantized_cache_on_cuda_needs_bf16_or_fp16_weights() -> None:
     assert cuda.kv_bits_refusal(4, "bfloat16") is None and cuda.kv_bits_refusal(8, "float16") is None
     assert cuda.kv_bits_refusal(0, "float32") is None  # no quantized cache asked for
     assert cpu.kv_bits_refusal(8, "float32") is None  # the CPU has the kernel (test_quantized)
+
+
+def test_auto_speculation_drafts_only_where_a_measurement_shows_a_gain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" follows SPECULATION_MEASURED per kind of device; a kind never measured does not draft, and
+    KVD_SPECULATE=on drafts anywhere (the benchmarks' A/B)."""
+    for dev in (CPU, METAL, H200):
+        measured = device.SPECULATION_MEASURED.get(dev.kind)
+        assert policy(dev, env={}).speculation.auto == (measured is not None and measured[0] > 1.0)
+        assert policy(dev, env={"KVD_SPECULATE": "on"}).speculation.auto
+    assert device.speculation_pays("cpu") and not device.speculation_pays("cuda")
+    assert not device.speculation_pays("metal")  # not measured yet
+    monkeypatch.setitem(device.SPECULATION_MEASURED, "metal", (1.3, "a measurement"))
+    assert policy(METAL, env={}).speculation.auto
+    monkeypatch.setitem(device.SPECULATION_MEASURED, "cpu", (0.9, "a loss"))
+    assert not policy(CPU, env={}).speculation.auto

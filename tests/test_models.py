@@ -282,3 +282,30 @@ async def test_loading_a_model_never_stops_another_models_answer(tmp_path: Path)
             assert done["type"] == "chat.done"
             got[SWA] = said
         assert got[SWA] == alone[SWA] and alone[TINY].endswith(got[TINY])  # the default's first delta was read above
+
+
+async def test_a_window_models_warm_cache_keeps_its_blocks_through_an_unload(tmp_path: Path) -> None:
+    """Issue 51: a sliding-window model unloaded by keep_alive while its conversation's cache was warm
+    (other models' caches fill the budgets every model shares; here none may stay resident) paged that
+    warm snapshot out again, whole: one file from token 0, in place of the blocks and the turns' files disk
+    held already. A window cannot be cut short of a file's end, so what a turn restores short of the
+    cache's end (a regenerate here; the OpenAI door, whose new render of an answer parts from the ids drawn)
+    then found nothing at all. The regenerate restores turn one, as it does without the unload."""
+    import dataclasses
+
+    async with running_daemon(tmp_path, model=TINY, max_resident_sessions=0) as d, client(d) as c:
+        session = (await c.request("session.create", model=SWA))["session"]["id"]
+        _, one, _ = await turn(c, session, "Tell me about the weather, the sea and the hills. " * 12)
+        _, two, _ = await turn(c, session, "And then?")
+        assert one["type"] == two["type"] == "chat.done" and two["usage"]["restored_from"] == "warm", two
+        turn_one = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"] - 1  # the last drawn: unfed
+        assert turn_one > 2 * 128  # its prefill crossed block boundaries: blocks on disk, then its own file
+        engines = d.daemon.engines
+        engines.config = dataclasses.replace(engines.config, keep_alive=1e-9)
+        assert await engines.expire() == [SWA]  # its caches paged out: disk holds them already
+        await c.send({"id": "regen", "type": "chat.regenerate", "session": session, **GREEDY})
+        while (regen := await c.recv())["type"] not in ("chat.done", "error"):
+            pass
+        assert regen["type"] == "chat.done", regen
+        assert regen["usage"]["prompt_tokens"] == two["usage"]["prompt_tokens"]
+        assert regen["usage"]["restored_from"] == "disk" and regen["usage"]["cached_tokens"] >= turn_one, regen

@@ -33,16 +33,7 @@ class HeldEnds:
         submit = d.daemon.engine.submit
 
         def submit_holding(answer: Answer) -> None:
-            emit = answer.emit
-
-            def emit_or_hold(event: Any) -> None:  # engine thread
-                with self._lock:
-                    if isinstance(event, Done) and not self._released:
-                        self._held.append((emit, event))
-                        return
-                emit(event)
-
-            answer.emit = emit_or_hold
+            answer.emit = _Holding(self, answer.emit)
             submit(answer)
 
         d.daemon.engine.submit = submit_holding  # type: ignore[method-assign]
@@ -52,6 +43,22 @@ class HeldEnds:
             self._released, held, self._held = True, self._held, []
         for emit, event in held:
             emit(event)
+
+
+class _Holding:
+    """An answer's sink that holds its Done back: heard on the turn's event loop, as the turn core's own
+    sink is (engine/handoff.py hands each step's events to the sink's `loop`)."""
+
+    def __init__(self, ends: HeldEnds, emit: Callable[[Any], None]) -> None:
+        self.ends, self.emit = ends, emit
+        self.loop = getattr(emit, "loop", None)
+
+    def __call__(self, event: Any) -> None:
+        with self.ends._lock:
+            if isinstance(event, Done) and not self.ends._released:
+                self.ends._held.append((self.emit, event))
+                return
+        self.emit(event)
 
 
 def http(d: RunningDaemon, **headers: str) -> httpx.AsyncClient:
@@ -164,14 +171,22 @@ BAD: list[tuple[Any, int, str, str | None]] = [
     ({**HI, "max_tokens": True}, 400, "valid integer", "max_tokens"),
     ({**HI, "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
     ({**HI, "max_completion_tokens": 0}, 400, "greater than or equal to 1", "max_completion_tokens"),
-    ({**HI, "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "kvd cannot force one", "tool_choice"),
+    ({**HI, "tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "not among tools", "tool_choice.function.name"),
     ({**HI, "temperature": 3}, 400, "less than or equal to 2", "temperature"),
     ({**HI, "top_p": 0}, 400, "greater than 0", "top_p"),
     ({**HI, "stream": "yes"}, 400, "valid boolean", "stream"),
     ({**HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),
     ({**HI, "n": 3}, 400, "n = 1", "n"),
-    ({**HI, "logprobs": True}, 400, "logprobs", "logprobs"),
+    ({**HI, "top_logprobs": 2}, 400, "logprobs", "top_logprobs"),
+    ({**HI, "logprobs": True, "top_logprobs": 21}, 400, "less than or equal to 20", "top_logprobs"),
+    ({**HI, "logit_bias": {"x": 1}}, 400, "not a token id", "logit_bias"),
+    ({**HI, "logit_bias": {"5": 101}}, 400, "less than or equal to 100", "logit_bias"),
+    ({**HI, "logit_bias": {"999999999": 1}}, 400, "vocabulary", "logit_bias"),
+    ({**HI, "top_k": -1}, 400, "greater than or equal to 0", "top_k"),
+    ({**HI, "min_p": 2}, 400, "less than or equal to 1", "min_p"),
+    ({**HI, "frequency_penalty": 3}, 400, "less than or equal to 2", "frequency_penalty"),
+    ({**HI, "repetition_penalty": 0}, 400, "greater than 0", "repetition_penalty"),
 ]
 
 

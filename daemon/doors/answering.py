@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..config import Config
-from ..events import TurnEvent
+from ..events import AnswerDelta, TurnEvent
 from ..turn import Turn
 from ..turns import Turns
 from .httpdoor import REFUSED, ApiError
@@ -59,27 +60,44 @@ class TurnAnswer(Response):
                 turns.cancel(turn.session_id, turn)
                 tg.cancel_scope.cancel()
 
+            timer = anyio.CancelScope()  # one for the response's life: its deadline is set for each send
+
             async def bounded(message: dict[str, Any]) -> None:
-                with anyio.move_on_after(self.config.send_timeout) as timer:
-                    await send(message)
+                timer.deadline = anyio.current_time() + self.config.send_timeout
+                await send(message)
+                timer.deadline = math.inf
+
+            tg.start_soon(watch)
+            try:
+                with timer:
+                    try:
+                        if self.stream:
+                            await self._stream(bounded)
+                        else:
+                            await self._whole(bounded)
+                        answered = True
+                    finally:
+                        self._unread()
                 if timer.cancelled_caught:
                     log.warning("client of %s did not read for %.1f s; cutting it off",
                                 turn.session_id, self.config.send_timeout)
                     turns.cancel(turn.session_id, turn)
                     abort()
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                async with self.events:
-                    if self.stream:
-                        await self._stream(bounded)
-                    else:
-                        await self._whole(bounded)
-                answered = True
             except OSError:  # the client went away under a send
                 turns.cancel(turn.session_id, turn)
             tg.cancel_scope.cancel()
+
+    def _unread(self) -> None:
+        """The events the response will never read: a delta among them is written for no one (its
+        turn may publish the next one to its other listeners), then the stream is closed."""
+        while True:
+            try:
+                event = self.events.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()
+        self.events.close()
 
     async def begin_response(self, send: Callable[[dict[str, Any]], Any], status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode())]

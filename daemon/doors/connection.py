@@ -18,15 +18,19 @@ the client's later requests, so a chat.cancel sent after it is not held up;
 at most MAX_SLOW such requests per client run at once, the rest are `busy`.
 
 A connection listens to its client's turns (turn.py's Listener): each typed
-event (events.py) becomes its protocol frame (`frame`). An answer's first
-delta comes with a `written` callback: the writer calls it right after
-sending that frame, the hand-off the engine
-waits for; a frame that will never be sent (the client has gone) calls it at once.
+event (events.py) becomes its protocol frame (`frame`). Each delta comes
+with a `written` callback: the writer calls it right after sending that
+frame (a frame that will never be sent, the client having gone, calls it at
+once); the turn publishes its next delta, holding whatever the answer said
+meanwhile, only then (turn.py, `Turn.show`). So the outbox holds at most one
+delta of each turn, and a client that reads slowly gets fewer, bigger deltas;
+the first delta's call is also the hand-off the engine waits for.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -174,23 +178,35 @@ class Connection:
         self.publish(error.event())
 
     async def writer(self) -> None:
-        async with self._receive:
+        """Send the outbox's frames in order; one cancel scope for the writer's life, its deadline set for
+        each send (a client that does not read within send_timeout is cut off)."""
+        receive = self._receive
+        with anyio.CancelScope() as timer:
             try:
-                async for frame, written in self._receive:
-                    with anyio.move_on_after(self.send_timeout) as scope:
+                while True:
+                    try:
+                        frame, written = receive.receive_nowait()
+                    except anyio.WouldBlock:
+                        timer.deadline = math.inf  # nothing to send: no client is late
                         try:
-                            await self.ws.send_text(frame)
-                        except (WebSocketDisconnect, OSError, RuntimeError):  # gone, or closed under us
+                            frame, written = await receive.receive()
+                        except (anyio.EndOfStream, anyio.ClosedResourceError):
                             break
-                        finally:
-                            _call(written)  # the answer's first token is out: the engine goes on
-                    if scope.cancelled_caught:
-                        log.warning("client %s did not read for %.1f s; disconnecting it",
-                                    self.peer, self.send_timeout)
-                        self.abort()
+                    except (anyio.EndOfStream, anyio.ClosedResourceError):
                         break
+                    timer.deadline = anyio.current_time() + self.send_timeout
+                    try:
+                        await self.ws.send_text(frame)
+                    except (WebSocketDisconnect, OSError, RuntimeError):  # gone, or closed under us
+                        break
+                    finally:
+                        _call(written)  # the delta is out: the turn may publish its next one
             finally:
                 self._unsent()
+                receive.close()
+        if timer.cancelled_caught:
+            log.warning("client %s did not read for %.1f s; disconnecting it", self.peer, self.send_timeout)
+            self.abort()
 
     def _unsent(self) -> None:
         """The frames left in the outbox when the writer stops will never be sent."""

@@ -29,7 +29,7 @@ mlx-lm's own quantized path.
 
 The hook (`install`, called by `load_model`). mlx-lm's models call
 `scaled_dot_product_attention` from `mlx_lm.models.base` (and `swiglu` from
-`mlx_lm.models.activations`, replaced by `vexp.swiglu`), but each model
+`mlx_lm.models.activations`, replaced by `swiglu` here), but each model
 module binds the names at import, so replacing them in `base` alone reaches
 only modules imported afterwards. `install()` replaces each in its defining
 module *and* in every already imported `mlx_lm.models.*` module that holds
@@ -215,7 +215,7 @@ def scaled_dot_product_attention(
 ) -> mx.array:
     """mlx-lm's `base.scaled_dot_product_attention`, same signature, on kvd's CPU attention."""
     calls[0] += 1
-    if sinks is not None:  # attention sinks (gpt-oss): MLX's own path
+    if sinks is not None or not pays(queries, keys):  # attention sinks (gpt-oss), or too small: MLX's own
         return _original(queries, keys, values, cache, scale, mask, sinks)
     if hasattr(cache, "bits"):
         return attention(queries, keys, values, scale=scale, mask=mask,
@@ -225,6 +225,33 @@ def scaled_dot_product_attention(
 
 calls = [0]  # forwards' attention calls through the hook (a test counts them)
 
+# Below these sizes MLX's own kernels win: kvd's path costs a fixed ~0.1 ms a call (its kernels'
+# launches), MLX's grows with the scores. Measured on a 2-core Xeon (AVX-512), eval'd alone, ms per
+# call, MLX's against kvd's: decode (one query) over 32 keys with 9 heads 0.079 / 0.104, with 32
+# heads 0.115 / 0.135; one head over 1,024 keys 0.108 / 0.178, over 4,096 0.474 / 0.449; 9 heads
+# over 512 keys 0.362 / 0.260, over 2,048 1.87 / 0.93; 16 queries over 128 keys, one head 0.191 /
+# 0.278, 9 heads 1.02 / 0.65. So kvd's attention from 4,096 scores (batch x heads x queries x keys)
+# up; its swiglu from 2,048 elements (one token of a 128-wide MLP 0.061 / 0.103 ms, of 1,536 0.080 /
+# 0.101, of 8,192 0.309 / 0.110; 16 tokens of 128 0.101 / 0.102). A micro model (bench/hostcost.py's:
+# 4 heads, 128-wide MLP) decoded at 0.77x in-process mlx-lm with kvd's kernels at every size.
+MIN_SCORES = 4096
+MIN_SWIGLU = 2048
+
+
+def pays(queries: mx.array, keys: Any) -> bool:
+    """Whether kvd's attention beats MLX's for these queries (B, H, L, D) over these keys (a quantized
+    cache's keys are a (packed, scales, biases) triple)."""
+    B, H, L, _ = queries.shape
+    S = (keys[0] if isinstance(keys, Sequence) else keys).shape[2]
+    return bool(B * H * L * S >= MIN_SCORES)
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's `activations.swiglu`: vexp's from MIN_SWIGLU elements, MLX's own below."""
+    if gate.size >= MIN_SWIGLU:
+        return vexp.swiglu(gate, x)
+    return _mlx("swiglu")(gate, x)
+
 
 def _hooks() -> list[tuple[Any, str, Callable[..., mx.array]]]:
     """(mlx-lm module, name, kvd's replacement): what `install` rebinds."""
@@ -232,14 +259,22 @@ def _hooks() -> list[tuple[Any, str, Callable[..., mx.array]]]:
     import mlx_lm.models.base as base
 
     return [(base, "scaled_dot_product_attention", scaled_dot_product_attention),
-            (activations, "swiglu", vexp.swiglu)]
+            (activations, "swiglu", swiglu)]
 
 
 _originals: dict[str, Callable[..., mx.array]] = {}
 
 
+def _mlx(name: str) -> Callable[..., mx.array]:
+    """mlx-lm's own `name` (what `install` replaced, or what is there before it ran)."""
+    fn = _originals.get(name)
+    if fn is None:
+        fn = next(getattr(module, n) for module, n, _ in _hooks() if n == name)
+    return fn
+
+
 def _original(*args: Any) -> mx.array:
-    return _originals["scaled_dot_product_attention"](*args)
+    return _mlx("scaled_dot_product_attention")(*args)
 
 
 def installed() -> bool:

@@ -7,7 +7,13 @@ mlx-lm's batch cache classes (`BatchKVCache`, `BatchRotatingKVCache`, and
 kvd's `BatchQuantizedKVCache`) through their public `merge`, `extend`,
 `filter`, `extract` and `trim`, and `apply_top_p` (draws.py).
 Rows of different lengths share one forward through the batch caches' left
-padding, exactly as mlx-lm's own batching does.
+padding, exactly as mlx-lm's own batching does. A row that decodes alone
+keeps its own plain cache and steps as mlx-lm's `generate_step` does (no
+padding, no mask, MLX's fused causal attention on a GPU): its cache is merged
+into a batch cache only when a second row joins (or it drafts on a rotating
+layer, which only a batch cache takes back), and taken back out when it is
+alone again. On the CPU the batch of one's step cost its thread 1.06 ms
+against 0.64 alone (builtin micro model, bench/hostcost.py's).
 
 What the step owns, per row: the ids its cache holds, its pending token
 (drawn, not yet fed), how it draws (draws.py: its own key per answer
@@ -20,7 +26,7 @@ The order of work is mlx-lm's `BatchGenerator`'s, kept so answers stay
 exactly what they were: a new row (one that holds its own `cache` and its
 `first` token) enters at the next step it is handed to; that step first
 moves the batch, then feeds the row's first token in a forward of its own
-(its cache merged into a batch of one) and appends the row to the batch (a
+(its cache merged into a batch of one, or its own if it is alone) and appends the row to the batch (a
 cancel before then finds its cache holding just the prompt); each
 step feeds every row's pending token, draws the next one and starts
 computing it (`mx.async_eval`) before reporting the fed tokens, so the
@@ -38,10 +44,13 @@ import mlx.core as mx
 
 from . import speculate
 from .draws import Draws
+from .logprobs import Picked, pick
 from .verify import verify
 
 if TYPE_CHECKING:
     from .grammar import Constraint
+    from .processing import Processing
+    from .profile import StepProfile
     from .speculate import Speculation
 
 CLEAR_EVERY = 512  # steps between returns of MLX's buffer cache to the allocator (as mlx-lm's generator does)
@@ -63,6 +72,11 @@ class Row:
     # and its first answer token, fed then. Both None once it is in.
     cache: list[Any] | None = None
     first: int | None = None
+    # Log-probabilities asked for: this many alternatives per token (None: none), and those of its pending
+    # token, read when that token is reported (logprobs.py).
+    logprobs: int | None = None
+    picked: Picked | None = None
+    processing: Processing | None = None  # its logits processors (its sampling's knobs): processing.py
 
     @property
     def entering(self) -> bool:
@@ -78,6 +92,7 @@ class Out:
     finish: str | None = None
     cache: list[Any] | None = None
     tokens: list[int] | None = None
+    picked: Picked | None = None  # its log-probabilities, where its row asked for them
 
 
 class Decoder:
@@ -88,36 +103,60 @@ class Decoder:
         self.model = model
         self.stream = stream if stream is not None else mx.new_stream(mx.default_device())
         self.rows: list[Row] = []  # in the batch, in its order
-        self.cache: list[Any] = []  # one batch cache per layer; empty while no row decodes
+        # One cache per layer: a batch cache of the rows, or, while one row decodes alone, that row's own
+        # plain cache (mlx-lm's single-sequence path: no padding, no mask); empty while no row decodes.
+        self.cache: list[Any] = []
+        self.batched = False  # whether `cache` is a batch cache
         self.pending: mx.array | None = None  # (rows,): each row's next token, drawn, not yet fed
         self.steps = 0
+        self.prof: StepProfile | None = None  # the step profiler (profile.py), when it is on
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def _enter(self, row: Row) -> None:
+        """Feed the row's first token, then add it: alone, its own cache is the decoder's (mlx-lm's
+        single-sequence step); beside others, merged into a batch of one first, then appended."""
         from .quantized import as_batchable
 
         cache, first = row.cache, row.first
         assert cache is not None and first is not None
-        merged = [c.merge([c]) for c in as_batchable(cache)]
-        logits = self.model(mx.array([[first]]), cache=merged)[:, -1, :]
+        alone = not self.rows
+        cache = as_batchable(cache) if alone else [c.merge([c]) for c in as_batchable(cache)]
+        logits = self.model(mx.array([[first]]), cache=cache)[:, -1, :]
+        if row.processing is not None:
+            logits = row.processing.apply([*row.tokens, first], logits)
         if row.constraint is not None:
             row.constraint.take(first)
             logits = row.constraint.mask(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nxt = row.draws.take(logprobs)
-        mx.async_eval(nxt)
+        if row.logprobs is not None:
+            row.picked = pick(logprobs, nxt, row.logprobs)
+        self._lap("graph")
+        mx.async_eval(nxt, *(row.picked.arrays() if row.picked is not None else ()))
+        self._lap("launch")
         row.tokens.append(first)
-        if not self.rows:
-            self.cache, self.pending = merged, nxt
+        if alone:
+            self.cache, self.pending, self.batched = cache, nxt, False
         else:
             assert self.pending is not None
-            for mine, theirs in zip(self.cache, merged):
+            self._batch()
+            for mine, theirs in zip(self.cache, cache):
                 mine.extend(theirs)
             self.pending = mx.concatenate([self.pending, nxt])
         self.rows.append(row)
         row.cache, row.first = None, None
+
+    def _batch(self) -> None:
+        """A lone row's own cache becomes a batch cache of one (a second row joins, or it drafts on a layer
+        only a batch cache can take back)."""
+        if not self.batched:
+            self.cache, self.batched = [c.merge([c]) for c in self.cache], True
+
+    def _own(self, i: int) -> list[Any]:
+        """Row i's cache, out of the batch (a copy) or its own."""
+        return [c.extract(i) for c in self.cache] if self.batched else self.cache
 
     def remove(self, row: Row) -> tuple[list[Any], list[int], list[int]]:
         """Take a row out (a cancel): its cache, the ids it holds, and its first token if never fed."""
@@ -126,18 +165,20 @@ class Decoder:
             return row.cache, row.tokens, [row.first]
         i = next(i for i, r in enumerate(self.rows) if r is row)
         with mx.stream(self.stream):
-            cache = [c.extract(i) for c in self.cache]
+            cache = self._own(i)
             self._keep([j for j in range(len(self.rows)) if j != i])
         return cache, row.tokens, []
 
     def reset(self) -> None:
         """Drop every row (after a failed step, the batch's state is unknown)."""
-        self.rows, self.cache, self.pending = [], [], None
+        self.rows, self.cache, self.pending, self.batched = [], [], None, False
 
     def step(self, entering: Sequence[Row] = ()) -> list[Out]:
         """One step of the batch (a speculative one where some row has a draft), then the `entering`
         rows enter, in their order (should one fail, the caller fails every row)."""
         out: list[Out] = []
+        if (prof := self.prof) is not None:
+            prof.begin(len(self.rows) + len(entering))
         with mx.stream(self.stream):
             if self.rows:
                 spec = self._speculative() if any(r.spec is not None for r in self.rows) else None
@@ -154,17 +195,22 @@ class Decoder:
     def _plain(self) -> list[Out]:
         assert self.pending is not None
         inputs = self.pending
+        picked = [r.picked for r in self.rows]  # the pending tokens' log-probabilities, where asked for
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
-        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
+        shaped = [i for i, r in enumerate(self.rows) if r.constraint is not None or r.processing is not None]
         fed: list[int] | None = None
-        if constrained:
+        if shaped:  # rows whose logits their processors and grammar change, each on its own
+            self._lap("graph")
             fed = _ints(inputs)
+            self._lap("device")
             parts = [logits[i:i + 1] for i in range(len(self.rows))]
-            for i in constrained:
-                c = self.rows[i].constraint
-                assert c is not None
-                c.take(fed[i])
-                parts[i] = c.mask(parts[i])
+            for i in shaped:
+                r = self.rows[i]
+                if r.processing is not None:
+                    parts[i] = r.processing.apply([*r.tokens, fed[i]], parts[i])
+                if (c := r.constraint) is not None:
+                    c.take(fed[i])
+                    parts[i] = c.mask(parts[i])
             logits = mx.concatenate(parts, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.draws.greedy for r in self.rows):
@@ -174,21 +220,35 @@ class Decoder:
         else:
             nxt = mx.concatenate([r.draws.take(logprobs[i:i + 1]) for i, r in enumerate(self.rows)])
         self.pending = nxt
-        mx.async_eval(nxt)
+        for i, r in enumerate(self.rows):
+            if r.logprobs is not None:
+                r.picked = pick(logprobs[i:i + 1], nxt[i:i + 1], r.logprobs)
+        self._lap("graph")
+        mx.async_eval(nxt, *(a for r in self.rows if r.picked is not None for a in r.picked.arrays()))
+        self._lap("launch")
         if fed is None:
             fed = _ints(inputs)
-        return self._report([[t] for t in fed])
+        self._lap("device")
+        out = self._report([[t] for t in fed], picked)
+        self._lap("books")
+        return out
 
     # --- a speculative step ---
 
     def _speculative(self) -> list[Out] | None:
         """Feed each row's pending token and its draft (if any) in one forward; None: no row drafts.
 
-        Declines when a layer cannot roll back or a row is held to a grammar (its
-        matcher must see every token once, in order).
+        The step waits for the device once: the drafts are looked up in the ids the rows have fed
+        (the lookup's first token is its guess at the pending token, still being computed, and the
+        rest is the draft), the pending tokens join the forward's input on the device, and the
+        verdicts' evaluation is the one wait. A wrong guess costs its draft (verification is exact
+        whatever the draft). Declines when a layer cannot roll back or a row is held to a grammar
+        (its matcher must see every token once, in order).
         """
         rows = self.rows
-        if not speculate.supported(self.cache) or any(r.constraint is not None for r in rows):
+        if any(r.constraint is not None or r.logprobs is not None or r.processing is not None for r in rows):
+            return None
+        if not (speculate.supported(self.cache) or speculate.speculable(self.cache) and not self.batched):
             return None
         n = len(rows)
         wanted: dict[int, int] = {}
@@ -200,8 +260,6 @@ class Decoder:
         k_max = speculate.width(n, max(wanted.values(), default=0))
         if k_max == 0:
             return None
-        assert self.pending is not None
-        pending = _ints(self.pending)
         drafts: list[list[int]] = [[] for _ in range(n)]
         for i, k in wanted.items():
             spec = rows[i].spec
@@ -209,15 +267,23 @@ class Decoder:
             room = rows[i].max_tokens - rows[i].reported - 1  # tokens this row may still take
             k = min(k, k_max, room)
             if k > 0:
-                drafts[i] = spec.drafter.propose(k, after=[pending[i]])
+                drafts[i] = spec.drafter.propose(k + 1)[1:]  # (its first: the guess at the pending token)
         K = max(len(d) for d in drafts)
         if K == 0:
             return None
+        if not speculate.supported(self.cache):  # a lone row's rotating layer: only a batch cache takes it back
+            self._batch()
+        assert self.pending is not None
         self.cache = speculate.in_temporal_order(self.cache)
-        inputs = mx.array([[p, *d, *[p] * (K - len(d))] for p, d in zip(pending, drafts)], dtype=mx.uint32)
+        drafted = mx.array([[*d, *[0] * (K - len(d))] for d in drafts], dtype=mx.uint32)
+        inputs = mx.concatenate([self.pending.astype(mx.uint32)[:, None], drafted], axis=1)
+        self._lap("books")
         logits = self.model(inputs, cache=self.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        verdicts = verify(logprobs, drafts, [r.draws for r in rows])
+        self._lap("graph")
+        verdicts = verify(logprobs, drafts, [r.draws for r in rows], also=self.pending)
+        pending = _ints(self.pending)  # (evaluated with the verdicts: no second wait)
+        self._lap("device")
 
         fed: list[list[int]] = []
         for i, v in enumerate(verdicts):
@@ -230,35 +296,46 @@ class Decoder:
                 spec.k_sum += len(drafts[i])
         self.cache = speculate.rollback(self.cache, fed=1 + K, keep=[len(t) for t in fed])
         self.pending = mx.array([v.token for v in verdicts], dtype=mx.uint32)
-        return self._report(fed)
+        out = self._report(fed)
+        self._lap("books")
+        return out
 
     # --- both ---
 
-    def _report(self, fed: Sequence[Sequence[int]]) -> list[Out]:
-        """Record what each row was fed (already cut at its end), finish the rows that ended."""
+    def _lap(self, section: str) -> None:
+        if self.prof is not None:
+            self.prof.lap(section)
+
+    def _report(self, fed: Sequence[Sequence[int]], picked: Sequence[Picked | None] | None = None) -> list[Out]:
+        """Record what each row was fed (already cut at its end), finish the rows that ended. `picked`: the
+        log-probabilities of each row's one fed token (a plain step), where asked for."""
         out: list[Out] = []
         keep: list[int] = []
         for i, (r, toks) in enumerate(zip(self.rows, fed)):
             r.tokens.extend(toks)
             finish = _finish(r, toks)
-            out.extend(Out(r.key, t) for t in toks)
+            out.extend(Out(r.key, t, picked=picked[i] if picked is not None else None) for t in toks)
             if finish is None:
                 keep.append(i)
             else:
                 last = out[-1]
-                out[-1] = Out(last.key, last.token, finish, [c.extract(i) for c in self.cache], r.tokens)
+                out[-1] = Out(last.key, last.token, finish, self._own(i), r.tokens, last.picked)
         if len(keep) < len(self.rows):
             self._keep(keep)
         return out
 
     def _keep(self, keep: list[int]) -> None:
+        """Keep rows `keep`; one left decodes on its own cache again (out of the batch: a copy, once)."""
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.cache, self.pending = [], None
+            self.cache, self.pending, self.batched = [], None, False
             return
-        for c in self.cache:
-            c.filter(keep)
-        assert self.pending is not None
+        assert self.pending is not None and self.batched
+        if len(keep) == 1:
+            self.cache, self.batched = [c.extract(keep[0]) for c in self.cache], False
+        else:
+            for c in self.cache:
+                c.filter(keep)
         self.pending = self.pending[mx.array(keep)]
 
 

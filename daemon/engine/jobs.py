@@ -2,7 +2,8 @@
 
 A turn core (turns.py) submits an `Answer` (running.py: the one object an
 answer is, from its submission to its end); the engine thread answers
-through its `emit` with EngineEvents, in this order: `AnswerQueued`
+through its `emit` with EngineEvents (each engine step's in one hand-off to the
+event loop: handoff.py), in this order: `AnswerQueued`
 (only past max_generations, again whenever its place moves up),
 `AnswerProgress` (long prefills), `AnswerDelta`s, then exactly one `Done` or
 `AnswerError`. All but `Done` are the turn's own events (daemon/events.py),
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import AnswerDelta, AnswerError, AnswerProgress, AnswerQueued
+from ..events import AnswerDelta, AnswerError, AnswerProgress, AnswerQueued, TokenLogprob
 
 
 class PromptTooLong(Exception):
@@ -34,6 +35,8 @@ class Done:
     finish_reason: str  # "stop" | "length" | "cancelled"
     usage: dict[str, Any]
     tokens: list[int] | None  # every id the session's cache now holds; None: unchanged
+    logprobs: tuple[TokenLogprob, ...] | None = None  # the answer's tokens', when it asked (running.py)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 EngineEvent = AnswerQueued | AnswerProgress | AnswerDelta | Done | AnswerError

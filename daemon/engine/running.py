@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 from protocol.shapes import Sampling
 
-from ..events import AnswerDelta
+from ..events import AnswerDelta, TokenLogprob
 from .jobs import EngineEvent
 from .scheduler import Phase
 
@@ -30,7 +30,10 @@ if TYPE_CHECKING:
     from .decode import Row
     from .draws import Draws
     from .grammar import Constraint
+    from .handoff import Handoff
     from .prefill import Prefill
+    from .processing import Processing
+    from .profile import Mark
     from .speculate import Speculation
 
 MIN_ANSWER = 16  # tokens: below this, a lower max_tokens is not worth suggesting
@@ -62,12 +65,17 @@ class Answer:
     session_id: str
     tokens: list[int]
     sampling: Sampling  # max_tokens, temperature, top_p: every one set (resolved once, by the turn core)
-    emit: Callable[[EngineEvent], None]  # called on the engine thread; must not block
+    # Where its events go (the turn core's sink): handed over at the end of each engine step, through
+    # the engine's Handoff (handoff.py: one wake-up of the sink's event loop per step); must not block.
+    emit: Callable[[EngineEvent], None]
     seed: int | None = None  # seeds MLX's sampler when the answer starts
     retokenized: bool = False  # the session's fed ids were rebuilt from the transcript, not appended to
     fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
     history: bool = True  # earlier turns come before this one's messages (what a too-long error advises)
     grammar: str | None = None  # llguidance's grammar the answer must follow (the API's response_format)
+    raw: bool = False  # a prompt fed as it is (a text completion): its answer's first space is its text's too
+    logprobs: int | None = None  # each answer token's log-probability and this many alternatives (None: none)
+    prompt_logprobs: bool = False  # the prompt's too (a text completion's echo): read whole, no cache restored
     # Set by the listener that wrote the first delta to its client (events.py, AnswerDelta.written): the
     # engine waits for it (at most FIRST_HANDOFF_S) before its next step, so the event loop sends the
     # first token without waiting behind that step for a core and the GIL. None: nobody sends it (a
@@ -75,6 +83,7 @@ class Answer:
     handed: threading.Event | None = None
     arrived: float = field(default_factory=time.perf_counter)
     # The engine's, from here on.
+    out: Handoff | None = None  # the engine's hand-off to the loop, once it has taken the answer
     phase: Phase = Phase.WAITING
     need: int = 0  # bytes its cache may reach (its prompt plus max_tokens): held while admitted
     told: int = 0  # the queue position it was last told, while it waits
@@ -102,6 +111,10 @@ class Answer:
     checkpoint: bool = False  # the cache was restored at a checkpoint (recurrent state, a window: cachestore)
     constraint: Constraint | None = None  # the grammar its answer is held to (JSON output), from the first token
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
+    processing: Processing | None = None  # its logits processors (its sampling's knobs), from its start
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # asked for: its shown tokens', in order
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    profiled: Mark | None = None  # the step profiler's totals when it began decoding (profile.py), when on
 
     def __post_init__(self) -> None:
         self.inserted = self.inserted or self.arrived
@@ -140,8 +153,16 @@ class Answer:
 
     def say(self, text: str) -> None:
         """Emit a piece of the answer's text (its seq: the engine's count; the turn core numbers what it shows)."""
-        self.emit(AnswerDelta(self.said, text))
+        self.tell(AnswerDelta(self.said, text))
         self.said += 1
+
+    def tell(self, event: EngineEvent) -> None:
+        """An event for the turn core: into the engine's hand-off (out at the end of the step), or straight
+        to `emit` before the engine has taken the answer."""
+        if self.out is not None:
+            self.out.put(self.emit, event)
+        else:
+            self.emit(event)
 
     def statistics(self) -> AnswerStatistics:
         pre = self.prefill if self.phase is Phase.PREFILLING else None
@@ -180,6 +201,21 @@ class Answer:
             # Speculative decoding: tokens guessed, and those of them the model kept (0 and 0: none ran).
             **(self.spec.usage() if self.spec is not None else {"drafted_tokens": 0, "accepted_tokens": 0}),
         }
+
+
+def detokenizer_for(tokenizer: Any, *, raw: bool) -> Any:
+    """A new streaming detokenizer for an answer. mlx-lm's drop the leading space of an answer's first text, as
+    a chat answer wants ("Hello", not " Hello"); the continuation of a raw prompt keeps it (" Paris" after "The
+    capital of France is"): SentencePiece's is told so (`trim_space`), and a byte-level BPE one, which always
+    trims text that comes first, is given a first character that is never shown (its `last_segment` starts
+    after it)."""
+    detokenizer = tokenizer.detokenizer
+    if raw:
+        if hasattr(detokenizer, "trim_space"):
+            detokenizer.trim_space = False
+        elif type(detokenizer).__name__ == "BPEStreamingDetokenizer":
+            detokenizer.text, detokenizer.offset = "\x00", 1
+    return detokenizer
 
 
 def fit_advice(prompt: int, context: int, *, history: bool = True) -> str:

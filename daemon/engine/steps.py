@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
@@ -35,14 +36,18 @@ from ..config import Config
 from ..events import AnswerError, AnswerProgress, AnswerQueued
 from .draft import Answers
 from .jobs import Done, PromptTooLong
-from .running import Answer, fit_advice
+from .logprobs import pick, records
+from .processing import processing
+from .running import Answer, detokenizer_for, fit_advice
 from .scheduler import Phase, Scheduler
 
 if TYPE_CHECKING:
     from cachestore import Checkout, SessionCaches
 
     from .grammar import Constraint
+    from .handoff import Handoff
     from .lockstep import Lockstep
+    from .profile import StepProfile
 
 
 log = logging.getLogger("kvd.engine")
@@ -60,9 +65,11 @@ class Steps:
 
     def __init__(self, config: Config, model: Any, tokenizer: Any, caches: SessionCaches, *,
                  scheduler: Scheduler[Answer], lockstep: Lockstep | None, max_context: int | None,
-                 publish: Callable[[], None]):
+                 publish: Callable[[], None], out: Handoff, profile: StepProfile | None = None):
         """`scheduler`: the engine's, with its list of answers; `publish`: the engine's statistics
-        for other threads, refreshed after an answer's cache is kept."""
+        for other threads, refreshed after an answer's cache is kept; `out`: the engine's hand-off of
+        the answers' events to the event loop (flushed by the engine after each step); `profile`: the
+        step profiler, when it is on (profile.py)."""
         import mlx.core as mx
 
         from .decode import Decoder
@@ -75,8 +82,10 @@ class Steps:
         self.max_context = max_context
         self.scheduler = scheduler
         self._publish_stats = publish
+        self.out = out
         self.stream = mx.new_stream(mx.default_device())  # the engine's own: every prefill chunk and decode step
         self.decoder = Decoder(model, self.stream)
+        self.profile = self.decoder.prof = profile
         self._last_answers = Answers()  # recent sessions' last answers: a regenerate drafts from the one it replaces
         self._grammar_view: tuple[int, Any] | None = None  # llguidance's view of the tokenizer, once asked for
         self.last: Any | None = None  # the model for a prompt's last chunk (prefill.last_position), after warm-up
@@ -88,12 +97,12 @@ class Steps:
     def start(self, a: Answer) -> None:
         """A new answer: it starts, waits, or is refused (its session is busy)."""
         if self.scheduler.holds(a.session_id):
-            a.emit(AnswerError(p.BUSY, "this session is already generating"))
+            a.tell(AnswerError(p.BUSY, "this session is already generating"))
             return
         a.need = self._need(a)
         # First come, first served: nobody overtakes a waiting answer.
         if self.scheduler.phase(Phase.WAITING) or not self.scheduler.has_room(a.need, a.key):
-            a.emit(AnswerQueued(self.scheduler.wait(a)))
+            a.tell(AnswerQueued(self.scheduler.wait(a)))
             return
         self._admit(a)
 
@@ -106,7 +115,7 @@ class Steps:
         for a in self.scheduler.admissible():
             self._admit(a)
         for a in self.scheduler.moved():
-            a.emit(AnswerQueued(a.told))
+            a.tell(AnswerQueued(a.told))
 
     def _admit(self, a: Answer) -> None:
         if self.scheduler.alone(a.need):
@@ -117,13 +126,13 @@ class Steps:
             self._insert(a)
         except PromptTooLong as e:
             self.scheduler.end(a.session_id)
-            a.emit(AnswerError(p.TOO_LARGE, str(e)))
+            a.tell(AnswerError(p.TOO_LARGE, str(e)))
         except Exception as e:
             self.scheduler.end(a.session_id)
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("starting generation for %s failed", a.session_id)
-            a.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
+            a.tell(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def read_reported(self) -> None:
         """The I/O worker's reader reported on a read: start the answers whose read has ended (their
@@ -139,7 +148,7 @@ class Steps:
             except Exception as e:
                 self.scheduler.end(a.key)
                 log.exception("starting generation for %s failed", a.key)
-                a.emit(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
+                a.tell(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def _insert(self, a: Answer) -> None:
         tokens = a.tokens
@@ -152,7 +161,10 @@ class Steps:
         assert self.caches is not None
         # The engine does not wait for a read: a cache on disk is read by the I/O worker and the answer
         # starts when the read has ended (`read_reported`); ranks in lockstep wait, to stay in step.
-        out = self.caches.checkout(a.session_id, tokens, wait=self.lockstep is not None)
+        # An answer that wants every prompt position's logits (prompt_logprobs) reads its prompt whole: it asks
+        # for one id, so the store still makes room, and drops what that restores (`_begin`).
+        wanted = tokens[:1] if a.prompt_logprobs else tokens
+        out = self.caches.checkout(a.session_id, wanted, wait=self.lockstep is not None)
         if out.read is not None:
             a.read = out.read  # it stays restoring
             return
@@ -170,14 +182,19 @@ class Steps:
         if self.lockstep is not None:
             out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
         cache, cached, shared = out.cache, out.tokens, out.shared_tokens
-        if cache is None or cached == 0:
+        if a.prompt_logprobs:
+            out = replace(out, restored_from=p.NO_CACHE, restore_ms=0.0, prefetched=False)
+        if cache is None or cached == 0 or a.prompt_logprobs:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
-        a.detokenizer, a.prompt, a.cached_len = self.tokenizer.detokenizer, tokens, cached
+        a.detokenizer, a.prompt, a.cached_len = detokenizer_for(self.tokenizer, raw=a.raw), tokens, cached
         a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
-        a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET)
+        a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET,
+                        top_k=a.sampling.top_k or 0, min_p=a.sampling.min_p or 0.0)
+        a.processing = processing(a.sampling)
         boundary, at_boundary = self.caches.windows(a.session_id, cache) or (None, None)
         a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
-                            boundary=boundary, at_boundary=at_boundary, last=self.last)
+                            boundary=boundary, at_boundary=at_boundary, last=self.last,
+                            collect=(a.logprobs or 0) if a.prompt_logprobs else None, raw=a.processing is not None)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
         a.checkpoint = out.checkpoint and cached > 0
         self.scheduler.prefill(a)
@@ -186,8 +203,13 @@ class Steps:
         """One decode step for every row in the batch, then one prefill chunk."""
         if self.scheduler.any_decoding():
             self._decode()
+            if self.profile is not None:
+                self.profile.lap("books")
         if (a := self.scheduler.next_prefill()) is not None:
+            self.out.flush(force=True)  # the text held back leaves before a chunk that may take long
             self._prefill(a)
+            if self.profile is not None:
+                self.profile.lap("prefill")
 
     def _prefill(self, answer: Answer) -> None:
         import mlx.core as mx
@@ -203,28 +225,35 @@ class Steps:
             t0 = time.perf_counter()
             with mx.stream(self.stream):
                 logprobs = answer.prefill.advance(n)
+                if logprobs is not None and answer.processing is not None:  # the prefill gave raw logits
+                    logits = answer.processing.apply(answer.prefill.tokens, logprobs)
+                    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 if logprobs is not None and answer.grammar is not None:
                     answer.constraint = self._constraint(answer.grammar, logprobs.shape[-1])
                     logprobs = answer.constraint.mask(logprobs)
                 draws = answer.draws
                 assert draws is not None
                 token = first_token(logprobs, draws.take) if logprobs is not None else None
+                if token is not None and logprobs is not None and answer.logprobs is not None:
+                    answer.token_logprobs += records([token], pick(logprobs, mx.array([token]), answer.logprobs))
+                    answer.prompt_token_logprobs = answer.prefill.prompt_logprobs()
             now = time.perf_counter()
             self.scheduler.chunk_fed(answer.prefill.fed - before, now - t0)
             if token is None:
                 if answer.progress_at is None or now - answer.progress_at >= PROGRESS_EVERY:
                     answer.progress_at = now
-                    answer.emit(AnswerProgress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
+                    answer.tell(AnswerProgress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
                 return
         except Exception as e:
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("prefill for %s failed", session_id)
-            answer.emit(AnswerError(p.INTERNAL, f"generation failed: {e}"))
+            answer.tell(AnswerError(p.INTERNAL, f"generation failed: {e}"))
             self._end(session_id)
             return
         prefill, answer.prefill = answer.prefill, None
         if self._took(answer, token, time.perf_counter()) and answer.handed is not None:
+            self.out.flush(force=True)
             answer.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
         if token in self.tokenizer.eos_token_ids:
             # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
@@ -237,7 +266,8 @@ class Steps:
         from .decode import Row
 
         # Speculation runs on one rank only (docs/distributed.md).
-        if self.config.speculate == "auto" and answer.constraint is None and self.lockstep is None:
+        if (self.config.speculate == "auto" and answer.constraint is None and answer.logprobs is None
+                and answer.processing is None and self.lockstep is None):
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
 
@@ -247,8 +277,11 @@ class Steps:
         assert answer.draws is not None
         answer.row = Row(session_id, list(prefill.tokens), answer.draws, answer.max_tokens - 1,
                       frozenset(self.tokenizer.eos_token_ids), answer.constraint, answer.spec,
-                      cache=prefill.cache, first=token)  # it enters the batch at the next decode step
+                      cache=prefill.cache, first=token,  # it enters the batch at the next decode step
+                      logprobs=answer.logprobs, processing=answer.processing)
         self.scheduler.decode(answer)
+        if self.profile is not None:
+            answer.profiled = self.profile.mark()  # its decode steps' profile starts at the next one
 
     def _constraint(self, grammar: str, width: int) -> Constraint:
         """A matcher for one answer's grammar over the model's tokens (the tokenizer's view made once)."""
@@ -268,7 +301,7 @@ class Steps:
             # The batch is in an unknown state: fail every answer in it, start afresh.
             log.exception("generation step failed")
             for a in decoding:
-                a.emit(AnswerError(p.INTERNAL, f"generation failed: {e}"))
+                a.tell(AnswerError(p.INTERNAL, f"generation failed: {e}"))
                 self._end(a.key)
             self.decoder.reset()
             return
@@ -277,6 +310,8 @@ class Steps:
         for r in out:
             answer = answers[r.key]
             self._took(answer, r.token, now, shown=r.finish != "stop")
+            if r.picked is not None and r.finish != "stop":
+                answer.token_logprobs += records([r.token], r.picked)
             if r.finish is not None:
                 self._finish(answer, r.finish, r.cache, list(r.tokens or ()))
 
@@ -294,7 +329,7 @@ class Steps:
                 self.scheduler.end(session_id)
                 if a.read is not None and self.caches is not None:
                     self.caches.tell(Abandoned(a.read))
-                a.emit(Done("cancelled", a.usage(self.max_context), None))
+                a.tell(Done("cancelled", a.usage(self.max_context), None))
             case Phase.PREFILLING:
                 # Keep what was prefilled for next time; the fed ids stay as they were.
                 pre = a.prefill
@@ -321,15 +356,19 @@ class Steps:
             answer.say(text)
         sid = answer.session_id
         self._end(sid)
+        if self.profile is not None and answer.profiled is not None:
+            log.info("profile of %s: %s", sid, self.profile.summary(answer.profiled, answer.generated - 1))
         history = [*tokens, *unfed]
         if changed and len(history) > len(answer.prompt):
             self._last_answers.keep(sid, history[len(answer.prompt):])
         failure = answer.constraint.failure if answer.constraint is not None and reason != "cancelled" else None
         if failure is not None:  # ended because it left its grammar: not JSON, so never a normal finish
-            answer.emit(AnswerError(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
+            answer.tell(AnswerError(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
                                 "try a simpler schema"))
         else:
-            answer.emit(Done(reason, answer.usage(self.max_context), history if tokens and changed else None))
+            answer.tell(Done(reason, answer.usage(self.max_context), history if tokens and changed else None,
+                             logprobs=tuple(answer.token_logprobs) if answer.logprobs is not None else None,
+                             prompt_logprobs=tuple(answer.prompt_token_logprobs) if answer.prompt_logprobs else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
         # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
         if cache is not None and tokens and self.caches is not None:

@@ -1,11 +1,10 @@
 """The engine thread: the one thread that owns the model and every MLX array.
 
-Jobs come in through a queue; events go out through a callback the server
-supplies (it hops them onto the event loop with `call_soon_threadsafe`).
-This file is the thread: its loop, its inbox, loading the model, idle
-upkeep and the statistics; what a step does to the answers (admit, prefill,
-decode, finish, cancel) is a `Steps` (steps.py), made once the model
-is loaded, which the engine owns and calls.
+Jobs come in through a queue; events go out once per step (handoff.py: one
+wake-up of the event loop). This file is the thread: its loop, its inbox,
+loading the model, idle upkeep and the statistics; what a step does to the
+answers (admit, prefill, decode, finish, cancel) is a `Steps` (steps.py),
+made once the model is loaded, which the engine owns and calls.
 """
 
 from __future__ import annotations
@@ -23,15 +22,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
-
 import protocol as p
 from cachestore import ARRIVED, IDLE, READS_REPORTED, STOPPING, WOKEN, Abandoned, Stepped, Took
+from common.threadname import name_spawned, name_thread
 from common.tiers import RESIDENT
 
 from ..config import Config
 from ..events import AnswerError
 from . import heap
+from .handoff import Handoff
 from .jobs import (
     Cancel,
     Forget,
@@ -41,8 +40,10 @@ from .jobs import (
     Stop,
 )
 from .lockstep import Op
+from .profile import StepProfile, wanted
 from .running import Answer, EngineStatistics
 from .scheduler import Phase, Scheduler
+from .stage import TokenizerStage
 from .steps import Steps
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ class Engine:
         self._inbox: queue.SimpleQueue[Answer | Cancel | Forget | Stop | Status | ReadReported | RoomFreed] = \
             queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
+        self.out = Handoff()  # every event a step makes, to the event loop in one wake-up at its end
+        # The step profiler (profile.py: `[decode] profile`, KVD_PROFILE=1); None, and free, when off.
+        self.profile = StepProfile(self.out) if wanted(config.profile) else None
         # Every answer, in its phase: running, restoring, and waiting past max_generations.
         self.scheduler: Scheduler[Answer] = Scheduler(
             max_running=config.max_generations, prefill_step=config.prefill_step_size,
@@ -94,8 +98,7 @@ class Engine:
         self.weights_bytes: int | None = None  # the model's weights in memory, once loaded (the registry's)
         self._prefetch = False  # sessions left to page in from disk, one per idle tick (ranks in lockstep)
         self._refault = False  # fault the heap's reserve in again once the planned prefetch is done
-        self.stage_tokenizer: Any = None  # the tokenizer stage's own copy (`tokenize`), once loaded
-        self._stage: anyio.CapacityLimiter | None = None  # one call at a time in the stage (made in the loop)
+        self.stage = TokenizerStage(config.model)  # the tokenizer stage (`tokenize`): its copy made at the load
 
     @property
     def config(self) -> Config:
@@ -122,17 +125,13 @@ class Engine:
         self._inbox.put(Cancel(session_id))
 
     async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(tokenizer, *args)` in the model's tokenizer stage, where a turn's every render and encode
-        runs (prompt.py): a worker thread, one call at a time, off the event loop (a long conversation takes
-        milliseconds) and off this thread (it would stall every decoding stream). Its tokenizer is its own,
-        copied before `ready`: a fast tokenizer used from two threads can fail ("Already borrowed")."""
-        self._stage = self._stage or anyio.CapacityLimiter(1)
-        return await anyio.to_thread.run_sync(self._in_stage, fn, args, limiter=self._stage)
+        """`fn(tokenizer, *args)` in the model's tokenizer stage (stage.py), where a turn's every render and
+        encode runs (prompt.py), with the stage's own copy of the tokenizer."""
+        return await self.stage.run(fn, *args)
 
-    def _in_stage(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        if (tokenizer := self.stage_tokenizer) is None:  # the registry unloads no model a turn is on
-            raise RuntimeError(f"{self.config.model} is not loaded")
-        return fn(tokenizer, *args)
+    @property
+    def stage_tokenizer(self) -> Any:
+        return self.stage.tokenizer
 
     def forget(self, session_id: str) -> None:
         """Drop a deleted session's cache from every tier (it must not be generating)."""
@@ -158,6 +157,7 @@ class Engine:
 
     def load(self) -> None:
         """Load the model, open the caches and warm up: the first thing the engine thread does."""
+        import mlx.core as mx
         from mlx.utils import tree_flatten
 
         from ..device import current
@@ -186,8 +186,8 @@ class Engine:
         self.device = loaded.device
         self.weights_bytes = weights
         self.steps = Steps(c, self.model, self.tokenizer, self.caches, scheduler=self.scheduler,
-                               lockstep=self.lockstep, max_context=self.max_context,
-                               publish=self._publish_stats)
+                           lockstep=self.lockstep, max_context=self.max_context,
+                           publish=self._publish_stats, out=self.out, profile=self.profile)
         if self.lockstep is not None:
             self.lockstep.stream = self.steps.stream
             self.lockstep.open_doorbell()
@@ -195,8 +195,9 @@ class Engine:
         from .draws import Draws
 
         draws = Draws(c.temperature, c.top_p, seed=0, size=1) if c.temperature > 0 else None
-        self.warm_up_ms = warm_up(self.model, self.tokenizer, probe, current().warm_up_tokens,
-                                  draw=draws.take if draws is not None else None)
+        with mx.stream(self.steps.stream):  # the stream every step runs on: its worker starts before `ready`
+            self.warm_up_ms = warm_up(self.model, self.tokenizer, probe, current().warm_up_tokens,
+                                      draw=draws.take if draws is not None else None)
         if self.lockstep is None:  # (ranks run one graph: each would decide alone)
             from .prefill import last_position
 
@@ -204,12 +205,10 @@ class Engine:
         # The tokenizer stage works on a copy of its own (`tokenize`): made here,
         # before `ready`, so no first turn waits for it (Gemma 3's 262k-token one: 2-3 s of a first
         # turn's TTFT after a restart on the busy 2-core CPU, when it was made after `ready`).
-        self.stage_tokenizer = copy.deepcopy(self.tokenizer)
+        self.stage.tokenizer = copy.deepcopy(self.tokenizer)
         self._connect_caches(probe)
         if self.lockstep is not None:
             import random
-
-            import mlx.core as mx
 
             # Every rank samples the same tokens from the same logits: the same seed, the same draws.
             mx.random.seed(self.lockstep.share(random.getrandbits(31)))
@@ -258,7 +257,9 @@ class Engine:
         self.ready.set()
 
     def _run(self) -> None:
+        name_thread("kvd-engine")  # the kernel's name too: top -H, py-spy, bench/hostcost.py
         self.open()
+        name_spawned("kvd-mlx")  # MLX's and the BLAS's workers, started by the load, took this thread's name
         ls = self.lockstep
         # Idle, rank 0 still speaks (an IDLE tick) often enough for the followers' watchdog.
         idle_wait = MAINTAIN_EVERY if ls is None else min(MAINTAIN_EVERY, ls.heartbeat)
@@ -324,6 +325,7 @@ class Engine:
             s = self.scheduler
             for a in [*s.phase(Phase.WAITING), *s.phase(Phase.RESTORING), *s.started()]:
                 self.steps.cancel(a.key)
+        self.out.flush(force=True)  # (the answers' Dones, before the caches are paged out)
         if self.caches is not None:
             self.caches.tell(STOPPING)  # every cache paged out, then the tiers closed
 
@@ -332,7 +334,8 @@ class Engine:
         model's memory is another's to use; daemon/engine/registry.py)."""
         self.steps = None
         self.caches = None
-        self.model = self.tokenizer = self.stage_tokenizer = None
+        self.model = self.tokenizer = None
+        self.stage.close()
         import gc
 
         import mlx.core as mx
@@ -345,9 +348,13 @@ class Engine:
 
     def advance(self) -> None:
         self._advance()
+        self.out.flush()
+        if self.profile is not None:
+            self.profile.handed(decoding=self.scheduler.any_decoding())
 
     def apply(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
         self._handle(cmd)
+        self.out.flush()
 
     def _advance(self) -> None:
         """Start what may start, then one step of the running answers."""
@@ -364,9 +371,8 @@ class Engine:
     def step(self) -> None:
         """Handle every request submitted so far, then run one engine step.
 
-        What the engine thread's loop does between waits; a test calls it on
-        its own thread, after `load()` and without `start()`, to drive the
-        engine one deterministic step at a time.
+        What the engine thread's loop does between waits; a test calls it on its own thread, after
+        `load()` and without `start()`, to drive the engine one deterministic step at a time.
         """
         while True:
             try:
@@ -376,11 +382,13 @@ class Engine:
             assert not isinstance(cmd, Stop), "stop() is for a started engine"
             self._handle(cmd)
         self._advance()
+        self.out.flush(force=True)
 
     def _handle(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
         if isinstance(cmd, Answer):
+            cmd.out = self.out
             if self.steps is None or self.caches is None:
-                cmd.emit(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
+                cmd.tell(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
                 self.caches.tell(Took(self.scheduler.before_first_tokens()))
@@ -431,6 +439,8 @@ class Engine:
                       # the memory budgets every loaded model shares: their bytes, in all and by model
                       "budgets": self.pool.statistics() if self.pool is not None else {},
                       "warm_up_ms": self.warm_up_ms, "device": self.device}
+        if self.profile is not None:
+            self.stats["profile"] = self.profile.figures()  # ms per decode step so far (profile.py)
         if (ls := self.lockstep) is not None:  # the control channel's traffic, from this rank's side
             self.stats["ranks"] = {"world_size": ls.size, "messages": ls.messages, "bytes": ls.bytes}
 

@@ -53,14 +53,16 @@ def target_logits(logprobs: mx.array, target: Target) -> mx.array:
     return Draws(target.temperature, target.top_p, seed=0, size=1).logits(logprobs)
 
 
-def verify(logprobs: mx.array, drafts: Sequence[Sequence[int]], draws: Sequence[Draws]) -> list[Verdict]:
+def verify(logprobs: mx.array, drafts: Sequence[Sequence[int]], draws: Sequence[Draws],
+           also: mx.array | None = None) -> list[Verdict]:
     """The verdict on every row's draft: `logprobs` (rows, 1 + K, vocab), row i's draft `drafts[i]`.
 
     Row i's positions are drawn with `draws[i]` from its `drawn` on (which this does not move).
-    A row without a draft is drawn at its first position only, as a plain step would.
+    A row without a draft is drawn at its first position only, as a plain step would. One wait for
+    the device, which evaluates `also` too (the step's pending tokens).
     """
     lazy = [d.choose(logprobs[i, :len(drafts[i]) + 1]) for i, d in enumerate(draws)]
-    mx.eval(lazy)
+    mx.eval(lazy if also is None else [*lazy, also])
     out: list[Verdict] = []
     for choices, draft in zip(lazy, drafts):
         got: Any = choices.tolist()

@@ -17,6 +17,12 @@ crash, a hang or a wrong answer costs the probe, never the daemon. The
 verdict is kept in a small cache keyed by the library (path, size, mtime)
 and the CPU (model and flags), so a normal start does not pay for it.
 
+A DYNAMIC_ARCH OpenBLAS picks its kernels by the CPU's model, and on a CPU
+it does not know (0.3.21 on a virtual "Intel Xeon Processor" with AVX-512) it
+falls back to a generic core (Prescott: SSE3, matmuls 3-7x slower). kvd then
+names the core the CPU's flags allow in OPENBLAS_CORETYPE, probed first like
+any candidate; one the user set is left alone (blasprobe.better_core).
+
 Candidates, in order: the library named by ``blas = "/path/..."``; an
 OpenBLAS from the system (a DYNAMIC_ARCH build picks its kernels for this
 CPU at load time: Debian/Ubuntu's libopenblas0-pthread, Fedora's
@@ -39,9 +45,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import blasprobe
+
 __all__ = ["BlasResult", "Candidate", "Verdict", "candidates", "choose", "cpu_flags", "find_openblas",
            "preload_blas", "probe"]
 
+#: OpenBLAS's own: the core a DYNAMIC_ARCH build uses (kvd names one when the build fell back to a
+#: generic core; one set by the user is left alone).
+CORETYPE_ENV = "OPENBLAS_CORETYPE"
 #: Environment override: ``KVD_BLAS=off`` disables interposition.
 ENV_VAR = "KVD_BLAS"
 PROBE = Path(__file__).with_name("blasprobe.py")
@@ -204,7 +215,9 @@ def _key(path: Path, flags: set[str]) -> str | None:
         st = path.resolve(strict=True).stat()
     except OSError:
         return None
-    raw = f"{PROBE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{cpu_model()}|{','.join(sorted(flags))}"
+    forced = os.environ.get(CORETYPE_ENV, "")
+    raw = (f"{PROBE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{cpu_model()}|{','.join(sorted(flags))}"
+           f"|{forced}")
     return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
 
 
@@ -302,6 +315,25 @@ def choose(cands: list[Candidate], *, flags: set[str] | None = None,
 # --- loading it ---------------------------------------------------------------------------------------
 
 
+def _better_core(path: Path, verdict: Verdict, cache: Path | None) -> tuple[Verdict, str]:
+    """Where a DYNAMIC_ARCH build fell back to a generic core (a CPU it does not know), name the core
+    this CPU's flags allow in OPENBLAS_CORETYPE, probed like any library (its verdict cached apart);
+    should that probe fail, the generic core stays. A core the user named is left alone. Also the
+    words the BLAS line adds when kvd named one."""
+    if os.environ.get(CORETYPE_ENV):
+        return verdict, ""
+    flags = cpu_flags()
+    core = blasprobe.better_core(verdict.config, verdict.core, flags)
+    if core is None:
+        return verdict, ""
+    os.environ[CORETYPE_ENV] = core
+    forced = probe(path, flags=flags, cache=cache)
+    if forced.ok and forced.core.lower() == core.lower():
+        return forced, f" ({CORETYPE_ENV}={core}: it chose {verdict.core} for this CPU)"
+    del os.environ[CORETYPE_ENV]
+    return verdict, ""
+
+
 def _set_threads(lib: Any, wanted: int) -> int | None:
     setter = getattr(lib, "openblas_set_num_threads", None)
     getter = getattr(lib, "openblas_get_num_threads", None)
@@ -342,7 +374,11 @@ def preload_blas(mode: str = "auto", *, threads: int = 0, cache: Path | None = N
     if "mlx.core" in sys.modules:
         return BlasResult(False, None, "BLAS: reference (mlx.core was imported before kvd could choose one)")
 
-    cand, verdict, rejected = choose(candidates(mode), cache=cache if cache is not None else default_cache())
+    cache = cache if cache is not None else default_cache()
+    cand, verdict, rejected = choose(candidates(mode), cache=cache)
+    named = ""
+    if cand is not None and verdict is not None:
+        verdict, named = _better_core(cand.path, verdict, cache)
     if cand is None or verdict is None:
         return BlasResult(False, None, f"BLAS: reference, {SLOWER}: no usable OpenBLAS ({FIX})", tuple(rejected))
     try:
@@ -357,7 +393,7 @@ def preload_blas(mode: str = "auto", *, threads: int = 0, cache: Path | None = N
         capped = f" (capped by its MAX_THREADS={verdict.max_threads}; this process may use {cpus} CPUs)"
     what = f"OpenBLAS {verdict.version}".strip() if verdict.version else cand.path.name
     _result = BlasResult(True, str(cand.path),
-                         f"BLAS: {what} ({cand.name()}), core {verdict.core or 'unknown'}, "
+                         f"BLAS: {what} ({cand.name()}), core {verdict.core or 'unknown'}{named}, "
                          f"{got if got is not None else '?'} thread{'' if got == 1 else 's'}{capped}",
                          tuple(rejected), got)
     return _result
