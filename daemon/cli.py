@@ -246,19 +246,10 @@ def _serve_locked(config: Config, *, detached: bool) -> int:
     served = False  # "stopped" only after serving: a start that failed ends with its error line alone
     try:
         preflight.check_cache_dir(config.cache_dir)
-        lost = preflight.sessions_without_transcript(store, config.cache_dir)
-        if lost:
-            log.warning("TRANSCRIPTS LOST: %d session(s) have KV caches but no transcript in %s (%s); "
-                        "was %s-wal deleted or damaged? %s", len(lost), config.db_path,
-                        ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else ""), config.db_path.name,
-                        preflight.restore_hint(config.db_path, config.backups_dir))
-        if partial := preflight.partial_losses(store, config.cache_dir):
-            log.warning("TRANSCRIPTS LOST: %d session(s) in %s end before what their KV caches were fed: %s; "
-                        "was %s-wal deleted or damaged? %s", len(partial), config.db_path,
-                        ", ".join(partial[:10]) + (" ..." if len(partial) > 10 else ""), config.db_path.name,
-                        preflight.restore_hint(config.db_path, config.backups_dir))
-            lost += [p.split()[0] for p in partial]
-        if lost:
+        if preflight.put_back_backup(store):
+            log.info("%s is a backup put back: serving it as it is", config.db_path)
+        if lost := preflight.lost_commits(store, config.db_path):
+            log.warning("%s", preflight.loss_line(lost, store, config.db_path, config.cache_dir, config.backups_dir))
             log.warning("no backups while this daemon runs: they would replace the ones from before "
                         "the loss")
         if n := store.recover_interrupted():

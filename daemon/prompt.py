@@ -20,11 +20,21 @@ from typing import Any, Protocol
 _SENTINEL = "\x00kvd-sentinel\x00"
 
 
+#: The names templates read an assistant's reasoning under: `reasoning_content` (Qwen3, GLM, Kimi,
+#: DeepSeek; what vLLM-style clients send), `reasoning` (vLLM's newer name, which vLLM passes beside
+#: it), `thinking` (gpt-oss, LFM2.5, and Anthropic's block). Templates that read more than one take them
+#: as alternatives, so each is given the same text.
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
 def template_message(m: Mapping[str, Any]) -> dict[str, Any]:
     """A transcript message as chat templates take it: role and content, an assistant's tool calls
     (kept as {"id", "name", "arguments"}; templates want OpenAI's shape, arguments as an object, as
-    Hugging Face's chat templates document it) and the call a tool message answers."""
+    Hugging Face's chat templates document it), the call a tool message answers, and an assistant's
+    reasoning as its client sent it (under every name a template reads it by)."""
     out: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+    if reasoning := m.get("reasoning"):
+        out.update(dict.fromkeys(REASONING_KEYS, reasoning))
     if calls := m.get("tool_calls"):
         out["tool_calls"] = [{"id": c["id"], "type": "function",
                               "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from sessions import DamagedFedIds, Message, Session, Store, stash
+from sessions import DamagedFedIds, Message, Session, Store, new_session_id, stash
 from sessions.chains import Chains, build, said
+from sessions.responses import Points, answered_at, branch_away
 from sessions.writer import Writer
 
 from .prompt import template_message
@@ -58,9 +59,19 @@ class Held:
     stashed: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     said_index: list[int] = field(default_factory=list)  # said messages (chains.said), as a prompt renders them
     said_template: list[dict[str, Any]] = field(default_factory=list)
+    responses: list[int] = field(default_factory=list)  # the answer indices of its stored responses, in order
 
     def __post_init__(self) -> None:
         self.resay()
+
+    def fed_cut(self, index: int) -> tuple[int, int]:
+        """How many fed ids stand for messages before `index`, and for how many messages: the end of the
+        last earlier turn whose boundary is known (the next turn appends to exactly what was fed)."""
+        keep, covers = 0, 0
+        for m in self.messages[:index]:
+            if m["fed_end"] is not None and m["fed_end"] <= len(self.fed):
+                keep, covers = m["fed_end"], m["index"] + 1
+        return keep, covers
 
     def resay(self) -> None:
         # An answer that ended empty is said: its fed ids hold it, and the API door keeps it too.
@@ -91,12 +102,13 @@ class Held:
 
 
 def _message(index: int, role: str, content: str, status: str, now: float,
-             tool_calls: Sequence[Mapping[str, str]] | None, tool_call_id: str | None) -> Message:
+             tool_calls: Sequence[Mapping[str, str]] | None, tool_call_id: str | None,
+             reasoning: str | None = None) -> Message:
     return Message(index=index, role=role,  # type: ignore[typeddict-item]
                    content=content, status=status,  # type: ignore[typeddict-item]
                    finish_reason=None, usage=None, fed_end=None, created_at=now, updated_at=now,
                    tool_calls=[dict(c) for c in tool_calls] if tool_calls else None,
-                   tool_call_id=tool_call_id)
+                   tool_call_id=tool_call_id, reasoning=reasoning or None)
 
 
 def prepared(session_id: str, system: str | None, messages: Sequence[Mapping[str, Any]]) -> Held:
@@ -104,7 +116,8 @@ def prepared(session_id: str, system: str | None, messages: Sequence[Mapping[str
     thread: a stateless request may carry thousands, and the event loop then only adopts it."""
     now = time.time()
     return Held(session_id, system, {}, [_message(i, m["role"], m["content"], "complete", now, m.get("tool_calls"),
-                                                  m.get("tool_call_id")) for i, m in enumerate(messages)], [], 0)
+                                                  m.get("tool_call_id"), m.get("reasoning"))
+                                         for i, m in enumerate(messages)], [], 0)
 
 
 log = logging.getLogger("kvd.turns")
@@ -132,7 +145,7 @@ def _load(session_id: str) -> Callable[[Store], Held | None]:
         fed, covers = _fed(store, session_id)
         return Held(session_id, session["system"], session["params"], store.messages(session_id), fed, covers,
                     model=session["model"], fed_model=stash.fed_model(store, session_id) if fed else None,
-                    stashed=stash.stashed(store, session_id))
+                    stashed=stash.stashed(store, session_id), responses=answered_at(store, session_id))
 
     return load
 
@@ -147,6 +160,7 @@ class Transcripts:
         self.chains = Chains()
         self._held: OrderedDict[str, Held] = OrderedDict()
         self._clock = time.time  # the memory's timestamps; the rows get the store's own
+        self.points = Points()  # the Responses API's ids used lately: their session and answer
 
     async def start(self) -> None:
         """Start the writer and build the chains index from the store (on the writer thread)."""
@@ -217,13 +231,13 @@ class Transcripts:
 
     def append(self, held: Held, role: str, content: str, *, status: str = "complete",
                tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
-               chained: bool = True) -> int:
+               chained: bool = True, reasoning: str | None = None) -> int:
         """Append a message in memory; `write_new` writes it (with the others of its turn).
 
         `chained=False`: the caller extends the chains index itself (`chains.extend`), with links it made off the loop.
         """
         index = len(held.messages)
-        m = _message(index, role, content, status, self._clock(), tool_calls, tool_call_id)
+        m = _message(index, role, content, status, self._clock(), tool_calls, tool_call_id, reasoning)
         held.messages.append(m)
         held.said_changed(m)
         if chained:
@@ -239,7 +253,7 @@ class Transcripts:
         def write(store: Store) -> None:
             for m in rows:
                 store.append_message(sid, m["role"], m["content"], status=m["status"], tool_calls=m["tool_calls"],
-                                     tool_call_id=m["tool_call_id"], index=m["index"])
+                                     tool_call_id=m["tool_call_id"], index=m["index"], reasoning=m.get("reasoning"))
 
         return self._write(write, durable=durable, label="messages")
 
@@ -263,7 +277,11 @@ class Transcripts:
         sid = held.session_id
         return self._write(lambda s: s.update_message(sid, index, append=text), durable=False)
 
-    def truncate(self, held: Held, from_index: int) -> Write:
+    def truncate(self, held: Held, from_index: int, *, taken_back: bool = False) -> Write:
+        """Cut the session back to its first `from_index` messages; stored responses that named what is cut
+        keep it, in a new session (`_branch`), in the same write. `taken_back`: a refused turn's own messages,
+        which no response names but its own (forgotten by its door)."""
+        branch = None if taken_back else self._branch(held, from_index)
         if held.stashed:  # other models' ids may stand for messages cut here: their next turn renders afresh
             held.stashed.clear()
             self._write(partial(stash.drop_stash, session_id=held.session_id), durable=False)
@@ -272,7 +290,39 @@ class Transcripts:
             held.resay()
         self.chains.truncate(held.session_id, from_index)
         sid = held.session_id
-        return self._write(lambda s: s.truncate_messages(sid, from_index), durable=True)
+
+        def cut(store: Store) -> int:
+            if branch is not None:
+                branch(store)
+            return store.truncate_messages(sid, from_index)
+
+        return self._write(cut, durable=True)
+
+    def _branch(self, held: Held, from_index: int) -> Callable[[Store], int] | None:
+        """What keeps the answers of the session's stored responses at `from_index` or later when the session
+        is cut there (sessions/responses.py's `branch_away`): a response id names one answer forever. The new
+        session is not held nor chained here: continuing a response holds it (and so chains it)."""
+        moving = [i for i in held.responses if i >= from_index]
+        if not moving:
+            return None
+        end = moving[-1] + 1
+        keep, covers = held.fed_cut(end)
+        new_id = new_session_id()
+        held.responses = [i for i in held.responses if i < from_index]
+        self.points.moved(held.session_id, from_index)
+        log.info("session %s is rewritten from message %d: %d stored response(s) keep their conversation "
+                 "(messages 0-%d) in a new session %s", held.session_id, from_index, len(moving), end - 1, new_id)
+        return partial(branch_away, session_id=held.session_id, new_id=new_id, end=end, moving_from=from_index,
+                       tokens=held.fed[:keep], covers=covers, model=held.fed_model if keep else None)
+
+    def responded(self, held: Held, index: int) -> None:
+        """A stored response names answer `index` of the session (its row is queued by the Responses door)."""
+        bisect.insort(held.responses, index)
+
+    def unresponded(self, session_id: str, index: int) -> None:
+        """A stored response of the session was deleted (or refused): a rewrite need not keep its answer."""
+        if (held := self._held.get(session_id)) is not None and index in held.responses:
+            held.responses.remove(index)
 
     def set_tokens(self, held: Held, tokens: Sequence[int], *, covers: int) -> Write:
         held.fed, held.covers = list(tokens), covers
@@ -288,7 +338,7 @@ class Transcripts:
 
     def _chain(self, held: Held, m: Message) -> None:
         if not self.chains.message(held.session_id, m["index"], m["role"], m["content"], m["tool_calls"],
-                                   m["tool_call_id"], m["status"]):
+                                   m["tool_call_id"], m["status"], m.get("reasoning")):
             self.chains.put(held.session_id, held.system, held.messages)
 
     # --- session-level changes, acknowledged to whoever asked: waited for ---

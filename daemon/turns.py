@@ -71,6 +71,8 @@ def _nowhere(event: EngineEvent) -> None:
 PromptIds = Callable[[Any], tuple[list[int], bool]]  # a turn's ids from a tokenizer, and whether they were rebuilt
 DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was not saved; "
                      "free some space and send it again (nothing saved before is lost)")
+DISK_FULL_KEPT = ("the disk holding kvd's data directory is full, so the answer was cut here: what was written "
+                  "of it is kept, marked failed; free some space, then send it again (nothing saved before is lost)")
 
 
 class TurnWatcher(Protocol):
@@ -160,10 +162,7 @@ class Turns:
         known, so the next turn appends to exactly what was fed; the engine
         then rewinds the session's cache to the longest prefix it still shares.
         """
-        keep, covers = 0, 0
-        for m in held.messages[:index]:
-            if m["fed_end"] is not None and m["fed_end"] <= len(held.fed):
-                keep, covers = m["fed_end"], m["index"] + 1
+        keep, covers = held.fed_cut(index)
         self.transcripts.truncate(held, index)
         self.transcripts.set_tokens(held, held.fed[:keep], covers=covers)
 
@@ -253,16 +252,16 @@ class Turns:
             found = self.transcripts.get(session_id)
             assert found is not None, "placement holds the session before it applies its plan"
             held = found
+            if rewind_from is not None:  # first: stored responses it branches away keep the old system prompt
+                self.rewind(held, rewind_from)
             if new_system:
                 self.transcripts.system_changed(held, system)
-            if rewind_from is not None:
-                self.rewind(held, rewind_from)
         first_new = len(held.messages)
         chained = links is None or len(links) != len(messages) or not all(
             said(m["content"], m.get("tool_calls")) for m in messages)
         for m in messages:
             self.transcripts.append(held, m["role"], m["content"], tool_calls=m.get("tool_calls"),
-                                    tool_call_id=m.get("tool_call_id"), chained=chained)
+                                    tool_call_id=m.get("tool_call_id"), chained=chained, reasoning=m.get("reasoning"))
         if not chained and links:
             self.transcripts.chains.extend(session_id, links, range(first_new, len(held.messages)))
         return session_id, first_new
@@ -422,8 +421,7 @@ class Turns:
     async def _pump(self, turn: Turn, feed: Feed, ended: MemoryObjectReceiveStream[End]) -> None:
         """Wait for the answer's end (its events until then are heard by `feed`, a step at a time), commit
         it and publish it once committed (fsynced). A failure while hearing them ends it here too."""
-        sid, held, t = turn.session_id, turn.held, self.transcripts
-        assert held is not None
+        sid = turn.session_id
         try:
             async with ended:
                 end = await ended.receive()
@@ -434,32 +432,50 @@ class Turns:
             else:
                 await self._failed(turn, end)
         except Exception as e:
-            if turn.engine is not None:
-                turn.engine.cancel(sid)  # nobody is left to keep what it generates
-            if is_disk_full(e):
-                log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
-                error = AnswerError(p.DISK_FULL, DISK_FULL_MESSAGE, answered=turn.seq > 0)
-            else:
-                log.exception("answer for session %s failed", sid)
-                error = AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged", answered=turn.seq > 0)
-            if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
-                turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
-                                            status="error", finish_reason="error"))
-                try:
-                    await self._committed(turn)
-                except Exception as again:  # the answer keeps what was committed before; recovered at start
-                    log.warning("could not mark the answer of %s as cut: %s", sid, again)
-            self._tell(lambda w: w.failed(turn, error.code))
-            t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
-            if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
-                del self.active[sid]
-            turn.show("", now=True)
-            turn.publish(error)
+            await self._cut(turn, e)
         finally:
             if self.active.get(sid) is turn:
                 del self.active[sid]
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
+
+    async def _cut(self, turn: Turn, e: Exception) -> None:
+        """The answer could not go on (a write failed: a full disk; or a bug): what was committed of it is
+        kept, marked cut, and the client is told which: kept, or not saved at all (read back from the store)."""
+        sid, held, t = turn.session_id, turn.held, self.transcripts
+        assert held is not None
+        if turn.engine is not None:
+            turn.engine.cancel(sid)  # nobody is left to keep what it generates
+        full = is_disk_full(e)
+        if full:
+            log.warning("answer for session %s cut: the disk is full (%s)", sid, e)
+        else:
+            log.exception("answer for session %s failed", sid, exc_info=e)
+        if not turn.writes and not turn.unstored:  # they all committed: keep what was generated, marked cut
+            turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
+                                        status="error", finish_reason="error"))
+            try:
+                await self._committed(turn)
+            except Exception as again:  # the answer keeps what was committed before; recovered at start
+                log.warning("could not mark the answer of %s as cut: %s", sid, again)
+        if full:
+            kept = not turn.unstored and await self._kept(sid, turn.message_index)
+            error = AnswerError(p.DISK_FULL, DISK_FULL_KEPT if kept else DISK_FULL_MESSAGE, answered=turn.seq > 0)
+        else:
+            error = AnswerError(p.INTERNAL, "kvd hit an internal error; it is logged", answered=turn.seq > 0)
+        self._tell(lambda w: w.failed(turn, error.code))
+        t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
+        if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
+            del self.active[sid]
+        turn.show("", now=True)
+        turn.publish(error)
+
+    async def _kept(self, session_id: str, index: int) -> bool:
+        """Whether the store holds the answer at `index` (what a client is told of an answer a full disk cut)."""
+        try:
+            return bool(await self.transcripts.read(lambda s: s.messages(session_id, first=index, end=index + 1)))
+        except Exception:  # the store cannot say: as if nothing were kept
+            return False
 
     def _tell(self, what: Callable[[TurnWatcher], None]) -> None:
         for watcher in self.watchers:
@@ -478,7 +494,7 @@ class Turns:
             # Nothing was generated and the turn can never be answered as it is (too long, no such
             # model, a conversation the template refuses): take it back, so the session stays usable
             # (the client still has the text).
-            turn.writes.append(t.truncate(held, turn.first_new))
+            turn.writes.append(t.truncate(held, turn.first_new, taken_back=True))
         else:
             turn.writes.append(t.update(held, turn.message_index, durable=True, content=turn.text,
                                         status="error", finish_reason="error"))

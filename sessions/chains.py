@@ -50,11 +50,15 @@ def root(system: str | None) -> bytes:
 
 
 def link(prev: bytes, role: str, content: str, tool_calls: Sequence[Mapping[str, str]] | None,
-         tool_call_id: str | None) -> bytes:
+         tool_call_id: str | None, reasoning: str | None = None) -> bytes:
     """The link after `prev`. A plain message (most of them) is hashed as its role, its length and its
-    text; one with tool calls or a call id as JSON, tagged apart (the JSON costs 3x the hash)."""
+    text; one with tool calls, a call id or reasoning as JSON, tagged apart (the JSON costs 3x the hash)."""
     h = hashlib.blake2b(prev, digest_size=DIGEST, person=b"kvd-link")
-    if tool_calls or tool_call_id is not None:
+    if reasoning:  # a template renders it: a message with other reasoning is another message
+        h.update(b"\x03" + json.dumps([role, content, [_call_key(c) for c in tool_calls or ()], tool_call_id,
+                                       reasoning], ensure_ascii=False, separators=(",", ":"))
+                 .encode("utf-8", "surrogatepass"))
+    elif tool_calls or tool_call_id is not None:
         h.update(b"\x02" + json.dumps([role, content, [_call_key(c) for c in tool_calls or ()], tool_call_id],
                                       ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
     else:
@@ -65,11 +69,12 @@ def link(prev: bytes, role: str, content: str, tool_calls: Sequence[Mapping[str,
 
 
 def chain(system: str | None, messages: Iterable[Mapping[str, Any]]) -> list[bytes]:
-    """The links of `messages` (each with role, content, tool_calls, tool_call_id), all of them said."""
+    """The links of `messages` (each with role, content, tool_calls, tool_call_id, reasoning), all of them
+    said."""
     out: list[bytes] = []
     prev = root(system)
     for m in messages:
-        prev = link(prev, m["role"], m["content"], m.get("tool_calls"), m.get("tool_call_id"))
+        prev = link(prev, m["role"], m["content"], m.get("tool_calls"), m.get("tool_call_id"), m.get("reasoning"))
         out.append(prev)
     return out
 
@@ -105,7 +110,8 @@ class Chains:
         prev = root(system)
         for m in messages:
             if said(m["content"], m.get("tool_calls"), m.get("status", "complete")):
-                prev = link(prev, m["role"], m["content"], m.get("tool_calls"), m.get("tool_call_id"))
+                prev = link(prev, m["role"], m["content"], m.get("tool_calls"), m.get("tool_call_id"),
+                            m.get("reasoning"))
                 s.links.append(prev)
                 s.indices.append(int(m["index"]))
         self._sessions[session_id] = s
@@ -124,7 +130,7 @@ class Chains:
 
     def message(self, session_id: str, index: int, role: str, content: str,
                 tool_calls: Sequence[Mapping[str, str]] | None, tool_call_id: str | None,
-                status: str = "complete") -> bool:
+                status: str = "complete", reasoning: str | None = None) -> bool:
         """Message `index` is now this (appended, or the last one changed); False when the chain
         cannot follow without the whole transcript (an earlier message changed): call `put`."""
         s = self._sessions.get(session_id)
@@ -138,7 +144,7 @@ class Chains:
             s.indices.pop()
         if said(content, tool_calls, status):
             prev = s.links[-1] if s.links else root(s.system)
-            s.links.append(link(prev, role, content, tool_calls, tool_call_id))
+            s.links.append(link(prev, role, content, tool_calls, tool_call_id, reasoning))
             s.indices.append(index)
         self._end(session_id, s, add=True)
         self.touch(session_id)
@@ -209,15 +215,15 @@ class Chains:
                 del self._ends[end]
 
 
-def build(rows: Iterable[tuple[str, str | None, int, str, str, Any, str | None, str]]) -> Chains:
-    """A Chains from (session_id, system, index, role, content, tool_calls, tool_call_id, status) rows,
+def build(rows: Iterable[tuple[str, str | None, int, str, str, Any, str | None, str, str | None]]) -> Chains:
+    """A Chains from (session_id, system, index, role, content, tool_calls, tool_call_id, status, reasoning) rows,
     ordered by session recency (least recent first) then index; a session with no messages has
     one row with index -1."""
     chains = Chains()
     current: str | None = None
     system: str | None = None
     messages: list[dict[str, Any]] = []
-    for sid, sys_prompt, index, role, content, tool_calls, tool_call_id, status in rows:
+    for sid, sys_prompt, index, role, content, tool_calls, tool_call_id, status, reasoning in rows:
         if sid != current:
             if current is not None:
                 chains.put(current, system, messages)
@@ -225,7 +231,7 @@ def build(rows: Iterable[tuple[str, str | None, int, str, str, Any, str | None, 
         if index >= 0:
             calls = json.loads(tool_calls) if isinstance(tool_calls, str) else tool_calls
             messages.append({"index": index, "role": role, "content": content, "tool_calls": calls,
-                             "tool_call_id": tool_call_id, "status": status})
+                             "tool_call_id": tool_call_id, "status": status, "reasoning": reasoning})
     if current is not None:
         chains.put(current, system, messages)
     return chains

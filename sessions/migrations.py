@@ -215,3 +215,50 @@ def m009_responses(db: Database) -> None:
         """
     )
     db.execute("CREATE INDEX responses_session ON responses (session_id)")
+
+
+@migration
+def m010_response_items(db: Database) -> None:
+    # responses.items_session: the session whose id names the response's input items (`msg_<session><idx>`)
+    # when its conversation was branched away from a session rewritten in place (sessions/responses.py's
+    # branch_away): the items keep the ids they were listed under. NULL: the response's own session.
+    db.execute("ALTER TABLE responses ADD COLUMN items_session TEXT")
+
+
+@migration
+def m011_commit_count(db: Database) -> None:
+    # How many fsynced commits the writer made (sessions/commits.py): a start that finds fewer than the
+    # note beside the database says lost them (a deleted or damaged WAL). `database` names this database
+    # (a backup is marked `backup`, and takes a new id when it is put back and served).
+    db.execute(
+        """
+        CREATE TABLE commit_count (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            database BLOB NOT NULL,
+            commits INTEGER NOT NULL CHECK (commits >= 0),
+            backup INTEGER NOT NULL DEFAULT 0
+        )
+        """
+    )
+    db.execute("INSERT INTO commit_count (id, database, commits) VALUES (1, randomblob(16), 0)")
+
+
+@migration
+def m012_message_reasoning(db: Database) -> None:
+    # messages.reasoning: an assistant message's reasoning as a client sent it back apart from its content
+    # (OpenAI-style `reasoning_content`, Anthropic's `thinking` blocks, Responses' `reasoning` items), which
+    # chat templates render (Qwen3's in <think>). NULL: none.
+    db.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT")
+
+
+@migration
+def m013_item_names(db: Database) -> None:
+    # The Responses API names a message's input items after its session and index (msg_<session><idx>); a
+    # session cut back reuses those indices. `sessions.gen` counts the cuts, and each message keeps the one
+    # it was written under (`messages.gen`): a message written after a cut at or below its index is named
+    # apart (msg_<session><idx>g<gen>), so an item id kvd issued always names the item it was issued for.
+    db.execute("ALTER TABLE sessions ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE messages ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
+    # An item_reference to such an id whose message was branched away is found through the responses that
+    # keep its name (responses.items_session, m010; sessions/responses.py's `holding`): without a scan.
+    db.execute("CREATE INDEX responses_items ON responses (items_session) WHERE items_session IS NOT NULL")

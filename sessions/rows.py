@@ -41,3 +41,8 @@ class Message(TypedDict):
     updated_at: float
     tool_calls: list[dict[str, str]] | None  # an assistant's calls: [{"id", "name", "arguments"}]
     tool_call_id: str | None  # a tool message: the call it answers
+    # An assistant's reasoning as a client sent it back apart from its content (chat templates render it);
+    # always there in what the store returns.
+    reasoning: NotRequired[str | None]
+    # How many cuts of its session came before it was written (sessions/migrations.py, m013): names its items.
+    gen: NotRequired[int]

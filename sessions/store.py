@@ -64,7 +64,7 @@ _SESSION_KEYS = (
 )  # fmt: skip
 _MESSAGE_KEYS = (
     "index", "role", "content", "status", "finish_reason", "usage",
-    "fed_end", "created_at", "updated_at", "tool_calls", "tool_call_id",
+    "fed_end", "created_at", "updated_at", "tool_calls", "tool_call_id", "reasoning", "gen",
 )  # fmt: skip
 
 
@@ -96,7 +96,10 @@ class Store:
         if not self.db.memory:
             self.db.enable_wal()
         self.db.execute(f"PRAGMA synchronous = {self.synchronous}")
-        migrate(self.db)
+        self.path = None if memory else Path(path)
+        if migrate(self.db) and not memory:
+            # A new schema (a new database's commit count among it) in the main file, not only in the WAL.
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
         self.db.close()
@@ -197,7 +200,7 @@ class Store:
         """The session's messages in order (those with first <= index < end, when given)."""
         rows = self.db.execute(
             "SELECT idx, role, content, status, finish_reason, usage, fed_end, "
-            "created_at, updated_at, tool_calls, tool_call_id FROM messages WHERE session_id = ? "
+            "created_at, updated_at, tool_calls, tool_call_id, reasoning, gen FROM messages WHERE session_id = ? "
             "AND idx >= ? AND idx < ? ORDER BY idx",
             [session_id, first, (1 << 62) if end is None else end],
         ).fetchall()
@@ -208,11 +211,12 @@ class Store:
     def append_message(
         self, session_id: str, role: str, content: str, *, status: str = "complete",
         tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
-        index: int | None = None,
+        index: int | None = None, reasoning: str | None = None,
     ) -> int:
         """Append a message and touch the session; return its index (0, 1, ...).
 
-        `tool_calls` (an assistant's) and `tool_call_id` (a tool message's) come from the API's tool calling.
+        `tool_calls` (an assistant's) and `tool_call_id` (a tool message's) come from the API's tool calling;
+        `reasoning`, an assistant's reasoning as a client sent it back.
         `index`, when given, is the index the caller holds in memory for it (the turn core): a
         transcript that disagrees fails here rather than drifting apart.
         """
@@ -230,9 +234,11 @@ class Store:
             index = next_index
             self.db.execute(
                 "INSERT INTO messages (session_id, idx, role, content, status, "
-                "created_at, updated_at, tool_calls, tool_call_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "created_at, updated_at, tool_calls, tool_call_id, reasoning, gen) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, (SELECT gen FROM sessions WHERE id = ?))",
                 [session_id, index, role, content, status, now, now,
-                 json.dumps([dict(c) for c in tool_calls]) if tool_calls else None, tool_call_id],
+                 json.dumps([dict(c) for c in tool_calls]) if tool_calls else None, tool_call_id, reasoning,
+                 session_id],
             )
         return int(index)
 
@@ -305,12 +311,14 @@ class Store:
         """Delete messages with index >= `from_index` (regenerate, edit); return how many.
 
         The session's token ids are left alone: what was fed is still a valid
-        cache prefix, and the daemon decides how much of it to keep.
+        cache prefix, and the daemon decides how much of it to keep. The messages
+        written from now on count one more cut (`gen`): they are named apart from
+        the ones they replace (daemon/doors/responses_stored.py).
         """
         if from_index < 0:
             raise ValueError(f"from_index must be >= 0, not {from_index}")
         with self.db.atomic():
-            self._update_session(session_id, "updated_at = ?", [self._clock()])
+            self._update_session(session_id, "updated_at = ?, gen = gen + 1", [self._clock()])
             cursor = self.db.execute(
                 "DELETE FROM messages WHERE session_id = ? AND idx >= ?",
                 [session_id, from_index],
@@ -369,11 +377,12 @@ class Store:
                 [session_id, blob, covers, self._clock(), fed_checksum(session_id, blob, covers), model],
             )
 
-    def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None, str]]:
+    def chain_rows(self) -> Iterator[tuple[str, str | None, int, str, str, Any, str | None, str, str | None]]:
         """Every session's messages, least recently used session first, for sessions.chains.build
         (a session without messages: one row with index -1)."""
         yield from self.db.execute(
-            "SELECT s.id, s.system, coalesce(m.idx, -1), m.role, m.content, m.tool_calls, m.tool_call_id, m.status "
+            "SELECT s.id, s.system, coalesce(m.idx, -1), m.role, m.content, m.tool_calls, m.tool_call_id, m.status, "
+            "m.reasoning "
             "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id "
             "ORDER BY s.updated_at, s.rowid, m.idx")
 
@@ -382,11 +391,6 @@ class Store:
     def session_ids(self) -> set[str]:
         """Every session's id (a start compares them with what the cache holds)."""
         return {row[0] for row in self.db.execute("SELECT id FROM sessions")}
-
-    def interrupted_session_ids(self) -> set[str]:
-        """Sessions with an answer a crash left 'streaming' (a start asks before recover_interrupted)."""
-        rows = self.db.execute("SELECT DISTINCT session_id FROM messages WHERE status = 'streaming'")
-        return {row[0] for row in rows}
 
     def message_count(self) -> int:
         """Messages in every session (backups are taken after enough new ones)."""

@@ -8,7 +8,9 @@ finished answer, a new session) commits with ``synchronous=FULL``, so the
 fsync covers every operation in it; a batch of streamed chunks alone
 commits unsynced, as before. Each operation runs inside its own savepoint,
 so one that fails (a full disk, an unknown session) fails alone and the
-others in its batch still commit.
+others in its batch still commit. A batch committed with an fsync is counted
+in the same transaction and its count noted beside the database once it is
+back (commits.py: how a start tells a lost WAL from a cache's tail).
 
 Operations run in the order they were submitted, reads included: a read
 sees every write submitted before it, which is how the turn core loads a
@@ -34,6 +36,7 @@ from typing import Any, TypeVar
 
 from common.threadname import name_thread
 
+from .commits import Noter, count_one, note_path
 from .store import Store
 
 log = logging.getLogger("kvd.transcript")
@@ -65,6 +68,8 @@ class Writer:
         self._thread: threading.Thread | None = None
         self.batches = 0  # statistics: transactions committed
         self.operations = 0
+        # Every fsynced commit is counted in it and noted beside it (commits.py): a lost WAL is found so.
+        self._noter = Noter(note_path(store.path), store) if store.path is not None else None
 
     def start(self) -> None:
         if self._thread is None:
@@ -134,7 +139,8 @@ class Writer:
     def _together(self, batch: list[_Op]) -> list[tuple[_Op, Any, BaseException | None]]:
         """One transaction, one commit (fsynced if any operation is durable); each in a savepoint."""
         db = self.store.db
-        self._synchronous(any(op.durable for op in batch))
+        durable = any(op.durable for op in batch)
+        self._synchronous(durable)
         results: list[tuple[_Op, Any, BaseException | None]] = []
         with db.atomic():
             for op in batch:
@@ -146,7 +152,9 @@ class Writer:
                     if not db.conn.in_transaction:
                         raise
                     results.append((op, None, e))
+            commits = self._count(durable)
             self._hook("transcript:before-commit", batch)
+        self._noted(commits)
         self._hook("transcript:after-commit", batch)
         return results
 
@@ -155,11 +163,22 @@ class Writer:
             self._synchronous(op.durable)
             with self.store.db.atomic():
                 result = op.fn(self.store)
+                commits = self._count(op.durable)
                 self._hook("transcript:before-commit", [op])
+            self._noted(commits)
             self._hook("transcript:after-commit", [op])
             return op, result, None
         except Exception as e:
             return op, None, e
+
+    def _count(self, durable: bool) -> int | None:
+        """One more fsynced commit, counted in the transaction that makes it (None: not fsynced, not counted)."""
+        return count_one(self.store) if durable and self._noter is not None else None
+
+    def _noted(self, commits: int | None) -> None:
+        """The commit is back: note its count beside the database (it may trail it, never lead it)."""
+        if commits is not None and self._noter is not None:
+            self._noter.committed(commits)
 
     def _synchronous(self, durable: bool) -> None:
         level = self.store.synchronous if durable else self.store.streamed_synchronous

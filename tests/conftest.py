@@ -66,7 +66,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_speculate",
         "test_fed_checksum", "test_tool_turns", "test_prefill", "test_render_exact", "test_empty_answers",
         "test_models", "test_models_budgets", "test_responses", "test_memory", "test_door_rules", "test_metrics",
-        "test_completions",
+        "test_completions", "test_responses_rewrite",
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
@@ -78,7 +78,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_models_e2e",
         "test_responses_restart", "test_model_loads",
         "test_anthropic", "test_hostile_messages", "test_ollama", "test_hostile_ollama", "test_forced_calls",
-        "test_hybrid",
+        "test_hybrid", "test_start_losses",
     }),
 }  # fmt: skip
 

@@ -57,7 +57,8 @@ def test_a_conversation_with_tools_reads_as_the_transcript_keeps_it() -> None:
         "name": "get_weather", "parameters": {"type": "object"}, "description": "The weather."}}]
     assert conversation(req) == [
         Said("user", "Weather\nin Paris?"),
-        Said("assistant", "Looking.", ({"id": "toolu_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},)),
+        Said("assistant", "Looking.", ({"id": "toolu_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},),
+             reasoning="hm"),  # its thinking block, as its reasoning
         Said("tool", "18 C", tool_call_id="toolu_1"),
         Said("tool", "Error: timeout", tool_call_id="toolu_1"),
         Said("user", "and?"),

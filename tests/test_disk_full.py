@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import cachestore.writeback as writeback
 from cachestore.store import SessionCaches
 from conftest import client, running_daemon
 from daemonproc import DaemonProcess
-from sessions import is_disk_full
+from sessions import Store, is_disk_full
 from test_store_tiers import Clock, budgets, grow
 
 A, B, C = "aaaa", "bbbb", "cccc"
@@ -62,6 +63,63 @@ async def test_full_transcript_disk_is_disk_full_and_loses_nothing(tmp_path: Pat
             db.execute("PRAGMA max_page_count = 1073741823")  # room again
             _, done = await c.chat(sid, "and now?", max_tokens=4, temperature=0)
             assert done["type"] == "chat.done"
+
+
+def fill(store: Store) -> None:
+    """The transcript's disk full to the brim (SQLite's page limit), while nothing is being written."""
+    filler = store.create_session(title="New chat")["id"]
+    (pages,) = store.db.execute("PRAGMA page_count").fetchone()
+    store.db.execute(f"PRAGMA max_page_count = {pages}")
+    more: Callable[[], object]
+    for more in (lambda: store.create_session(title="filler " * 20), lambda: store.create_session(title="x"),
+                 lambda: store.append_message(filler, "user", "x" * 500),
+                 lambda: store.append_message(filler, "user", "x")):
+        with pytest.raises(Exception) as full:
+            while True:
+                more()
+        assert is_disk_full(full.value)
+
+
+@pytest.mark.anyio
+async def test_an_answer_a_full_disk_cuts_is_told_kept_and_shown_failed_after_a_restart(tmp_path: Path) -> None:
+    """What the client is told live agrees with what GET shows, then and after a restart: the answer cut by a
+    full disk keeps what was written of it, as a failed response; a request the full disk refuses whole is
+    told "not saved", and there is no response to get."""
+    import openai
+
+    from test_openai_http import HeldEnds
+
+    async with running_daemon(tmp_path, model="builtin:tiny") as d:
+        base = d.url.replace("ws://", "http://")
+        async with openai.AsyncOpenAI(base_url=base, api_key=d.token, max_retries=0) as api:
+            ends = HeldEnds(d)  # the answer stays under way while the disk fills
+            events = []
+            async with api.responses.stream(model="builtin:tiny", input="Tell me a story.", temperature=0,
+                                            max_output_tokens=64) as stream:
+                async for event in stream:
+                    events.append(event)
+                    if event.type == "response.output_text.delta" and not ends.released:
+                        await d.daemon.turns.transcripts.writer.settled()  # its first part is written
+                        fill(d.store)
+                        ends.release()
+            failed = events[-1]
+            assert failed.type == "response.failed", [e.type for e in events]
+            assert failed.response.error is not None
+            told = failed.response.error.message
+            assert "the answer was cut here: what was written of it is kept, marked failed" in told, told
+            got = await api.responses.retrieve(failed.response.id)
+            assert got.status == "failed" and got.output_text, got
+            kept = got.output_text
+            with pytest.raises(openai.APIStatusError) as refused:  # the disk still full: nothing of it kept
+                await api.responses.create(model="builtin:tiny", input="Another one.", max_output_tokens=8)
+            assert "so this was not saved" in refused.value.message
+            assert d.store.db.execute("SELECT COUNT(*) FROM responses").fetchone() == (1,)  # none to get
+        d.store.db.execute("PRAGMA max_page_count = 1073741823")  # room again
+    async with running_daemon(tmp_path, model="builtin:tiny") as d:
+        base = d.url.replace("ws://", "http://")
+        async with openai.AsyncOpenAI(base_url=base, api_key=d.token, max_retries=0) as api:
+            again = await api.responses.retrieve(failed.response.id)
+            assert again.status == "failed" and again.output_text == kept
 
 
 @pytest.fixture

@@ -317,3 +317,61 @@ def test_the_warm_up_draws_a_token_as_the_configured_sampling_does(tmp_path: Pat
     finally:
         assert e.caches is not None
         e.caches.close()
+
+
+def test_an_answer_submitted_as_the_engine_stops_ends_cut_short(tmp_path: Path) -> None:
+    """A turn that was tokenizing while kvd stopped submits its answer to an engine whose thread has ended:
+    it gets its Done (cancelled, nothing generated) at once, and kvd's stop does not wait for it forever."""
+    e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny"))
+    e.start()
+    assert e.ready.wait(120)
+    events: list[EngineEvent] = []
+    answer = job(e, "0123456789abcdef", "hello", events)  # ids made while the model is loaded
+    e.stop()
+    e.submit(answer)
+    assert done(events).finish_reason == "cancelled" and done(events).tokens is None
+    assert len(events) == 1
+
+
+def test_an_answer_left_in_a_stopped_engines_inbox_is_heard_on_its_sinks_loop(tmp_path: Path) -> None:
+    """What the inbox holds as the engine thread ends is handed back from that thread: its Done goes to the
+    turn's sink on the sink's own event loop (the turn core's feed is that loop's alone), as the hand-off does."""
+    import asyncio
+    import threading
+
+    from daemon.engine.jobs import Inbox
+
+    e = Engine(load_config(None, data_dir=tmp_path, model="builtin:tiny"))
+    e.start()
+    assert e.ready.wait(120)
+    answer = job(e, "0123456789abcdef", "hello", [])
+    e.stop()
+
+    async def heard() -> tuple[list[EngineEvent], set[int]]:
+        got: list[EngineEvent] = []
+        threads: set[int] = set()
+        arrived = asyncio.Event()
+
+        class Sink:
+            loop = asyncio.get_running_loop()
+
+            def many(self, events: list[EngineEvent]) -> None:
+                threads.add(threading.get_ident())
+                got.extend(events)
+                arrived.set()
+
+            def __call__(self, event: EngineEvent) -> None:
+                self.many([event])
+
+        answer.emit = Sink()
+        inbox = Inbox()
+        inbox.put(answer)
+        closing = threading.Thread(target=inbox.close, args=(e._late,))  # as the engine thread closes it
+        closing.start()
+        await asyncio.wait_for(arrived.wait(), 60)
+        closing.join()
+        return got, threads
+
+    got, threads = asyncio.run(heard())
+    assert threads == {threading.get_ident()}  # this test's loop runs on this thread
+    assert len(got) == 1 and done(got).finish_reason == "cancelled"

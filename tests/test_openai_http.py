@@ -38,6 +38,10 @@ class HeldEnds:
 
         d.daemon.engine.submit = submit_holding  # type: ignore[method-assign]
 
+    @property
+    def released(self) -> bool:
+        return self._released
+
     def release(self) -> None:
         with self._lock:
             self._released, held, self._held = True, self._held, []

@@ -161,3 +161,81 @@ async def test_qwen3s_template_with_tool_results_as_user_messages_and_thinking_i
               {"role": "user", "content": "Thanks."}]
     requests.append({"messages": list(convo)})
     await _same_as_a_fresh_daemon(tmp_path, model, requests, appended=4)
+
+
+async def test_qwen3s_template_is_fed_the_reasoning_a_client_sends_back(tmp_path: Path) -> None:
+    """vLLM-style clients send an answer's reasoning back as `reasoning_content` (its text apart from the
+    content); Qwen3's template puts it in `<think>` where it keeps thinking. Each request is fed exactly the
+    template's own render of the messages as the client sent them."""
+    import openai
+
+    model = str(_qwen3_model(tmp_path))
+
+    def call(n: int) -> dict[str, Any]:
+        return {"id": f"call_{n}", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+
+    convo: list[dict[str, Any]] = [{"role": "user", "content": "What is 1 + 2?"}]
+    requests = [list(convo)]
+    convo += [{"role": "assistant", "content": "Let me add.", "reasoning_content": "The user wants a sum.",
+               "tool_calls": [call(1)]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    requests.append(list(convo))  # after the last query: the answer keeps its reasoning, in <think>
+    convo += [{"role": "assistant", "content": "It is 3.", "reasoning": "The tool says 3."},  # vLLM's newer name
+              {"role": "user", "content": "And 2 + 2?"}]
+    requests.append(list(convo))  # a new query: the earlier answers' reasoning goes
+    convo += [{"role": "assistant", "content": "", "reasoning_content": "Add again.", "tool_calls": [call(2)]},
+              {"role": "tool", "tool_call_id": "call_2", "content": "4"}]
+    requests.append(list(convo))
+    async with running_daemon(tmp_path / "kvd", model=model) as d:
+        fed = fed_ids(d)
+        async with openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token,
+                                      max_retries=0) as api:
+            for messages in requests:
+                await api.chat.completions.create(model=model, max_tokens=4, temperature=0,
+                                                  tools=[ADD_TOOL],  # type: ignore[list-item]
+                                                  messages=messages)  # type: ignore[arg-type]
+        tokenizer = d.daemon.engine.tokenizer
+        for ids, messages in zip(fed, requests, strict=True):
+            text = tokenizer.apply_chat_template(messages, tools=[ADD_TOOL], add_generation_prompt=True,
+                                                 tokenize=False)
+            assert ids == tokenizer.encode(text, add_special_tokens=False)
+        assert "<think>\nThe user wants a sum.\n</think>" in tokenizer.decode(fed[1])
+
+
+async def test_anthropic_thinking_and_responses_reasoning_reach_qwen3s_template_as_reasoning_content(
+        tmp_path: Path) -> None:
+    """An Anthropic assistant message's `thinking` block, and a Responses `reasoning` item before the calls it
+    made, are fed as the chat door's `reasoning_content` is: the template's own render of the same
+    conversation with it."""
+    import anthropic
+    import openai
+
+    model = str(_qwen3_model(tmp_path))
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    same: list[dict[str, Any]] = [
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "content": "Let me add.", "reasoning_content": "A sum: call add.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    async with running_daemon(tmp_path / "kvd", model=model) as d:
+        fed = fed_ids(d)
+        base = d.url.replace("ws://", "http://").removesuffix("/v1")
+        async with anthropic.AsyncAnthropic(base_url=base, api_key=d.token, max_retries=0) as claude:
+            await claude.messages.create(model=model, max_tokens=4, messages=[
+                {"role": "user", "content": "What is 1 + 2?"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "A sum: call add.", "signature": "kvd-ignores-it"},
+                    {"type": "text", "text": "Let me add."},
+                    {"type": "tool_use", "id": "call_1", "name": "add", "input": {"a": 1, "b": 2}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "3"}]}])
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=d.token, max_retries=0) as api:
+            await api.responses.create(model=model, max_output_tokens=4, store=False, input=[
+                {"role": "user", "content": "What is 1 + 2?"},
+                {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "A sum: call add."}]},
+                {"role": "assistant", "content": "Let me add."},
+                {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+                {"type": "function_call_output", "call_id": "call_1", "output": "3"}])
+        tokenizer = d.daemon.engine.tokenizer
+        text = tokenizer.apply_chat_template(same, add_generation_prompt=True, tokenize=False)
+        assert "<think>\nA sum: call add.\n</think>" in text
+        assert fed == [tokenizer.encode(text, add_special_tokens=False)] * 2

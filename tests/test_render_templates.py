@@ -7,7 +7,9 @@ anchors as they are in the model's own tokenizer. Conversations are generated (s
 branch back to an earlier request, edit an earlier message, resend a request; tools come with their
 keys in a new order from request to request; tool calls are answered by `tool` messages or by user
 messages wrapping `<tool_response>` (Qwen3's convention, which moves its "last query"); answers carry
-`<think>` blocks, are empty, or hold special tokens as text. A step the template refuses (roles that
+`<think>` blocks, are empty, or hold special tokens as text; some carry their reasoning apart (`reasoning`,
+the chat door's `reasoning_content`), and an edit may change an answer's reasoning alone (its own random
+stream: the rest of each conversation is as it was without it). A step the template refuses (roles that
 must alternate, no system role, ...) is not sent, as a client would get a 500 for it; a template that
 refuses every conversation kvd could send is in CANNOT_LOAD with the reason.
 """
@@ -108,6 +110,12 @@ class Conversation:
     messages: list[Said] = field(default_factory=list)
     sent: list[list[Said]] = field(default_factory=list)
     calls: int = 0
+    thinking: random.Random = field(default_factory=random.Random)  # whether, and what, an answer reasons
+
+    def reasoning(self) -> str | None:
+        if self.thinking.random() >= 0.3:
+            return None
+        return "".join(self.thinking.choice(_TEXT + self.specials) for _ in range(self.thinking.randint(1, 6)))
 
     def text(self, most: int = 8) -> str:
         pieces = _TEXT + self.specials
@@ -125,14 +133,14 @@ class Conversation:
                 calls.append({"id": f"call_{self.calls}", "name": self.rng.choice(["add", "weather"]),
                               "arguments": json.dumps(args, ensure_ascii=False)})
             content = self.rng.choice(["", "Let me check.", "<think>\nI need a tool.\n</think>\n\n"])
-            out = [Said("assistant", content, tuple(calls))]
+            out = [Said("assistant", content, tuple(calls), reasoning=self.reasoning())]
             if self.rng.random() < 0.5:
                 return out + [Said("tool", self.text() or "42", (), c["id"]) for c in calls]
             results = "\n".join(f"<tool_response>\n{self.text() or '42'}\n</tool_response>" for _ in calls)
             return out + [Said("user", results)]
         content = {"text": self.text(), "empty": "", "special": self.rng.choice(self.specials) + self.text(),
                    "think": f"<think>\n{self.text()}\n</think>\n\n{self.text()}"}.get(kind, self.text())
-        return [Said("assistant", content), Said("user", self.text() or "?")]
+        return [Said("assistant", content, reasoning=self.reasoning()), Said("user", self.text() or "?")]
 
     def step(self) -> list[Said]:
         """The next request's messages: mostly grown, sometimes branched, edited or sent again."""
@@ -148,6 +156,10 @@ class Conversation:
             users = [i for i, m in enumerate(grown) if m.role == "user"]
             i = self.rng.choice(users)
             grown[i] = grown[i]._replace(content=grown[i].content + self.text(3) + "!")
+            answers = [k for k, m in enumerate(grown) if m.role == "assistant"]
+            if answers and self.thinking.random() < 0.3:  # and an answer's reasoning, sent back otherwise
+                k = self.thinking.choice(answers)
+                grown[k] = grown[k]._replace(reasoning=(grown[k].reasoning or "") + "?")
             return grown
         return [*self.messages, *self.answer()]
 
@@ -181,7 +193,7 @@ def _run(tok: Any, specials: list[str], name: str, seed: int, r: Renders) -> int
     if found is None:
         return 0
     system, tools = found
-    c = Conversation(rng, specials, system, tools)
+    c = Conversation(rng, specials, system, tools, thinking=random.Random(f"{name}/{seed}/reasoning"))
     sent = 0
     for _ in range(REQUESTS):
         for _attempt in range(4):

@@ -16,7 +16,15 @@ from daemon.doors.responses_schema import conversation, parse
 from daemon.doors.responses_stored import input_items, stored_object
 from daemon.events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerStarted, AnswerToolCall
 from sessions import Store
-from sessions.responses import StoredResponse, delete_response, get_response, put_response
+from sessions.responses import (
+    Points,
+    StoredResponse,
+    answered_at,
+    branch_away,
+    delete_response,
+    get_response,
+    put_response,
+)
 
 CONFIG = Config()
 
@@ -67,6 +75,26 @@ def test_a_call_alone_is_an_answer_with_no_text_and_an_output_may_answer_the_pre
     answered = conversation(req(input=[{"type": "function_call_output", "call_id": "c9", "output": "x"}]).input,
                             {"c9"})
     assert answered.messages == (Said("tool", "x", (), "c9"),)
+
+
+def test_a_reasoning_item_is_the_reasoning_of_the_answer_it_comes_with() -> None:
+    def reasoning(text: str, *, summary: bool = False) -> dict[str, Any]:
+        part = {"type": "summary_text" if summary else "reasoning_text", "text": text}
+        return {"type": "reasoning", "id": "rs_1", **({"summary": [part]} if summary else {"summary": [],
+                                                                                            "content": [part]})}
+
+    items = [{"role": "user", "content": "a"}, reasoning("first"),  # before the answer's text
+             {"role": "assistant", "content": "b"}, reasoning("then", summary=True), call("c1"),  # between its calls
+             {"type": "function_call_output", "call_id": "c1", "output": "x"},
+             reasoning("alone"), call("c2"),  # before a call with no text
+             {"type": "function_call_output", "call_id": "c2", "output": "y"},
+             reasoning("answered by nothing"), {"role": "user", "content": "and?"}]
+    new = conversation(req(input=items).input)
+    c1, c2 = ({"id": c, "name": "f", "arguments": "{}"} for c in ("c1", "c2"))
+    assert new.messages == (Said("user", "a"), Said("assistant", "b", (c1,), reasoning="first\nthen"),
+                            Said("tool", "x", (), "c1"), Said("assistant", "", (c2,), reasoning="alone"),
+                            Said("tool", "y", (), "c2"), Said("user", "and?"))
+    assert new.messages[1].for_template()["reasoning"] == "first\nthen"
 
 
 BAD: list[tuple[str, dict[str, Any], str | None, str]] = [
@@ -230,9 +258,121 @@ def test_a_stored_response_shows_its_answer_and_its_input(tmp_path: Path) -> Non
         newest = input_items(store, "resp_2", order="desc", limit=1, after=None)
         assert newest is not None and newest["data"][0]["content"][0]["text"] == "more"
 
-        assert delete_response(store, "resp_1") and not delete_response(store, "resp_1")
+        assert delete_response(store, "resp_1") == (sid, 1) and delete_response(store, "resp_1") is None
         assert stored_object(store, "resp_1", "m") is None and stored_object(store, "resp_2", "m") is not None
         store.truncate_messages(sid, 2)  # the session was cut back before resp_2's answer
         assert stored_object(store, "resp_2", "m") is None
         store.delete_session(sid)
         assert get_response(store, "resp_2") is None  # a session takes its responses with it
+
+
+def test_a_rewrite_branches_the_responses_it_would_touch_away_and_they_show_what_they_did(tmp_path: Path) -> None:
+    with Store(tmp_path / "kvd.sqlite") as store:
+        sid = store.create_session(title="t", system="be brief", origin="api (x)")["id"]
+        for i, (role, text) in enumerate([("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d"),
+                                          ("user", "e"), ("assistant", "f")]):
+            store.append_message(sid, role, text)
+            if role == "assistant":
+                store.update_message(sid, i, status="complete", finish_reason="stop", usage=USAGE, fed_end=10 * i)
+        store.set_tokens(sid, list(range(50)), covers=6, model="m")
+        for rid, answer in (("resp_1", 1), ("resp_3", 3), ("resp_5", 5)):
+            put_response(store, row(rid, sid, answer))
+        assert answered_at(store, sid) == [1, 3, 5]
+        shown = {rid: (stored_object(store, rid, "m"), input_items(store, rid, order="asc", limit=20, after=None))
+                 for rid in ("resp_1", "resp_3", "resp_5")}
+
+        # An edit of message 2 touches resp_3 and resp_5 (their input or answer): they go, with messages 0-5.
+        assert branch_away(store, session_id=sid, new_id="b" * 16, end=6, moving_from=2, tokens=list(range(30)),
+                           covers=4, model="m") == 2
+        store.truncate_messages(sid, 2)
+        assert answered_at(store, sid) == [1] and answered_at(store, "b" * 16) == [3, 5]
+        for rid, (got, items) in shown.items():
+            assert input_items(store, rid, order="asc", limit=20, after=None) == items  # the ids they had
+            moved = stored_object(store, rid, "m")
+            assert moved is not None and got is not None
+            assert {**moved, "kvd": None} == {**got, "kvd": None}
+            assert moved["kvd"]["session"] == (sid if rid == "resp_1" else "b" * 16)
+        branch = store.get_session("b" * 16)
+        assert branch is not None and (branch["title"], branch["system"], branch["origin"]) == ("t", "be brief",
+                                                                                             "api (x)")
+        assert [m["content"] for m in store.messages("b" * 16)] == list("abcdef")
+        assert store.fed("b" * 16) == (list(range(30)), 4)  # its own checksum: verified as it is read
+        # A second rewrite of the branch keeps the ids its responses' items were first listed under.
+        assert branch_away(store, session_id="b" * 16, new_id="c" * 16, end=6, moving_from=4, tokens=[],
+                           covers=0, model=None) == 1
+        assert input_items(store, "resp_5", order="asc", limit=20, after=None) == shown["resp_5"][1]
+
+
+def test_points_forget_what_a_rewrite_moved() -> None:
+    points = Points(size=2)
+    points.remember("r1", "s", 1)
+    points.remember("r3", "s", 3)
+    points.moved("s", 2)
+    assert points.get("r1") == ("s", 1) and points.get("r3") is None
+    points.remember("r5", "t", 5)
+    points.remember("r7", "t", 7)
+    assert points.get("r1") is None  # the least recently used went
+
+
+def test_an_item_id_names_the_item_it_was_issued_for_after_its_session_is_rewritten(tmp_path: Path) -> None:
+    from daemon.doors.responses_stored import referenced
+
+    with Store(tmp_path / "kvd.sqlite") as store:
+        sid = store.create_session(title="t")["id"]
+        for role, text in [("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")]:
+            store.append_message(sid, role, text)
+        put_response(store, row("resp_3", sid, 3))
+        old = input_items(store, "resp_3", order="asc", limit=20, after=None)
+        assert old is not None
+        old_ids = [i["id"] for i in old["data"]]
+        # An edit of message 2: resp_3 goes with its conversation, the session is cut and goes on.
+        branch_away(store, session_id=sid, new_id="b" * 16, end=4, moving_from=2, tokens=[], covers=0, model=None)
+        store.truncate_messages(sid, 2)
+        for role, text in [("user", "C"), ("assistant", "D"), ("user", "E")]:
+            store.append_message(sid, role, text)
+        put_response(store, row("resp_new", sid, 3))
+        new = input_items(store, "resp_new", order="asc", limit=20, after=None)
+        assert new is not None and input_items(store, "resp_3", order="asc", limit=20, after=None) == old
+        new_ids = [i["id"] for i in new["data"]]
+        assert new_ids[:2] == old_ids[:2] and not set(new_ids[2:]) & set(old_ids)  # rewritten: other names
+        found = referenced(store, [*old_ids, *new_ids])
+        assert [found[i]["content"] for i in old_ids] == ["a", "b", "c"]  # still what they were issued for
+        assert [found[i]["content"] for i in new_ids] == ["a", "b", "C"]
+
+
+def test_an_item_id_is_not_taken_by_a_branch_that_went_on_and_was_cut_itself(tmp_path: Path) -> None:
+    from daemon.doors.responses_stored import referenced
+
+    def say(store: Store, session: str, *texts: str) -> None:  # a user's turn at each even index
+        for text in texts:
+            store.append_message(session, "assistant" if len(store.messages(session)) % 2 else "user", text)
+
+    def ids(rid: str) -> list[str]:
+        items = input_items(store, rid, order="asc", limit=50, after=None)
+        assert items is not None
+        return [i["id"] for i in items["data"]]
+
+    b1, s2 = "b" * 16, "c" * 16
+    with Store(tmp_path / "kvd.sqlite") as store:
+        sid = store.create_session(title="t")["id"]
+        say(store, sid, "a", "b", "c", "d")
+        put_response(store, row("resp_3", sid, 3))
+        # An edit of message 2: resp_3 keeps its conversation in b1, and the session goes on (its first cut).
+        branch_away(store, session_id=sid, new_id=b1, end=4, moving_from=2, tokens=[], covers=0, model=None)
+        store.truncate_messages(sid, 2)
+        say(store, sid, "C", "D", "E", "F")
+        put_response(store, row("resp_s5", sid, 5))
+        named = ids("resp_s5")  # message 4 of the session, written after its first cut
+        # resp_3 is continued in b1, which is then cut itself (its own first cut) and goes on.
+        say(store, b1, "e", "f")
+        put_response(store, row("resp_b5", b1, 5))
+        branch_away(store, session_id=b1, new_id="d" * 16, end=6, moving_from=4, tokens=[], covers=0, model=None)
+        store.truncate_messages(b1, 4)
+        say(store, b1, "not the session's E", "nor its F")
+        # The session is cut again before message 4: resp_s5 keeps it in s2.
+        branch_away(store, session_id=sid, new_id=s2, end=6, moving_from=2, tokens=[], covers=0, model=None)
+        store.truncate_messages(sid, 2)
+        say(store, sid, "x", "y", "z")
+        assert ids("resp_s5") == named
+        found = referenced(store, named)
+        assert [found[i]["content"] for i in named] == ["a", "b", "C", "D", "E"]

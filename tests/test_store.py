@@ -220,9 +220,9 @@ def test_append_and_read_messages(store: Store) -> None:
     ]
     assert set(messages[0]) == {
         "index", "role", "content", "status", "finish_reason", "usage", "fed_end",
-        "created_at", "updated_at", "tool_calls", "tool_call_id",
+        "created_at", "updated_at", "tool_calls", "tool_call_id", "reasoning", "gen",
     }  # fmt: skip
-    assert messages[0]["finish_reason"] is None and messages[0]["usage"] is None
+    assert messages[0]["finish_reason"] is None and messages[0]["usage"] is None and messages[0]["reasoning"] is None
     assert messages[0]["tool_calls"] is None and messages[0]["tool_call_id"] is None
 
 
@@ -415,7 +415,8 @@ def test_migrations_are_idempotent(db_path: Path) -> None:
                                                "WHERE migration_set = 'kvd.sessions' ORDER BY id")]
     assert names == ["m001_initial", "m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks",
                      "m005_session_origin", "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model",
-                     "m009_responses"]
+                     "m009_responses", "m010_response_items", "m011_commit_count", "m012_message_reasoning",
+                     "m013_item_names"]
 
 
 def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> None:
@@ -439,7 +440,8 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
     db.conn.commit()
     assert migrate(db) == ["m002_session_params", "m003_fed_blocks", "m004_drop_fed_blocks", "m005_session_origin",
                            "m006_tool_messages", "m007_fed_ids_checksum", "m008_session_model",
-                           "m009_responses"]
+                           "m009_responses", "m010_response_items", "m011_commit_count", "m012_message_reasoning",
+                           "m013_item_names"]
     assert LEGACY_TABLE not in db.table_names() and MIGRATIONS.pending(db) == []
     assert migrate(db) == []
     db.close()
@@ -450,6 +452,10 @@ def test_a_database_from_before_session_params_is_migrated(db_path: Path) -> Non
         assert get(store, MISSING)["params"] == {"top_p": 0.9}
         (kept,) = store.messages(MISSING)  # the messages table was rebuilt (m006), its rows kept
         assert (kept["role"], kept["content"], kept["fed_end"], kept["tool_calls"]) == ("user", "kept", 7, None)
+        assert kept["reasoning"] is None and kept["gen"] == 0  # m012, m013: named as before (msg_<session>000000)
+        store.truncate_messages(MISSING, 1)
+        store.append_message(MISSING, "assistant", "after a cut")
+        assert [m["gen"] for m in store.messages(MISSING)] == [0, 1]  # named apart from what was cut (…000001g1)
         store.db.execute("PRAGMA foreign_keys = ON")
         store.delete_session(MISSING)  # the rebuilt table still cascades
         assert store.db.execute("SELECT count(*) FROM messages").fetchone()[0] == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,41 @@ def test_a_cancelled_wait_neither_drops_the_write_nor_stops_the_writer(store: St
         assert after.result(30) == ["kept"]  # the writer lived on, and the abandoned write was made
     finally:
         writer.close()
+
+
+def test_each_fsynced_commit_is_counted_in_the_database_and_noted_beside_it(tmp_path: Path) -> None:
+    from daemon.service.backup import back_up, backups
+    from daemon.service.preflight import lost_commits, put_back_backup
+    from sessions.commits import counted, note_path, read_note
+
+    db = tmp_path / "kvd.sqlite"
+    with Store(db) as store:
+        assert lost_commits(store, db) is None  # no note yet: counting starts here
+        sid = store.create_session(title="t")["id"]
+        writer = Writer(store)
+        for i in range(3):
+            writer.submit(partial(Store.append_message, session_id=sid, role="user", content=f"m{i}"),
+                          durable=i != 1)
+        writer.submit(lambda s: s.append_message(sid, "user", "streamed"))  # not fsynced: not counted
+        assert counted(store).commits == 2
+        note = read_note(note_path(db))
+        assert note is not None and note.commits == 2 and note.database == counted(store).database
+        assert lost_commits(store, db) is None
+        backup = back_up(db, tmp_path / "backups")
+        writer.submit(lambda s: s.append_message(sid, "user", "after the backup"), durable=True)
+    # The WAL lost since: here, the database put back as it was at the backup, by hand (not kvd's put-back).
+    with Store(db) as store:
+        store.db.execute("UPDATE commit_count SET commits = 2")
+        loss = lost_commits(store, db)
+        assert loss is not None and loss.lost == 1
+        Writer(store).submit(lambda s: s.append_message(sid, "user", "later"), durable=True)
+        loss = lost_commits(store, db)  # said again at the next start, though the count moved on
+        assert loss is not None and loss.lost == 1 and read_note(note_path(db)) == loss
+    # kvd's own backup put back: a database of its own, no loss.
+    db.write_bytes(backups(tmp_path / "backups")[-1].read_bytes())
+    assert backups(tmp_path / "backups") == [backup]
+    with Store(db) as store:
+        before = counted(store).database
+        assert put_back_backup(store) and not put_back_backup(store)
+        assert counted(store).database != before
+        assert lost_commits(store, db) is None

@@ -14,8 +14,10 @@ the user, assistant and tool messages the transcript keeps (`Said`):
   (an ``is_error`` result says so to the model: "Error: " before its text);
 - an assistant message's text is its content and its ``tool_use`` blocks its
   calls, their ``input`` as JSON text (as the turn core keeps a call);
-- ``thinking`` and ``redacted_thinking`` blocks are accepted and dropped: kvd
-  keeps no reasoning in a transcript, so no template is shown them;
+- an assistant message's ``thinking`` blocks are its reasoning (joined by
+  newlines), which the chat template renders where it renders reasoning
+  (Qwen3: in <think>), as vLLM-style clients' ``reasoning_content``;
+  ``redacted_thinking`` blocks hold no text, and are dropped;
 - ``image`` and ``document`` blocks are refused: kvd serves text models (the
   door rules, rules.py, word it as every door does).
 
@@ -124,6 +126,8 @@ def _texts(blocks: list[Any]) -> Iterator[str]:
             yield b.text
         elif isinstance(b, ToolResultBlock):
             yield b.text()
+        elif isinstance(b, ThinkingBlock):  # the template shows it too
+            yield b.thinking
 
 
 class Tool(_Strict):
@@ -292,6 +296,7 @@ def conversation(req: MessagesRequest) -> list[Said]:
             continue
         text: list[str] = []
         calls: list[dict[str, str]] = []
+        thought = [b.thinking for b in m.content if isinstance(b, ThinkingBlock) and b.thinking]
         for j, b in enumerate(m.content):
             if isinstance(b, TextBlock):
                 text.append(b.text)
@@ -305,7 +310,8 @@ def conversation(req: MessagesRequest) -> list[Said]:
                     text = []
                 said.add("tool", b.text(), f"messages[{i}].content[{j}]", call_id=b.tool_use_id)
         if text or calls or not any(isinstance(b, ToolResultBlock) for b in m.content):
-            said.add(m.role, "\n".join(text), f"messages[{i}]", calls=tuple(calls))
+            said.add(m.role, "\n".join(text), f"messages[{i}]", calls=tuple(calls),
+                     reasoning="\n".join(thought) if thought and m.role == "assistant" else None)
     if said.messages[-1].role == "assistant":
         raise ApiError(HTTPStatus.BAD_REQUEST, "the last message is the assistant's; kvd answers a user message "
                        "(or tool results) and does not continue a partial answer: end with a user message",
@@ -332,10 +338,10 @@ class _Said:
         self._turn: tuple[list[str], list[str]] = ([], [])  # the last user message's system texts, user texts
 
     def add(self, role: str, content: str, where: str, *, calls: tuple[dict[str, str], ...] = (),
-            call_id: str | None = None) -> None:
+            call_id: str | None = None, reasoning: str | None = None) -> None:
         last = self.messages[-1] if self.messages else None
         if role not in ("user", "system"):
-            self.messages.append(Said(role, content, calls, call_id))
+            self.messages.append(Said(role, content, calls, call_id, reasoning))
         else:
             if last is None or last.role != "user":
                 self._turn = ([], [])

@@ -55,7 +55,7 @@ def _read(decoded: Any, surrogates: bool, config: Config) -> tuple[ChatRequest, 
     req = parse(decoded, config, surrogates=surrogates)
     check_tool_turns(req.messages)
     convo = [Said(m.role, m.content if type(m.content) is str else m.text(),  # the common case first: 2x faster
-                  tuple(c.stored() for c in m.tool_calls) if m.tool_calls else (), m.tool_call_id)
+                  tuple(c.stored() for c in m.tool_calls) if m.tool_calls else (), m.tool_call_id, m.thought())
              for m in req.messages if not m.instructs]
     return req, instructions(req), convo
 
@@ -142,6 +142,8 @@ class OpenAIDoor:
                 message["tool_calls"] = openai_calls(m["tool_calls"])
             if m["tool_call_id"] is not None:
                 message["tool_call_id"] = m["tool_call_id"]
+            if m.get("reasoning"):
+                message["reasoning_content"] = m.get("reasoning")
             messages.append(message)
         return JSONResponse({"object": "kvd.session", "id": session_id, "title": session["title"],
                              "created": session["created_at"], "updated": session["updated_at"],
@@ -212,7 +214,7 @@ class OpenAIDoor:
             if len(said) < 2 or said[-1]["role"] != "assistant" or any(
                     m["tool_calls"] or m["tool_call_id"] is not None or m["role"] == "tool" for m in said):
                 continue
-            asked = [Said(m["role"], m["content"]) for m in said[:-1]]
+            asked = [Said(m["role"], m["content"], reasoning=m.get("reasoning")) for m in said[:-1]]
             system = session["system"]
             prompt = Conversation(asked, system, None, chain=links(system, asked), renders=self.turns.renders)
             try:

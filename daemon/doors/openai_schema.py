@@ -82,11 +82,26 @@ class ChatMessage(_Strict):
     name: str | None = None  # accepted and ignored: the chat template has no place for it
     tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back as the answer gave them
     tool_call_id: str | None = Field(default=None, max_length=256)  # a tool message: the call it answers
+    # An assistant's reasoning sent back apart from its content (vLLM-style clients; `reasoning` is vLLM's
+    # newer name): the chat template renders it where it renders reasoning (Qwen3: in <think>).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content")
     @classmethod
     def _fits(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
         return fits(content, info)
+
+    @field_validator("reasoning_content", "reasoning")
+    @classmethod
+    def _reasoning_fits(cls, text: str | None, info: ValidationInfo) -> str | None:
+        return fits(text, info)
+
+    def thought(self) -> str | None:
+        """An assistant's reasoning as sent (`reasoning_content`, else `reasoning`); None for other roles."""
+        if self.role != "assistant":
+            return None
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     @property
     def instructs(self) -> bool:

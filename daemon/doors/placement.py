@@ -73,13 +73,15 @@ class Diverged(Exception):
 
 class Said(NamedTuple):
     """One message of a conversation as the transcript keeps it: role and text, an assistant's
-    tool calls ({"id", "name", "arguments"}) and the call a tool message answers. A named tuple:
-    a request makes one per message, and it is made in half a frozen dataclass's time."""
+    tool calls ({"id", "name", "arguments"}), the call a tool message answers, and an assistant's
+    reasoning as the client sent it (None: none). A named tuple: a request makes one per message,
+    and it is made in half a frozen dataclass's time."""
 
     role: str
     content: str
     tool_calls: tuple[Mapping[str, str], ...] = ()
     tool_call_id: str | None = None
+    reasoning: str | None = None
 
     def for_template(self) -> dict[str, Any]:
         """As prompt.template_message takes it."""
@@ -88,6 +90,8 @@ class Said(NamedTuple):
             out["tool_calls"] = [dict(c) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning:
+            out["reasoning"] = self.reasoning
         return out
 
 
@@ -114,7 +118,7 @@ def links(system: str | None, messages: Sequence[Said]) -> list[bytes]:
     """The request's chain (sessions/chains.py): its cost grows with the conversation, so it runs
     on a worker thread past INLINE_MESSAGES."""
     return chain(system, ({"role": m.role, "content": m.content, "tool_calls": m.tool_calls,
-                           "tool_call_id": m.tool_call_id} for m in messages))
+                           "tool_call_id": m.tool_call_id, "reasoning": m.reasoning} for m in messages))
 
 
 def plan(chains: Chains, active: Container[str], system: str | None, count: int, request: Sequence[bytes],

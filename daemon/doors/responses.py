@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from http import HTTPStatus
@@ -63,7 +62,6 @@ log = logging.getLogger("kvd.api")
 
 PATH = "/v1/responses"
 Sender = Callable[[dict[str, Any]], Any]
-RECENT = 4096  # response ids whose point is remembered in memory (a continuation then reads no row)
 
 
 class Read(NamedTuple):
@@ -109,7 +107,7 @@ class ResponsesDoor:
         self.config = config
         self.turns = api.turns
         self.api = api  # shared with the other HTTP doors: one admission queue for all
-        self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, answer index)
+        self.points = api.turns.transcripts.points  # id -> (session, answer index), lately used ones
         routes: list[BaseRoute] = [
             Route(PATH, self.create, methods=["POST"]),
             Route(f"{PATH}/input_tokens", self.input_tokens, methods=["POST"]),
@@ -186,24 +184,21 @@ class ResponsesDoor:
                                  req.previous_response_id, time.time(), request_shape)
             # Committed with the turn's own rows, before it acknowledges its answer (the turn core's).
             self.turns.write_with(turn, partial(put_response, response=row), label="response")
-            self._remember(rid, turn.session_id, turn.message_index)
+            assert turn.held is not None
+            self.turns.transcripts.responded(turn.held, turn.message_index)  # a rewrite keeps its answer
+            self.points.remember(rid, turn.session_id, turn.message_index)
         shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": turn.session_id})
         return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
                                stored=req.store)
 
-    def _remember(self, rid: str, session_id: str, index: int) -> None:
-        self._recent[rid] = (session_id, index)
-        while len(self._recent) > RECENT:
-            self._recent.popitem(last=False)
-
     async def _point(self, response_id: str) -> tuple[str, int]:
         """The session and answer index a stored response names (a 404 when none)."""
-        if (point := self._recent.get(response_id)) is not None:
+        if (point := self.points.get(response_id)) is not None:
             return point
         row = await self.turns.transcripts.read(lambda s: get_response(s, response_id))
         if row is None:
             raise _not_found(response_id, "previous_response_id")
-        self._remember(response_id, row.session_id, row.answer_idx)
+        self.points.remember(response_id, row.session_id, row.answer_idx)
         return row.session_id, row.answer_idx
 
     async def _history(self, response_id: str) -> list[Said]:
@@ -214,7 +209,8 @@ class ResponsesDoor:
         except RequestError:
             raise _not_found(response_id, "previous_response_id") from None
         if index >= len(held.messages) or held.messages[index]["role"] != "assistant":
-            # Its session was cut back (kvchat's regenerate or edit).
+            # Not its answer: a rewrite branches responses away first (sessions/responses.py), so only a
+            # response whose own turn was refused gets here, before the door forgets it.
             raise _not_found(response_id, "previous_response_id")
         if held.messages[index]["status"] == "streaming":
             raise ApiError(HTTPStatus.CONFLICT, f"the response {response_id} is still being generated; wait for it "
@@ -225,14 +221,19 @@ class ResponsesDoor:
         return await anyio.to_thread.run_sync(_said, kept)  # a long conversation: off the loop
 
     async def forget(self, response_id: str) -> bool:
-        self._recent.pop(response_id, None)
-        return await self.turns.transcripts.write(lambda s: delete_response(s, response_id))
+        self.points.drop(response_id)
+        point = await self.turns.transcripts.write(lambda s: delete_response(s, response_id))
+        if point is not None:
+            self.turns.transcripts.unresponded(*point)
+        return point is not None
 
     # --- GET, DELETE /v1/responses/{id}, GET .../input_items ---
 
     async def get(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        found = await self.turns.transcripts.read(lambda s: stored_object(s, response_id, self.config.model))
+        answering = frozenset(self.turns.active)  # a 'streaming' answer of another session was cut
+        found = await self.turns.transcripts.read(lambda s: stored_object(s, response_id, self.config.model,
+                                                                          answering))
         if found is None:
             return error_response(_not_found(response_id))
         return JSONResponse(found)
@@ -281,7 +282,7 @@ class ResponsesDoor:
 
 def _said(messages: list[Message]) -> list[Said]:
     """A session's messages as placement compares them (those a client could have been shown)."""
-    return [Said(m["role"], m["content"], tuple(m["tool_calls"] or ()), m["tool_call_id"])
+    return [Said(m["role"], m["content"], tuple(m["tool_calls"] or ()), m["tool_call_id"], m.get("reasoning"))
             for m in messages if said(m["content"], m["tool_calls"], m["status"])]
 
 

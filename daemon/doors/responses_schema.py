@@ -14,8 +14,11 @@ issued; the door replaces it with that item (responses_stored.referenced).
 `conversation` makes the items the messages the transcript keeps (the chat
 door's `Said`): an assistant's text and the calls that follow it are one
 message, as the turn core keeps an answer; each `function_call_output` is a
-tool message answering the call it names; `reasoning` items are dropped (kvd's
-models write none, and a client sends back only what it was given).
+tool message answering the call it names; a `reasoning` item is the reasoning
+of the answer it comes with (its `reasoning_text` content, else its summary's
+text), which the chat template renders where it renders reasoning (Qwen3: in
+<think>), as the chat door's `reasoning_content`; its `encrypted_content`
+means nothing to kvd.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ METADATA_VALUE_CHARS = 512
 
 
 class ContentPart(_Strict):
-    type: Literal["input_text", "output_text", "refusal"]  # what is not text is refused first (rules.text_only)
+    # What is not text is refused first (rules.text_only); the last two: a reasoning item's.
+    type: Literal["input_text", "output_text", "refusal", "reasoning_text", "summary_text"]
     text: str | None = None
     refusal: str | None = None
 
@@ -59,8 +63,9 @@ class InputItem(_Strict):
     name: str | None = Field(default=None, min_length=1, max_length=64)
     arguments: str | None = None
     output: str | list[ContentPart] | None = None
+    summary: list[ContentPart] | None = None  # a reasoning item's
 
-    @field_validator("content", "output")
+    @field_validator("content", "output", "summary")
     @classmethod
     def _fits(cls, value: str | list[ContentPart] | None, info: ValidationInfo) -> str | list[ContentPart] | None:
         """The websocket door's bound on a message's text (limits.max_text_chars), on the parts joined."""
@@ -267,9 +272,12 @@ def conversation(items: str | Sequence[InputItem], issued: Collection[str] = ())
     lead: list[str] = []
     out: list[Said] = []
     starts: list[int] = []
+    thought: list[str] = []  # reasoning items not yet given to the answer they come with
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if item.type == "reasoning":
+            if text := _reasoning(item, where):
+                thought.append(text)
             continue
         if item.type == "item_reference":  # the door resolves them first (responses_stored.referenced)
             raise _bad(f"{where} is an item_reference kvd did not resolve; send the item itself", f"{where}.id")
@@ -285,7 +293,9 @@ def conversation(items: str | Sequence[InputItem], issued: Collection[str] = ())
             call = _call(item, where)
             if out and out[-1].role == "assistant" and (len(starts) > 0 and _same_answer(items, starts[-1], i)):
                 prev = out.pop()
-                out.append(prev._replace(tool_calls=(*prev.tool_calls, call)))
+                out.append(prev._replace(tool_calls=(*prev.tool_calls, call),
+                                         reasoning="\n".join(filter(None, (prev.reasoning, *thought))) or None))
+                thought = []
                 continue
             said = Said("assistant", "", (call,))
         else:  # function_call_output
@@ -293,12 +303,22 @@ def conversation(items: str | Sequence[InputItem], issued: Collection[str] = ())
                 raise _bad(f"{where} is a function_call_output without call_id; send the id of the call it answers",
                            f"{where}.call_id")
             said = Said("tool", _text(item.output, f"{where}.output"), (), item.call_id)
+        if said.role == "assistant" and thought:
+            said = said._replace(reasoning="\n".join(thought))
+        thought = []  # reasoning before a user or tool message belongs to no answer
         out.append(said)
         starts.append(i)
     _check_calls(out, starts, issued)
     if not out:
         raise _bad("input has no user message to answer (only system or developer messages)", "input")
     return Input(tuple(lead), tuple(out), tuple(starts))
+
+
+def _reasoning(item: InputItem, where: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary (what the client has of it)."""
+    if item.content:
+        return _text(item.content, f"{where}.content")
+    return "\n".join(_text([p], f"{where}.summary") for p in item.summary or ())
 
 
 def _same_answer(items: Sequence[InputItem], start: int, i: int) -> bool:

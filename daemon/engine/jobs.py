@@ -16,6 +16,8 @@ the event loop side imports it freely.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -76,3 +78,41 @@ class ReadReported:
 class Status:
     reply: Callable[[dict[str, Any]], None]  # called on the engine thread
     written: bool = False  # sent back by the I/O worker once the disk writes queued before it are done
+
+
+class Inbox:
+    """The engine thread's queue: what every other thread asks of it, taken in order by that thread alone.
+
+    Closed when the thread ends (a stop): whatever is still in it, and whatever is put after, goes to the
+    `late` callback at once, so an answer a turn submitted while the engine stopped (it was tokenizing)
+    ends at once instead of waiting for a thread that is gone.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._late: Callable[[Any], None] | None = None
+
+    def put(self, job: Any) -> None:
+        with self._lock:
+            if self._late is None:
+                self._queue.put(job)
+                return
+        self._late(job)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        return self._queue.get(block=block, timeout=timeout)
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def close(self, late: Callable[[Any], None]) -> None:
+        """The thread ends: `late` gets what is left, and from now on what is put."""
+        with self._lock:
+            self._late = late
+        while True:
+            try:
+                job = self._queue.get(block=False)
+            except queue.Empty:
+                return
+            late(job)

@@ -31,14 +31,7 @@ from ..config import Config
 from ..events import AnswerError
 from . import heap
 from .handoff import Handoff
-from .jobs import (
-    Cancel,
-    Forget,
-    ReadReported,
-    RoomFreed,
-    Status,
-    Stop,
-)
+from .jobs import Cancel, Done, Forget, Inbox, ReadReported, RoomFreed, Status, Stop
 from .lockstep import Op
 from .profile import StepProfile, wanted
 from .running import Answer, EngineStatistics
@@ -76,8 +69,7 @@ class Engine:
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[Answer | Cancel | Forget | Stop | Status | ReadReported | RoomFreed] = \
-            queue.SimpleQueue()
+        self._inbox = Inbox()  # Answer, Cancel, Forget, Stop, Status, ReadReported, RoomFreed
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         self.out = Handoff()  # every event a step makes, to the event loop in one wake-up at its end
         # The step profiler (profile.py: `[decode] profile`, KVD_PROFILE=1); None, and free, when off.
@@ -283,6 +275,7 @@ class Engine:
                         ls.send(cmd)
                     self.close()
                     self._release()
+                    self._inbox.close(self._late)
                     return
                 if cmd is not None:
                     if ls is not None and not isinstance(cmd, (Status, ReadReported, RoomFreed)):
@@ -318,6 +311,15 @@ class Engine:
             if touched := heap.reserve(int(prefetched["bytes"])):
                 log.info("after the start's prefetch, %d MiB of heap faulted in again in %.0f ms", touched >> 20,
                          (time.perf_counter() - t0) * 1000)
+
+    def _late(self, job: Any) -> None:
+        """What reached the inbox after the thread stopped: an answer is cut before it began, as a stop cuts
+        one still waiting (its turn keeps it as 'cancelled'); the rest needs no one."""
+        if isinstance(job, Answer):  # delivered as the hand-off delivers (on its sink's loop), now
+            out = Handoff()
+            out.put(job.emit, Done("cancelled", job.usage(self.max_context), None))
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is left to hear it
+                out.flush(force=True)
 
     def close(self) -> None:
         """Cancel whatever runs (each answer gets its Done), page every cache out, close the tiers."""

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from common import durable
+from sessions.commits import mark_backup
 
 log = logging.getLogger("kvd")
 
@@ -54,6 +55,7 @@ def back_up(db_path: Path, directory: Path, *, now: float | None = None) -> Path
     try:
         db.execute("PRAGMA busy_timeout = 5000")
         db.execute("VACUUM INTO ?", [str(tmp)])
+        _mark(tmp)
         durable.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -67,6 +69,17 @@ def back_up(db_path: Path, directory: Path, *, now: float | None = None) -> Path
     for old in backups(directory)[:-BACKUPS_KEPT]:
         old.unlink(missing_ok=True)
     return path
+
+
+def _mark(copy: Path) -> None:
+    """The copy says it is a backup: put back and served, it counts its commits afresh (sessions/commits.py),
+    never read as the live database's loss."""
+    conn = sqlite3.connect(copy)
+    try:
+        conn.execute("PRAGMA journal_mode = DELETE")  # the change in the file itself, no -wal beside it
+        mark_backup(conn)
+    finally:
+        conn.close()
 
 
 def due(directory: Path, *, now: float | None = None) -> bool:

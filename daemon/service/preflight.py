@@ -21,15 +21,17 @@ import logging
 import os
 import sqlite3
 import stat
+import time
 from pathlib import Path
 
 from cachestore import cached_session_ids, check_usable, disk_ids
 from common.diskfull import is_disk_full
 from sessions import DamagedFedIds, Store
+from sessions.commits import Note, counted, note_path, put_back, read_note, write_note
 
 log = logging.getLogger("kvd")
 
-WHEN_WRONG = "README.md, 'When something is wrong'"
+WHEN_WRONG = "docs/operations.md, 'When something is wrong'"
 
 
 class StartError(Exception):
@@ -173,24 +175,68 @@ def restore_hint(db_path: Path, backups: Path) -> str:
             f"{have[1]} message(s)), so keep it: restoring one would lose more (see {WHEN_WRONG})")
 
 
-def partial_losses(store: Store, cache_dir: Path) -> list[str]:
-    """Sessions whose transcript ends before what their KV cache on disk was fed.
+def put_back_backup(store: Store) -> bool:
+    """Whether the database is a backup put back (then its commits are counted from here: no loss)."""
+    return put_back(store)
 
-    Turns only ever append to a session's fed ids, and its cache is written
-    from them after each turn; so a cache whose ids run past the stored fed
-    ids, which are a prefix of them, means the transcript lost its last
-    turns (a deleted or damaged kvd.sqlite-wal). An answer a crash left
-    'streaming' explains a longer cache too (its ids were never committed),
-    so such a session is not named. Call before recover_interrupted.
+
+def lost_commits(store: Store, db_path: Path) -> Note | None:
+    """Acknowledged commits the database no longer holds (sessions/commits.py), found now or at an earlier start
+    and not dealt with since; None when it lost none. Only this says a loss happened: a cache that holds more
+    than its transcript (the prompt read before a cancel, what a regenerate cut, a crash mid-answer) is the
+    cache's tail, kept as a prefix to reuse, and never an alarm. A new database, a backup put back (it has
+    an id of its own) or a missing note start the count afresh."""
+    path = note_path(db_path)
+    now, seen = counted(store), read_note(path)
+    if seen is None or seen.database != now.database:
+        _note(path, now)
+        return None
+    if seen.commits > now.commits:
+        seen = Note(now.database, now.commits, seen.lost + seen.commits - now.commits, time.time())
+        _note(path, seen)
+    return seen if seen.lost else None
+
+
+def _note(path: Path, note: Note) -> None:
+    try:
+        write_note(path, note, sync=True)
+    except OSError as e:
+        raise StartError(f"cannot write {path}: {_why(e)}; kvd must own everything in its data directory "
+                         f"(chown -R $USER {path.parent})") from None
+
+
+def loss_line(loss: Note, store: Store, db_path: Path, cache_dir: Path, backups: Path) -> str:
+    """The one line that says a loss: how many commits, the sessions the caches name, what to do."""
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(loss.found))
+    parts = [f"{db_path} no longer holds the last {loss.lost} commit(s) kvd made to it (found {when})"]
+    if gone := sessions_without_transcript(store, cache_dir):
+        parts.append(f"{len(gone)} session(s) have KV caches but no transcript in {db_path} ("
+                     + ", ".join(gone[:10]) + (" ..." if len(gone) > 10 else "") + ")")
+    if partial := partial_losses(store, cache_dir):
+        parts.append(f"{len(partial)} session(s) in {db_path} end before what their KV caches were fed: "
+                     + ", ".join(partial[:10]) + (" ..." if len(partial) > 10 else "")
+                     + " (kvchat --all lists one-shots and API retries too)")
+    return (f"TRANSCRIPTS LOST: {'; '.join(parts)}; was {db_path.name}-wal deleted or damaged? "
+            f"{restore_hint(db_path, backups)}; or, to go on without them, rm {note_path(db_path)}")
+
+
+def partial_losses(store: Store, cache_dir: Path) -> list[str]:
+    """Sessions whose transcript ends before what their KV cache on disk was fed: once a loss is known
+    (`lost_commits`), the sessions it cut short, whose caches still hold their last turns.
+
+    Such a cache is only a clue, never the proof: a prompt read before its
+    turn was cancelled, an answer a regenerate cut, a crash mid-answer leave
+    one too, and each leaves the session ending in an answer that did not
+    complete (or in a message not answered): such a session is not named.
+    Call before recover_interrupted.
     """
     cached = disk_ids(cache_dir)
     if not cached:
         return []
-    cut = store.interrupted_session_ids()
     lost = []
     for sid in sorted(store.session_ids()):
         ids = cached.get(sid)
-        if ids is None or sid in cut:
+        if ids is None or _unfinished(store, sid):
             continue
         try:
             fed, _ = store.fed(sid)
@@ -199,6 +245,13 @@ def partial_losses(store: Store, cache_dir: Path) -> list[str]:
         if len(ids) > len(fed) and list(ids[:len(fed)]) == fed:
             lost.append(f"{sid} ({len(ids) - len(fed)} token(s) of its last turns)")
     return lost
+
+
+def _unfinished(store: Store, session_id: str) -> bool:
+    """Whether the session ends in something other than a complete answer (a cache tail's usual cause)."""
+    last = store.db.execute("SELECT role, status FROM messages WHERE session_id = ? ORDER BY idx DESC LIMIT 1",
+                            [session_id]).fetchone()
+    return last is not None and tuple(last) != ("assistant", "complete")
 
 
 def check_cache_dir(cache_dir: Path) -> None:
@@ -214,12 +267,13 @@ def check_cache_dir(cache_dir: Path) -> None:
 
 
 def sessions_without_transcript(store: Store, cache_dir: Path) -> list[str]:
-    """Session ids the cache holds files for but the transcript no longer knows.
+    """Session ids the cache holds files for but the transcript no longer knows: once a loss is known
+    (`lost_commits`), the sessions it took whole.
 
     A segment directory is named after its session and is only ever written
     for a session the transcript has; so an id here and not in the database
-    means the transcript lost it (a deleted or damaged kvd.sqlite-wal), or a
-    crash fell between deleting a session and deleting its cache.
+    means the transcript lost it, or a crash fell between deleting a session
+    and deleting its cache (not a loss: so this alone is no alarm).
     """
     cached = cached_session_ids(cache_dir)
     return sorted(cached - store.session_ids()) if cached else []
