@@ -32,6 +32,11 @@ class CacheCost:
         t = -(-max(tokens, 0) // STEP) * STEP if whole_steps else max(tokens, 0)
         return int(self.per_token * t + sum(b * min(t, w) for w, b in self.windows)) + self.fixed
 
+    def point(self, tokens: int) -> int:
+        """The bytes of a checkpoint at `tokens` ids (checkpoints.py): the recurrent state and the windows; 0 for a
+        cache that can be cut anywhere, which needs none."""
+        return int(sum(b * min(max(tokens, 0), w) for w, b in self.windows)) + self.fixed
+
 
 def cache_cost(cache: Sequence[Any]) -> CacheCost:
     """The cost of a model's caches, from one of its live caches that holds at least one token.

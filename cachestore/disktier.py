@@ -149,22 +149,27 @@ class DiskTier:
         return True
 
     def write_behind(self, key: str, cache: list[Any] | Snapshot, tokens: list[int], keys: list[str], *,
-                     evict: bool = True, captured: dict[int, Snapshot] | None = None) -> None:
+                     evict: bool = True, captured: dict[int, Snapshot] | None = None,
+                     points: dict[int, Snapshot] | None = None) -> None:
         """Evaluate what disk will lack of `tokens` and queue its writing.
 
         `cache` is a live cache, or a snapshot of all of `tokens` (paging out at
         shutdown); `keys` the keys of the whole blocks its chain lists, hashed
-        once by the table; `captured` a window's blocks (writeback.evaluate).
+        once by the table; `captured` a window's blocks (writeback.evaluate);
+        `points` the checkpoints of a live cache that cannot be cut (end -> its
+        checkpoint): the private tail ends a segment at each, so that disk keeps
+        the state there too (a regenerate after a restart comes back to it).
         """
         rewrite = isinstance(cache, Snapshot) and not cuttable(cache)  # a window: written whole or not at all
+        splits = sorted(points) if points and isinstance(cache, list) and not cuttable(cache) else []
         blocks_from, private_from, after = plan(self.promise(key), tokens, whole=len(keys),
                                                 block=self.table.block, max_segments=self.max_segments,
-                                                rewrite=rewrite)
-        pieces = evaluate(cache, tokens, blocks_from, private_from, after, self.table.block, captured)
+                                                rewrite=rewrite, splits=splits)
+        pieces = evaluate(cache, tokens, blocks_from, private_from, after, self.table.block, captured, points)
         self._promised[key] = after
         writer = self.writer
-        self.later(lambda _: writer.persist(key, pieces, tokens, keys, evict=evict, rewrite=rewrite), key,
-                   defer=True)
+        self.later(lambda _: writer.persist(key, pieces, tokens, keys, evict=evict, rewrite=rewrite, splits=splits),
+                   key, defer=True)
 
     def dropped(self, key: str, row: BlockRow | SegmentRow, e: CorruptSegment) -> None:
         """A file failed verification: unlist it and what follows it (a block: in every chain)."""

@@ -59,6 +59,8 @@ from .layers import (
 __all__ = [
     "KINDS",
     "cut_layer",
+    "layer_at",
+    "live_at",
     "kind_named",
     "kind_of",
     "merge_layers",
@@ -391,3 +393,46 @@ def merge_layers(group: list[LayerSnapshot], start: int, end: int) -> LayerSnaps
 
 def cut_layer(layer: LayerSnapshot, origin: int, lo: int, hi: int) -> LayerSnapshot:
     return kind_named(layer.kind).cut(layer, origin, lo, hi)
+
+
+def layer_at(x: Any, point: LayerSnapshot, origin: int, start: int, end: int) -> LayerSnapshot:
+    """The part ``[start, end)`` of a layer (a live cache's, or a snapshot's whose arrays start at
+    ``origin``) that holds more: cut at ``end`` where its kind keeps every position, else ``point``'s
+    own state there (a checkpoint, cachestore/checkpoints.py): a recurrent state or a window at ``end``."""
+    if point.meta.get("offset") != end:
+        raise SnapshotError(f"a checkpoint's {point.kind} layer holds {point.meta.get('offset')} tokens, not {end}")
+    live = not isinstance(x, LayerSnapshot)
+    kind = kind_of(x) if live else kind_named(x.kind)
+    if kind.name != point.kind:
+        raise SnapshotError(f"a {point.kind} checkpoint for a {kind.name} layer")
+    if kind.has_children:
+        children = x.caches if live else x.children
+        if len(children) != len(point.children):
+            raise SnapshotError("a checkpoint's cache list has another length")
+        return LayerSnapshot(kind.name, (), {"offset": end},
+                             tuple(layer_at(c, p, origin, start, end) for c, p in zip(children, point.children)))
+    if not kind.cuttable:
+        return point
+    if live:
+        held = next(kind.offsets(x))
+        if held < end:
+            raise SnapshotError(f"a {type(x).__name__} of {held} tokens has none at {end}")
+        return kind.snapshot(x, start, end)
+    return kind.cut(x, origin, start, end)
+
+
+def live_at(c: Any, point: LayerSnapshot, end: int) -> Any:
+    """A live layer as of ``end`` (its checkpoint ``point``'s token count): trimmed in place where its kind
+    keeps every position, else a new layer restored from ``point``'s state."""
+    kind = kind_of(c)
+    if kind.name != point.kind:
+        raise SnapshotError(f"a {point.kind} checkpoint for a {kind.name} layer")
+    if kind.has_children:
+        return CacheList(*(live_at(x, p, end) for x, p in zip(c.caches, point.children, strict=True)))
+    if not kind.cuttable:
+        return restore_layer(point, end)
+    held = next(kind.offsets(c))
+    if held < end:
+        raise SnapshotError(f"a {type(c).__name__} of {held} tokens has none at {end}")
+    c.trim(held - end)
+    return c

@@ -1,9 +1,7 @@
 """Paging a session's prefix in from disk: which files restore it, reading them, prefetch after a start.
 
 `PageIn.plan` chooses, reading nothing yet, the files that restore the
-longest prefix of the wanted ids: the session's own chain (its blocks, then
-its private segments) or the blocks any session wrote whose keys are the
-wanted ids' own, as the block table's walk found them (table.py).
+longest prefix of the wanted ids (diskplan.py).
 `PageIn.begin` starts reading a plan and returns at once: the I/O worker's
 reader does the reading (ioworker.py), and `arrived` takes in each of its
 reports on the engine thread. Plain KV goes the direct way (direct.py): the
@@ -32,14 +30,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.tokenids import pack_tokens
-
 from .direct import Allocation, Buffers, FileSpan, Filled, Filling, FillRate, Scan, finish, scan
+from .diskplan import DiskPlan, DiskRow, plan_restore
 from .errors import CannotSplit, CorruptSegment
 from .index import SegmentIndex
 from .lru import DiskStats
-from .prefix import MIN_SHARED, common_prefix_len
-from .rows import BlockRow, SegmentRow
+from .rows import BlockRow
 from .segread import Verified, load_verified, verify_segment
 from .snapshot import Snapshot, merge, restore, truncate
 from .table import BlockTable, Walk
@@ -47,20 +43,12 @@ from .warm import Cache
 
 log = logging.getLogger("kvd.cache")
 
-DiskRow = BlockRow | SegmentRow
 #: Queue an index write (the job, the session it belongs to, if any) behind the disk jobs before it.
 Later = Callable[[Callable[[SegmentIndex], object], str | None], None]
 #: Tell the store a file failed verification (the session, the file's row, why).
 Dropped = Callable[[str, DiskRow, CorruptSegment], None]
 
 ALLOC_STEP = 16 << 20  # bytes of a restore's buffers made between two engine steps (Allocation)
-
-
-@dataclass
-class DiskPlan:
-    rows: list[DiskRow]
-    end: int  # tokens the plan restores (the last piece is cut there if it ends later)
-    own: int  # of those, the tokens the session's own chain holds
 
 
 @dataclass
@@ -153,67 +141,13 @@ class PageIn:
         self._stream: Any = None  # MLX's stream that restores' buffers are filled on
         self._fill_rate = FillRate()
         self._next = 0
+        #: Whether this model's caches can be cut anywhere (plain KV): a restore may end inside a file. Where they
+        #: cannot (a recurrent state, a window: set when the store learns the model's cache), only at a file's end.
+        self.cuts = True
 
-    def plan(self, key: str, wanted: Sequence[int], limit: int, walk: Walk) -> DiskPlan:  # noqa: C901 - 16: the one
-        # place that weighs the session's own chain against the shared blocks; split, the choice would be in two
-        """Which files restore the longest prefix of `wanted` (at most `limit` ids), read nothing yet.
-
-        Either the session's own chain (its blocks, then its private
-        segments), or the blocks any session wrote whose keys are the
-        wanted ids' own (`walk`, down the block table): whichever holds more.
-        """
-        mine: list[DiskRow] = []
-        pos = 0
-        s = self.table.sessions.get(key)
-        for bk in s.disk_keys if s is not None else []:
-            b = self.table.blocks[bk]
-            assert b.disk is not None
-            if b.start != pos or b.disk.fingerprint != self.fingerprint or (shared := b.agrees(wanted)) == 0:
-                break
-            mine.append(b.row(self.table.blocks_dir))
-            pos = min(b.start + shared, limit)
-            if pos < b.end:
-                break
-        else:
-            for row in s.disk_tail if s is not None else []:
-                if row.start != pos or row.fingerprint != self.fingerprint:
-                    break
-                shared = common_prefix_len(row.tokens, wanted[row.start:row.end])
-                if shared == 0:
-                    break
-                mine.append(row)
-                pos = min(row.start + shared, limit)
-                if pos < row.end:
-                    break
-        own = DiskPlan(mine, pos, pos)
-        found: list[str] = []
-        end = 0
-        for bk in walk.keys[:walk.disk]:
-            b = self.table.blocks[bk]
-            assert b.disk is not None
-            if b.disk.fingerprint != self.fingerprint or b.start != end or end >= limit \
-                    or b.ids != pack_tokens(wanted[b.start:b.end]):
-                break
-            found.append(bk)
-            end = min(b.end, limit)
-        if end < limit and end == len(found) * self.block:
-            # Past the last whole block in common: the block some session wrote next that
-            # agrees longest with the wanted ids, cut where they part (KV blocks cut anywhere).
-            best, agree = None, 0
-            for child in self.table.after(found[-1] if found else self.table.root)[0]:
-                if child.disk is None or child.disk.fingerprint != self.fingerprint or child.start != end:
-                    continue
-                n = min(child.agrees(wanted), limit - end)
-                if n > agree:
-                    best, agree = child.key, n
-            if best is not None and end + agree >= MIN_SHARED:  # a template's head alone: not worth a read
-                found.append(best)
-                end += agree
-        if end <= own.end:
-            return own
-        mine_blocks = len(set(s.disk_keys) & set(found)) if s is not None else 0
-        rows: list[DiskRow] = [self.table.blocks[bk].row(self.table.blocks_dir) for bk in found]
-        return DiskPlan(rows, end, min(mine_blocks * self.block, end))
+    def plan(self, key: str, wanted: Sequence[int], limit: int, walk: Walk) -> DiskPlan:
+        """Which files restore the longest prefix of `wanted` (at most `limit` ids), read nothing yet (diskplan.py)."""
+        return plan_restore(self.table, self.fingerprint, key, wanted, limit, walk, cuts=self.cuts)
 
     # --- reading: planned here, read by the I/O worker's reader, finished here ---
 

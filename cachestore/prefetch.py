@@ -23,8 +23,9 @@ from common.sizes import human_bytes
 from common.tiers import RESIDENT, WARM
 
 from .direct import capacity
+from .diskplan import DiskRow
 from .lru import Tier
-from .pagein import DiskRow, PageIn, Reading
+from .pagein import PageIn, Reading
 from .snapshot import Snapshot
 from .table import BlockTable, Walk
 from .warm import Cache, WarmTier, cache_nbytes

@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 
 from common.tiers import DISK, NO_CACHE, RESIDENT, SHARED, WARM
 
+from .checkpoints import Checkpoints
+from .diskplan import DiskPlan
 from .disktier import DiskTier
 from .lru import Tier
-from .pagein import DiskPlan, PageIn, Reading
+from .pagein import PageIn, Reading
 from .prefetch import Prefetcher
 from .prefix import common_prefix_len
 from .sharing import Found, find_shared
-from .snapshot import rewind
+from .snapshot import cuttable
 from .table import BlockTable
 from .terms import Checkout, Pending
 from .warm import Cache, WarmTier
@@ -41,6 +43,7 @@ class Resume:
     disktier: DiskTier
     prefetch: Prefetcher
     captured: Captures
+    points: Checkpoints  # where caches cannot be cut: state kept at earlier points (checkpoints.py)
     settle: Callable[[], None]  # take in the I/O worker's and the reader's reports
     wait: Callable[[Reading], None]  # wait here for a read (tools, tests, ranks in lockstep)
     clock: Callable[[], float]
@@ -64,12 +67,10 @@ class Resume:
         self.captured.pop(key)  # a prefill that did not end in a checkin
         own: Checkout | None = None
         if (cache := self.resident.take(key)) is not None:
-            toks = self.table.session(key).tokens
-            n = min(common_prefix_len(toks, wanted), limit)
-            if n > 0 and rewind(cache, len(toks) - n):
-                own = Checkout(cache, n, RESIDENT, 0.0, prefetched=prefetched)
+            if (got := self.points.rewound(key, cache, self.table.session(key).tokens, wanted, limit)) is not None:
+                own = Checkout(got[0], got[1], RESIDENT, 0.0, prefetched=prefetched, checkpoint=got[2])
             else:
-                log.debug("resident cache of %s not reusable (shares %d tokens)", key, n)
+                log.debug("resident cache of %s not reusable for this turn", key)
             self.warm.discard(key)
             self.table.detach(key)  # the live cache is the engine's now
         own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
@@ -96,7 +97,9 @@ class Resume:
             self.disktier.later(lambda index: index.touch(key, now), key)
             shared = max(end - own_tokens, 0)
             ms = (time.perf_counter() - pending.t0) * 1000
-            return self._counted(Checkout(held, end, SHARED if shared else DISK, ms, shared))
+            point = not cuttable(held) and (shared > 0 or end < r.plan.chain)
+            return self._handed(key, wanted, Checkout(held, end, SHARED if shared else DISK, ms, shared,
+                                                      checkpoint=point))
         limit = len(wanted) - 1
         own = pending.own
         own_warm_n = self.warm.usable(key, wanted, limit) if own is None else 0
@@ -109,18 +112,20 @@ class Resume:
             return (time.perf_counter() - t0) * 1000
 
         if other is not None:
-            n, copy = other
+            n, copy, point = other
             if (copied := copy()) is not None:
-                return self._counted(Checkout(copied, n, SHARED, ms(), n))
+                return self._handed(key, wanted, Checkout(copied, n, SHARED, ms(), n, checkpoint=point))
         if own is not None:
             own.restore_ms = ms()
-            return own
+            return self._handed(key, wanted, own)
         if own_warm_n > 0:
+            point = own_warm_n < self.warm.held_ids(key) and not self.warm.cuttable(key)
             copied = self.warm.copy(key, own_warm_n)
             self.warm.take(key)
             self.table.detach(key)
             if copied is not None:
-                return Checkout(copied, own_warm_n, WARM, ms(), prefetched=prefetched)
+                return self._handed(key, wanted, Checkout(copied, own_warm_n, WARM, ms(), prefetched=prefetched,
+                                                          checkpoint=point))
         self.disk.stats.misses += 1
         return Checkout(None, 0, NO_CACHE, ms())
 
@@ -143,6 +148,12 @@ class Resume:
         if other is not None:
             return SHARED, other[0]
         return (RESIDENT, own) if own else (WARM, own_warm) if own_warm else (NO_CACHE, 0)
+
+    def _handed(self, key: str, wanted: Sequence[int], out: Checkout) -> Checkout:
+        """A checkout's cache goes to the engine: where it cannot be cut, its state there is kept as a checkpoint
+        first (checkpoints.py's `handed`)."""
+        self.points.handed(key, out.cache, wanted[:out.tokens], checkpoint=out.checkpoint)
+        return self._counted(out)
 
     def _counted(self, out: Checkout) -> Checkout:
         if out.shared_tokens:

@@ -54,6 +54,10 @@ class Share:
         """The bytes a live cache of `tokens` ids takes, its buffers in whole steps (0 before `measure`)."""
         return self.cost(tokens) if self.cost is not None else 0
 
+    def point_bytes(self, tokens: int) -> int:
+        """The bytes of one checkpoint at `tokens` ids (0 before `measure`, and for a cache that can be cut)."""
+        return self.cost.point(tokens) if self.cost is not None else 0
+
     def room(self, key: str, need: int) -> bool:
         """Whether a turn on session `key` whose cache may reach `need` bytes may start now, beside every
         model's running and idle resident caches; this store's idle ones are demoted while they are the

@@ -21,7 +21,9 @@ from .kinds import (
     KINDS,
     cut_layer,
     kind_of,
+    layer_at,
     layer_cuttable,
+    live_at,
     merge_layers,
     restore_layer,
 )
@@ -31,11 +33,15 @@ __all__ = [
     "KINDS",
     "LayerSnapshot",
     "Snapshot",
+    "at_point",
+    "checkpoint",
+    "layer_kinds",
     "layout",
     "merge",
     "cuttable",
     "restore",
     "rewind",
+    "rewind_to",
     "rewindable",
     "section",
     "snapshot",
@@ -257,3 +263,62 @@ def layout(cache: Sequence[Any]) -> list[str]:
     reader (which has only the model) computes the same list as the writer.
     """
     return [kind_of(c).layout_entry(c) for c in cache]
+
+
+# -- checkpoints: the state of the layers that cannot be cut, kept at a point -----------
+
+
+def checkpoint(cache: Sequence[Any], end: int) -> Snapshot:
+    """A live cache's state at ``end`` (the tokens it holds) that cannot be had later: ``[end, end)``, so
+    its plain and quantized KV layers hold nothing (any later cache or snapshot holds their positions)
+    and its recurrent layers their state, its window layers their window (cachestore/checkpoints.py)."""
+    return snapshot(cache, end, offset=end)
+
+
+def _check_point(point: Snapshot, layers: int) -> None:
+    if point.start != point.end:
+        raise SnapshotError(f"a checkpoint is [n, n), not [{point.start}, {point.end})")
+    if len(point.layers) != layers:
+        raise SnapshotError(f"a checkpoint of {len(point.layers)} layers for a cache of {layers}")
+
+
+def at_point(source: Sequence[Any] | Snapshot, point: Snapshot, start: int = 0) -> Snapshot:
+    """``[start, point.end)`` of a live cache or a snapshot that holds more: each layer that keeps every
+    position cut at ``point.end``, every other one ``point``'s own state there."""
+    _check_point(point, len(source.layers) if isinstance(source, Snapshot) else len(source))
+    end = point.end
+    if isinstance(source, Snapshot):
+        if not source.start <= start <= end <= source.end:
+            raise CannotSplit(f"[{start}, {end}) is not in [{source.start}, {source.end})")
+        layers = tuple(layer_at(x, p, source.start, start, end) for x, p in zip(source.layers, point.layers))
+    else:
+        layers = tuple(layer_at(c, p, 0, start, end) for c, p in zip(source, point.layers))
+    snap = Snapshot(start, end, layers)
+    mx.eval(snap.arrays())
+    return snap
+
+
+def _same_kinds(c: Any, layer: LayerSnapshot) -> bool:
+    kind = kind_of(c)
+    if kind.name != layer.kind:
+        return False
+    return not kind.has_children or (len(c.caches) == len(layer.children) and all(
+        _same_kinds(x, y) for x, y in zip(c.caches, layer.children)))
+
+
+def rewind_to(cache: Sequence[Any], point: Snapshot) -> list[Any]:
+    """A live cache (holding ``point.end`` tokens or more) moved back to its checkpoint ``point``: its KV
+    layers trimmed in place, the others restored from ``point``. Raises, touching nothing, if ``point``
+    is not a checkpoint of this cache's layers."""
+    _check_point(point, len(cache))
+    end = point.end
+    if not all(_same_kinds(c, p) for c, p in zip(cache, point.layers)):
+        raise SnapshotError("a checkpoint of another cache layout")
+    if any(o < end for o in _offsets(cache)):
+        raise SnapshotError(f"a cache of {sorted(_offsets(cache))} tokens has no state at {end}")
+    return [live_at(c, p, end) for c, p in zip(cache, point.layers)]
+
+
+def layer_kinds(cache: Sequence[Any]) -> list[str]:
+    """A live cache's layers by kind name, a cache list's children in its place (``["arrays", "arrays", "kv"]``)."""
+    return [name for c in cache for name in (layer_kinds(c.caches) if kind_of(c).has_children else [kind_of(c).name])]

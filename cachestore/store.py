@@ -35,6 +35,7 @@ from typing import Any
 from common.tiers import DISK, RESIDENT, SHARED, WARM
 
 from .blocks import root_key
+from .checkpoints import Checkpoints
 from .disktier import DiskTier, open_disk
 from .index import SegmentIndex
 from .ioworker import FirstTokens
@@ -86,8 +87,9 @@ class SessionCaches:
         self._io = self._disktier.io
         self.pool = pool or Pool({RESIDENT: budgets.resident_bytes, WARM: budgets.warm_bytes})  # (every model's)
         self.resident: Tier[Cache] = Tier("resident", self.pool.budgets[RESIDENT], budgets.resident_sessions)
+        self.points = Checkpoints(budgets.checkpoints)  # where caches cannot be cut: state kept at earlier points
         self.warm = WarmTier(self.table, self.pool.budgets[WARM], bits=budgets.warm_bits,
-                             busy=lambda: not self._io.idle())
+                             busy=lambda: not self._io.idle(), points=self.points)
         #: This store's place in the memory budgets (the engine asks it for a turn's `room`).
         self.share = Share(self.pool.join(model or fingerprint), self.resident, self.warm, self.table, clock)
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
@@ -103,7 +105,7 @@ class SessionCaches:
                                     attach=partial(attach, self.table), make_room=self.make_room, clock=clock,
                                     wait=self._wait)
         self._resume = Resume(self.table, self.resident, self.warm, self._disk, self._disktier, self._prefetch,
-                              self._captured, settle=self._settle, wait=self._wait, clock=clock)
+                              self._captured, self.points, settle=self._settle, wait=self._wait, clock=clock)
 
     @property
     def index(self) -> SegmentIndex:
@@ -203,11 +205,19 @@ class SessionCaches:
         never blocking: `on_read` when the reader reported (the engine tells `READS_REPORTED`), `on_room` when another
         model's store wants room this one's older caches hold, or room this one waits for came back, or the budgets
         changed (the engine tells `WOKEN`, and tries its queued answers again). Returns what the engine needs back: the
-        bytes a live cache of n ids takes, its buffers in whole steps (an answer's `need`)."""
+        bytes a live cache of n ids takes, its buffers in whole steps, with the checkpoints its session may keep (an
+        answer's `need`)."""
         self.share.measure(probe)
+        self._disk.cuts = cuttable(probe)  # (else a restore from disk ends at a file's end: its state is there)
+        self.points.learn(probe, most=self.share.point_bytes(1 << 62))
         self.running_bytes, self.restoring, self.on_read = running_bytes, restoring, on_read
         self.share.on_room = on_room
-        return self.share.bytes_for
+        return self.bytes_for
+
+    def bytes_for(self, tokens: int) -> int:
+        """The bytes a live cache of `tokens` ids takes with the checkpoints its session may keep (0 before
+        `connect`)."""
+        return self.share.bytes_for(tokens) + self.points.keep * self.share.point_bytes(tokens)
 
     def admit(self, key: str, need: int) -> bool:
         """Room or no room, as a value: whether an answer on `key` whose cache may reach `need` bytes starts now,
@@ -263,14 +273,17 @@ class SessionCaches:
 
     # --- windows: blocks captured during a prefill (windows.py) ---
 
-    def windows(self, key: str, cache: Cache) -> tuple[int, Callable[[Cache, Sequence[int]], None]] | None:
-        """A prefill of session `key` into `cache`: every how many ids it stops, and what it calls there to keep the
-        window's block that ends there (`capture`); None: a cache that can be cut needs none."""
+    def windows(self, key: str, cache: Cache) -> tuple[int, Callable[..., None]] | None:
+        """A prefill of session `key` into `cache`: every how many ids it stops (and before its prompt's last id), and
+        what it calls there to keep the state there (`capture`); None: a cache that can be cut needs none."""
         return None if cuttable(cache) else (self.block, partial(self.capture, key))
 
-    def capture(self, key: str, cache: Cache, tokens: Sequence[int]) -> None:
-        """A prefill into a window's cache reached a block boundary: keep the block that ends here."""
+    def capture(self, key: str, cache: Cache, tokens: Sequence[int], *, last: bool = False) -> None:
+        """A prefill into a cache that cannot be cut reached a block boundary (keep the block that ends here) or,
+        `last`, its prompt's last id (keep a checkpoint: a regenerate comes back to it)."""
         self._captured.capture(key, cache, tokens)
+        if last:
+            self.points.take(key, cache, tokens)
 
     # --- after a turn ---
 
@@ -293,11 +306,12 @@ class SessionCaches:
         keys = attach(self.table, key, cache, tokens, captured)
         by_end = {self.table.blocks[bk].end: snap for bk in keys
                   if (snap := captured.get(bk) or self.warm.exact_copy(bk)) is not None}
-        self._disktier.write_behind(key, cache, tokens, keys, captured=by_end)
+        self.points.follow(key, tokens)
+        self._disktier.write_behind(key, cache, tokens, keys, captured=by_end, points=self.points.of(key))
         self.warm.add_copies({bk: captured[bk] for bk in keys if bk in captured})
         self.table.set_live(key, True)
         now = self._clock()
-        for cold, c in self.resident.put(key, cache, cache_nbytes(cache), now):
+        for cold, c in self.resident.put(key, cache, cache_nbytes(cache) + self.points.nbytes(key), now):
             self.table.set_live(cold, False)
             self.warm.demote(cold, c, now)
         self.share.within()
@@ -325,6 +339,7 @@ class SessionCaches:
         if self.resident.discard(key) is not None:
             self.table.set_live(key, False)
         self.warm.discard(key)
+        self.points.drop(key)
         self.table.detach(key)
         self._captured.pop(key)
         self._disktier.forget(key)
@@ -360,5 +375,6 @@ class SessionCaches:
             DISK: {**self._disktier.statistics(self.budgets.disk_bytes), "block_tokens": self.block,
                    **asdict(self.disk_stats)},
             SHARED: dict(self._resume.shared),
+            "checkpoints": self.points.statistics(),
         }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from common.sizes import BLOCK_TOKENS
+from common.sizes import BLOCK_TOKENS, CHECKPOINTS
 
 if TYPE_CHECKING:
     from .pagein import Reading
@@ -25,6 +25,7 @@ class Budgets:
     resident_sessions: int | None = None  # at most this many live caches, whatever their size
     warm_bits: int = 0  # 4 | 8: warm snapshots kept quantized (packing.py); 0: exact copies
     block_tokens: int = BLOCK_TOKENS  # token ids per content-addressed disk block
+    checkpoints: int = CHECKPOINTS  # a session's checkpoints kept in memory where caches cannot be cut
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Checkout:
     restore_ms: float
     shared_tokens: int = 0  # of `tokens`, those another session's cache or blocks supplied
     prefetched: bool = False  # its own resident/warm cache, paged in from disk after a start, first use
+    #: Restored at a checkpoint (checkpoints.py): state kept at an earlier point than the end of the cache it came
+    #: from, for a cache whose layers cannot all be cut there (recurrent state, a window).
+    checkpoint: bool = False
     read: Pending | None = None  # a disk read under way: the store's `restored` makes the checkout (cache None now)
 
 

@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from .checkpoints import Checkpoints
 from .errors import CannotSplit
 from .lru import TierStats
 from .packing import pack, unpack
 from .prefix import common_prefix_len
-from .snapshot import Snapshot, cuttable, merge, restore, section, snapshot, truncate
+from .snapshot import Snapshot, at_point, cuttable, merge, restore, section, snapshot, truncate
 from .table import BlockTable
 
 log = logging.getLogger("kvd.cache")
@@ -38,14 +39,19 @@ def cache_nbytes(cache: Cache) -> int:
 
 
 class WarmTier:
-    def __init__(self, table: BlockTable, budget: int, *, bits: int, busy: Callable[[], bool]) -> None:
+    def __init__(self, table: BlockTable, budget: int, *, bits: int, busy: Callable[[], bool],
+                 points: Checkpoints | None = None) -> None:
         if budget < 0:
             raise ValueError("a budget is a number of bytes >= 0")
         self.table = table
+        #: Every session's checkpoints in memory: a warm session's count here, and go when it leaves.
+        self.points = points if points is not None else Checkpoints()
         self.budget = budget
         self.bits = bits
         self._busy = busy  # whether disk jobs are queued
-        self.tails: OrderedDict[str, tuple[Snapshot, float]] = OrderedDict()  # least recently used first
+        # Least recently used first: each session's tail, its last use, and the bytes counted for it (the tail's and
+        # its checkpoints').
+        self.tails: OrderedDict[str, tuple[Snapshot, float, int]] = OrderedDict()
         self.spare: OrderedDict[str, None] = OrderedDict()  # block copies no warm tail needs, oldest first
         self.held: dict[str, tuple[list[Snapshot], list[int]]] = {}  # left while disk jobs were queued
         self.nbytes = 0
@@ -116,11 +122,12 @@ class WarmTier:
             b = self.table.blocks[bk]
             b.warm_users += 1
             self.spare.pop(bk, None)
-        kept = cold or self.room(tail.nbytes)  # (its blocks are referenced now: they stay)
-        self.tails[key] = (tail, now)
+        nbytes = tail.nbytes + self.points.nbytes(key)
+        kept = cold or self.room(nbytes)  # (its blocks are referenced now: they stay)
+        self.tails[key] = (tail, now, nbytes)
         if cold:
             self.tails.move_to_end(key, last=False)
-        self.nbytes += tail.nbytes
+        self.nbytes += nbytes
         if not kept:
             self.leave(key)
             return False
@@ -158,7 +165,7 @@ class WarmTier:
         if got is None:
             return None
         tail = got[0]
-        self.nbytes -= tail.nbytes
+        self.nbytes -= got[2]
         s = self.table.sessions[key]
         parts = [self.table.blocks[bk].warm for bk in s.keys]
         for bk in s.keys:
@@ -191,7 +198,7 @@ class WarmTier:
         -inf); None: nothing held."""
         if self.spare:
             return float("-inf")
-        return next((used for _, used in self.tails.values()), None)
+        return next((used for _, used, _ in self.tails.values()), None)
 
     def evict_oldest(self) -> bool:
         """Let the least recently used go: a block copy no warm tail needs, else the oldest tail; False
@@ -217,6 +224,7 @@ class WarmTier:
         self.stats.page_outs += 1
         if got is None:
             return
+        self.points.drop(key)  # (disk keeps its own: the ends of its segments and blocks)
         if self._busy():
             self.held[key] = got
             log.debug("warm snapshot of %s kept aside until disk holds it", key)
@@ -226,7 +234,7 @@ class WarmTier:
         self._fit()
 
     def idle(self, now: float, idle_for: float) -> None:
-        for key, (_, used) in list(self.tails.items()):
+        for key, (_, used, _) in list(self.tails.items()):
             if now - used < idle_for:
                 break
             self.leave(key)
@@ -248,7 +256,8 @@ class WarmTier:
         return [self.table.blocks[bk].warm for bk in s.keys] + [got[0]], s.tokens
 
     def usable(self, key: str, wanted: Sequence[int], limit: int) -> int:
-        """How many wanted ids the session's warm snapshots can give a copy of."""
+        """How many wanted ids the session's warm snapshots can give a copy of: where the ids part, or, for a
+        state that cannot be cut there, the latest end of a block or a checkpoint before."""
         got = self.parts(key)
         if got is None:
             return 0
@@ -257,12 +266,35 @@ class WarmTier:
         if n <= 0:
             return 0
         last = next(p for p in parts if p.end >= n)
-        return n if n == last.end or cuttable(last) else 0
+        if n == last.end or cuttable(last):
+            return n
+        point = self.points.nearest(key, wanted, n)
+        return max((p.end for p in parts if p.end <= n), default=0) if point is None else \
+            max([point.end, *(p.end for p in parts if p.end <= n)])
 
     def copy(self, key: str, n: int) -> Cache | None:
-        """Live caches holding the first n ids of a session's warm snapshots; they stay as they are."""
+        """Live caches holding the first n ids of a session's warm snapshots (`usable` said how many may be
+        had); they stay as they are."""
         got = self.parts(key)
-        return copy_parts(got[0], n) if got is not None else None
+        if got is None:
+            return None
+        parts = got[0]
+        if (point := self.points.at(key, n)) is None or any(p.end == n for p in parts) or cuttable(parts[-1]):
+            return copy_parts(parts, n)
+        try:
+            return restore(at_point(merge(*[unpack(p) for p in parts if p.start < n]), point))
+        except CannotSplit:
+            return None
+
+    def cuttable(self, key: str) -> bool:
+        """Whether the session's warm snapshots can be cut anywhere (plain or quantized KV)."""
+        got = self.parts(key)
+        return got is None or not got[0] or cuttable(got[0][-1])
+
+    def held_ids(self, key: str) -> int:
+        """How many ids the session's warm snapshots hold (0: none)."""
+        got = self.parts(key)
+        return got[0][-1].end if got is not None and got[0] else 0
 
     def statistics(self) -> dict[str, Any]:
         return {"sessions": len(self.tails), "bytes": self.nbytes, "budget": self.budget,
@@ -274,6 +306,14 @@ def copy_parts(parts: list[Snapshot], n: int) -> Cache | None:
     parts = [p for p in parts if p.start < n]
     try:
         return restore(truncate(merge(*[unpack(p) for p in parts]), n)) if parts else None
+    except CannotSplit:
+        return None
+
+
+def copy_live_at(cache: Cache, point: Snapshot) -> Cache | None:
+    """Live caches holding a resident cache as of its checkpoint `point`; the source is untouched."""
+    try:
+        return restore(at_point(cache, point))
     except CannotSplit:
         return None
 

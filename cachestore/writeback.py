@@ -33,7 +33,7 @@ from .lru import DiskStats
 from .prefix import common_prefix_len
 from .rows import BlockRow, SegmentRow
 from .segments import write_segment
-from .snapshot import Snapshot, cuttable, section, snapshot
+from .snapshot import Snapshot, at_point, cuttable, section, snapshot
 
 log = logging.getLogger("kvd.cache")
 
@@ -81,8 +81,8 @@ def promise_of(blocks: Sequence[BlockRow], segments: Sequence[SegmentRow], *, bl
     return Promise(tuple(toks), base, tuple(ends))
 
 
-def plan(held: Promise, tokens: Sequence[int], *, whole: int, block: int,
-         max_segments: int, rewrite: bool = False) -> tuple[int | None, int | None, Promise]:
+def plan(held: Promise, tokens: Sequence[int], *, whole: int, block: int, max_segments: int,
+         rewrite: bool = False, splits: Sequence[int] = ()) -> tuple[int | None, int | None, Promise]:
     """Where a turn's new blocks start and where its private tail starts (None: none), and disk's chain after.
 
     `whole`: how many whole blocks the chain lists (blocks.whole_blocks for a
@@ -93,6 +93,8 @@ def plan(held: Promise, tokens: Sequence[int], *, whole: int, block: int,
     the private tail appended after the segments that still agree, or
     rewritten from the last block when the chain moved or reaches max_segments
     (or when `rewrite`: a snapshot of a window, which cannot be cut to follow them).
+    `splits`: checkpoints of a cache that cannot be cut (checkpoints.py): the tail ends a segment at each one
+    it passes, so disk holds the state there too (`spans`).
     """
     n = len(tokens)
     same_ids = common_prefix_len(held.tokens, tokens)
@@ -109,21 +111,36 @@ def plan(held: Promise, tokens: Sequence[int], *, whole: int, block: int,
     pos = kept[-1] if kept else base
     if pos == n:
         return blocks_from, None, Promise(tuple(tokens), base, tuple(kept))
-    if len(kept) + 1 > max_segments or (rewrite and pos != base):
-        pos, kept = base, []
-    return blocks_from, pos, Promise(tuple(tokens), base, (*kept, n))
+    pos, ends, replace = spans(pos, n, len(kept), base, splits, max_segments=max_segments, rewrite=rewrite)
+    return blocks_from, pos, Promise(tuple(tokens), base, (*(kept if not replace else ()), *ends))
+
+
+def spans(pos: int, n: int, kept: int, base: int, splits: Sequence[int], *, max_segments: int,
+          rewrite: bool) -> tuple[int, list[int], bool]:
+    """The private segments a tail from `pos` to `n` is written as, after `kept` segments that stay: where the
+    first starts, where each ends (at the `splits` it passes, then `n`), and whether they replace the kept ones
+    (compaction from the last block, `base`: they would pass max_segments, or a window's snapshot follows none;
+    then only the last split is kept, if two files are allowed). The engine's plan and the worker's write share
+    this one rule."""
+    ends = [e for e in splits if pos < e < n] + [n]
+    if kept + len(ends) > max_segments or (rewrite and pos != base):
+        last = [e for e in splits if base < e < n][-1:] if max_segments > 1 else []
+        return base, [*last, n], True
+    return pos, ends, False
 
 
 def evaluate(cache: list[Any] | Snapshot, tokens: Sequence[int], blocks_from: int | None,
              private_from: int | None, after: Promise, block: int,
-             captured: Mapping[int, Snapshot] | None = None) -> Evaluated:
+             captured: Mapping[int, Snapshot] | None = None, points: Mapping[int, Snapshot] | None = None) -> Evaluated:
     """The snapshots `plan` said a turn writes, evaluated (engine thread: the worker only writes bytes).
 
     `cache` is a live cache, or a snapshot of all of `tokens` (paging out at
     shutdown). A cache that can be cut gives every span; one with a window
     gives its blocks from `captured` (block end -> the snapshot the prefill
     took there; a block missing from it must be on disk already, or the
-    worker writes nothing) and its tail as a snapshot from the tail's start.
+    worker writes nothing) and its tail as a snapshot from the tail's start,
+    or, where the plan splits it at checkpoints, each part up to one with that
+    checkpoint's state (`points`: end -> its checkpoint).
     """
     starts = [s for s in (blocks_from, private_from) if s is not None]
     if not starts:
@@ -140,8 +157,13 @@ def evaluate(cache: list[Any] | Snapshot, tokens: Sequence[int], blocks_from: in
     else:
         pieces = {(a, b): captured[b] for a, b in spans if captured and b in captured}
         if private_from is not None:
-            pieces[private_from, n] = snapshot(cache, private_from) if isinstance(cache, list) else \
-                (cache if private_from == cache.start else section(cache, private_from, n))
+            ends = [e for e in after.ends if e > private_from]
+            for a, b in zip([private_from, *ends], ends):
+                if b < n and isinstance(cache, list) and points and b in points:
+                    pieces[a, b] = at_point(cache, points[b], a)
+                elif b == n:
+                    pieces[a, b] = snapshot(cache, a) if isinstance(cache, list) else \
+                        (cache if a == cache.start else section(cache, a, n))
     mx.eval([x for p in pieces.values() for x in p.arrays()])
     return pieces
 
@@ -195,10 +217,10 @@ class Writeback:
                           fingerprint=self.fingerprint)
 
     def persist(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *,
-                evict: bool, rewrite: bool = False) -> None:
+                evict: bool, rewrite: bool = False, splits: Sequence[int] = ()) -> None:
         """Make disk hold `tokens` of `key` from the evaluated pieces the engine planned (I/O worker)."""
         try:
-            self.write_behind(key, pieces, tokens, keys, evict=evict, rewrite=rewrite)
+            self.write_behind(key, pieces, tokens, keys, evict=evict, rewrite=rewrite, splits=splits)
         except Stale as e:
             log.debug("not writing the cache of %s: %s; its next turn writes from what disk holds", key, e)
         except OSError as e:
@@ -212,7 +234,7 @@ class Writeback:
                 log.warning("could not write the cache of %s to disk: %s", key, e)
 
     def write_behind(self, key: str, pieces: Evaluated, tokens: list[int], keys: list[str], *,
-                     evict: bool = True, rewrite: bool = False) -> None:
+                     evict: bool = True, rewrite: bool = False, splits: Sequence[int] = ()) -> None:
         """Make the disk chain of `key` hold `tokens`, writing only what disk lacks.
 
         The whole blocks first (each one only if no session wrote it yet:
@@ -220,7 +242,8 @@ class Writeback:
         private segments after them: appended to when they still agree,
         rewritten as one when the chain moved or they reach max_segments.
         `pieces` hold the evaluated state of the files the engine planned;
-        `keys` are the keys of the whole blocks the chain lists (the engine hashed them once).
+        `keys` are the keys of the whole blocks the chain lists (the engine hashed them once);
+        `splits`: where the tail ends a segment at a checkpoint (`spans`).
         """
         n = len(tokens)
         now = self._clock()
@@ -269,11 +292,11 @@ class Writeback:
             self.index.touch(key, now)
             return
         # A snapshot of a window cannot be cut: it replaces the private segments it would follow.
-        replace = len(kept) + 1 > self.max_segments or (rewrite and pos != base)
-        if replace:
-            pos = base  # compaction: one segment for everything after the blocks
-        self._write(Private(key, chain[-1] if chain else None), cut(pos, n), tokens, now,
-                    replace=replace and bool(kept), evict=evict)
+        pos, ends, replace = spans(pos, n, len(kept), base, splits, max_segments=self.max_segments, rewrite=rewrite)
+        for k, end in enumerate(ends):  # (compaction: from the last block, for everything after the blocks)
+            start = ends[k - 1] if k else pos
+            self._write(Private(key, chain[-1] if chain else None), cut(start, end), tokens, now,
+                        replace=k == 0 and replace and bool(kept), evict=evict)
         self.enforce_disk_budget(keep=key)
 
     def _write(self, target: Block | Private, snap: Snapshot, tokens: Sequence[int], now: float, *,

@@ -6,6 +6,11 @@ from __future__ import annotations
 # default, read by config.py's [cache] and cachestore's Budgets.
 BLOCK_TOKENS = 128
 
+# Checkpoints a session keeps in memory unless configured ([cache] checkpoints), for a model whose
+# cache cannot be cut back (recurrent or sliding-window layers): its last two turns' prompt and
+# answer ends (cachestore/checkpoints.py).
+CHECKPOINTS = 4
+
 
 def human_bytes(n: int) -> str:
     """`512 B`, `22.5 MiB`: powers of 1024, as the tiers' budgets are set."""

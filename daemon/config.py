@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.sizes import BLOCK_TOKENS
+from common.sizes import BLOCK_TOKENS, CHECKPOINTS
 from protocol import DEFAULT_HOST, DEFAULT_PORT, default_data_dir
 from protocol import PARAMS as SAMPLING  # [generation]'s keys, validated as a request's sampling values are
 
@@ -71,6 +71,7 @@ class Config:
     warm_idle: float = 3600.0
     max_segments: int = 16
     block_tokens: int = BLOCK_TOKENS
+    checkpoints: int = CHECKPOINTS  # a session's checkpoints kept in memory (recurrent or window layers)
     max_resident_sessions: int = 32
     warm_bits: int = 0
     prefetch: bool = True
@@ -161,6 +162,7 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "warm_idle": ("cache", "warm_idle"),
     "max_segments": ("cache", "max_segments"),
     "block_tokens": ("cache", "block_tokens"),
+    "checkpoints": ("cache", "checkpoints"),
     "max_resident_sessions": ("cache", "max_resident_sessions"),
     "warm_bits": ("cache", "warm_bits"),
     "prefetch": ("cache", "prefetch"),
@@ -283,6 +285,7 @@ _CHECKS: dict[str, Check] = {
     "warm_idle": _positive_number,
     "max_segments": _integer(),
     "block_tokens": _integer(),
+    "checkpoints": _integer(0, "must be >= 0 (0 keeps none: a rewind of a hybrid model reads from disk)"),
     "max_resident_sessions": _TIER,
     "warm_bits": _BITS,
     "prefetch": _kind(bool, "a bool"),

@@ -127,8 +127,8 @@ TurnEvent = (AnswerStarted | AnswerQueued | AnswerReading | AnswerProgress | Ans
              | AnswerError)
 
 
-CACHE_FIGURES = ("restored_from", "shared_tokens", "ttft_ms", "prefill_tokens", "drafted_tokens", "accepted_tokens",
-                 "model", "kept_for", "max_tokens", "max_tokens_asked", "context_full")
+CACHE_FIGURES = ("restored_from", "shared_tokens", "checkpoint", "ttft_ms", "prefill_tokens", "drafted_tokens",
+                 "accepted_tokens", "model", "kept_for", "max_tokens", "max_tokens_asked", "context_full")
 
 
 def cache_figures(usage: Mapping[str, Any]) -> dict[str, Any]:

@@ -55,7 +55,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_table", "test_transcript_writer", "test_tui_render", "test_wire", "test_writeback_plan",
         "test_prune_paths", "test_schemaends", "test_admission", "test_renders", "test_terminal_modes",
         "test_render_templates", "test_logfile", "test_anthropic_shapes", "test_responses_unit", "test_jsondepth",
-        "test_pool", "test_shared_budgets", "test_ollama_rules", "test_architecture_doc",
+        "test_pool", "test_shared_budgets", "test_ollama_rules", "test_architecture_doc", "test_checkpoints",
     }),
     "integration": frozenset({
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",
@@ -78,7 +78,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_models_e2e",
         "test_responses_restart", "test_model_loads",
         "test_anthropic", "test_hostile_messages", "test_ollama", "test_hostile_ollama", "test_forced_calls",
-        "test_start_losses",
+        "test_hybrid", "test_start_losses",
     }),
 }  # fmt: skip
 

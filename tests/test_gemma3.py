@@ -101,7 +101,7 @@ def _answer(c: Any, **frame: Any) -> dict[str, Any]:
 
 def test_gemma3_regenerate_and_edit_past_its_window_from_warm_exactly(gemma3: Path, tmp_path: Path) -> None:
     """With no resident room every cache waits in the warm tier between turns; a regenerate and an
-    edit after the window has wrapped rewind into it and answer as a fresh prefill does."""
+    edit after the window has wrapped rewind to its checkpoints and answer as a fresh prefill does."""
     (converted,) = (gemma3 / "gguf").glob("*-float32")
     data = data_dir_with(gemma3, tmp_path / "kvd")
     config = tmp_path / "kvd.toml"
@@ -121,9 +121,11 @@ def test_gemma3_regenerate_and_edit_past_its_window_from_warm_exactly(gemma3: Pa
     finally:
         d.terminate()
     assert first["usage"]["prompt_tokens"] > 512
-    # The next turn continues the warm copy. A regenerate or an edit needs the cache as it was at the
-    # end of turn one: a window cannot be cut back to it, so it comes from that turn's disk segment.
-    assert [done["usage"]["restored_from"] for done, _ in checked] == ["warm", "disk", "disk"]
+    # The next turn continues the warm copy. A regenerate or an edit needs the cache as it was before: a
+    # window cannot be cut back to it, so it comes from the checkpoint the warm copy keeps with it (the
+    # prompt's end less one id, the end of turn one's answer).
+    assert [done["usage"]["restored_from"] for done, _ in checked] == ["warm", "warm", "warm"]
+    assert [done["usage"]["checkpoint"] for done, _ in checked] == [False, True, True]
     for done, tokens in checked:
         u = done["usage"]
         assert u["cached_tokens"] > 512, u  # restored past the wrap, not prefilled from a block before it

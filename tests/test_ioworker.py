@@ -288,12 +288,13 @@ def test_a_restore_does_not_wait_for_turns(model: Any, tmp_path: Path, monkeypat
 
 def test_a_turn_that_needs_its_sessions_queued_write_gets_it_at_once(models: dict[str, Any], tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A window cache cannot be rewound in place: a regenerate restores from what the last write holds.
-    That write is still queued behind the turn's arrival; the checkout has it written, hurried, at once."""
+    """A window cache cannot be rewound in place: without a checkpoint in memory (none kept here), a regenerate
+    restores from what the last write holds. That write is still queued behind the turn's arrival; the checkout
+    has it written, hurried, at once."""
     monkeypatch.setattr(ioworker, "YIELD_MAX", 3600.0)  # a write that gave way here would hang the checkout
     model = models["builtin:tiny-swa"]
     turns = FirstTokens()
-    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8), clock=Clock(), first_tokens=turns)
+    caches = SessionCaches(tmp_path, "fp", budgets(block_tokens=8, checkpoints=0), clock=Clock(), first_tokens=turns)
     turns.arrived()  # turn two was sent as turn one ended; its write waits for turn two's first token
     cache, one = grow(model, None, [], list(range(10, 110)))  # past the 64-token window: it has wrapped
     caches.checkin(A, cache, one)

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.anyio
 TINY, SWA = "builtin:tiny", "builtin:tiny-swa"
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 PROMPTS = ["Hello there, who are you?", "Tell me about caches.", "And once more?"]
-MODEL_FIELDS = {"model", "default", "state", "weights_bytes", "context_length", "idle_s", "unloads_in_s", "device"}
+MODEL_FIELDS = {"model", "default", "state", "weights_bytes", "context_length", "idle_s", "unloads_in_s", "device",
+                "cache"}
 V1_MODEL_FIELDS = {"id", "object", "created", "owned_by", "context_length", "max_model_len", "max_context_length",
                    "loaded_context_length", "state"}
 
@@ -98,6 +99,10 @@ async def test_two_models_alternate_across_two_doors_and_answer_as_alone(tmp_pat
             assert set(m) == MODEL_FIELDS
             assert m["state"] == "idle" and m["weights_bytes"] > 0 and m["context_length"] == 8192
         assert loaded[TINY]["default"] and not loaded[SWA]["default"]
+        # What each model's cache keeps: plain KV alone, or a window beside it (its checkpoints' bytes then).
+        assert loaded[TINY]["cache"]["kinds"] == {"kv": 4} and loaded[TINY]["cache"]["checkpoint_bytes"] == 0
+        swa = loaded[SWA]["cache"]
+        assert swa["kinds"] == {"rotating": 2, "kv": 2} and swa["checkpoint_bytes"] > 0
 
         listed = (await c.request("session.list"))["sessions"]
         shown = {s["id"]: s["model"] for s in listed}

@@ -18,7 +18,8 @@ from daemonproc import DaemonProcess, SyncClient
 
 TINY, SWA = "builtin:tiny", "builtin:tiny-swa"
 GREEDY = {"temperature": 0.0, "max_tokens": 6}
-PS_FIELDS = {"model", "default", "state", "weights_bytes", "context_length", "idle_s", "unloads_in_s", "device"}
+PS_FIELDS = {"model", "default", "state", "weights_bytes", "context_length", "idle_s", "unloads_in_s", "device",
+             "cache"}
 
 
 def say(c: SyncClient, session: str, text: str, **fields: Any) -> dict[str, Any]:

@@ -52,7 +52,9 @@ async def test_resume_from_each_tier_is_exact(tmp_path: Path, model: str, tier: 
     assert u["prefill_tokens"] == u["prompt_tokens"] - u["cached_tokens"]
     assert u["restore_ms"] >= 0 and u["prefill_ms"] > 0
     assert status["tiers"][tier]["hits"] >= 1
-    assert status["tiers"]["disk"]["segments"] == 2  # one per turn, written behind it
+    # One per turn, written behind it; a window's also ends one at the checkpoint each prompt kept (its end less
+    # one id), so a regenerate after a restart reads to there.
+    assert status["tiers"]["disk"]["segments"] == (4 if model == "builtin:tiny-swa" else 2)
     check_exact(tmp_path, model, sid, done)
 
 

@@ -84,10 +84,11 @@ async def test_a_new_session_starting_like_another_reuses_its_prefix_exactly(
     prompt = a["usage"]["prompt_tokens"]
     assert u["prompt_tokens"] == prompt
     if model == "builtin:tiny-swa":
-        # A sliding window is restored only where it was taken: the blocks the first session's
-        # prefill captured at each block boundary (window 64, blocks of 16: it has wrapped).
-        assert u["restored_from"] == "shared" and u["shared_tokens"] == u["cached_tokens"]
-        assert u["cached_tokens"] == (prompt - 1) // BLOCK * BLOCK > 64
+        # A sliding window is restored only where it was taken (window 64, blocks of 16: it has wrapped): in
+        # memory, the first session's checkpoint at its prompt's end less one id; from disk, the blocks its
+        # prefill captured at each block boundary.
+        assert u["restored_from"] == "shared" and u["shared_tokens"] == u["cached_tokens"] and u["checkpoint"]
+        assert u["cached_tokens"] == (prompt - 1 if tiers != "disk" else (prompt - 1) // BLOCK * BLOCK) > 64
     elif tiers != "disk":  # a copy out of the first session's resident cache or warm blocks, token-exact
         assert u["restored_from"] == "shared" and u["shared_tokens"] == u["cached_tokens"] == prompt - 1
     else:  # blocks on disk: the whole ones in common, then the next one cut where the ids part

@@ -73,6 +73,16 @@ def test_status_line_says_what_a_long_read_cost() -> None:
     assert render.status_line(none) == "3 tokens · cache: none, prefilled 4946 tok in 98 s"
 
 
+def test_status_line_says_a_rewind_restored_a_checkpoint_and_what_it_computed_again() -> None:
+    """A hybrid model's regenerate: the state kept at the prompt's end less one id, that one id read again (a
+    read that small is otherwise not worth a part, but here it is what the rewind cost)."""
+    regen = {"completion_tokens": 3, "restored_from": "resident", "restored_tokens": 94, "restore_ms": 0.4,
+             "checkpoint": True, "prefill_tokens": 1, "prefill_ms": 12.0}
+    assert render.status_line(regen) == (
+        "3 tokens · cache: resident 94 tok at a checkpoint in 0.4 ms · read 1 tok in 12 ms")
+    assert render.status_line({**regen, "checkpoint": False}) == "3 tokens · cache: resident 94 tok in 0.4 ms"
+
+
 def test_status_line_shows_the_acceptance_when_speculation_ran() -> None:
     ran = {**USAGE, "drafted_tokens": 52, "accepted_tokens": 41}
     assert render.status_line(ran) == (

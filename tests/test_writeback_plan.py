@@ -81,12 +81,12 @@ def test_plan_and_write_behind_agree(tmp_path: Path, fake_files: None, seed: int
     keys = ["aaaa", "bbbb", "cccc"]
     tokens: dict[str, list[int]] = {k: [] for k in keys}
     promised: dict[str, Promise] = {}
-    queue: list[tuple[str, Recording, list[int], list[str], bool]] = []
+    queue: list[tuple[str, Recording, list[int], list[str], bool, list[int]]] = []
 
     def drain() -> None:
-        for key, pieces, toks, bks, rewrite in queue:
+        for key, pieces, toks, bks, rewrite, splits in queue:
             try:
-                writer.write_behind(key, pieces, toks, bks, rewrite=rewrite)
+                writer.write_behind(key, pieces, toks, bks, rewrite=rewrite, splits=splits)
             except Stale as e:
                 raise AssertionError(f"seed {seed}: the worker needed a span the plan did not give: {e}") from None
             tail = [span for span in pieces if span[0] >= len(bks) * block]
@@ -106,18 +106,24 @@ def test_plan_and_write_behind_agree(tmp_path: Path, fake_files: None, seed: int
         bks = block_keys(toks[:whole_blocks(len(toks), block) * block], block, root) if cut else []
         if not cut and bks_captured:  # a window captured at some block boundaries: a prefix of them
             bks = block_keys(toks[:rng.randrange(whole_blocks(len(toks), block) + 1) * block], block, root)
+        # A live cache that cannot be cut ends a segment at each checkpoint its turn passed (a prompt's end).
+        splits = sorted({rng.randrange(1, len(toks)) for _ in range(rng.randrange(3))}) \
+            if not cut and not rewrite and len(toks) > 1 else []
         blocks_from, private_from, after = plan(held, toks, whole=len(bks), block=block,
-                                                max_segments=max_segments, rewrite=rewrite)
+                                                max_segments=max_segments, rewrite=rewrite, splits=splits)
         pieces = Recording()
         pieces.used = set()
         if blocks_from is not None:
             for k in range(blocks_from, after.base, block):
                 pieces[k, k + block] = Snapshot(k, k + block, ())
         if private_from is not None:
-            pieces[private_from, len(toks)] = Snapshot(private_from, len(toks), ())
+            ends = [e for e in after.ends if e > private_from]
+            assert ends[-1] == len(toks) and len(after.ends) <= max_segments
+            for a, b in zip([private_from, *ends], ends):
+                pieces[a, b] = Snapshot(a, b, ())
         assert after.base == len(bks) * block
         promised[key] = after
-        queue.append((key, pieces, toks, bks, rewrite))
+        queue.append((key, pieces, toks, bks, rewrite, splits))
         if rng.random() < 0.4:
             drain()
     drain()

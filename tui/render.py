@@ -123,13 +123,16 @@ def _short(model: Any) -> str:
 
 
 def cache_part(usage: Mapping[str, Any]) -> str | None:
-    """``cache: disk 4096 tok in 86 ms``, or ``cache: none, prefilled 40 tok``."""
+    """``cache: disk 4096 tok in 86 ms``, ``cache: resident 94 tok at a checkpoint in 0.4 ms``, or ``cache: none,
+    prefilled 40 tok``."""
     tier = usage.get("restored_from")
     if tier in protocol.TIERS or tier == protocol.SHARED:  # shared: another conversation's prefix
         restored, ms = usage.get("restored_tokens"), usage.get("restore_ms")
         part = f"cache: {tier}" + (" (prefetched from disk)" if usage.get("prefetched") else "")
         if isinstance(restored, int):
             part += f" {restored} tok"
+        if usage.get("checkpoint") is True:  # a model with recurrent or window layers, rewound to kept state
+            part += " at a checkpoint"
         if isinstance(ms, (int, float)):
             part += f" in {_ms(ms)} ms"
         return part
@@ -158,12 +161,13 @@ def duration(ms: float) -> str:
 
 
 def read_part(usage: Mapping[str, Any]) -> str | None:
-    """``read 4745 tok in 98 s``: the prompt read on top of a restored cache, when it was large or slow."""
+    """``read 4745 tok in 98 s``: the prompt read on top of a restored cache, when it was large or slow, or when
+    the cache was restored at a checkpoint (what a rewind computed again)."""
     tokens, ms = usage.get("prefill_tokens"), usage.get("prefill_ms")
     if usage.get("restored_from") in (None, protocol.NO_CACHE) or not isinstance(tokens, int) or tokens <= 0:
         return None
     slow = isinstance(ms, (int, float)) and ms >= READ_SHOWN_MS
-    if tokens < READ_SHOWN_TOKENS and not slow:
+    if tokens < READ_SHOWN_TOKENS and not slow and usage.get("checkpoint") is not True:
         return None
     return f"read {tokens} tok" + (f" in {duration(ms)}" if isinstance(ms, (int, float)) else "")
 

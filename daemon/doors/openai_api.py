@@ -105,7 +105,9 @@ class OpenAIDoor:
             out.append({"id": name, "object": "model", "created": self._created, "owned_by": "kvd",
                         "context_length": context, "max_model_len": context, "max_context_length": context,
                         "loaded_context_length": context if here is not None else None,
-                        "state": "loaded" if here is not None else "not-loaded"})
+                        "state": "loaded" if here is not None else "not-loaded",
+                        # kvd's own: a loaded model's cache layers by kind and its checkpoints' bytes (docs/caches.md)
+                        **({"kvd": {"cache": here["cache"]}} if here is not None and here.get("cache") else {})})
         return out
 
     async def models(self, request: Request) -> Response:

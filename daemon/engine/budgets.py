@@ -60,6 +60,6 @@ def open_caches(c: Config, loaded: Any, kv_bits: int | None, pool: Pool) -> Sess
                 disk_bytes=c.disk_bytes, resident_idle=c.resident_idle,
                 warm_idle=c.warm_idle, max_segments=c.max_segments,
                 resident_sessions=c.max_resident_sessions, warm_bits=c.warm_bits,
-                block_tokens=c.block_tokens),
+                block_tokens=c.block_tokens, checkpoints=c.checkpoints),
         model=c.model, pool=pool,
     )

@@ -232,7 +232,7 @@ class Lockstep:
         if not self.minimum(int(able)):
             if held:
                 log.info("rank %d held %d token(s); the ranks share none: prefilling", self.rank, held)
-            return replace(out, cache=None, tokens=0, restored_from=NO_CACHE, shared_tokens=0)
+            return replace(out, cache=None, tokens=0, restored_from=NO_CACHE, shared_tokens=0, checkpoint=False)
         if n < held:
             log.info("rank %d held %d token(s), every rank %d: restoring %d", self.rank, held, n, n)
         return replace(out, tokens=n, shared_tokens=min(out.shared_tokens, n))

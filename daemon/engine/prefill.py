@@ -31,10 +31,14 @@ from .logprobs import Picked, pick, records
 class Prefill:
     """The state of one prompt's prefill: `cache` holds `tokens[:fed]`.
 
-    `boundary`: a chunk never crosses a multiple of it, and `at_boundary(cache,
-    ids fed)` is called at each one the prompt reaches, its end included (a cache with a
-    sliding window, whose state at a block's end can only be taken there:
-    cachestore's `SessionCaches.windows`).
+    `boundary`: a chunk never crosses a multiple of it nor the prompt's last
+    id, and `at_boundary(cache, ids fed, last=...)` is called at each one the
+    prompt reaches, its end included (`last`: there, before its last id). That
+    is for a cache with a sliding window or a recurrent state, whose state at a
+    point can only be taken there: a block's end (shared; a prompt that ends on
+    one keeps that block), and the prompt's end less one id, where a regenerate
+    comes back to (cachestore's `SessionCaches.windows`; the extra forward of
+    one id costs about a decode step).
 
     `last`: the model to feed the prompt's last chunk with, one that computes
     the logits of its last position only (`last_position`); None: `model`.
@@ -48,7 +52,7 @@ class Prefill:
 
     def __init__(self, model: Any, cache: list[Any], tokens: Sequence[int], fed: int, *, step: int,
                  boundary: int | None = None,
-                 at_boundary: Callable[[list[Any], Sequence[int]], None] | None = None,
+                 at_boundary: Callable[..., None] | None = None,
                  clear_cache: bool | None = None, last: Any | None = None, collect: int | None = None,
                  raw: bool = False):
         if not 0 <= fed < len(tokens):
@@ -84,8 +88,9 @@ class Prefill:
         After the last ones: the next token's log-probabilities, shape (1, vocab) (`raw`: its logits).
         """
         n = n or self.step
+        stop = len(self.tokens) - 1  # where a prefill into a cache that cannot be cut stops before its last id
         if self.boundary:
-            n = min(n, self.boundary - self.fed % self.boundary)
+            n = min(n, self.boundary - self.fed % self.boundary, *((stop - self.fed,) if self.fed < stop else ()))
         chunk = self.tokens[self.fed:self.fed + n]
         whole = self.collect is not None or self.fed + len(chunk) < len(self.tokens)
         logits = (self.model if whole else self.last)(mx.array(chunk)[None], cache=self.cache)
@@ -96,17 +101,18 @@ class Prefill:
                 lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
                 self.collected.append((following, pick(lp, mx.array(following), self.collect)))
         self.fed += len(chunk)
-        if self.boundary and self.at_boundary and self.fed % self.boundary == 0:
-            # the prompt's last chunk too: a prompt that ends on a block's end keeps that block
-            self.at_boundary(self.cache, self.tokens[:self.fed])
         if self.remaining:
             mx.eval([c.state for c in self.cache], [a for _, p in self.collected[-1:] for a in p.arrays()])
+            if self.boundary and self.at_boundary and (self.fed % self.boundary == 0 or self.fed == stop):
+                self.at_boundary(self.cache, self.tokens[:self.fed], last=self.fed == stop)
             if self.clear_cache:
                 mx.clear_cache()
             return None
+        if self.boundary and self.at_boundary and self.fed % self.boundary == 0:
+            # the prompt's end on a block's end: it keeps that block (issue 51's lost window block)
+            self.at_boundary(self.cache, self.tokens[:self.fed])
         last: mx.array = logits[:, -1, :]
         return last if self.raw else last - mx.logsumexp(last, axis=-1, keepdims=True)
-
 
     def prompt_logprobs(self) -> list[TokenLogprob]:
         """What `collect` gathered: every prompt token's, the first's None (read once the prefill is done)."""

@@ -262,8 +262,20 @@ class Engines:
                        else round(max(0.0, keep - idle), 1))
             out.append({"model": s.name, "default": s.name == self.default, "state": state,
                         "weights_bytes": s.weights(), "context_length": e.max_context if e is not None else None,
-                        "idle_s": idle, "unloads_in_s": expires, "device": e.device if e is not None else None})
+                        "idle_s": idle, "unloads_in_s": expires, "device": e.device if e is not None else None,
+                        "cache": _cache_of(e.stats if e is not None else {})})
         return out
+
+
+def _cache_of(stats: dict[str, Any]) -> dict[str, Any] | None:
+    """A loaded model's cache, as `kvd ps` and /v1/models show it: its layers by kind (`arrays`: recurrent or
+    linear-attention state; `rotating`: a sliding window), the bytes of one checkpoint of the state those keep (0:
+    the cache can be cut anywhere, none is kept), how many a session keeps, and the bytes of those held now."""
+    points = stats.get("tiers", {}).get("checkpoints")
+    if not points:
+        return None  # (the model is loading)
+    return {"kinds": points["kinds"], "checkpoint_bytes": points["each_bytes"], "checkpoints_per_session":
+            points["keep"] if points["each_bytes"] else 0, "checkpoints_held_bytes": points["bytes"]}
 
 
 def _size(n: int) -> str:

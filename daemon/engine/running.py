@@ -108,6 +108,7 @@ class Answer:
     t_last: float | None = None
     shared_tokens: int = 0  # of cached_len, those another session's cache or shared disk blocks supplied
     prefetched: bool = False  # restored_from's tier got the cache by a prefetch from disk after the start
+    checkpoint: bool = False  # the cache was restored at a checkpoint (recurrent state, a window: cachestore)
     constraint: Constraint | None = None  # the grammar its answer is held to (JSON output), from the first token
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
     processing: Processing | None = None  # its logits processors (its sampling's knobs), from its start
@@ -184,6 +185,9 @@ class Answer:
             "restored_from": self.restored_from,
             "prefetched": self.prefetched,
             "restored_tokens": self.cached_len,
+            # Restored at a checkpoint: state kept at an earlier point than the end of the cache it came from (a
+            # model with recurrent or sliding-window layers); prefill_tokens is then what was computed again.
+            "checkpoint": self.checkpoint,
             # Of those, the tokens another session's cache or shared disk blocks supplied.
             "shared_tokens": self.shared_tokens,
             "restore_ms": round(self.restore_ms, 2),

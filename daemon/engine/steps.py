@@ -196,6 +196,7 @@ class Steps:
                             boundary=boundary, at_boundary=at_boundary, last=self.last,
                             collect=(a.logprobs or 0) if a.prompt_logprobs else None, raw=a.processing is not None)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
+        a.checkpoint = out.checkpoint and cached > 0
         self.scheduler.prefill(a)
 
     def step(self) -> None:

@@ -4,12 +4,15 @@ Its built-in models, the GGUF files and converted models in its own store,
 Ollama's models and the Hugging Face cache (places.py). For each: the name
 `--model` takes, the architecture, the size on disk, the encoding, the
 cache kinds the model needs (``plain`` KV caches; ``rotating`` for
-sliding-window layers), and whether kvd can run it, or why not. Only file
+sliding-window layers; ``recurrent`` for recurrent or linear-attention
+layers, a hybrid model's), and whether kvd can run it, or why not. Only file
 headers and config.json are read: listing never converts or loads weights.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +55,7 @@ class Entry:
     architecture: str
     size: int | None  # bytes on disk (None: not on this machine yet)
     encoding: str
-    caches: str  # "plain", "plain + rotating"
+    caches: str  # "plain", "plain + rotating", "plain + recurrent", "recurrent"
     runs: str  # "yes", or why not
     context: int | None = None  # its context length in tokens, as its files say (None: they do not)
     path: Path | None = None  # its file or folder on this machine (None: not there yet)
@@ -96,15 +99,32 @@ def folder_entry(name: str, where: str, path: Path) -> Entry:
     encoding = f"{quant['bits']}-bit" if isinstance(quant, dict) and "bits" in quant else str(
         config.get("torch_dtype") or config.get("dtype") or "?")
     rotating = arch.startswith(("gemma2", "gemma3")) or "sliding_attention" in (config.get("layer_types") or [])
+    caches = "plain + rotating" if rotating else "plain"
     try:
         from mlx_lm.utils import _get_classes
 
-        _get_classes(config)
+        caches = _recurrent(_get_classes(config)[0], caches)
         runs = "yes"
     except (ValueError, KeyError, ImportError) as e:
         runs = f"no: mlx-lm has no {arch!r} model ({e})"
-    return Entry(name, where, arch, _size(path), encoding, "plain + rotating" if rotating else "plain", runs,
-                 context=context_length(config), path=path)
+    return Entry(name, where, arch, _size(path), encoding, caches, runs, context=context_length(config),
+                 path=path)
+
+
+def _recurrent(model_class: type, caches: str) -> str:
+    """`caches` with recurrent layers where mlx-lm's model keeps state in an `ArraysCache` (its module's source,
+    or a base class's, makes one: Qwen3.5, Nemotron-H, LFM2, Mamba...), read without building the model."""
+    sources = []
+    for cls in model_class.__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is not None and module.__name__.startswith("mlx_lm.models."):
+            try:
+                sources.append(inspect.getsource(module))
+            except (OSError, TypeError):
+                continue
+    if not any("ArraysCache(" in s for s in sources):
+        return caches
+    return f"{caches} + recurrent" if any("KVCache(" in s for s in sources) else "recurrent"
 
 
 def _size(path: Path) -> int | None:

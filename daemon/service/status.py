@@ -100,10 +100,23 @@ def render_status(status: dict[str, Any], console: Console, url: str | None = No
     if shared.get("restores"):
         console.print(f"turns started from another session's prefix: {shared['restores']} "
                       f"({shared['tokens']} tokens not prefilled again)")
+    if (points := checkpoints_line(status.get("tiers", {}).get("checkpoints") or {})) is not None:
+        console.print(points, soft_wrap=True)
     pre = status.get("prefetched") or {}
     if pre.get("sessions"):
         console.print(f"prefetched into memory after start: {pre['sessions']} session(s) "
                       f"({pre['resident']} resident, {pre['warm']} warm), {human(pre['bytes'])}")
+
+
+def checkpoints_line(points: dict[str, Any]) -> str | None:
+    """What a model with recurrent or sliding-window layers keeps of its state: its cache's layers by kind, a
+    checkpoint's bytes, and those held (None for a model whose caches can be cut anywhere: it keeps none)."""
+    if not points.get("each_bytes"):
+        return None
+    kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(points.get("kinds", {}).items()))
+    return (f"cache layers: {kinds} · checkpoints: {human(points['each_bytes'])} each at most, up to "
+            f"{points['keep']} per session; {points['held']} held in {points['sessions']} session(s), "
+            f"{human(points['bytes'])}; {points['restores']} rewind(s) restored one")
 
 
 TRAFFIC_MIN_WIDTH = 78  # narrower, the tiers' table leaves out its traffic columns rather than cut numbers
