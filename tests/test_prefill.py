@@ -56,12 +56,13 @@ def test_a_windows_block_ends_are_each_reported_the_prompts_own_end_included(mod
     cache = make_cache(model, None)
     if fed:
         Prefill(model, cache, PROMPT[:fed + 1], 0, step=64).advance(fed)  # a cache of `fed` ids
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, bool]] = []
     pre = Prefill(model, cache, PROMPT[:128], fed, step=48, boundary=32,
-                  at_boundary=lambda c, ids: seen.append((len(ids), c[0].offset)))
+                  at_boundary=lambda c, ids, last=False: seen.append((len(ids), c[0].offset, last)))
     while pre.advance() is None:
         pass
-    assert seen == [(n, n) for n in (32, 64, 96, 128) if n > fed]
+    # each block's end, the prompt's last id but one (a checkpoint: `last`), and the prompt's own end
+    assert seen == [*((n, n, False) for n in (32, 64, 96) if n > fed), (127, 127, True), (128, 128, False)]
 
 
 def test_the_twin_shares_the_weights_and_leaves_the_model_alone(models: dict[str, Any]) -> None:
