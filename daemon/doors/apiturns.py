@@ -33,7 +33,7 @@ from sessions import is_valid_session_id
 from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
-from ..prompt import Conversation
+from ..prompt import MessagePrompt
 from ..turn import EventStream, Turn, TurnSpec
 from ..turns import Turns
 from .admission import Admission
@@ -197,7 +197,7 @@ class ApiTurns:
         spec = TurnSpec(
             f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
             sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p),
-            prompt=Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
+            prompt=MessagePrompt(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                 renders=self.turns.renders_for(model)),
             stop=ask.stop, seed=ask.seed, door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1,
             grammar=ask.grammar, tools=StreamSplit(tool_format) if tool_format is not None else None, model=model,

@@ -36,7 +36,7 @@ from .jobs import (
     Forget,
     ReadReported,
     RoomFreed,
-    Status,
+    StatusQuery,
     Stop,
 )
 from .lockstep import Op
@@ -76,7 +76,7 @@ class Engine:
         self.lockstep = lockstep
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[Answer | Cancel | Forget | Stop | Status | ReadReported | RoomFreed] = \
+        self._inbox: queue.SimpleQueue[Answer | Cancel | Forget | Stop | StatusQuery | ReadReported | RoomFreed] = \
             queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-engine", daemon=True)
         self.out = Handoff()  # every event a step makes, to the event loop in one wake-up at its end
@@ -139,7 +139,7 @@ class Engine:
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
         """Ask for fresh statistics: answered between steps, once any finished answer's cache is kept (on disk too)."""
-        self._inbox.put(Status(reply))
+        self._inbox.put(StatusQuery(reply))
 
     def stop(self, timeout: float | None = None) -> None:
         """Cancel whatever runs (each answer gets its Done) and end the thread."""
@@ -285,7 +285,7 @@ class Engine:
                     self._release()
                     return
                 if cmd is not None:
-                    if ls is not None and not isinstance(cmd, (Status, ReadReported, RoomFreed)):
+                    if ls is not None and not isinstance(cmd, (StatusQuery, ReadReported, RoomFreed)):
                         ls.send(cmd)
                     self.apply(cmd)
                 if self._inbox.empty():  # every request so far handled: the engine moves one step
@@ -352,7 +352,7 @@ class Engine:
         if self.profile is not None:
             self.profile.handed(decoding=self.scheduler.any_decoding())
 
-    def apply(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
+    def apply(self, cmd: Answer | Cancel | Forget | StatusQuery | ReadReported | RoomFreed) -> None:
         self._handle(cmd)
         self.out.flush()
 
@@ -384,7 +384,7 @@ class Engine:
         self._advance()
         self.out.flush(force=True)
 
-    def _handle(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
+    def _handle(self, cmd: Answer | Cancel | Forget | StatusQuery | ReadReported | RoomFreed) -> None:
         if isinstance(cmd, Answer):
             cmd.out = self.out
             if self.steps is None or self.caches is None:
@@ -410,10 +410,10 @@ class Engine:
                     self.caches.tell(Abandoned(a.read))  # its answer starts without what the read held
                 self.caches.forget(cmd.session_id)
                 self._publish_stats()
-        elif isinstance(cmd, Status):
+        elif isinstance(cmd, StatusQuery):
             if self.caches is not None and not cmd.written:
                 # Counted once disk holds what finished turns wrote, without waiting for it here.
-                again = Status(cmd.reply, written=True)
+                again = StatusQuery(cmd.reply, written=True)
                 self.caches.statistics(written=lambda: self._inbox.put(again))
                 return
             self._publish_stats()
