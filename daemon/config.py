@@ -50,6 +50,10 @@ class Config:
     allowed_hosts: tuple[str, ...] = ()
     # The HTTP API: other model names a request may give the served model ("*": every name)
     model_aliases: tuple[str, ...] = ()
+    # Who may use Ollama's API (/api/...) without the token: "loopback" (a client on this machine that sends
+    # none; pull and delete still need it) or "required" (every request, as on the other doors): guards.py
+    ollama_token: str = "loopback"
+    metrics_public: bool = False  # GET /metrics without the token (a scraper that cannot send one)
     # Generation defaults (a request may override them)
     max_tokens: int = 512
     temperature: float = 0.2  # config.toml says why
@@ -141,6 +145,8 @@ _LAYOUT: dict[str, tuple[str | None, str]] = {
     "allowed_origins": ("server", "allowed_origins"),
     "allowed_hosts": ("server", "allowed_hosts"),
     "model_aliases": ("api", "model_aliases"),
+    "ollama_token": ("api", "ollama_token"),
+    "metrics_public": ("api", "metrics_public"),
     "max_tokens": ("generation", "max_tokens"),
     "temperature": ("generation", "temperature"),
     "top_p": ("generation", "top_p"),
@@ -264,6 +270,8 @@ _CHECKS: dict[str, Check] = {
     "allowed_origins": _strings,
     "allowed_hosts": _strings,
     "model_aliases": _other_names,
+    "ollama_token": _kind(str, '"loopback" or "required"', ok=lambda v: v in ("loopback", "required")),
+    "metrics_public": _kind(bool, "a bool"),
     "prefill_step_size": _integer(0, "must be >= 0 (0: the device's own, 512 on the CPU, 2048 on a GPU)"),
     "prefill_slice": _positive_number,
     "speculate": _kind(str, '"auto" or "off"', ok=lambda v: v in ("auto", "off")),

@@ -86,6 +86,17 @@ class AnswerToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log-probability under the model (the log-softmax of its logits, before temperature), and the
+    `top` most likely tokens at its position with theirs, most likely first (a request's top_logprobs). None
+    for a prompt's first token, which nothing before it predicts."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class AnswerDone:
     """The answer is committed (durably). `finish_reason`: "stop", "length" or "cancelled"; a door that
     offered tools and got calls says so in its own words (OpenAI "tool_calls", Anthropic "tool_use")."""
@@ -95,6 +106,10 @@ class AnswerDone:
     usage: Mapping[str, Any]  # the wire's usage object (docs/protocol.md, chat.done): every figure kvd has
     content: str = ""  # the kept answer's text without its tool calls' text
     calls: tuple[AnswerToolCall, ...] = field(default=())
+    # Asked for (a request's logprobs): each answer token's, in order (the stop token not among them); and the
+    # prompt's, each of its tokens (a text completion's echo).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

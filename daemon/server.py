@@ -44,7 +44,10 @@ from .doors.guards import NO_ROUTE, asked
 from .doors.h11guard import guarded_h11
 from .doors.httpdoor import DOOR, REFUSED, ApiError
 from .doors.loading import LoadingWatch
-from .doors.openai_api import OpenAIDoor
+from .doors.metrics import Live, Metrics, door_of
+from .doors.ollama_api import OllamaDoor, is_ollama
+from .doors.openai_api import OpenAIDoor, error_response
+from .doors.operations import OperationsDoor, is_operations
 from .doors.responses import ResponsesDoor, is_responses
 from .doors.websocket import WebSocketDoor
 from .engine.thread import Engine
@@ -65,13 +68,15 @@ class RefusalLog:
 
     INTERVAL = 1.0  # seconds between two lines of one kind
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None) -> None:
         self._clock = clock
         self._last: dict[tuple[Any, ...], tuple[float, int]] = {}  # kind -> (when last logged, how many since)
+        self.metrics = metrics  # every response's status counted by door (GET /metrics)
 
     def wrap(self, scope: Scope, send: Send) -> Send:
-        """`send`, logging the response's status when it is 400 or more."""
+        """`send`, logging the response's status when it is 400 or more, and counting every one."""
         started = False
+        door = door_of(str(scope.get("path", "")), websocket=scope.get("type") == "websocket")
 
         async def logged(message: MutableMapping[str, Any]) -> None:
             nonlocal started
@@ -79,8 +84,12 @@ class RefusalLog:
                 started = True
                 if int(message.get("status", 200)) >= 400:
                     self.said(scope, int(message["status"]))
+                if self.metrics is not None:
+                    self.metrics.responded(door, int(message.get("status", 200)))
             elif not started and message["type"] == "websocket.accept":
                 started = True
+                if self.metrics is not None:
+                    self.metrics.responded(door, 101)
             await send(message)
 
         logged.__wrapped__ = send  # type: ignore[attr-defined]  # abort_transport cuts the connection behind it
@@ -158,7 +167,11 @@ class Daemon:
         self.api = OpenAIDoor(config, api, token)
         self.messages = AnthropicDoor(config, api, token)
         self.responses = ResponsesDoor(config, api, token)
-        self.refusals = RefusalLog()
+        self.ollama = OllamaDoor(config, api, token)
+        self.metrics = Metrics(self._live)
+        self.turns.watchers.append(self.metrics)
+        self.operations = OperationsDoor(config, self._loading, self.metrics, token, error_response)
+        self.refusals = RefusalLog(metrics=self.metrics)
         self._stopping = anyio.Event()
         self._started = time.monotonic()
         self._sock: socket.socket | None = None
@@ -272,8 +285,15 @@ class Daemon:
         elif scope["type"] == "http":
             scope["kvd.abort"] = lambda: abort_transport(send)
             path = scope["path"]
-            door = self.messages if is_anthropic(path) else self.responses if is_responses(path) else self.api
+            door = (self.messages if is_anthropic(path) else self.responses if is_responses(path)
+                    else self.ollama if is_ollama(path) else self.operations if is_operations(path) else self.api)
             await door.app(scope, receive, self.refusals.wrap(scope, send))
+
+    def _live(self) -> Live:
+        """What /metrics reads when scraped: each engine's published statistics, the loaded models, the API
+        requests admitted but not started."""
+        engines = {e.config.model: e.stats for e in self.engines.engines() if e.ready.is_set()}
+        return Live(engines=engines, loaded=self.engines.loaded(), admitted=self.api.api.admission.pending)
 
     async def status(self) -> dict[str, Any]:
         """What `kvd status` shows: the default model's figures (its tiers, its turns), the connections,

@@ -147,6 +147,10 @@ class TurnSpec:
     # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
     # context leaves instead of the turn being refused (Turns._fit)
     fit: bool = False
+    context: int | None = None  # a context smaller than the model's the answer must fit in (Ollama's num_ctx)
+    raw: bool = False  # a prompt fed as it is (a text completion): its answer's first space is kept
+    logprobs: int | None = None  # each answer token's log-probability and this many alternatives (None: none)
+    prompt_logprobs: bool = False  # the prompt's too (a text completion's echo)
 
 
 @dataclass
@@ -177,6 +181,7 @@ class Turn:
     # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
     # context leaves instead of the turn being refused (Turns._fit)
     fit: bool = False
+    context: int | None = None  # a context smaller than the model's that `fit` lowers max_tokens to (num_ctx)
     max_tokens_asked: int | None = None  # what the request asked for (None: it left it to the defaults)
     max_tokens: int | None = None  # what the answer may be, once fitted (the engine's answer has it)
     context_bound: bool = False  # max_tokens was lowered to the room the model's context leaves

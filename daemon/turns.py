@@ -32,7 +32,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -73,6 +73,14 @@ DISK_FULL_MESSAGE = ("the disk holding kvd's data directory is full, so this was
                      "free some space and send it again (nothing saved before is lost)")
 
 
+class TurnWatcher(Protocol):
+    """Told of every turn's end, whatever its door (the metrics: doors/metrics.py); must not block."""
+
+    def done(self, turn: Turn, usage: Mapping[str, Any], reason: str) -> None: ...
+
+    def failed(self, turn: Turn, code: str) -> None: ...
+
+
 class Turns:
     """Every running turn, by session; starts, streams, commits, cancels.
 
@@ -92,6 +100,7 @@ class Turns:
         self.tg: TaskGroup | None = None  # the daemon's; set while it serves
         self._unstored: dict[str, Callable[[], Write]] = {}  # new sessions' rows, queued with their first turn's
         self._renders: dict[str, Renders] = {}  # stateless requests' last renders, per model (tokenizer stage)
+        self.watchers: list[TurnWatcher] = []  # told of every turn's end
 
     @property
     def engine(self) -> Engine:
@@ -280,7 +289,7 @@ class Turns:
             raise RequestError(p.UNKNOWN_SESSION, f"no session {session_id!r}; list sessions with "
                                "session.list", rid)
         resolved = resolve(spec.sampling.given(), held.params, self.config.sampling(),
-                           max_tokens_limit=self.config.max_tokens_limit)
+                           max_tokens_limit=self.config.max_tokens_limit, knobs=spec.sampling.knobs())
         previous = (held.model, held.fed_model)
         switched = self._serve_with(held, spec.model)
         serving = held.model or self.engines.default
@@ -290,7 +299,7 @@ class Turns:
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(spec.stop) if spec.stop else None, door=spec.door, held=held, tools=spec.tools,
                     model=serving, switched_from=previous if switched else None, fit=spec.fit,
-                    max_tokens_asked=spec.sampling.max_tokens)
+                    max_tokens_asked=spec.sampling.max_tokens, context=spec.context)
         turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
@@ -301,7 +310,8 @@ class Turns:
         end, ended = anyio.create_memory_object_stream[End](math.inf)
         answer = Answer(session_id=session_id, tokens=[], seed=spec.seed, fed_before=fed_before,
                         history=first_new > 1 if spec.history is None else spec.history,
-                        sampling=resolved, emit=_nowhere, grammar=spec.grammar, handed=turn.handed)
+                        sampling=resolved, emit=_nowhere, grammar=spec.grammar, handed=turn.handed, raw=spec.raw,
+                        logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs)
         # Its events, heard on this loop a step at a time (feed.py; the engine's hand-off calls it)
         feed = Feed(asyncio.get_running_loop(), turn, answer, self.transcripts,
                     cancel=partial(self.cancel, session_id, turn), end=end)
@@ -361,7 +371,8 @@ class Turns:
             events(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
-            turn.context_bound = self._fit(answer, engine.max_context)
+            contexts = [c for c in (engine.max_context, turn.context) if c]
+            turn.context_bound = self._fit(answer, min(contexts) if contexts else None)
         turn.max_tokens = answer.max_tokens
         engine.submit(answer)
         if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
@@ -438,6 +449,7 @@ class Turns:
                     await self._committed(turn)
                 except Exception as again:  # the answer keeps what was committed before; recovered at start
                     log.warning("could not mark the answer of %s as cut: %s", sid, again)
+            self._tell(lambda w: w.failed(turn, error.code))
             t.forget(sid)  # memory may hold what the store does not: the next turn reloads it
             if self.active.get(sid) is turn:  # ended before it is said: a retry finds the session idle
                 del self.active[sid]
@@ -449,7 +461,15 @@ class Turns:
             self.engines.used(turn.model)  # its idle time (keep_alive) counts from here
             turn.finished.set()
 
+    def _tell(self, what: Callable[[TurnWatcher], None]) -> None:
+        for watcher in self.watchers:
+            try:
+                what(watcher)
+            except Exception:  # a watcher's fault is never the turn's
+                log.exception("a turn watcher failed")
+
     async def _failed(self, turn: Turn, ev: AnswerError) -> None:
+        self._tell(lambda w: w.failed(turn, ev.code))
         t, held = self.transcripts, turn.held
         assert held is not None
         if turn.unstored:  # refused before the engine took it: a new session, never stored
@@ -505,6 +525,7 @@ class Turns:
                  f" (max_tokens {u['max_tokens_asked']} lowered to {u['max_tokens']}, "
                  f"{'the room the context left' if turn.context_bound else 'limits.max_tokens_limit'})"
                  if "max_tokens_asked" in u else "")
+        self._tell(lambda w: w.done(turn, u, reason))
         content, calls = turn.text, list[dict[str, str]]()
         if turn.tools is not None:  # the calls are parsed once, here: what the doors show is what is kept
             rest, calls = turn.tools.finish()
@@ -521,4 +542,5 @@ class Turns:
         made = tuple(AnswerToolCall(i, c["id"], c["name"], c["arguments"]) for i, c in enumerate(calls))
         for call in made:
             turn.publish(call)
-        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made))
+        turn.publish(AnswerDone(turn.message_index, reason, ev.usage, content, made, logprobs=ev.logprobs,
+                                prompt_logprobs=ev.prompt_logprobs))

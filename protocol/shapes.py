@@ -84,6 +84,13 @@ def _check_stops(stop: str | list[str] | None) -> str | list[str] | None:
     return stop
 
 
+# The knobs a request may add to its sampling (its own only: no session or config default; None: off).
+KNOBS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_window",
+         "logit_bias")
+LOGIT_BIAS = 100.0  # a logit_bias value is within +-this, as OpenAI's
+MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI's
+MAX_PENALTY_WINDOW = 4096  # recent tokens a repetition penalty looks at, at most
+
 # One type per rule. strict: a number is not a string, and true is not 1.
 MaxTokens = Annotated[int, Field(ge=1, strict=True), AfterValidator(_within_max_tokens_limit)]
 Temperature = Annotated[float, Field(ge=TEMPERATURE.low, le=TEMPERATURE.high, allow_inf_nan=False, strict=True)]
@@ -91,6 +98,11 @@ TopP = Annotated[float, Field(gt=TOP_P.low, le=TOP_P.high, allow_inf_nan=False, 
 Seed = Annotated[int, Field(ge=0, le=SEED_MAX, strict=True)]
 Text = Annotated[str, Field(strict=True), AfterValidator(_fits_text)]
 Stop = Annotated[str | list[str] | None, AfterValidator(_check_stops)]
+TopK = Annotated[int, Field(ge=0, strict=True)]  # 0: off
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False, strict=True)]  # 0: off
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False, strict=True)]  # 1: off
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False, strict=True)]  # presence, frequency: 0 off
+PenaltyWindow = Annotated[int, Field(ge=1, le=MAX_PENALTY_WINDOW, strict=True)]
 
 
 class Shape(BaseModel):
@@ -110,6 +122,14 @@ class Sampling(Shape):
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    # The knobs (KNOBS): a request's own, carried through `resolve` as given (engine/processing.py applies them).
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    penalty_window: PenaltyWindow | None = None  # recent tokens the penalties look at (None: mlx-lm's 20)
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, added to its logit), ids checked by the door
 
     @classmethod
     def of(cls, max_tokens: int, temperature: float, top_p: float) -> Sampling:
@@ -118,6 +138,10 @@ class Sampling(Shape):
 
     def given(self) -> dict[str, int | float | None]:
         return {name: getattr(self, name) for name in PARAMS}
+
+    def knobs(self) -> dict[str, Any]:
+        """The knobs the request set (KNOBS, those not None)."""
+        return {name: value for name in KNOBS if (value := getattr(self, name)) is not None}
 
 
 def bounds(field: str, limits: Limits) -> str:
@@ -128,7 +152,7 @@ def bounds(field: str, limits: Limits) -> str:
 
 
 def resolve(request: Mapping[str, Any], session: Mapping[str, Any], defaults: Sampling, *,
-            max_tokens_limit: int) -> Sampling:
+            max_tokens_limit: int, knobs: Mapping[str, Any] | None = None) -> Sampling:
     """Which value wins, for every door: the request's, else the session's params, else the config's
     (`defaults`, every value set); the result has every value set.
 
@@ -142,8 +166,9 @@ def resolve(request: Mapping[str, Any], session: Mapping[str, Any], defaults: Sa
                 return source[name]
         return getattr(defaults, name)
 
-    return Sampling.of(max_tokens=min(int(pick("max_tokens")), max_tokens_limit),
-                       temperature=float(pick("temperature")), top_p=float(pick("top_p")))
+    resolved = Sampling.of(max_tokens=min(int(pick("max_tokens")), max_tokens_limit),
+                           temperature=float(pick("temperature")), top_p=float(pick("top_p")))
+    return resolved.model_copy(update=dict(knobs)) if knobs else resolved
 
 
 def merge(current: Mapping[str, Any], change: Mapping[str, Any]) -> dict[str, Any]:

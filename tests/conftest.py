@@ -55,7 +55,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_table", "test_transcript_writer", "test_tui_render", "test_wire", "test_writeback_plan",
         "test_prune_paths", "test_schemaends", "test_admission", "test_renders", "test_terminal_modes",
         "test_render_templates", "test_logfile", "test_anthropic_shapes", "test_responses_unit", "test_jsondepth",
-        "test_pool", "test_shared_budgets",
+        "test_pool", "test_shared_budgets", "test_ollama_rules", "test_architecture_doc",
     }),
     "integration": frozenset({
         "test_attach", "test_bad_input", "test_concurrency", "test_e2e", "test_engine",
@@ -65,7 +65,8 @@ TIERS: dict[str, frozenset[str]] = {
         "test_session_requests", "test_shared", "test_seeds",
         "test_speculate",
         "test_fed_checksum", "test_tool_turns", "test_prefill", "test_render_exact", "test_empty_answers",
-        "test_models", "test_models_budgets", "test_responses", "test_memory", "test_door_rules",
+        "test_models", "test_models_budgets", "test_responses", "test_memory", "test_door_rules", "test_metrics",
+        "test_completions",
     }),
     "e2e": frozenset({
         "test_answer_stream", "test_attention_model", "test_blas", "test_disk_full", "test_gemma3", "test_gguf_fuzz",
@@ -76,7 +77,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_service_life", "test_start_failures", "test_startup", "test_transcript_crash",
         "test_transcript_integrity", "test_hostile_stores", "test_hostile_schemas", "test_models_e2e",
         "test_responses_restart", "test_model_loads",
-        "test_anthropic", "test_hostile_messages",
+        "test_anthropic", "test_hostile_messages", "test_ollama", "test_hostile_ollama", "test_forced_calls",
     }),
 }  # fmt: skip
 

@@ -120,10 +120,9 @@ REFUSALS: list[tuple[str, Any, str, str]] = [
     ("tool_choice without tools", {**ASK, "tool_choice": {"type": "any"}}, "tool_choice", "no tools"),
     ("tool_choice naming no tool", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"}},
      "tool_choice.name", "not among tools"),
-    ("a forced tool (any)", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}}, "tool_choice",
-     "cannot force"),
-    ("a forced tool (named)", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}},
-     "tool_choice", "cannot force"),
+    ("a forced tool with an output format", {**ASK, "tools": [WEATHER], "tool_choice": {"type": "any"},
+                                               "output_config": {"format": {"type": "json_schema", "schema": {
+                                                   "type": "object"}}}}, "output_config.format", "JSON already"),
     ("not an object", [ASK], "", "JSON object"),
 ]
 

@@ -307,7 +307,8 @@ def test_a_wider_door_is_counted(tmp_path: Path) -> None:
 
 # --- the doors ask the turn core (issue 52) ------------------------------------------------------
 
-HTTP_DOORS = ("openai_api", "anthropic_api", "responses")  # each reads its body through httpdoor.read_request
+# Each reads its body through httpdoor.read_request.
+HTTP_DOORS = ("openai_api", "anthropic_api", "responses", "ollama_api", "completions")
 
 
 def reaches_past_the_turn_core(source: str) -> list[str]:

@@ -295,3 +295,23 @@ async def test_no_max_output_tokens_is_as_much_as_the_context_leaves(tool_model:
     assert long.usage is not None and long.usage.input_tokens + 4_096 > 8_192, long.usage
     assert long.status == short.status == "completed", (long.status, short.status)
     assert long.max_output_tokens is None  # what was asked is shown as asked
+
+
+async def test_top_logprobs_are_the_output_texts(tmp_path: Path) -> None:
+    """top_logprobs: each output token's log-probability and its alternatives, in the output_text, streamed or
+    not, the same as the chat door gives for the same answer."""
+    import openai
+
+    async with running_daemon(tmp_path) as d:
+        api = openai.AsyncOpenAI(base_url=d.url.replace("ws://", "http://"), api_key=d.token, max_retries=0)
+        made = await api.responses.create(model="builtin:tiny", input="Count.", max_output_tokens=6, temperature=0,
+                                          top_logprobs=2)
+        chat = await api.chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "Count."}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+        await api.close()
+    (item,) = [o for o in made.output if o.type == "message"]
+    part = item.content[0]
+    assert part.type == "output_text" and part.logprobs
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content is not None
+    assert [(t.token, len(t.top_logprobs)) for t in part.logprobs] == [
+        (t.token, 2) for t in chat.choices[0].logprobs.content]

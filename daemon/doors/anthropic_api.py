@@ -37,7 +37,7 @@ from .anthropic_answer import MessagesResponse
 from .anthropic_schema import MessagesRequest, conversation, error_body, parse
 from .apiturns import ApiTurns, Ask, guarded
 from .httpdoor import ApiError, RefusalResponse, api_error, read_request
-from .jsonoutput import output_grammar
+from .jsonoutput import call_grammar, output_grammar
 from .placement import Said
 from .titles import title_for
 
@@ -89,7 +89,10 @@ class AnthropicDoor:
                 return Response(status_code=HTTPStatus.BAD_REQUEST)  # nobody is left to read it
             req, ask = read
             with self.api.admission.slot():  # a place in the queue from here until the turn has started
-                ask = replace(ask, grammar=await output_grammar(req.response_format()))  # a worker, within bounds
+                if (forced := req.forced()) is not None and ask.tools:  # one call, held by the grammar path
+                    ask = replace(ask, grammar=await call_grammar(ask.tools, forced[0]), forced=True)
+                else:
+                    ask = replace(ask, grammar=await output_grammar(req.response_format()))  # a worker, in bounds
                 turn, events = await self.api.start(request, ask, headers, rid_prefix="msg_")
         except ApiError as e:
             return error_response(e, headers)

@@ -39,7 +39,7 @@ from ..config import Config
 from .httpdoor import ApiError
 from .openai_schema import JsonSchemaFormat, ResponseFormat, checked_body, fits, validated
 from .placement import Said
-from .rules import OutputLimit, cannot_force, text_only
+from .rules import OutputLimit, text_only
 from .toolturns import stray_result
 
 #: Anthropic's error type for each status kvd answers with.
@@ -200,6 +200,15 @@ class MessagesRequest(_Strict):
     def _fits(cls, system: str | list[TextBlock] | None, info: ValidationInfo) -> str | list[TextBlock] | None:
         return fits(system, info)
 
+    def forced(self) -> tuple[str | None] | None:
+        """A forced call (forcedcall.py): (None,) for any tool ("any"), (name,) for that one ("tool")."""
+        choice = self.tool_choice
+        if choice is not None and choice.type == "any":
+            return (None,)
+        if choice is not None and choice.type == "tool":
+            return (choice.name,)
+        return None
+
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model: none when tool_choice is "none"."""
         if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
@@ -268,10 +277,9 @@ def _check_tools(req: MessagesRequest) -> None:
     if choice is not None and choice.type == "tool" and choice.name not in {t.name for t in req.tools or ()}:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"tool_choice names the tool {choice.name!r}, which is not "
                        "among tools", param="tool_choice.name")
-    if choice is not None and choice.type == "any":
-        raise cannot_force("tool_choice", '"any"')
-    if choice is not None and choice.type == "tool":
-        raise cannot_force("tool_choice", f"the tool {choice.name!r}")
+    if req.forced() is not None and req.response_format() is not None:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice forces a tool call, whose input is JSON already; leave "
+                       "output_config.format out", param="output_config.format")
 
 
 def conversation(req: MessagesRequest) -> list[Said]:

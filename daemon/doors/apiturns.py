@@ -12,8 +12,8 @@ are httpdoor's `ApiError`s, which each door words in its own error shape.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -33,16 +33,17 @@ from sessions import is_valid_session_id
 from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
-from ..prompt import MessagePrompt
-from ..turn import EventStream, Turn, TurnSpec
+from ..prompt import MessagePrompt, Prompt
+from ..turn import CallSplit, EventStream, Turn, TurnSpec
 from ..turns import Turns
 from .admission import Admission
 from .asgi import headers_of
-from .guards import NO_ROUTE, check, public
+from .forcedcall import ForcedCall
+from .guards import NO_ROUTE, check, token_needed
 from .httpdoor import DOOR, ApiError
 from .loading import LoadingWatch
 from .openai_schema import answers_to
-from .placement import Diverged, Said, place
+from .placement import Diverged, Placement, Said, place
 from .rules import OUTPUT_LIMIT_FITS, without_tools
 from .titles import title_for
 from .toolcalls import StreamSplit, ToolFormat
@@ -54,8 +55,10 @@ LOAD_WAIT = 120.0  # seconds a request waits for the model to finish loading bef
 
 def guard_refusal(scope: Scope, config: Config, token: str) -> ApiError | None:
     """Who may ask (guards.py), as the refusal each door words in its own shape (server.py logs it)."""
-    refused = check(headers_of(scope), config, token,
-                    token_needed=not public(str(scope.get("method", "")), str(scope.get("path", ""))))
+    headers = headers_of(scope)
+    client = scope.get("client")
+    refused = check(headers, config, token, token_needed=token_needed(
+        str(scope.get("method", "")), str(scope.get("path", "")), headers, client[0] if client else None, config))
     if refused is None:
         return None
     status = HTTPStatus(refused.status)
@@ -118,6 +121,17 @@ class Ask:
     # prompt_cache_key): its sessions are one row of the list.
     conversation: str | None = None
     title: str | None = None  # a new session's title (None: titles.title_for of the conversation)
+    call_ids: Callable[[int], str] | None = None  # the id of the answer's k-th tool call (None: the model's, or new)
+    prompt: Prompt | None = None  # the prompt's ids made otherwise than by the chat template (rawprompt.py)
+    context: int | None = None  # a context smaller than the model's the answer must fit (Ollama's num_ctx)
+    logprobs: int | None = None  # each answer token's log-probability, and this many alternatives (None: none)
+    prompt_logprobs: bool = False  # the prompt's too (a text completion's echo)
+    knobs: Mapping[str, Any] = field(default_factory=dict)  # the sampling's knobs (protocol/shapes.py KNOBS)
+    forced: bool = False  # the answer is one tool call, held to it by `grammar` (forcedcall.py)
+
+
+def _vocabulary(tokenizer: Any) -> int:
+    return len(tokenizer.get_vocab())
 
 
 class ApiTurns:
@@ -126,6 +140,7 @@ class ApiTurns:
     def __init__(self, config: Config, engine: Engine, turns: Turns, loading: LoadingWatch):
         self.config, self.engine, self.turns, self.loading = config, engine, turns, loading
         self.admission = Admission(config, turns)
+        self._vocabulary: dict[str, int] = {}  # each model's vocabulary size, once asked
 
     async def model(self, name: str | None) -> str:
         """The model a request's `model` names: one kvd can serve (the registry's names, [models] aliases),
@@ -166,29 +181,44 @@ class ApiTurns:
                            "kvd's log has the details, fix the model setting and restart kvd",
                            code="model_not_loaded")
 
+    async def check_ids(self, ids: Sequence[int], engine: Engine, model: str, *, param: str) -> None:
+        """ApiError (400) for a token id outside the model's vocabulary (its size asked once per model)."""
+        if not ids:
+            return
+        if model not in self._vocabulary:
+            self._vocabulary[model] = await engine.tokenize(_vocabulary)
+        if (top := max(ids)) >= self._vocabulary[model] or min(ids) < 0:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"{param} holds token id {top if top >= 0 else min(ids)}, outside "
+                           f"{model}'s vocabulary of {self._vocabulary[model]}", param=param)
+
     @staticmethod
     def tool_format(tools: list[dict[str, Any]] | None, engine: Engine) -> ToolFormat | None:
         """How the model writes a call of `tools` (None: no tools, or a model that calls none)."""
         return ToolFormat.of(engine.tokenizer, tools)
 
-    async def start(self, request: Request, ask: Ask, headers: dict[str, str], *,
-                    rid_prefix: str) -> tuple[Turn, EventStream]:
+    async def start(self, request: Request, ask: Ask, headers: dict[str, str], *, rid_prefix: str,
+                    placed: Callable[[str], Awaitable[Placement]] | None = None) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be); `headers` gets
-        the session's id. The caller holds an admission slot (`self.admission.slot()`)."""
+        the session's id. The caller holds an admission slot (`self.admission.slot()`). `placed(model)`:
+        the door's own placement (a text completion's session: completions.py), not the conversation's."""
         model, engine = await self.ready(ask.model)
+        if bias := ask.knobs.get("logit_bias"):
+            await self.check_ids([token for token, _ in bias], engine, model, param="logit_bias")
         pinned = request.headers.get(SESSION_HEADER)
         if pinned is not None and not is_valid_session_id(pinned):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{SESSION_HEADER} must be a session id "
                            "(16 lowercase hex characters)", param=SESSION_HEADER)
         tool_format = self.tool_format(ask.tools, engine)
         if ask.tools and tool_format is None:
-            without_tools(model, ask.door, len(ask.tools))
+            without_tools(model, ask.door, len(ask.tools))  # a forced call is still made: the grammar holds it
             ask = replace(ask, tools=None)
+        calls: CallSplit | None = (ForcedCall(ask.call_ids) if ask.forced else
+                                   StreamSplit(tool_format, ask.call_ids) if tool_format is not None else None)
         rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
         try:
-            placement = await place(self.turns, ask.system, ask.convo, pinned, rewind=rewind,
-                                    title=ask.title or title_for(ask.convo),
-                                    origin=origins.api(request.headers.get("user-agent"), ask.conversation))
+            placement = await (placed(model) if placed is not None else place(
+                self.turns, ask.system, ask.convo, pinned, rewind=rewind, title=ask.title or title_for(ask.convo),
+                origin=origins.api(request.headers.get("user-agent"), ask.conversation)))
         except Diverged as e:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
@@ -196,10 +226,11 @@ class ApiTurns:
         events = EventStream()
         spec = TurnSpec(
             f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
-            sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p),
-            prompt=MessagePrompt(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
-                                renders=self.turns.renders_for(model)),
+            sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p,
+                                              **ask.knobs),
+            prompt=ask.prompt or MessagePrompt(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
+                                              renders=self.turns.renders_for(model)),
             stop=ask.stop, seed=ask.seed, door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1,
-            grammar=ask.grammar, tools=StreamSplit(tool_format) if tool_format is not None else None, model=model,
-            fit=OUTPUT_LIMIT_FITS)
+            grammar=ask.grammar, tools=calls, model=model, fit=OUTPUT_LIMIT_FITS, context=ask.context,
+            raw=bool(getattr(ask.prompt, "raw", False)), logprobs=ask.logprobs, prompt_logprobs=ask.prompt_logprobs)
         return self.turns.start(events, spec), events

@@ -15,7 +15,15 @@ handshake and the HTTP API cannot drift apart:
   constant time. Only `GET /` and `HEAD /` go without one (`public`): they
   say that kvd runs and nothing more, as llama-server's and Ollama's roots
   do, and clients probe them without a key (Claude Code sends `HEAD /`
-  before each run). The Host and Origin checks still apply to them.
+  before each run); so does `GET /health` (ready or not, nothing else).
+  The Host and Origin checks still apply to them.
+- Ollama's API (`/api/...`): many of its clients cannot send a token, so with
+  [api] ollama_token = "loopback" (the default) a request from a loopback
+  peer address that sends no credentials passes the token check, but for
+  `/api/pull` and `/api/delete` (`token_needed`). The Host and Origin checks
+  are what keep a web page out (a browser always sends the page's Origin on
+  a POST or DELETE, and the rebinding domain as Host), as they do for the
+  websocket; a remote peer (kvd listening beyond loopback) needs the token.
 
 `asked` says in a log line who asked for what (a refusal, a 404), so an
 operator can tell which client is misconfigured; a door that answers 404
@@ -71,8 +79,39 @@ def host_allowed(host_header: str | None, config: Config) -> bool:
 
 
 def public(method: str, path: str) -> bool:
-    """Whether a request may come without the token: the root's probe, which learns only that kvd runs."""
-    return path == "/" and method in ("GET", "HEAD")
+    """Whether a request may come without the token: the root's probe, which learns only that kvd runs, and
+    the health check, which learns only whether it is ready."""
+    return path in ("/", "/health") and method in ("GET", "HEAD")
+
+
+OLLAMA_PREFIX = "/api/"
+# What changes the disk (a model fetched, a model's files removed) always needs the token.
+OLLAMA_WRITES = frozenset({"/api/pull", "/api/delete"})
+
+
+def peer_is_loopback(peer: str | None) -> bool:
+    """Whether the connection comes from this machine (its address, not its Host header, which a client writes)."""
+    try:
+        address = ipaddress.ip_address(peer or "")
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool((mapped or address).is_loopback)
+
+
+def token_needed(method: str, path: str, headers: Mapping[str, str], peer: str | None, config: Config) -> bool:
+    """Whether this request must carry the token (the Host and Origin checks apply to every request).
+
+    Without it: the root and /health (`public`); /metrics when [api] metrics_public says so; and, with [api]
+    ollama_token = "loopback", Ollama's API from a loopback peer that sends no credentials at all (Ollama's
+    clients often cannot), but for pull and delete. A request that sends a token must send the right one.
+    """
+    if public(method, path) or (path == "/metrics" and config.metrics_public):
+        return False
+    if (config.ollama_token == "loopback" and path.startswith(OLLAMA_PREFIX) and path not in OLLAMA_WRITES
+            and "authorization" not in headers and "x-api-key" not in headers):
+        return not peer_is_loopback(peer)
+    return True
 
 
 def check(headers: dict[str, str], config: Config, token: str, *, token_needed: bool = True) -> GuardRefusal | None:

@@ -34,14 +34,18 @@ from typing import Any
 import anyio
 
 from .httpdoor import ApiError
-from .openai_schema import ResponseFormat
+from .openai_schema import JsonSchemaFormat, ResponseFormat
 from .schemaends import has_finite_value
 
-__all__ = ["COMPILERS", "DEADLINE", "DRY_STEPS", "MAX_SCHEMA_BYTES", "compile_grammar", "output_grammar"]
+__all__ = ["COMPILERS", "DEADLINE", "DRY_STEPS", "MAX_SCHEMA_BYTES", "call_grammar", "compile_grammar",
+           "output_grammar"]
 
 # Whitespace as models write JSON (a newline and an indent between items), but at most 16 characters
 # in a row: a model may not pad an answer with blanks until max_tokens runs out.
 STYLE = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
+#: A forced tool call's: one way to write it, `{"name": "f", "arguments": {...}}` (the model spends no token on
+#: layout, and an answer read as a call has nothing but the call in it).
+COMPACT = {"whitespace_flexible": False}
 
 #: Largest schema accepted, as compact JSON. OpenAI's own structured outputs stop at 5,000 properties
 #: and 120,000 characters of names; past ~500 optional properties llguidance's parser cannot hold the
@@ -63,7 +67,7 @@ class _Unfollowable(Exception):
     """The schema compiled but cannot hold an answer; the message says why."""
 
 
-async def output_grammar(fmt: ResponseFormat | None) -> str | None:
+async def output_grammar(fmt: ResponseFormat | None, *, compact: bool = False) -> str | None:
     """llguidance's grammar for the format; None for plain text. An ApiError when it cannot be followed."""
     if fmt is None or fmt.type == "text":
         return None
@@ -83,7 +87,7 @@ async def output_grammar(fmt: ResponseFormat | None) -> str | None:
                        "bytes as JSON); send a smaller one", param=param)
     with anyio.move_on_after(DEADLINE) as scope:
         try:
-            return await anyio.to_thread.run_sync(compile_grammar, schema, strict, DEADLINE,
+            return await anyio.to_thread.run_sync(compile_grammar, schema, strict, DEADLINE, compact,
                                                   abandon_on_cancel=True)
         except ValueError as e:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"the schema cannot be read: {_first(str(e))}",
@@ -93,6 +97,22 @@ async def output_grammar(fmt: ResponseFormat | None) -> str | None:
     assert scope.cancel_called
     raise ApiError(HTTPStatus.BAD_REQUEST, f"the schema did not compile within {DEADLINE:g} s; send a simpler "
                    "one", param=param)
+
+
+async def call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
+    """The grammar of one call of `tools` (of the function `name`): a forced tool call (forcedcall.py); an
+    ApiError naming `tools` when their schemas cannot be followed."""
+    from .forcedcall import call_schema
+
+    fmt = ResponseFormat.model_construct(type="json_schema", json_schema=JsonSchemaFormat.model_construct(
+        name="call", schema_=call_schema(tools, name), strict=False))
+    try:
+        grammar = await output_grammar(fmt, compact=True)
+    except ApiError as e:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"tools: a call of them cannot be forced: {e.message}",
+                       param="tools") from None
+    assert grammar is not None
+    return grammar
 
 
 def _size(schema: Any, limit: int = MAX_SCHEMA_BYTES) -> int:
@@ -123,7 +143,7 @@ def _first(text: str) -> str:
     return (lines[0] if lines else text)[:300]
 
 
-def compile_grammar(schema: dict[str, Any] | bool, strict: bool, wait: float = DEADLINE) -> str:
+def compile_grammar(schema: dict[str, Any] | bool, strict: bool, wait: float = DEADLINE, compact: bool = False) -> str:
     """The grammar for `schema`, dry-run (worker thread). ValueError: unreadable; _Unfollowable: see module."""
     from llguidance import LLMatcher
 
@@ -132,7 +152,7 @@ def compile_grammar(schema: dict[str, Any] | bool, strict: bool, wait: float = D
     try:
         if not has_finite_value(schema):
             raise _Unfollowable(_NO_END)
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=STYLE,  # type: ignore[arg-type]
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT if compact else STYLE,  # type: ignore[arg-type]
                                                      overrides={"lenient": not strict})
         _dry_run(grammar)
         return grammar

@@ -17,7 +17,7 @@ from typing import Any
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..config import Config
-from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TurnEvent, cache_figures
+from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TokenLogprob, TurnEvent, cache_figures
 from ..turn import Turn
 from ..turns import Turns
 from .answering import TurnResponse
@@ -63,6 +63,13 @@ class ChatResponse(TurnResponse):
         e = api_error(event.code, event.message, model=self.config.model)
         await self.refuse(send, e, e.body())
 
+    async def _logprobs(self, done: AnswerDone) -> dict[str, Any] | None:
+        """OpenAI's choice logprobs ({"content": [...]}: each answer token, its log-probability, its bytes, its
+        top alternatives), where the request asked (logprobs: true)."""
+        if done.logprobs is None or self.turn.engine is None:
+            return None
+        return {"content": await token_logprobs(self.turn.engine, done.logprobs, len(done.content))}
+
     def _called(self, event: AnswerDone) -> str:
         """The finish_reason of an answer (one that called tools the turn core kept as its content and calls)."""
         reason = finish_reason_of(event.finish_reason)
@@ -80,7 +87,7 @@ class ChatResponse(TurnResponse):
                 await self.send_body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
                     "model": self.turn.model or self.config.model,
-                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                    "choices": [{"index": 0, "message": message, "logprobs": await self._logprobs(event),
                                  "finish_reason": self._called(event)}],
                     "usage": self._usage(event), "kvd": self._kvd(event)})
                 return
@@ -88,11 +95,12 @@ class ChatResponse(TurnResponse):
                 await self._error(send, event)
                 return
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.turn.request_id, "object": "chat.completion.chunk", "created": self.created,
             "model": self.turn.model or self.config.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if self._usage_wanted():
             chunk["usage"] = None
         return chunk
@@ -122,7 +130,8 @@ class ChatResponse(TurnResponse):
                 await begin()
                 if event.calls:
                     await sse(self._chunk({"tool_calls": openai_calls(_stored(event.calls), streaming=True)}))
-                await sse(self._chunk({}, self._called(event)))
+                # Streamed, the log-probabilities come whole with the last chunk (their tokens, not the deltas).
+                await sse(self._chunk({}, self._called(event), await self._logprobs(event)))
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.turn.model or self.config.model, "choices": [],
@@ -141,3 +150,26 @@ class ChatResponse(TurnResponse):
 
 def _stored(calls: Sequence[AnswerToolCall]) -> list[dict[str, str]]:
     return [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+
+
+def _texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token's own text (tokenizer stage)."""
+    return [tokenizer.decode([i]) for i in ids]
+
+
+async def token_logprobs(engine: Any, records: Sequence[TokenLogprob], limit: int) -> list[dict[str, Any]]:
+    """The answer's tokens as OpenAI's logprobs.content: text, log-probability, UTF-8 bytes, top alternatives;
+    the tokens that begin past `limit` characters (a stop sequence cut the text there) left out."""
+    ids = sorted({r.token for r in records} | {i for r in records for i, _ in r.top})
+    texts = dict(zip(ids, await engine.tokenize(_texts, ids)))
+    out: list[dict[str, Any]] = []
+    offset = 0
+    for r in records:
+        if offset >= limit and out:
+            break
+        text = texts[r.token]
+        out.append({"token": text, "logprob": r.logprob, "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": texts[i], "logprob": v, "bytes": list(texts[i].encode())}
+                                     for i, v in r.top]})
+        offset += len(text)
+    return out

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP door: `POST /v1/chat/completions`, `GET /v1/models`, and `GET /` (kvd runs:
+"""The OpenAI-compatible HTTP door: `POST /v1/chat/completions`, `POST /v1/completions` (completions.py),
+`GET /v1/models`, and `GET /` (kvd runs:
 the one request that needs no token, guards.py) (docs/openai.md).
 
 A thin layer over the turn core, like the websocket door: it checks who is
@@ -29,8 +30,9 @@ from ..config import Config
 from ..prompt import MessagePrompt
 from ..turn import EventStream, Turn
 from .apiturns import ApiTurns, Ask, guarded
+from .completions import CompletionsDoor
 from .httpdoor import ApiError, RefusalResponse, api_error, read_request
-from .jsonoutput import output_grammar
+from .jsonoutput import call_grammar, output_grammar
 from .openai_answer import ChatResponse
 from .openai_schema import OpenAIChatRequest, instructions, parse, stops
 from .placement import Said, links
@@ -69,14 +71,17 @@ class OpenAIDoor:
         self.turns = api.turns
         self.api = api  # shared with the Anthropic door: one admission queue for both
         self._created = int(time.time())
+        self.completions = CompletionsDoor(config, api)
         routes: list[BaseRoute] = [
             Route("/", self.root, methods=["GET"]),  # and HEAD; no token needed (guards.public)
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            self.completions.route,
             Route("/v1/kvd/sessions/{session_id}", self.transcript, methods=["GET"])]
         self.app = guarded(routes, config, token, error_response,
-                           "/v1/chat/completions, /v1/responses, /v1/messages and /v1/models", door="chat")
+                           "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages and /v1/models",
+                           door="chat")
 
     # --- GET / ---
 
@@ -160,10 +165,16 @@ class OpenAIDoor:
     async def _start(self, request: Request, req: OpenAIChatRequest, system: str | None, convo: list[Said],
                      headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
-        grammar = await output_grammar(req.response_format)  # on a worker, within bounds
-        ask = Ask(system, convo, req.offered_tools(), max_tokens=req.max_completion_tokens or req.max_tokens,
+        tools, forced = req.offered_tools(), req.forced()
+        grammar: str | None
+        if forced is not None and tools:
+            grammar = await call_grammar(tools, forced[0])
+        else:
+            grammar = await output_grammar(req.response_format)  # on a worker, within bounds
+        ask = Ask(system, convo, tools, max_tokens=req.max_completion_tokens or req.max_tokens,
                   temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar,
-                  model=req.model, door="chat", conversation=req.prompt_cache_key)
+                  model=req.model, door="chat", conversation=req.prompt_cache_key, knobs=req.knobs(),
+                  logprobs=(req.top_logprobs or 0) if req.logprobs else None, forced=forced is not None)
         return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
 
     async def seed(self, count: int = SEEDED) -> int:

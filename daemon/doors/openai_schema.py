@@ -5,16 +5,17 @@ for the websocket protocol (requests.py). A turn's parameters (max_tokens,
 temperature, top_p, stop, seed, a message's text) are the shared shapes of
 protocol/shapes.py, checked against config's limits; this module words their
 errors as OpenAI's 400s, `param` naming the field. Fields the API defines but kvd
-does not implement are refused when they ask for something (n > 1,
-logprobs, a forced tool call) and ignored when they are left at their defaults; unknown
-fields are ignored, as OpenAI's clients add new ones often.
+does not implement are refused when they ask for something (n > 1) and
+ignored when they are left at their defaults; unknown fields are ignored, as OpenAI's clients
+add new ones often. The sampling knobs (`Knobs`: top_k, min_p, the penalties, logit_bias) and
+logprobs are the engine's (engine/processing.py, engine/logprobs.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
@@ -23,13 +24,19 @@ from common.limits import MAX_MESSAGES, MAX_TOOLS
 from protocol.shapes import (
     ABOVE_LIMIT,
     BAD_KEY,
+    LOGIT_BIAS,
+    MAX_LOGIT_BIAS,
     STOP_TOO_LONG,
     TEXT_TOO_LONG,
     TOO_MANY_STOPS,
     Limits,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
     Seed,
     Stop,
     Temperature,
+    TopK,
     TopP,
     fits_text,
     lone_surrogate,
@@ -38,8 +45,9 @@ from protocol.shapes import stops as stop_list
 
 from ..config import Config
 from .httpdoor import ApiError
-from .rules import OutputLimit, cannot_force, text_only
+from .rules import OutputLimit, text_only
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's own limit)
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in error paths
 
 
@@ -146,7 +154,34 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class OpenAIChatRequest(_Strict):
+class Knobs(_Strict):
+    """The sampling knobs beyond temperature and top_p a request may set (vLLM's and mlx_lm.server's names,
+    OpenAI's penalties and logit_bias): carried to the engine as the turn's Sampling (protocol/shapes.py)."""
+
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS, le=LOGIT_BIAS, allow_inf_nan=False)]] | None = \
+        Field(default=None, max_length=MAX_LOGIT_BIAS)
+
+    def knobs(self) -> dict[str, Any]:
+        """The knobs set, as Sampling takes them (logit_bias as (token id, bias) pairs)."""
+        out: dict[str, Any] = {k: v for k in ("top_k", "min_p", "repetition_penalty", "presence_penalty",
+                                               "frequency_penalty") if (v := getattr(self, k)) not in (None, 0)}
+        if self.logit_bias:
+            pairs = []
+            for key, bias in self.logit_bias.items():
+                if not key.isdigit() or len(key) > 9:
+                    raise ApiError(HTTPStatus.BAD_REQUEST, f"logit_bias: {key[:20]!r} is not a token id (a string of "
+                                   "digits)", param="logit_bias")
+                pairs.append((int(key), float(bias)))
+            out["logit_bias"] = tuple(pairs)
+        return out
+
+
+class OpenAIChatRequest(Knobs):
     model: str | None = None  # a model `kvd models` lists, an alias, or none (the default): the registry resolves it
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: OutputLimit | None = None  # a ceiling: lowered to what fits (rules.py)
@@ -159,11 +194,20 @@ class OpenAIChatRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[OpenAITool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: the model calls as many as it writes
     response_format: ResponseFormat | None = None
     prompt_cache_key: str | None = None  # the client's name for its conversation: its sessions are one row
+
+    def forced(self) -> tuple[str | None] | None:
+        """A forced call: (None,) for any of the tools ("required"), (name,) for that function; None if not."""
+        if self.tool_choice == "required":
+            return (None,)
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return (self.tool_choice.function.name,)
+        return None
 
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model: none when tool_choice is "none"."""
@@ -242,15 +286,19 @@ def _check_asks(req: OpenAIChatRequest, config: Config) -> None:
     if req.n not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd generates one choice per request; send n = 1 "
                        "(or leave it out) and make several requests for several answers", param="n")
-    if req.logprobs:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "kvd does not return logprobs; leave logprobs out", param="logprobs")
-    if isinstance(req.tool_choice, NamedToolChoice):
-        raise cannot_force("tool_choice", f"the function {req.tool_choice.function.name!r}")
-    if req.tool_choice == "required":
-        raise cannot_force("tool_choice", '"required"')
-    if req.tool_choice == "auto" and not req.tools:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice is \"auto\" but there are no tools; send tools "
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs: true", param="top_logprobs")
+    req.knobs()  # logit_bias's keys are token ids
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice asks for a tool but there are no tools; send tools "
                        "or leave tool_choice out", param="tool_choice")
+    if isinstance(req.tool_choice, NamedToolChoice) and req.tools and req.tool_choice.function.name not in {
+            t.function.name for t in req.tools}:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"tool_choice names {req.tool_choice.function.name[:64]!r}, which is "
+                       "not among tools", param="tool_choice.function.name")
+    if req.forced() is not None and req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice forces a tool call, whose arguments are JSON already; "
+                       "leave response_format out", param="response_format")
 
 
 def _check_messages(req: OpenAIChatRequest) -> None:

@@ -50,7 +50,8 @@ from ..turn import Turn
 from .answering import TurnResponse
 from .apiturns import ApiTurns, Ask, guarded
 from .httpdoor import ApiError, api_error, read_request
-from .jsonoutput import output_grammar
+from .jsonoutput import call_grammar, output_grammar
+from .openai_answer import token_logprobs
 from .openai_api import error_response
 from .openai_schema import ResponseFormat
 from .placement import INLINE_MESSAGES, Said
@@ -171,10 +172,12 @@ class ResponsesDoor:
         system, convo = await self._conversation(req)
         # No max_output_tokens: as OpenAI's, up to what the model may write (limits.max_tokens_limit, within the
         # context), not the chat default: Codex names none, and reports an answer cut at 512 as an error.
-        ask = Ask(system, convo, [t.for_template() for t in req.functions()] or None,
-                  max_tokens=req.max_output_tokens or self.config.max_tokens_limit,
-                  temperature=req.temperature, top_p=req.top_p, grammar=await _grammar(read.fmt),
-                  model=req.model, door="responses", conversation=req.prompt_cache_key)
+        tools, forced = [t.for_template() for t in req.functions()] or None, req.forced()
+        grammar = await call_grammar(tools, forced[0]) if forced is not None and tools else await _grammar(read.fmt)
+        ask = Ask(system, convo, tools, max_tokens=req.max_output_tokens or self.config.max_tokens_limit,
+                  temperature=req.temperature, top_p=req.top_p, grammar=grammar,
+                  model=req.model, door="responses", conversation=req.prompt_cache_key, forced=forced is not None,
+                  logprobs=req.top_logprobs)
         turn, events = await self.api.start(request, ask, headers, rid_prefix=RESPONSE_PREFIX)
         rid = str(turn.request_id)
         request_shape = read.asked
@@ -334,6 +337,8 @@ class ResponsesResponse(TurnResponse):
 
     async def _write(self, send: Sender, event: TurnEvent) -> bool:
         """Encode one event; True once the response is whole."""
+        if isinstance(event, AnswerDone) and event.logprobs is not None and self.turn.engine is not None:
+            self.encoder.logprobs = await token_logprobs(self.turn.engine, event.logprobs, len(event.content))
         out = self.encoder.encode(event)
         last = isinstance(event, (AnswerDone, AnswerError))
         if not self.stream:

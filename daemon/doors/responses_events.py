@@ -49,9 +49,9 @@ def item_ids(response_id: str) -> tuple[str, str]:
     return f"msg_{tail}", f"fc_{tail}_"
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str, logprobs: Sequence[Any] = ()) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}]}
 
 
 def call_item(item_id: str, call: Mapping[str, str], status: str) -> dict[str, Any]:
@@ -60,11 +60,11 @@ def call_item(item_id: str, call: Mapping[str, str], status: str) -> dict[str, A
 
 
 def output_of(response_id: str, content: str, calls: Sequence[Mapping[str, str]], *,
-              status: str = "completed", message: bool = False) -> list[dict[str, Any]]:
+              status: str = "completed", message: bool = False, logprobs: Sequence[Any] = ()) -> list[dict[str, Any]]:
     """A finished answer's output items: its text (left out when it only called, unless `message`: the
-    stream showed one), then its calls."""
+    stream showed one), then its calls. `logprobs`: its tokens' (top_logprobs asked for them)."""
     message_id, call_prefix = item_ids(response_id)
-    out = [message_item(message_id, content, status)] if content or message or not calls else []
+    out = [message_item(message_id, content, status, logprobs)] if content or message or not calls else []
     return out + [call_item(f"{call_prefix}{i}", c, status) for i, c in enumerate(calls)]
 
 
@@ -117,6 +117,7 @@ class Encoder:
         self.text = ""  # the deltas so far
         self.message_open = False
         self.message_id, self.call_prefix = item_ids(shape.id)
+        self.logprobs: list[dict[str, Any]] = []  # the answer's tokens', set before its end is encoded
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -168,10 +169,10 @@ class Encoder:
         text = done.content if calls else self.text
         out: list[dict[str, Any]] = []
         if self.message_open or text or not calls:
-            item = message_item(self.message_id, text, item_status)
+            item = message_item(self.message_id, text, item_status, self.logprobs)
             out += self._open_message()
             out += [self._event("response.output_text.done", item_id=self.message_id, output_index=0,
-                                content_index=0, text=text, logprobs=[]),
+                                content_index=0, text=text, logprobs=self.logprobs),
                     self._event("response.content_part.done", item_id=self.message_id, output_index=0,
                                 content_index=0, part=item["content"][0]),
                     self._event("response.output_item.done", output_index=0, item=item)]
@@ -187,7 +188,7 @@ class Encoder:
                                 name=call["name"], arguments=call["arguments"]),
                     self._event("response.output_item.done", output_index=index,
                                 item=call_item(item_id, call, "completed"))]
-        final = output_of(self.shape.id, text, calls, status=item_status, message=showed)
+        final = output_of(self.shape.id, text, calls, status=item_status, message=showed, logprobs=self.logprobs)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         out.append(self._lifecycle(kind, status, output=final, usage=done.usage, incomplete=incomplete))
         return out

@@ -35,7 +35,7 @@ from ..config import Config
 from .httpdoor import ApiError
 from .openai_schema import JsonSchemaFormat, ResponseFormat, _Strict, checked_body, validated
 from .placement import Said
-from .rules import OutputLimit, cannot_force, text_only
+from .rules import OutputLimit, text_only
 
 METADATA_KEYS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
 METADATA_KEY_CHARS = 64
@@ -136,9 +136,17 @@ class ResponsesRequest(_Strict):
     stream: bool = False
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # each output token's, with this many alternatives
     conversation: str | dict[str, Any] | None = None
     prompt_cache_key: str | None = None  # the client's name for its conversation (Codex's): its sessions are one row
+
+    def forced(self) -> tuple[str | None] | None:
+        """A forced call: (None,) for any function ("required"), (name,) for that one; None if not."""
+        if self.tool_choice == "required":
+            return (None,)
+        if isinstance(self.tool_choice, NamedTool):
+            return (self.tool_choice.name,)
+        return None
 
     def functions(self) -> list[ToolSpec]:
         """The function tools the chat template shows the model: none when tool_choice is "none"."""
@@ -186,16 +194,21 @@ def _check_asks(req: ResponsesRequest, config: Config) -> None:
         raise _bad("kvd never drops part of a conversation to make it fit; send truncation \"disabled\" (or leave "
                    "it out): a conversation past the model's context is refused with an error that says so",
                    "truncation")
-    if req.top_logprobs:
-        raise _bad("kvd does not return logprobs; leave top_logprobs out", "top_logprobs")
     if req.conversation is not None:
         raise _bad("kvd does not serve the Conversations API; continue a conversation with previous_response_id",
                    "conversation")
-    if isinstance(req.tool_choice, NamedTool):
-        raise cannot_force("tool_choice", f"the {req.tool_choice.type} {req.tool_choice.name!r}"
-                           if req.tool_choice.name else f"{req.tool_choice.type!r}")
-    if req.tool_choice == "required":
-        raise cannot_force("tool_choice", '"required"')
+    if req.forced() is not None:
+        names = {t.name for t in req.functions()}
+        if not names:
+            raise _bad("tool_choice forces a tool call but there are no function tools; send tools or leave "
+                       "tool_choice out", "tool_choice")
+        if isinstance(req.tool_choice, NamedTool) and (req.tool_choice.type != "function"
+                                                       or req.tool_choice.name not in names):
+            raise _bad(f"tool_choice names {str(req.tool_choice.name)[:64]!r}, which is not among the function "
+                       "tools", "tool_choice.name")
+        if req.text is not None and req.text.format is not None and req.text.format.type != "text":
+            raise _bad("tool_choice forces a tool call, whose arguments are JSON already; leave text.format out",
+                       "text.format")
     for i, tool in enumerate(req.tools or ()):
         if tool.type == "function" and tool.name is None:
             raise _bad(f"tools[{i}] is a function without a name; send its name", f"tools[{i}].name")

@@ -18,8 +18,10 @@ tests/test_door_rules.py runs its rows against every door:
 - **Ignored**: fields kvd does not know (every door's schema ignores them, as
   the vendors' clients add new ones often).
 - **Refused**, in the same words at every door (a 400 naming the field): what
-  is not text (images, audio, files, documents: kvd serves text models), and
-  a forced tool call (kvd cannot make the model call a tool: it decides).
+  is not text (images, audio, files, documents: kvd serves text models).
+- **Forced**: a tool call a request forces (OpenAI's "required" or a named
+  function, Anthropic's "any" or "tool") is made: the answer is held by the
+  grammar path to one call of the tools (forcedcall.py), on any model.
 """
 
 from __future__ import annotations
@@ -73,10 +75,3 @@ def _text_part(part: object, where: str) -> None:
     if isinstance(kind, str) and kind in NOT_TEXT:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} is {kind!r} content; kvd serves text models and reads "
                        "text only: send it as text, or leave it out", param=where, code="unsupported_content")
-
-
-def cannot_force(param: str, asked: str) -> ApiError:
-    """A tool choice that forces a call (OpenAI's "required" or a named function, Anthropic's "any" or "tool")."""
-    return ApiError(HTTPStatus.BAD_REQUEST, f"{param} is {asked}, which forces a tool call; kvd cannot force one "
-                    "(the model decides whether to call a tool): send \"auto\" (or \"none\", or leave it out)",
-                    param=param, code="unsupported_tool_choice")

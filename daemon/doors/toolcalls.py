@@ -98,6 +98,9 @@ class StreamSplit:
     """
 
     fmt: ToolFormat
+    # The id of the answer's k-th call, where the door gives them (Ollama's clients send no id back:
+    # ollama_schema.call_id); None: the model's own, else a new one.
+    ids: Callable[[int], str] | None = None
     content: str = ""  # set by `finish`
     _held: str = ""
     _in_call: bool = False
@@ -119,6 +122,8 @@ class StreamSplit:
     def finish(self) -> tuple[str, list[dict[str, str]]]:
         """What is left to stream as content once the answer ended, and the calls (parsed here, once)."""
         rest, calls = _parts(self.fmt, self._held)
+        if self.ids is not None:
+            calls = [{**call, "id": self.ids(k)} for k, call in enumerate(calls)]
         whole = "".join(self._sent) + rest
         self.content = whole.strip() if calls else whole
         return (rest.strip() if calls else rest), calls

@@ -44,10 +44,12 @@ import mlx.core as mx
 
 from . import speculate
 from .draws import Draws
+from .logprobs import Picked, pick
 from .verify import verify
 
 if TYPE_CHECKING:
     from .grammar import Constraint
+    from .processing import Processing
     from .profile import StepProfile
     from .speculate import Speculation
 
@@ -70,6 +72,11 @@ class Row:
     # and its first answer token, fed then. Both None once it is in.
     cache: list[Any] | None = None
     first: int | None = None
+    # Log-probabilities asked for: this many alternatives per token (None: none), and those of its pending
+    # token, read when that token is reported (logprobs.py).
+    logprobs: int | None = None
+    picked: Picked | None = None
+    processing: Processing | None = None  # its logits processors (its sampling's knobs): processing.py
 
     @property
     def entering(self) -> bool:
@@ -85,6 +92,7 @@ class Out:
     finish: str | None = None
     cache: list[Any] | None = None
     tokens: list[int] | None = None
+    picked: Picked | None = None  # its log-probabilities, where its row asked for them
 
 
 class Decoder:
@@ -116,13 +124,17 @@ class Decoder:
         alone = not self.rows
         cache = as_batchable(cache) if alone else [c.merge([c]) for c in as_batchable(cache)]
         logits = self.model(mx.array([[first]]), cache=cache)[:, -1, :]
+        if row.processing is not None:
+            logits = row.processing.apply([*row.tokens, first], logits)
         if row.constraint is not None:
             row.constraint.take(first)
             logits = row.constraint.mask(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nxt = row.draws.take(logprobs)
+        if row.logprobs is not None:
+            row.picked = pick(logprobs, nxt, row.logprobs)
         self._lap("graph")
-        mx.async_eval(nxt)
+        mx.async_eval(nxt, *(row.picked.arrays() if row.picked is not None else ()))
         self._lap("launch")
         row.tokens.append(first)
         if alone:
@@ -183,19 +195,22 @@ class Decoder:
     def _plain(self) -> list[Out]:
         assert self.pending is not None
         inputs = self.pending
+        picked = [r.picked for r in self.rows]  # the pending tokens' log-probabilities, where asked for
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
-        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
+        shaped = [i for i, r in enumerate(self.rows) if r.constraint is not None or r.processing is not None]
         fed: list[int] | None = None
-        if constrained:
+        if shaped:  # rows whose logits their processors and grammar change, each on its own
             self._lap("graph")
             fed = _ints(inputs)
             self._lap("device")
             parts = [logits[i:i + 1] for i in range(len(self.rows))]
-            for i in constrained:
-                c = self.rows[i].constraint
-                assert c is not None
-                c.take(fed[i])
-                parts[i] = c.mask(parts[i])
+            for i in shaped:
+                r = self.rows[i]
+                if r.processing is not None:
+                    parts[i] = r.processing.apply([*r.tokens, fed[i]], parts[i])
+                if (c := r.constraint) is not None:
+                    c.take(fed[i])
+                    parts[i] = c.mask(parts[i])
             logits = mx.concatenate(parts, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.draws.greedy for r in self.rows):
@@ -205,13 +220,16 @@ class Decoder:
         else:
             nxt = mx.concatenate([r.draws.take(logprobs[i:i + 1]) for i, r in enumerate(self.rows)])
         self.pending = nxt
+        for i, r in enumerate(self.rows):
+            if r.logprobs is not None:
+                r.picked = pick(logprobs[i:i + 1], nxt[i:i + 1], r.logprobs)
         self._lap("graph")
-        mx.async_eval(nxt)
+        mx.async_eval(nxt, *(a for r in self.rows if r.picked is not None for a in r.picked.arrays()))
         self._lap("launch")
         if fed is None:
             fed = _ints(inputs)
         self._lap("device")
-        out = self._report([[t] for t in fed])
+        out = self._report([[t] for t in fed], picked)
         self._lap("books")
         return out
 
@@ -228,7 +246,7 @@ class Decoder:
         (its matcher must see every token once, in order).
         """
         rows = self.rows
-        if any(r.constraint is not None for r in rows):
+        if any(r.constraint is not None or r.logprobs is not None or r.processing is not None for r in rows):
             return None
         if not (speculate.supported(self.cache) or speculate.speculable(self.cache) and not self.batched):
             return None
@@ -288,19 +306,20 @@ class Decoder:
         if self.prof is not None:
             self.prof.lap(section)
 
-    def _report(self, fed: Sequence[Sequence[int]]) -> list[Out]:
-        """Record what each row was fed (already cut at its end), finish the rows that ended."""
+    def _report(self, fed: Sequence[Sequence[int]], picked: Sequence[Picked | None] | None = None) -> list[Out]:
+        """Record what each row was fed (already cut at its end), finish the rows that ended. `picked`: the
+        log-probabilities of each row's one fed token (a plain step), where asked for."""
         out: list[Out] = []
         keep: list[int] = []
         for i, (r, toks) in enumerate(zip(self.rows, fed)):
             r.tokens.extend(toks)
             finish = _finish(r, toks)
-            out.extend(Out(r.key, t) for t in toks)
+            out.extend(Out(r.key, t, picked=picked[i] if picked is not None else None) for t in toks)
             if finish is None:
                 keep.append(i)
             else:
                 last = out[-1]
-                out[-1] = Out(last.key, last.token, finish, self._own(i), r.tokens)
+                out[-1] = Out(last.key, last.token, finish, self._own(i), r.tokens, last.picked)
         if len(keep) < len(self.rows):
             self._keep(keep)
         return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from common.limits import top_p_filters
 
@@ -28,16 +28,20 @@ SEED_RANGE = 2**31 - 1  # an unseeded turn's seed is drawn below this
 
 
 class Draws:
-    """One turn's token choice: `temperature` 0 is greedy; else sampled, `top_p` < 1 cutting the tail.
+    """One turn's token choice: `temperature` 0 is greedy; else sampled, `top_p` < 1, `min_p` and `top_k`
+    cutting the tail (mlx-lm's filters, in its make_sampler's order).
 
     `size`: how many answer positions may be drawn (max_tokens, plus room for a
     draft's last position).
     """
 
-    def __init__(self, temperature: float, top_p: float, *, seed: int | None, size: int):
+    def __init__(self, temperature: float, top_p: float, *, seed: int | None, size: int, top_k: int = 0,
+                 min_p: float = 0.0):
         self.temperature = temperature
         self.cuts = top_p_filters(top_p)  # (1, the top of top_p's range, means off: common/limits.py)
         self.top_p = top_p if self.cuts else 1.0
+        self.top_k = top_k  # 0: off (a request's knob, as mlx-lm's make_sampler: after top_p and min_p)
+        self.min_p = min_p  # 0: off
         self.size = max(1, size)
         self.drawn = 0  # answer positions drawn so far: the next draw uses key `drawn`
         self._seed = seed
@@ -54,9 +58,14 @@ class Draws:
         sum to one, and mlx-lm's `apply_top_p` before 0.32.2 assumed they did (its main branch at
         d78bf58 still does), cutting every allowed token when the allowed mass was under 1 - top_p.
         """
-        if self.cuts:
+        if self.cuts or self.min_p or self.top_k:
             logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        if self.cuts:
             logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if 0 < self.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.top_k)
         return logprobs * (1.0 / self.temperature)
 
     def keys(self) -> mx.array:

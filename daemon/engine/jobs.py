@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import AnswerDelta, AnswerError, AnswerProgress, AnswerQueued
+from ..events import AnswerDelta, AnswerError, AnswerProgress, AnswerQueued, TokenLogprob
 
 
 class PromptTooLong(Exception):
@@ -35,6 +35,8 @@ class Done:
     finish_reason: str  # "stop" | "length" | "cancelled"
     usage: dict[str, Any]
     tokens: list[int] | None  # every id the session's cache now holds; None: unchanged
+    logprobs: tuple[TokenLogprob, ...] | None = None  # the answer's tokens', when it asked (running.py)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 EngineEvent = AnswerQueued | AnswerProgress | AnswerDelta | Done | AnswerError

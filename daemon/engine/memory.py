@@ -69,6 +69,7 @@ class Slot:
     refused: bool = False  # the error is "no room" (too_large), not "cannot be loaded"
     unloading: bool = False  # its engine is stopping: its bytes count until `gone`
     gone: anyio.Event = field(default_factory=anyio.Event)  # the unload ended: the engine stopped
+    keep_alive: float | None = None  # seconds it stays loaded once idle, as a request set it (None: [models]'s)
 
     @property
     def ready(self) -> bool:
@@ -187,7 +188,9 @@ class Memory:
         """Unload every model but the default idle for `keep_alive` seconds or more; the ones unloaded."""
         gone = []
         for m in self.view():
-            if m.name != default and m.idle_s is not None and m.idle_s >= keep_alive:
+            slot = self.slots.get(m.name)
+            keep = slot.keep_alive if slot is not None and slot.keep_alive is not None else keep_alive
+            if m.name != default and m.idle_s is not None and m.idle_s >= keep:
                 log.info("unloading model %s: idle for %.0f s ([models] keep_alive)", m.name, m.idle_s)
                 if await self.unload(m.name):
                     gone.append(m.name)

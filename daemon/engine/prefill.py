@@ -24,6 +24,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..events import TokenLogprob
+from .logprobs import Picked, pick, records
+
 
 class Prefill:
     """The state of one prompt's prefill: `cache` holds `tokens[:fed]`.
@@ -46,7 +49,8 @@ class Prefill:
     def __init__(self, model: Any, cache: list[Any], tokens: Sequence[int], fed: int, *, step: int,
                  boundary: int | None = None,
                  at_boundary: Callable[[list[Any], Sequence[int]], None] | None = None,
-                 clear_cache: bool | None = None, last: Any | None = None):
+                 clear_cache: bool | None = None, last: Any | None = None, collect: int | None = None,
+                 raw: bool = False):
         if not 0 <= fed < len(tokens):
             raise ValueError(f"a prefill needs at least one token to feed ({fed} of {len(tokens)} fed)")
         if step < 1:
@@ -64,6 +68,11 @@ class Prefill:
 
             clear_cache = current().prefill_clear_cache
         self.clear_cache = clear_cache
+        # The prompt's own log-probabilities, each position's next token's and `collect` alternatives (a text
+        # completion's echo): every chunk then runs the whole head (engine/logprobs.py).
+        self.collect = collect
+        self.collected: list[tuple[list[int], Picked]] = []
+        self.raw = raw  # the last position's logits as the model gives them (logits processors come first)
 
     @property
     def remaining(self) -> int:
@@ -72,24 +81,36 @@ class Prefill:
     def advance(self, n: int | None = None) -> mx.array | None:
         """Feed the next `n` (default `step`) tokens.
 
-        After the last ones: the next token's log-probabilities, shape (1, vocab).
+        After the last ones: the next token's log-probabilities, shape (1, vocab) (`raw`: its logits).
         """
         n = n or self.step
         if self.boundary:
             n = min(n, self.boundary - self.fed % self.boundary)
         chunk = self.tokens[self.fed:self.fed + n]
-        model = self.last if self.fed + len(chunk) == len(self.tokens) else self.model
-        logits = model(mx.array(chunk)[None], cache=self.cache)
+        whole = self.collect is not None or self.fed + len(chunk) < len(self.tokens)
+        logits = (self.model if whole else self.last)(mx.array(chunk)[None], cache=self.cache)
+        if self.collect is not None:
+            following = self.tokens[self.fed + 1:self.fed + len(chunk) + 1]  # each position's next prompt token
+            if following:
+                lp = logits[0, :len(following)]
+                lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+                self.collected.append((following, pick(lp, mx.array(following), self.collect)))
         self.fed += len(chunk)
         if self.remaining:
-            mx.eval([c.state for c in self.cache])
+            mx.eval([c.state for c in self.cache], [a for _, p in self.collected[-1:] for a in p.arrays()])
             if self.boundary and self.at_boundary and self.fed % self.boundary == 0:
                 self.at_boundary(self.cache, self.tokens[:self.fed])
             if self.clear_cache:
                 mx.clear_cache()
             return None
         last: mx.array = logits[:, -1, :]
-        return last - mx.logsumexp(last, axis=-1, keepdims=True)
+        return last if self.raw else last - mx.logsumexp(last, axis=-1, keepdims=True)
+
+
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        """What `collect` gathered: every prompt token's, the first's None (read once the prefill is done)."""
+        return [TokenLogprob(self.tokens[0], None),
+                *(r for following, picked in self.collected for r in records(following, picked))]
 
 
 def first_token(logprobs: mx.array, sampler: Callable[[mx.array], mx.array]) -> int:

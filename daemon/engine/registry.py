@@ -226,6 +226,16 @@ class Engines:
         """Stop the model's engine (its caches paged out, its memory let go); False if it was not idle."""
         return await self.memory.unload(name)
 
+    def keep(self, name: str, seconds: float) -> None:
+        """How long `name` stays loaded once idle, as a request asked (Ollama's keep_alive; inf: until another
+        model needs its memory); the default model stays loaded whatever is asked."""
+        if (slot := self._slots.get(name)) is not None:
+            slot.keep_alive = seconds
+
+    def _keep_alive(self, name: str) -> float:
+        slot = self._slots.get(name)
+        return slot.keep_alive if slot is not None and slot.keep_alive is not None else self.config.keep_alive
+
     async def keep_alive(self) -> None:
         """Unload every model but the default once it has been idle for [models] keep_alive seconds."""
         while True:
@@ -247,8 +257,9 @@ class Engines:
             state = ("unloading" if s.unloading else "loading" if not s.ready
                      else "answering" if self._busy(s.name) else "idle")
             idle = round(now - s.last_used, 1) if state == "idle" else None
-            expires = (None if s.name == self.default or idle is None or self.config.keep_alive == float("inf")
-                       else round(max(0.0, self.config.keep_alive - idle), 1))
+            keep = self._keep_alive(s.name)
+            expires = (None if s.name == self.default or idle is None or keep == float("inf")
+                       else round(max(0.0, keep - idle), 1))
             out.append({"model": s.name, "default": s.name == self.default, "state": state,
                         "weights_bytes": s.weights(), "context_length": e.max_context if e is not None else None,
                         "idle_s": idle, "unloads_in_s": expires, "device": e.device if e is not None else None})

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 from protocol.shapes import Sampling
 
-from ..events import AnswerDelta
+from ..events import AnswerDelta, TokenLogprob
 from .jobs import EngineEvent
 from .scheduler import Phase
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .grammar import Constraint
     from .handoff import Handoff
     from .prefill import Prefill
+    from .processing import Processing
     from .profile import Mark
     from .speculate import Speculation
 
@@ -72,6 +73,9 @@ class Answer:
     fed_before: int = 0  # ids the session had fed in earlier turns (what a re-read is counted against)
     history: bool = True  # earlier turns come before this one's messages (what a too-long error advises)
     grammar: str | None = None  # llguidance's grammar the answer must follow (the API's response_format)
+    raw: bool = False  # a prompt fed as it is (a text completion): its answer's first space is its text's too
+    logprobs: int | None = None  # each answer token's log-probability and this many alternatives (None: none)
+    prompt_logprobs: bool = False  # the prompt's too (a text completion's echo): read whole, no cache restored
     # Set by the listener that wrote the first delta to its client (events.py, AnswerDelta.written): the
     # engine waits for it (at most FIRST_HANDOFF_S) before its next step, so the event loop sends the
     # first token without waiting behind that step for a core and the GIL. None: nobody sends it (a
@@ -106,6 +110,9 @@ class Answer:
     prefetched: bool = False  # restored_from's tier got the cache by a prefetch from disk after the start
     constraint: Constraint | None = None  # the grammar its answer is held to (JSON output), from the first token
     spec: Speculation | None = None  # its drafts and their fate, while speculation is on for it
+    processing: Processing | None = None  # its logits processors (its sampling's knobs), from its start
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # asked for: its shown tokens', in order
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     profiled: Mark | None = None  # the step profiler's totals when it began decoding (profile.py), when on
 
     def __post_init__(self) -> None:
@@ -190,6 +197,21 @@ class Answer:
             # Speculative decoding: tokens guessed, and those of them the model kept (0 and 0: none ran).
             **(self.spec.usage() if self.spec is not None else {"drafted_tokens": 0, "accepted_tokens": 0}),
         }
+
+
+def detokenizer_for(tokenizer: Any, *, raw: bool) -> Any:
+    """A new streaming detokenizer for an answer. mlx-lm's drop the leading space of an answer's first text, as
+    a chat answer wants ("Hello", not " Hello"); the continuation of a raw prompt keeps it (" Paris" after "The
+    capital of France is"): SentencePiece's is told so (`trim_space`), and a byte-level BPE one, which always
+    trims text that comes first, is given a first character that is never shown (its `last_segment` starts
+    after it)."""
+    detokenizer = tokenizer.detokenizer
+    if raw:
+        if hasattr(detokenizer, "trim_space"):
+            detokenizer.trim_space = False
+        elif type(detokenizer).__name__ == "BPEStreamingDetokenizer":
+            detokenizer.text, detokenizer.offset = "\x00", 1
+    return detokenizer
 
 
 def fit_advice(prompt: int, context: int, *, history: bool = True) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import protocol as p
@@ -35,7 +36,9 @@ from ..config import Config
 from ..events import AnswerError, AnswerProgress, AnswerQueued
 from .draft import Answers
 from .jobs import Done, PromptTooLong
-from .running import Answer, fit_advice
+from .logprobs import pick, records
+from .processing import processing
+from .running import Answer, detokenizer_for, fit_advice
 from .scheduler import Phase, Scheduler
 
 if TYPE_CHECKING:
@@ -158,7 +161,10 @@ class Steps:
         assert self.caches is not None
         # The engine does not wait for a read: a cache on disk is read by the I/O worker and the answer
         # starts when the read has ended (`read_reported`); ranks in lockstep wait, to stay in step.
-        out = self.caches.checkout(a.session_id, tokens, wait=self.lockstep is not None)
+        # An answer that wants every prompt position's logits (prompt_logprobs) reads its prompt whole: it asks
+        # for one id, so the store still makes room, and drops what that restores (`_begin`).
+        wanted = tokens[:1] if a.prompt_logprobs else tokens
+        out = self.caches.checkout(a.session_id, wanted, wait=self.lockstep is not None)
         if out.read is not None:
             a.read = out.read  # it stays restoring
             return
@@ -176,14 +182,19 @@ class Steps:
         if self.lockstep is not None:
             out = self.lockstep.common_prefix(out)  # what every rank holds, or nothing
         cache, cached, shared = out.cache, out.tokens, out.shared_tokens
-        if cache is None or cached == 0:
+        if a.prompt_logprobs:
+            out = replace(out, restored_from=p.NO_CACHE, restore_ms=0.0, prefetched=False)
+        if cache is None or cached == 0 or a.prompt_logprobs:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
-        a.detokenizer, a.prompt, a.cached_len = self.tokenizer.detokenizer, tokens, cached
+        a.detokenizer, a.prompt, a.cached_len = detokenizer_for(self.tokenizer, raw=a.raw), tokens, cached
         a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
-        a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET)
+        a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET,
+                        top_k=a.sampling.top_k or 0, min_p=a.sampling.min_p or 0.0)
+        a.processing = processing(a.sampling)
         boundary, at_boundary = self.caches.windows(a.session_id, cache) or (None, None)
         a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
-                            boundary=boundary, at_boundary=at_boundary, last=self.last)
+                            boundary=boundary, at_boundary=at_boundary, last=self.last,
+                            collect=(a.logprobs or 0) if a.prompt_logprobs else None, raw=a.processing is not None)
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
         self.scheduler.prefill(a)
 
@@ -213,12 +224,18 @@ class Steps:
             t0 = time.perf_counter()
             with mx.stream(self.stream):
                 logprobs = answer.prefill.advance(n)
+                if logprobs is not None and answer.processing is not None:  # the prefill gave raw logits
+                    logits = answer.processing.apply(answer.prefill.tokens, logprobs)
+                    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 if logprobs is not None and answer.grammar is not None:
                     answer.constraint = self._constraint(answer.grammar, logprobs.shape[-1])
                     logprobs = answer.constraint.mask(logprobs)
                 draws = answer.draws
                 assert draws is not None
                 token = first_token(logprobs, draws.take) if logprobs is not None else None
+                if token is not None and logprobs is not None and answer.logprobs is not None:
+                    answer.token_logprobs += records([token], pick(logprobs, mx.array([token]), answer.logprobs))
+                    answer.prompt_token_logprobs = answer.prefill.prompt_logprobs()
             now = time.perf_counter()
             self.scheduler.chunk_fed(answer.prefill.fed - before, now - t0)
             if token is None:
@@ -248,7 +265,8 @@ class Steps:
         from .decode import Row
 
         # Speculation runs on one rank only (docs/distributed.md).
-        if self.config.speculate == "auto" and answer.constraint is None and self.lockstep is None:
+        if (self.config.speculate == "auto" and answer.constraint is None and answer.logprobs is None
+                and answer.processing is None and self.lockstep is None):
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
 
@@ -258,7 +276,8 @@ class Steps:
         assert answer.draws is not None
         answer.row = Row(session_id, list(prefill.tokens), answer.draws, answer.max_tokens - 1,
                       frozenset(self.tokenizer.eos_token_ids), answer.constraint, answer.spec,
-                      cache=prefill.cache, first=token)  # it enters the batch at the next decode step
+                      cache=prefill.cache, first=token,  # it enters the batch at the next decode step
+                      logprobs=answer.logprobs, processing=answer.processing)
         self.scheduler.decode(answer)
         if self.profile is not None:
             answer.profiled = self.profile.mark()  # its decode steps' profile starts at the next one
@@ -290,6 +309,8 @@ class Steps:
         for r in out:
             answer = answers[r.key]
             self._took(answer, r.token, now, shown=r.finish != "stop")
+            if r.picked is not None and r.finish != "stop":
+                answer.token_logprobs += records([r.token], r.picked)
             if r.finish is not None:
                 self._finish(answer, r.finish, r.cache, list(r.tokens or ()))
 
@@ -344,7 +365,9 @@ class Steps:
             answer.tell(AnswerError(p.INTERNAL, f"the answer could not be held to its response_format ({failure}); "
                                 "try a simpler schema"))
         else:
-            answer.tell(Done(reason, answer.usage(self.max_context), history if tokens and changed else None))
+            answer.tell(Done(reason, answer.usage(self.max_context), history if tokens and changed else None,
+                             logprobs=tuple(answer.token_logprobs) if answer.logprobs is not None else None,
+                             prompt_logprobs=tuple(answer.prompt_token_logprobs) if answer.prompt_logprobs else None))
         # Behind the turn: the client has its answer; now keep the cache and hand the snapshot of
         # its new tokens to the I/O worker (this thread only evaluates it; it never waits on disk).
         if cache is not None and tokens and self.caches is not None:

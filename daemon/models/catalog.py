@@ -55,6 +55,7 @@ class CatalogEntry:
     caches: str  # "plain", "plain + rotating"
     runs: str  # "yes", or why not
     context: int | None = None  # its context length in tokens, as its files say (None: they do not)
+    path: Path | None = None  # its file or folder on this machine (None: not there yet)
 
 
 def _file_type(meta: dict[str, Any]) -> str:
@@ -71,7 +72,7 @@ def gguf_entry(name: str, where: str, path: Path) -> CatalogEntry:
     try:
         info = read_info(path)
     except (GGUFError, OSError) as e:
-        return CatalogEntry(name, where, "?", _size(path), "?", "?", f"no: {e}")
+        return CatalogEntry(name, where, "?", _size(path), "?", "?", f"no: {e}", path=path)
     arch = info.architecture
     rotating = f"{arch}.attention.sliding_window" in info.metadata
     try:
@@ -82,14 +83,14 @@ def gguf_entry(name: str, where: str, path: Path) -> CatalogEntry:
     context = info.metadata.get(f"{arch}.context_length")
     return CatalogEntry(name, where, str(arch), info.file_size, _file_type(info.metadata),
                  "plain + rotating" if rotating else "plain", runs,
-                 context=int(context) if isinstance(context, int) and context > 0 else None)
+                 context=int(context) if isinstance(context, int) and context > 0 else None, path=path)
 
 
 def folder_entry(name: str, where: str, path: Path) -> CatalogEntry:
     try:
         config = read_json(path / "config.json", None, CONFIG_CAP)
     except (OSError, StoreError) as e:
-        return CatalogEntry(name, where, "?", _size(path), "?", "?", f"no: config.json unreadable ({e})")
+        return CatalogEntry(name, where, "?", _size(path), "?", "?", f"no: config.json unreadable ({e})", path=path)
     arch = str(config.get("model_type", "?"))
     quant = config.get("quantization") or config.get("quantization_config") or {}
     encoding = f"{quant['bits']}-bit" if isinstance(quant, dict) and "bits" in quant else str(
@@ -103,7 +104,7 @@ def folder_entry(name: str, where: str, path: Path) -> CatalogEntry:
     except (ValueError, KeyError, ImportError) as e:
         runs = f"no: mlx-lm has no {arch!r} model ({e})"
     return CatalogEntry(name, where, arch, _size(path), encoding, "plain + rotating" if rotating else "plain", runs,
-                 context=context_length(config))
+                 context=context_length(config), path=path)
 
 
 def _size(path: Path) -> int | None:

@@ -12,6 +12,7 @@ way, without loading anything.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import struct
 from pathlib import Path
@@ -19,7 +20,9 @@ from typing import Any
 
 from .untrusted import StoreError, read_json
 
-__all__ = ["context_length", "weights_bytes"]
+__all__ = ["context_length", "parameter_count", "weights_bytes"]
+
+log = logging.getLogger("kvd.models")
 
 HEADER_CAP = 100 << 20  # bytes of a safetensors header read at most (real ones: a few hundred KB)
 CONFIG_CAP = 16 << 20
@@ -52,6 +55,28 @@ def weights_bytes(model_dir: Path, weights_dtype: str | None) -> int:
             n = math.prod(int(d) for d in tensor.get("shape", []))
             total += n * (run if run is not None and dtype in _FLOATS else _ITEMSIZE.get(dtype, 4))
     return total
+
+
+def parameter_count(path: Path) -> int | None:
+    """How many parameters a model's weights hold (a GGUF file's tensors, or a folder's safetensors), from the
+    headers alone; None where they cannot be read. A quantized folder's packed integers count as stored."""
+    try:
+        if path.is_file():
+            from .ggufinfo import GGUFError, read_info
+
+            try:
+                return sum(math.prod(t.shape) for t in read_info(path).tensors)
+            except GGUFError:
+                return None
+        total = 0
+        for file in sorted(path.glob("*.safetensors")):
+            for name, tensor in _header(file).items():
+                if name != "__metadata__" and isinstance(tensor, dict) and str(tensor.get("dtype")) in _FLOATS:
+                    total += math.prod(int(d) for d in tensor.get("shape", []))
+        return total or None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        log.debug("could not count the parameters of %s: %s", path, e)
+        return None
 
 
 def context_length(config: dict[str, Any]) -> int | None:

@@ -41,7 +41,7 @@ from .modeldir import publish_dir
 from .smollm2 import FetchError, sha256_file
 from .untrusted import StoreError, read_json
 
-__all__ = ["DEFAULT_MODEL", "ModelError", "prepare_model"]
+__all__ = ["DEFAULT_MODEL", "ModelError", "kvd_files", "prepare_model"]
 
 log = logging.getLogger("kvd.models")
 
@@ -101,6 +101,29 @@ def prepare_model(model: str, models_dir: Path, *, mode: str | None = None,
 
 def _no_progress(stage: str, done: int, total: int) -> None:
     pass
+
+
+def kvd_files(model: str, models_dir: Path) -> list[Path]:
+    """What kvd itself wrote for `model` in its store, to delete (/api/delete): a fetched built-in's download and
+    converted copy, a written built-in's folder, a GGUF in kvd's downloads and its converted copy. Only what
+    exists; ModelError for a model whose files are another program's (Ollama's store, the Hugging Face cache,
+    a path of the user's): kvd deletes nothing it did not make."""
+    models_dir = models_dir.resolve()
+    if model in FETCHED:
+        sha, _ = FETCHED[model]
+        name = smollm2.GGUF_NAME if model == DEFAULT_MODEL else gemma3.GGUF_NAME
+        found = [models_dir / "downloads" / name, *(models_dir / "gguf").glob(f"{sha[:16]}-*")]
+    elif model in BUILTIN_NAMES:
+        found = [models_dir / model.removeprefix("builtin:")]
+    else:
+        path = Path(model).expanduser()
+        if not (path.is_file() and path.resolve().parent == models_dir / "downloads"):
+            raise ModelError(f"{model} is not in kvd's own store ({models_dir}): its files belong to whoever put "
+                             "them there (`ollama rm` for Ollama's models, `huggingface-cli delete-cache` for the "
+                             "Hugging Face cache); kvd deletes only the models it fetched")
+        memo = models_dir / "gguf" / "checksums"
+        found = [path, *(models_dir / "gguf").glob(f"{_checksum(path, memo, _no_progress)[:16]}-*")]
+    return [p for p in found if p.exists()]
 
 
 def _looks_like_path(model: str) -> bool:
