@@ -44,7 +44,7 @@ class Room(Enum):
 
 
 @dataclass
-class Held:
+class Holdings:
     """One store's holdings in one tier."""
 
     nbytes: int = 0  # idle entries' bytes (evictable)
@@ -61,7 +61,7 @@ class Member:
     pool: Pool
     name: str
     wake: Callable[[], None]
-    held: dict[str, Held] = field(default_factory=dict)
+    held: dict[str, Holdings] = field(default_factory=dict)
 
     def report(self, tier: str, nbytes: int, coldest: float | None, fixed: int | None = None) -> None:
         """What this store holds in `tier` now; waiting stores are woken if that gave bytes back."""
@@ -107,7 +107,7 @@ class Pool:
     def join(self, name: str, wake: Callable[[], None] = lambda: None) -> Member:
         """A store's place in the pool; `wake` is called (from any thread, never blocking) when it should
         evict for another store or try its waiting turns again."""
-        m = Member(self, name, wake, {tier: Held() for tier in self.budgets})
+        m = Member(self, name, wake, {tier: Holdings() for tier in self.budgets})
         with self._lock:
             self._members.append(m)
         return m

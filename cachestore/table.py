@@ -48,7 +48,7 @@ class Block:
     start: int
     end: int
     ids: bytes  # the ids [start, end), packed (common.tokenids)
-    refs: int = 0  # chains listing it: sessions in memory (`Session.keys`) and on disk (`Session.disk_keys`)
+    refs: int = 0  # block chains listing it: in memory (`SessionBlocks.keys`) and on disk (`.disk_keys`)
     live: set[str] = field(default_factory=set)  # resident sessions whose live cache holds it
     warm: Any = None  # its one warm copy (a Snapshot), or None
     warm_users: int = 0  # warm tails that need the warm copy
@@ -80,7 +80,7 @@ class Block:
 
 
 @dataclass(eq=False, slots=True)
-class Session:
+class SessionBlocks:
     key: str
     tokens: list[int] = field(default_factory=list)  # the ids memory holds of it (live or warm)
     keys: list[str] = field(default_factory=list)  # its memory chain: the whole blocks before its tail
@@ -110,7 +110,7 @@ class BlockTable:
         self.block = block
         self.blocks_dir = blocks_dir  # where block files are (SegmentIndex.blocks)
         self.blocks: dict[str, Block] = {}
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, SessionBlocks] = {}
         self.children: dict[str, set[str]] = {}  # a block key (or the root) -> the blocks after it
         self.followers: dict[str, set[str]] = {}  # a block key (or the root) -> sessions whose memory chain ends there
         # Disk totals, kept as the worker's news arrives (status must not sum 100,000 blocks).
@@ -125,10 +125,10 @@ class BlockTable:
 
     # --- chains ---
 
-    def session(self, key: str) -> Session:
+    def session(self, key: str) -> SessionBlocks:
         s = self.sessions.get(key)
         if s is None:
-            s = self.sessions[key] = Session(key)
+            s = self.sessions[key] = SessionBlocks(key)
         return s
 
     def keys_for(self, key: str, tokens: Sequence[int]) -> list[str]:
@@ -222,7 +222,7 @@ class BlockTable:
                 break
         return w
 
-    def after(self, parent: str) -> tuple[list[Block], list[Session]]:
+    def after(self, parent: str) -> tuple[list[Block], list[SessionBlocks]]:
         """What follows a block (or the root): the blocks after it, and sessions whose tail does."""
         return ([self.blocks[c] for c in self.children.get(parent, ())],
                 [self.sessions[s] for s in self.followers.get(parent, ())])

@@ -173,7 +173,7 @@ class Stale(Exception):
 
 
 @dataclass(frozen=True)
-class Block:
+class BlockTarget:
     """Where `_write` puts a snapshot: a content-addressed block..."""
 
     block: str
@@ -268,7 +268,7 @@ class Writeback:
                     self.stats.blocks_reused += 1
                 else:
                     piece = cut(lo, hi)
-                    self._write(Block(keys[k], chain[-1] if chain else self.root, key), piece, tokens, now,
+                    self._write(BlockTarget(keys[k], chain[-1] if chain else self.root, key), piece, tokens, now,
                                 evict=evict)
                     self.stats.blocks_written += 1
                 chain.append(keys[k])
@@ -299,7 +299,7 @@ class Writeback:
                         replace=k == 0 and replace and bool(kept), evict=evict)
         self.enforce_disk_budget(keep=key)
 
-    def _write(self, target: Block | Private, snap: Snapshot, tokens: Sequence[int], now: float, *,
+    def _write(self, target: BlockTarget | Private, snap: Snapshot, tokens: Sequence[int], now: float, *,
                replace: bool = False, evict: bool = True) -> None:
         """Persist one evaluated snapshot: the file made durable, then its index row.
 
@@ -307,7 +307,7 @@ class Writeback:
         on the I/O worker: the arrays were evaluated on the engine thread.
         """
         ids = tokens[snap.start:snap.end]
-        if isinstance(target, Block):
+        if isinstance(target, BlockTarget):
             path = self.index.block_path(target.block, target.parent)
         else:
             path = self.index.path_for(target.key, self.fingerprint, snap.start, snap.end, target.after)
@@ -329,7 +329,7 @@ class Writeback:
         _maybe_crash("after-write")
         while True:
             try:
-                if isinstance(target, Block):
+                if isinstance(target, BlockTarget):
                     self.index.add_block(target.block, target.parent, snap.start, snap.end, seg.path,
                                          seg.nbytes, seg.checksum, self.fingerprint, ids, now)
                 else:

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["ATTENTION_ENV", "KINDS", "Device", "LoadedModel", "Policy", "Room", "SpeculationLimits", "configured",
-           "current", "describe", "installed_backend", "make_room", "missing_backend", "policy", "speculation_pays"]
+__all__ = ["ATTENTION_ENV", "KINDS", "Device", "LoadRoom", "LoadedModel", "Policy", "SpeculationLimits", "configured",
+           "current", "describe", "installed_backend", "missing_backend", "policy", "room_to_load", "speculation_pays"]
 
 KINDS = ("cpu", "metal", "cuda")
 #: `KVD_ATTENTION=mlx` keeps MLX's own attention on the CPU too (a benchmark's A/B, a suspected bug).
@@ -265,7 +265,7 @@ class LoadedModel:
 
 
 @dataclass(frozen=True)
-class Room:
+class LoadRoom:
     """What loading a model takes: the idle models to unload first, least recently used first, or a
     one-line refusal ("no room" is a return value, never an exception)."""
 
@@ -277,7 +277,7 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB // 100 else f"{n / (1 << 20):.1f} MiB"
 
 
-def make_room(name: str, need: int, budget: int | None, loaded: list[LoadedModel]) -> Room:
+def room_to_load(name: str, need: int, budget: int | None, loaded: list[LoadedModel]) -> LoadRoom:
     """Whether `name`, whose weights take `need` bytes, fits beside the `loaded` models within `budget`
     (Policy.models_memory), and which idle ones go first if it does not.
 
@@ -285,24 +285,24 @@ def make_room(name: str, need: int, budget: int | None, loaded: list[LoadedModel
     loading) are never touched. A model that cannot fit even with every idle one unloaded is refused.
     """
     if budget is None:
-        return Room()
+        return LoadRoom()
     used = sum(m.nbytes for m in loaded)
     if used + need <= budget:
-        return Room()
+        return LoadRoom()
     idle = sorted((m for m in loaded if m.idle_s is not None), key=lambda m: -(m.idle_s or 0.0))
     unload: list[str] = []
     for m in idle:
         unload.append(m.name)
         used -= m.nbytes
         if used + need <= budget:
-            return Room(tuple(unload))
+            return LoadRoom(tuple(unload))
     busy = sum(m.nbytes for m in loaded if m.idle_s is None)
     if need > budget:
         why = f"the models may take {_gib(budget)} together"
     else:
         why = (f"there is {_gib(max(0, budget - busy))} of the {_gib(budget)} the models may take, "
                "the rest held by models answering now (try again when they finish)")
-    return Room(refusal=f"{name} needs {_gib(need)} for its weights and {why}; raise [models] memory in "
+    return LoadRoom(refusal=f"{name} needs {_gib(need)} for its weights and {why}; raise [models] memory in "
                         "config.toml, or use a smaller model")
 
 

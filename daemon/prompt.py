@@ -136,7 +136,7 @@ def conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], syst
 
 
 class Prompt(Protocol):
-    """How a stateless request's prompt ids are made (a `Conversation`): run by the tokenizer stage, never
+    """How a stateless request's prompt ids are made (a `MessagePrompt`): run by the tokenizer stage, never
     on the engine thread. A session's own turn needs none: its ids are `prompt_tokens`."""
 
     def ids(self, tokenizer: Any) -> tuple[list[int], bool]:
@@ -171,7 +171,7 @@ class Remembered(Protocol):
 
 
 @dataclass(frozen=True)
-class Conversation:
+class MessagePrompt:
     """A stateless request's whole conversation, rendered and tokenized as a fresh session would feed it.
 
     Its ids replace the session's fed ids: the old answer boundaries no longer apply. Its

@@ -63,7 +63,7 @@ GRACEFUL_SHUTDOWN = 10  # seconds uvicorn waits for open HTTP responses when kvd
 class RefusalLog:
     """Every 4xx and 5xx an HTTP door or the websocket's handshake answers, logged with the door, who asked
     (the client's address and User-Agent), the path, the status and code, and the reason the door gave
-    (its `Refusal`, httpdoor.py): `kvd logs` says why a client failed. At most one line a second per kind
+    (its `RefusalResponse`, httpdoor.py): `kvd logs` says why a client failed. At most one line a second per kind
     (door, status, code, field): a client retrying in a loop says how many more it sent, not each."""
 
     INTERVAL = 1.0  # seconds between two lines of one kind

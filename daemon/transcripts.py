@@ -4,7 +4,7 @@ A turn used to reload and JSON-decode its session's whole transcript and
 fed ids from SQLite (`Store.messages`), and commit each change with an
 fsync, on the event loop: work that grew with the conversation, and disk
 between a request and its first token. Here the turn core keeps what it
-needs of a session (`Held`: its messages, the templated messages a prompt
+needs of a session (`HeldSession`: its messages, the templated messages a prompt
 is rendered from, its fed ids and what they cover), loaded once through the
 writer (sessions/writer.py), and every change is made to that memory at
 once and queued to the writer as the few rows it changes. Nothing here
@@ -44,7 +44,7 @@ Write = concurrent.futures.Future[Any]
 
 
 @dataclass
-class Held:
+class HeldSession:
     """One session as the turn core holds it between turns."""
 
     session_id: str
@@ -111,13 +111,13 @@ def _message(index: int, role: str, content: str, status: str, now: float,
                    tool_call_id=tool_call_id, reasoning=reasoning or None)
 
 
-def prepared(session_id: str, system: str | None, messages: Sequence[Mapping[str, Any]]) -> Held:
+def prepared(session_id: str, system: str | None, messages: Sequence[Mapping[str, Any]]) -> HeldSession:
     """A new session holding `messages` (as template_message takes them), made on a worker
     thread: a stateless request may carry thousands, and the event loop then only adopts it."""
     now = time.time()
-    return Held(session_id, system, {}, [_message(i, m["role"], m["content"], "complete", now, m.get("tool_calls"),
-                                                  m.get("tool_call_id"), m.get("reasoning"))
-                                         for i, m in enumerate(messages)], [], 0)
+    held = [_message(i, m["role"], m["content"], "complete", now, m.get("tool_calls"), m.get("tool_call_id"),
+                     m.get("reasoning")) for i, m in enumerate(messages)]
+    return HeldSession(session_id, system, {}, held, [], 0)
 
 
 log = logging.getLogger("kvd.turns")
@@ -137,13 +137,13 @@ def _fed(store: Store, session_id: str) -> tuple[list[int], int]:
         return [], 0
 
 
-def _load(session_id: str) -> Callable[[Store], Held | None]:
-    def load(store: Store) -> Held | None:
+def _load(session_id: str) -> Callable[[Store], HeldSession | None]:
+    def load(store: Store) -> HeldSession | None:
         session = store.get_session(session_id)
         if session is None:
             return None
         fed, covers = _fed(store, session_id)
-        return Held(session_id, session["system"], session["params"], store.messages(session_id), fed, covers,
+        return HeldSession(session_id, session["system"], session["params"], store.messages(session_id), fed, covers,
                     model=session["model"], fed_model=stash.fed_model(store, session_id) if fed else None,
                     stashed=stash.stashed(store, session_id), responses=answered_at(store, session_id))
 
@@ -158,7 +158,7 @@ class Transcripts:
         self.writer = Writer(store)
         self._busy = busy
         self.chains = Chains()
-        self._held: OrderedDict[str, Held] = OrderedDict()
+        self._held: OrderedDict[str, HeldSession] = OrderedDict()
         self._clock = time.time  # the memory's timestamps; the rows get the store's own
         self.points = Points()  # the Responses API's ids used lately: their session and answer
 
@@ -180,7 +180,7 @@ class Transcripts:
         core does not hold in memory (a stored response's, sessions/responses.py)."""
         return await self.writer.run(fn, durable=True)
 
-    async def hold(self, session_id: str) -> Held | None:
+    async def hold(self, session_id: str) -> HeldSession | None:
         """The session in memory, loaded if need be; None if there is no such session."""
         held = self._held.get(session_id)
         if held is None:
@@ -196,7 +196,7 @@ class Transcripts:
         self._held.move_to_end(session_id)
         return held
 
-    def get(self, session_id: str) -> Held | None:
+    def get(self, session_id: str) -> HeldSession | None:
         return self._held.get(session_id)
 
     def forget(self, session_id: str) -> None:
@@ -217,11 +217,11 @@ class Transcripts:
         return self.writer.submit(fn, durable=durable, label=label)
 
     def create(self, session_id: str, *, title: str, system: str | None, origin: str | None,
-               held: Held | None = None) -> tuple[Held, Callable[[], Write]]:
+               held: HeldSession | None = None) -> tuple[HeldSession, Callable[[], Write]]:
         """A new session, held at once (`held`: made by `prepared`, its messages chained by the
         caller); its row is queued when the returned function is called (the turn core calls it once
         the engine has taken the session's first turn: a first turn refused before stores nothing)."""
-        held = self._held[session_id] = held or Held(session_id, system, {}, [], [], 0)
+        held = self._held[session_id] = held or HeldSession(session_id, system, {}, [], [], 0)
         self.chains.put(session_id, system, [])
         self._let_go()
         # The model is read when the row is written: the turn core sets it on `held` before that.
@@ -229,7 +229,7 @@ class Transcripts:
                                                                     session_id=session_id, model=held.model),
                                          durable=False)
 
-    def append(self, held: Held, role: str, content: str, *, status: str = "complete",
+    def append(self, held: HeldSession, role: str, content: str, *, status: str = "complete",
                tool_calls: Sequence[Mapping[str, str]] | None = None, tool_call_id: str | None = None,
                chained: bool = True, reasoning: str | None = None) -> int:
         """Append a message in memory; `write_new` writes it (with the others of its turn).
@@ -244,7 +244,7 @@ class Transcripts:
             self._chain(held, m)
         return index
 
-    def write_new(self, held: Held, first: int, *, durable: bool = False) -> Write:
+    def write_new(self, held: HeldSession, first: int, *, durable: bool = False) -> Write:
         """Write messages `first`.. of the session in one operation: all of them or none."""
         # Earlier messages do not change while their row is written; the last (an answer) may.
         rows = [*held.messages[first:-1], *(m.copy() for m in held.messages[-1:])] if first < len(held.messages) else []
@@ -257,7 +257,7 @@ class Transcripts:
 
         return self._write(write, durable=durable, label="messages")
 
-    def update(self, held: Held, index: int, *, durable: bool, **fields: Any) -> Write:
+    def update(self, held: HeldSession, index: int, *, durable: bool, **fields: Any) -> Write:
         """Change message `index` (fields as Store.update_message takes them; None leaves one as is)."""
         m = held.messages[index]
         for key, value in fields.items():
@@ -271,13 +271,13 @@ class Transcripts:
         return self._write(lambda s: s.update_message(sid, index, **fields), durable=durable,
                            label="answer" if fields.get("status") else "")
 
-    def append_text(self, held: Held, index: int, text: str) -> Write:
+    def append_text(self, held: HeldSession, index: int, text: str) -> Write:
         """A streaming answer's commit: `text` appended to message `index` in the store (not durable: the
         answer's end is). Memory is left as it is until the answer's end sets its whole text (`update`)."""
         sid = held.session_id
         return self._write(lambda s: s.update_message(sid, index, append=text), durable=False)
 
-    def truncate(self, held: Held, from_index: int, *, taken_back: bool = False) -> Write:
+    def truncate(self, held: HeldSession, from_index: int, *, taken_back: bool = False) -> Write:
         """Cut the session back to its first `from_index` messages; stored responses that named what is cut
         keep it, in a new session (`_branch`), in the same write. `taken_back`: a refused turn's own messages,
         which no response names but its own (forgotten by its door)."""
@@ -298,7 +298,7 @@ class Transcripts:
 
         return self._write(cut, durable=True)
 
-    def _branch(self, held: Held, from_index: int) -> Callable[[Store], int] | None:
+    def _branch(self, held: HeldSession, from_index: int) -> Callable[[Store], int] | None:
         """What keeps the answers of the session's stored responses at `from_index` or later when the session
         is cut there (sessions/responses.py's `branch_away`): a response id names one answer forever. The new
         session is not held nor chained here: continuing a response holds it (and so chains it)."""
@@ -315,7 +315,7 @@ class Transcripts:
         return partial(branch_away, session_id=held.session_id, new_id=new_id, end=end, moving_from=from_index,
                        tokens=held.fed[:keep], covers=covers, model=held.fed_model if keep else None)
 
-    def responded(self, held: Held, index: int) -> None:
+    def responded(self, held: HeldSession, index: int) -> None:
         """A stored response names answer `index` of the session (its row is queued by the Responses door)."""
         bisect.insort(held.responses, index)
 
@@ -324,19 +324,19 @@ class Transcripts:
         if (held := self._held.get(session_id)) is not None and index in held.responses:
             held.responses.remove(index)
 
-    def set_tokens(self, held: Held, tokens: Sequence[int], *, covers: int) -> Write:
+    def set_tokens(self, held: HeldSession, tokens: Sequence[int], *, covers: int) -> Write:
         held.fed, held.covers = list(tokens), covers
         sid, ids, model = held.session_id, held.fed, held.fed_model
         return self._write(lambda s: s.set_tokens(sid, ids, covers=covers, model=model), durable=True)
 
-    def forget_fed_ends(self, held: Held, before_index: int) -> Write:
+    def forget_fed_ends(self, held: HeldSession, before_index: int) -> Write:
         for m in held.messages[:before_index]:
             if m["fed_end"] is not None:
                 m["fed_end"] = None
         sid = held.session_id
         return self._write(lambda s: s.forget_fed_ends(sid, before_index), durable=False)
 
-    def _chain(self, held: Held, m: Message) -> None:
+    def _chain(self, held: HeldSession, m: Message) -> None:
         if not self.chains.message(held.session_id, m["index"], m["role"], m["content"], m["tool_calls"],
                                    m["tool_call_id"], m["status"], m.get("reasoning")):
             self.chains.put(held.session_id, held.system, held.messages)
@@ -354,7 +354,7 @@ class Transcripts:
         session, held = await self.writer.run(create)
         self.chains.put(session["id"], system, held)
         # its first turn loads nothing
-        self._held[session["id"]] = Held(session["id"], system, {}, held, [], 0, model=model)
+        self._held[session["id"]] = HeldSession(session["id"], system, {}, held, [], 0, model=model)
         self._let_go()
         return session
 
@@ -389,13 +389,13 @@ class Transcripts:
         self.chains.remove(session_id)
         return await self.writer.run(lambda s: s.delete_session(session_id))
 
-    def choose_model(self, held: Held, model: str | None) -> Write:
+    def choose_model(self, held: HeldSession, model: str | None) -> Write:
         """The model a client chose for the session (None: the daemon's default, whichever it is)."""
         held.model = model
         sid = held.session_id
         return self._write(lambda s: s.update_session(sid, model=model), durable=False)
 
-    def feed_for(self, held: Held, model: str) -> list[Write]:
+    def feed_for(self, held: HeldSession, model: str) -> list[Write]:
         """The session's next turn is `model`'s: the fed ids, another model's tokens, are put aside under
         that model, and `model`'s own from before come back (none: the turn renders the transcript with its
         tokenizer). The answers' boundaries are forgotten (positions in whichever model's ids fed them)."""
@@ -410,7 +410,7 @@ class Transcripts:
         held.fed_model = model
         return [*writes, self.set_tokens(held, fed, covers=covers), self.forget_fed_ends(held, len(held.messages))]
 
-    def system_changed(self, held: Held, system: str | None) -> list[Write]:
+    def system_changed(self, held: HeldSession, system: str | None) -> list[Write]:
         """A pinned request's new system prompt (placement): as update_session's, not waited for."""
         held.system = system
         held.stashed.clear()  # every model's ids began with the old prompt

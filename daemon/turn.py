@@ -25,7 +25,7 @@ from protocol.shapes import Sampling
 from .engine.thread import Engine
 from .events import AnswerDelta, TurnEvent
 from .prompt import Prompt
-from .transcripts import Held, Write
+from .transcripts import HeldSession, Write
 
 # The least time between two deltas of one answer (50 a second): a model faster than that (a small one on a
 # GPU) has each delta carry several tokens, so the event loop's work and the socket's sends do not grow with
@@ -176,7 +176,7 @@ class Turn:
     # (the session's chosen model, its fed ids' model) before this turn, when this turn changed them
     switched_from: tuple[str | None, str | None] | None = None
     engine: Engine | None = None  # that model's engine, once loaded
-    held: Held | None = None  # the session as the turn core holds it
+    held: HeldSession | None = None  # the session as the turn core holds it
     tools: CallSplit | None = None  # the request offered tools: the answer's calls are taken out of its text
     # max_tokens is a ceiling, not an exact ask (an agent's "as much as fits"): lowered to the room the
     # context leaves instead of the turn being refused (Turns._fit)

@@ -59,7 +59,7 @@ from .events import (
 from .feed import End, Feed
 from .prompt import prompt_tokens
 from .renders import Renders
-from .transcripts import Held, Transcripts, Write
+from .transcripts import HeldSession, Transcripts, Write
 from .turn import ASKED_NOTHING, Listener, StopScan, Turn, TurnSpec
 
 log = logging.getLogger("kvd.turns")
@@ -124,7 +124,7 @@ class Turns:
 
     # --- sessions ---
 
-    async def hold(self, session_id: str, rid: RequestId = None) -> Held:
+    async def hold(self, session_id: str, rid: RequestId = None) -> HeldSession:
         """The session as the turn core holds it (loaded through the writer the first time)."""
         held = await self.transcripts.hold(session_id)
         if held is None:
@@ -155,7 +155,7 @@ class Turns:
 
     # --- the fed-token rule ---
 
-    def rewind(self, held: Held, index: int) -> None:
+    def rewind(self, held: HeldSession, index: int) -> None:
         """Drop messages from `index` on, and the fed token ids with them.
 
         The ids are cut at the end of the last earlier turn whose boundary is
@@ -166,14 +166,14 @@ class Turns:
         self.transcripts.truncate(held, index)
         self.transcripts.set_tokens(held, held.fed[:keep], covers=covers)
 
-    def _continuation(self, held: Held, index: int) -> PromptIds:
+    def _continuation(self, held: HeldSession, index: int) -> PromptIds:
         """The session's prompt from memory, under the fed-token rule (`prompt_tokens`, run in the tokenizer
         stage): the templated messages are kept between turns, not rebuilt."""
         n = held.said_before(index)
         return partial(prompt_tokens, messages=held.said_template[:n], system=held.system, fed=held.fed,
                        fed_covers=held.said_before(held.covers))
 
-    def _record(self, turn: Turn, held: Held, tokens: list[int] | None, *, exact: bool) -> int | None:
+    def _record(self, turn: Turn, held: HeldSession, tokens: list[int] | None, *, exact: bool) -> int | None:
         """A finished turn's fed ids; returns the answer's fed_end.
 
         `exact` is False when the stored text is not all the ids hold (a stop
@@ -224,7 +224,7 @@ class Turns:
 
     def apply(self, session_id: str | None, *, system: str | None, messages: Sequence[Mapping[str, Any]],
               rewind_from: int | None = None, new_system: bool = False, title: str, origin: str,
-              links: Sequence[bytes] | None = None, prepared: Held | None = None) -> tuple[str, int]:
+              links: Sequence[bytes] | None = None, prepared: HeldSession | None = None) -> tuple[str, int]:
         """A stateless request's placement (daemon/doors/placement.py's plan), applied to a held session
         or a new one; returns the session and the index of its first new message (or of the answer to come).
 
@@ -320,7 +320,7 @@ class Turns:
         turn.publish(AnswerStarted(index))
         return turn
 
-    def _serve_with(self, held: Held, model: str | None) -> list[Write]:
+    def _serve_with(self, held: HeldSession, model: str | None) -> list[Write]:
         """The turn's model: the one the request chose (recorded as the session's), else the session's, else
         the default. Its fed ids, when another model's tokens, are put aside for that model and the turn's
         model's own come back (transcripts.feed_for)."""

@@ -36,7 +36,7 @@ _RECORD = struct.Struct("<16sqqd")  # the database's id, its commits, commits fo
 
 
 @dataclass(frozen=True)
-class Note:
+class CommitNote:
     database: bytes
     commits: int
     lost: int = 0  # commits a start found missing from the database (kept until a backup is put back)
@@ -47,10 +47,10 @@ def note_path(db_path: Path) -> Path:
     return db_path.with_name(db_path.name + ".commits")
 
 
-def counted(store: Store) -> Note:
+def counted(store: Store) -> CommitNote:
     """The database's id and its count of fsynced commits."""
     database, commits = store.db.execute("SELECT database, commits FROM commit_count").fetchone()
-    return Note(bytes(database), int(commits))
+    return CommitNote(bytes(database), int(commits))
 
 
 def count_one(store: Store) -> int:
@@ -77,7 +77,7 @@ def mark_backup(conn: sqlite3.Connection) -> None:
     conn.commit()
 
 
-def read_note(path: Path) -> Note | None:
+def read_note(path: Path) -> CommitNote | None:
     """The note, or None when there is none or it cannot be read (then nothing is known)."""
     try:
         raw = path.read_bytes()
@@ -86,10 +86,10 @@ def read_note(path: Path) -> Note | None:
     if len(raw) != _RECORD.size:
         return None
     database, commits, lost, found = _RECORD.unpack(raw)
-    return Note(database, commits, lost, found)
+    return CommitNote(database, commits, lost, found)
 
 
-def write_note(path: Path, note: Note, *, sync: bool = False) -> None:
+def write_note(path: Path, note: CommitNote, *, sync: bool = False) -> None:
     """Write the note in place (one write of 40 bytes: it never tears); `sync` for a loss found."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     try:

@@ -46,7 +46,7 @@ def anyio_backend() -> str:
 #   e2e         - real `kvd serve` processes, tmux, the real model, kill -9, the BLAS probe
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
-        "test_api_cores", "test_arrows", "test_attention", "test_builtin", "test_config", "test_cost",
+        "test_api_cores", "test_arrows", "test_names", "test_attention", "test_builtin", "test_config", "test_cost",
         "test_direct",
         "test_durable", "test_cli", "test_complexity", "test_device", "test_lockstep", "test_private_surfaces",
         "test_server_socket", "test_door_events",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.service.blas import Candidate, Verdict, choose, cpu_flags, probe, run_probe, system_libraries
+from daemon.service.blas import BlasVerdict, Candidate, choose, cpu_flags, probe, run_probe, system_libraries
 from daemon.service.blasprobe import better_core, core_misfit
 from daemonproc import DaemonProcess
 
@@ -82,7 +82,7 @@ def test_a_single_core_build_fits_only_cpus_with_its_instructions(config: str, c
 
 def test_a_library_that_raises_sigill_is_rejected_and_the_caller_lives(fakes: dict[str, Path]) -> None:
     verdict = run_probe(fakes["sigill"], {"avx2", "fma"})
-    assert verdict == Verdict(False, "its sgemm died with SIGILL (an instruction this CPU does not have)")
+    assert verdict == BlasVerdict(False, "its sgemm died with SIGILL (an instruction this CPU does not have)")
 
 
 def test_a_library_that_computes_wrong_numbers_is_rejected(fakes: dict[str, Path]) -> None:
@@ -93,7 +93,7 @@ def test_a_library_that_computes_wrong_numbers_is_rejected(fakes: dict[str, Path
 
 
 def test_a_missing_library_is_rejected(tmp_path: Path) -> None:
-    assert run_probe(tmp_path / "libopenblas.so.0", set()) == Verdict(False, "no such file")
+    assert run_probe(tmp_path / "libopenblas.so.0", set()) == BlasVerdict(False, "no such file")
 
 
 def test_the_first_library_that_passes_is_chosen(fakes: dict[str, Path], tmp_path: Path) -> None:

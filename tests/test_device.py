@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from daemon import device
-from daemon.device import CPU_SPECULATION, GPU_SPECULATION, Device, LoadedModel, Policy, Room, make_room, policy
+from daemon.device import CPU_SPECULATION, GPU_SPECULATION, Device, LoadedModel, LoadRoom, Policy, policy, room_to_load
 from daemon.engine import draft, modelload, speculate
 
 GiB = 1 << 30
@@ -185,25 +185,25 @@ def test_the_caches_budgets_follow_the_weights_within_the_limit_on_every_device(
 
 def test_a_model_that_fits_unloads_nothing() -> None:
     loaded = [LoadedModel("a", 2 * GiB, idle_s=50.0)]
-    assert make_room("b", 1 * GiB, 4 * GiB, loaded) == Room()
-    assert make_room("b", 10 * GiB, None, loaded) == Room()  # no limit known
+    assert room_to_load("b", 1 * GiB, 4 * GiB, loaded) == LoadRoom()
+    assert room_to_load("b", 10 * GiB, None, loaded) == LoadRoom()  # no limit known
 
 
 def test_room_is_made_from_the_least_recently_used_idle_models_only() -> None:
     loaded = [LoadedModel("recent", 2 * GiB, idle_s=5.0), LoadedModel("old", 2 * GiB, idle_s=500.0),
               LoadedModel("busy", 2 * GiB, idle_s=None)]
-    assert make_room("new", 2 * GiB, 7 * GiB, loaded) == Room(("old",))
-    assert make_room("new", 4 * GiB, 7 * GiB, loaded) == Room(("old", "recent"))
+    assert room_to_load("new", 2 * GiB, 7 * GiB, loaded) == LoadRoom(("old",))
+    assert room_to_load("new", 4 * GiB, 7 * GiB, loaded) == LoadRoom(("old", "recent"))
 
 
 def test_a_model_that_never_fits_is_refused_in_one_line() -> None:
-    room = make_room("big", 5 * GiB, 4 * GiB, [LoadedModel("a", 1 * GiB, idle_s=1.0)])
+    room = room_to_load("big", 5 * GiB, 4 * GiB, [LoadedModel("a", 1 * GiB, idle_s=1.0)])
     assert room.unload == () and room.refusal is not None and "\n" not in room.refusal
     assert room.refusal.startswith("big needs 5.00 GiB for its weights and the models may take 4.00 GiB")
 
 
 def test_a_model_kept_out_by_busy_ones_is_refused_saying_so() -> None:
-    room = make_room("b", 3 * GiB, 4 * GiB, [LoadedModel("a", 2 * GiB, idle_s=None)])
+    room = room_to_load("b", 3 * GiB, 4 * GiB, [LoadedModel("a", 2 * GiB, idle_s=None)])
     assert room.unload == ()
     assert room.refusal is not None and "there is 2.00 GiB of the 4.00 GiB" in room.refusal
     assert "answering now" in room.refusal

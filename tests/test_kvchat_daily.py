@@ -273,8 +273,8 @@ async def test_a_full_session_says_how_to_go_on_and_compact_does(tmp_path: Path)
 def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
     """A 3000-token log pasted first, then small questions about it: the plain rule (the last turns in
     half the context) would carry the small talk and drop the log."""
-    log = compact.Turn("ERROR 2026-11-25 disk full on /var " * 300, "The disk filled up.", 3000, 1)
-    small = [compact.Turn(f"question {n} about the log", "an answer", 300, n) for n in range(2, 17)]
+    log = compact.Exchange("ERROR 2026-11-25 disk full on /var " * 300, "The disk filled up.", 3000, 1)
+    small = [compact.Exchange(f"question {n} about the log", "an answer", 300, n) for n in range(2, 17)]
     plain = compact.carried([log, *small], 8192 // 2)
     assert log not in plain  # what the plain rule alone would do
     p = compact.plan([log, *small], 8192)
@@ -286,7 +286,7 @@ def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
                     "and the last 10 turns "
                     "(turns 7-16, 3000 tokens); it leaves out turns 2-6 (1500 tokens)"]
     # Too large for three quarters of the context: said plainly, not dropped in silence.
-    huge = compact.Turn("x " * 7000, "ok", 7414, 1)
+    huge = compact.Exchange("x " * 7000, "ok", 7414, 1)
     p = compact.plan([huge, *small[:3]], 8192)  # turns 2-4
     assert p.anchor is None and p.unfit == huge and [t.number for t in p.kept] == [2, 3, 4]
     said = compact.describe(p, 8192, system=True)
@@ -304,9 +304,9 @@ def test_compact_keeps_the_paste_the_conversation_is_about() -> None:
 def test_compact_carries_the_small_turns_before_the_paste_so_its_cache_is_reused() -> None:
     """A greeting, then the log: carrying the log without the greeting would make the new session begin
     otherwise than the old one, and its first answer would read the log again (issue 44, item 11)."""
-    hello = compact.Turn("hello", "Hi! How can I help?", 50, 1)
-    log = compact.Turn("ERROR 2026-11-25 disk full on /var " * 300, "The disk filled up.", 3000, 2)
-    small = [compact.Turn(f"question {n} about the log", "an answer", 300, n) for n in range(3, 18)]
+    hello = compact.Exchange("hello", "Hi! How can I help?", 50, 1)
+    log = compact.Exchange("ERROR 2026-11-25 disk full on /var " * 300, "The disk filled up.", 3000, 2)
+    small = [compact.Exchange(f"question {n} about the log", "an answer", 300, n) for n in range(3, 18)]
     p = compact.plan([hello, log, *small], 8192)
     assert p.anchor == log and [t.number for t in p.kept] == [1, 2, *range(8, 18)]  # 50 + 3000 + 10 x 300
     assert compact.describe(p, 8192, system=False) == [
@@ -315,9 +315,9 @@ def test_compact_carries_the_small_turns_before_the_paste_so_its_cache_is_reused
         "(50 tokens: the new session begins as this one did, so its cache is reused, not read again) and the last "
         "10 turns (turns 8-17, 3000 tokens); it leaves out turns 3-7 (1500 tokens)"]
     # Turns before it that are not small beside it stay behind: the context is worth more than the read.
-    chatty = [compact.Turn(f"chat {n}", "an answer", 300, n) for n in range(1, 4)]
-    log2 = compact.Turn(log.question, log.answer, 3000, 4)
-    p = compact.plan([*chatty, log2, *[compact.Turn(t.question, t.answer, 300, t.number + 2) for t in small]], 8192)
+    chatty = [compact.Exchange(f"chat {n}", "an answer", 300, n) for n in range(1, 4)]
+    log2 = compact.Exchange(log.question, log.answer, 3000, 4)
+    p = compact.plan([*chatty, log2, *[compact.Exchange(t.question, t.answer, 300, t.number + 2) for t in small]], 8192)
     assert p.anchor == log2 and p.kept[0] == log2
 
 

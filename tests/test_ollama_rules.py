@@ -15,7 +15,7 @@ from daemon.doors.guards import token_needed
 from daemon.doors.httpdoor import ApiError
 from daemon.doors.metrics import door_of
 from daemon.doors.ollama_api import keep_alive_seconds
-from daemon.doors.ollama_schema import Message, call_id, conversation
+from daemon.doors.ollama_schema import OllamaMessage, call_id, conversation
 from daemon.doors.rawprompt import RawPrompt, fim_markers
 
 LOOPBACK = Config()
@@ -63,13 +63,13 @@ def test_a_keep_alive_that_is_no_duration_is_refused(given: str) -> None:
 def test_calls_sent_back_without_ids_get_the_ids_kvd_gave() -> None:
     """The answer at conversation position m called with ids call_m_k: sent back without them, the same ids."""
     system, said = conversation([
-        Message(role="system", content="Be brief."), Message(role="user", content="Weather?"),
-        Message.model_validate({"role": "assistant", "content": "", "tool_calls": [
+        OllamaMessage(role="system", content="Be brief."), OllamaMessage(role="user", content="Weather?"),
+        OllamaMessage.model_validate({"role": "assistant", "content": "", "tool_calls": [
             {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
             {"function": {"name": "get_time", "arguments": {}}}]}),
-        Message(role="tool", content="12:00", tool_name="get_time"),
-        Message(role="tool", content="Sunny"),
-        Message(role="user", content="Thanks")])
+        OllamaMessage(role="tool", content="12:00", tool_name="get_time"),
+        OllamaMessage(role="tool", content="Sunny"),
+        OllamaMessage(role="user", content="Thanks")])
     assert system == "Be brief."
     assert [m.role for m in said] == ["user", "assistant", "tool", "tool", "user"]
     calls = said[1].tool_calls

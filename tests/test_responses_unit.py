@@ -11,7 +11,7 @@ import pytest
 from daemon.config import Config
 from daemon.doors.httpdoor import ApiError
 from daemon.doors.placement import Said
-from daemon.doors.responses_events import Encoder, Shape, output_of
+from daemon.doors.responses_events import Encoder, ResponseShape, output_of
 from daemon.doors.responses_schema import conversation, parse
 from daemon.doors.responses_stored import input_items, stored_object
 from daemon.events import AnswerDelta, AnswerDone, AnswerError, AnswerProgress, AnswerStarted, AnswerToolCall
@@ -165,7 +165,7 @@ def test_text_format_is_the_chat_doors_response_format() -> None:
 # --- the stream ---
 
 
-SHAPE = Shape("resp_abc", 1, "builtin:tiny", {"instructions": "x", "store": True}, {"session": "s"})
+SHAPE = ResponseShape("resp_abc", 1, "builtin:tiny", {"instructions": "x", "store": True}, {"session": "s"})
 USAGE = {"prompt_tokens": 10, "completion_tokens": 2, "cached_tokens": 8, "restored_from": "disk"}
 
 

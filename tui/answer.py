@@ -74,7 +74,7 @@ _CANNOT_GROW = {"heading_open", "hr"}
 
 
 @dataclass(frozen=True)
-class Block:
+class MarkdownBlock:
     source: str  # the block's own lines
     kind: str  # its first markdown-it token's type: "paragraph_open", "fence", "hr", …
 
@@ -127,21 +127,21 @@ def is_code(line: list[Segment]) -> bool:
     return bool(line) and line[0].style is CODE_LINE
 
 
-def split_finished(text: str) -> tuple[list[Block], str]:
+def split_finished(text: str) -> tuple[list[MarkdownBlock], str]:
     """The finished top-level blocks at the start of `text`, and the rest (unfinished)."""
     end = text.rfind("\n")
     if end < 0:
         return [], text
     lines = text[:end].split("\n")  # the complete lines
     starts = [t for t in _PARSER.parse(text[: end + 1]) if t.level == 0 and t.nesting >= 0 and t.map]
-    finished: list[Block] = []
+    finished: list[MarkdownBlock] = []
     cut = 0  # lines consumed by finished blocks
     for i, token in enumerate(starts):
         assert token.map is not None
         first, last = token.map
         if i + 1 == len(starts) and not _cannot_grow(token, lines):
             break
-        finished.append(Block("\n".join(lines[first:last]), token.type))
+        finished.append(MarkdownBlock("\n".join(lines[first:last]), token.type))
         cut = last
     if not finished:
         return [], text

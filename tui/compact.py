@@ -50,7 +50,7 @@ ANCHOR_MIN = 200  # tokens: below this no turn is "what the conversation is abou
 
 
 @dataclass(frozen=True)
-class Turn:
+class Exchange:
     question: str
     answer: str
     tokens: int
@@ -58,22 +58,22 @@ class Turn:
 
 
 @dataclass(frozen=True)
-class Plan:
-    kept: list[Turn]  # oldest first
-    left_out: list[Turn]
+class CompactPlan:
+    kept: list[Exchange]  # oldest first
+    left_out: list[Exchange]
     budget: int  # tokens the carried turns may take
-    anchor: Turn | None = None  # the large turn carried first
-    unfit: Turn | None = None  # the large turn that could not be carried
+    anchor: Exchange | None = None  # the large turn carried first
+    unfit: Exchange | None = None  # the large turn that could not be carried
 
 
-def turns(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
+def turns(messages: Sequence[Mapping[str, Any]]) -> list[Exchange]:
     """The transcript's whole turns, oldest first, each with its token count (the measurable ones).
 
     Turns a session was made with (an earlier /compact's: stored complete, never answered, so without
     usage) share the count of the first answer after them, in proportion to their characters.
     """
-    out: list[Turn] = []
-    carried: list[Turn] = []
+    out: list[Exchange] = []
+    carried: list[Exchange] = []
     before = 0
     number = 0
     for user, answer in zip(messages, messages[1:]):
@@ -82,7 +82,7 @@ def turns(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
         number += 1
         usage = answer.get("usage") or {}
         after = usage.get("context_tokens")
-        turn = Turn(str(user.get("content", "")), str(answer.get("content", "")), 0, number)
+        turn = Exchange(str(user.get("content", "")), str(answer.get("content", "")), 0, number)
         if after is None and not answer.get("usage") and answer.get("status") == "complete":
             carried.append(turn)
             continue
@@ -97,11 +97,11 @@ def turns(messages: Sequence[Mapping[str, Any]]) -> list[Turn]:
     return out
 
 
-def _shared(tokens: int, stretch: Sequence[Turn]) -> list[Turn]:
+def _shared(tokens: int, stretch: Sequence[Exchange]) -> list[Exchange]:
     """`tokens` measured for the whole stretch, split among its turns by their characters (at least 1 each)."""
     chars = [len(t.question) + len(t.answer) + 1 for t in stretch]
     total = sum(chars)
-    return [Turn(t.question, t.answer, max(1, tokens * c // total), t.number) for t, c in zip(stretch, chars)]
+    return [Exchange(t.question, t.answer, max(1, tokens * c // total), t.number) for t, c in zip(stretch, chars)]
 
 
 def window(messages: Sequence[Mapping[str, Any]]) -> int | None:
@@ -112,9 +112,9 @@ def window(messages: Sequence[Mapping[str, Any]]) -> int | None:
     return None
 
 
-def carried(all_turns: Sequence[Turn], budget: int) -> list[Turn]:
+def carried(all_turns: Sequence[Exchange], budget: int) -> list[Exchange]:
     """The last turns whose tokens fit in `budget`, oldest first."""
-    kept: list[Turn] = []
+    kept: list[Exchange] = []
     total = 0
     for turn in reversed(all_turns):
         if total + turn.tokens > budget:
@@ -124,20 +124,20 @@ def carried(all_turns: Sequence[Turn], budget: int) -> list[Turn]:
     return kept
 
 
-def plan(all_turns: Sequence[Turn], size: int) -> Plan:
+def plan(all_turns: Sequence[Exchange], size: int) -> CompactPlan:
     """What a new session carries from `all_turns` in a model with a `size`-token context."""
     budget = size // 2
     tail = carried(all_turns, budget)
     earlier = list(all_turns[: len(all_turns) - len(tail)])
     if not earlier:
-        return Plan(tail, [], budget)
+        return CompactPlan(tail, [], budget)
     anchor = max(earlier, key=lambda t: t.tokens)
     typical = sorted(t.tokens for t in all_turns)[len(all_turns) // 2]
     if anchor.tokens < max(ANCHOR_MIN, ANCHOR_FACTOR * typical):
-        return Plan(tail, earlier, budget)
+        return CompactPlan(tail, earlier, budget)
     wide = size * 3 // 4
     if anchor.tokens > wide:
-        return Plan(tail, earlier, budget, unfit=anchor)
+        return CompactPlan(tail, earlier, budget, unfit=anchor)
     at = all_turns.index(anchor)
     before = list(all_turns[:at])
     if sum(t.tokens for t in before) * ANCHOR_FACTOR > anchor.tokens:
@@ -146,10 +146,10 @@ def plan(all_turns: Sequence[Turn], size: int) -> Plan:
     room = wide - sum(t.tokens for t in head)
     kept = [*head, *carried(all_turns[at + 1:], room)] if room >= 0 else [anchor, *carried(all_turns[at + 1:],
                                                                                        wide - anchor.tokens)]
-    return Plan(kept, [t for t in all_turns if t not in kept], wide, anchor=anchor)
+    return CompactPlan(kept, [t for t in all_turns if t not in kept], wide, anchor=anchor)
 
 
-def _numbers(turns_: Sequence[Turn]) -> str:
+def _numbers(turns_: Sequence[Exchange]) -> str:
     """`turn 3`, `turns 2-4`, `turns 1, 3-5`."""
     spans: list[list[int]] = []
     for n in sorted(t.number for t in turns_):
@@ -166,7 +166,7 @@ def _quote(text: str) -> str:
     return repr(flat if len(flat) <= 40 else flat[:39] + "…")
 
 
-def describe(p: Plan, size: int, system: bool) -> list[str]:
+def describe(p: CompactPlan, size: int, system: bool) -> list[str]:
     """What /compact will carry and leave out, said before it creates anything."""
     parts = ["the system prompt"] if system else []
     if p.anchor is not None:
@@ -190,7 +190,7 @@ def describe(p: Plan, size: int, system: bool) -> list[str]:
     return lines
 
 
-def carried_messages(kept: Sequence[Turn]) -> list[dict[str, str]]:
+def carried_messages(kept: Sequence[Exchange]) -> list[dict[str, str]]:
     """The carried turns as session.create's `messages` (the most recent, as many as kvd takes)."""
     kept = kept[len(kept) - protocol.MAX_CARRIED // 2:] if len(kept) > protocol.MAX_CARRIED // 2 else kept
     return [m for turn in kept for m in ({"role": "user", "content": turn.question},
@@ -203,7 +203,7 @@ def run(chat: ChatView) -> None:
     title = str(old.get("title") or protocol.DEFAULT_TITLE)
     size = window(messages)
     measured = turns(messages)
-    chosen = plan(measured, size) if size else Plan([], measured, 0)
+    chosen = plan(measured, size) if size else CompactPlan([], measured, 0)
     kept = chosen.kept
     for line in describe(chosen, size or 0, bool(old.get("system"))):
         render.print_note(chat.console, line)
@@ -241,7 +241,7 @@ _TOO_LONG = re.compile(r"'messages\[(\d+)\]\.content' is longer than")
 
 
 def _create(chat: ChatView, old: Mapping[str, Any], title: str,
-            chosen: Plan) -> tuple[dict[str, Any], list[Turn], Plan]:
+            chosen: CompactPlan) -> tuple[dict[str, Any], list[Exchange], CompactPlan]:
     """The new session, carrying `chosen.kept` (less any turn longer than kvd takes as one message)."""
     kept = chosen.kept
     while True:
@@ -260,5 +260,5 @@ def _create(chat: ChatView, old: Mapping[str, Any], title: str,
                               "session cannot carry it" + (": paste again the part of it you need"
                                                             if turn is chosen.anchor else ""))
             if turn is chosen.anchor:
-                chosen = Plan(chosen.kept, chosen.left_out, chosen.budget)
+                chosen = CompactPlan(chosen.kept, chosen.left_out, chosen.budget)
             kept = [t for t in kept if t is not turn]

@@ -28,7 +28,7 @@ from .lineinput import Input
 from .link import Link
 from .listing import ORIGIN
 from .loop_thread import LoopThread
-from .turn import RECONNECTED, RECONNECTING, Turn
+from .turn import RECONNECTED, RECONNECTING, TurnRunner
 
 COPY_FILE = "kvchat-copy.txt"
 PICK = "number or title, Enter for a new chat: "
@@ -150,7 +150,7 @@ class Chat:
         if kind != protocol.CHAT_ATTACH:
             fields = {**self.options.fields(), **fields}
         self.wait_ready()
-        done = Turn(self.console, self.net, self.link, self.interrupts, self.session_id, kind, fields,
+        done = TurnRunner(self.console, self.net, self.link, self.interrupts, self.session_id, kind, fields,
                     last_index=self.last_index, clock=self.clock).run()
         if done is not None and isinstance(done.get("message_index"), int):
             self.last_index = done["message_index"]

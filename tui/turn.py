@@ -70,7 +70,7 @@ class Followed:
     text: str = ""  # every delta seen, joined
 
 
-class Turn:
+class TurnRunner:
     """``run()`` one request that produces an answer (chat.send, chat.regenerate,
     chat.edit), or follows one already running (chat.attach)."""
 

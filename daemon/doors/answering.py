@@ -30,7 +30,7 @@ from .httpdoor import REFUSED, ApiError
 log = logging.getLogger("kvd.api")
 
 
-class TurnAnswer(Response):
+class TurnResponse(Response):
     """One turn's answer as a JSON body or an event stream, ending the turn if the client goes. A door
     writes `_whole` and `_stream` in its own shape; the rest is the same for every door."""
 

@@ -22,7 +22,7 @@ from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerQueued, AnswerStarted, TurnEvent
 from ..turn import Turn
 from ..turns import Turns
-from .answering import TurnAnswer
+from .answering import TurnResponse
 from .anthropic_events import MessageStream, sse, whole
 from .anthropic_schema import error_body
 from .httpdoor import api_error
@@ -30,7 +30,7 @@ from .httpdoor import api_error
 Send = Callable[[dict[str, Any]], Any]
 
 
-class MessagesAnswer(TurnAnswer):
+class MessagesResponse(TurnResponse):
     def __init__(self, turns: Turns, config: Config, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
                  headers: dict[str, str], *, stream: bool):
         super().__init__(turns, config, turn, events, headers, stream=stream)

@@ -32,11 +32,11 @@ from protocol.requests import RequestError
 from protocol.shapes import stops
 
 from ..config import Config
-from ..prompt import Conversation
-from .anthropic_answer import MessagesAnswer
+from ..prompt import MessagePrompt
+from .anthropic_answer import MessagesResponse
 from .anthropic_schema import MessagesRequest, conversation, error_body, parse
 from .apiturns import ApiTurns, Ask, guarded
-from .httpdoor import ApiError, Refusal, api_error, read_request
+from .httpdoor import ApiError, RefusalResponse, api_error, read_request
 from .jsonoutput import call_grammar, output_grammar
 from .placement import Said
 from .titles import title_for
@@ -51,8 +51,8 @@ def is_anthropic(path: str) -> bool:
     return path == PATH or path.startswith(PATH + "/")
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Refusal:
-    return Refusal(e, error_body(e), headers)
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> RefusalResponse:
+    return RefusalResponse(e, error_body(e), headers)
 
 
 def _read(decoded: Any, surrogates: bool, config: Config, *, count: bool = False) -> tuple[MessagesRequest, Ask]:
@@ -98,7 +98,7 @@ class AnthropicDoor:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message, model=self.config.model), headers)
-        return MessagesAnswer(self.api.turns, self.config, turn, events.receive, headers, stream=req.stream)
+        return MessagesResponse(self.api.turns, self.config, turn, events.receive, headers, stream=req.stream)
 
     # --- POST /v1/messages/count_tokens ---
 
@@ -112,7 +112,7 @@ class AnthropicDoor:
             _, ask = read
             _, engine = await self.api.ready(ask.model)
             shown = ask.tools if self.api.tool_format(ask.tools, engine) else None  # as answered
-            prompt = Conversation(ask.convo, ask.system, shown)
+            prompt = MessagePrompt(ask.convo, ask.system, shown)
             ids, _ = await engine.tokenize(prompt.ids)
         except ApiError as e:
             return error_response(e)

@@ -109,7 +109,7 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | R
                   Field(discriminator="type")]
 
 
-class Message(_Strict):
+class AnthropicMessage(_Strict):
     # "system": Claude Code's mid-conversation system messages (its beta mid-conversation-system-2026-04-07)
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
@@ -130,7 +130,7 @@ def _texts(blocks: list[Any]) -> Iterator[str]:
             yield b.thinking
 
 
-class Tool(_Strict):
+class AnthropicTool(_Strict):
     # "custom" (or none): a tool the client runs. Anthropic's server tools (web_search_…, bash_…) are not
     # kvd's to run: accepted and not shown to the model, as the Responses door's other kinds of tool.
     type: str | None = Field(default=None, min_length=1, max_length=64)
@@ -186,7 +186,7 @@ class OutputConfig(_Strict):
 class MessagesRequest(_Strict):
     # A model kvd can serve, or a name [api] model_aliases lets the default answer (apiturns.ApiTurns.model).
     model: str | None = None
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[TextBlock] | None = None
     max_tokens: OutputLimit  # required, as Anthropic's; a ceiling, lowered to what fits (rules.py)
     stop_sequences: Stop = None
@@ -194,7 +194,7 @@ class MessagesRequest(_Strict):
     top_p: TopP | None = None
     top_k: int | None = Field(default=None, ge=0)  # accepted; kvd samples with temperature and top_p only
     stream: bool = False
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[AnthropicTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None

@@ -33,7 +33,7 @@ from sessions import is_valid_session_id
 from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
-from ..prompt import Conversation, Prompt
+from ..prompt import MessagePrompt, Prompt
 from ..turn import CallSplit, EventStream, Turn, TurnSpec
 from ..turns import Turns
 from .admission import Admission
@@ -228,7 +228,7 @@ class ApiTurns:
             f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
             sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p,
                                               **ask.knobs),
-            prompt=ask.prompt or Conversation(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
+            prompt=ask.prompt or MessagePrompt(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
                                               renders=self.turns.renders_for(model)),
             stop=ask.stop, seed=ask.seed, door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1,
             grammar=ask.grammar, tools=calls, model=model, fit=OUTPUT_LIMIT_FITS, context=ask.context,

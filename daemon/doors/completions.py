@@ -6,7 +6,7 @@ model's tokenizer has the markers. A completion has no conversation to place,
 so it needs no session of its own: its prefix is reused by content. The
 turn core still runs it in a session (its answer is committed, its cache
 kept as every turn's), one of a few kept for text completions per daemon
-(`Pool`): an idle one is rewound to nothing and takes the completion, so
+(`SessionPool`): an idle one is rewound to nothing and takes the completion, so
 their number stays at most the turns running at once. The cache store's
 checkout restores the longest prefix of the prompt's ids that anything holds:
 that session's last completion, another session's cache in memory, the
@@ -35,9 +35,9 @@ from sessions import Session
 from ..config import Config
 from ..turns import Turns
 from .apiturns import SESSION_HEADER, ApiTurns, Ask
-from .completions_answer import CompletionAnswer
+from .completions_answer import CompletionResponse
 from .completions_schema import CompletionRequest, parse, stops
-from .httpdoor import ApiError, Refusal, api_error, read_request
+from .httpdoor import ApiError, RefusalResponse, api_error, read_request
 from .placement import Placement, Said
 from .rawprompt import RawPrompt, fim_markers
 
@@ -49,11 +49,11 @@ TITLE = "text completions"
 POOL_LOOKUP = 64  # sessions looked at after a start for the pool's earlier ones
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Refusal:
-    return Refusal(e, e.body(), headers)
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> RefusalResponse:
+    return RefusalResponse(e, e.body(), headers)
 
 
-class Pool:
+class SessionPool:
     """The sessions text completions run in: an idle one is reused (rewound), else a new one is made."""
 
     def __init__(self, turns: Turns):
@@ -104,7 +104,7 @@ class CompletionsDoor:
 
     def __init__(self, config: Config, api: ApiTurns):
         self.config, self.api, self.turns = config, api, api.turns
-        self.pool = Pool(api.turns)
+        self.pool = SessionPool(api.turns)
         self.route = Route(PATH, self.complete, methods=["POST"])
 
     async def _request(self, request: Request) -> CompletionRequest | None:
@@ -133,7 +133,7 @@ class CompletionsDoor:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message, model=self.config.model), headers)
-        return CompletionAnswer(self.turns, self.config, turn, events.receive, req, headers,
+        return CompletionResponse(self.turns, self.config, turn, events.receive, req, headers,
                                 echo=text if req.echo else None, created=int(time.time()))
 
     async def _prompt(self, req: CompletionRequest, model: str, engine: Any) -> tuple[RawPrompt, str]:

@@ -18,7 +18,7 @@ from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent, cache_figures
 from ..turn import Turn
 from ..turns import Turns
-from .answering import TurnAnswer
+from .answering import TurnResponse
 from .completions_schema import CompletionRequest
 from .httpdoor import api_error
 from .openai_answer import finish_reason_of, usage_of
@@ -26,7 +26,7 @@ from .openai_answer import finish_reason_of, usage_of
 Send = Callable[[dict[str, Any]], Any]
 
 
-class CompletionAnswer(TurnAnswer):
+class CompletionResponse(TurnResponse):
     def __init__(self, turns: Turns, config: Config, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
                  req: CompletionRequest, headers: dict[str, str], *, echo: str | None, created: int):
         super().__init__(turns, config, turn, events, headers, stream=req.stream)

@@ -49,7 +49,7 @@ LOGGED_CHARS = 200  # of a path or User-Agent in a log line
 
 
 @dataclass(frozen=True)
-class Refusal:
+class GuardRefusal:
     status: HTTPStatus
     message: str  # what is wrong and what to do, for a person reading a client's error
 
@@ -114,22 +114,22 @@ def token_needed(method: str, path: str, headers: Mapping[str, str], peer: str |
     return True
 
 
-def check(headers: dict[str, str], config: Config, token: str, *, token_needed: bool = True) -> Refusal | None:
+def check(headers: dict[str, str], config: Config, token: str, *, token_needed: bool = True) -> GuardRefusal | None:
     """The first reason to refuse a request with these (lower-cased) headers, or None."""
     if not host_allowed(headers.get("host"), config):
-        return Refusal(HTTPStatus.FORBIDDEN,
+        return GuardRefusal(HTTPStatus.FORBIDDEN,
                        f"Host {headers.get('host')!r} is not allowed: kvd answers to loopback names "
                        "and the hosts listed in server.allowed_hosts in config.toml")
     origin = headers.get("origin")
     if origin is not None and origin not in config.allowed_origins:
-        return Refusal(HTTPStatus.FORBIDDEN,
+        return GuardRefusal(HTTPStatus.FORBIDDEN,
                        "browser origins are not allowed; see allowed_origins in config.toml")
     if not token_needed:
         return None
     bearer = hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {token}".encode())
     api_key = hmac.compare_digest(headers.get("x-api-key", "").encode(), token.encode())
     if not (bearer or api_key):
-        return Refusal(HTTPStatus.UNAUTHORIZED,
+        return GuardRefusal(HTTPStatus.UNAUTHORIZED,
                        "missing or wrong token; it is in the token file of kvd's data directory")
     return None
 

@@ -5,7 +5,7 @@
   a message that says what to send instead, the field it is about (`param`)
   and a code. Each door words it in its own shape (`ApiError.body` is
   OpenAI's; anthropic_schema.error_body Anthropic's) and sends it as a
-  `Refusal`, which tells the log why (server.py logs every 4xx and 5xx with
+  `RefusalResponse`, which tells the log why (server.py logs every 4xx and 5xx with
   the door, the client, the path, the code and this reason).
 - `read_request` reads a body within the limits, decodes its JSON (on a
   worker thread past INLINE_BYTES: its cost grows with the body, and the
@@ -81,7 +81,7 @@ class ApiError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-class Refusal(JSONResponse):
+class RefusalResponse(JSONResponse):
     """A refused request's response, the body in its door's shape; it leaves its `ApiError` in the
     request's scope, so the log says why."""
 

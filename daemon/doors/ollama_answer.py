@@ -26,7 +26,7 @@ from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent, cache_figures
 from ..turn import Turn
 from ..turns import Turns
-from .answering import TurnAnswer
+from .answering import TurnResponse
 from .httpdoor import api_error
 from .ollama_schema import error_body, ollama_calls
 from .openai_answer import token_logprobs
@@ -67,7 +67,7 @@ def kvd_figures(session_id: str, done: AnswerDone) -> dict[str, Any]:
             "restore_ms": u.get("restore_ms"), **cache_figures(u)}
 
 
-class OllamaAnswer(TurnAnswer):
+class OllamaResponse(TurnResponse):
     """A chat (`chat=True`: a `message`) or generate (`response`) answer, NDJSON or one object."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],

@@ -38,14 +38,14 @@ from .. import __version__
 from ..config import Config
 from . import ollama_models
 from .apiturns import ApiTurns, Ask, guarded
-from .httpdoor import ApiError, Refusal, api_error, read_request
+from .httpdoor import ApiError, RefusalResponse, api_error, read_request
 from .jsonoutput import output_grammar
-from .ollama_answer import OllamaAnswer, created_at
+from .ollama_answer import OllamaResponse, created_at
 from .ollama_schema import (
     NUM_PREDICT_ALL,
-    ChatRequest,
     GenerateRequest,
     ModelRequest,
+    OllamaChatRequest,
     Options,
     call_id,
     conversation,
@@ -85,8 +85,8 @@ def is_ollama(path: str) -> bool:
     return path.startswith(PREFIX)
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Refusal:
-    return Refusal(e, error_body(e), headers)
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> RefusalResponse:
+    return RefusalResponse(e, error_body(e), headers)
 
 
 def keep_alive_seconds(value: float | int | str | None) -> float | None:
@@ -250,8 +250,8 @@ class OllamaDoor:
                            "suffix out, or serve a code model that has them")
         return markers
 
-    async def _answer(self, request: Request, req: ChatRequest | GenerateRequest, ask: Ask, headers: dict[str, str],
-                      started: int, *, chat: bool) -> Response:
+    async def _answer(self, request: Request, req: OllamaChatRequest | GenerateRequest, ask: Ask,
+                      headers: dict[str, str], started: int, *, chat: bool) -> Response:
         sampling = _sampling(req.options, self.config)
         model = await self._model(req.model)
         keep = keep_alive_seconds(req.keep_alive)
@@ -272,7 +272,7 @@ class OllamaDoor:
             turn, events = await self.api.start(request, ask, headers, rid_prefix="ollama-")
         if keep is not None:
             self.turns.engines.keep(model, keep)
-        return OllamaAnswer(self.turns, self.config, turn, events.receive, headers, stream=req.stream, chat=chat,
+        return OllamaResponse(self.turns, self.config, turn, events.receive, headers, stream=req.stream, chat=chat,
                             model=req.model, started_ns=started, load_ns=load_ns, extra=extra)
 
     async def _load_only(self, name: str, keep_alive: float | int | str | None, *, chat: bool) -> Response:

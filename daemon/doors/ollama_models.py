@@ -40,7 +40,7 @@ from typing import Any
 import anyio
 
 from ..engine.registry import Engines
-from ..models.catalog import Entry
+from ..models.catalog import CatalogEntry
 from .httpdoor import ApiError
 
 log = logging.getLogger("kvd.api")
@@ -49,7 +49,7 @@ FOREVER = datetime(2318, 1, 1, tzinfo=timezone.utc)  # Ollama's expires_at for a
 PULLS = 1  # models fetched at once
 
 
-def _catalog(models_dir: Path) -> list[Entry]:
+def _catalog(models_dir: Path) -> list[CatalogEntry]:
     """Every model kvd can run here (a worker thread: it reads headers, walks Ollama's and the HF cache's folders)."""
     from ..models.catalog import entries
 
@@ -67,14 +67,14 @@ def parameter_size(n: int | None) -> str:
     return str(n)
 
 
-def _digest(e: Entry) -> str:
+def _digest(e: CatalogEntry) -> str:
     """A stable id for the model as it is on disk (Ollama's is its manifest's sha256): its name, size, and
     its files' modification time."""
     mtime = e.path.stat().st_mtime_ns if e.path is not None and e.path.exists() else 0
     return hashlib.sha256(f"{e.name}\0{e.size}\0{mtime}".encode()).hexdigest()
 
 
-def _modified(e: Entry) -> str:
+def _modified(e: CatalogEntry) -> str:
     try:
         when = datetime.fromtimestamp(e.path.stat().st_mtime, timezone.utc) if e.path is not None else None
     except OSError:
@@ -82,14 +82,14 @@ def _modified(e: Entry) -> str:
     return (when or datetime.now(timezone.utc)).isoformat().replace("+00:00", "Z")
 
 
-def _details(e: Entry, params: int | None) -> dict[str, Any]:
+def _details(e: CatalogEntry, params: int | None) -> dict[str, Any]:
     fmt = "gguf" if e.path is not None and e.path.is_file() else "safetensors"
     family = e.architecture if e.architecture != "?" else ""
     return {"parent_model": "", "format": fmt, "family": family, "families": [family] if family else None,
             "parameter_size": parameter_size(params), "quantization_level": e.encoding if e.encoding != "?" else ""}
 
 
-def _params(e: Entry) -> int | None:
+def _params(e: CatalogEntry) -> int | None:
     from ..models.footprint import parameter_count
 
     return parameter_count(e.path) if e.path is not None else None
@@ -124,7 +124,7 @@ def _template_of(path: Path | None) -> str:
     return template if isinstance(template, str) else ""
 
 
-def _entry(models_dir: Path, model: str) -> Entry | None:
+def _entry(models_dir: Path, model: str) -> CatalogEntry | None:
     return next((e for e in _catalog(models_dir) if e.name == model), None)
 
 

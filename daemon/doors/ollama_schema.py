@@ -37,7 +37,7 @@ from protocol.shapes import stops as stop_list
 
 from ..config import Config
 from .httpdoor import ApiError
-from .openai_schema import JsonSchemaFormat, ResponseFormat, Tool, checked_body, fits, validated
+from .openai_schema import JsonSchemaFormat, OpenAITool, ResponseFormat, checked_body, fits, validated
 from .placement import Said
 
 #: An Ollama client's `stop` may list more than OpenAI's four; kvd scans each against every delta.
@@ -84,21 +84,21 @@ class Options(_Strict):
         return stop
 
 
-class CalledFunction(_Strict):
+class OllamaCalledFunction(_Strict):
     name: str = Field(min_length=1, max_length=128)
     arguments: dict[str, Any] | str  # Ollama's: an object; a string is taken as JSON text
 
 
-class ToolCall(_Strict):
+class OllamaToolCall(_Strict):
     id: str | None = Field(default=None, min_length=1, max_length=256)
-    function: CalledFunction
+    function: OllamaCalledFunction
 
 
-class Message(_Strict):
+class OllamaMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
     images: list[Any] | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = Field(default=None, max_length=128)  # a tool message: the function it answers
     tool_call_id: str | None = Field(default=None, max_length=256)
     thinking: str | None = None  # an assistant's reasoning sent back: kvd keeps none, so none is shown
@@ -122,9 +122,9 @@ class _Asked(_Strict):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-class ChatRequest(_Asked):
-    messages: list[Message] = Field(default_factory=list, max_length=MAX_MESSAGES)
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+class OllamaChatRequest(_Asked):
+    messages: list[OllamaMessage] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    tools: list[OpenAITool] | None = Field(default=None, max_length=MAX_TOOLS)
 
 
 class GenerateRequest(_Asked):
@@ -157,8 +157,8 @@ class ModelRequest(_Strict):
         return self.model or self.name or ""
 
 
-def parse_chat(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
-    req = validated(ChatRequest, checked_body(body, surrogates=surrogates), config)
+def parse_chat(body: Any, config: Config, *, surrogates: bool = True) -> OllamaChatRequest:
+    req = validated(OllamaChatRequest, checked_body(body, surrogates=surrogates), config)
     _check_common(req)
     for i, m in enumerate(req.messages):
         if m.images:
@@ -212,7 +212,7 @@ def stops(options: Options | None) -> list[str]:
     return stop_list(options.stop if options is not None else None)
 
 
-def conversation(messages: Sequence[Message]) -> tuple[str | None, list[Said]]:
+def conversation(messages: Sequence[OllamaMessage]) -> tuple[str | None, list[Said]]:
     """The request's system prompt and the rest as the transcript keeps it (see the module)."""
     lead: list[str] = []
     said: list[Said] = []

@@ -20,9 +20,9 @@ from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TokenLogprob, TurnEvent, cache_figures
 from ..turn import Turn
 from ..turns import Turns
-from .answering import TurnAnswer
+from .answering import TurnResponse
 from .httpdoor import api_error
-from .openai_schema import ChatRequest
+from .openai_schema import OpenAIChatRequest
 from .toolcalls import openai_calls
 
 log = logging.getLogger("kvd.api")
@@ -41,11 +41,11 @@ def finish_reason_of(reason: str) -> str:
     return "length" if reason in ("length", "cancelled") else "stop"
 
 
-class Answer(TurnAnswer):
+class ChatResponse(TurnResponse):
     """One turn's answer as OpenAI's JSON body or event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], req: ChatRequest, headers: dict[str, str]):
+                 events: MemoryObjectReceiveStream[TurnEvent], req: OpenAIChatRequest, headers: dict[str, str]):
         super().__init__(turns, config, turn, events, headers, stream=req.stream)
         self.req = req
         self.created = int(time.time())

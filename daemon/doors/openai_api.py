@@ -27,14 +27,14 @@ from protocol.requests import RequestError
 from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
-from ..prompt import Conversation
+from ..prompt import MessagePrompt
 from ..turn import EventStream, Turn
 from .apiturns import ApiTurns, Ask, guarded
 from .completions import CompletionsDoor
-from .httpdoor import ApiError, Refusal, api_error, read_request
+from .httpdoor import ApiError, RefusalResponse, api_error, read_request
 from .jsonoutput import call_grammar, output_grammar
-from .openai_answer import Answer
-from .openai_schema import ChatRequest, instructions, parse, stops
+from .openai_answer import ChatResponse
+from .openai_schema import OpenAIChatRequest, instructions, parse, stops
 from .placement import Said, links
 from .toolcalls import openai_calls
 from .toolturns import check_tool_turns
@@ -44,12 +44,12 @@ log = logging.getLogger("kvd.api")
 SEEDED = 8  # API conversations whose last request is rendered again after a start (`OpenAIDoor.seed`)
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> Refusal:
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> RefusalResponse:
     """A refusal in OpenAI's shape (the chat and Responses doors')."""
-    return Refusal(e, e.body(), headers)
+    return RefusalResponse(e, e.body(), headers)
 
 
-def _read(decoded: Any, surrogates: bool, config: Config) -> tuple[ChatRequest, str | None, list[Said]]:
+def _read(decoded: Any, surrogates: bool, config: Config) -> tuple[OpenAIChatRequest, str | None, list[Said]]:
     """The body as a validated request, its system prompt and its conversation (all three grow with
     the conversation: httpdoor.read_request runs this on a worker thread past INLINE_BYTES)."""
     req = parse(decoded, config, surrogates=surrogates)
@@ -164,9 +164,9 @@ class OpenAIDoor:
             return error_response(e, headers)
         except RequestError as e:
             return error_response(api_error(e.code, e.message), headers)
-        return Answer(self.turns, self.config, turn, events.receive, req, headers)
+        return ChatResponse(self.turns, self.config, turn, events.receive, req, headers)
 
-    async def _start(self, request: Request, req: ChatRequest, system: str | None, convo: list[Said],
+    async def _start(self, request: Request, req: OpenAIChatRequest, system: str | None, convo: list[Said],
                      headers: dict[str, str]) -> tuple[Turn, EventStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         tools, forced = req.offered_tools(), req.forced()
@@ -216,7 +216,7 @@ class OpenAIDoor:
                 continue
             asked = [Said(m["role"], m["content"], reasoning=m.get("reasoning")) for m in said[:-1]]
             system = session["system"]
-            prompt = Conversation(asked, system, None, chain=links(system, asked), renders=self.turns.renders)
+            prompt = MessagePrompt(asked, system, None, chain=links(system, asked), renders=self.turns.renders)
             try:
                 await self.turns.engine.tokenize(prompt.ids)  # the default model's (seeded at start)
             except Exception:  # a template that refuses it: its next request renders whole

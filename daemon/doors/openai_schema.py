@@ -60,15 +60,15 @@ class TextPart(_Strict):
     text: str
 
 
-class CalledFunction(_Strict):
+class OpenAICalledFunction(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Strict):
+class OpenAIToolCall(_Strict):
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
-    function: CalledFunction
+    function: OpenAICalledFunction
 
     def stored(self) -> dict[str, str]:
         """As the transcript keeps a call: {"id", "name", "arguments"}."""
@@ -80,7 +80,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # an assistant's may be null (as clients send it back)
     name: str | None = None  # accepted and ignored: the chat template has no place for it
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back as the answer gave them
+    tool_calls: list[OpenAIToolCall] | None = None  # an assistant's calls, sent back as the answer gave them
     tool_call_id: str | None = Field(default=None, max_length=256)  # a tool message: the call it answers
     # An assistant's reasoning sent back apart from its content (vLLM-style clients; `reasoning` is vLLM's
     # newer name): the chat template renders it where it renders reasoning (Qwen3: in <think>).
@@ -151,7 +151,7 @@ class FunctionSpec(_Strict):
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class OpenAITool(_Strict):
     type: Literal["function"]
     function: FunctionSpec
 
@@ -196,7 +196,7 @@ class Knobs(_Strict):
         return out
 
 
-class ChatRequest(Knobs):
+class OpenAIChatRequest(Knobs):
     model: str | None = None  # a model `kvd models` lists, an alias, or none (the default): the registry resolves it
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: OutputLimit | None = None  # a ceiling: lowered to what fits (rules.py)
@@ -210,7 +210,7 @@ class ChatRequest(Knobs):
     n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[OpenAITool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: the model calls as many as it writes
     response_format: ResponseFormat | None = None
@@ -231,15 +231,15 @@ class ChatRequest(Knobs):
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
-def parse(body: Any, config: Config, *, surrogates: bool = True) -> ChatRequest:
-    """A request body (already JSON-decoded) as a ChatRequest, or the ApiError that says what to fix.
+def parse(body: Any, config: Config, *, surrogates: bool = True) -> OpenAIChatRequest:
+    """A request body (already JSON-decoded) as an OpenAIChatRequest, or the ApiError that says what to fix.
 
     `surrogates=False`: the caller saw that the body's bytes cannot hold a lone surrogate
     (`may_hold_surrogates`), so its strings are not walked for one.
     """
     checked = checked_body(body, surrogates=surrogates)
     text_only(checked.get("messages"), "messages")
-    req = validated(ChatRequest, checked, config)
+    req = validated(OpenAIChatRequest, checked, config)
     _check_asks(req, config)
     _check_messages(req)
     return req
@@ -296,7 +296,7 @@ def refusal(error: ErrorDetails) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, f"{where or 'body'}: {error['msg']} (got {got})", param=where or None)
 
 
-def _check_asks(req: ChatRequest, config: Config) -> None:
+def _check_asks(req: OpenAIChatRequest, config: Config) -> None:
     """What the request asks for that kvd does not do (the model it names: the door asks the registry)."""
     if req.n not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "kvd generates one choice per request; send n = 1 "
@@ -316,7 +316,7 @@ def _check_asks(req: ChatRequest, config: Config) -> None:
                        "leave response_format out", param="response_format")
 
 
-def _check_messages(req: ChatRequest) -> None:
+def _check_messages(req: OpenAIChatRequest) -> None:
     """Who may say what, and where: the roles' rules over the conversation."""
     for i, m in enumerate(req.messages):
         if m.role == "tool" and not m.tool_call_id:
@@ -343,7 +343,7 @@ def answers_to(name: str, config: Config) -> bool:
     return name in aliases or "*" in aliases
 
 
-def instructions(req: ChatRequest) -> str | None:
+def instructions(req: OpenAIChatRequest) -> str | None:
     """The leading system and developer messages, joined in order (None when there are none)."""
     lead = []
     for m in req.messages:
@@ -353,5 +353,5 @@ def instructions(req: ChatRequest) -> str | None:
     return "\n\n".join(lead) if lead else None
 
 
-def stops(req: ChatRequest) -> list[str]:
+def stops(req: OpenAIChatRequest) -> list[str]:
     return stop_list(req.stop)

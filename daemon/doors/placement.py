@@ -48,7 +48,7 @@ from protocol.requests import RequestError
 from sessions import new_session_id
 from sessions.chains import Chains, chain
 
-from ..transcripts import Held, prepared
+from ..transcripts import HeldSession, prepared
 from ..turns import Turns
 
 #: A conversation this short is hashed on the event loop (~2 µs a message), not on a worker thread,
@@ -183,7 +183,7 @@ async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinn
         if decision.session_id is None or turns.transcripts.get(decision.session_id) is not None:
             break
         await turns.hold(decision.session_id)
-    new: Held | None = None
+    new: HeldSession | None = None
     if decision.session_id is None and len(messages) > 1:  # a long new conversation: built off the loop
         session_id = new_session_id()
         new = await anyio.to_thread.run_sync(

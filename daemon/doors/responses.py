@@ -44,9 +44,9 @@ from sessions.responses import StoredResponse, delete_response, get_response, pu
 
 from ..config import Config
 from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent
-from ..prompt import Conversation
+from ..prompt import MessagePrompt
 from ..turn import Turn
-from .answering import TurnAnswer
+from .answering import TurnResponse
 from .apiturns import ApiTurns, Ask, guarded
 from .httpdoor import ApiError, api_error, read_request
 from .jsonoutput import call_grammar, output_grammar
@@ -54,8 +54,8 @@ from .openai_answer import token_logprobs
 from .openai_api import error_response
 from .openai_schema import ResponseFormat
 from .placement import INLINE_MESSAGES, Said
-from .responses_events import RESPONSE_PREFIX, Encoder, Shape
-from .responses_schema import Input, InputItem, ResponsesRequest, calls_of, conversation, parse
+from .responses_events import RESPONSE_PREFIX, Encoder, ResponseShape
+from .responses_schema import InputItem, ResponsesInput, ResponsesRequest, calls_of, conversation, parse
 from .responses_stored import input_items, referenced, stored_object
 
 log = logging.getLogger("kvd.api")
@@ -91,7 +91,7 @@ def asked(req: ResponsesRequest) -> dict[str, Any]:
             "model": req.model}
 
 
-def system_of(req: ResponsesRequest, new: Input) -> str | None:
+def system_of(req: ResponsesRequest, new: ResponsesInput) -> str | None:
     """The request's system prompt: its instructions, then its input's leading system and developer messages."""
     parts = [*([req.instructions] if req.instructions is not None else []), *new.lead]
     return "\n\n".join(parts) if parts else None
@@ -187,8 +187,8 @@ class ResponsesDoor:
             assert turn.held is not None
             self.turns.transcripts.responded(turn.held, turn.message_index)  # a rewrite keeps its answer
             self.points.remember(rid, turn.session_id, turn.message_index)
-        shape = Shape(rid, int(time.time()), self.config.model, request_shape, {"session": turn.session_id})
-        return ResponsesAnswer(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
+        shape = ResponseShape(rid, int(time.time()), self.config.model, request_shape, {"session": turn.session_id})
+        return ResponsesResponse(self, turn, events.receive, Encoder(shape), headers, stream=req.stream,
                                stored=req.store)
 
     async def _point(self, response_id: str) -> tuple[str, int]:
@@ -274,7 +274,7 @@ class ResponsesDoor:
             system, convo = await self._conversation(req)
             tools = [t.for_template() for t in req.functions()] or None
             shown = tools if self.api.tool_format(tools, engine) is not None else None
-            ids, _ = await engine.tokenize(Conversation(convo, system, shown).ids)
+            ids, _ = await engine.tokenize(MessagePrompt(convo, system, shown).ids)
         except (ApiError, RequestError) as e:
             return _refusal(e, {})
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
@@ -308,7 +308,7 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
                     "false, or deleted)", param=param, code="previous_response_not_found" if param else "not_found")
 
 
-class ResponsesAnswer(TurnAnswer):
+class ResponsesResponse(TurnResponse):
     """One response: its body, or its stream of typed events (`event:` and `data:` lines)."""
 
     def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],

@@ -33,7 +33,7 @@ RESPONSE_PREFIX = "resp_"
 
 
 @dataclass(frozen=True)
-class Shape:
+class ResponseShape:
     """What a response object shows besides its outcome: its id, when, the model, what the request asked."""
 
     id: str
@@ -86,7 +86,7 @@ def outcome(finish_reason: str) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def response_object(shape: Shape, *, status: str, output: list[dict[str, Any]],
+def response_object(shape: ResponseShape, *, status: str, output: list[dict[str, Any]],
                     usage: Mapping[str, Any] | None = None, error: Mapping[str, Any] | None = None,
                     incomplete: Mapping[str, Any] | None = None) -> dict[str, Any]:
     asked = shape.request
@@ -110,7 +110,7 @@ def response_object(shape: Shape, *, status: str, output: list[dict[str, Any]],
 class Encoder:
     """One response's stream: typed events in, OpenAI's stream events out (each a dict with its `type`)."""
 
-    def __init__(self, shape: Shape):
+    def __init__(self, shape: ResponseShape):
         self.shape = shape
         self.seq = 0
         self.began = False

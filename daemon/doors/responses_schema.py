@@ -240,7 +240,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 
 
 @dataclass(frozen=True)
-class Input:
+class ResponsesInput:
     """A request's input as the transcript keeps it: the leading system and developer messages' text
     (they join `instructions` as the system prompt) and the messages, each with the item it began at."""
 
@@ -263,12 +263,12 @@ def _text(parts: str | list[ContentPart] | None, where: str) -> str:
     return "".join(out)
 
 
-def conversation(items: str | Sequence[InputItem], issued: Collection[str] = ()) -> Input:
+def conversation(items: str | Sequence[InputItem], issued: Collection[str] = ()) -> ResponsesInput:
     """The request's input as messages (ApiError for an item that cannot be one, or a tool turn that
     answers no call, before anything is stored). `issued`: the calls of the answer the input continues
     (the previous response's), which its first outputs may answer."""
     if isinstance(items, str):
-        return Input((), (Said("user", items),), (0,))
+        return ResponsesInput((), (Said("user", items),), (0,))
     lead: list[str] = []
     out: list[Said] = []
     starts: list[int] = []
@@ -311,7 +311,7 @@ def conversation(items: str | Sequence[InputItem], issued: Collection[str] = ())
     _check_calls(out, starts, issued)
     if not out:
         raise _bad("input has no user message to answer (only system or developer messages)", "input")
-    return Input(tuple(lead), tuple(out), tuple(starts))
+    return ResponsesInput(tuple(lead), tuple(out), tuple(starts))
 
 
 def _reasoning(item: InputItem, where: str) -> str:

@@ -16,7 +16,7 @@ from sessions import Message, Store
 from sessions.chains import said
 from sessions.responses import answer_of, get_response, holding, input_of
 
-from .responses_events import RESPONSE_PREFIX, Shape, outcome, output_of, response_object
+from .responses_events import RESPONSE_PREFIX, ResponseShape, outcome, output_of, response_object
 
 # The item ids kvd issues: a response's output (msg_<its id's tail>, fc_<tail>_<i>) and input_items'
 # (msg_ / fco_ <session><message index:06d>[g<gen>], fc_<session><index>[g<gen>]_<i>: the session whose id
@@ -39,7 +39,7 @@ def stored_object(store: Store, response_id: str, model: str,
     answer = answer_of(store, row)
     if answer is None:
         return None
-    shape = Shape(row.id, int(row.created_at), model, row.request, {"session": row.session_id})
+    shape = ResponseShape(row.id, int(row.created_at), model, row.request, {"session": row.session_id})
     calls = answer["tool_calls"] or []
     if answer["status"] == "streaming" and row.session_id in answering:
         return response_object(shape, status="in_progress", output=[])

@@ -75,7 +75,7 @@ class ReadReported:
 
 
 @dataclass
-class Status:
+class StatusQuery:
     reply: Callable[[dict[str, Any]], None]  # called on the engine thread
     written: bool = False  # sent back by the I/O worker once the disk writes queued before it are done
 

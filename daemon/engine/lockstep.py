@@ -64,7 +64,7 @@ class Op(IntEnum):
 
 
 @dataclass
-class Message:
+class LockstepMessage:
     op: Op
     fields: list[int]
     payload: list[int]
@@ -88,24 +88,24 @@ def _i32(u: int) -> int:
     return u - (1 << 32) if u >= 1 << 31 else u
 
 
-def encode(cmd: Answer | Cancel | Forget | Stop | Op) -> Message:
+def encode(cmd: Answer | Cancel | Forget | Stop | Op) -> LockstepMessage:
     """A command as rank 0 sends it (Op.STEP and Op.IDLE stand for themselves)."""
     if isinstance(cmd, Op):
-        return Message(cmd, [], [])
+        return LockstepMessage(cmd, [], [])
     if isinstance(cmd, Stop):
-        return Message(Op.STOP, [], [])
+        return LockstepMessage(Op.STOP, [], [])
     sid = list(cmd.session_id.encode())
     if isinstance(cmd, (Cancel, Forget)):
-        return Message(Op.CANCEL if isinstance(cmd, Cancel) else Op.FORGET, [len(sid)], sid)
+        return LockstepMessage(Op.CANCEL if isinstance(cmd, Cancel) else Op.FORGET, [len(sid)], sid)
     seed = cmd.seed if cmd.seed is not None else 0
     grammar = list(cmd.grammar.encode()) if cmd.grammar is not None else []
     fields = [len(sid), len(cmd.tokens), cmd.max_tokens, *_f64(cmd.temperature), *_f64(cmd.top_p),
               int(cmd.seed is not None), _i32(seed & 0xFFFFFFFF), _i32(seed >> 32), int(cmd.retokenized),
               cmd.fed_before, int(cmd.history), int(cmd.grammar is not None)]
-    return Message(Op.JOB, fields, [*cmd.tokens, *grammar, *sid])
+    return LockstepMessage(Op.JOB, fields, [*cmd.tokens, *grammar, *sid])
 
 
-def decode_job(m: Message, emit: Any) -> Answer | Cancel | Forget:
+def decode_job(m: LockstepMessage, emit: Any) -> Answer | Cancel | Forget:
     """A follower's copy of rank 0's command; its events go to `emit` (nowhere)."""
     n_sid = m.fields[0]
     sid = bytes(m.payload[len(m.payload) - n_sid:]).decode()
@@ -177,7 +177,7 @@ class Lockstep:
 
     # --- followers ---
 
-    def receive(self) -> Message:
+    def receive(self) -> LockstepMessage:
         assert self.rank > 0
         head = self._sum([], HEADER)
         op, length, fields = self._op(head[0]), head[1], head[2:]
@@ -189,7 +189,7 @@ class Lockstep:
         payload: list[int] = []
         while len(payload) < length:
             payload += self._sum([], min(CHUNK, length - len(payload)))
-        return Message(op, fields, payload)
+        return LockstepMessage(op, fields, payload)
 
     # --- every rank ---
 

@@ -6,12 +6,12 @@ on the event loop, and "one at a time" is a lock every decision holds while it i
 
 - a **load** prepares the model's files (outside the lock: fetching or converting holds no model in
   memory), then, in order: waits for the default's load at start, unloads idle models least recently
-  used first if the weights would not fit (daemon/device.py's `make_room`, waiting until each one's
+  used first if the weights would not fit (daemon/device.py's `room_to_load`, waiting until each one's
   engine has stopped), shrinks the caches' budgets to what is left beside the weights *with the new
   model's footprint* (read from its files before a weight is loaded) and waits until every model's
   caches are within them, and only then starts the engine; once it is ready its measured weights
   replace the footprint;
-- an **unload** (make_room's, keep_alive's) marks the model unloading and stops its engine: until the
+- an **unload** (room_to_load's, keep_alive's) marks the model unloading and stops its engine: until the
   engine has stopped, its weights and its caches still count (its store is still in the pool, paging
   them out), and a request for the model waits for the unload to end, then loads it again;
 - the **budgets** (the resident and warm tiers every model's caches share, cachestore's `Pool`) follow
@@ -41,7 +41,7 @@ from common.sizes import human_bytes
 from common.tiers import RESIDENT, WARM
 
 from ..config import Config
-from ..device import LoadedModel, make_room
+from ..device import LoadedModel, room_to_load
 from .thread import Engine
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class Memory:
                 "budgets": dict(pool.budgets)}
 
     def view(self) -> list[LoadedModel]:
-        """The counted models as make_room sees them: idle ones with their idle time, the others busy."""
+        """The counted models as room_to_load sees them: idle ones with their idle time, the others busy."""
         now = time.monotonic()
         return [LoadedModel(s.name, s.weights(),
                             None if not s.ready or s.unloading or self.busy(s.name) else now - s.last_used)
@@ -162,7 +162,7 @@ class Memory:
             return
         async with self._deciding:
             await self._after_loads(slot)
-            if (refusal := await self._make_room(name, slot.nbytes)) is not None:
+            if (refusal := await self._unload_for(name, slot.nbytes)) is not None:
                 slot.error, slot.refused = refusal, True
                 return
             await self._rebudget(self.weights() + slot.nbytes)  # the caches make room first
@@ -204,9 +204,9 @@ class Memory:
                   if s is not slot and s.engine is not None):
             await anyio.sleep(POLL)
 
-    async def _make_room(self, name: str, need: int) -> str | None:
-        """Unload what make_room says (idle models, least recently used first); its refusal, if any."""
-        room = make_room(name, need, self.limit(), [m for m in self.view() if m.name != name])
+    async def _unload_for(self, name: str, need: int) -> str | None:
+        """Unload what room_to_load says (idle models, least recently used first); its refusal, if any."""
+        room = room_to_load(name, need, self.limit(), [m for m in self.view() if m.name != name])
         if room.refusal is not None:
             return room.refusal
         for victim in room.unload:

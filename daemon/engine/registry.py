@@ -50,7 +50,7 @@ KEEP_ALIVE_MIN_CHECK = 0.5  # and at least
 
 
 class ModelRefused(Exception):
-    """The model cannot be loaded now: `too_large` when there is no room for it (make_room's line),
+    """The model cannot be loaded now: `too_large` when there is no room for it (room_to_load's line),
     `unknown_model` when it cannot be loaded at all (its files, a sharded kvd)."""
 
     def __init__(self, message: str, code: str = p.UNKNOWN_MODEL) -> None:

@@ -31,7 +31,7 @@ from ..config import Config
 from ..events import AnswerError
 from . import heap
 from .handoff import Handoff
-from .jobs import Cancel, Done, Forget, Inbox, ReadReported, RoomFreed, Status, Stop
+from .jobs import Cancel, Done, Forget, Inbox, ReadReported, RoomFreed, StatusQuery, Stop
 from .lockstep import Op
 from .profile import StepProfile, wanted
 from .running import Answer, EngineStatistics
@@ -131,7 +131,7 @@ class Engine:
 
     def query_status(self, reply: Callable[[dict[str, Any]], None]) -> None:
         """Ask for fresh statistics: answered between steps, once any finished answer's cache is kept (on disk too)."""
-        self._inbox.put(Status(reply))
+        self._inbox.put(StatusQuery(reply))
 
     def stop(self, timeout: float | None = None) -> None:
         """Cancel whatever runs (each answer gets its Done) and end the thread."""
@@ -278,7 +278,7 @@ class Engine:
                     self._inbox.close(self._late)
                     return
                 if cmd is not None:
-                    if ls is not None and not isinstance(cmd, (Status, ReadReported, RoomFreed)):
+                    if ls is not None and not isinstance(cmd, (StatusQuery, ReadReported, RoomFreed)):
                         ls.send(cmd)
                     self.apply(cmd)
                 if self._inbox.empty():  # every request so far handled: the engine moves one step
@@ -354,7 +354,7 @@ class Engine:
         if self.profile is not None:
             self.profile.handed(decoding=self.scheduler.any_decoding())
 
-    def apply(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
+    def apply(self, cmd: Answer | Cancel | Forget | StatusQuery | ReadReported | RoomFreed) -> None:
         self._handle(cmd)
         self.out.flush()
 
@@ -386,7 +386,7 @@ class Engine:
         self._advance()
         self.out.flush(force=True)
 
-    def _handle(self, cmd: Answer | Cancel | Forget | Status | ReadReported | RoomFreed) -> None:
+    def _handle(self, cmd: Answer | Cancel | Forget | StatusQuery | ReadReported | RoomFreed) -> None:
         if isinstance(cmd, Answer):
             cmd.out = self.out
             if self.steps is None or self.caches is None:
@@ -412,10 +412,10 @@ class Engine:
                     self.caches.tell(Abandoned(a.read))  # its answer starts without what the read held
                 self.caches.forget(cmd.session_id)
                 self._publish_stats()
-        elif isinstance(cmd, Status):
+        elif isinstance(cmd, StatusQuery):
             if self.caches is not None and not cmd.written:
                 # Counted once disk holds what finished turns wrote, without waiting for it here.
-                again = Status(cmd.reply, written=True)
+                again = StatusQuery(cmd.reply, written=True)
                 self.caches.statistics(written=lambda: self._inbox.put(again))
                 return
             self._publish_stats()

@@ -43,7 +43,7 @@ class Target:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class DraftVerdict:
     accepted: int  # draft tokens kept
     token: int  # the target's next token after them (drawn, not yet fed)
 
@@ -54,7 +54,7 @@ def target_logits(logprobs: mx.array, target: Target) -> mx.array:
 
 
 def verify(logprobs: mx.array, drafts: Sequence[Sequence[int]], draws: Sequence[Draws],
-           also: mx.array | None = None) -> list[Verdict]:
+           also: mx.array | None = None) -> list[DraftVerdict]:
     """The verdict on every row's draft: `logprobs` (rows, 1 + K, vocab), row i's draft `drafts[i]`.
 
     Row i's positions are drawn with `draws[i]` from its `drawn` on (which this does not move).
@@ -63,11 +63,11 @@ def verify(logprobs: mx.array, drafts: Sequence[Sequence[int]], draws: Sequence[
     """
     lazy = [d.choose(logprobs[i, :len(drafts[i]) + 1]) for i, d in enumerate(draws)]
     mx.eval(lazy if also is None else [*lazy, also])
-    out: list[Verdict] = []
+    out: list[DraftVerdict] = []
     for choices, draft in zip(lazy, drafts):
         got: Any = choices.tolist()
         a = _prefix(got, draft)
-        out.append(Verdict(a, int(got[a])))
+        out.append(DraftVerdict(a, int(got[a])))
     return out
 
 

@@ -30,7 +30,7 @@ CONFIG_CAP = 16 << 20
 #: The fetched built-ins' context lengths, for the listing before their first fetch (their GGUFs say so).
 FETCHED_CONTEXT = {"builtin:smollm2": 8192, "builtin:gemma3": 32768}
 
-__all__ = ["SERVED_ALIAS", "Entry", "entries", "model_names", "render"]
+__all__ = ["SERVED_ALIAS", "CatalogEntry", "entries", "model_names", "render"]
 
 SERVED_ALIAS = "kvd"  # the one name that always means the default model (docs/openai.md's examples use it)
 
@@ -49,7 +49,7 @@ def model_names(model: str) -> set[str]:
 
 
 @dataclass(frozen=True)
-class Entry:
+class CatalogEntry:
     name: str  # what --model takes
     where: str  # built-in, kvd's store, Ollama, Hugging Face cache
     architecture: str
@@ -71,11 +71,11 @@ def _file_type(meta: dict[str, Any]) -> str:
         return str(value)
 
 
-def gguf_entry(name: str, where: str, path: Path) -> Entry:
+def gguf_entry(name: str, where: str, path: Path) -> CatalogEntry:
     try:
         info = read_info(path)
     except (GGUFError, OSError) as e:
-        return Entry(name, where, "?", _size(path), "?", "?", f"no: {e}", path=path)
+        return CatalogEntry(name, where, "?", _size(path), "?", "?", f"no: {e}", path=path)
     arch = info.architecture
     rotating = f"{arch}.attention.sliding_window" in info.metadata
     try:
@@ -84,16 +84,16 @@ def gguf_entry(name: str, where: str, path: Path) -> Entry:
     except gguf_convert.UnsupportedGGUF as e:
         runs = f"no: {e}"
     context = info.metadata.get(f"{arch}.context_length")
-    return Entry(name, where, str(arch), info.file_size, _file_type(info.metadata),
+    return CatalogEntry(name, where, str(arch), info.file_size, _file_type(info.metadata),
                  "plain + rotating" if rotating else "plain", runs,
                  context=int(context) if isinstance(context, int) and context > 0 else None, path=path)
 
 
-def folder_entry(name: str, where: str, path: Path) -> Entry:
+def folder_entry(name: str, where: str, path: Path) -> CatalogEntry:
     try:
         config = read_json(path / "config.json", None, CONFIG_CAP)
     except (OSError, StoreError) as e:
-        return Entry(name, where, "?", _size(path), "?", "?", f"no: config.json unreadable ({e})", path=path)
+        return CatalogEntry(name, where, "?", _size(path), "?", "?", f"no: config.json unreadable ({e})", path=path)
     arch = str(config.get("model_type", "?"))
     quant = config.get("quantization") or config.get("quantization_config") or {}
     encoding = f"{quant['bits']}-bit" if isinstance(quant, dict) and "bits" in quant else str(
@@ -107,7 +107,7 @@ def folder_entry(name: str, where: str, path: Path) -> Entry:
         runs = "yes"
     except (ValueError, KeyError, ImportError) as e:
         runs = f"no: mlx-lm has no {arch!r} model ({e})"
-    return Entry(name, where, arch, _size(path), encoding, caches, runs, context=context_length(config),
+    return CatalogEntry(name, where, arch, _size(path), encoding, caches, runs, context=context_length(config),
                  path=path)
 
 
@@ -136,7 +136,7 @@ def _size(path: Path) -> int | None:
         return None
 
 
-def entries(models_dir: Path) -> Iterator[Entry]:
+def entries(models_dir: Path) -> Iterator[CatalogEntry]:
     """Everything kvd can find, its built-in models first."""
     from .builtin import BUILTIN_NAMES
     from .sources import FETCHED, _converted_dir, default_mode
@@ -146,10 +146,10 @@ def entries(models_dir: Path) -> Iterator[Entry]:
         if (done / "config.json").exists():
             yield folder_entry(name, "built-in (converted)", done)
         else:
-            yield Entry(name, "built-in", "?", None, "?", "?", "yes (fetched from PyPI on first use)",
+            yield CatalogEntry(name, "built-in", "?", None, "?", "?", "yes (fetched from PyPI on first use)",
                         context=FETCHED_CONTEXT.get(name))
     for name in BUILTIN_NAMES:
-        yield Entry(name, "built-in", "qwen2" if name == "builtin:tiny" else "gemma3_text", None, "float32",
+        yield CatalogEntry(name, "built-in", "qwen2" if name == "builtin:tiny" else "gemma3_text", None, "float32",
                     "plain" if name == "builtin:tiny" else "plain + rotating", "yes (random weights, for tests)",
                     context=MAX_LEN)
     from . import gemma3, smollm2
@@ -172,8 +172,8 @@ def entries(models_dir: Path) -> Iterator[Entry]:
             yield folder_entry(found.name, "Hugging Face cache", found.path)
 
 
-def _broken(found: places.Broken, where: str) -> Entry:
-    return Entry(found.name, where, "?", None, "?", "?", f"no (broken): {found.reason}")
+def _broken(found: places.Broken, where: str) -> CatalogEntry:
+    return CatalogEntry(found.name, where, "?", None, "?", "?", f"no (broken): {found.reason}")
 
 
 def _human(size: int | None) -> str:
@@ -186,7 +186,7 @@ def _human(size: int | None) -> str:
     return "-"
 
 
-def render(found: list[Entry], loaded: dict[str, str] | None = None) -> list[str]:
+def render(found: list[CatalogEntry], loaded: dict[str, str] | None = None) -> list[str]:
     """One line per model, in columns; the reason a model cannot run ends its line. `loaded`: the running
     daemon's models and their states (None: no daemon answered; the column says "-")."""
     rows: list[tuple[str, ...]] = [("model", "from", "architecture", "size", "encoding", "caches", "context",

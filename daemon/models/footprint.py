@@ -1,7 +1,7 @@
 """What a prepared model will take before it is loaded: its weights' bytes as run, its context length.
 
 The registry (daemon/engine/registry.py) decides whether a model fits
-(daemon/device.py's make_room) before it loads a single weight, so the
+(daemon/device.py's room_to_load) before it loads a single weight, so the
 weights' size comes from the safetensors headers only: each tensor's shape
 times the bytes of the dtype it will run in (the device policy casts floats
 to float32 on the CPU, which doubles a bf16 checkpoint). Listing (`kvd

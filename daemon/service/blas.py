@@ -47,7 +47,7 @@ from typing import Any
 
 from . import blasprobe
 
-__all__ = ["BlasResult", "Candidate", "Verdict", "candidates", "choose", "cpu_flags", "find_openblas",
+__all__ = ["BlasResult", "BlasVerdict", "Candidate", "candidates", "choose", "cpu_flags", "find_openblas",
            "preload_blas", "probe"]
 
 #: OpenBLAS's own: the core a DYNAMIC_ARCH build uses (kvd names one when the build fell back to a
@@ -78,7 +78,7 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class BlasVerdict:
     """What the probe found: usable, or why not."""
 
     ok: bool
@@ -231,7 +231,7 @@ def _read_cache(cache: Path | None) -> dict[str, Any]:
         return {}
 
 
-def _write_cache(cache: Path | None, key: str, verdict: Verdict) -> None:
+def _write_cache(cache: Path | None, key: str, verdict: BlasVerdict) -> None:
     if cache is None:
         return
     data = _read_cache(cache)
@@ -252,46 +252,46 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def run_probe(path: Path, flags: set[str]) -> Verdict:
+def run_probe(path: Path, flags: set[str]) -> BlasVerdict:
     """Probe `path` in a child process, uncached."""
     if not path.exists():
-        return Verdict(False, "no such file")
+        return BlasVerdict(False, "no such file")
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["OPENBLAS_NUM_THREADS"] = "1"  # the probe's matrices are tiny; do not spin up a pool
     try:
         proc = subprocess.run([sys.executable, str(PROBE), str(path), ",".join(sorted(flags))],
                               capture_output=True, text=True, timeout=PROBE_TIMEOUT, env=env)
     except subprocess.TimeoutExpired:
-        return Verdict(False, f"its probe did not finish within {PROBE_TIMEOUT:.0f} s")
+        return BlasVerdict(False, f"its probe did not finish within {PROBE_TIMEOUT:.0f} s")
     if proc.returncode < 0:
         what = _signal_name(proc.returncode)
         hint = " (an instruction this CPU does not have)" if what == "SIGILL" else ""
-        return Verdict(False, f"its sgemm died with {what}{hint}")
+        return BlasVerdict(False, f"its sgemm died with {what}{hint}")
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return Verdict(False, f"could not be loaded: {last[:200]}")
+        return BlasVerdict(False, f"could not be loaded: {last[:200]}")
     try:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return Verdict(False, "its probe printed no verdict")
+        return BlasVerdict(False, "its probe printed no verdict")
     info = {k: out.get(k) or d for k, d in (("version", ""), ("core", ""), ("config", ""))}
     max_threads = out.get("max_threads")
     if out.get("error"):
-        return Verdict(False, str(out["error"]), max_threads=max_threads, **info)
+        return BlasVerdict(False, str(out["error"]), max_threads=max_threads, **info)
     err = float(out.get("sgemm_error", float("inf")))
     if not err <= MAX_SGEMM_ERROR:
-        return Verdict(False, f"its sgemm computed wrong numbers (relative error {err:.2g})",
+        return BlasVerdict(False, f"its sgemm computed wrong numbers (relative error {err:.2g})",
                        max_threads=max_threads, **info)
-    return Verdict(True, max_threads=max_threads, **info)
+    return BlasVerdict(True, max_threads=max_threads, **info)
 
 
-def probe(path: Path, *, flags: set[str] | None = None, cache: Path | None = None) -> Verdict:
+def probe(path: Path, *, flags: set[str] | None = None, cache: Path | None = None) -> BlasVerdict:
     """The verdict on `path` for this CPU: from the cache when the library and the CPU are unchanged."""
     flags = cpu_flags() if flags is None else flags
     key = _key(path, flags)
     if key is not None and isinstance(hit := _read_cache(cache).get(key), dict):
         try:
-            return Verdict(**hit)
+            return BlasVerdict(**hit)
         except TypeError:
             pass
     verdict = run_probe(path, flags)
@@ -301,7 +301,7 @@ def probe(path: Path, *, flags: set[str] | None = None, cache: Path | None = Non
 
 
 def choose(cands: list[Candidate], *, flags: set[str] | None = None,
-           cache: Path | None = None) -> tuple[Candidate | None, Verdict | None, list[str]]:
+           cache: Path | None = None) -> tuple[Candidate | None, BlasVerdict | None, list[str]]:
     """The first candidate whose probe passes, its verdict, and a line for each one rejected before it."""
     rejected: list[str] = []
     for cand in cands:
@@ -315,7 +315,7 @@ def choose(cands: list[Candidate], *, flags: set[str] | None = None,
 # --- loading it ---------------------------------------------------------------------------------------
 
 
-def _better_core(path: Path, verdict: Verdict, cache: Path | None) -> tuple[Verdict, str]:
+def _better_core(path: Path, verdict: BlasVerdict, cache: Path | None) -> tuple[BlasVerdict, str]:
     """Where a DYNAMIC_ARCH build fell back to a generic core (a CPU it does not know), name the core
     this CPU's flags allow in OPENBLAS_CORETYPE, probed like any library (its verdict cached apart);
     should that probe fail, the generic core stays. A core the user named is left alone. Also the

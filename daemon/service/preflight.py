@@ -27,7 +27,7 @@ from pathlib import Path
 from cachestore import cached_session_ids, check_usable, disk_ids
 from common.diskfull import is_disk_full
 from sessions import DamagedFedIds, Store
-from sessions.commits import Note, counted, note_path, put_back, read_note, write_note
+from sessions.commits import CommitNote, counted, note_path, put_back, read_note, write_note
 
 log = logging.getLogger("kvd")
 
@@ -180,7 +180,7 @@ def put_back_backup(store: Store) -> bool:
     return put_back(store)
 
 
-def lost_commits(store: Store, db_path: Path) -> Note | None:
+def lost_commits(store: Store, db_path: Path) -> CommitNote | None:
     """Acknowledged commits the database no longer holds (sessions/commits.py), found now or at an earlier start
     and not dealt with since; None when it lost none. Only this says a loss happened: a cache that holds more
     than its transcript (the prompt read before a cancel, what a regenerate cut, a crash mid-answer) is the
@@ -192,12 +192,12 @@ def lost_commits(store: Store, db_path: Path) -> Note | None:
         _note(path, now)
         return None
     if seen.commits > now.commits:
-        seen = Note(now.database, now.commits, seen.lost + seen.commits - now.commits, time.time())
+        seen = CommitNote(now.database, now.commits, seen.lost + seen.commits - now.commits, time.time())
         _note(path, seen)
     return seen if seen.lost else None
 
 
-def _note(path: Path, note: Note) -> None:
+def _note(path: Path, note: CommitNote) -> None:
     try:
         write_note(path, note, sync=True)
     except OSError as e:
@@ -205,7 +205,7 @@ def _note(path: Path, note: Note) -> None:
                          f"(chown -R $USER {path.parent})") from None
 
 
-def loss_line(loss: Note, store: Store, db_path: Path, cache_dir: Path, backups: Path) -> str:
+def loss_line(loss: CommitNote, store: Store, db_path: Path, cache_dir: Path, backups: Path) -> str:
     """The one line that says a loss: how many commits, the sessions the caches name, what to do."""
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(loss.found))
     parts = [f"{db_path} no longer holds the last {loss.lost} commit(s) kvd made to it (found {when})"]
