@@ -36,6 +36,9 @@ def test_stop_start_resume_restores_from_disk(tmp_path: Path) -> None:
     assert u["prefill_tokens"] == u["prompt_tokens"] - u["restored_tokens"]
 
 
+LONG = "1 2 3 4 5 6 7 8 9 10 11 12"
+
+
 def test_kill_9_mid_stream_keeps_transcript_and_resumes(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path)
     with d.client() as c:
@@ -44,11 +47,13 @@ def test_kill_9_mid_stream_keeps_transcript_and_resumes(tmp_path: Path) -> None:
         # A status is answered once the writes queued before it are done: turn one's cache is on disk
         # before the kill (its write-behind otherwise races the second turn's 20 deltas, and lost under load).
         c.request("status")
-        c.send(type="chat.send", session=sid, text="Now a long answer, please.", max_tokens=4000,
-               temperature=0)
+        # builtin:tiny's greedy answer to this runs to max_tokens (155 deltas for 1,500 tokens here). A delta
+        # carries up to 20 ms of tokens, so "Now a long answer, please." (99 tokens) ended in 11.
+        c.send(type="chat.send", session=sid, text=LONG, max_tokens=4000, temperature=0)
         streamed: list[str] = []
         while len(streamed) < 20:
             event = c.recv()
+            assert event["type"] not in ("chat.done", "error"), event  # the answer has not ended
             if event["type"] == "chat.delta":
                 streamed.append(event["text"])
         d.kill()
@@ -60,7 +65,7 @@ def test_kill_9_mid_stream_keeps_transcript_and_resumes(tmp_path: Path) -> None:
             roles = [(m["role"], m["status"]) for m in got["messages"]]
             assert roles == [("user", "complete"), ("assistant", "complete"),
                              ("user", "complete"), ("assistant", "error")]
-            assert got["messages"][2]["content"] == "Now a long answer, please."
+            assert got["messages"][2]["content"] == LONG
             # The part that streamed was committed as it streamed (at least its first delta).
             partial = got["messages"][3]["content"]
             assert partial and "".join(streamed).startswith(partial)
