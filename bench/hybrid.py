@@ -193,6 +193,9 @@ def main() -> None:
     args = ap.parse_args()
     print(f"uptime before: {os.getloadavg()}, {os.cpu_count()} CPUs")
     if args.forwards:
+        from daemon.service.blas import preload_blas
+
+        print(preload_blas("auto").reason)  # before MLX is imported, as kvd serve does: the same kernels
         with tempfile.TemporaryDirectory(prefix="kvd-bench-hybrid-") as tmp:
             for arch, config in shapes(args.hidden, args.layers).items():
                 one, five, whole, split = forwards(hybrids.build(arch, Path(tmp) / arch, config=config))
