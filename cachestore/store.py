@@ -90,7 +90,7 @@ class SessionCaches:
         self.points = Checkpoints(budgets.checkpoints)  # where caches cannot be cut: state kept at earlier points
         self.warm = WarmTier(self.table, self.pool.budgets[WARM], bits=budgets.warm_bits,
                              busy=lambda: not self._io.idle(), points=self.points)
-        #: This store's place in the memory budgets (the engine asks it for a turn's `room`).
+        #: This store's place in the memory budgets (`admit` asks it for a turn's room).
         self.share = Share(self.pool.join(model or fingerprint), self.resident, self.warm, self.table, clock)
         self._disk = PageIn(self.table, fingerprint=fingerprint, later=self._disktier.later,
                             dropped=self._disktier.dropped, clock=clock,

@@ -22,7 +22,7 @@ objects like cachestore/lru.py is. The engine thread is its only caller.
   cache, over the budget by what it needs (a budget of 0, "keep no idle
   cache resident", still runs one answer at a time). Idle caches do not
   count here: the cache store evicts them to make room for what runs. Where
-  several models share the budget, `room` (the cache store's) decides the
+  several models share the budget, `admit` (the cache store's) decides the
   bytes instead, across every model's running and idle caches.
 - Prompts are fed one at a time, first come first (a prompt is one unpadded
   sequence: prefill.py), one chunk per engine step.
@@ -81,7 +81,7 @@ class Scheduler(Generic[A]):
         self.prefill_slice = prefill_slice
         self.budget = budget
         #: Where the budget is shared with other models' engines: whether an answer on a session (`key`)
-        #: of `need` bytes fits beside everything every model holds (the cache store's `room`, which
+        #: of `need` bytes fits beside everything every model holds (the cache store's `admit`, which
         #: holds the bytes for it when it does). None: the bytes are counted here, against `budget`.
         self.room: Callable[[str, int], bool] | None = None
         self.answers: list[A] = []  # in the order each entered its phase

@@ -216,7 +216,7 @@ class Engine:
     def _connect_caches(self, probe: list[Any]) -> None:
         """What the cache store and the admission need from the engine, once the model is warm (not
         across ranks: they wait for reads in step, and each rank's share of the budgets differs). Bytes
-        are admitted across every loaded model's caches (`SessionCaches.room`); the pool wakes this
+        are admitted across every loaded model's caches (`SessionCaches.admit`); the pool wakes this
         thread to let its own go for another model, or when room a queued answer waits for came back."""
         assert self.caches is not None
         alone = self.lockstep is None
