@@ -15,7 +15,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 
@@ -57,6 +57,28 @@ class EventStream:
     def hear(self, turn: Turn, event: TurnEvent) -> None:
         try:
             self._send.send_nowait(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
+            if isinstance(event, AnswerDelta) and event.written is not None:
+                event.written()
+
+
+class Chosen(NamedTuple):
+    """One event of a request's choices (n of them, each a turn), with its choice's index (`Turn.choice`)."""
+
+    choice: int
+    event: TurnEvent
+
+
+class ChoiceStream:
+    """The events of a request's choices for one HTTP response (its Listener, for each choice's turn), each
+    with its choice's index (0: the session's own answer; one turn alone is choice 0). As EventStream."""
+
+    def __init__(self) -> None:
+        self._send, self.receive = anyio.create_memory_object_stream[Chosen](math.inf)
+
+    def hear(self, turn: Turn, event: TurnEvent) -> None:
+        try:
+            self._send.send_nowait(Chosen(turn.choice, event))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):  # the response is over
             if isinstance(event, AnswerDelta) and event.written is not None:
                 event.written()
@@ -192,6 +214,11 @@ class Turn:
     # Set by the listener that wrote the first delta (AnswerDelta.written), or here when nobody will
     # write one; the engine waits for it (Answer.handed).
     handed: threading.Event = field(default_factory=threading.Event)
+    # A request's n choices (n > 1): each a turn in a session of its own over one prompt, read once. `choice`
+    # is this one's index (0: the one the others ride on, in the session the request was placed in), and
+    # choice 0 lists the others in `choices` (the door cancels them with it).
+    choice: int = 0
+    choices: list[Turn] = field(default_factory=list)
 
     @property
     def text(self) -> str:

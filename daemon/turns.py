@@ -268,7 +268,7 @@ class Turns:
 
     # --- a turn's life ---
 
-    def start(self, listener: Listener | None, spec: TurnSpec) -> Turn:
+    def start(self, listener: Listener | None, spec: TurnSpec, choices: Sequence[TurnSpec] = ()) -> Turn:
         """Generate an answer to the session as held (its new messages, from `spec.first_new`, are in memory).
 
         The new messages and the answer's placeholder are queued to the writer
@@ -280,7 +280,25 @@ class Turns:
         text: they are published once the answer ends, and kept as its calls. `spec.model`
         (resolved by the registry): the model that answers, from now on, for the
         session; None: the session's own (the default for a session that has none).
+
+        `choices`: the request's other choices (n > 1), each a turn of its own in a session holding the same
+        conversation (a new one, placed by the door): their answers ride on this one's, whose prompt is read
+        once, and each draws from there with its own seed (engine/steps.py). Each is committed, published
+        (to `listener` too, as `Turn.choice`) and kept as any turn is; this one lists them (`Turn.choices`).
         """
+        turn, answer, ids = self._begin(listener, spec)
+        for i, other in enumerate(choices, start=1):
+            chosen, drawn, _ = self._begin(listener, other, choice=i)
+            drawn.handed = None  # the engine waits for the first choice's first token only
+            drawn.fed_before, drawn.history = answer.fed_before, answer.history
+            turn.choices.append(chosen)
+            answer.choices.append(drawn)
+        assert self.tg is not None
+        self.tg.start_soon(self._submit, turn, ids, answer)
+        return turn
+
+    def _begin(self, listener: Listener | None, spec: TurnSpec, *, choice: int = 0) -> tuple[Turn, Answer, PromptIds]:
+        """A turn, its answer and what makes its ids: everything `start` does but hand the answer to its engine."""
         assert self.tg is not None, "the daemon is not serving"
         rid, session_id, first_new, prompt = spec.request_id, spec.session_id, spec.first_new, spec.prompt
         held = self.transcripts.get(session_id)
@@ -298,7 +316,7 @@ class Turns:
         turn = Turn(rid, session_id, index, first_new, {listener} if listener is not None else set(),
                     stop=StopScan(spec.stop) if spec.stop else None, door=spec.door, held=held, tools=spec.tools,
                     model=serving, switched_from=previous if switched else None, fit=spec.fit,
-                    max_tokens_asked=spec.sampling.max_tokens, context=spec.context)
+                    max_tokens_asked=spec.sampling.max_tokens, context=spec.context, choice=choice)
         turn.writes += switched
         write_new = partial(self.transcripts.write_new, held, first_new)
         if (new := self._unstored.pop(session_id, None)) is not None:
@@ -315,10 +333,9 @@ class Turns:
         feed = Feed(asyncio.get_running_loop(), turn, answer, self.transcripts,
                     cancel=partial(self.cancel, session_id, turn), end=end)
         answer.emit = feed
-        self.tg.start_soon(self._submit, turn, ids, answer, feed)
         self.tg.start_soon(self._pump, turn, feed, ended)
         turn.publish(AnswerStarted(index))
-        return turn
+        return turn, answer, ids
 
     def _serve_with(self, held: HeldSession, model: str | None) -> list[Write]:
         """The turn's model: the one the request chose (recorded as the session's), else the session's, else
@@ -339,9 +356,9 @@ class Turns:
             writes += self.transcripts.feed_for(held, serving)
         return writes
 
-    async def _submit(self, turn: Turn, ids: PromptIds, answer: Answer, events: Feed) -> None:
+    async def _submit(self, turn: Turn, ids: PromptIds, answer: Answer) -> None:
         """Load the turn's model if it must be, make the turn's ids in its tokenizer stage, then hand the
-        answer to its engine."""
+        answer (and the choices riding on it) to its engine."""
         try:
             engine = turn.engine = await self.engines.engine(turn.model)
         except ModelRefused as e:  # nothing was generated: the turn's messages are taken back
@@ -351,8 +368,10 @@ class Turns:
                     turn.writes.append(self.transcripts.choose_model(turn.held, chosen))
                 if fed_by is not None and fed_by != turn.held.fed_model:
                     turn.writes += self.transcripts.feed_for(turn.held, fed_by)
-            events(AnswerError(e.code, str(e)))
+            answer.refuse(AnswerError(e.code, str(e)))
             return
+        for other in turn.choices:
+            other.engine = engine
         while not engine.ready.is_set():  # the tokenizer comes with the model
             await anyio.sleep(0.05)  # a threading.Event the engine thread sets; clients get `loading` meanwhile
         if engine.load_error is not None:
@@ -362,20 +381,28 @@ class Turns:
             answer.tokens, answer.retokenized = await engine.tokenize(ids)
         except TemplateError as e:  # the model's chat template refuses the conversation (raise_exception)
             log.info("the chat template of %s refused session %s's conversation: %s", turn.model, turn.session_id, e)
-            events(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
-                               "send one it takes (docs/openai.md)"))
+            answer.refuse(AnswerError(p.BAD_REQUEST, f"the model's chat template refuses this conversation: {e}; "
+                                      "send one it takes (docs/openai.md)"))
             return
         except Exception as e:
             log.exception("tokenizing the prompt of session %s failed", turn.session_id)
-            events(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
+            answer.refuse(AnswerError(p.INTERNAL, f"the prompt could not be tokenized: {e}"))
             return
         if turn.fit:
             contexts = [c for c in (engine.max_context, turn.context) if c]
             turn.context_bound = self._fit(answer, min(contexts) if contexts else None)
         turn.max_tokens = answer.max_tokens
+        if answer.choices and engine.lockstep is not None:  # (rank 0 would fork what its followers do not)
+            answer.refuse(AnswerError(p.BAD_REQUEST, "n > 1 is not served while the model is sharded across "
+                                      "ranks; send n = 1 (several requests draw several answers)"))
+            return
+        for other, drawn in zip(turn.choices, answer.choices):  # the first choice's prompt and limit
+            drawn.tokens, drawn.retokenized, drawn.sampling = answer.tokens, answer.retokenized, answer.sampling
+            other.max_tokens, other.context_bound = turn.max_tokens, turn.context_bound
         engine.submit(answer)
-        if turn.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
-            engine.cancel(turn.session_id)
+        for t in (turn, *turn.choices):
+            if t.cancelled:  # cancelled while tokenizing: the engine cancels it as it arrives
+                engine.cancel(t.session_id)
 
     def write_with(self, turn: Turn, fn: Callable[[Store], Any], *, label: str) -> None:
         """Queue `fn(store)` with the turn's own writes (a Responses API row naming its answer): committed

@@ -62,7 +62,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_kvchat_commands", "test_kvchat_daily", "test_loading", "test_openai_http", "test_openai_json",
         "test_openai_tools",
         "test_packing", "test_quantized", "test_restore_admission", "test_resume", "test_security",
-        "test_session_requests", "test_shared", "test_seeds",
+        "test_session_requests", "test_shared", "test_seeds", "test_choices",
         "test_speculate",
         "test_fed_checksum", "test_tool_turns", "test_prefill", "test_render_exact", "test_empty_answers",
         "test_models", "test_models_budgets", "test_responses", "test_memory", "test_door_rules", "test_metrics",

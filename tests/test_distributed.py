@@ -90,6 +90,9 @@ def test_two_ranks_answer_as_one_over_websocket_openai_and_kvchat(tmp_path: Path
         first, _ = turn(d, sid, TURNS[0])
         second, usage = turn(d, sid, TURNS[1])
         api = ask_openai(d)
+        with pytest.raises(openai.BadRequestError, match="sharded across ranks"):  # n > 1: rank 0 alone would fork
+            openai.OpenAI(base_url=d.base_url, api_key=d.token, max_retries=0).chat.completions.create(
+                model="builtin:tiny", messages=ASK, max_tokens=N, n=2)  # type: ignore[arg-type]
         kvchat = ask_kvchat(d)
         with d.client() as c:
             ranks = c.request("status")["ranks"]

@@ -128,9 +128,9 @@ def test_completion_then_cached_second_turn_then_stream(daemon: DaemonProcess, f
 def test_errors_are_openai_errors(daemon: DaemonProcess) -> None:
     client = api(daemon)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=9)
     assert info.value.status_code == 400
-    assert "n = 1" in info.value.message and info.value.param == "n"
+    assert "at most 8 choices" in info.value.message and info.value.param == "n"
     with pytest.raises(openai.BadRequestError, match="kvd serves text models"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])

@@ -15,6 +15,7 @@ class A:
     need: int = 0
     phase: Phase = Phase.WAITING
     told: int = 0
+    rows: int = 1  # decode rows: a request's n choices ride on one answer until its prompt is read
 
 
 def make(max_running: int = 2, step: int = 512, slice_: float = 0.1) -> Scheduler[A]:
@@ -54,6 +55,30 @@ def test_past_max_running_jobs_wait_and_are_told_only_when_their_place_moves() -
     assert started == ["b"]  # first come, first served; then no room again
     assert [(a.key, a.told) for a in s.moved()] == [("d", 1)]
     assert s.statistics() == SchedulerStatistics(running=1, waiting=1, prefilling=1, decoding=0)
+
+
+def test_an_answer_carrying_choices_takes_a_slot_for_each_of_its_rows() -> None:
+    """n choices decode in n rows: admitted only where max_running has room for all of them, and first come
+    first served still (a single answer behind it waits); once forked, each row is an answer of its own."""
+    s = make(max_running=4)
+    start(s, "a")
+    four = A("four", rows=4)
+    assert not s.has_room(rows=4) and s.has_room(rows=3)
+    s.wait(four)
+    s.wait(A("one"))
+    assert list(s.admissible()) == []  # "one" would fit, but comes after
+    s.end("a")
+    admitted = []
+    for a in s.admissible():
+        s.admit(a)  # (each admitted before the next is considered)
+        admitted.append(a.key)
+    assert admitted == ["four"] and not s.has_room()
+    four.rows = 1  # its prompt read: its three other choices decode as answers of their own
+    for key in ("b", "c", "d"):
+        s.decode(A(key))
+    assert not s.has_room() and s.statistics().decoding == 3
+    s.end("d")
+    assert [a.key for a in s.admissible()] == ["one"]
 
 
 def test_room_is_checked_before_each_admission() -> None:

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -23,19 +23,23 @@ from starlette.types import Receive, Scope, Send
 
 from ..config import Config
 from ..events import AnswerDelta, TurnEvent
-from ..turn import Turn
+from ..turn import Chosen, Turn
 from ..turns import Turns
 from .httpdoor import REFUSED, ApiError
 
 log = logging.getLogger("kvd.api")
 
 
-class TurnResponse(Response):
+E = TypeVar("E", bound=TurnEvent | Chosen)  # what the response reads: its turn's events, or its choices' (n > 1)
+
+
+class TurnResponse(Response, Generic[E]):
     """One turn's answer as a JSON body or an event stream, ending the turn if the client goes. A door
-    writes `_whole` and `_stream` in its own shape; the rest is the same for every door."""
+    writes `_whole` and `_stream` in its own shape; the rest is the same for every door. The turn's other
+    choices (`Turn.choices`, a request's n > 1) end with it: a client that goes cancels them all."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], headers: dict[str, str], *, stream: bool):
+                 events: MemoryObjectReceiveStream[E], headers: dict[str, str], *, stream: bool):
         self.turns, self.config = turns, config
         self.turn = turn
         self.events = events
@@ -54,10 +58,10 @@ class TurnResponse(Response):
             async def watch() -> None:
                 while (await receive())["type"] != "http.disconnect":
                     pass
-                if answered or turn.finished.is_set():
+                if answered or all(t.finished.is_set() for t in (turn, *turn.choices)):
                     return
                 log.info("client of %s hung up; cancelling its answer", turn.session_id)
-                turns.cancel(turn.session_id, turn)
+                self._cancel()
                 tg.cancel_scope.cancel()
 
             timer = anyio.CancelScope()  # one for the response's life: its deadline is set for each send
@@ -78,23 +82,31 @@ class TurnResponse(Response):
                         answered = True
                     finally:
                         self._unread()
+                        for other in turn.choices:  # (a choice that failed ended the response: the rest go)
+                            turns.cancel(other.session_id, other)
                 if timer.cancelled_caught:
                     log.warning("client of %s did not read for %.1f s; cutting it off",
                                 turn.session_id, self.config.send_timeout)
-                    turns.cancel(turn.session_id, turn)
+                    self._cancel()
                     abort()
             except OSError:  # the client went away under a send
-                turns.cancel(turn.session_id, turn)
+                self._cancel()
             tg.cancel_scope.cancel()
+
+    def _cancel(self) -> None:
+        """The client is gone: its answer stops, and every other choice of its request with it."""
+        for t in (self.turn, *self.turn.choices):
+            self.turns.cancel(t.session_id, t)
 
     def _unread(self) -> None:
         """The events the response will never read: a delta among them is written for no one (its
         turn may publish the next one to its other listeners), then the stream is closed."""
         while True:
             try:
-                event = self.events.receive_nowait()
+                item = self.events.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
+            event = item.event if isinstance(item, Chosen) else item
             if isinstance(event, AnswerDelta) and event.written is not None:
                 event.written()
         self.events.close()

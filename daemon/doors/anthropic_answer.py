@@ -30,7 +30,7 @@ from .httpdoor import api_error
 Send = Callable[[dict[str, Any]], Any]
 
 
-class MessagesResponse(TurnResponse):
+class MessagesResponse(TurnResponse[TurnEvent]):
     def __init__(self, turns: Turns, config: Config, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
                  headers: dict[str, str], *, stream: bool):
         super().__init__(turns, config, turn, events, headers, stream=stream)

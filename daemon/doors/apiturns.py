@@ -34,7 +34,7 @@ from ..config import Config
 from ..engine.registry import ModelRefused
 from ..engine.thread import Engine
 from ..prompt import MessagePrompt, Prompt
-from ..turn import CallSplit, EventStream, Turn, TurnSpec
+from ..turn import CallSplit, EventStream, Listener, Turn, TurnSpec
 from ..turns import Turns
 from .admission import Admission
 from .asgi import headers_of
@@ -43,7 +43,7 @@ from .guards import NO_ROUTE, check, token_needed
 from .httpdoor import DOOR, ApiError
 from .loading import LoadingWatch
 from .openai_schema import answers_to
-from .placement import Diverged, Placement, Said, place
+from .placement import Diverged, Placement, Said, branch, place
 from .rules import OUTPUT_LIMIT_FITS, without_tools
 from .titles import title_for
 from .toolcalls import StreamSplit, ToolFormat
@@ -128,6 +128,9 @@ class Ask:
     prompt_logprobs: bool = False  # the prompt's too (a text completion's echo)
     knobs: Mapping[str, Any] = field(default_factory=dict)  # the sampling's knobs (protocol/shapes.py KNOBS)
     forced: bool = False  # the answer is one tool call, held to it by `grammar` (forcedcall.py)
+    # Answers to draw (OpenAI's `n`): the others ride on the first's prompt, each in a session of its own, choice
+    # i drawing with seed + i (a request with `seed` + i and n = 1 answers choice i alone).
+    n: int = 1
 
 
 def _vocabulary(tokenizer: Any) -> int:
@@ -196,11 +199,18 @@ class ApiTurns:
         """How the model writes a call of `tools` (None: no tools, or a model that calls none)."""
         return ToolFormat.of(engine.tokenizer, tools)
 
-    async def start(self, request: Request, ask: Ask, headers: dict[str, str], *, rid_prefix: str,
-                    placed: Callable[[str], Awaitable[Placement]] | None = None) -> tuple[Turn, EventStream]:
-        """Place the request and start its turn (ApiError/RequestError when it cannot be); `headers` gets
-        the session's id. The caller holds an admission slot (`self.admission.slot()`). `placed(model)`:
-        the door's own placement (a text completion's session: completions.py), not the conversation's."""
+    async def start(self, request: Request, ask: Ask, headers: dict[str, str], *, rid_prefix: str) -> tuple[
+            Turn, EventStream]:
+        """Place the request and start its turn, its events heard by an EventStream (`begin`)."""
+        events = EventStream()
+        return await self.begin(request, ask, events, headers, rid_prefix=rid_prefix), events
+
+    async def begin(self, request: Request, ask: Ask, listener: Listener, headers: dict[str, str], *,
+                    rid_prefix: str, placed: Callable[[str], Awaitable[Placement]] | None = None) -> Turn:
+        """Place the request and start its turn, heard by `listener` (ApiError/RequestError when it cannot be);
+        `headers` gets the session's id. The caller holds an admission slot (`self.admission.slot()`).
+        `placed(model)`: the door's own placement (a text completion's session: completions.py), not the
+        conversation's; asked once for each of `ask.n` choices. The turn (choice 0) lists the other choices'."""
         model, engine = await self.ready(ask.model)
         if bias := ask.knobs.get("logit_bias"):
             await self.check_ids([token for token, _ in bias], engine, model, param="logit_bias")
@@ -212,25 +222,37 @@ class ApiTurns:
         if ask.tools and tool_format is None:
             without_tools(model, ask.door, len(ask.tools))  # a forced call is still made: the grammar holds it
             ask = replace(ask, tools=None)
-        calls: CallSplit | None = (ForcedCall(ask.call_ids) if ask.forced else
-                                   StreamSplit(tool_format, ask.call_ids) if tool_format is not None else None)
+
+        def calls() -> CallSplit | None:  # one for each choice: it follows that answer's text
+            return (ForcedCall(ask.call_ids) if ask.forced else
+                    StreamSplit(tool_format, ask.call_ids) if tool_format is not None else None)
+
         rewind = request.headers.get(REWIND_HEADER, "").strip().lower() == "true"
+        title, origin = ask.title or title_for(ask.convo), origins.api(request.headers.get("user-agent"),
+                                                                       ask.conversation)
         try:
             placement = await (placed(model) if placed is not None else place(
-                self.turns, ask.system, ask.convo, pinned, rewind=rewind, title=ask.title or title_for(ask.convo),
-                origin=origins.api(request.headers.get("user-agent"), ask.conversation)))
+                self.turns, ask.system, ask.convo, pinned, rewind=rewind, title=title, origin=origin))
         except Diverged as e:
             raise ApiError(HTTPStatus.CONFLICT, str(e), param=f"messages[{e.index}]",
                            code="session_diverged") from None
         headers[SESSION_HEADER] = placement.session_id
-        events = EventStream()
-        spec = TurnSpec(
-            f"{rid_prefix}{secrets.token_hex(12)}", placement.session_id, placement.first_new,
-            sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p,
-                                              **ask.knobs),
-            prompt=ask.prompt or MessagePrompt(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
-                                              renders=self.turns.renders_for(model)),
-            stop=ask.stop, seed=ask.seed, door=f"{ask.door}, {placement.kind} session", history=len(ask.convo) > 1,
-            grammar=ask.grammar, tools=calls, model=model, fit=OUTPUT_LIMIT_FITS, context=ask.context,
-            raw=bool(getattr(ask.prompt, "raw", False)), logprobs=ask.logprobs, prompt_logprobs=ask.prompt_logprobs)
-        return self.turns.start(events, spec), events
+        others = [await (placed(model) if placed is not None else branch(
+            self.turns, ask.system, ask.convo, chain=placement.chain, title=title, origin=origin))
+            for _ in range(ask.n - 1)]
+        rid = f"{rid_prefix}{secrets.token_hex(12)}"
+        prompt = ask.prompt or MessagePrompt(ask.convo, ask.system, ask.tools or None, chain=placement.chain,
+                                             renders=self.turns.renders_for(model))
+
+        def spec(i: int, placed: Placement) -> TurnSpec:
+            return TurnSpec(
+                rid, placed.session_id, placed.first_new,
+                sampling=Sampling.model_construct(max_tokens=ask.max_tokens, temperature=ask.temperature,
+                                                  top_p=ask.top_p, **ask.knobs),
+                prompt=prompt, stop=ask.stop, seed=ask.seed + i if ask.seed is not None else None,
+                door=f"{ask.door}, {f'choice {i}, ' if i else ''}{placed.kind} session", history=len(ask.convo) > 1,
+                grammar=ask.grammar, tools=calls(), model=model, fit=OUTPUT_LIMIT_FITS, context=ask.context,
+                raw=bool(getattr(ask.prompt, "raw", False)), logprobs=ask.logprobs,
+                prompt_logprobs=ask.prompt_logprobs)
+
+        return self.turns.start(listener, spec(0, placement), [spec(i, p) for i, p in enumerate(others, start=1)])

@@ -33,8 +33,9 @@ from protocol.requests import RequestError
 from sessions import Session
 
 from ..config import Config
+from ..turn import ChoiceStream
 from ..turns import Turns
-from .apiturns import SESSION_HEADER, ApiTurns, Ask
+from .apiturns import ApiTurns, Ask
 from .completions_answer import CompletionResponse
 from .completions_schema import CompletionRequest, parse, stops
 from .httpdoor import ApiError, RefusalResponse, api_error, read_request
@@ -123,12 +124,20 @@ class CompletionsDoor:
                 ask = Ask(None, [Said("user", text)], max_tokens=req.max_tokens, temperature=req.temperature,
                           top_p=req.top_p, stop=stops(req), seed=req.seed, model=model, door="completions",
                           prompt=prompt, logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None,
-                          knobs=req.knobs())
+                          knobs=req.knobs(), n=req.n or 1)
+                taken: list[str] = []  # the pool's sessions this request placed its choices in
+
+                async def placed(_: str) -> Placement:
+                    placement = await self.pool.place(ask.convo[0])
+                    taken.append(placement.session_id)
+                    return placement
+
+                events = ChoiceStream()
                 try:
-                    turn, events = await self.api.start(request, ask, headers, rid_prefix="cmpl-",
-                                                        placed=lambda _: self.pool.place(ask.convo[0]))
+                    turn = await self.api.begin(request, ask, events, headers, rid_prefix="cmpl-", placed=placed)
                 finally:
-                    self.pool.release(headers.get(SESSION_HEADER))
+                    for session_id in taken:
+                        self.pool.release(session_id)
         except ApiError as e:
             return error_response(e, headers)
         except RequestError as e:

@@ -15,10 +15,11 @@ from typing import Any
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..config import Config
-from ..events import AnswerDelta, AnswerDone, AnswerError, TurnEvent, cache_figures
-from ..turn import Turn
+from ..events import AnswerDelta, AnswerDone, AnswerError, cache_figures
+from ..turn import Chosen, Turn
 from ..turns import Turns
 from .answering import TurnResponse
+from .choices import Ends
 from .completions_schema import CompletionRequest
 from .httpdoor import api_error
 from .openai_answer import finish_reason_of, usage_of
@@ -26,18 +27,32 @@ from .openai_answer import finish_reason_of, usage_of
 Send = Callable[[dict[str, Any]], Any]
 
 
-class CompletionResponse(TurnResponse):
-    def __init__(self, turns: Turns, config: Config, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],
+class CompletionResponse(TurnResponse[Chosen]):
+    """One request's completion (its choices': choices.py) as OpenAI's body or its server-sent events."""
+
+    def __init__(self, turns: Turns, config: Config, turn: Turn, events: MemoryObjectReceiveStream[Chosen],
                  req: CompletionRequest, headers: dict[str, str], *, echo: str | None, created: int):
         super().__init__(turns, config, turn, events, headers, stream=req.stream)
         self.req, self.echo, self.created = req, echo, created
+        self.ends = Ends(turn)
 
     def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.turn.request_id, "object": "text_completion", "created": self.created,
                 "model": self.turn.model or self.config.model, "choices": choices}
 
-    def _kvd(self, done: AnswerDone) -> dict[str, Any]:
-        return {"session": self.turn.session_id, "finish_reason": done.finish_reason, **cache_figures(done.usage)}
+    def _kvd(self) -> dict[str, Any]:
+        return {"session": self.turn.session_id, "finish_reason": self.ends.done[0].finish_reason,
+                **cache_figures(self.ends.usage()), **self.ends.kvd()}
+
+    def _usage(self) -> dict[str, Any]:
+        return {**usage_of(self.ends.usage()), "kvd": self._kvd()}
+
+    def _choice(self, index: int, text: str, finish: str | None = None, logprobs: dict[str, Any] | None = None,
+                done: AnswerDone | None = None) -> dict[str, Any]:
+        choice = {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
+        if done is not None and (kvd := self.ends.kvd_of(index, done)) is not None:
+            choice["kvd"] = kvd
+        return choice
 
     async def _error(self, send: Send, event: AnswerError) -> None:
         """An error before the answer began: a refusal (the turn core stored nothing of a session this
@@ -67,57 +82,65 @@ class CompletionResponse(TurnResponse):
         return out
 
     async def _whole(self, send: Send) -> None:
-        async for event in self.events:
+        async for index, event in self.events:
             if isinstance(event, AnswerDelta) and event.written is not None:
                 event.written()  # nothing is sent before the end: the engine need not wait
             elif isinstance(event, AnswerDone):
-                text = (self.echo or "") + event.content
-                body = self._body([{"text": text, "index": 0, "logprobs": await self._logprobs(event),
-                                    "finish_reason": finish_reason_of(event.finish_reason)}])
-                await self.send_body(send, 200, {**body, "usage": {**usage_of(event.usage), "kvd": self._kvd(event)},
-                                                 "kvd": self._kvd(event)})
+                if not self.ends.end(index, event):
+                    continue  # the others are still answering
+                body = self._body([self._choice(i, (self.echo or "") + done.content,
+                                                finish_reason_of(done.finish_reason), await self._logprobs(done), done)
+                                   for i, done in self.ends.ordered()])
+                await self.send_body(send, 200, {**body, "usage": self._usage(), "kvd": self._kvd()})
                 return
             elif isinstance(event, AnswerError):
                 await self._error(send, event)
                 return
 
+    async def _sse(self, send: Send, data: dict[str, Any] | str) -> None:
+        if not self.started:
+            await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
+        payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        body = self._body([choice])
+        return {**body, "usage": None} if self._usage_wanted() else body
+
+    async def _echo(self, send: Send) -> None:
+        """Before the first chunk: each choice's text begins with the prompt's, where `echo` asked."""
+        if not self.started and self.echo:
+            for i in range(self.ends.n):
+                await self._sse(send, self._chunk(self._choice(i, self.echo)))
+
     async def _stream(self, send: Send) -> None:
-        async def sse(data: dict[str, Any] | str) -> None:
-            if not self.started:
-                await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
-            payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-            await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
-
-        def chunk(text: str, finish: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-            body = self._body([{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}])
-            return {**body, "usage": None} if self._usage_wanted() else body
-
-        async for event in self.events:
+        async for index, event in self.events:
             if isinstance(event, AnswerDelta):
                 try:
-                    if not self.started and self.echo:
-                        await sse(chunk(self.echo))
-                    await sse(chunk(event.text))
+                    await self._echo(send)
+                    await self._sse(send, self._chunk(self._choice(index, event.text)))
                 finally:
                     if event.written is not None:
                         event.written()  # the answer's first token is out: the engine goes on
             elif isinstance(event, AnswerDone):
-                if not self.started and self.echo:
-                    await sse(chunk(self.echo))
+                await self._echo(send)
                 # Streamed, the log-probabilities come whole with the last chunk (their tokens' text, not the
                 # deltas', which the detokenizer cuts elsewhere).
-                await sse(chunk("", finish_reason_of(event.finish_reason), await self._logprobs(event)))
+                await self._sse(send, self._chunk(self._choice(index, "", finish_reason_of(event.finish_reason),
+                                                               await self._logprobs(event), event)))
+                if not self.ends.end(index, event):
+                    continue  # the others are still answering
                 if self._usage_wanted():
-                    await sse({**self._body([]), "usage": {**usage_of(event.usage), "kvd": self._kvd(event)}})
+                    await self._sse(send, {**self._body([]), "usage": self._usage()})
                 break
             elif isinstance(event, AnswerError):
                 if not self.started:
                     await self._error(send, event)
                     return
-                await sse(api_error(event.code, event.message, model=self.config.model).body())
+                await self._sse(send, api_error(event.code, event.message, model=self.config.model).body())
                 break
         if self.started:
-            await sse("[DONE]")
+            await self._sse(send, "[DONE]")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _usage_wanted(self) -> bool:

@@ -21,7 +21,7 @@ from protocol.shapes import stops as stop_list
 
 from ..config import Config
 from .httpdoor import ApiError
-from .openai_schema import Knobs, StreamOptions, checked_body, fits, validated
+from .openai_schema import Choices, Knobs, StreamOptions, check_choices, checked_body, fits, validated
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's own limit is 5; vLLM's and llama-server's 20)
@@ -37,7 +37,7 @@ class CompletionRequest(Knobs):
     top_p: TopP | None = None
     stop: Stop = None
     seed: Seed | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: Choices | None = None
     best_of: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -81,9 +81,7 @@ def parse(body: Any, config: Config, *, surrogates: bool = True) -> CompletionRe
     if req.best_of not in (None, 1):
         raise ApiError(HTTPStatus.BAD_REQUEST, "best_of: kvd returns the answers it draws, not the best of "
                        "several; leave best_of out (or 1)", param="best_of")
-    if req.n not in (None, 1):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "n: kvd generates one choice per completion request; send n = 1 "
-                       "(or leave it out)", param="n")
+    check_choices(req.n, config)
     if req.suffix is not None and req.echo:
         raise ApiError(HTTPStatus.BAD_REQUEST, "echo with a suffix: the prompt of a fill-in-the-middle is not the "
                        "text before its answer; send one or the other", param="echo")

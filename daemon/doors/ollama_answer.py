@@ -67,7 +67,7 @@ def kvd_figures(session_id: str, done: AnswerDone) -> dict[str, Any]:
             "restore_ms": u.get("restore_ms"), **cache_figures(u)}
 
 
-class OllamaResponse(TurnResponse):
+class OllamaResponse(TurnResponse[TurnEvent]):
     """A chat (`chat=True`: a `message`) or generate (`response`) answer, NDJSON or one object."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],

@@ -1,4 +1,5 @@
-"""One OpenAI answer: a turn's events as a JSON body or as server-sent events (docs/openai.md).
+"""One OpenAI answer: a turn's events (its choices', n > 1: choices.py) as a JSON body or as server-sent
+events (docs/openai.md).
 
 The response's life (when it starts, a client that hangs up or stops
 reading) is every door's: answering.py. An answer that called tools (toolcalls.py) comes from the turn core
@@ -17,10 +18,11 @@ from typing import Any
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..config import Config
-from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TokenLogprob, TurnEvent, cache_figures
-from ..turn import Turn
+from ..events import AnswerDelta, AnswerDone, AnswerError, AnswerToolCall, TokenLogprob, cache_figures
+from ..turn import Chosen, Turn
 from ..turns import Turns
 from .answering import TurnResponse
+from .choices import Ends
 from .httpdoor import api_error
 from .openai_schema import OpenAIChatRequest
 from .toolcalls import openai_calls
@@ -41,21 +43,23 @@ def finish_reason_of(reason: str) -> str:
     return "length" if reason in ("length", "cancelled") else "stop"
 
 
-class ChatResponse(TurnResponse):
-    """One turn's answer as OpenAI's JSON body or event stream."""
+class ChatResponse(TurnResponse[Chosen]):
+    """One request's answer (its choices': choices.py) as OpenAI's JSON body or event stream."""
 
     def __init__(self, turns: Turns, config: Config, turn: Turn,
-                 events: MemoryObjectReceiveStream[TurnEvent], req: OpenAIChatRequest, headers: dict[str, str]):
+                 events: MemoryObjectReceiveStream[Chosen], req: OpenAIChatRequest, headers: dict[str, str]):
         super().__init__(turns, config, turn, events, headers, stream=req.stream)
         self.req = req
         self.created = int(time.time())
+        self.ends = Ends(turn)
 
-    def _kvd(self, done: AnswerDone) -> dict[str, Any]:
-        return {"session": self.turn.session_id, "finish_reason": done.finish_reason, **cache_figures(done.usage)}
+    def _kvd(self) -> dict[str, Any]:
+        return {"session": self.turn.session_id, "finish_reason": self.ends.done[0].finish_reason,
+                **cache_figures(self.ends.usage()), **self.ends.kvd()}
 
-    def _usage(self, done: AnswerDone) -> dict[str, Any]:
+    def _usage(self) -> dict[str, Any]:
         """OpenAI's usage with the `kvd` object in it (where a client that logs usage keeps it)."""
-        return {**usage_of(done.usage), "kvd": self._kvd(done)}
+        return {**usage_of(self.ends.usage()), "kvd": self._kvd()}
 
     async def _error(self, send: Callable[[dict[str, Any]], Any], event: AnswerError) -> None:
         """An error before the answer began: a refusal (the turn core stored nothing of a session this
@@ -75,32 +79,42 @@ class ChatResponse(TurnResponse):
         reason = finish_reason_of(event.finish_reason)
         return "tool_calls" if event.calls and reason == "stop" else reason
 
+    async def _choice(self, index: int, event: AnswerDone) -> dict[str, Any]:
+        calls = event.calls
+        message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = openai_calls(_stored(calls))
+        choice = {"index": index, "message": message, "logprobs": await self._logprobs(event),
+                  "finish_reason": self._called(event)}
+        if (kvd := self.ends.kvd_of(index, event)) is not None:
+            choice["kvd"] = kvd
+        return choice
+
     async def _whole(self, send: Callable[[dict[str, Any]], Any]) -> None:
-        async for event in self.events:
+        async for index, event in self.events:
             if isinstance(event, AnswerDelta) and event.written is not None:
                 event.written()  # nothing is sent before the end: the engine need not wait
             elif isinstance(event, AnswerDone):
-                calls = event.calls
-                message: dict[str, Any] = {"role": "assistant", "content": event.content or (None if calls else "")}
-                if calls:
-                    message["tool_calls"] = openai_calls(_stored(calls))
+                if not self.ends.end(index, event):
+                    continue  # the others are still answering
                 await self.send_body(send, 200, {
                     "id": self.turn.request_id, "object": "chat.completion", "created": self.created,
                     "model": self.turn.model or self.config.model,
-                    "choices": [{"index": 0, "message": message, "logprobs": await self._logprobs(event),
-                                 "finish_reason": self._called(event)}],
-                    "usage": self._usage(event), "kvd": self._kvd(event)})
+                    "choices": [await self._choice(i, done) for i, done in self.ends.ordered()],
+                    "usage": self._usage(), "kvd": self._kvd()})
                 return
             elif isinstance(event, AnswerError):
                 await self._error(send, event)
                 return
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None,
+               logprobs: dict[str, Any] | None = None, kvd: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if kvd is not None:
+            choice["kvd"] = kvd
         chunk: dict[str, Any] = {
             "id": self.turn.request_id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.turn.model or self.config.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            "model": self.turn.model or self.config.model, "choices": [choice]}
         if self._usage_wanted():
             chunk["usage"] = None
         return chunk
@@ -116,26 +130,30 @@ class ChatResponse(TurnResponse):
         async def begin() -> None:
             if not self.started:
                 await self.begin_response(send, 200, "text/event-stream; charset=utf-8")
-                await sse(self._chunk({"role": "assistant", "content": ""}))
+                for index in range(self.ends.n):
+                    await sse(self._chunk(index, {"role": "assistant", "content": ""}))
 
-        async for event in self.events:
+        async for index, event in self.events:
             if isinstance(event, AnswerDelta):
                 try:
                     await begin()
-                    await sse(self._chunk({"content": event.text}))
+                    await sse(self._chunk(index, {"content": event.text}))
                 finally:
                     if event.written is not None:
                         event.written()  # the answer's first token is out: the engine goes on
             elif isinstance(event, AnswerDone):
                 await begin()
                 if event.calls:
-                    await sse(self._chunk({"tool_calls": openai_calls(_stored(event.calls), streaming=True)}))
+                    await sse(self._chunk(index, {"tool_calls": openai_calls(_stored(event.calls), streaming=True)}))
                 # Streamed, the log-probabilities come whole with the last chunk (their tokens, not the deltas).
-                await sse(self._chunk({}, self._called(event), await self._logprobs(event)))
+                await sse(self._chunk(index, {}, self._called(event), await self._logprobs(event),
+                                      self.ends.kvd_of(index, event)))
+                if not self.ends.end(index, event):
+                    continue  # the others are still answering
                 if self._usage_wanted():
                     await sse({"id": self.turn.request_id, "object": "chat.completion.chunk",
                                "created": self.created, "model": self.turn.model or self.config.model, "choices": [],
-                               "usage": self._usage(event), "kvd": self._kvd(event)})
+                               "usage": self._usage(), "kvd": self._kvd()})
                 break
             elif isinstance(event, AnswerError):
                 if not self.started:

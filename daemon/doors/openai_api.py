@@ -28,7 +28,7 @@ from sessions import Message, Store, chains, is_valid_session_id
 
 from ..config import Config
 from ..prompt import MessagePrompt
-from ..turn import EventStream, Turn
+from ..turn import ChoiceStream, Turn
 from .apiturns import ApiTurns, Ask, guarded
 from .completions import CompletionsDoor
 from .httpdoor import ApiError, RefusalResponse, api_error, read_request
@@ -167,7 +167,7 @@ class OpenAIDoor:
         return ChatResponse(self.turns, self.config, turn, events.receive, req, headers)
 
     async def _start(self, request: Request, req: OpenAIChatRequest, system: str | None, convo: list[Said],
-                     headers: dict[str, str]) -> tuple[Turn, EventStream]:
+                     headers: dict[str, str]) -> tuple[Turn, ChoiceStream]:
         """Place the request and start its turn (ApiError/RequestError when it cannot be)."""
         tools, forced = req.offered_tools(), req.forced()
         grammar: str | None
@@ -178,8 +178,10 @@ class OpenAIDoor:
         ask = Ask(system, convo, tools, max_tokens=req.max_completion_tokens or req.max_tokens,
                   temperature=req.temperature, top_p=req.top_p, stop=stops(req), seed=req.seed, grammar=grammar,
                   model=req.model, door="chat", conversation=req.prompt_cache_key, knobs=req.knobs(),
-                  logprobs=(req.top_logprobs or 0) if req.logprobs else None, forced=forced is not None)
-        return await self.api.start(request, ask, headers, rid_prefix="chatcmpl-")
+                  logprobs=(req.top_logprobs or 0) if req.logprobs else None, forced=forced is not None,
+                  n=req.n or 1)
+        events = ChoiceStream()
+        return await self.api.begin(request, ask, events, headers, rid_prefix="chatcmpl-"), events
 
     async def seed(self, count: int = SEEDED) -> int:
         """After a start: render the last request of the most recently used API conversations once, in

@@ -5,7 +5,7 @@ for the websocket protocol (requests.py). A turn's parameters (max_tokens,
 temperature, top_p, stop, seed, a message's text) are the shared shapes of
 protocol/shapes.py, checked against config's limits; this module words their
 errors as OpenAI's 400s, `param` naming the field. Fields the API defines but kvd
-does not implement are refused when they ask for something (n > 1) and
+does not implement are refused when they ask for something and
 ignored when they are left at their defaults; unknown fields are ignored, as OpenAI's clients
 add new ones often. The sampling knobs (`Knobs`: top_k, min_p, the penalties, logit_bias) and
 logprobs are the engine's (engine/processing.py, engine/logprobs.py).
@@ -48,6 +48,7 @@ from .httpdoor import ApiError
 from .rules import OutputLimit, text_only
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's own limit)
+Choices = Annotated[int, Field(ge=1)]  # `n`: answers drawn for one request, at most limits.max_generations
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in error paths
 
 
@@ -207,7 +208,7 @@ class OpenAIChatRequest(Knobs):
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: Choices | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[OpenAITool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -298,9 +299,7 @@ def refusal(error: ErrorDetails) -> ApiError:
 
 def _check_asks(req: OpenAIChatRequest, config: Config) -> None:
     """What the request asks for that kvd does not do (the model it names: the door asks the registry)."""
-    if req.n not in (None, 1):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "kvd generates one choice per request; send n = 1 "
-                       "(or leave it out) and make several requests for several answers", param="n")
+    check_choices(req.n, config)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs: true", param="top_logprobs")
     req.knobs()  # logit_bias's keys are token ids
@@ -314,6 +313,14 @@ def _check_asks(req: OpenAIChatRequest, config: Config) -> None:
     if req.forced() is not None and req.response_format is not None and req.response_format.type != "text":
         raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice forces a tool call, whose arguments are JSON already; "
                        "leave response_format out", param="response_format")
+
+
+def check_choices(n: int | None, config: Config) -> None:
+    """`n` within what the engine decodes at once: the choices decode together, a row each."""
+    if n is not None and n > config.max_generations:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"n: kvd draws at most {config.max_generations} choices per request "
+                       "(limits.max_generations in config.toml: the answers it decodes at once); send n = "
+                       f"{config.max_generations} or less, or several requests", param="n")
 
 
 def _check_messages(req: OpenAIChatRequest) -> None:

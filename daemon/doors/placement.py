@@ -183,11 +183,7 @@ async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinn
         if decision.session_id is None or turns.transcripts.get(decision.session_id) is not None:
             break
         await turns.hold(decision.session_id)
-    new: HeldSession | None = None
-    if decision.session_id is None and len(messages) > 1:  # a long new conversation: built off the loop
-        session_id = new_session_id()
-        new = await anyio.to_thread.run_sync(
-            lambda: prepared(session_id, system, [m.for_template() for m in messages]))
+    new = await _prepared(system, messages) if decision.session_id is None else None
     session_id, first_new = turns.apply(
         decision.session_id, system=system,
         messages=[] if new is not None else [m.for_template() for m in messages[decision.agree:]],
@@ -195,3 +191,22 @@ async def place(turns: Turns, system: str | None, messages: Sequence[Said], pinn
         title=title, origin=origin,
         links=None if decision.new_system or root != system else request[decision.agree:], prepared=new)
     return Placement(session_id, first_new, decision.kind, chain=request if root == system else None)
+
+
+async def _prepared(system: str | None, messages: Sequence[Said]) -> HeldSession | None:
+    """A new session holding a long conversation, built off the loop (None: one message, made in place)."""
+    if len(messages) <= 1:
+        return None
+    session_id = new_session_id()
+    return await anyio.to_thread.run_sync(lambda: prepared(session_id, system, [m.for_template() for m in messages]))
+
+
+async def branch(turns: Turns, system: str | None, messages: Sequence[Said], *, chain: Sequence[bytes] | None,
+                 origin: str, title: str) -> Placement:
+    """A new session holding the request's conversation, beside the one `place` chose: another of the request's
+    choices (n > 1) is kept there, a branch of the conversation (sessions/branches.py), which placement finds when
+    the client goes on from that choice. `chain`: the request's, rooted in `system` (placement's), if known."""
+    new = await _prepared(system, messages)
+    session_id, first_new = turns.apply(None, system=system, messages=[] if new is not None else [
+        m.for_template() for m in messages], title=title, origin=origin, links=chain, prepared=new)
+    return Placement(session_id, first_new, "new", chain=chain)

@@ -308,7 +308,7 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
                     "false, or deleted)", param=param, code="previous_response_not_found" if param else "not_found")
 
 
-class ResponsesResponse(TurnResponse):
+class ResponsesResponse(TurnResponse[TurnEvent]):
     """One response: its body, or its stream of typed events (`event:` and `data:` lines)."""
 
     def __init__(self, door: ResponsesDoor, turn: Turn, events: MemoryObjectReceiveStream[TurnEvent],

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import protocol as p
 from protocol.shapes import Sampling
 
-from ..events import AnswerDelta, TokenLogprob
-from .jobs import EngineEvent
+from ..events import AnswerDelta, AnswerError, TokenLogprob
+from .jobs import Done, EngineEvent
 from .scheduler import Phase
 
 if TYPE_CHECKING:
@@ -76,6 +76,10 @@ class Answer:
     raw: bool = False  # a prompt fed as it is (a text completion): its answer's first space is its text's too
     logprobs: int | None = None  # each answer token's log-probability and this many alternatives (None: none)
     prompt_logprobs: bool = False  # the prompt's too (a text completion's echo): read whole, no cache restored
+    # The request's other choices (n > 1), made by the turn core, each in a session of its own: they ride on
+    # this answer (admitted with it, its prompt read once) until its prompt is read; then each draws its own
+    # first token from the same logits and decodes from a copy of the cache (steps.py), an answer of its own.
+    choices: list[Answer] = field(default_factory=list)
     # Set by the listener that wrote the first delta to its client (events.py, AnswerDelta.written): the
     # engine waits for it (at most FIRST_HANDOFF_S) before its next step, so the event loop sends the
     # first token without waiting behind that step for a core and the GIL. None: nobody sends it (a
@@ -122,6 +126,39 @@ class Answer:
     @property
     def key(self) -> str:
         return self.session_id
+
+    @property
+    def rows(self) -> int:
+        """The decode rows it will take: its own and its choices' (the scheduler admits them together)."""
+        return 1 + len(self.choices)
+
+    @property
+    def members(self) -> list[Answer]:
+        """This answer and the choices riding on it."""
+        return [self, *self.choices]
+
+    def taken(self, out: Handoff) -> None:
+        """The engine took it: its events, and its choices', go through the engine's hand-off from now on."""
+        for m in self.members:
+            m.out = out
+
+    def refuse(self, error: AnswerError) -> None:
+        """It failed or was refused before its prompt was read: so did its choices."""
+        for m in self.members:
+            m.tell(error)
+
+    def never_started(self, context_window: int | None) -> None:
+        """Cancelled before it started: it and its choices end holding nothing (their sessions' ids unchanged)."""
+        for m in self.members:
+            m.tell(Done("cancelled", m.usage(context_window), None))
+
+    def forked(self, lead: Answer) -> None:
+        """A choice starts from `lead`'s read prompt: the same ids, all of them from `lead`'s cache (a copy:
+        `shared`, in the usage's words), its wait counted from `lead`'s arrival."""
+        self.tokens = self.prompt = lead.prompt
+        self.cached_len = self.shared_tokens = len(lead.prompt)
+        self.restored_from = p.SHARED
+        self.arrived, self.inserted = lead.arrived, lead.inserted
 
     @property
     def max_tokens(self) -> int:

@@ -10,7 +10,9 @@ objects like cachestore/lru.py is. The engine thread is its only caller.
   request, with no prefill or decode lists). The list is in the order each
   answer entered its phase: waiting ones in arrival order, prefilling ones
   in the order they started.
-- At most `max_running` answers are admitted at once, and their caches fit
+- At most `max_running` answers are admitted at once (an answer carrying a
+  request's other choices counts one for each: they decode in rows of their
+  own once its prompt is read), and their caches fit
   `budget` bytes together (running caches count against the memory budget,
   as vLLM's `allocate_slots` counts a request's blocks before it runs): an
   answer is admitted with the bytes its cache reaches at its prompt plus
@@ -54,6 +56,9 @@ class Scheduled(Protocol):
 
     @property
     def key(self) -> str: ...  # its session: one answer per session at a time
+
+    @property
+    def rows(self) -> int: ...  # the decode rows it takes (a request's n choices ride on one answer)
 
     phase: Phase
     need: int  # bytes its cache may reach: held while it is admitted
@@ -123,10 +128,11 @@ class Scheduler(Generic[A]):
         """What the admitted answers' caches may reach together."""
         return sum(a.need for a in self.answers if a.phase is not Phase.WAITING)
 
-    def has_room(self, need: int = 0, key: str = "") -> bool:
-        """An answer whose cache may reach `need` bytes can be admitted now (and nobody waits before it)."""
+    def has_room(self, need: int = 0, key: str = "", rows: int = 1) -> bool:
+        """An answer whose cache may reach `need` bytes, decoding in `rows` rows, can be admitted now (and
+        nobody waits before it)."""
         admitted = [a for a in self.answers if a.phase is not Phase.WAITING]
-        if len(admitted) >= self.max_running:
+        if sum(a.rows for a in admitted) + rows > self.max_running:
             return False
         if self.room is not None:
             return self.room(key, need)
@@ -147,7 +153,8 @@ class Scheduler(Generic[A]):
         Room is checked again before each one: the engine admits each
         before the next is considered.
         """
-        while (waiting := self.phase(Phase.WAITING)) and self.has_room(waiting[0].need, waiting[0].key):
+        while (waiting := self.phase(Phase.WAITING)) and self.has_room(waiting[0].need, waiting[0].key,
+                                                                         waiting[0].rows):
             self._drop(waiting[0])
             yield waiting[0]
 

@@ -16,13 +16,18 @@ the rest of its prompt a chunk per step (prefill.py), first come first
 served, and the last chunk's logits give the first token (held to the
 answer's grammar, if it has one: grammar.py). Decoding: its row joins kvd's
 decode batch (decode.py) with that token, fed first, and its cache; the
-cache comes back out of the finished or removed row. Each step runs one
+cache comes back out of the finished or removed row. An answer may carry a
+request's other choices (n > 1, `Answer.choices`): they are admitted with it
+and ride on it until its prompt is read; then each draws its own first token
+from the same last logits and decodes in a row of its own, from a copy of
+the prompt's cache (`_firsts`). Each step runs one
 decode step for every row in the batch, then one prefill chunk, so a long
 prefill never freezes the others.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -44,9 +49,11 @@ from .scheduler import Phase, Scheduler
 if TYPE_CHECKING:
     from cachestore import Checkout, SessionCaches
 
+    from .draws import Draws
     from .grammar import Constraint
     from .handoff import Handoff
     from .lockstep import Lockstep
+    from .prefill import Prefill
     from .profile import StepProfile
 
 
@@ -97,18 +104,19 @@ class Steps:
     def start(self, a: Answer) -> None:
         """A new answer: it starts, waits, or is refused (its session is busy)."""
         if self.scheduler.holds(a.session_id):
-            a.tell(AnswerError(p.BUSY, "this session is already generating"))
+            a.refuse(AnswerError(p.BUSY, "this session is already generating"))
             return
         a.need = self._need(a)
         # First come, first served: nobody overtakes a waiting answer.
-        if self.scheduler.phase(Phase.WAITING) or not self.scheduler.has_room(a.need, a.key):
+        if self.scheduler.phase(Phase.WAITING) or not self.scheduler.has_room(a.need, a.key, a.rows):
             a.tell(AnswerQueued(self.scheduler.wait(a)))
             return
         self._admit(a)
 
     def _need(self, a: Answer) -> int:
-        """The bytes the answer's cache may reach: its prompt plus max_tokens (cachestore/cost.py)."""
-        return self.cost(len(a.tokens) + a.max_tokens)
+        """The bytes the answer's cache may reach: its prompt plus max_tokens (cachestore/cost.py), once for
+        each of its rows (the choices riding on it decode from copies of its cache)."""
+        return self.cost(len(a.tokens) + a.max_tokens) * a.rows
 
     def admit_waiting(self) -> None:
         """Start waiting answers while there is room; tell the rest their new places."""
@@ -126,13 +134,13 @@ class Steps:
             self._insert(a)
         except PromptTooLong as e:
             self.scheduler.end(a.session_id)
-            a.tell(AnswerError(p.TOO_LARGE, str(e)))
+            a.refuse(AnswerError(p.TOO_LARGE, str(e)))
         except Exception as e:
             self.scheduler.end(a.session_id)
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("starting generation for %s failed", a.session_id)
-            a.tell(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
+            a.refuse(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def read_reported(self) -> None:
         """The I/O worker's reader reported on a read: start the answers whose read has ended (their
@@ -148,7 +156,7 @@ class Steps:
             except Exception as e:
                 self.scheduler.end(a.key)
                 log.exception("starting generation for %s failed", a.key)
-                a.tell(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
+                a.refuse(AnswerError(p.INTERNAL, f"generation failed to start: {e}"))
 
     def _insert(self, a: Answer) -> None:
         tokens = a.tokens
@@ -172,10 +180,8 @@ class Steps:
 
     def _begin(self, a: Answer, out: Checkout) -> None:
         """Start an answer from its checked-out cache: its prompt is fed next."""
-        from .draws import Draws
         from .prefill import Prefill
         from .quantized import make_cache
-        from .speculate import POSITION_BUDGET
 
         assert self.caches is not None
         tokens = a.tokens
@@ -188,9 +194,7 @@ class Steps:
             cache, cached, shared = make_cache(self.model, self.config.kv_bits or None), 0, 0
         a.detokenizer, a.prompt, a.cached_len = detokenizer_for(self.tokenizer, raw=a.raw), tokens, cached
         a.restored_from, a.restore_ms, a.inserted = out.restored_from, out.restore_ms, time.perf_counter()
-        a.draws = Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET,
-                        top_k=a.sampling.top_k or 0, min_p=a.sampling.min_p or 0.0)
-        a.processing = processing(a.sampling)
+        a.draws, a.processing = self._draws(a), processing(a.sampling)
         boundary, at_boundary = self.caches.windows(a.session_id, cache) or (None, None)
         a.prefill = Prefill(self.model, cache, tokens, cached, step=self.config.prefill_step_size,
                             boundary=boundary, at_boundary=at_boundary, last=self.last,
@@ -198,6 +202,15 @@ class Steps:
         a.shared_tokens, a.prefetched = shared, out.prefetched and cached > 0
         a.checkpoint = out.checkpoint and cached > 0
         self.scheduler.prefill(a)
+
+    @staticmethod
+    def _draws(a: Answer) -> Draws:
+        """How the answer draws its tokens: its own seed's keys, one per answer position (draws.py)."""
+        from .draws import Draws
+        from .speculate import POSITION_BUDGET
+
+        return Draws(a.temperature, a.top_p, seed=a.seed, size=a.max_tokens + POSITION_BUDGET,
+                     top_k=a.sampling.top_k or 0, min_p=a.sampling.min_p or 0.0)
 
     def step(self) -> None:
         """One decode step for every row in the batch, then one prefill chunk."""
@@ -214,54 +227,89 @@ class Steps:
     def _prefill(self, answer: Answer) -> None:
         import mlx.core as mx
 
-        from .prefill import first_token
-
         session_id = answer.key
-        assert answer.prefill is not None
-        n, before = self.scheduler.chunk_size(), answer.prefill.fed
+        pre = answer.prefill
+        assert pre is not None
+        n, before = self.scheduler.chunk_size(), pre.fed
         if self.lockstep is not None:
             n = self.lockstep.share(n)  # sized by rank 0's clock
         try:
             t0 = time.perf_counter()
             with mx.stream(self.stream):
-                logprobs = answer.prefill.advance(n)
-                if logprobs is not None and answer.processing is not None:  # the prefill gave raw logits
-                    logits = answer.processing.apply(answer.prefill.tokens, logprobs)
-                    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                if logprobs is not None and answer.grammar is not None:
-                    answer.constraint = self._constraint(answer.grammar, logprobs.shape[-1])
-                    logprobs = answer.constraint.mask(logprobs)
-                draws = answer.draws
-                assert draws is not None
-                token = first_token(logprobs, draws.take) if logprobs is not None else None
-                if token is not None and logprobs is not None and answer.logprobs is not None:
-                    answer.token_logprobs += records([token], pick(logprobs, mx.array([token]), answer.logprobs))
-                    answer.prompt_token_logprobs = answer.prefill.prompt_logprobs()
+                last = pre.advance(n)
+                firsts = self._firsts(answer, pre, last) if last is not None else None
             now = time.perf_counter()
-            self.scheduler.chunk_fed(answer.prefill.fed - before, now - t0)
-            if token is None:
+            self.scheduler.chunk_fed(pre.fed - before, now - t0)
+            if firsts is None:
                 if answer.progress_at is None or now - answer.progress_at >= PROGRESS_EVERY:
                     answer.progress_at = now
-                    answer.tell(AnswerProgress(fed=answer.prefill.fed, total=len(answer.prefill.tokens)))
+                    answer.tell(AnswerProgress(fed=pre.fed, total=len(pre.tokens)))
                 return
+            # Each other choice decodes from a copy of the prompt's cache (mlx-lm's own way to fork one).
+            caches = [pre.cache, *(copy.deepcopy(pre.cache) for _ in answer.choices)]
         except Exception as e:
             if self.lockstep is not None:
                 self.lockstep.lost(e)
             log.exception("prefill for %s failed", session_id)
-            answer.tell(AnswerError(p.INTERNAL, f"generation failed: {e}"))
+            answer.refuse(AnswerError(p.INTERNAL, f"generation failed: {e}"))
             self._end(session_id)
             return
-        prefill, answer.prefill = answer.prefill, None
-        if self._took(answer, token, time.perf_counter()) and answer.handed is not None:
+        answer.prefill, choices, answer.choices = None, answer.choices, []
+        for m in choices:  # answers of their own from here on, their bytes held by each
+            m.need = self._need(m)
+        answer.need = self._need(answer)
+        now = time.perf_counter()
+        shown = [self._took(m, token, now) for m, token in firsts]
+        if shown[0] and answer.handed is not None:
             self.out.flush(force=True)
             answer.handed.wait(FIRST_HANDOFF_S)  # the first token out before the next step (see there)
+        for (m, token), cache in zip(firsts, caches):
+            self._started(m, token, pre.tokens, cache)
+
+    def _firsts(self, lead: Answer, pre: Prefill, last: Any) -> list[tuple[Answer, int]]:
+        """The first token of the answer and of each choice riding on it, from the prompt's last logits
+        (`last`): the choices start here, from the answer's read prompt, each drawing with its own keys."""
+        out = []
+        for m in lead.members:
+            if m is not lead:
+                m.forked(lead)
+                m.detokenizer = detokenizer_for(self.tokenizer, raw=m.raw)
+                m.draws, m.processing = self._draws(m), processing(m.sampling)
+            out.append((m, self._first(m, pre, last)))
+        return out
+
+    def _first(self, a: Answer, pre: Prefill, last: Any) -> int:
+        """One answer's first token: its processors (the prefill then gave raw logits) and its grammar applied
+        to the prompt's last logits, drawn with its first key; its log-probabilities kept, where asked."""
+        import mlx.core as mx
+
+        from .prefill import first_token
+
+        logprobs = last
+        if pre.raw:
+            logits = a.processing.apply(pre.tokens, last) if a.processing is not None else last
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if a.grammar is not None:
+            a.constraint = self._constraint(a.grammar, logprobs.shape[-1])
+            logprobs = a.constraint.mask(logprobs)
+        assert a.draws is not None
+        token = first_token(logprobs, a.draws.take)
+        if a.logprobs is not None:
+            a.token_logprobs += records([token], pick(logprobs, mx.array([token]), a.logprobs))
+            a.prompt_token_logprobs = pre.prompt_logprobs()
+        return token
+
+    def _started(self, answer: Answer, token: int, prompt: list[int], cache: list[Any]) -> None:
+        """An answer's first token is drawn (and said): it ends there, or decodes on from `cache` (which
+        holds `prompt`)."""
+        session_id = answer.key
         if token in self.tokenizer.eos_token_ids:
             # Done before decoding: the cache holds the prompt; the stop token is neither shown nor fed.
-            self._finish(answer, "stop", prefill.cache, prefill.tokens)
+            self._finish(answer, "stop", cache, list(prompt))
             return
         if answer.max_tokens == 1:
             # A one-token answer: shown, so part of the history, but never fed to the cache.
-            self._finish(answer, "length", prefill.cache, prefill.tokens, unfed=[token])
+            self._finish(answer, "length", cache, list(prompt), unfed=[token])
             return
         from .decode import Row
 
@@ -271,13 +319,13 @@ class Steps:
             from .draft import PromptLookup
             from .speculate import Speculation, speculable
 
-            if speculable(prefill.cache):
+            if speculable(cache):
                 answer.spec = Speculation(PromptLookup(prior=self._last_answers.get(session_id)))
         # The next decode step feeds the first token; the row's max_tokens counts from the second token.
         assert answer.draws is not None
-        answer.row = Row(session_id, list(prefill.tokens), answer.draws, answer.max_tokens - 1,
+        answer.row = Row(session_id, list(prompt), answer.draws, answer.max_tokens - 1,
                       frozenset(self.tokenizer.eos_token_ids), answer.constraint, answer.spec,
-                      cache=prefill.cache, first=token,  # it enters the batch at the next decode step
+                      cache=cache, first=token,  # it enters the batch at the next decode step
                       logprobs=answer.logprobs, processing=answer.processing)
         self.scheduler.decode(answer)
         if self.profile is not None:
@@ -323,24 +371,38 @@ class Steps:
         """End the session's answer, in whatever phase, with a cancelled Done."""
         a = self.scheduler.get(session_id)
         if a is None:
+            self._cancel_choice(session_id)
             return
         match a.phase:
             case Phase.WAITING | Phase.RESTORING:  # never started: nothing to keep
                 self.scheduler.end(session_id)
                 if a.read is not None and self.caches is not None:
                     self.caches.tell(Abandoned(a.read))
-                a.tell(Done("cancelled", a.usage(self.max_context), None))
+                a.never_started(self.max_context)
             case Phase.PREFILLING:
                 # Keep what was prefilled for next time; the fed ids stay as they were.
                 pre = a.prefill
                 assert pre is not None
+                choices, a.choices = a.choices, []
                 self._finish(a, "cancelled", pre.cache if pre.fed else None, pre.tokens[:pre.fed], changed=False)
+                for c in choices:
+                    c.never_started(self.max_context)
             case Phase.DECODING:
                 assert a.row is not None
                 cache, tokens, unfed = self.decoder.remove(a.row)
                 # Cancelled before the decode step that feeds the first token: it was shown, so it
                 # belongs to the history, but the cache ends with the prompt.
                 self._finish(a, "cancelled", cache, list(tokens), unfed=unfed)
+
+    def _cancel_choice(self, session_id: str) -> None:
+        """A choice still riding on its answer (its prompt not read yet) ends alone: the others go on."""
+        for a in self.scheduler.answers:
+            for c in a.choices:
+                if c.key == session_id:
+                    a.choices.remove(c)
+                    a.need = self._need(a)
+                    c.never_started(self.max_context)
+                    return
 
     def _finish(self, answer: Answer, reason: str, cache: list[Any] | None, tokens: list[int],
                 *, changed: bool = True, unfed: Sequence[int] = ()) -> None:

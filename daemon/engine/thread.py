@@ -31,7 +31,7 @@ from ..config import Config
 from ..events import AnswerError
 from . import heap
 from .handoff import Handoff
-from .jobs import Cancel, Done, Forget, Inbox, ReadReported, RoomFreed, StatusQuery, Stop
+from .jobs import Cancel, Forget, Inbox, ReadReported, RoomFreed, StatusQuery, Stop
 from .lockstep import Op
 from .profile import StepProfile, wanted
 from .running import Answer, EngineStatistics
@@ -317,7 +317,8 @@ class Engine:
         one still waiting (its turn keeps it as 'cancelled'); the rest needs no one."""
         if isinstance(job, Answer):  # delivered as the hand-off delivers (on its sink's loop), now
             out = Handoff()
-            out.put(job.emit, Done("cancelled", job.usage(self.max_context), None))
+            job.taken(out)
+            job.never_started(self.max_context)  # (its choices too)
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is left to hear it
                 out.flush(force=True)
 
@@ -388,9 +389,9 @@ class Engine:
 
     def _handle(self, cmd: Answer | Cancel | Forget | StatusQuery | ReadReported | RoomFreed) -> None:
         if isinstance(cmd, Answer):
-            cmd.out = self.out
+            cmd.taken(self.out)
             if self.steps is None or self.caches is None:
-                cmd.tell(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
+                cmd.refuse(AnswerError(p.INTERNAL, f"the model failed to load: {self.load_error}"))
             else:
                 self.steps.start(cmd)
                 self.caches.tell(Took(self.scheduler.before_first_tokens()))
