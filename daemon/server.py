@@ -42,7 +42,7 @@ from .doors.asgi import abort_transport
 from .doors.connection import ConnectionStatistics
 from .doors.guards import NO_ROUTE, asked
 from .doors.h11guard import guarded_h11
-from .doors.httpdoor import DOOR, REFUSED, ApiError
+from .doors.httpdoor import ANSWERED, DOOR, REFUSED, ApiError
 from .doors.loading import LoadingWatch
 from .doors.metrics import Live, Metrics, door_of
 from .doors.ollama_api import OllamaDoor, is_ollama
@@ -82,7 +82,7 @@ class RefusalLog:
             nonlocal started
             if not started and message["type"] in ("http.response.start", "websocket.http.response.start"):
                 started = True
-                if int(message.get("status", 200)) >= 400:
+                if int(message.get("status", 200)) >= 400 and not scope.get(ANSWERED):
                     self.said(scope, int(message["status"]))
                 if self.metrics is not None:
                     self.metrics.responded(door, int(message.get("status", 200)))

@@ -5,6 +5,7 @@ after one turn, whichever door it came through."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ def value(scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: st
     return scrape.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-async def test_health_is_503_while_loading_then_200_without_a_token(tmp_path: Path) -> None:
+async def test_health_is_503_while_loading_then_200_without_a_token(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvd")
     async with running_daemon(tmp_path, start_engine=False) as d:
         base = d.url.replace("ws://", "http://").removesuffix("/v1")
         async with httpx.AsyncClient(base_url=base) as http:
@@ -46,6 +49,9 @@ async def test_health_is_503_while_loading_then_200_without_a_token(tmp_path: Pa
                 pass  # ready
             ready = await http.get("/health")
             assert (ready.status_code, ready.json()) == (200, {"status": "ok"})
+    # A probe's 503 is its answer, not a refusal: only the foreign Host is logged.
+    said = [r.getMessage() for r in caplog.records if "/health" in r.getMessage()]
+    assert len(said) == 1 and "HTTP 403" in said[0], said
 
 
 async def test_metrics_move_by_exactly_one_turn(tmp_path: Path) -> None:

@@ -48,6 +48,9 @@ DRAIN_LIMIT = 64 << 20  # an oversize body is read (and dropped) up to this, so 
 REFUSED = "kvd.refused"
 #: Where a door names itself in a request's ASGI scope (apiturns.guarded), for the log.
 DOOR = "kvd.door"
+#: Set in a request's ASGI scope where a status of 400 or more is the answer asked for, not a refusal (a
+#: health probe's 503 while the model loads): counted in /metrics, not logged.
+ANSWERED = "kvd.answered"
 
 
 class ApiError(Exception):

@@ -2,7 +2,8 @@
 
 - /health: 200 `{"status": "ok"}` once the default model is ready; 503 `{"status": "loading"}` while it
   loads, `{"status": "failed"}` if it could not be loaded (kvd's log says why). No token needed (a load
-  balancer's or a supervisor's probe sends none), nothing else in it: no model, no path, no session.
+  balancer's or a supervisor's probe sends none), nothing else in it: no model, no path, no session. Its
+  503 is an answer, not a refusal: counted in /metrics, not logged (a failed load is logged once, by itself).
 - /metrics: Prometheus text (metrics.py), behind the token unless [api] metrics_public says otherwise.
 
 The Host and Origin checks apply to both, as to every request (guards.py).
@@ -19,7 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..config import Config
 from .apiturns import guarded
-from .httpdoor import ApiError
+from .httpdoor import ANSWERED, ApiError
 from .loading import LoadingWatch
 from .metrics import CONTENT_TYPE, Metrics
 
@@ -42,6 +43,7 @@ class OperationsDoor:
         if self.loading.ready:
             return JSONResponse({"status": "ok"})
         status = "failed" if self.loading.failure is not None else "loading"
+        request.scope[ANSWERED] = True  # a probe's answer, not a refusal: a supervisor polling it fills no log
         return JSONResponse({"status": status}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def scrape(self, request: Request) -> Response:
