@@ -10,7 +10,8 @@
   `Class.attribute` of a kvd class must be one of that class's. The step and module counts stated under
   the walk are the walk's own.
 - The long modules: each module `tests/test_complexity.py` allows over its cap is argued for in the
-  document's "Long modules".
+  document's "Long modules"; each other module of CAP_NEAR lines or more is in its "At the cap" list, with
+  its length as it is.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from test_complexity import LONG_MODULES
+from test_complexity import LONG_MODULES, MODULE_LINES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
@@ -34,6 +35,8 @@ SPAN = re.compile(r"`([^`\n]+)`")
 NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 STEP = re.compile(r"(\d+)\. (.*)")
 # The walk's backticked words that are not kvd's Python names.
+CAP_NEAR = 430  # "At the cap (430 lines or more)": the modules a next change may have to split
+AT_CAP = re.compile(r"- `(?P<path>[\w/]+\.py)` \((?P<lines>\d+)\):")
 NOT_CODE = frozenset({"chat.send", "chat.start", "chat.delta", "chat.done", "chat.progress", "session.get",
                       "call_soon_threadsafe"})  # the wire's frame names; asyncio's
 
@@ -251,6 +254,28 @@ def test_every_long_module_is_argued_for() -> None:
     assert [path for path in LONG_MODULES if f"- `{path}`:" not in long] == []
 
 
+def cap_problems(root: Path, text: str) -> list[str]:
+    """What the "At the cap" list says wrong: a length that is not the module's, a module near the cap that
+    it leaves out, one that is no longer near it."""
+    long = section(text, MAP).split("### Long modules", 1)[1]
+    stated = {m["path"]: int(m["lines"]) for m in AT_CAP.finditer(long)}
+    lines = {path: len((root / path).read_text().splitlines()) for path in package_modules(root)}
+    problems = [f"{path}: the list says {n} lines; it has {lines[path]}" if path in lines
+                else f"{path}: listed at the cap, but not a module"
+                for path, n in stated.items() if lines.get(path) != n]
+    problems += [f"{path}: {lines[path]} lines, under the cap's {CAP_NEAR}: drop it from the list"
+                 for path in stated if path in lines and lines[path] < CAP_NEAR]
+    problems += [f"{path} ({n}): {CAP_NEAR} lines or more and not in the list (add `- `{path}` ({n}): ...`)"
+                 for path, n in sorted(lines.items())
+                 if CAP_NEAR <= n <= MODULE_LINES and path not in stated and path not in LONG_MODULES]
+    return problems
+
+
+def test_the_modules_at_the_cap_are_listed_with_their_lengths() -> None:
+    problems = cap_problems(ROOT, DOC.read_text())
+    assert not problems, "docs/architecture.md's \"At the cap\" list:\n" + "\n".join(problems)
+
+
 DOC_FIXTURE = """# x
 
 ## The packages and their arrows
@@ -263,6 +288,10 @@ DOC_FIXTURE = """# x
 ### Long modules
 
 - `daemon/kept.py`: not a map line
+
+At the cap:
+
+- `daemon/walk.py` (12): stale
 
 ## Three flows
 
@@ -304,3 +333,12 @@ def test_a_walk_naming_what_is_not_there_fails(tmp_path: Path) -> None:
     assert count_problems(tmp_path, DOC_FIXTURE) == []
     assert count_problems(tmp_path, DOC_FIXTURE.replace("2 steps", "3 steps")) == [
         "the walk says 3 steps; it has 2"]
+
+
+def test_a_stale_length_and_an_unlisted_module_at_the_cap_are_named(tmp_path: Path) -> None:
+    text = _fixture(tmp_path)
+    (tmp_path / "daemon" / "big.py").write_text("x = 1\n" * CAP_NEAR)
+    assert cap_problems(tmp_path, text) == [
+        "daemon/walk.py: the list says 12 lines; it has 3",
+        "daemon/walk.py: 3 lines, under the cap's 430: drop it from the list",
+        "daemon/big.py (430): 430 lines or more and not in the list (add `- `daemon/big.py` (430): ...`)"]
