@@ -43,8 +43,8 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 PACKAGES = frozenset(ALLOWED)
 # daemon/'s stack, top to bottom: a module may import only from its own unit or one below it.
-DAEMON_LAYERS = ("cli", "server", "doors", "turns", "turn", "transcripts", "renders", "prompt", "service", "engine",
-                 "models", "device", "config", "events")
+DAEMON_LAYERS = ("cli", "server", "doors", "turns", "feed", "turn", "transcripts", "renders", "prompt", "service",
+                 "engine", "models", "device", "config", "events")
 
 
 def imported(tree: ast.AST, module: str) -> Iterator[tuple[int, str]]:
@@ -112,7 +112,22 @@ def test_every_import_follows_the_arrows() -> None:
 def test_daemon_subpackages_form_a_stack() -> None:
     assert all((ROOT / "daemon" / unit).is_dir() or (ROOT / "daemon" / f"{unit}.py").is_file()
                for unit in DAEMON_LAYERS)
+    assert unplaced(ROOT) == []  # (a unit outside the stack is never checked)
     assert upward_arrows(ROOT) == []
+
+
+def unplaced(root: Path) -> list[str]:
+    """daemon/'s modules and subpackages that DAEMON_LAYERS does not place."""
+    units = {p.stem for p in (root / "daemon").glob("*.py") if p.stem != "__init__"}
+    units |= {p.name for p in (root / "daemon").iterdir() if (p / "__init__.py").is_file()}
+    return sorted(units - set(DAEMON_LAYERS))
+
+
+def test_a_daemon_module_outside_the_stack_is_named(tmp_path: Path) -> None:
+    (tmp_path / "daemon" / "engine").mkdir(parents=True)
+    for path in ("daemon/__init__.py", "daemon/engine/__init__.py", "daemon/turns.py", "daemon/stray.py"):
+        (tmp_path / path).write_text("")
+    assert unplaced(tmp_path) == ["stray"]
 
 
 def test_an_upward_arrow_is_found(tmp_path: Path) -> None:
